@@ -1,0 +1,95 @@
+"""``allgather``: the scheme before DeepEP. Every rank gathers every token, runs its own experts on
+the tokens that chose them, and a reduce-scatter (all-reduce where the backend lacks one) sums the
+partial outputs back to the tokens' owners (the seed's all-reduce, minus the rows a rank discards).
+
+The hard part is variable token counts: collectives need equal chunks, so each rank first learns
+every rank's T (one small blocking all-gather), pads to the largest, and the padded rows carry
+expert id ``-1`` so no expert computes them. Bytes are counted as the ring algorithm moves them:
+(P - 1) chunks each way for both all-gather and reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
+                   Traffic, register_dispatcher)
+from .layout import combine_rows, group_rows_by_expert, pack_topk, unpack_topk
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 (the GPU image) has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class AllGatherHandle(DispatchHandle):
+    """``tokens_per_rank``: every rank's T (host ints); ``padded_tokens``: the chunk size, max T."""
+
+    tokens_per_rank: tuple[int, ...] = ()
+    padded_tokens: int = 0
+
+
+@register_dispatcher
+class AllGatherDispatcher(Dispatcher):
+    """Gather all tokens everywhere; reduce-scatter the partial sums back."""
+
+    name = "allgather"
+
+    def _launch_dispatch(self, inp: DispatchInput) -> Pending:
+        x_TH, ep = inp.x_TH, self.ep
+        num_tokens, hidden = x_TH.shape
+        counts_P = torch.zeros(ep.size, dtype=torch.int64, device=x_TH.device)
+        _all_gather_single(counts_P, torch.tensor([num_tokens], device=x_TH.device), group=ep.group)
+        tokens_per_rank = tuple(counts_P.tolist())
+        padded = max(tokens_per_rank)
+
+        # Padding rows: zeros with expert id -1, so they are gathered but never computed.
+        pad = padded - num_tokens
+        x_pad = torch.nn.functional.pad(x_TH, (0, 0, 0, pad))
+        meta = pack_topk(
+            torch.nn.functional.pad(inp.topk_ids_TK, (0, 0, 0, pad), value=-1),
+            torch.nn.functional.pad(inp.topk_weights_TK.float(), (0, 0, 0, pad)),
+        )
+        all_x = x_TH.new_empty(ep.size * padded, hidden)
+        all_meta = meta.new_empty(ep.size * padded, meta.shape[1])
+        works = [
+            _all_gather_single(all_x, x_pad.contiguous(), group=ep.group, async_op=True),
+            _all_gather_single(all_meta, meta, group=ep.group, async_op=True),
+        ]
+        chunk_bytes = padded * (hidden * x_TH.element_size() + meta.shape[1] * 4)
+        traffic = Traffic(dispatch_bytes_sent=(ep.size - 1) * chunk_bytes,
+                          dispatch_bytes_recv=(ep.size - 1) * chunk_bytes)
+        return Pending(works=works, state=(all_x, all_meta, tokens_per_rank, padded, traffic))
+
+    def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
+        pending.wait()
+        all_x, all_meta, tokens_per_rank, padded, traffic = pending.state
+        all_ids, all_weights = unpack_topk(all_meta)
+        layout = group_rows_by_expert(
+            self._local_ids(all_ids, self.ep.rank), all_weights, self.num_local_experts
+        )
+        handle = AllGatherHandle(
+            num_tokens=tokens_per_rank[self.ep.rank], hidden_size=all_x.shape[1], dtype=all_x.dtype,
+            layout=layout, traffic=traffic, tokens_per_rank=tokens_per_rank, padded_tokens=padded,
+        )
+        return self._output(all_x[layout.row_R], handle)
+
+    def _launch_combine(self, inp: CombineInput) -> Pending:
+        handle: AllGatherHandle = inp.handle  # type: ignore[assignment]
+        ep = self.ep
+        # Partial sums for every gathered row; sent in the activation dtype, as on the wire in practice.
+        partial_MH = combine_rows(inp.expert_y_RH, handle.layout, ep.size * handle.padded_tokens)
+        partial_MH = partial_MH.to(handle.dtype)
+        out_TH = partial_MH.new_empty(handle.padded_tokens, handle.hidden_size)
+        work = _reduce_scatter_single(out_TH, partial_MH, group=ep.group, async_op=True)
+        chunk_bytes = handle.padded_tokens * handle.hidden_size * partial_MH.element_size()
+        handle.traffic.combine_bytes_sent = (ep.size - 1) * chunk_bytes
+        handle.traffic.combine_bytes_recv = (ep.size - 1) * chunk_bytes
+        return Pending(works=[work], state=out_TH)
+
+    def _wait_combine(self, pending: Pending) -> torch.Tensor:
+        pending.wait()
+        return pending.state[: pending.handle.num_tokens]

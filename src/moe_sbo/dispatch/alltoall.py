@@ -1,0 +1,106 @@
+"""``alltoall``: DeepEP "normal" style. Each token goes once to each rank that owns at least one
+of its experts (not once per expert), the receiver expands it to its local experts, and combine
+returns one pre-reduced row per (token, rank).
+
+The hard part is that every size is data-dependent: the sender sorts its rows by destination
+rank, the ranks exchange row counts (a small blocking all-to-all: the host needs them to size the
+receive buffers), then the payload moves in one ``all_to_all_single`` with uneven splits, plus one
+for the packed top-k ids/weights. Combine runs the same transfers with the splits swapped.
+Bytes exclude each rank's rows to itself (a local copy inside the collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
+                   Traffic, register_dispatcher)
+from .layout import combine_rows, group_rows_by_expert, pack_topk, unpack_topk
+
+
+@dataclass(frozen=True)
+class AllToAllHandle(DispatchHandle):
+    """``send_token_M``: token index of each sent row (rows sorted by destination rank);
+    ``send_counts`` / ``recv_counts``: rows to / from each rank (host ints)."""
+
+    send_token_M: torch.Tensor | None = None
+    send_counts: tuple[int, ...] = ()
+    recv_counts: tuple[int, ...] = ()
+
+
+def _remote(counts: tuple[int, ...], rank: int) -> int:
+    return sum(counts) - counts[rank]
+
+
+@register_dispatcher
+class AllToAllDispatcher(Dispatcher):
+    """Rank-deduplicated token rows over ``all_to_all_single`` with variable splits."""
+
+    name = "alltoall"
+
+    def _launch_dispatch(self, inp: DispatchInput) -> Pending:
+        x_TH, ids_TK, ep = inp.x_TH, inp.topk_ids_TK.long(), self.ep
+        num_tokens, hidden = x_TH.shape
+        owner_TK = torch.div(ids_TK, self.num_local_experts, rounding_mode="floor")
+        is_sent_TP = torch.zeros(num_tokens, ep.size, dtype=torch.bool, device=x_TH.device)
+        is_sent_TP.scatter_(1, owner_TK, True)
+        # Rows in (destination rank, token) order: what all_to_all_single's splits expect.
+        dest_M, send_token_M = is_sent_TP.t().nonzero(as_tuple=True)
+        send_counts_P = is_sent_TP.sum(dim=0)
+
+        recv_counts_P = torch.empty_like(send_counts_P)
+        dist.all_to_all_single(recv_counts_P, send_counts_P, group=ep.group)
+        send_counts = tuple(send_counts_P.tolist())
+        recv_counts = tuple(recv_counts_P.tolist())
+
+        # Ids are made local to the destination before sending, -1 where another rank owns them.
+        local_ids_MK = self._local_ids(ids_TK[send_token_M], dest_M[:, None])
+        send_meta = pack_topk(local_ids_MK, inp.topk_weights_TK[send_token_M])
+        send_x = x_TH[send_token_M]
+        recv_x = x_TH.new_empty(sum(recv_counts), hidden)
+        recv_meta = send_meta.new_empty(sum(recv_counts), send_meta.shape[1])
+        works = [
+            dist.all_to_all_single(recv_x, send_x, list(recv_counts), list(send_counts),
+                                   group=ep.group, async_op=True),
+            dist.all_to_all_single(recv_meta, send_meta, list(recv_counts), list(send_counts),
+                                   group=ep.group, async_op=True),
+        ]
+        row_bytes = hidden * x_TH.element_size() + send_meta.shape[1] * 4
+        traffic = Traffic(dispatch_bytes_sent=_remote(send_counts, ep.rank) * row_bytes,
+                          dispatch_bytes_recv=_remote(recv_counts, ep.rank) * row_bytes)
+        state = (recv_x, recv_meta, send_token_M, send_counts, recv_counts, traffic, num_tokens)
+        return Pending(works=works, state=state)
+
+    def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
+        pending.wait()
+        recv_x, recv_meta, send_token_M, send_counts, recv_counts, traffic, num_tokens = pending.state
+        local_ids_MK, weights_MK = unpack_topk(recv_meta)
+        layout = group_rows_by_expert(local_ids_MK, weights_MK, self.num_local_experts)
+        handle = AllToAllHandle(
+            num_tokens=num_tokens, hidden_size=recv_x.shape[1], dtype=recv_x.dtype, layout=layout,
+            traffic=traffic, send_token_M=send_token_M, send_counts=send_counts, recv_counts=recv_counts,
+        )
+        return self._output(recv_x[layout.row_R], handle)
+
+    def _launch_combine(self, inp: CombineInput) -> Pending:
+        handle: AllToAllHandle = inp.handle  # type: ignore[assignment]
+        # One row per received token row: the sum over this rank's experts, weighted.
+        partial_MH = combine_rows(inp.expert_y_RH, handle.layout, sum(handle.recv_counts))
+        partial_MH = partial_MH.to(handle.dtype)
+        back_MH = partial_MH.new_empty(sum(handle.send_counts), handle.hidden_size)
+        work = dist.all_to_all_single(back_MH, partial_MH, list(handle.send_counts),
+                                      list(handle.recv_counts), group=self.ep.group, async_op=True)
+        row_bytes = handle.hidden_size * partial_MH.element_size()
+        handle.traffic.combine_bytes_sent = _remote(handle.recv_counts, self.ep.rank) * row_bytes
+        handle.traffic.combine_bytes_recv = _remote(handle.send_counts, self.ep.rank) * row_bytes
+        return Pending(works=[work], state=back_MH)
+
+    def _wait_combine(self, pending: Pending) -> torch.Tensor:
+        pending.wait()
+        handle: AllToAllHandle = pending.handle  # type: ignore[assignment]
+        y_TH = pending.state.new_zeros(handle.num_tokens, handle.hidden_size, dtype=torch.float32)
+        y_TH.index_add_(0, handle.send_token_M, pending.state.float())
+        return y_TH.to(handle.dtype)

@@ -1,0 +1,281 @@
+"""The dispatcher contract: two phases (launch, then wait) for dispatch and for combine, with hooks.
+
+Legend: T tokens on this rank, H hidden, K top-k, E routed experts (global), L experts local to
+this rank, P ranks in the EP group, M token rows moved to this rank, R (row, expert) pairs the local
+experts compute.
+
+::
+
+    dispatch_launch:  pre_dispatch hooks -> validate -> _launch_dispatch -> dispatch_in_flight hooks
+    dispatch_wait:    _wait_dispatch -> post_dispatch hooks            -> DispatchOutput
+    combine_launch:   pre_combine hooks -> validate -> _launch_combine -> combine_in_flight hooks
+    combine_wait:     _wait_combine -> post_combine hooks               -> y [T, H]
+
+The hard part is keeping the hooks on every path: ``dispatch()``/``combine()`` are just launch
+followed by wait, and two-batch overlap calls launch and wait separately with other work between,
+so hooks fire identically either way. Subclasses implement only the four ``_`` methods and never
+see the hooks; nothing here replaces a method on an instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..hooks import HookRegistry
+from .layout import ExpertLayout
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank put on / took off the wire for one forward (its own rank's share excluded)."""
+
+    dispatch_bytes_sent: int = 0
+    dispatch_bytes_recv: int = 0
+    combine_bytes_sent: int = 0
+    combine_bytes_recv: int = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.dispatch_bytes_sent + self.combine_bytes_sent
+
+    @property
+    def bytes_recv(self) -> int:
+        return self.dispatch_bytes_recv + self.combine_bytes_recv
+
+
+@dataclass(frozen=True)
+class DispatchInput:
+    """Payload of ``pre_dispatch``: ``x_TH``, ``topk_ids_TK`` (int, in [0, E)), ``topk_weights_TK``."""
+
+    x_TH: torch.Tensor
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What combine needs to undo a dispatch. Schemes subclass it with their own fields."""
+
+    num_tokens: int
+    hidden_size: int
+    dtype: torch.dtype
+    layout: ExpertLayout
+    traffic: Traffic
+
+
+@dataclass(frozen=True)
+class DispatchOutput:
+    """Payload of ``post_dispatch``: rows for the local experts, grouped by expert.
+
+    ``expert_x_RH`` [R, H]; ``num_rows_per_expert_L`` int64 [L] on the same device; ``handle`` for
+    combine.
+    """
+
+    expert_x_RH: torch.Tensor
+    num_rows_per_expert_L: torch.Tensor
+    handle: DispatchHandle
+
+
+@dataclass(frozen=True)
+class CombineInput:
+    """Payload of ``pre_combine``: ``expert_y_RH`` the local experts' outputs, in dispatch order."""
+
+    expert_y_RH: torch.Tensor
+    handle: DispatchHandle
+
+
+@dataclass
+class Pending:
+    """A transfer on the wire (payload of the ``*_in_flight`` hooks): async works plus scheme state."""
+
+    works: list[Any]
+    state: Any
+    handle: DispatchHandle | None = None
+
+    def wait(self) -> None:
+        """Block until the transfer is done (CPU), or make the current stream wait for it (CUDA)."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+@dataclass
+class EPGroup:
+    """The expert-parallel group: ``rank`` in ``[0, size)``; ``group=None`` is the default group."""
+
+    group: Any = None
+    rank: int = 0
+    size: int = 1
+    backend: str = "none"
+
+    @classmethod
+    def from_torch(cls, group: Any = None) -> "EPGroup":
+        if not dist.is_available() or not dist.is_initialized():
+            if group is not None:
+                raise ValueError(
+                    "group was given but torch.distributed is not initialised; call "
+                    "moe_sbo.runtime.init_distributed() (or torchrun) first, or pass group=None"
+                )
+            return cls()
+        return cls(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group),
+                   backend=str(dist.get_backend(group)))
+
+
+class Dispatcher:
+    """Moves tokens to the ranks owning their experts and brings the outputs back.
+
+    One instance per layer and EP group. ``hooks`` is this dispatcher's ``HookRegistry``.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, num_experts: int, ep: EPGroup):
+        if num_experts % ep.size:
+            raise ValueError(
+                f"num_experts must be divisible by the EP size, got {num_experts} experts on {ep.size} "
+                f"ranks; use an EP size that divides {num_experts}"
+            )
+        self.num_experts = num_experts
+        self.ep = ep
+        self.num_local_experts = num_experts // ep.size
+        self.first_local_expert = ep.rank * self.num_local_experts
+        self.hooks = HookRegistry()
+
+    # ---- the public two-phase API -------------------------------------------------------------
+
+    def dispatch_launch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
+                        topk_weights_TK: torch.Tensor) -> Pending:
+        """Start moving each token to the ranks that own its top-k experts.
+
+        Sync: runs ``pre_dispatch`` hooks, validates, exchanges the row counts (host blocks on that
+        small collective in the variable-size schemes), then starts the payload transfer and returns
+        at once, after the ``dispatch_in_flight`` hooks ran. On CUDA the transfer runs on the
+        communicator's stream; read nothing until ``dispatch_wait``.
+        """
+        inp = self.hooks.run("pre_dispatch", self, DispatchInput(x_TH, topk_ids_TK, topk_weights_TK))
+        self._check_dispatch_input(inp)
+        pending = self._launch_dispatch(inp)
+        self.hooks.run("dispatch_in_flight", self, pending)
+        return pending
+
+    def dispatch_wait(self, pending: Pending) -> DispatchOutput:
+        """Finish a dispatch and lay the received rows out by local expert.
+
+        Sync: waits for the transfer (CPU: the host blocks; CUDA: the current stream waits on the
+        communicator's); builds the layout, which reads the pair count on the host; then runs the
+        ``post_dispatch`` hooks. Not CUDA-graph safe (variable sizes).
+        """
+        return self.hooks.run("post_dispatch", self, self._wait_dispatch(pending))
+
+    def dispatch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor) -> DispatchOutput:
+        """``dispatch_wait(dispatch_launch(...))``. Sync: as those two."""
+        return self.dispatch_wait(self.dispatch_launch(x_TH, topk_ids_TK, topk_weights_TK))
+
+    def combine_launch(self, expert_y_RH: torch.Tensor, handle: DispatchHandle) -> Pending:
+        """Start sending the weighted expert outputs back to the tokens' ranks.
+
+        Sync: runs ``pre_combine`` hooks, reduces each received row's pairs (float32 accumulate,
+        sent in the activation dtype), starts the transfer and returns at once after the
+        ``combine_in_flight`` hooks ran. Read nothing until ``combine_wait``.
+        """
+        inp = self.hooks.run("pre_combine", self, CombineInput(expert_y_RH, handle))
+        self._check_combine_input(inp)
+        pending = self._launch_combine(inp)
+        pending.handle = inp.handle
+        self.hooks.run("combine_in_flight", self, pending)
+        return pending
+
+    def combine_wait(self, pending: Pending) -> torch.Tensor:
+        """Finish a combine: ``y_TH`` [T, H] in the activation dtype, then ``post_combine`` hooks.
+
+        Sync: the current stream (CUDA) or the host (CPU) waits for the transfer.
+        """
+        return self.hooks.run("post_combine", self, self._wait_combine(pending))
+
+    def combine(self, expert_y_RH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """``combine_wait(combine_launch(...))``. Sync: as those two."""
+        return self.combine_wait(self.combine_launch(expert_y_RH, handle))
+
+    # ---- what each scheme implements -----------------------------------------------------------
+
+    def _launch_dispatch(self, inp: DispatchInput) -> Pending:
+        raise NotImplementedError
+
+    def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
+        raise NotImplementedError
+
+    def _launch_combine(self, inp: CombineInput) -> Pending:
+        raise NotImplementedError
+
+    def _wait_combine(self, pending: Pending) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- shared helpers ------------------------------------------------------------------------
+
+    def _local_ids(self, ids_MK: torch.Tensor, owner_rank: int | torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> ids local to ``owner_rank`` (``-1`` for other ranks' experts)."""
+        first = owner_rank * self.num_local_experts
+        local = ids_MK - first
+        return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
+
+    def _output(self, expert_x_RH: torch.Tensor, handle: DispatchHandle) -> DispatchOutput:
+        return DispatchOutput(expert_x_RH, handle.layout.num_rows_per_expert_L, handle)
+
+    def _check_dispatch_input(self, inp: DispatchInput) -> None:
+        """Per-rank checks before any collective (a bad rank raises instead of hanging the rest)."""
+        x, ids, weights = inp.x_TH, inp.topk_ids_TK, inp.topk_weights_TK
+        if x.dim() != 2:
+            raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}; flatten batch and sequence first")
+        if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"topk_ids must be [T, K] with T = {x.shape[0]} rows of x, got shape {tuple(ids.shape)}"
+            )
+        if weights.shape != ids.shape:
+            raise ValueError(
+                f"topk_weights must have the shape of topk_ids {tuple(ids.shape)}, got {tuple(weights.shape)}"
+            )
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids must be int32 or int64, got {ids.dtype}")
+        if not weights.is_floating_point():
+            raise TypeError(f"topk_weights must be floating point, got {weights.dtype}")
+        if ids.device != x.device or weights.device != x.device:
+            raise ValueError(
+                f"x, topk_ids and topk_weights must be on one device, got {x.device}, {ids.device}, "
+                f"{weights.device}; move them with .to(x.device)"
+            )
+        if ids.numel():
+            lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync for both
+            if lo < 0 or hi >= self.num_experts:
+                raise ValueError(
+                    f"topk_ids must lie in [0, {self.num_experts}), got values in [{lo}, {hi}]; "
+                    "the router and the dispatcher disagree on the expert count"
+                )
+
+    def _check_combine_input(self, inp: CombineInput) -> None:
+        expected = (inp.handle.layout.row_R.shape[0], inp.handle.hidden_size)
+        if tuple(inp.expert_y_RH.shape) != expected:
+            raise ValueError(
+                f"expert_y must be [R, H] = {expected} (one row per dispatched row), got "
+                f"{tuple(inp.expert_y_RH.shape)}"
+            )
+
+
+DISPATCHERS: dict[str, type[Dispatcher]] = {}
+
+
+def register_dispatcher(cls: type[Dispatcher]) -> type[Dispatcher]:
+    """Class decorator: make ``cls`` selectable by ``cls.name``."""
+    DISPATCHERS[cls.name] = cls
+    return cls
+
+
+def make_dispatcher(name: str, num_experts: int, ep: EPGroup) -> Dispatcher:
+    """The dispatcher called ``name`` for ``num_experts`` experts over ``ep``."""
+    if name not in DISPATCHERS:
+        raise ValueError(f"dispatcher must be one of {sorted(DISPATCHERS)}, got {name!r}")
+    return DISPATCHERS[name](num_experts, ep)

@@ -1,0 +1,69 @@
+"""Index logic every dispatcher shares: group moved token rows by local expert, and fold them back.
+
+Legend: M token rows that reached this rank (one per token and destination), K top-k, L local
+experts, R (row, local expert) pairs this rank's experts compute, H hidden.
+
+A token row carries K local expert ids (``-1`` where the choice belongs to another rank). The
+expert-major layout lists every (row, k) pair with a local expert, sorted by expert and, inside an
+expert, by row (a stable sort, so the order is deterministic). Combining is the inverse: each pair's
+expert output times its weight, summed into its row, accumulated in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where each expert input row comes from.
+
+    ``row_R`` int64 index into the M moved rows; ``weight_R`` float32 top-k weight of the pair;
+    ``num_rows_per_expert_L`` int64 (same device) rows per local expert, in expert order.
+    """
+
+    row_R: torch.Tensor
+    weight_R: torch.Tensor
+    num_rows_per_expert_L: torch.Tensor
+
+
+def group_rows_by_expert(
+    local_ids_MK: torch.Tensor, weights_MK: torch.Tensor, num_local_experts: int
+) -> ExpertLayout:
+    """Expert-major layout of the (row, k) pairs whose ``local_ids_MK`` is in ``[0, L)``.
+
+    Synchronises the host once (to learn R). Pairs marked ``-1`` are not this rank's.
+    """
+    num_rows, k = local_ids_MK.shape
+    ids_P = local_ids_MK.reshape(-1).long()
+    is_local_P = ids_P >= 0
+    # Non-local pairs get key L so a stable sort puts them after every local expert's rows.
+    key_P = torch.where(is_local_P, ids_P, num_local_experts)
+    counts = torch.bincount(key_P, minlength=num_local_experts + 1)
+    num_pairs = int(is_local_P.sum().item())
+    order_R = torch.sort(key_P, stable=True).indices[:num_pairs]
+    return ExpertLayout(
+        row_R=torch.div(order_R, k, rounding_mode="floor"),
+        weight_R=weights_MK.reshape(-1)[order_R].float(),
+        num_rows_per_expert_L=counts[:num_local_experts],
+    )
+
+
+def combine_rows(expert_y_RH: torch.Tensor, layout: ExpertLayout, num_rows: int) -> torch.Tensor:
+    """Weighted sum of expert outputs into their rows: ``[num_rows, H]`` float32."""
+    y_MH = expert_y_RH.new_zeros(num_rows, expert_y_RH.shape[1], dtype=torch.float32)
+    y_MH.index_add_(0, layout.row_R, expert_y_RH.float() * layout.weight_R[:, None])
+    return y_MH
+
+
+def pack_topk(ids_MK: torch.Tensor, weights_MK: torch.Tensor) -> torch.Tensor:
+    """One int32 ``[M, 2K]`` tensor: ids, then the float32 weights' bits (one transfer, not two)."""
+    return torch.cat([ids_MK.to(torch.int32), weights_MK.float().contiguous().view(torch.int32)], dim=1)
+
+
+def unpack_topk(meta_M2K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``pack_topk``: (ids int64 ``[M, K]``, weights float32 ``[M, K]``)."""
+    k = meta_M2K.shape[1] // 2
+    return meta_M2K[:, :k].long(), meta_M2K[:, k:].contiguous().view(torch.float32)

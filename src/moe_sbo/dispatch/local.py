@@ -1,0 +1,33 @@
+"""``local``: one rank owns every expert and nothing moves. The reference the others are checked against."""
+
+from __future__ import annotations
+
+from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, EPGroup,
+                   Pending, Traffic, register_dispatcher)
+from .layout import combine_rows, group_rows_by_expert
+
+
+@register_dispatcher
+class LocalDispatcher(Dispatcher):
+    """All E experts on this rank (whatever the process group): M = T, no communication."""
+
+    name = "local"
+
+    def __init__(self, num_experts: int, ep: EPGroup):
+        super().__init__(num_experts, EPGroup())  # ignores the group: the single-rank reference
+
+    def _launch_dispatch(self, inp: DispatchInput) -> Pending:
+        x_TH = inp.x_TH
+        layout = group_rows_by_expert(inp.topk_ids_TK, inp.topk_weights_TK, self.num_local_experts)
+        handle = DispatchHandle(x_TH.shape[0], x_TH.shape[1], x_TH.dtype, layout, Traffic())
+        return Pending(works=[], state=x_TH, handle=handle)
+
+    def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
+        return self._output(pending.state[pending.handle.layout.row_R], pending.handle)
+
+    def _launch_combine(self, inp: CombineInput) -> Pending:
+        y_TH = combine_rows(inp.expert_y_RH, inp.handle.layout, inp.handle.num_tokens)
+        return Pending(works=[], state=y_TH)
+
+    def _wait_combine(self, pending: Pending):
+        return pending.state.to(pending.handle.dtype)

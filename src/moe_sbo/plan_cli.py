@@ -1,0 +1,242 @@
+"""``moe-sbo plan``: the communication-budget planner on the command line (model in ``planner.py``).
+
+With no arguments it reproduces the seed's DeepSeek-V3 decode example line by line (figure, formula,
+seed value, exact value, agreement), then shows what the byte model adds: real row sizes, fan-out,
+transfer times on the chosen hardware, a verdict per overlap mode, and allgather vs alltoall per EP.
+
+The hard part is keeping user mistakes out of tracebacks: every bad input becomes a ``ValueError``
+in ``planner`` ("<name> must <rule>, got <value>; <fix>"); ``run_plan`` prints it and returns 2.
+
+Wiring: ``add_plan_parser(subparsers)`` adds the sub-command, ``run_plan(args)`` runs it;
+``python -m moe_sbo.plan_cli [flags]`` works on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import planner
+from .config import PRESETS
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``plan`` to an ``argparse`` subparsers object; returns the new parser (``func=run_plan``)."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="communication budget: bytes, bandwidth and overlap feasibility (seed example by default)",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_plan_arguments(parser)
+    parser.set_defaults(func=run_plan)
+    return parser
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    d = planner.PlanInputs.__dataclass_fields__
+    parser.add_argument("--model", default=planner.SEED_INPUTS["model"],
+                        help=f"preset ({', '.join(sorted(PRESETS))}) or path to a Hugging Face config.json")
+    parser.add_argument("--batch", type=int, default=d["batch"].default, help="decode tokens per GPU")
+    parser.add_argument("--tpot-ms", type=float, default=d["tpot_ms"].default, help="time per output token SLO")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers with an all-to-all (default: all layers in the seed convention, MoE layers in the byte model)")
+    parser.add_argument("--attn-us", type=float, default=d["attn_us"].default, help="attention time per layer, T")
+    parser.add_argument("--moe-us", type=float, default=d["moe_us"].default, help="MoE compute time per layer, t")
+    parser.add_argument("--ep", type=int, default=d["ep"].default, help="expert-parallel size P")
+    parser.add_argument("--hw", default=d["hw"].default, help=f"hardware: {', '.join(planner.HARDWARE)}")
+    parser.add_argument("--dispatch-dtype", default="fp8", choices=sorted(planner.ELEMENT_B))
+    parser.add_argument("--combine-dtype", default="bf16", choices=sorted(planner.ELEMENT_B))
+    parser.add_argument("--weight-dtype", default="bf16", choices=sorted(planner.ELEMENT_B),
+                        help="shared-expert weights, for the SBO time estimate")
+    parser.add_argument("--micro-batches", type=int, default=d["micro_batches"].default,
+                        help="2 = two-batch overlap (TBO), 1 = none")
+    parser.add_argument("--fanout", default="uniform", choices=planner.FANOUT_MODELS,
+                        help="destination ranks per token: exact uniform model, router Monte-Carlo, or worst case")
+    parser.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG: batch vs a2a time and bandwidth")
+    parser.add_argument("--calibrate", metavar="RESULT.json",
+                        help="benchmark result file whose measured bandwidth/latency replace the datasheet")
+
+
+def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
+    return planner.PlanInputs(
+        model=planner.load_model(args.model), batch=args.batch, tpot_ms=args.tpot_ms, layers=args.layers,
+        attn_us=args.attn_us, moe_us=args.moe_us, ep=args.ep, hw=args.hw,
+        dispatch_dtype=args.dispatch_dtype, combine_dtype=args.combine_dtype,
+        micro_batches=args.micro_batches, weight_dtype=args.weight_dtype, fanout_model=args.fanout,
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run the planner; print tables; write ``--json`` / ``--plot``. Returns 0, or 2 on bad input."""
+    try:
+        inp = inputs_from_args(args)
+        calibration = planner.calibrate(args.calibrate, ep=inp.ep) if args.calibrate else None
+        plan = planner.make_plan(inp, calibration)
+        print_plan(plan, calibration)
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            doc = planner.plan_to_json(plan)
+            doc["meta"]["command"] = " ".join(["moe-sbo", "plan", *sys.argv[1:]]) if sys.argv else "moe-sbo plan"
+            if calibration is not None:
+                doc["calibration"] = vars(calibration)
+            path.write_text(json.dumps(doc, indent=2) + "\n")
+        if args.plot:
+            write_plot(plan, Path(args.plot))
+    except ValueError as exc:
+        print(f"moe-sbo plan: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Printing
+# --------------------------------------------------------------------------------------------------
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    # Pipes and test captures get 80 columns by default, which folds every formula; keep rows whole.
+    return console if console.is_terminal else Console(width=150)
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.{digits}g}" if abs(value) < 1e6 else f"{value:,.0f}"
+
+
+def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = None) -> None:
+    from rich.table import Table
+
+    console = _console()
+    inp, model = plan.inputs, plan.bytes
+
+    title = (
+        "Seed example (DeepSeek-V3 decode), line by line"
+        if inp.is_seed_example else f"Seed convention on your inputs ({inp.model.name})"
+    )
+    table = Table(title=title, caption="seed units: KB = 1024 B, MB = 1000 KB, GB = 1000 MB (the seed's own arithmetic)")
+    for column in ("figure", "formula", "seed", "exact (seed units)", "exact (SI)", "agreement"):
+        table.add_column(column, justify="left" if column in ("figure", "formula") else "right")
+    for fig in plan.seed:
+        seed_cell = f"{fig.seed_printed:g} {fig.seed_unit}" if fig.seed_printed is not None else f"~{fig.seed_rounded:g} {fig.seed_unit}"
+        agreement = "—" if fig.agreement is None else (
+            f"{fig.agreement:+.2%} " + ("ok" if abs(fig.agreement) <= 0.03 else "OFF")
+        )
+        table.add_row(
+            fig.label, fig.formula, seed_cell, f"{fig.exact_seed_units:.4g} {fig.seed_unit}",
+            f"{fig.exact_si:.4g} {fig.si_unit}", agreement,
+        )
+    console.print(table)
+
+    fan = model.fanout
+    rows = Table(title=f"Byte model: {inp.model.name}, EP{inp.ep}, batch {inp.batch}, {plan.link.source}")
+    rows.add_column("quantity")
+    rows.add_column("value", justify="right")
+    rows.add_column("how")
+    d, c = model.dispatch_row, model.combine_row
+    rows.add_row("dispatch row", f"{d.total_B:,} B", f"{inp.dispatch_dtype} {d.payload_B} + scales {d.scales_B} + topk ids/weights {d.metadata_B}")
+    rows.add_row("combine row", f"{c.total_B:,} B", f"{inp.combine_dtype} {c.payload_B} + scales {c.scales_B}")
+    rows.add_row("destination ranks / token", f"{fan.expected_ranks:.3f}", f"max {fan.max_ranks}; {fan.method}")
+    rows.add_row("remote ranks / token", f"{fan.expected_remote_ranks:.3f}",
+                 f"x (P-1)/P; {fan.expected_intranode_ranks:.2f} in node, {fan.expected_internode_ranks:.2f} across")
+    rows.add_row("bytes per token", f"{model.bytes_per_token_B:,.0f} B", "remote ranks x (dispatch + combine row)")
+    rows.add_row("dispatch bytes / a2a", f"{model.dispatch_bytes_per_a2a_B / 1e6:.3f} MB",
+                 f"{model.tokens_per_a2a} tokens (one of {inp.micro_batches} micro-batches)")
+    rows.add_row("combine bytes / a2a", f"{model.combine_bytes_per_a2a_B / 1e6:.3f} MB", "")
+    rows.add_row("bytes per layer", f"{model.bytes_per_layer_B / 1e6:.3f} MB", f"{inp.batch} tokens")
+    rows.add_row("bytes per step", f"{model.bytes_per_step_B / 1e6:.1f} MB", f"{model.layers} MoE layers")
+    rows.add_row("required per GPU", f"{model.required_GBps_per_gpu:.2f} GB/s", f"step / TPOT {inp.tpot_ms:g} ms")
+    rows.add_row("a2a time, whole batch", f"{plan.t_dispatch_us:.1f} / {plan.t_combine_us:.1f} us",
+                 f"dispatch / combine; latency {plan.link.latency_us:.3g} us + bytes / {plan.link.nvlink_GBps:.4g} GB/s")
+    rows.add_row("communication per step", f"{plan.comm_ms_per_step:.2f} ms", "if nothing overlapped")
+    console.print(rows)
+
+    verdicts = Table(title=f"Overlap verdicts on {plan.hardware.name}")
+    for column in ("mode", "window us", "work us", "left us", "verdict", "why"):
+        verdicts.add_column(column, justify="right" if column.endswith("us") else "left")
+    for v in plan.verdicts:
+        verdict = "n/a" if v.fits is None else ("fits" if v.fits else "does not fit")
+        verdicts.add_row(v.mode, _fmt(v.window_us), _fmt(v.work_us), _fmt(v.left_us), verdict, v.explanation)
+    console.print(verdicts)
+
+    schemes = Table(title=f"allgather vs alltoall, per GPU per layer, batch {inp.batch}: {plan.schemes.note}")
+    for column in ("EP", "remote ranks", "allgather MB", "alltoall MB", "ratio", "allgather us", "alltoall us"):
+        schemes.add_column(column, justify="right")
+    for r in plan.schemes.rows:
+        schemes.add_row(str(r.ep), f"{r.expected_remote_ranks:.2f}", f"{r.allgather_B / 1e6:.2f}",
+                        f"{r.alltoall_B / 1e6:.2f}", f"{r.ratio:.2f}", f"{r.allgather_us:.0f}", f"{r.alltoall_us:.0f}")
+    console.print(schemes)
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    if calibration is not None:
+        console.print(f"calibrated: {calibration.GBps:.1f} GB/s, latency {calibration.latency_us:.1f} us ({calibration.method})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Plot
+# --------------------------------------------------------------------------------------------------
+
+
+def write_plot(plan: planner.Plan, path: Path) -> None:
+    """PNG: batch vs per-a2a time (left) and vs required per-GPU bandwidth (right), hardware as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    inp = plan.inputs
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if b >= inp.micro_batches]
+    fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.8))
+
+    # Machines with the same link numbers (H100, H200) draw one line, named after all of them.
+    by_numbers: dict[tuple, list[str]] = {}
+    for name, hw in planner.HARDWARE.items():
+        by_numbers.setdefault((hw.nvlink_GBps, hw.nic_GBps, hw.gpus_per_node, hw.latency_us), []).append(name)
+    links = {"/".join(names): planner.datasheet_link(planner.HARDWARE[names[0]]) for names in by_numbers.values()}
+    if plan.link.source.startswith("calibrated"):
+        links = {"calibrated": plan.link, **links}
+    for name, link in links.items():
+        points = planner.sweep_batches(inp, batches, link)
+        ax_time.plot(batches, [p.micro_batch_a2a_us if inp.micro_batches == 2 else p.t_combine_us for p in points],
+                     marker="o", ms=3, label=f"{name} ({link.nvlink_GBps:g} GB/s)")
+    window_us = (inp.attn_us - inp.moe_us) / 2
+    ax_time.axhline(window_us, color="k", ls="--", label=f"TBO budget (T - t)/2 = {window_us:g} us")
+    ax_time.set(xscale="log", yscale="log", xlabel="batch (tokens per GPU)",
+                ylabel="slower all-to-all per " + ("micro-batch" if inp.micro_batches == 2 else "batch") + " (us)",
+                title=f"{inp.model.name} EP{inp.ep}: all-to-all time")
+    ax_time.legend(fontsize=7)
+
+    points = planner.sweep_batches(inp, batches, plan.link)
+    ax_bw.plot(batches, [p.required_GBps_per_gpu for p in points], marker="o", ms=3, label="byte model: step / TPOT")
+    ax_bw.plot(batches, [p.seed_required_GBps_per_gpu for p in points], marker="s", ms=3, ls=":", label="seed convention: step / TPOT")
+    tbo = [(p.batch, p.tbo_required_GBps) for p in points if p.tbo_required_GBps is not None]
+    if tbo and inp.micro_batches == 2:
+        ax_bw.plot(*zip(*tbo), marker="^", ms=3, label="to meet the TBO budget")
+    for name, link in links.items():
+        ax_bw.axhline(link.nvlink_GBps, ls="--", lw=0.8, color="grey")
+        ax_bw.annotate(f"{name} {link.nvlink_GBps:.4g} GB/s", (batches[0], link.nvlink_GBps), fontsize=7, va="bottom")
+    ax_bw.set(xscale="log", yscale="log", xlabel="batch (tokens per GPU)", ylabel="required GB/s per GPU",
+              title=f"TPOT {inp.tpot_ms:g} ms, {plan.bytes.layers} layers")
+    ax_bw.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_sbo.plan_cli", description=__doc__.split("\n\n")[0])
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

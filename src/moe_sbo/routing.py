@@ -1,0 +1,89 @@
+"""The router: gate logits -> top-k expert ids and weights, for every routing the presets use.
+
+Legend: T tokens on this rank, H hidden, E routed experts (global), K top-k, G expert groups.
+
+The hard part is the group limit. DeepSeek-V2 ``group_limited_greedy`` scores a group by its best
+expert's softmax score; DeepSeek-V3 ``noaux_tc`` scores it by the sum of its two best *biased* sigmoid
+scores, and the ``e_score_correction_bias`` decides the selection only: the weights come from the
+unbiased scores. Getting that last point wrong gives plausible-looking but different outputs.
+All scoring is done in float32 whatever the activation dtype, as the reference models do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+
+
+@dataclass(frozen=True)
+class TopkOutput:
+    """``topk_ids_TK`` int64 expert ids in [0, E); ``topk_weights_TK`` float32, scaling applied."""
+
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+
+
+def select_experts(
+    logits_TE: torch.Tensor, cfg: MoEConfig, e_score_correction_bias_E: torch.Tensor | None = None
+) -> TopkOutput:
+    """Pick ``cfg.num_experts_per_tok`` experts per token from float32 gate logits ``[T, E]``.
+
+    Weights are the chosen experts' scores (softmax or sigmoid), renormalised to sum 1 when
+    ``cfg.norm_topk_prob``, then multiplied by ``cfg.routed_scaling_factor``. NaN logits give NaN
+    weights (carried through to the output), never an error.
+    """
+    logits_TE = logits_TE.float()
+    num_tokens = logits_TE.shape[0]
+    k = cfg.num_experts_per_tok
+    scores_TE = logits_TE.sigmoid() if cfg.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
+
+    if cfg.topk_method == "greedy":
+        topk_ids_TK = torch.topk(scores_TE, k, dim=-1, sorted=False).indices
+    else:
+        if cfg.topk_method == "noaux_tc":
+            bias_E = e_score_correction_bias_E
+            choice_TE = scores_TE + bias_E.float() if bias_E is not None else scores_TE
+            group_scores_TG = (
+                choice_TE.view(num_tokens, cfg.n_group, cfg.experts_per_group).topk(2, dim=-1).values.sum(dim=-1)
+            )
+        else:  # group_limited_greedy
+            choice_TE = scores_TE
+            group_scores_TG = choice_TE.view(num_tokens, cfg.n_group, cfg.experts_per_group).amax(dim=-1)
+        kept_groups = torch.topk(group_scores_TG, cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+        group_mask_TG.scatter_(1, kept_groups, True)
+        expert_mask_TE = group_mask_TG.repeat_interleave(cfg.experts_per_group, dim=1)
+        choice_TE = choice_TE.masked_fill(~expert_mask_TE, float("-inf"))
+        topk_ids_TK = torch.topk(choice_TE, k, dim=-1, sorted=False).indices
+
+    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    if cfg.norm_topk_prob:
+        # The epsilon keeps an all-zero row finite (it is the reference models' own).
+        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    topk_weights_TK = topk_weights_TK * cfg.routed_scaling_factor
+    return TopkOutput(topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK)
+
+
+class Router(nn.Module):
+    """Gate ``weight [E, H]`` (float32) and, for ``noaux_tc``, ``e_score_correction_bias [E]``."""
+
+    def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(
+            torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32, device=device)
+        )
+        self.register_buffer(
+            "e_score_correction_bias",
+            torch.zeros(cfg.num_experts, dtype=torch.float32, device=device),
+        )
+
+    def forward(self, x_TH: torch.Tensor) -> TopkOutput:
+        logits_TE = F.linear(x_TH.float(), self.weight)
+        bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
+        return select_experts(logits_TE, self.cfg, bias_E)
