@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from . import planner
@@ -81,7 +82,8 @@ def run_plan(args: argparse.Namespace) -> int:
             path = Path(args.json)
             path.parent.mkdir(parents=True, exist_ok=True)
             doc = planner.plan_to_json(plan)
-            doc["meta"]["command"] = " ".join(["moe-sbo", "plan", *sys.argv[1:]]) if sys.argv else "moe-sbo plan"
+            doc["meta"]["arguments"] = {k: v for k, v in vars(args).items() if k != "func"}
+            doc["meta"]["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             if calibration is not None:
                 doc["calibration"] = vars(calibration)
             path.write_text(json.dumps(doc, indent=2) + "\n")

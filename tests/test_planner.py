@@ -1,0 +1,321 @@
+"""The communication-budget planner: the seed's figures, hand-worked cases, properties, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+try:
+    import moe_sbo  # noqa: F401
+except ModuleNotFoundError:  # package not installed yet: run from the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from moe_sbo import planner
+from moe_sbo.config import PRESETS, MoEConfig, divisors
+from moe_sbo.plan_cli import main as plan_main
+
+
+def seed_inputs(**changes) -> planner.PlanInputs:
+    return planner.PlanInputs(model=PRESETS["deepseek-v3"], **changes)
+
+
+# ---------------------------------------------------------------------------------------- seed figures
+
+
+def test_seed_figures_agree_within_three_percent():
+    figures = {f.key: f for f in planner.seed_figures(seed_inputs())}
+    assert set(figures) == set(planner.SEED_PRINTED)
+    for fig in figures.values():
+        assert fig.seed_printed is not None
+        assert abs(fig.agreement) <= 0.03, fig
+
+
+def test_seed_figures_exact_values_by_hand():
+    figures = {f.key: f for f in planner.seed_figures(seed_inputs())}
+    assert figures["bytes_per_token"].exact == 7168  # hidden_size FP8 bytes = 7 x 1024
+    assert figures["bytes_per_a2a"].exact == 256 * 7168 == 1_835_008
+    assert figures["bytes_per_layer"].exact == 2 * 1_835_008
+    assert figures["bytes_per_step"].exact == 61 * 2 * 1_835_008 == 223_870_976
+    assert figures["required_GBps_per_gpu"].exact == pytest.approx(223_870_976 * 50)
+    assert figures["a2a_budget_us"].exact == (320 - 120) / 2 == 100
+    # The seed's units: 1792 KB written as "1.78 MB" (MB = 1000 KB), 218.6 "MB" -> "218 MB".
+    assert figures["bytes_per_a2a"].exact_seed_units == pytest.approx(1.792)
+    assert figures["bytes_per_step"].exact_seed_units == pytest.approx(218.624)
+    assert figures["required_GBps_per_gpu"].exact_seed_units == pytest.approx(10.9312)
+
+
+def test_seed_printed_only_for_the_seed_inputs():
+    assert all(f.seed_printed is None for f in planner.seed_figures(seed_inputs(batch=128)))
+    assert all(f.seed_printed is not None for f in planner.seed_figures(seed_inputs(ep=16, hw="h200")))
+
+
+# --------------------------------------------------------------------------------- hand-worked models
+
+
+def _miss(pool: int, outside: int, k: int) -> float:
+    """P(a uniform k-subset of `pool` experts avoids a rank owning pool - outside of them)."""
+    return math.comb(outside, k) / math.comb(pool, k)
+
+
+def test_deepseek_v3_ep8_fanout_is_four_groups():
+    # EP8: 32 experts per rank = one group; 4 groups kept -> 4 candidate ranks of 32 experts each;
+    # a kept rank is missed when all 8 experts land in the other 3 groups (96 of 128).
+    fan = planner.expected_fanout(PRESETS["deepseek-v3"], 8)
+    assert fan.max_ranks == 4
+    expected = 4 * (1 - _miss(128, 96, 8))
+    assert fan.expected_ranks == pytest.approx(expected, rel=1e-12)
+    assert fan.expected_remote_ranks == pytest.approx(expected * 7 / 8, rel=1e-12)
+
+
+def test_deepseek_v2_lite_by_hand():
+    cfg = PRESETS["deepseek-v2-lite"]  # H 2048, 64 experts, top-6, greedy, 27 layers, first dense 1
+    inp = planner.PlanInputs(model=cfg, ep=8)
+    model = planner.byte_model(inp)
+    # Dispatch: 2048 FP8 + 16 fp32 scales + 6 x (int64 id + fp32 weight); combine: 2048 bf16.
+    assert model.dispatch_row.total_B == 2048 + 16 * 4 + 6 * 12 == 2184
+    assert model.combine_row.total_B == 4096
+    ranks = 8 * (1 - _miss(64, 56, 6))  # each rank owns 8 of the 64 experts
+    assert model.fanout.expected_ranks == pytest.approx(ranks, rel=1e-12)
+    per_token = ranks * 7 / 8 * (2184 + 4096)
+    assert model.bytes_per_token_B == pytest.approx(per_token)
+    assert model.bytes_per_step_B == pytest.approx(26 * 256 * per_token)  # 27 layers - 1 dense
+    seed = {f.key: f.exact for f in planner.seed_figures(inp)}
+    assert seed["bytes_per_step"] == 27 * 2 * 256 * 2048
+    assert model.dispatch_bytes_per_a2a_B == pytest.approx(128 * ranks * 7 / 8 * 2184)
+
+
+def test_qwen3_30b_a3b_by_hand():
+    cfg = PRESETS["qwen3-30b-a3b"]  # H 2048, 128 experts, top-8, greedy, 48 layers, no shared expert
+    inp = planner.PlanInputs(model=cfg, ep=4, batch=64, tpot_ms=10.0)
+    plan = planner.make_plan(inp)
+    ranks = 4 * (1 - _miss(128, 96, 8))
+    assert plan.bytes.fanout.expected_ranks == pytest.approx(ranks, rel=1e-12)
+    assert plan.bytes.dispatch_row.total_B == 2048 + 64 + 96
+    step_B = 48 * 64 * ranks * 3 / 4 * (2208 + 4096)
+    assert plan.bytes.bytes_per_step_B == pytest.approx(step_B)
+    assert plan.bytes.required_GBps_per_gpu == pytest.approx(step_B * 100 / 1e9)
+    sbo = [v for v in plan.verdicts if v.mode.startswith("sbo")]
+    assert sbo and all(v.fits is None and "no shared expert" in v.explanation for v in sbo)
+
+
+def test_greedy_fanout_matches_the_router_monte_carlo():
+    # For greedy routing, top-k of i.i.d. logits is a uniform k-subset: the exact model is the router.
+    cfg = PRESETS["qwen3-30b-a3b"]
+    exact = planner.expected_fanout(cfg, 8).expected_ranks
+    assert planner.simulate_fanout(cfg, 8, num_tokens=4000, seed=1) == pytest.approx(exact, abs=0.05)
+
+
+def test_tbo_window_and_transfer_time():
+    plan = planner.make_plan(seed_inputs())
+    tbo = next(v for v in plan.verdicts if v.mode == "tbo")
+    assert tbo.window_us == 100
+    model = plan.bytes
+    combine_B = 128 * model.fanout.expected_remote_ranks * 14336
+    assert tbo.work_us == pytest.approx(plan.link.latency_us + combine_B / (160 * 1e3))
+    assert tbo.left_us == pytest.approx(100 - tbo.work_us)
+
+
+def test_allgather_vs_alltoall():
+    comparison = planner.scheme_comparison(seed_inputs(), planner.datasheet_link(planner.HARDWARE["h800"]))
+    by_ep = {row.ep: row for row in comparison.rows}
+    assert by_ep[4].ratio < 1.5 and by_ep[64].ratio > 8  # close at EP4, far apart at EP64
+    for row in comparison.rows:
+        assert row.allgather_B == pytest.approx((row.ep - 1) * 256 * (7488 + 14336))
+        assert row.ratio >= 1
+    assert comparison.crossover_ep in by_ep
+    before = [row for row in comparison.rows if row.ep < comparison.crossover_ep]
+    assert all(row.alltoall_us >= row.allgather_us for row in before)
+
+
+# -------------------------------------------------------------------------------------------- properties
+
+
+@st.composite
+def moe_configs(draw):
+    n_group = draw(st.integers(1, 8))
+    group_size = draw(st.integers(1, 12))
+    topk_group = draw(st.integers(1, n_group))
+    k = draw(st.integers(1, min(8, topk_group * group_size)))
+    method = "group_limited_greedy" if n_group > 1 else "greedy"
+    cfg = MoEConfig(
+        name="drawn", hidden_size=128 * draw(st.integers(1, 8)), moe_intermediate_size=64,
+        num_experts=n_group * group_size, num_experts_per_tok=k, num_shared_experts=draw(st.integers(0, 2)),
+        topk_method=method, scoring_func="softmax", norm_topk_prob=False, n_group=n_group,
+        topk_group=topk_group, num_hidden_layers=draw(st.integers(1, 64)),
+    )
+    return cfg, draw(st.sampled_from(divisors(cfg.num_experts)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(moe_configs())
+def test_fanout_bounds(drawn):
+    cfg, ep = drawn
+    fan = planner.expected_fanout(cfg, ep)
+    assert fan.max_ranks <= min(cfg.num_experts_per_tok, ep)
+    assert 1 - 1e-9 <= fan.expected_ranks <= fan.max_ranks + 1e-9
+    assert fan.expected_remote_ranks == pytest.approx(fan.expected_ranks * (ep - 1) / ep)
+    assert all(0 <= p <= 1 for p in fan.hit_probability_by_rank)
+    if cfg.topk_method != "greedy":
+        # No more ranks than the kept groups can span.
+        per_rank = cfg.num_experts // ep
+        spans = sorted((len({e // per_rank for e in range(g * cfg.experts_per_group, (g + 1) * cfg.experts_per_group)})
+                        for g in range(cfg.n_group)), reverse=True)
+        assert fan.expected_ranks <= sum(spans[: cfg.topk_group]) + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(moe_configs(), st.integers(1, 512), st.integers(2, 4), st.integers(1, 80))
+def test_bytes_linear_in_batch_and_layers(drawn, batch, factor, layers):
+    cfg, ep = drawn
+    base = planner.byte_model(planner.PlanInputs(model=cfg, ep=ep, batch=batch, layers=layers, micro_batches=1))
+    more_tokens = planner.byte_model(planner.PlanInputs(model=cfg, ep=ep, batch=batch * factor, layers=layers, micro_batches=1))
+    more_layers = planner.byte_model(planner.PlanInputs(model=cfg, ep=ep, batch=batch, layers=layers * factor, micro_batches=1))
+    assert more_tokens.bytes_per_layer_B == pytest.approx(factor * base.bytes_per_layer_B)
+    assert more_tokens.bytes_per_step_B == pytest.approx(factor * base.bytes_per_step_B)
+    assert more_layers.bytes_per_step_B == pytest.approx(factor * base.bytes_per_step_B)
+    assert more_layers.bytes_per_layer_B == pytest.approx(base.bytes_per_layer_B)
+    seed_base = {f.key: f.exact for f in planner.seed_figures(planner.PlanInputs(model=cfg, ep=ep, batch=batch, layers=layers, micro_batches=1))}
+    seed_more = {f.key: f.exact for f in planner.seed_figures(planner.PlanInputs(model=cfg, ep=ep, batch=batch * factor, layers=layers, micro_batches=1))}
+    assert seed_more["bytes_per_step"] == factor * seed_base["bytes_per_step"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(sorted(PRESETS)), st.lists(st.integers(1, 4096), min_size=2, max_size=6, unique=True),
+       st.sampled_from(sorted(planner.HARDWARE)))
+def test_required_bandwidth_monotone_in_batch(preset, batches, hw):
+    cfg = PRESETS[preset]
+    batches = sorted(batches)
+    inp = planner.PlanInputs(model=cfg, ep=math.gcd(8, cfg.num_experts), hw=hw, micro_batches=1)
+    points = planner.sweep_batches(inp, batches, planner.datasheet_link(planner.HARDWARE[hw]))
+    for lo, hi in zip(points, points[1:]):
+        assert hi.required_GBps_per_gpu > lo.required_GBps_per_gpu
+        assert hi.seed_required_GBps_per_gpu > lo.seed_required_GBps_per_gpu
+        assert hi.t_combine_us >= lo.t_combine_us
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(batch=-1), "batch must be a positive"),
+        (dict(batch=0), "batch must be a positive"),
+        (dict(ep=3), "ep must divide the 256 routed experts"),
+        (dict(hw="tpu-v5"), "hw must be one of"),
+        (dict(micro_batches=3), "micro_batches must be 1 or 2"),
+        (dict(dispatch_dtype="int4"), "dispatch_dtype must be fp8 or bf16"),
+    ],
+)
+def test_bad_inputs_raise_shaped_errors(changes, message):
+    with pytest.raises(ValueError, match=message) as info:
+        seed_inputs(**changes)
+    assert ", got " in str(info.value) and "; " in str(info.value)
+
+
+def test_unknown_preset_and_missing_calibrate_file(tmp_path):
+    with pytest.raises(ValueError, match=r"model must be a preset .*got 'deepseek-v9'"):
+        planner.load_model("deepseek-v9")
+    with pytest.raises(ValueError, match="calibrate file must exist"):
+        planner.calibrate(tmp_path / "missing.json")
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"meta": {}, "rows": [{"bench": "layer", "t_layer_us": 10}]}))
+    with pytest.raises(ValueError, match="got none usable among 1 rows"):
+        planner.calibrate(empty)
+
+
+@pytest.mark.parametrize("argv", [["--batch", "-4"], ["--ep", "5"], ["--hw", "a100"], ["--model", "nope"],
+                                  ["--calibrate", "/nonexistent/result.json"]])
+def test_cli_bad_input_exits_2_without_traceback(argv, capsys):
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-sbo plan: error: ") and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------- HF config files
+
+
+def test_hf_config_json_builds_the_same_shapes(tmp_path):
+    v3 = {
+        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8,
+        "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "num_hidden_layers": 61, "first_k_dense_replace": 3,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(v3))
+    cfg = planner.load_model(str(tmp_path))
+    assert cfg.replace(name="deepseek-v3") == PRESETS["deepseek-v3"]
+    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "moe_intermediate_size": 768,
+            "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "num_hidden_layers": 48}
+    path = tmp_path / "qwen.json"
+    path.write_text(json.dumps(qwen))
+    assert planner.load_model(str(path)).replace(name="qwen3-30b-a3b") == PRESETS["qwen3-30b-a3b"]
+    path.write_text(json.dumps({"hidden_size": 4096}))
+    with pytest.raises(ValueError, match="model config must have moe_intermediate_size"):
+        planner.load_model(str(path))
+
+
+# ------------------------------------------------------------------------------------------- calibrate
+
+
+def test_calibrate_fits_bandwidth_and_latency(tmp_path):
+    rows = [{"ep": 8, "bytes_sent": b, "t_comm_us": 7.0 + b / (120.0 * 1e3)} for b in (1e6, 2e6, 4e6, 8e6)]
+    rows.append({"ep": 4, "bytes_sent": 1e6, "t_comm_us": 1e6})  # other EP: ignored when EP8 rows exist
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"meta": {"gpu": "test"}, "rows": rows}))
+    cal = planner.calibrate(path, ep=8)
+    assert cal.GBps == pytest.approx(120.0) and cal.latency_us == pytest.approx(7.0) and cal.num_rows == 4
+    plan = planner.make_plan(seed_inputs(), cal)
+    assert plan.link.nvlink_GBps == pytest.approx(120.0) and plan.link.source.startswith("calibrated")
+    combine_B = 256 * plan.bytes.fanout.expected_remote_ranks * 14336
+    assert plan.t_combine_us == pytest.approx(7.0 + combine_B / 120e3)
+
+
+def test_calibrate_median_algbw_when_one_size(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [
+        {"algbw_GBps": 100.0, "ref_algbw_GBps": 150.0}, {"algbw_GBps": 140.0}, {"algbw_GBps": 90.0},
+        {"bytes_sent": 5e6, "t_dispatch_us": 20.0, "t_combine_us": 30.0},
+    ]}))
+    cal = planner.calibrate(path)
+    assert cal.GBps == 100.0 and cal.latency_us == 0.0 and "median algbw_GBps" in cal.method
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_default_reproduces_the_seed_and_writes_json_and_png(tmp_path, capsys):
+    json_path, png_path = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert plan_main(["--json", str(json_path), "--plot", str(png_path)]) == 0
+    out = capsys.readouterr().out
+    for figure in ("7 KB", "1.78 MB", "3.56 MB", "218 MB", "10.9 GB/s", "100 us"):
+        assert figure in out
+    assert "OFF" not in out
+    doc = json.loads(json_path.read_text())
+    for key in ("bytes_per_token", "bytes_per_a2a", "bytes_per_layer", "bytes_per_step",
+                "required_GBps_per_gpu", "a2a_budget_us"):
+        assert {"seed_rounded", "seed_exact", "model"} <= set(doc[key]), key
+        assert abs(doc[key]["seed_agreement"]) <= 0.03
+    assert doc["inputs"]["batch"] == 256 and doc["inputs"]["model"] == "deepseek-v3"
+    assert doc["bytes_per_a2a"]["seed_exact"] == 1_835_008
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_other_model_with_calibration(tmp_path, capsys):
+    result = tmp_path / "bench.json"
+    result.write_text(json.dumps({"meta": {}, "rows": [
+        {"ep": 4, "bytes_sent": 1e6, "t_comm_us": 15.0}, {"ep": 4, "bytes_sent": 3e6, "t_comm_us": 35.0}]}))
+    json_path = tmp_path / "q.json"
+    argv = ["--model", "qwen3-30b-a3b", "--ep", "4", "--batch", "64", "--calibrate", str(result),
+            "--micro-batches", "1", "--json", str(json_path)]
+    assert plan_main(argv) == 0
+    doc = json.loads(json_path.read_text())
+    assert doc["link"]["nvlink_GBps"] == pytest.approx(100.0) and doc["link"]["latency_us"] == pytest.approx(5.0)
+    assert doc["bytes_per_a2a"]["seed_printed"] is None
+    assert "Seed convention on your inputs" in capsys.readouterr().out
