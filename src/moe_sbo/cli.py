@@ -1,4 +1,5 @@
-"""``moe-sbo``: the command line. Sub-commands: ``demo``."""
+"""``moe-sbo``: the command line. Sub-commands: ``demo`` (dispatchers vs one rank), ``plan``
+(communication budget)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rich.table import Table
 
 from .config import PRESETS
 from .dispatch import DISPATCHERS
+from .plan_cli import add_plan_parser, run_plan
 
 
 def make_console() -> Console:
@@ -78,10 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-sbo", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo_parser(subparsers)
+    add_plan_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return run_demo(args)
+        if args.command == "plan":
+            return run_plan(args)
     except ValueError as err:
         print(f"moe-sbo {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -27,42 +27,61 @@ def _get(config: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+ARCHITECTURE_MODEL_TYPES = {
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
 def config_from_hf(config: Any, name: str | None = None) -> MoEConfig:
-    """``MoEConfig`` from a ``transformers`` config object or a parsed ``config.json`` dict."""
-    model_type = _get(config, "model_type", default="")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    """``MoEConfig`` from a ``transformers`` config object or a parsed ``config.json`` dict.
+
+    The family comes from ``model_type`` (else ``architectures``); a file naming neither is read
+    DeepSeek-style, with its own ``topk_method``/``scoring_func`` fields.
+    """
+    architectures = _get(config, "architectures", default=[]) or []
+    model_type = _get(config, "model_type", default="") or next(
+        (ARCHITECTURE_MODEL_TYPES[a] for a in architectures if a in ARCHITECTURE_MODEL_TYPES), "")
+    if model_type and model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
             "moe-sbo reads DeepSeek-V2/V3, Kimi-K2 and Qwen3-MoE configs"
         )
-    architectures = _get(config, "architectures", default=[]) or []
+    num_experts = _get(config, "n_routed_experts", "num_experts", "num_local_experts")
+    for label, value in (("hidden_size", _get(config, "hidden_size")),
+                         ("moe_intermediate_size", _get(config, "moe_intermediate_size")),
+                         ("n_routed_experts or num_experts", num_experts),
+                         ("num_experts_per_tok", _get(config, "num_experts_per_tok"))):
+        if value is None:
+            raise ValueError(
+                f"model config must have {label}, got a config without it; pass the config.json of a "
+                "DeepSeek-V2/V3, Kimi-K2 or Qwen3-MoE model, or a preset"
+            )
     common = dict(
-        name=name or model_type,
-        hidden_size=_get(config, "hidden_size"),
-        moe_intermediate_size=_get(config, "moe_intermediate_size"),
-        num_experts_per_tok=_get(config, "num_experts_per_tok"),
-        num_hidden_layers=_get(config, "num_hidden_layers", default=1),
+        name=name or model_type or "hf",
+        hidden_size=int(_get(config, "hidden_size")),
+        moe_intermediate_size=int(_get(config, "moe_intermediate_size")),
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(_get(config, "num_experts_per_tok")),
+        num_hidden_layers=int(_get(config, "num_hidden_layers", default=1)),
+        norm_topk_prob=bool(_get(config, "norm_topk_prob", default=False)),
         hf_architecture=architectures[0] if architectures else "",
     )
-    if model_type == "qwen3_moe":
-        return MoEConfig(
-            **common, num_experts=_get(config, "num_experts", "num_local_experts"), num_shared_experts=0,
-            topk_method="greedy", scoring_func="softmax",
-            norm_topk_prob=bool(_get(config, "norm_topk_prob", default=False)),
-            first_k_dense_replace=0,
-        )
+    if model_type == "qwen3_moe":  # no groups, no shared experts, no scaling factor
+        return MoEConfig(**common, num_shared_experts=0, topk_method="greedy", scoring_func="softmax",
+                         first_k_dense_replace=0)
+    # DeepSeek-V3's modelling code routes with sigmoid noaux_tc whatever the file says.
     v3_like = model_type in ("deepseek_v3", "kimi_k2")
     return MoEConfig(
         **common,
-        num_experts=_get(config, "n_routed_experts", "num_local_experts", "num_experts"),
-        num_shared_experts=_get(config, "n_shared_experts", default=0),
+        num_shared_experts=int(_get(config, "n_shared_experts", default=0)),
         topk_method="noaux_tc" if v3_like else _get(config, "topk_method", default="greedy"),
-        scoring_func="sigmoid" if v3_like else "softmax",
-        norm_topk_prob=bool(_get(config, "norm_topk_prob", default=False)),
+        scoring_func="sigmoid" if v3_like else _get(config, "scoring_func", default="softmax"),
         routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.0)),
-        n_group=_get(config, "n_group", default=1),
-        topk_group=_get(config, "topk_group", default=1),
-        first_k_dense_replace=_get(config, "first_k_dense_replace", default=0),
+        n_group=int(_get(config, "n_group", default=1)),
+        topk_group=int(_get(config, "topk_group", default=1)),
+        first_k_dense_replace=int(_get(config, "first_k_dense_replace", default=0)),
     )
 
 

@@ -46,6 +46,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from .config import PRESETS, MoEConfig, divisors
+from .hf import config_from_hf
 
 # --------------------------------------------------------------------------------------------------
 # Units and the seed's figures
@@ -169,53 +170,6 @@ def get_hardware(name: str) -> Hardware:
 # --------------------------------------------------------------------------------------------------
 
 
-def moe_config_from_hf(hf: dict, name: str = "hf") -> MoEConfig:
-    """Build a ``MoEConfig`` from the fields of a DeepSeek-V2/V3 or Qwen3-MoE ``config.json``.
-
-    Absent or null routing fields take the meaning the HF modelling code gives them (greedy softmax
-    top-k, one group); a file without an expert count is not an MoE config and is rejected.
-    """
-    def pick(*keys, default=None):
-        for key in keys:
-            if hf.get(key) is not None:
-                return hf[key]
-        return default
-
-    num_experts = pick("n_routed_experts", "num_experts")
-    for label, value in (
-        ("hidden_size", hf.get("hidden_size")),
-        ("moe_intermediate_size", hf.get("moe_intermediate_size")),
-        ("n_routed_experts or num_experts", num_experts),
-        ("num_experts_per_tok", hf.get("num_experts_per_tok")),
-    ):
-        if value is None:
-            raise ValueError(
-                f"model config must have {label}, got a config without it (keys: "
-                f"{sorted(hf)[:12]}...); pass a DeepSeek-V2/V3 or Qwen3-MoE config.json or a preset"
-            )
-    topk_method = pick("topk_method", default="greedy")
-    # Qwen3-MoE and DeepSeek-V2-Lite route greedily; DeepSeek-V2 names its method "group_limited_greedy".
-    n_group = int(pick("n_group", default=1))
-    architectures = hf.get("architectures") or [""]
-    return MoEConfig(
-        name=name,
-        hidden_size=int(hf["hidden_size"]),
-        moe_intermediate_size=int(hf["moe_intermediate_size"]),
-        num_experts=int(num_experts),
-        num_experts_per_tok=int(hf["num_experts_per_tok"]),
-        num_shared_experts=int(pick("n_shared_experts", default=0)),
-        topk_method=topk_method,
-        scoring_func=pick("scoring_func", default="softmax"),
-        norm_topk_prob=bool(pick("norm_topk_prob", default=False)),
-        routed_scaling_factor=float(pick("routed_scaling_factor", default=1.0)),
-        n_group=n_group,
-        topk_group=int(pick("topk_group", default=n_group if topk_method == "greedy" else 1)),
-        num_hidden_layers=int(pick("num_hidden_layers", default=1)),
-        first_k_dense_replace=int(pick("first_k_dense_replace", default=0)),
-        hf_architecture=architectures[0],
-    )
-
-
 def load_model(spec: str) -> MoEConfig:
     """A preset name (``deepseek-v3``...) or a path to a Hugging Face ``config.json`` (or its folder)."""
     if spec in PRESETS:
@@ -235,7 +189,7 @@ def load_model(spec: str) -> MoEConfig:
             f"model config must be valid JSON, got a parse error in {str(path)!r} ({exc}); "
             "pass the model's config.json"
         ) from None
-    return moe_config_from_hf(hf, name=hf.get("_name_or_path") or path.parent.name or path.stem)
+    return config_from_hf(hf, name=hf.get("_name_or_path") or path.parent.name or path.stem)
 
 
 # --------------------------------------------------------------------------------------------------
