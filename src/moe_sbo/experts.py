@@ -11,9 +11,16 @@ Weights use the Hugging Face layout: ``gate_up_proj [L, 2I, H]`` (gate rows firs
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -21,7 +28,7 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x.dtype == torch.bfloat16 and _capability(x.device) >= (9, 0)
     return x.device.type == "cpu"
 
 

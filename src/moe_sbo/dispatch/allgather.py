@@ -41,9 +41,16 @@ class AllGatherDispatcher(Dispatcher):
     def _launch_dispatch(self, inp: DispatchInput) -> Pending:
         x_TH, ep = inp.x_TH, self.ep
         num_tokens, hidden = x_TH.shape
-        counts_P = torch.zeros(ep.size, dtype=torch.int64, device=x_TH.device)
-        _all_gather_single(counts_P, torch.tensor([num_tokens], device=x_TH.device), group=ep.group)
-        tokens_per_rank = tuple(counts_P.tolist())
+        # Each rank shares its T and how many of its (token, expert) pairs each rank owns, so every
+        # rank learns the chunk size and its own pair count R without reading the payload.
+        owner_TK = torch.div(inp.topk_ids_TK.long(), self.num_local_experts, rounding_mode="floor")
+        my_counts = torch.cat([torch.full((1,), num_tokens, device=x_TH.device, dtype=torch.int64),
+                               torch.bincount(owner_TK.reshape(-1), minlength=ep.size)])
+        counts_P1P = my_counts.new_empty(ep.size, 1 + ep.size)
+        _all_gather_single(counts_P1P, my_counts[None], group=ep.group)
+        counts = counts_P1P.tolist()
+        tokens_per_rank = tuple(row[0] for row in counts)
+        num_pairs = sum(row[1 + ep.rank] for row in counts)
         padded = max(tokens_per_rank)
 
         # Padding rows: zeros with expert id -1, so they are gathered but never computed.
@@ -62,14 +69,14 @@ class AllGatherDispatcher(Dispatcher):
         chunk_bytes = padded * (hidden * x_TH.element_size() + meta.shape[1] * 4)
         traffic = Traffic(dispatch_bytes_sent=(ep.size - 1) * chunk_bytes,
                           dispatch_bytes_recv=(ep.size - 1) * chunk_bytes)
-        return Pending(works=works, state=(all_x, all_meta, tokens_per_rank, padded, traffic))
+        return Pending(works=works, state=(all_x, all_meta, tokens_per_rank, padded, traffic, num_pairs))
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
-        all_x, all_meta, tokens_per_rank, padded, traffic = pending.state
+        all_x, all_meta, tokens_per_rank, padded, traffic, num_pairs = pending.state
         all_ids, all_weights = unpack_topk(all_meta)
         layout = group_rows_by_expert(
-            self._local_ids(all_ids, self.ep.rank), all_weights, self.num_local_experts
+            self._local_ids(all_ids, self.ep.rank), all_weights, self.num_local_experts, num_pairs
         )
         handle = AllGatherHandle(
             num_tokens=tokens_per_rank[self.ep.rank], hidden_size=all_x.shape[1], dtype=all_x.dtype,

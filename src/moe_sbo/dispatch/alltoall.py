@@ -49,12 +49,16 @@ class AllToAllDispatcher(Dispatcher):
         is_sent_TP.scatter_(1, owner_TK, True)
         # Rows in (destination rank, token) order: what all_to_all_single's splits expect.
         dest_M, send_token_M = is_sent_TP.t().nonzero(as_tuple=True)
-        send_counts_P = is_sent_TP.sum(dim=0)
-
-        recv_counts_P = torch.empty_like(send_counts_P)
-        dist.all_to_all_single(recv_counts_P, send_counts_P, group=ep.group)
-        send_counts = tuple(send_counts_P.tolist())
-        recv_counts = tuple(recv_counts_P.tolist())
+        # Counts per destination: rows, then (row, expert) pairs. Knowing the pairs it will receive
+        # lets the receiver lay rows out by expert without reading the payload on the host.
+        pairs_P = torch.bincount(owner_TK.reshape(-1), minlength=ep.size)
+        send_counts_P2 = torch.stack([is_sent_TP.sum(dim=0), pairs_P], dim=1)
+        recv_counts_P2 = torch.empty_like(send_counts_P2)
+        dist.all_to_all_single(recv_counts_P2, send_counts_P2, group=ep.group)
+        counts = torch.cat([send_counts_P2[:, 0], recv_counts_P2.t().reshape(-1)]).tolist()  # one sync
+        send_counts = tuple(counts[:ep.size])
+        recv_counts = tuple(counts[ep.size:2 * ep.size])
+        num_pairs = sum(counts[2 * ep.size:])
 
         # Ids are made local to the destination before sending, -1 where another rank owns them.
         local_ids_MK = self._local_ids(ids_TK[send_token_M], dest_M[:, None])
@@ -71,14 +75,14 @@ class AllToAllDispatcher(Dispatcher):
         row_bytes = hidden * x_TH.element_size() + send_meta.shape[1] * 4
         traffic = Traffic(dispatch_bytes_sent=_remote(send_counts, ep.rank) * row_bytes,
                           dispatch_bytes_recv=_remote(recv_counts, ep.rank) * row_bytes)
-        state = (recv_x, recv_meta, send_token_M, send_counts, recv_counts, traffic, num_tokens)
+        state = (recv_x, recv_meta, send_token_M, send_counts, recv_counts, traffic, num_tokens, num_pairs)
         return Pending(works=works, state=state)
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
-        recv_x, recv_meta, send_token_M, send_counts, recv_counts, traffic, num_tokens = pending.state
+        recv_x, recv_meta, send_token_M, send_counts, recv_counts, traffic, num_tokens, num_pairs = pending.state
         local_ids_MK, weights_MK = unpack_topk(recv_meta)
-        layout = group_rows_by_expert(local_ids_MK, weights_MK, self.num_local_experts)
+        layout = group_rows_by_expert(local_ids_MK, weights_MK, self.num_local_experts, num_pairs)
         handle = AllToAllHandle(
             num_tokens=num_tokens, hidden_size=recv_x.shape[1], dtype=recv_x.dtype, layout=layout,
             traffic=traffic, send_token_M=send_token_M, send_counts=send_counts, recv_counts=recv_counts,

@@ -151,8 +151,9 @@ class Dispatcher:
                         topk_weights_TK: torch.Tensor) -> Pending:
         """Start moving each token to the ranks that own its top-k experts.
 
-        Sync: runs ``pre_dispatch`` hooks, validates, exchanges the row counts (host blocks on that
-        small collective in the variable-size schemes), then starts the payload transfer and returns
+        Sync: runs ``pre_dispatch`` hooks, validates (one host read of the id range), exchanges the
+        row and pair counts (the host blocks on that small collective in the variable-size schemes:
+        it sizes the receive buffers), then starts the payload transfer and returns
         at once, after the ``dispatch_in_flight`` hooks ran. On CUDA the transfer runs on the
         communicator's stream; read nothing until ``dispatch_wait``.
         """
@@ -165,9 +166,10 @@ class Dispatcher:
     def dispatch_wait(self, pending: Pending) -> DispatchOutput:
         """Finish a dispatch and lay the received rows out by local expert.
 
-        Sync: waits for the transfer (CPU: the host blocks; CUDA: the current stream waits on the
-        communicator's); builds the layout, which reads the pair count on the host; then runs the
-        ``post_dispatch`` hooks. Not CUDA-graph safe (variable sizes).
+        Sync: waits for the transfer (CPU: the host blocks; CUDA: only the current stream waits on
+        the communicator's, the host goes on: the pair count R came with the row counts at launch);
+        builds the expert-major layout on the device; then runs the ``post_dispatch`` hooks. Not
+        CUDA-graph safe (variable sizes).
         """
         return self.hooks.run("post_dispatch", self, self._wait_dispatch(pending))
 

@@ -30,11 +30,13 @@ class ExpertLayout:
 
 
 def group_rows_by_expert(
-    local_ids_MK: torch.Tensor, weights_MK: torch.Tensor, num_local_experts: int
+    local_ids_MK: torch.Tensor, weights_MK: torch.Tensor, num_local_experts: int,
+    num_pairs: int | None = None,
 ) -> ExpertLayout:
     """Expert-major layout of the (row, k) pairs whose ``local_ids_MK`` is in ``[0, L)``.
 
-    Synchronises the host once (to learn R). Pairs marked ``-1`` are not this rank's.
+    Pairs marked ``-1`` are not this rank's. ``num_pairs`` (R), when the caller already knows it
+    on the host, saves the one host synchronisation this otherwise needs.
     """
     num_rows, k = local_ids_MK.shape
     ids_P = local_ids_MK.reshape(-1).long()
@@ -42,7 +44,8 @@ def group_rows_by_expert(
     # Non-local pairs get key L so a stable sort puts them after every local expert's rows.
     key_P = torch.where(is_local_P, ids_P, num_local_experts)
     counts = torch.bincount(key_P, minlength=num_local_experts + 1)
-    num_pairs = int(is_local_P.sum().item())
+    if num_pairs is None:
+        num_pairs = int(is_local_P.sum().item())
     order_R = torch.sort(key_P, stable=True).indices[:num_pairs]
     return ExpertLayout(
         row_R=torch.div(order_R, k, rounding_mode="floor"),

@@ -18,7 +18,9 @@ class LocalDispatcher(Dispatcher):
 
     def _launch_dispatch(self, inp: DispatchInput) -> Pending:
         x_TH = inp.x_TH
-        layout = group_rows_by_expert(inp.topk_ids_TK, inp.topk_weights_TK, self.num_local_experts)
+        # Every pair is local here, so R = T * K is known without a host sync.
+        layout = group_rows_by_expert(inp.topk_ids_TK, inp.topk_weights_TK, self.num_local_experts,
+                                      inp.topk_ids_TK.numel())
         handle = DispatchHandle(x_TH.shape[0], x_TH.shape[1], x_TH.dtype, layout, Traffic())
         return Pending(works=[], state=x_TH, handle=handle)
 

@@ -1,0 +1,509 @@
+"""Foundation benchmark (issue 2): the expert-parallel MoE layer per phase, and the routed-expert GEMM.
+
+Two measurements, both written to ``OUT/foundation.json`` as ``{"meta", "rows"}`` (DESIGN.md §7):
+
+1. ``bench="moe_layer"``: for each EP size P (one process per GPU, NCCL), each dispatcher
+   (``allgather``, ``alltoall``) and each token count per rank: median time of the router, dispatch,
+   routed experts, combine, shared experts and the whole layer; bytes each rank sent and received; the
+   achieved bandwidth of dispatch + combine, and, in the same run on the same ranks, raw
+   ``all_to_all_single`` (equal splits) moving the same bytes per rank -> ``ref_algbw_GBps`` and the
+   ratio. At P = 1 the "dispatch" is a local copy: the row is timed but moves no bytes (``ep=1``).
+2. ``bench="grouped_gemm"`` (rank 0 only): ``RoutedExperts`` forward (gate_up grouped GEMM, SiLU·mul,
+   down grouped GEMM) at realistic rows per expert, against dense GEMMs measured in the same run (an
+   8192³ ``torch.mm`` and two dense GEMMs of exactly the same FLOPs).
+
+The hard part is timing without perturbing what is timed. Phase boundaries are CUDA events recorded
+by hooks on the dispatcher (``pre_dispatch`` ... ``post_combine``) on the current stream; nothing
+synchronises inside a timed forward, so a phase's time is its span on the GPU timeline, including
+any idle gap the layer's own host syncs leave. Ranks are lined up (synchronize + barrier) before each
+timed forward, outside the timed region, so one rank's late start is not billed to another's
+dispatch. Per-rank medians are aggregated as the slowest rank (the layer is as fast as its slowest
+rank); bytes are the mean over ranks, and both bandwidths divide the same byte count, so
+``ratio = (t_ref_dispatch + t_ref_combine) / (t_dispatch + t_combine)``.
+
+Usage (GPU): ``python benchmarks/bench_foundation.py --out DIR [--ranks 4] [--tokens 128 4096]``.
+CPU smoke: ``python benchmarks/bench_foundation.py --out DIR --device cpu --preset tiny --quick --ranks 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_sbo.bench_meta import result_meta
+from moe_sbo.config import get_preset, PRESETS
+from moe_sbo.experts import RoutedExperts, grouped_mm_supported
+from moe_sbo.layer import MoELayer
+from moe_sbo.runtime import LocalRanks, RankError, resolve_device
+
+DISPATCHERS = ("allgather", "alltoall")
+# Hook events stamped inside one forward, plus "start"/"end" around it.
+HOOK_STAMPS = ("pre_dispatch", "dispatch_in_flight", "post_dispatch", "pre_combine", "combine_in_flight",
+               "post_combine")
+STAMPS = ("start", *HOOK_STAMPS, "end")
+# (name, from stamp, to stamp) of every reported span.
+SPANS = (
+    ("t_route_us", "start", "pre_dispatch"),
+    ("t_dispatch_us", "pre_dispatch", "post_dispatch"),
+    ("t_dispatch_launch_us", "pre_dispatch", "dispatch_in_flight"),
+    ("t_routed_us", "post_dispatch", "pre_combine"),
+    ("t_combine_us", "pre_combine", "post_combine"),
+    ("t_combine_launch_us", "pre_combine", "combine_in_flight"),
+    ("t_shared_us", "post_combine", "end"),
+    ("t_layer_us", "start", "end"),
+)
+
+
+# ---- timing primitives -------------------------------------------------------------------------------
+
+
+class Stamps:
+    """Per-iteration timestamps: CUDA events on the current stream, or host clock reads on CPU.
+
+    ``iteration`` < 0 means warm-up: ``record`` does nothing. Read results only after ``spans_us``,
+    which synchronises once at the end.
+    """
+
+    def __init__(self, device: torch.device, iters: int, names: tuple[str, ...]):
+        self.cuda = device.type == "cuda"
+        self.iteration = -1
+        if self.cuda:
+            self.events = {n: [torch.cuda.Event(enable_timing=True) for _ in range(iters)] for n in names}
+        else:
+            self.times = {n: [0.0] * iters for n in names}
+
+    def record(self, name: str) -> None:
+        if self.iteration < 0:
+            return
+        if self.cuda:
+            self.events[name][self.iteration].record()
+        else:
+            self.times[name][self.iteration] = time.perf_counter()
+
+    def span_us(self, start: str, end: str) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) * 1e3 for a, b in zip(self.events[start], self.events[end])]
+        return [(b - a) * 1e6 for a, b in zip(self.times[start], self.times[end])]
+
+
+def line_up(device: torch.device) -> None:
+    """Finish all queued work and align the ranks (called between timed iterations, never inside)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def time_layer(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
+    """Median µs of every span in ``SPANS`` over ``iters`` forwards, stamped from dispatcher hooks."""
+    stamps = Stamps(x_TH.device, iters, STAMPS)
+    with layer.dispatcher.hooks.scope() as scope:
+        for event in HOOK_STAMPS:
+            scope.register(event, lambda dispatcher, payload, event=event: stamps.record(event))
+        for it in range(warmup + iters):
+            stamps.iteration = it - warmup
+            line_up(x_TH.device)
+            stamps.record("start")
+            layer(x_TH)
+            stamps.record("end")
+    return {name: statistics.median(stamps.span_us(a, b)) for name, a, b in SPANS}
+
+
+def time_all_to_all(chunk_elems: int, dtype: torch.dtype, device: torch.device, warmup: int, iters: int,
+                    seed: int) -> float:
+    """Median µs of one raw ``all_to_all_single`` sending ``chunk_elems`` elements to every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    generator = torch.Generator(device=device).manual_seed(seed * 104_729 + rank)
+    send = torch.randn(world * chunk_elems, generator=generator, device=device).to(dtype)
+    recv = torch.empty_like(send)
+    stamps = Stamps(device, iters, ("start", "end"))
+    for it in range(warmup + iters):
+        stamps.iteration = it - warmup
+        line_up(device)
+        stamps.record("start")
+        dist.all_to_all_single(recv, send)
+        stamps.record("end")
+    return statistics.median(stamps.span_us("start", "end"))
+
+
+class KernelTimer:
+    """Median µs of a callable: ``triton.testing.do_bench`` when it imports (CUDA), else CUDA events or
+    the host clock. ``quick`` shortens every measurement (CPU smoke runs)."""
+
+    def __init__(self, device: torch.device, quick: bool):
+        self.device = device
+        self.quick = quick
+        self.do_bench = None
+        if device.type == "cuda":
+            try:
+                from triton.testing import do_bench
+                self.do_bench = do_bench
+            except Exception:  # noqa: BLE001 - any import failure means: use events
+                self.do_bench = None
+        self.name = "triton.testing.do_bench(median)" if self.do_bench else (
+            "cuda events (median)" if device.type == "cuda" else "host clock (median)")
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.do_bench is not None:
+            warmup_ms, rep_ms = (5, 20) if self.quick else (25, 200)
+            return self.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+        warmup, iters = (1, 3) if self.quick else (5, 30)
+        stamps = Stamps(self.device, iters, ("start", "end"))
+        for it in range(warmup + iters):
+            stamps.iteration = it - warmup
+            stamps.record("start")
+            fn()
+            stamps.record("end")
+        return statistics.median(stamps.span_us("start", "end"))
+
+
+# ---- the layer benchmark (runs on every rank) -------------------------------------------------------
+
+
+def layer_bench_rank(device: torch.device, preset: str, dispatcher: str, tokens_list: list[int],
+                     dtype_name: str, warmup: int, iters: int, seed: int) -> list[dict]:
+    """One rank's rows for one dispatcher, every token count. Called on every rank by ``LocalRanks.run``."""
+    cfg = get_preset(preset)
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    with torch.inference_mode():
+        layer = MoELayer(cfg, dispatcher=dispatcher, dtype=dtype, device=device, seed=seed)
+        for tokens in tokens_list:
+            generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
+            x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
+            times = time_layer(layer, x_TH, warmup, iters)
+            traffic = layer.last_traffic
+            row = {"rank": rank, "tokens": tokens, **times,
+                   "dispatch_bytes_sent": traffic.dispatch_bytes_sent,
+                   "dispatch_bytes_recv": traffic.dispatch_bytes_recv,
+                   "combine_bytes_sent": traffic.combine_bytes_sent,
+                   "combine_bytes_recv": traffic.combine_bytes_recv}
+            if world > 1:
+                # Raw NCCL (gloo on CPU) on the same bytes: every rank agrees on the mean per-rank bytes
+                # of each phase and sends them in equal chunks to the other P-1 ranks (the chunk to
+                # itself is a local copy, excluded from the bytes as the dispatchers exclude it).
+                sent = torch.tensor([traffic.dispatch_bytes_sent, traffic.combine_bytes_sent],
+                                    dtype=torch.int64, device=device)
+                dist.all_reduce(sent)
+                elem = torch.finfo(dtype).bits // 8
+                chunks = [max(1, math.ceil(int(b) / world / ((world - 1) * elem))) for b in sent.tolist()]
+                row["ref_t_dispatch_us"] = time_all_to_all(chunks[0], dtype, device, warmup, iters, seed)
+                row["ref_t_combine_us"] = time_all_to_all(chunks[1], dtype, device, warmup, iters, seed + 1)
+                row["ref_bytes"] = sum(chunks) * (world - 1) * elem
+            rows.append(row)
+        del layer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def summarise_layer(per_rank: list[list[dict]], preset: str, dispatcher: str, dtype_name: str) -> list[dict]:
+    """One row per token count: slowest rank's medians, mean bytes per rank, bandwidths and ratio."""
+    world = len(per_rank)
+    out = []
+    for rank_rows in zip(*per_rank):
+        first = rank_rows[0]
+        row = {"bench": "moe_layer", "preset": preset, "ep": world, "tokens_per_rank": first["tokens"],
+               "dispatcher": dispatcher, "overlap": "none", "tbo": False, "dtype": dtype_name, "graph": False}
+        for name, _, _ in SPANS:
+            row[name] = max(r[name] for r in rank_rows)
+        row["t_layer_us_per_rank"] = [round(r["t_layer_us"], 1) for r in rank_rows]
+        for key in ("dispatch_bytes_sent", "dispatch_bytes_recv", "combine_bytes_sent", "combine_bytes_recv"):
+            row[key] = round(statistics.mean(r[key] for r in rank_rows))
+        row["bytes_sent"] = row["dispatch_bytes_sent"] + row["combine_bytes_sent"]
+        row["bytes_recv"] = row["dispatch_bytes_recv"] + row["combine_bytes_recv"]
+        row["t_comm_us"] = row["t_dispatch_us"] + row["t_combine_us"]
+        if world == 1:
+            row["note"] = "ep=1: dispatch/combine are local copies, nothing on the wire"
+            row.update(algbw_GBps=None, ref_algbw_GBps=None, ratio_vs_ref=None)
+        else:
+            row["ref_t_dispatch_us"] = max(r["ref_t_dispatch_us"] for r in rank_rows)
+            row["ref_t_combine_us"] = max(r["ref_t_combine_us"] for r in rank_rows)
+            row["ref_bytes"] = first["ref_bytes"]
+            t_ref = row["ref_t_dispatch_us"] + row["ref_t_combine_us"]
+            row["algbw_GBps"] = row["bytes_sent"] / row["t_comm_us"] / 1e3
+            row["ref_algbw_GBps"] = row["ref_bytes"] / t_ref / 1e3
+            row["ratio_vs_ref"] = row["algbw_GBps"] / row["ref_algbw_GBps"]
+        out.append(row)
+    return out
+
+
+# ---- the grouped-GEMM benchmark (rank 0 only) ------------------------------------------------------
+
+
+def gemm_cases(preset: str, gemm_ep: int, max_tokens: int) -> list[tuple[str, int, int]]:
+    """(regime, experts per GPU, rows per expert) at the preset's dims, balanced routing assumed.
+
+    Each rank receives T·K (token, expert) rows on average whatever P is, so rows per expert = T·K/L.
+    ``decode_deploy``: 128 tokens/GPU with 8 experts per GPU (EP32-like), the expert count real decode
+    deployments keep per GPU (DESIGN.md §6), rather than 64.
+    """
+    cfg = get_preset(preset)
+    experts = cfg.experts_per_rank(gemm_ep)
+    k = cfg.num_experts_per_tok
+    deploy = min(8, cfg.num_experts)
+    return [
+        ("prefill", experts, max(1, max_tokens * k // experts)),
+        ("decode", experts, 16),
+        ("decode_deploy", deploy, max(1, 128 * k // deploy)),
+    ]
+
+
+def grouped_gemm_rank(device: torch.device, preset: str, cases: list[tuple[str, int, int]], dtype_name: str,
+                      quick: bool, seed: int) -> list[dict]:
+    """Rows for every case on rank 0 (other ranks return nothing at once)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return []
+    cfg = get_preset(preset)
+    dtype = getattr(torch, dtype_name)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    timer = KernelTimer(device, quick)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator, device=device) * std).to(dtype)
+
+    rows: list[dict] = []
+    with torch.inference_mode():
+        n = 512 if (quick or device.type == "cpu") else 8192
+        a, b = randn(n, n), randn(n, n)
+        t_square = timer(lambda: torch.mm(a, b))
+        square_tflops = 2 * n ** 3 / t_square / 1e6
+        del a, b
+        experts: RoutedExperts | None = None
+        for regime, num_experts, rows_per_expert in cases:
+            row = {"bench": "grouped_gemm", "preset": preset, "regime": regime, "dtype": dtype_name,
+                   "graph": False, "experts_per_gpu": num_experts, "rows_per_expert": rows_per_expert,
+                   "timer": timer.name, "dense_shape": f"{n}x{n}x{n}"}
+            try:
+                if experts is None or experts.num_local_experts != num_experts:
+                    experts = None
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    experts = RoutedExperts(num_experts, h, i, dtype=dtype, device=device)
+                    # In place, in the weights' dtype: no float32 copy of ~5.6 GB of V3 experts.
+                    experts.gate_up_proj.normal_(0.0, h ** -0.5, generator=generator)
+                    experts.down_proj.normal_(0.0, i ** -0.5, generator=generator)
+                rows_total = num_experts * rows_per_expert
+                x_RH = randn(rows_total, h)
+                counts_L = torch.full((num_experts,), rows_per_expert, dtype=torch.int64, device=device)
+                use_grouped_mm = grouped_mm_supported(x_RH)
+                t_experts = timer(lambda: experts(x_RH, counts_L))
+                flops = 2 * rows_total * 3 * h * i  # gate_up (2I·H) + down (H·I) per row
+                # Dense GEMMs of exactly the same FLOPs: [rows, H]x[H, 2I] and [rows, I]x[I, H].
+                w1_H2I, w2_IH, act_RI = randn(h, 2 * i, std=h ** -0.5), randn(i, h, std=i ** -0.5), randn(rows_total, i)
+                t_same = timer(lambda: (torch.mm(x_RH, w1_H2I), torch.mm(act_RI, w2_IH)))
+                weight_bytes = 3 * num_experts * h * i * x_RH.element_size()
+                row.update(
+                    grouped_mm=use_grouped_mm, rows_total=rows_total, t_routed_us=t_experts,
+                    tflops=flops / t_experts / 1e6, dense_tflops=square_tflops,
+                    dense_same_flops_tflops=flops / t_same / 1e6, t_dense_same_flops_us=t_same,
+                    weight_read_GBps=weight_bytes / t_experts / 1e3,
+                )
+                row["ratio"] = row["tflops"] / square_tflops
+                row["ratio_same_flops"] = row["tflops"] / row["dense_same_flops_tflops"]
+                if use_grouped_mm:
+                    offsets_L = counts_L.to(torch.int32).cumsum(0, dtype=torch.int32)
+                    act_grouped = randn(rows_total, i)
+                    t_mm = timer(lambda: (
+                        torch._grouped_mm(x_RH, experts.gate_up_proj.transpose(-2, -1), offs=offsets_L),
+                        torch._grouped_mm(act_grouped, experts.down_proj.transpose(-2, -1), offs=offsets_L)))
+                    row["t_grouped_mm_only_us"] = t_mm
+                    row["tflops_grouped_mm_only"] = flops / t_mm / 1e6
+                if device.type == "cpu":
+                    row["note"] = "CPU smoke: rates are not GPU numbers"
+                del x_RH, w1_H2I, w2_IH, act_RI
+            except Exception as exc:  # noqa: BLE001 - one case failing (say OOM) must not lose the others
+                row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            rows.append(row)
+        del experts
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- driver -----------------------------------------------------------------------------------------
+
+
+class Pool:
+    """A ``LocalRanks`` pool that is started again after a failed call (its group may be broken)."""
+
+    def __init__(self, world_size: int, device: str):
+        self.world_size, self.device = world_size, device
+        self.ranks: LocalRanks | None = None
+
+    def run(self, fn: Callable, *args) -> list:
+        if self.ranks is None:
+            self.ranks = LocalRanks(self.world_size, device=self.device, timeout_s=900)
+        try:
+            return self.ranks.run(fn, *args)
+        except RankError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for foundation.json")
+    p.add_argument("--ranks", type=int, nargs="+", default=None,
+                   help="EP sizes to run, one pool each (default: every GPU; 2 on CPU)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096], help="tokens per rank")
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=list(DISPATCHERS))
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up forwards (default 10; --quick 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed forwards (default 30; --quick 3)")
+    p.add_argument("--gemm-ep", type=int, default=4,
+                   help="EP size whose experts per GPU the grouped-GEMM rows use (default 4: 64 for V3)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["layer", "gemm"], help="parts to leave out")
+    p.add_argument("--quick", action="store_true", help="few iterations: a smoke run, not a measurement")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    dtype_name = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
+    iters = args.iters if args.iters is not None else (3 if args.quick else 30)
+    ep_sizes = args.ranks or [torch.cuda.device_count() if device == "cuda" else 2]
+    cfg = get_preset(args.preset)
+    # Bad input raises here, before any rank starts.
+    for p in ep_sizes:
+        cfg.experts_per_rank(p)
+        if device == "cuda" and p > torch.cuda.device_count():
+            raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {p}")
+    if min(args.tokens) < 0 or warmup < 0 or iters < 1:
+        raise ValueError(f"--tokens must be >= 0 and --iters >= 1, got {args.tokens} and {iters}")
+    cases = gemm_cases(args.preset, args.gemm_ep, max(args.tokens))
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir / "foundation.json"
+    meta = result_meta(device, max(ep_sizes))
+    meta.update(preset=args.preset, ep_sizes=ep_sizes, tokens_per_rank=args.tokens, warmup=warmup, iters=iters,
+                quick=args.quick, timing="CUDA events from dispatcher hooks, no sync inside a forward; ranks "
+                "lined up (synchronize + barrier) between forwards" if device == "cuda" else "host clock",
+                aggregation="per-rank medians; times: slowest rank; bytes: mean per rank; "
+                "ratio_vs_ref = algbw / ref_algbw on the same bytes (raw all_to_all_single, equal splits)")
+    rows: list[dict] = []
+    errors = 0
+
+    def save() -> None:
+        out_path.write_text(json.dumps({"meta": meta, "rows": [_rounded(r) for r in rows]}, indent=1))
+
+    started = time.perf_counter()
+    for index, p in enumerate(ep_sizes):
+        pool = Pool(p, device)
+        try:
+            if "layer" not in args.skip:
+                for name in args.dispatchers:
+                    t0 = time.perf_counter()
+                    try:
+                        per_rank = pool.run(layer_bench_rank, args.preset, name, args.tokens, dtype_name,
+                                            warmup, iters, args.seed)
+                        rows.extend(summarise_layer(per_rank, args.preset, name, dtype_name))
+                    except RankError as exc:
+                        errors += 1
+                        rows.append({"bench": "moe_layer", "preset": args.preset, "ep": p, "dispatcher": name,
+                                     "error": str(exc)[-3000:]})
+                        print(str(exc)[-3000:], file=sys.stderr)
+                    print(f"[{time.perf_counter() - started:6.1f}s] ep={p} {name}: "
+                          f"{time.perf_counter() - t0:.1f}s", flush=True)
+                    save()
+            if "gemm" not in args.skip and index == 0:
+                t0 = time.perf_counter()
+                try:
+                    gemm_rows = pool.run(grouped_gemm_rank, args.preset, cases, dtype_name, args.quick, args.seed)[0]
+                    errors += sum("error" in r for r in gemm_rows)
+                    rows.extend(gemm_rows)
+                except RankError as exc:
+                    errors += 1
+                    rows.append({"bench": "grouped_gemm", "preset": args.preset, "error": str(exc)[-3000:]})
+                    print(str(exc)[-3000:], file=sys.stderr)
+                print(f"[{time.perf_counter() - started:6.1f}s] grouped GEMM: {time.perf_counter() - t0:.1f}s",
+                      flush=True)
+                save()
+        finally:
+            pool.close()
+    meta["wall_s"] = round(time.perf_counter() - started, 1)
+    save()
+    print_tables(rows, meta)
+    print(f"wrote {out_path}")
+    return 1 if errors else 0
+
+
+def _rounded(row: dict) -> dict:
+    """Floats to 4 significant digits (times are medians; more digits are noise)."""
+    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}
+
+
+def _fmt(value, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_tables(rows: list[dict], meta: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    console.print(f"{meta.get('gpu') or meta['device']} ×{meta['world_size']}, torch {meta['torch']}, "
+                  f"nccl {meta['nccl']}, {meta['preset']}, {meta['iters']} iters (median)")
+    layer = Table(title="MoE layer per phase, µs (slowest rank); algbw = dispatch+combine bytes/time", box=None)
+    for col in ("ep", "T/rank", "disp", "route", "dispatch", "experts", "combine", "shared", "layer",
+                "MB sent", "GB/s", "ref GB/s", "ratio"):
+        layer.add_column(col, justify="left" if col == "disp" else "right")
+    for r in rows:
+        if r["bench"] != "moe_layer":
+            continue
+        if "error" in r:
+            layer.add_row(str(r["ep"]), "-", r["dispatcher"], "[red]error[/]")
+            continue
+        ratio = r["ratio_vs_ref"]
+        layer.add_row(str(r["ep"]), str(r["tokens_per_rank"]), r["dispatcher"],
+                      *(_fmt(r[k]) for k in ("t_route_us", "t_dispatch_us", "t_routed_us", "t_combine_us",
+                                             "t_shared_us", "t_layer_us")),
+                      f"{r['bytes_sent'] / 1e6:.2f}", _fmt(r["algbw_GBps"], ".3g"), _fmt(r["ref_algbw_GBps"], ".3g"),
+                      "-" if ratio is None else f"[{'green' if ratio >= 0.85 else 'red'}]{ratio:.2f}[/]")
+    console.print(layer)
+    gemm = Table(title="routed experts (grouped GEMM) vs dense GEMM, same run", box=None)
+    for col in ("regime", "L", "rows/exp", "µs", "TFLOP/s", "mm-only", "dense", "same-FLOPs", "ratio", "wt GB/s"):
+        gemm.add_column(col, justify="left" if col == "regime" else "right")
+    for r in rows:
+        if r["bench"] != "grouped_gemm":
+            continue
+        if "error" in r:
+            gemm.add_row(r.get("regime", "-"), str(r.get("experts_per_gpu", "-")), "-", f"[red]{r['error'][:60]}[/]")
+            continue
+        ratio = r["ratio"]
+        gemm.add_row(r["regime"], str(r["experts_per_gpu"]), str(r["rows_per_expert"]), _fmt(r["t_routed_us"]),
+                     _fmt(r["tflops"], ".3g"), _fmt(r.get("tflops_grouped_mm_only"), ".3g"),
+                     _fmt(r["dense_tflops"], ".3g"), _fmt(r["dense_same_flops_tflops"], ".3g"),
+                     f"[{'green' if ratio >= 0.7 else 'red'}]{ratio:.2f}[/]", _fmt(r["weight_read_GBps"], ".3g"))
+    console.print(gemm)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
