@@ -14,7 +14,7 @@ def _moe_sbo(*args, timeout=240):
 
 def test_demo_runs_every_dispatcher_and_matches(tmp_path):
     out = tmp_path / "demo.json"
-    proc = _moe_sbo("demo", "--ranks", "2", "--tokens", "9", "--iters", "1", "--json", str(out))
+    proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--tokens", "9", "--iters", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert {r["dispatcher"] for r in result["rows"]} == {"local", "allgather", "alltoall"}
