@@ -32,6 +32,18 @@ class AllGatherHandle(DispatchHandle):
     padded_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class _InFlightDispatch:
+    """What ``_wait_dispatch`` needs: the gathered buffers (P * padded rows) and the host counts."""
+
+    all_x_MH: torch.Tensor
+    all_meta_M2K: torch.Tensor
+    tokens_per_rank: tuple[int, ...]
+    padded_tokens: int
+    num_pairs: int
+    traffic: Traffic
+
+
 @register_dispatcher
 class AllGatherDispatcher(Dispatcher):
     """Gather all tokens everywhere; reduce-scatter the partial sums back."""
@@ -69,20 +81,22 @@ class AllGatherDispatcher(Dispatcher):
         chunk_bytes = padded * (hidden * x_TH.element_size() + meta.shape[1] * 4)
         traffic = Traffic(dispatch_bytes_sent=(ep.size - 1) * chunk_bytes,
                           dispatch_bytes_recv=(ep.size - 1) * chunk_bytes)
-        return Pending(works=works, state=(all_x, all_meta, tokens_per_rank, padded, traffic, num_pairs))
+        return Pending(works=works, state=_InFlightDispatch(all_x, all_meta, tokens_per_rank, padded,
+                                                           num_pairs, traffic))
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
-        all_x, all_meta, tokens_per_rank, padded, traffic, num_pairs = pending.state
-        all_ids, all_weights = unpack_topk(all_meta)
+        s: _InFlightDispatch = pending.state
+        all_ids, all_weights = unpack_topk(s.all_meta_M2K)
         layout = group_rows_by_expert(
-            self._local_ids(all_ids, self.ep.rank), all_weights, self.num_local_experts, num_pairs
+            self._local_ids(all_ids, self.ep.rank), all_weights, self.num_local_experts, s.num_pairs
         )
         handle = AllGatherHandle(
-            num_tokens=tokens_per_rank[self.ep.rank], hidden_size=all_x.shape[1], dtype=all_x.dtype,
-            layout=layout, traffic=traffic, tokens_per_rank=tokens_per_rank, padded_tokens=padded,
+            num_tokens=s.tokens_per_rank[self.ep.rank], hidden_size=s.all_x_MH.shape[1],
+            dtype=s.all_x_MH.dtype, layout=layout, traffic=s.traffic, tokens_per_rank=s.tokens_per_rank,
+            padded_tokens=s.padded_tokens,
         )
-        return self._output(all_x[layout.row_R], handle)
+        return self._output(s.all_x_MH[layout.row_R], handle)
 
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: AllGatherHandle = inp.handle  # type: ignore[assignment]

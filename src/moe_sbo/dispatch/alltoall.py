@@ -31,6 +31,20 @@ class AllToAllHandle(DispatchHandle):
     recv_counts: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class _InFlightDispatch:
+    """What ``_wait_dispatch`` needs: the receive buffers and the host-side counts."""
+
+    recv_x_MH: torch.Tensor
+    recv_meta_M2K: torch.Tensor
+    send_token_M: torch.Tensor
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    num_pairs: int
+    num_tokens: int
+    traffic: Traffic
+
+
 def _remote(counts: tuple[int, ...], rank: int) -> int:
     return sum(counts) - counts[rank]
 
@@ -75,19 +89,21 @@ class AllToAllDispatcher(Dispatcher):
         row_bytes = hidden * x_TH.element_size() + send_meta.shape[1] * 4
         traffic = Traffic(dispatch_bytes_sent=_remote(send_counts, ep.rank) * row_bytes,
                           dispatch_bytes_recv=_remote(recv_counts, ep.rank) * row_bytes)
-        state = (recv_x, recv_meta, send_token_M, send_counts, recv_counts, traffic, num_tokens, num_pairs)
+        state = _InFlightDispatch(recv_x, recv_meta, send_token_M, send_counts, recv_counts, num_pairs,
+                                  num_tokens, traffic)
         return Pending(works=works, state=state)
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
-        recv_x, recv_meta, send_token_M, send_counts, recv_counts, traffic, num_tokens, num_pairs = pending.state
-        local_ids_MK, weights_MK = unpack_topk(recv_meta)
-        layout = group_rows_by_expert(local_ids_MK, weights_MK, self.num_local_experts, num_pairs)
+        s: _InFlightDispatch = pending.state
+        local_ids_MK, weights_MK = unpack_topk(s.recv_meta_M2K)
+        layout = group_rows_by_expert(local_ids_MK, weights_MK, self.num_local_experts, s.num_pairs)
         handle = AllToAllHandle(
-            num_tokens=num_tokens, hidden_size=recv_x.shape[1], dtype=recv_x.dtype, layout=layout,
-            traffic=traffic, send_token_M=send_token_M, send_counts=send_counts, recv_counts=recv_counts,
+            num_tokens=s.num_tokens, hidden_size=s.recv_x_MH.shape[1], dtype=s.recv_x_MH.dtype,
+            layout=layout, traffic=s.traffic, send_token_M=s.send_token_M, send_counts=s.send_counts,
+            recv_counts=s.recv_counts,
         )
-        return self._output(recv_x[layout.row_R], handle)
+        return self._output(s.recv_x_MH[layout.row_R], handle)
 
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: AllToAllHandle = inp.handle  # type: ignore[assignment]
