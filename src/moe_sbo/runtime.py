@@ -45,32 +45,32 @@ def default_world_size(device: str) -> int:
     return torch.cuda.device_count() if device == "cuda" else 4
 
 
-def _init_rank(rank: int, world_size: int, init_method: str, device: str) -> torch.device:
-    backend = "nccl" if device == "cuda" else "gloo"
+def _join_group(device: str, local_rank: int, **init_kwargs: Any) -> torch.device:
+    """Pick this rank's device, then join the process group (NCCL on GPUs, gloo on CPU)."""
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch_device = torch.device("cuda", torch.cuda.current_device())
+        init_kwargs["device_id"] = torch_device  # binds the NCCL communicator to this GPU eagerly
     else:
+        torch_device = torch.device("cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=collective_timeout_s()), **init_kwargs)
+    return torch_device
+
+
+def _init_rank(rank: int, world_size: int, init_method: str, device: str) -> torch.device:
+    if device == "cpu":
         torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
-    kwargs = {}
-    if device == "cuda":
-        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s()), **kwargs)
-    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return _join_group(device, rank, init_method=init_method, rank=rank, world_size=world_size)
 
 
 def init_from_torchrun(device: str = "auto") -> torch.device:
     """Join the job torchrun started (reads its environment); returns this rank's device."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("RANK/WORLD_SIZE are not set: start this under torchrun, or use LocalRanks")
-    device = resolve_device(device)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s()))
-    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return _join_group(resolve_device(device), int(os.environ.get("LOCAL_RANK", rank)),
+                       rank=rank, world_size=world)
 
 
 def _free_port() -> int:

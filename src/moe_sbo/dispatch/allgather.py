@@ -1,6 +1,6 @@
 """``allgather``: the scheme before DeepEP. Every rank gathers every token, runs its own experts on
-the tokens that chose them, and a reduce-scatter (all-reduce where the backend lacks one) sums the
-partial outputs back to the tokens' owners (the seed's all-reduce, minus the rows a rank discards).
+the tokens that chose them, and a reduce-scatter sums the partial outputs back to the tokens' owners
+(the seed's all-reduce, minus the rows a rank would discard).
 
 The hard part is variable token counts: collectives need equal chunks, so each rank first learns
 every rank's T (one small blocking all-gather), pads to the largest, and the padded rows carry

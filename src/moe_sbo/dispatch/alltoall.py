@@ -45,6 +45,13 @@ class _InFlightDispatch:
     traffic: Traffic
 
 
+def _nonzero_static(mask: torch.Tensor, size: int) -> torch.Tensor:
+    """``mask.nonzero()`` when the count is already known: no device-to-host read."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=size)
+    return mask.nonzero()
+
+
 def _remote(counts: tuple[int, ...], rank: int) -> int:
     return sum(counts) - counts[rank]
 
@@ -61,8 +68,6 @@ class AllToAllDispatcher(Dispatcher):
         owner_TK = torch.div(ids_TK, self.num_local_experts, rounding_mode="floor")
         is_sent_TP = torch.zeros(num_tokens, ep.size, dtype=torch.bool, device=x_TH.device)
         is_sent_TP.scatter_(1, owner_TK, True)
-        # Rows in (destination rank, token) order: what all_to_all_single's splits expect.
-        dest_M, send_token_M = is_sent_TP.t().nonzero(as_tuple=True)
         # Counts per destination: rows, then (row, expert) pairs. Knowing the pairs it will receive
         # lets the receiver lay rows out by expert without reading the payload on the host.
         pairs_P = torch.bincount(owner_TK.reshape(-1), minlength=ep.size)
@@ -73,6 +78,9 @@ class AllToAllDispatcher(Dispatcher):
         send_counts = tuple(counts[:ep.size])
         recv_counts = tuple(counts[ep.size:2 * ep.size])
         num_pairs = sum(counts[2 * ep.size:])
+        # Rows in (destination rank, token) order: what all_to_all_single's splits expect. The row
+        # count is known on the host now, so nonzero needs no second host sync.
+        dest_M, send_token_M = _nonzero_static(is_sent_TP.t(), sum(send_counts)).unbind(1)
 
         # Ids are made local to the destination before sending, -1 where another rank owns them.
         local_ids_MK = self._local_ids(ids_TK[send_token_M], dest_M[:, None])

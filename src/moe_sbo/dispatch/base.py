@@ -110,7 +110,6 @@ class EPGroup:
     group: Any = None
     rank: int = 0
     size: int = 1
-    backend: str = "none"
 
     @classmethod
     def from_torch(cls, group: Any = None) -> "EPGroup":
@@ -118,11 +117,10 @@ class EPGroup:
             if group is not None:
                 raise ValueError(
                     "group was given but torch.distributed is not initialised; call "
-                    "moe_sbo.runtime.init_distributed() (or torchrun) first, or pass group=None"
+                    "moe_sbo.runtime.init_from_torchrun() (or use LocalRanks) first, or pass group=None"
                 )
             return cls()
-        return cls(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group),
-                   backend=str(dist.get_backend(group)))
+        return cls(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
 
 
 class Dispatcher:

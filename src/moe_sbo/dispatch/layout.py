@@ -57,7 +57,9 @@ def group_rows_by_expert(
 def combine_rows(expert_y_RH: torch.Tensor, layout: ExpertLayout, num_rows: int) -> torch.Tensor:
     """Weighted sum of expert outputs into their rows: ``[num_rows, H]`` float32."""
     y_MH = expert_y_RH.new_zeros(num_rows, expert_y_RH.shape[1], dtype=torch.float32)
-    y_MH.index_add_(0, layout.row_R, expert_y_RH.float() * layout.weight_R[:, None])
+    # One float32 temporary (copy, then scale in place), not two: at prefill sizes it is R x H x 4 B.
+    weighted_RH = expert_y_RH.to(torch.float32, copy=True).mul_(layout.weight_R[:, None])
+    y_MH.index_add_(0, layout.row_R, weighted_RH)
     return y_MH
 
 
