@@ -94,5 +94,15 @@ class SharedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype, device=device))
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        gate_TI, up_TI = F.linear(x_TH, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate_TI) * up_TI, self.down_proj)
+        """``[T, H] -> [T, H]``: ``down(up_and_activate(x))``."""
+        return self.down(self.up_and_activate(x_TH))
+
+    # The two halves are separate so an overlap strategy can run them in different transfer windows.
+    def up_and_activate(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """First half: ``silu(x gate^T) * (x up^T)`` -> ``[T, S]``."""
+        gate_TS, up_TS = F.linear(x_TH, self.gate_up_proj).chunk(2, dim=-1)
+        return F.silu(gate_TS) * up_TS
+
+    def down(self, h_TS: torch.Tensor) -> torch.Tensor:
+        """Second half: ``h down^T`` -> ``[T, H]``."""
+        return F.linear(h_TS, self.down_proj)

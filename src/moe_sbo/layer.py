@@ -12,8 +12,9 @@ One forward, as in DESIGN.md §2::
              -> combine (launch, wait)       weighted sum back on the tokens' rank    [T, H]
              -> + shared experts(x)                                                   [T, H]
 
-The layer never touches ranks or streams: the dispatcher owns communication, and code that wants to
-run inside the transfer windows attaches hooks to ``layer.dispatcher.hooks``.
+The layer never touches ranks or streams: the dispatcher owns communication, and the overlap
+strategy (``overlap=``) decides where the shared experts run by attaching hooks to the dispatcher
+for the length of one forward (``moe_sbo.overlap.sbo``); the layer only reads their output at the end.
 The hard part this file owns is weights: every rank must hold bit-identical weights for the experts
 it owns, so random initialisation is seeded per expert, not per rank.
 """
@@ -28,6 +29,7 @@ from torch import nn
 from .config import MoEConfig
 from .dispatch import EPGroup, Traffic, make_dispatcher
 from .experts import RoutedExperts, SharedExperts
+from .overlap import Overlap, make_overlap
 from .routing import Router
 
 
@@ -53,17 +55,20 @@ class MoELayer(nn.Module):
 
     ``dispatcher``: ``local`` (all experts here, the reference), ``allgather`` or ``alltoall``.
     ``group``: a ``torch.distributed`` group (``None``: the default group, or one rank when
-    ``torch.distributed`` is not initialised). Weights are random from ``seed`` (identical on every
+    ``torch.distributed`` is not initialised). ``overlap``: where the shared experts run, one of
+    ``moe_sbo.overlap.OVERLAP_MODES`` or a strategy from ``make_overlap``; ``sm_budget`` is the SMs
+    ``combine_sm`` leaves the shared experts. Weights are random from ``seed`` (identical on every
     rank for the same expert) until ``load_weights`` sets them.
     """
 
     def __init__(self, cfg: MoEConfig, *, dispatcher: str = "local", group=None,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 seed: int = 0):
+                 seed: int = 0, overlap: str | Overlap = "none", sm_budget: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         device = torch.device(device) if device is not None else torch.device("cpu")
+        self.overlap = make_overlap(overlap, device, sm_budget=sm_budget) if isinstance(overlap, str) else overlap
         self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, EPGroup.from_torch(group))
         self.router = Router(cfg, device=device)
         self.experts = RoutedExperts(self.dispatcher.num_local_experts, cfg.hidden_size,
@@ -78,14 +83,15 @@ class MoELayer(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         """``x_TH`` [T, H] in the layer's dtype and device -> ``[T, H]``. T may differ per rank, or be 0."""
         self._check_input(x_TH)
-        topk = self.router(x_TH)
-        recv = self.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
-        expert_y_RH = self.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
-        routed_TH = self.dispatcher.combine(expert_y_RH, recv.handle)
+        with self.dispatcher.hooks.scope() as forward_hooks:  # the strategy's hooks end with this forward
+            shared = self.overlap.attach(forward_hooks, self.shared_experts, x_TH)
+            topk = self.router(x_TH)
+            recv = self.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+            expert_y_RH = self.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+            routed_TH = self.dispatcher.combine(expert_y_RH, recv.handle)
+            shared_TH = shared.result()
         self.last_traffic = recv.handle.traffic
-        if self.shared_experts is None:
-            return routed_TH
-        return routed_TH + self.shared_experts(x_TH)
+        return routed_TH if shared_TH is None else routed_TH + shared_TH
 
     # ---- weights ---------------------------------------------------------------------------------
 

@@ -1,0 +1,317 @@
+"""Single-batch overlap (SBO): where the shared experts run relative to the dispatch/combine transfers.
+
+A strategy only registers hooks on the layer's dispatcher, inside the forward's ``HookScope``; the
+layer and the dispatchers never learn which one runs. ``attach`` returns a ``SharedOutput``: the
+shared experts' ``[T, H]`` output, computed wherever the hooks put it, read by the layer at the end.
+
+=============  ==============================================================================  =========
+mode           where the shared experts run                                                    on CPU
+=============  ==============================================================================  =========
+``none``       after the combine, on the current stream (the reference order)                  same
+``dispatch``   inside ``dispatch_in_flight``: while the dispatch transfer is on the wire       overlaps
+``combine``    on a side stream from ``pre_combine``, joined at ``post_combine`` (seed type 1)  sequential
+``combine_sm`` on a side stream from ``combine_in_flight``, after the event the routed          overlaps
+               down-projection recorded, with cuBLAS planning for ``sm_budget`` SMs (type 3)
+``split``      first projection in ``dispatch_in_flight``, down projection in                  overlaps
+               ``combine_in_flight`` (as Megatron splits it)
+``auto``       one of the above per token count, chosen from timings it measures itself
+=============  ==============================================================================  =========
+
+Why the launch points differ: on CUDA our collectives run on the communicator's stream, which waits
+for the current stream at launch. Work queued on the current stream in an ``*_in_flight`` hook
+therefore runs beside the transfer. Work launched *before* the transfer (``combine`` at
+``pre_combine``) grabs the SMs first and the communication kernel waits for free SMs, which is what
+``combine_sm``'s launch after the transfer and SM budget are for. On CPU, gloo moves data on its own
+threads, so the in-flight modes overlap there too; ``combine`` has no side stream on CPU and runs
+in program order (it says so once).
+
+The outputs are the same in every mode: the same kernels compute the same tensors, only where they
+are queued changes (bitwise on CPU; on GPU too unless the SM budget makes cuBLAS pick another
+kernel, hence the bf16 tolerance the tests state).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..experts import SharedExperts
+from ..hooks import HookScope
+from ..streams import SideStream, check_sm_budget, record_event, side_stream, sm_budget as sm_budget_ctx, sm_count
+
+log = logging.getLogger("moe_sbo.overlap")
+
+FIXED_MODES: tuple[str, ...] = ("none", "dispatch", "combine", "combine_sm", "split")
+OVERLAP_MODES: tuple[str, ...] = (*FIXED_MODES, "auto")
+# NCCL on NVLink Hopper runs up to 32 channels, one CTA (one SM) each; leave those to communication.
+DEFAULT_COMM_SMS = 32
+# Modes whose CPU version gives up the overlap (no side stream on CPU).
+_SEQUENTIAL_ON_CPU = {"combine": "no side stream on CPU: the shared experts run at pre_combine, in program order"}
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
+
+
+@dataclass
+class SharedOutput:
+    """The shared experts' ``[T, H]`` output for one forward (``None`` when the model has none).
+
+    ``launched_at`` names the hook event that launched them (``"after_combine"`` for ``none``).
+    ``result()`` raises if the strategy's hooks never ran: a strategy bug must not pass silently.
+    """
+
+    value_TH: torch.Tensor | None = None
+    launched_at: str | None = None
+    deferred: Callable[[], torch.Tensor] | None = None
+    on_result: Callable[[], None] | None = None
+
+    def set(self, value_TH: torch.Tensor, event: str) -> None:
+        self.value_TH, self.launched_at = value_TH, event
+
+    def result(self) -> torch.Tensor | None:
+        if self.deferred is not None:
+            self.set(self.deferred(), "after_combine")
+            self.deferred = None
+        if self.launched_at is None:
+            raise RuntimeError("the overlap strategy's hooks never ran the shared experts in this forward")
+        if self.on_result is not None:
+            self.on_result()
+        return self.value_TH
+
+
+@dataclass(frozen=True)
+class OverlapContext:
+    """What the strategies need besides the hooks: the device, its side stream, the SM budget."""
+
+    device: torch.device
+    side: SideStream
+    sm_budget: int | None
+
+
+# ---- the fixed modes: functions that register hooks ---------------------------------------------
+
+AttachFn = Callable[[HookScope, SharedExperts, torch.Tensor, OverlapContext], SharedOutput]
+
+
+def attach_none(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor, ctx: OverlapContext) -> SharedOutput:
+    return SharedOutput(deferred=lambda: shared(x_TH))
+
+
+def attach_dispatch(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
+                    ctx: OverlapContext) -> SharedOutput:
+    out = SharedOutput()
+    hooks.register("dispatch_in_flight", lambda d, pending: out.set(shared(x_TH), "dispatch_in_flight"),
+                   once=True)
+    return out
+
+
+def attach_combine(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
+                   ctx: OverlapContext) -> SharedOutput:
+    out = SharedOutput()
+
+    def start(dispatcher, combine_input):
+        ctx.side.fork()  # after the routed experts queued on the current stream
+        with ctx.side.active():
+            out.set(shared(x_TH), "pre_combine")
+
+    def join(dispatcher, y_TH):
+        ctx.side.join()
+        ctx.side.record_on_current(out.value_TH)
+
+    hooks.register("pre_combine", start, once=True)
+    hooks.register("post_combine", join, once=True)
+    return out
+
+
+def attach_combine_sm(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
+                      ctx: OverlapContext) -> SharedOutput:
+    out = SharedOutput()
+    routed_done: list = []
+
+    def mark_routed_done(dispatcher, combine_input):
+        # The routed down-projection is the last thing queued on the current stream: the combine's
+        # collective waits on it at launch, and the shared experts start after it too.
+        routed_done.append(record_event(ctx.device))
+
+    def start(dispatcher, pending):
+        ctx.side.fork(after=routed_done[0])
+        with ctx.side.active(), sm_budget_ctx(ctx.device, ctx.sm_budget):
+            out.set(shared(x_TH), "combine_in_flight")
+
+    def join(dispatcher, y_TH):
+        ctx.side.join()
+        ctx.side.record_on_current(out.value_TH)
+
+    hooks.register("pre_combine", mark_routed_done, once=True)
+    hooks.register("combine_in_flight", start, once=True)
+    hooks.register("post_combine", join, once=True)
+    return out
+
+
+def attach_split(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor, ctx: OverlapContext) -> SharedOutput:
+    out = SharedOutput()
+    hidden: list[torch.Tensor] = []
+    hooks.register("dispatch_in_flight", lambda d, p: hidden.append(shared.up_and_activate(x_TH)), once=True)
+    hooks.register("combine_in_flight", lambda d, p: out.set(shared.down(hidden.pop()), "combine_in_flight"),
+                   once=True)
+    return out
+
+
+ATTACH: dict[str, AttachFn] = {
+    "none": attach_none,
+    "dispatch": attach_dispatch,
+    "combine": attach_combine,
+    "combine_sm": attach_combine_sm,
+    "split": attach_split,
+}
+
+
+# ---- strategies the layer holds ----------------------------------------------------------------
+
+@dataclass
+class FixedOverlap:
+    """One mode for every forward."""
+
+    mode: str
+    ctx: OverlapContext
+
+    @property
+    def name(self) -> str:
+        return self.mode
+
+    def attach(self, hooks: HookScope, shared: SharedExperts | None, x_TH: torch.Tensor) -> SharedOutput:
+        """Register this forward's hooks in ``hooks``; the returned output is ready after the combine."""
+        if shared is None:
+            return SharedOutput(launched_at="no_shared_experts")
+        return ATTACH[self.mode](hooks, shared, x_TH, self.ctx)
+
+
+def _bucket(num_tokens: int) -> int:
+    """Token counts that share a decision: the next power of two."""
+    return 1 << max(num_tokens - 1, 0).bit_length()
+
+
+@dataclass
+class AutoOverlap:
+    """Per token-count bucket, time every candidate mode on real forwards, then keep the fastest.
+
+    Exploration: forwards in a bucket cycle through ``candidates`` (``none`` always among them) for
+    ``warmup + trials`` rounds, each timed from ``attach`` to the shared output's ``result()``
+    (CUDA events, read with a sync at the next forward of the bucket; only while exploring). Then the
+    bucket keeps the mode with the lowest median, so it is never slower than ``none`` as measured.
+    ``choices`` (bucket -> mode) can also be given up front, e.g. from a benchmark's JSON rows with
+    ``choices_from_rows``. Inside CUDA-graph capture nothing is timed: the bucket's choice (or
+    ``none``) runs.
+    """
+
+    ctx: OverlapContext
+    candidates: tuple[str, ...] = FIXED_MODES
+    trials: int = 3
+    warmup: int = 1
+    choices: dict[int, str] = field(default_factory=dict)
+    timings_us: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    _calls: dict[int, int] = field(default_factory=dict)
+    _open: dict[int, tuple[str, object, object]] = field(default_factory=dict)
+
+    name = "auto"
+
+    def __post_init__(self) -> None:
+        if "none" not in self.candidates:
+            self.candidates = ("none", *self.candidates)
+        unknown = set(self.candidates) - set(FIXED_MODES)
+        if unknown:
+            raise ValueError(f"auto candidates must be among {FIXED_MODES}, got {sorted(unknown)}")
+
+    def attach(self, hooks: HookScope, shared: SharedExperts | None, x_TH: torch.Tensor) -> SharedOutput:
+        if shared is None:
+            return SharedOutput(launched_at="no_shared_experts")
+        bucket = _bucket(x_TH.shape[0])
+        self._close(bucket)
+        capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if bucket in self.choices or capturing:
+            return ATTACH[self.choices.get(bucket, "none")](hooks, shared, x_TH, self.ctx)
+        call = self._calls.get(bucket, 0)
+        self._calls[bucket] = call + 1
+        mode = self.candidates[call % len(self.candidates)]
+        start = self._clock()
+        out = ATTACH[mode](hooks, shared, x_TH, self.ctx)
+        timed = call >= self.warmup * len(self.candidates)
+
+        def stop() -> None:
+            if timed:
+                self._open[bucket] = (mode, start, self._clock())
+
+        out.on_result = stop
+        return out
+
+    def _clock(self):
+        if self.ctx.device.type == "cuda":
+            return record_event(self.ctx.device)
+        return time.perf_counter()
+
+    def _close(self, bucket: int) -> None:
+        """Book the last timed forward of ``bucket``; decide once every candidate has its trials."""
+        if bucket not in self._open:
+            return
+        mode, start, end = self._open.pop(bucket)
+        if self.ctx.device.type == "cuda":
+            end.synchronize()
+            elapsed_us = start.elapsed_time(end) * 1e3
+        else:
+            elapsed_us = (end - start) * 1e6
+        samples = self.timings_us.setdefault(bucket, {m: [] for m in self.candidates})
+        samples[mode].append(elapsed_us)
+        if all(len(samples[m]) >= self.trials for m in self.candidates):
+            medians = {m: statistics.median(samples[m]) for m in self.candidates}
+            # ties go to the earlier candidate, and "none" comes first
+            self.choices[bucket] = min(self.candidates, key=lambda m: medians[m])
+
+
+def choices_from_rows(rows: list[dict]) -> dict[int, str]:
+    """Bucket -> fastest mode, from benchmark rows with ``tokens_per_rank``, ``overlap``, ``t_layer_us``."""
+    best: dict[int, tuple[float, str]] = {}
+    for row in rows:
+        if row.get("overlap") not in FIXED_MODES or row.get("t_layer_us") is None:
+            continue
+        bucket = _bucket(int(row["tokens_per_rank"]))
+        candidate = (float(row["t_layer_us"]), row["overlap"])
+        if bucket not in best or candidate < best[bucket]:
+            best[bucket] = candidate
+    return {bucket: mode for bucket, (_, mode) in best.items()}
+
+
+Overlap = FixedOverlap | AutoOverlap
+
+
+def make_overlap(mode: str, device: torch.device | str, *, sm_budget: int | None = None) -> Overlap:
+    """The strategy called ``mode`` for layers on ``device``.
+
+    ``sm_budget``: SMs the shared experts' GEMMs may plan for in ``combine_sm`` (default: all but
+    ``DEFAULT_COMM_SMS``); must not exceed the GPU's SM count. Ignored on CPU.
+    """
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {mode!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # one side stream per physical GPU
+    if device.type == "cuda":
+        check_sm_budget(device, sm_budget)
+        if sm_budget is None:
+            sm_budget = max(1, sm_count(device) - DEFAULT_COMM_SMS)
+    elif sm_budget is not None and mode in ("combine_sm", "auto"):
+        _say_once("overlap combine_sm: the SM budget is ignored on CPU (no SMs to share)")
+    if device.type != "cuda" and mode in _SEQUENTIAL_ON_CPU:
+        _say_once(f"overlap {mode} on {device.type}: {_SEQUENTIAL_ON_CPU[mode]}")
+    ctx = OverlapContext(device=device, side=side_stream(device), sm_budget=sm_budget)
+    if mode == "auto":
+        return AutoOverlap(ctx)
+    return FixedOverlap(mode, ctx)

@@ -1,0 +1,120 @@
+"""Streams, events and SM budgets, so overlap code never branches on CPU vs CUDA.
+
+On CUDA a ``SideStream`` is a second stream that forks from and joins the current one through
+events (capturable in a CUDA graph). On CPU there are no streams: work "on the side stream" runs
+inline on the host, in program order, which is the sequential equivalent.
+
+The hard part is the SM budget. Kernels launched while another stream's kernels run share the SMs:
+a GEMM grid that fills every SM leaves a communication kernel launched after it waiting for SMs, and
+the transfer is serialised behind the GEMM. ``sm_budget`` caps the SMs that cuBLAS(Lt) plans for
+with PyTorch's carve-out (``torch._C._set_sm_carveout_experimental``, applied by the cuBLASLt path,
+which is why the context also prefers cuBLASLt); it is a planning hint to cuBLAS, not a hard fence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class SideStream:
+    """A second stream on ``device`` (CUDA), or the host's program order (CPU).
+
+    Use ``fork()`` before launching side work (the side waits for what the current stream queued),
+    ``with side.active():`` around the side work, and ``join()`` where the current stream needs its
+    results. Tensors made on the side are recorded on the current stream at ``join`` time by the
+    caller (``record_on_current``), so the caching allocator does not hand their memory out early.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def is_real(self) -> bool:
+        """Whether side work can run concurrently with the current stream's work."""
+        return self.stream is not None
+
+    def fork(self, after: "torch.cuda.Event | None" = None) -> None:
+        """The side stream waits for ``after`` (default: everything queued on the current stream)."""
+        if self.stream is None:
+            return
+        if after is None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self.stream.wait_event(after)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make the side stream current for the block (CPU: nothing changes)."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        """The current stream waits for everything queued on the side stream."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def record_on_current(self, tensor: torch.Tensor | None) -> None:
+        """Tell the allocator ``tensor`` (made on the side) is used by the current stream."""
+        if self.stream is not None and tensor is not None:
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+
+
+@functools.lru_cache(maxsize=None)
+def side_stream(device: torch.device) -> SideStream:
+    """One side stream per device, reused by every layer (streams are costly to create)."""
+    return SideStream(device)
+
+
+def record_event(device: torch.device) -> "torch.cuda.Event | None":
+    """An event recorded now on the current stream (CUDA), or ``None`` on CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def check_sm_budget(device: torch.device, sm_budget: int | None) -> None:
+    """Raise if ``sm_budget`` is not a number of SMs this GPU has (CPU: any budget is ignored)."""
+    if sm_budget is None or device.type != "cuda":
+        return
+    total = sm_count(device)
+    if not 0 < sm_budget <= total:
+        raise ValueError(
+            f"sm_budget must be in [1, {total}] (the SMs of {torch.cuda.get_device_name(device)}), got "
+            f"{sm_budget}; leave SMs for communication, e.g. sm_budget={max(1, total - 24)}"
+        )
+
+
+@contextlib.contextmanager
+def sm_budget(device: torch.device, sms: int | None) -> Iterator[None]:
+    """GEMMs launched in the block plan for at most ``sms`` SMs (CUDA; CPU and ``None``: no effect)."""
+    if sms is None or device.type != "cuda":
+        yield
+        return
+    check_sm_budget(device, sms)
+    previous_carveout = torch._C._get_sm_carveout_experimental()
+    previous_library = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sm_count(device) - sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous_carveout)
+        torch.backends.cuda.preferred_blas_library(previous_library)
