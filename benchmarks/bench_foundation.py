@@ -33,8 +33,6 @@ import math
 import statistics
 import sys
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,132 +42,10 @@ from moe_sbo.bench_meta import result_meta
 from moe_sbo.config import get_preset, PRESETS
 from moe_sbo.experts import RoutedExperts, grouped_mm_supported
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import LocalRanks, RankError, resolve_device
+from moe_sbo.runtime import RankError, RankPool, resolve_device
+from moe_sbo.timing import SPANS, KernelTimer, time_all_to_all, time_layer
 
 DISPATCHERS = ("allgather", "alltoall")
-# Hook events stamped inside one forward, plus "start"/"end" around it.
-HOOK_STAMPS = ("pre_dispatch", "dispatch_in_flight", "post_dispatch", "pre_combine", "combine_in_flight",
-               "post_combine")
-STAMPS = ("start", *HOOK_STAMPS, "end")
-# (name, from stamp, to stamp) of every reported span.
-SPANS = (
-    ("t_route_us", "start", "pre_dispatch"),
-    ("t_dispatch_us", "pre_dispatch", "post_dispatch"),
-    ("t_dispatch_launch_us", "pre_dispatch", "dispatch_in_flight"),
-    ("t_routed_us", "post_dispatch", "pre_combine"),
-    ("t_combine_us", "pre_combine", "post_combine"),
-    ("t_combine_launch_us", "pre_combine", "combine_in_flight"),
-    ("t_shared_us", "post_combine", "end"),
-    ("t_layer_us", "start", "end"),
-)
-
-
-# ---- timing primitives -------------------------------------------------------------------------------
-
-
-class Stamps:
-    """Per-iteration timestamps: CUDA events on the current stream, or host clock reads on CPU.
-
-    ``iteration`` < 0 means warm-up: ``record`` does nothing. Read results only after ``spans_us``,
-    which synchronises once at the end.
-    """
-
-    def __init__(self, device: torch.device, iters: int, names: tuple[str, ...]):
-        self.cuda = device.type == "cuda"
-        self.iteration = -1
-        if self.cuda:
-            self.events = {n: [torch.cuda.Event(enable_timing=True) for _ in range(iters)] for n in names}
-        else:
-            self.times = {n: [0.0] * iters for n in names}
-
-    def record(self, name: str) -> None:
-        if self.iteration < 0:
-            return
-        if self.cuda:
-            self.events[name][self.iteration].record()
-        else:
-            self.times[name][self.iteration] = time.perf_counter()
-
-    def span_us(self, start: str, end: str) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) * 1e3 for a, b in zip(self.events[start], self.events[end])]
-        return [(b - a) * 1e6 for a, b in zip(self.times[start], self.times[end])]
-
-
-def line_up(device: torch.device) -> None:
-    """Finish all queued work and align the ranks (called between timed iterations, never inside)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-
-def time_layer(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
-    """Median µs of every span in ``SPANS`` over ``iters`` forwards, stamped from dispatcher hooks."""
-    stamps = Stamps(x_TH.device, iters, STAMPS)
-    with layer.dispatcher.hooks.scope() as scope:
-        for event in HOOK_STAMPS:
-            scope.register(event, lambda dispatcher, payload, event=event: stamps.record(event))
-        for it in range(warmup + iters):
-            stamps.iteration = it - warmup
-            line_up(x_TH.device)
-            stamps.record("start")
-            layer(x_TH)
-            stamps.record("end")
-    return {name: statistics.median(stamps.span_us(a, b)) for name, a, b in SPANS}
-
-
-def time_all_to_all(chunk_elems: int, dtype: torch.dtype, device: torch.device, warmup: int, iters: int,
-                    seed: int) -> float:
-    """Median µs of one raw ``all_to_all_single`` sending ``chunk_elems`` elements to every rank."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    generator = torch.Generator(device=device).manual_seed(seed * 104_729 + rank)
-    send = torch.randn(world * chunk_elems, generator=generator, device=device).to(dtype)
-    recv = torch.empty_like(send)
-    stamps = Stamps(device, iters, ("start", "end"))
-    for it in range(warmup + iters):
-        stamps.iteration = it - warmup
-        line_up(device)
-        stamps.record("start")
-        dist.all_to_all_single(recv, send)
-        stamps.record("end")
-    return statistics.median(stamps.span_us("start", "end"))
-
-
-class KernelTimer:
-    """Median µs of a callable: ``triton.testing.do_bench`` when it imports (CUDA), else CUDA events or
-    the host clock. ``quick`` shortens every measurement (CPU smoke runs)."""
-
-    def __init__(self, device: torch.device, quick: bool):
-        self.device = device
-        self.quick = quick
-        self.do_bench = None
-        if device.type == "cuda":
-            try:
-                from triton.testing import do_bench
-                self.do_bench = do_bench
-            except Exception:  # noqa: BLE001 - any import failure means: use events
-                self.do_bench = None
-        self.name = "triton.testing.do_bench(median)" if self.do_bench else (
-            "cuda events (median)" if device.type == "cuda" else "host clock (median)")
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        if self.do_bench is not None:
-            warmup_ms, rep_ms = (5, 20) if self.quick else (25, 200)
-            return self.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
-        warmup, iters = (1, 3) if self.quick else (5, 30)
-        stamps = Stamps(self.device, iters, ("start", "end"))
-        for it in range(warmup + iters):
-            stamps.iteration = it - warmup
-            stamps.record("start")
-            fn()
-            stamps.record("end")
-        return statistics.median(stamps.span_us("start", "end"))
-
-
 # ---- the layer benchmark (runs on every rank) -------------------------------------------------------
 
 
@@ -339,28 +215,6 @@ def grouped_gemm_rank(device: torch.device, preset: str, cases: list[tuple[str, 
 # ---- driver -----------------------------------------------------------------------------------------
 
 
-class Pool:
-    """A ``LocalRanks`` pool that is started again after a failed call (its group may be broken)."""
-
-    def __init__(self, world_size: int, device: str):
-        self.world_size, self.device = world_size, device
-        self.ranks: LocalRanks | None = None
-
-    def run(self, fn: Callable, *args) -> list:
-        if self.ranks is None:
-            self.ranks = LocalRanks(self.world_size, device=self.device, timeout_s=900)
-        try:
-            return self.ranks.run(fn, *args)
-        except RankError:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self.ranks is not None:
-            self.ranks.close()
-            self.ranks = None
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for foundation.json")
@@ -416,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     for index, p in enumerate(ep_sizes):
-        pool = Pool(p, device)
+        pool = RankPool(p, device)
         try:
             if "layer" not in args.skip:
                 for name in args.dispatchers:

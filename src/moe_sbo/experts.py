@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .trace import annotate
+
 
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -72,13 +74,14 @@ class RoutedExperts(nn.Module):
 
         ``num_rows_per_expert_L`` (int, any device) counts each local expert's rows, in order.
         """
-        offsets_L = num_rows_per_expert_L.to(device=x_RH.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        use_grouped_mm = self.use_grouped_mm
-        if use_grouped_mm is None:
-            use_grouped_mm = grouped_mm_supported(x_RH)
-        gate_up_R2I = grouped_linear(x_RH, self.gate_up_proj, offsets_L, use_grouped_mm)
-        gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
+        with annotate("routed_experts"):
+            offsets_L = num_rows_per_expert_L.to(device=x_RH.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            use_grouped_mm = self.use_grouped_mm
+            if use_grouped_mm is None:
+                use_grouped_mm = grouped_mm_supported(x_RH)
+            gate_up_R2I = grouped_linear(x_RH, self.gate_up_proj, offsets_L, use_grouped_mm)
+            gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
+            return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
 
 
 class SharedExperts(nn.Module):
@@ -100,9 +103,11 @@ class SharedExperts(nn.Module):
     # The two halves are separate so an overlap strategy can run them in different transfer windows.
     def up_and_activate(self, x_TH: torch.Tensor) -> torch.Tensor:
         """First half: ``silu(x gate^T) * (x up^T)`` -> ``[T, S]``."""
-        gate_TS, up_TS = F.linear(x_TH, self.gate_up_proj).chunk(2, dim=-1)
-        return F.silu(gate_TS) * up_TS
+        with annotate("shared_experts"):
+            gate_TS, up_TS = F.linear(x_TH, self.gate_up_proj).chunk(2, dim=-1)
+            return F.silu(gate_TS) * up_TS
 
     def down(self, h_TS: torch.Tensor) -> torch.Tensor:
         """Second half: ``h down^T`` -> ``[T, H]``."""
-        return F.linear(h_TS, self.down_proj)
+        with annotate("shared_experts"):
+            return F.linear(h_TS, self.down_proj)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
+from .trace import annotate
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Router(nn.Module):
         )
 
     def forward(self, x_TH: torch.Tensor) -> TopkOutput:
-        logits_TE = F.linear(x_TH.float(), self.weight)
-        bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
-        return select_experts(logits_TE, self.cfg, bias_E)
+        with annotate("router"):
+            logits_TE = F.linear(x_TH.float(), self.weight)
+            bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
+            return select_experts(logits_TE, self.cfg, bias_E)

@@ -176,3 +176,25 @@ class LocalRanks:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class RankPool:
+    """A ``LocalRanks`` pool that is started again after a failed call (its group may be broken)."""
+
+    def __init__(self, world_size: int, device: str, timeout_s: float = 900):
+        self.world_size, self.device, self.timeout_s = world_size, device, timeout_s
+        self.ranks: LocalRanks | None = None
+
+    def run(self, fn: Callable, *args) -> list:
+        if self.ranks is None:
+            self.ranks = LocalRanks(self.world_size, device=self.device, timeout_s=self.timeout_s)
+        try:
+            return self.ranks.run(fn, *args)
+        except RankError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None

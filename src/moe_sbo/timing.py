@@ -1,0 +1,140 @@
+"""Timing without perturbing what is timed: per-iteration stamps (CUDA events or the host clock),
+lining ranks up between iterations, and a median-of-many timer for single kernels.
+
+The hard part is where synchronisation goes. Nothing here synchronises inside a timed region:
+``Stamps`` records events on the current stream and reads them once at the end, and ``line_up``
+(synchronize + barrier) runs only between iterations, so one rank's late start is not billed to
+another rank's communication.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .layer import MoELayer
+
+# Hook events stamped inside one forward, plus "start"/"end" around it.
+HOOK_STAMPS = ("pre_dispatch", "dispatch_in_flight", "post_dispatch", "pre_combine", "combine_in_flight",
+               "post_combine")
+STAMPS = ("start", *HOOK_STAMPS, "end")
+# (name, from stamp, to stamp) of every reported span.
+SPANS = (
+    ("t_route_us", "start", "pre_dispatch"),
+    ("t_dispatch_us", "pre_dispatch", "post_dispatch"),
+    ("t_dispatch_launch_us", "pre_dispatch", "dispatch_in_flight"),
+    ("t_routed_us", "post_dispatch", "pre_combine"),
+    ("t_combine_us", "pre_combine", "post_combine"),
+    ("t_combine_launch_us", "pre_combine", "combine_in_flight"),
+    ("t_shared_us", "post_combine", "end"),
+    ("t_layer_us", "start", "end"),
+)
+
+
+class Stamps:
+    """Per-iteration timestamps: CUDA events on the current stream, or host clock reads on CPU.
+
+    ``iteration`` < 0 means warm-up: ``record`` does nothing. Read results only after ``spans_us``,
+    which synchronises once at the end.
+    """
+
+    def __init__(self, device: torch.device, iters: int, names: tuple[str, ...]):
+        self.cuda = device.type == "cuda"
+        self.iteration = -1
+        if self.cuda:
+            self.events = {n: [torch.cuda.Event(enable_timing=True) for _ in range(iters)] for n in names}
+        else:
+            self.times = {n: [0.0] * iters for n in names}
+
+    def record(self, name: str) -> None:
+        if self.iteration < 0:
+            return
+        if self.cuda:
+            self.events[name][self.iteration].record()
+        else:
+            self.times[name][self.iteration] = time.perf_counter()
+
+    def span_us(self, start: str, end: str) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) * 1e3 for a, b in zip(self.events[start], self.events[end])]
+        return [(b - a) * 1e6 for a, b in zip(self.times[start], self.times[end])]
+
+
+def line_up(device: torch.device) -> None:
+    """Finish all queued work and align the ranks (called between timed iterations, never inside)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+class KernelTimer:
+    """Median µs of a callable: ``triton.testing.do_bench`` when it imports (CUDA), else CUDA events or
+    the host clock. ``quick`` shortens every measurement (CPU smoke runs)."""
+
+    def __init__(self, device: torch.device, quick: bool):
+        self.device = device
+        self.quick = quick
+        self.do_bench = None
+        if device.type == "cuda":
+            try:
+                from triton.testing import do_bench
+                self.do_bench = do_bench
+            except Exception:  # noqa: BLE001 - any import failure means: use events
+                self.do_bench = None
+        self.name = "triton.testing.do_bench(median)" if self.do_bench else (
+            "cuda events (median)" if device.type == "cuda" else "host clock (median)")
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.do_bench is not None:
+            warmup_ms, rep_ms = (5, 20) if self.quick else (25, 200)
+            return self.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+        warmup, iters = (1, 3) if self.quick else (5, 30)
+        stamps = Stamps(self.device, iters, ("start", "end"))
+        for it in range(warmup + iters):
+            stamps.iteration = it - warmup
+            stamps.record("start")
+            fn()
+            stamps.record("end")
+        return statistics.median(stamps.span_us("start", "end"))
+
+
+def time_layer(layer: "MoELayer", x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
+    """Median µs of every span in ``SPANS`` over ``iters`` forwards, stamped from dispatcher hooks."""
+    stamps = Stamps(x_TH.device, iters, STAMPS)
+    with layer.dispatcher.hooks.scope() as scope:
+        for event in HOOK_STAMPS:
+            scope.register(event, lambda dispatcher, payload, event=event: stamps.record(event))
+        for it in range(warmup + iters):
+            stamps.iteration = it - warmup
+            line_up(x_TH.device)
+            stamps.record("start")
+            layer(x_TH)
+            stamps.record("end")
+    return {name: statistics.median(stamps.span_us(a, b)) for name, a, b in SPANS}
+
+
+def time_all_to_all(chunk_elems: int, dtype: torch.dtype, device: torch.device, warmup: int, iters: int,
+                    seed: int) -> float:
+    """Median µs of one raw ``all_to_all_single`` sending ``chunk_elems`` elements to every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    generator = torch.Generator(device=device).manual_seed(seed * 104_729 + rank)
+    send = torch.randn(world * chunk_elems, generator=generator, device=device).to(dtype)
+    recv = torch.empty_like(send)
+    stamps = Stamps(device, iters, ("start", "end"))
+    for it in range(warmup + iters):
+        stamps.iteration = it - warmup
+        line_up(device)
+        stamps.record("start")
+        dist.all_to_all_single(recv, send)
+        stamps.record("end")
+    return statistics.median(stamps.span_us("start", "end"))
