@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from moe_sbo.dispatch import DISPATCHERS
+
 
 def _moe_sbo(*args, timeout=240):
     return subprocess.run([sys.executable, "-m", "moe_sbo.cli", *args], capture_output=True, text=True,
@@ -17,7 +19,7 @@ def test_demo_runs_every_dispatcher_and_matches(tmp_path):
     proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--tokens", "9", "--iters", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert {r["dispatcher"] for r in result["rows"]} == {"local", "allgather", "alltoall"}
+    assert {r["dispatcher"] for r in result["rows"]} == set(DISPATCHERS)
     assert all(r["ok"] and r["rel_err"] <= 1e-5 for r in result["rows"])
     assert all(r["bytes_sent"] > 0 for r in result["rows"] if r["dispatcher"] != "local")
     assert result["meta"]["world_size"] == 2 and result["meta"]["torch"]
@@ -30,3 +32,17 @@ def test_demo_bad_input_exits_2_with_a_message():
     assert "divisible by the EP size, got 16 experts on 3 ranks" in proc.stderr
     proc = _moe_sbo("demo", "--dispatcher", "deepep", "--ranks", "2")
     assert proc.returncode == 2 and "--dispatcher must be one of" in proc.stderr
+
+
+def test_demo_overlap_all_checks_every_mode_against_none(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--tokens", "6", "--iters", "1",
+                    "--dispatcher", "alltoall", "--overlap", "all", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["overlap"] for r in rows] == ["none", "dispatch", "combine", "combine_sm", "split", "auto"]
+    assert all(r["ok"] and r["same_as_none"] for r in rows)
+    assert "overlap combine on cpu" in proc.stderr  # said once, by rank 0 only
+    assert proc.stderr.count("overlap combine on cpu") == 1
+    proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--overlap", "sideways")
+    assert proc.returncode == 2 and "--overlap must be one of ['none', 'dispatch'" in proc.stderr

@@ -14,7 +14,7 @@ from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.hooks import HOOK_EVENTS
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import FIXED_MODES, OVERLAP_MODES, AutoOverlap, choices_from_rows, make_overlap
-from moe_sbo.overlap.sbo import OverlapContext, _bucket
+from moe_sbo.overlap.sbo import OverlapContext, bucket_of
 from moe_sbo.streams import side_stream
 
 EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})
@@ -159,7 +159,7 @@ def test_auto_times_every_candidate_then_keeps_the_fastest():
         rounds = len(auto.candidates) * (auto.warmup + auto.trials) + 1
         for _ in range(rounds):
             assert torch.equal(layer(x), reference)
-    bucket = _bucket(6)
+    bucket = bucket_of(6)
     assert set(auto.timings_us[bucket]) == set(FIXED_MODES)
     assert all(len(v) == auto.trials for v in auto.timings_us[bucket].values())
     chosen = auto.choices[bucket]
@@ -186,4 +186,4 @@ def test_choices_from_benchmark_rows():
             {"tokens_per_rank": 4096, "overlap": "none", "t_layer_us": 900.0},
             {"tokens_per_rank": 4096, "overlap": "auto", "t_layer_us": 1.0}]
     assert choices_from_rows(rows) == {128: "dispatch", 4096: "combine_sm"}
-    assert [_bucket(n) for n in (0, 1, 2, 3, 128, 129)] == [1, 1, 2, 4, 128, 256]
+    assert [bucket_of(n) for n in (0, 1, 2, 3, 128, 129)] == [1, 1, 2, 4, 128, 256]

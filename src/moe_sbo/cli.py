@@ -1,5 +1,5 @@
 """``moe-sbo``: the command line. Sub-commands: ``demo`` (dispatchers vs one rank), ``plan``
-(communication budget)."""
+(communication budget), ``check`` (a real checkpoint's MoE layer vs ``transformers``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from rich.table import Table
 
 from .config import PRESETS
 from .dispatch import DISPATCHERS
+from .overlap import OVERLAP_MODES
+from .check_cli import add_check_parser, run_check
+from .bench import add_bench_parser, run_bench
 from .plan_cli import add_plan_parser, run_plan
 
 
@@ -25,6 +28,8 @@ def _add_demo_parser(subparsers) -> None:
     p.add_argument("--ranks", type=int, default=None, help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--dispatcher", default="all", help=f"one of {sorted(DISPATCHERS)}, or all")
+    p.add_argument("--overlap", default="none",
+                   help=f"one of {list(OVERLAP_MODES)}, or all; other than none, none runs too for comparison")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -32,6 +37,9 @@ def _add_demo_parser(subparsers) -> None:
     p.add_argument("--iters", type=int, default=5, help="timed forwards per dispatcher (after one warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
+    p.add_argument("--checkpoint", metavar="DIR", help="run MoE layer --layer of this Hugging Face model "
+                   "directory instead of --preset with random weights (see docs/CHECKPOINTS.md)")
+    p.add_argument("--layer", type=int, default=None, help="with --checkpoint: layer index (default: first MoE layer)")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -49,23 +57,33 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be >= 0, got {args.tokens}")
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
-    PRESETS[args.preset].experts_per_rank(ranks)  # raises before any rank starts if they do not divide
+    overlaps = _overlap_modes(args.overlap)
+    model = PRESETS[args.preset]
+    if args.checkpoint:  # checked before any rank starts: config.json, the layer, every tensor header
+        from .checkpoint import Checkpoint
+
+        checkpoint = Checkpoint(args.checkpoint)
+        args.layer, model = checkpoint.validate_layer(args.layer), checkpoint.moe_config
+    model.experts_per_rank(ranks)  # raises before any rank starts if they do not divide
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
 
     console = make_console()
-    console.print(f"[bold]moe-sbo demo[/]: preset {args.preset}, {ranks} {device} ranks, "
+    source = f"{args.checkpoint} layer {args.layer}" if args.checkpoint else f"preset {args.preset}"
+    console.print(f"[bold]moe-sbo demo[/]: {source}, {ranks} {device} ranks, "
                   f"{args.tokens} tokens/rank, {dtype}")
     with LocalRanks(ranks, device=device) as workers:
-        per_rank = workers.run(run_demo_rank, args.preset, names, args.tokens, args.seed, dtype, args.iters)
+        per_rank = workers.run(run_demo_rank, args.preset, names, args.tokens, args.seed, dtype, args.iters,
+                               overlaps, checkpoint=args.checkpoint, layer_index=args.layer)
     rows = summarise(per_rank)
 
     table = Table(title="each dispatcher vs the single-rank reference (times: slowest rank, median)")
-    for col in ("dispatcher", "max |err|", "rel err", "match", "sent B/rank", "recv B/rank",
+    for col in ("dispatcher", "overlap", "max |err|", "rel err", "match", "= none", "sent B/rank", "recv B/rank",
                 "route µs", "dispatch µs", "experts µs", "combine µs", "layer µs"):
-        table.add_column(col, justify="left" if col in ("dispatcher", "match") else "right")
+        table.add_column(col, justify="left" if col in ("dispatcher", "overlap", "match", "= none") else "right")
     for r in rows:
-        table.add_row(r["dispatcher"], f"{r['max_abs_err']:.2e}", f"{r['rel_err']:.2e}",
-                      "[green]yes[/]" if r["ok"] else "[red]NO[/]", f"{r['bytes_sent']:,}",
+        table.add_row(r["dispatcher"], r["overlap"], f"{r['max_abs_err']:.2e}", f"{r['rel_err']:.2e}",
+                      "[green]yes[/]" if r["ok"] else "[red]NO[/]",
+                      "bitwise" if r["same_as_none"] else "no", f"{r['bytes_sent']:,}",
                       f"{r['bytes_recv']:,}", *(f"{r[k]:.0f}" for k in
                       ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")))
     console.print(table)
@@ -73,7 +91,17 @@ def run_demo(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": result_meta(device=device, world_size=ranks), "rows": rows}, f, indent=1)
         console.print(f"rows written to {args.json}")
-    return 0 if all(r["ok"] for r in rows) else 1
+    # On CPU every mode must equal none bitwise; on GPU the SM budget may pick other GEMM kernels.
+    return 0 if all(r["ok"] and (r["same_as_none"] or device == "cuda") for r in rows) else 1
+
+
+def _overlap_modes(choice: str) -> tuple[str, ...]:
+    """``--overlap`` -> the modes to run, ``none`` first (the others are compared with it)."""
+    if choice == "all":
+        return OVERLAP_MODES
+    if choice not in OVERLAP_MODES:
+        raise ValueError(f"--overlap must be one of {list(OVERLAP_MODES)} or all, got {choice!r}")
+    return ("none",) if choice == "none" else ("none", choice)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,12 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo_parser(subparsers)
     add_plan_parser(subparsers)
+    add_bench_parser(subparsers)
+    add_check_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return run_demo(args)
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "bench":
+            return run_bench(args)
+        if args.command == "check":
+            return run_check(args)
     except ValueError as err:
         print(f"moe-sbo {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ itself with the same mechanism overlap strategies use, without touching the laye
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from .checkpoint import Checkpoint, LayerLoader
 from .config import get_preset
 from .layer import MoELayer
 
@@ -26,6 +28,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @dataclass(frozen=True)
 class DemoRow:
     dispatcher: str
+    overlap: str
+    same_as_none: bool  # bitwise equal to this dispatcher's output with the first overlap mode ("none")
     rank: int
     tokens: int
     max_abs_err: float
@@ -61,18 +65,23 @@ class PhaseClock:
 
 
 def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tokens: int, seed: int,
-                  dtype_name: str, iters: int) -> list[dict]:
-    """One rank's share of the demo (called on every rank by ``LocalRanks.run``)."""
-    cfg = get_preset(preset)
+                  dtype_name: str, iters: int, overlaps: tuple[str, ...] = ("none",), *,
+                  checkpoint: str | None = None, layer_index: int | None = None) -> list[dict]:
+    """One rank's share of the demo (called on every rank by ``LocalRanks.run``): one row per
+    dispatcher and overlap mode. With ``checkpoint`` (a model directory) the model and weights are
+    MoE layer ``layer_index`` of it instead of ``preset`` and ``seed``: each dispatcher's layer reads only
+    this rank's experts; the ``local`` reference reads them all."""
+    load = LayerLoader(Checkpoint(checkpoint), layer_index) if checkpoint else (lambda moe: moe)
+    cfg = load.checkpoint.moe_config if checkpoint else get_preset(preset)
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank() if dist.is_initialized() else 0
     generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
     x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
     with torch.inference_mode():
-        reference_TH = MoELayer(cfg, dispatcher="local", dtype=dtype, device=device, seed=seed)(x_TH)
+        reference_TH = load(MoELayer(cfg, dispatcher="local", dtype=dtype, device=device, seed=seed))(x_TH)
         rows = []
-        for name in dispatchers:
-            layer = MoELayer(cfg, dispatcher=name, dtype=dtype, device=device, seed=seed)
+        for name, overlap in itertools.product(dispatchers, overlaps):
+            layer = load(MoELayer(cfg, dispatcher=name, dtype=dtype, device=device, seed=seed, overlap=overlap))
             clock = PhaseClock(layer)
             samples = []
             for _ in range(iters + 1):  # the first forward warms up and is not timed
@@ -84,12 +93,15 @@ def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tok
                                 s["pre_combine"] - s["post_dispatch"], s["post_combine"] - s["pre_combine"],
                                 end - start))
             medians = [statistics.median(col) * 1e6 for col in zip(*samples[1:])]
+            if overlap == overlaps[0]:
+                first_mode_y_TH = y_TH
             diff = (y_TH.float() - reference_TH.float())
             ref_norm = reference_TH.float().norm().item()
             rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
             traffic = layer.last_traffic
             rows.append(asdict(DemoRow(
-                dispatcher=name, rank=rank, tokens=tokens,
+                dispatcher=name, overlap=overlap, same_as_none=torch.equal(y_TH, first_mode_y_TH),
+                rank=rank, tokens=tokens,
                 max_abs_err=diff.abs().max().item() if diff.numel() else 0.0, rel_err=rel,
                 ok=rel <= TOLERANCE[dtype], bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv,
                 t_route_us=medians[0], t_dispatch_us=medians[1], t_experts_us=medians[2],
@@ -104,7 +116,8 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
     for rows in zip(*per_rank):
         first = rows[0]
         summary.append({
-            "bench": "demo", "dispatcher": first["dispatcher"], "ranks": len(rows),
+            "bench": "demo", "dispatcher": first["dispatcher"], "overlap": first["overlap"],
+            "same_as_none": all(r["same_as_none"] for r in rows), "ranks": len(rows),
             "tokens_per_rank": first["tokens"],
             "max_abs_err": max(r["max_abs_err"] for r in rows),
             "rel_err": max(r["rel_err"] for r in rows),

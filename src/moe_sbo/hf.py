@@ -1,10 +1,14 @@
 """Hugging Face interop: an ``MoEConfig`` from a ``transformers`` config (object or ``config.json``
-dict), and ``MoEWeights`` from a ``transformers`` MoE block of DeepSeek-V2/V3 or Qwen3-MoE.
+dict), which layers of that model are MoE, ``MoEWeights`` from a ``transformers`` MoE block of
+DeepSeek-V2/V3 or Qwen3-MoE, and the reverse: ``transformers``' own block built around given weights
+(the reference ``moe-sbo check`` compares with).
 
 The hard part is that the families spell the same knob differently and leave some implicit:
 DeepSeek-V3 (and Kimi-K2, which reuses its architecture) always routes with sigmoid ``noaux_tc``
 whatever ``topk_method`` says; DeepSeek-V2 uses softmax with its ``topk_method``; Qwen3-MoE has no
-groups, no shared experts and no scaling factor, and counts experts as ``num_experts``.
+groups, no shared experts and no scaling factor, counts experts as ``num_experts`` (``num_local_experts``
+in files ``transformers`` 5 writes), and picks its MoE layers by ``decoder_sparse_step`` and
+``mlp_only_layers`` where DeepSeek uses ``first_k_dense_replace`` and ``moe_layer_freq``.
 """
 
 from __future__ import annotations
@@ -85,6 +89,81 @@ def config_from_hf(config: Any, name: str | None = None) -> MoEConfig:
     )
 
 
+def model_family(config: Any) -> str:
+    """The supported ``model_type`` of a config (read from ``model_type``, else ``architectures``).
+
+    Stricter than ``config_from_hf``: a config naming no supported family is an error, because a
+    checkpoint's tensor names and MoE layers depend on the family.
+    """
+    model_type = _get(config, "model_type", default="") or ""
+    architectures = _get(config, "architectures", default=[]) or []
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return model_type
+    for architecture in architectures:
+        if architecture in ARCHITECTURE_MODEL_TYPES:
+            return ARCHITECTURE_MODEL_TYPES[architecture]
+    raise ValueError(
+        f"model must be one of the supported families (model_type {', '.join(SUPPORTED_MODEL_TYPES)}; "
+        f"architectures {', '.join(ARCHITECTURE_MODEL_TYPES)}), got model_type {model_type or None!r}, "
+        f"architectures {architectures}; moe-sbo loads DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2 and Qwen3-MoE"
+    )
+
+
+def moe_layer_indices(config: Any) -> list[int]:
+    """Indices of the decoder layers whose MLP is an MoE, by the family's own rule (see ``moe_layer_rule``)."""
+    family = model_family(config)
+    num_layers = int(_get(config, "num_hidden_layers", default=1))
+    if family == "qwen3_moe":  # transformers' Qwen3MoeDecoderLayer
+        step = int(_get(config, "decoder_sparse_step", default=1))
+        dense = set(_get(config, "mlp_only_layers", default=[]) or [])
+        return [n for n in range(num_layers) if n not in dense and (n + 1) % step == 0]
+    # DeepSeek's own modelling code; transformers drops moe_layer_freq, which every published file sets to 1.
+    first = int(_get(config, "first_k_dense_replace", default=0))
+    freq = int(_get(config, "moe_layer_freq", default=1))
+    return [n for n in range(first, num_layers) if n % freq == 0]
+
+
+def moe_layer_rule(config: Any) -> str:
+    """The rule ``moe_layer_indices`` applies, in words with this config's values (for error messages)."""
+    if model_family(config) == "qwen3_moe":
+        return (f"MoE iff layer not in mlp_only_layers={_get(config, 'mlp_only_layers', default=[]) or []} "
+                f"and (layer + 1) % decoder_sparse_step={_get(config, 'decoder_sparse_step', default=1)} == 0")
+    return (f"MoE iff layer >= first_k_dense_replace={_get(config, 'first_k_dense_replace', default=0)} "
+            f"and layer % moe_layer_freq={_get(config, 'moe_layer_freq', default=1)} == 0")
+
+
+def resolve_moe_layer(config: Any, layer: int | None) -> int:
+    """``layer`` checked to be an MoE layer of ``config`` (``None``: the first MoE layer)."""
+    num_layers = int(_get(config, "num_hidden_layers", default=1))
+    moe_layers = moe_layer_indices(config)
+    if not moe_layers:
+        raise ValueError(f"model must have an MoE layer, got none of {num_layers} layers ({moe_layer_rule(config)})")
+    if layer is None:
+        return moe_layers[0]
+    if not 0 <= layer < num_layers:
+        raise ValueError(
+            f"layer must be in [0, {num_layers}) (num_hidden_layers={num_layers}), got {layer}; "
+            f"MoE layers: {compact_indices(moe_layers)}"
+        )
+    if layer not in moe_layers:
+        raise ValueError(
+            f"layer must be an MoE layer, got dense layer {layer} ({moe_layer_rule(config)}); "
+            f"MoE layers: {compact_indices(moe_layers)}"
+        )
+    return layer
+
+
+def compact_indices(indices: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``: the MoE layers of a 61-layer model fit in an error message."""
+    runs: list[list[int]] = []
+    for n in indices:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
 @torch.no_grad()
 def weights_from_hf_moe(block: torch.nn.Module) -> MoEWeights:
     """``MoEWeights`` of a ``transformers`` MoE block (``DeepseekV3MoE``, ``DeepseekV2Moe``,
@@ -101,3 +180,38 @@ def weights_from_hf_moe(block: torch.nn.Module) -> MoEWeights:
         ),
         shared_down_proj_HS=shared.down_proj.weight.detach() if shared is not None else None,
     )
+
+
+def reference_moe_block(config: dict, weights: MoEWeights) -> torch.nn.Module:
+    """``transformers``' own MoE block for ``config`` (a ``config.json`` dict) holding ``weights``.
+
+    ``weights`` must hold every expert. The block is built on the meta device and takes the given
+    tensors without copying (``assign=True``), so the reference costs one copy of the layer's weights;
+    it computes in the tensors' dtype (float32 for ``moe-sbo check``). Kimi-K2 uses DeepSeek-V3's
+    classes, as its ``config.json`` says.
+    """
+    from transformers import DeepseekV2Config, DeepseekV3Config, Qwen3MoeConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config_cls, block_cls = {
+        "deepseek_v2": (DeepseekV2Config, DeepseekV2Moe),
+        "deepseek_v3": (DeepseekV3Config, DeepseekV3MoE),
+        "kimi_k2": (DeepseekV3Config, DeepseekV3MoE),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeSparseMoeBlock),
+    }[model_family(config)]
+    hf_config = config_cls(**{k: v for k, v in config.items() if k not in ("model_type", "auto_map")})
+    hf_config._experts_implementation = "eager"  # the plain per-expert loop: the most literal reference
+    state = {"gate.weight": weights.router_weight_EH, "experts.gate_up_proj": weights.gate_up_proj_E2IH,
+             "experts.down_proj": weights.down_proj_EHI}
+    if weights.e_score_correction_bias_E is not None and block_cls is DeepseekV3MoE:
+        state["gate.e_score_correction_bias"] = weights.e_score_correction_bias_E
+    if block_cls is not Qwen3MoeSparseMoeBlock:
+        gate_SH, up_SH = weights.shared_gate_up_proj_2SH.chunk(2)
+        state.update({"shared_experts.gate_proj.weight": gate_SH, "shared_experts.up_proj.weight": up_SH,
+                      "shared_experts.down_proj.weight": weights.shared_down_proj_HS})
+    with torch.device("meta"):
+        block = block_cls(hf_config)
+    block.load_state_dict(state, assign=True)
+    return block.eval()

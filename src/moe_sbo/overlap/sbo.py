@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ..experts import SharedExperts
 from ..hooks import HookScope
@@ -56,6 +57,9 @@ _said: set[str] = set()
 
 
 def _say_once(message: str) -> None:
+    """Log ``message`` the first time only, and on one rank only (every rank builds the same layers)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
     if message not in _said:
         _said.add(message)
         log.warning(message)
@@ -195,7 +199,7 @@ class FixedOverlap:
         return ATTACH[self.mode](hooks, shared, x_TH, self.ctx)
 
 
-def _bucket(num_tokens: int) -> int:
+def bucket_of(num_tokens: int) -> int:
     """Token counts that share a decision: the next power of two."""
     return 1 << max(num_tokens - 1, 0).bit_length()
 
@@ -234,7 +238,7 @@ class AutoOverlap:
     def attach(self, hooks: HookScope, shared: SharedExperts | None, x_TH: torch.Tensor) -> SharedOutput:
         if shared is None:
             return SharedOutput(launched_at="no_shared_experts")
-        bucket = _bucket(x_TH.shape[0])
+        bucket = bucket_of(x_TH.shape[0])
         self._close(bucket)
         capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if bucket in self.choices or capturing:
@@ -282,7 +286,7 @@ def choices_from_rows(rows: list[dict]) -> dict[int, str]:
     for row in rows:
         if row.get("overlap") not in FIXED_MODES or row.get("t_layer_us") is None:
             continue
-        bucket = _bucket(int(row["tokens_per_rank"]))
+        bucket = bucket_of(int(row["tokens_per_rank"]))
         candidate = (float(row["t_layer_us"]), row["overlap"])
         if bucket not in best or candidate < best[bucket]:
             best[bucket] = candidate

@@ -1,0 +1,149 @@
+"""``moe-sbo bench --tbo``: the decoder layer (attention + MoE) with and without two-batch overlap.
+
+Per regime and size, on every rank, the same layer and inputs run as: every SBO mode asked for,
+each without and with TBO (``none`` without TBO is the baseline). Prefill: packed sequences of
+1024-4096 tokens (drawn from the seed) filling ``--prefill-tokens`` per rank. Decode: ``--decode-seqs``
+sequences per rank, one new token each, attending to ``--kv-len`` cached tokens; timed as CUDA-graph
+replays when the dispatcher can be captured. Times are the slowest rank's medians;
+``speedup_vs_none`` is against the baseline of the same size.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+from .attention import AttentionConfig, Batch
+from .bench import _cfg, dispatcher_options, graph_capturable, profile_spans, time_fn
+from .decoder import DecoderLayer
+from .layer import MoELayer
+from .overlap import make_overlap
+from .overlap.tbo import tbo_forward
+
+_DECODER: dict[tuple, DecoderLayer] = {}
+
+
+def attention_config(hidden_size: int, heads: int, kv_heads: int, head_dim: int) -> AttentionConfig:
+    return AttentionConfig(hidden_size=hidden_size, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int = 4096) -> list[int]:
+    """Sequence lengths in ``[shortest, longest]`` summing to ``tokens`` (the last one takes the rest)."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(min(rng.randint(shortest, longest), tokens - sum(lengths)))
+    return lengths
+
+
+def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
+    options = dispatcher_options(spec["dispatcher"], capacity)
+    key = (spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], tuple(sorted(options.items())),
+           spec["heads"], spec["kv_heads"], spec["head_dim"])
+    if key not in _DECODER:
+        _DECODER.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        cfg = _cfg(spec["preset"], spec["num_experts"])
+        kwargs = {"dispatcher_options": options} if options else {}
+        moe = MoELayer(cfg, dispatcher=spec["dispatcher"], dtype=getattr(torch, spec["dtype"]), device=device,
+                       seed=spec["seed"], **kwargs)
+        attn = attention_config(cfg.hidden_size, spec["heads"], spec["kv_heads"], spec["head_dim"])
+        _DECODER[key] = DecoderLayer(attn, moe, seed=spec["seed"])
+    return _DECODER[key]
+
+
+def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> list[dict]:
+    """One rank's rows for one (regime, size): every SBO mode without and with TBO."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if regime == "prefill":
+        lengths = prefill_lengths(size, spec["seed"] + rank)
+        batch = Batch.prefill(lengths, device=device)
+        layer = _decoder(device, spec, size)
+        cache = layer.make_cache(len(lengths), max(lengths))
+        graph = False
+    else:
+        positions = torch.full((size,), spec["kv_len"], dtype=torch.int64, device=device)
+        batch = Batch.decode_step(0, positions)
+        layer = _decoder(device, spec, size)
+        cache = layer.make_cache(size, spec["kv_len"] + 1)
+        graph = device.type == "cuda" and spec["graph"] and graph_capturable(layer.moe)
+    dtype = getattr(torch, spec["dtype"])
+    generator = torch.Generator(device=device).manual_seed(spec["seed"] * 31 + rank)
+    x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, generator=generator, device=device).to(dtype)
+    rows = []
+    with torch.inference_mode():
+        for mode in spec["modes"]:
+            layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
+            for tbo in (False, True):
+                def step(tbo=tbo):
+                    return tbo_forward(layer, x_TH, batch, cache, delay=spec["delay"]) if tbo else layer(x_TH, batch, cache)
+                t = time_fn(step, device, spec["warmup"], spec["iters"], graph)
+                rows.append({"rank": rank, "regime": regime, "size": size, "tokens": batch.num_tokens,
+                             "sequences": len(batch.lengths), "overlap": mode, "tbo": tbo, "graph": graph,
+                             "t_layer_us": t})
+        layer.moe.overlap = make_overlap("none", device)
+    return rows
+
+
+def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
+    cfg = _cfg(spec["preset"], spec["num_experts"])
+    rows = []
+    for rank_rows in zip(*per_rank):
+        first = rank_rows[0]
+        rows.append({"bench": "tbo", "preset": spec["preset"], "ep": ep, "num_experts": cfg.num_experts,
+                     "experts_per_gpu": cfg.num_experts // ep, "regime": first["regime"],
+                     "tokens_per_rank": first["tokens"], "sequences_per_rank": first["sequences"],
+                     "kv_len": spec["kv_len"] if first["regime"] == "decode" else None,
+                     "attention": f"{spec['heads']}x{spec['head_dim']} heads, {spec['kv_heads']} kv heads",
+                     "dispatcher": spec["dispatcher"], "overlap": first["overlap"], "tbo": first["tbo"],
+                     "delay": spec["delay"], "dtype": spec["dtype"], "graph": first["graph"],
+                     "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
+                     "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows]})
+    baseline = next(r for r in rows if r["overlap"] == "none" and not r["tbo"])
+    for row in rows:
+        row["speedup_vs_none"] = baseline["t_layer_us"] / row["t_layer_us"]
+    return rows
+
+
+def tbo_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="decoder layer: two-batch overlap (slowest rank, median µs)")
+    for title in ("regime", "tokens", "seqs", "dispatcher", "overlap", "tbo", "graph", "layer µs", "× none"):
+        table.add_column(title, justify="right" if title in ("tokens", "seqs", "layer µs", "× none") else "left")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r.get("regime", ""), str(r.get("size", "")), "", r.get("dispatcher", ""), "[red]error[/]",
+                          "", "", "", "")
+            continue
+        table.add_row(r["regime"], str(r["tokens_per_rank"]), str(r["sequences_per_rank"]), r["dispatcher"],
+                      r["overlap"], "yes" if r["tbo"] else "no", "yes" if r["graph"] else "no",
+                      f"{r['t_layer_us']:.0f}", f"{r['speedup_vs_none']:.3f}")
+    return table
+
+
+def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, trace_prefix: str | None) -> dict:
+    """Profile one forward without and with TBO (``none``, and TBO with the last SBO mode asked for)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    lengths = prefill_lengths(size, spec["seed"] + rank) if regime == "prefill" else None
+    batch = (Batch.prefill(lengths, device=device) if lengths else
+             Batch.decode_step(0, torch.full((size,), spec["kv_len"], dtype=torch.int64, device=device)))
+    layer = _decoder(device, spec, size)
+    cache = layer.make_cache(len(batch.lengths), max(lengths) if lengths else spec["kv_len"] + 1)
+    x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, device=device).to(getattr(torch, spec["dtype"]))
+    cases = {"no TBO": ("none", False), "TBO": ("none", True)}
+    if spec["modes"][-1] != "none":
+        cases[f"TBO + SBO {spec['modes'][-1]}"] = (spec["modes"][-1], True)
+    spans = {}
+    with torch.inference_mode():
+        for title, (mode, tbo) in cases.items():
+            layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
+            run = (lambda: tbo_forward(layer, x_TH, batch, cache, delay=spec["delay"])) if tbo else (
+                lambda: layer(x_TH, batch, cache))
+            spans[title] = profile_spans(run, device, rank, f"{trace_prefix}.tbo.{title.replace(' ', '_')}.json"
+                                         if trace_prefix else None)
+        layer.moe.overlap = make_overlap("none", device)
+    return spans

@@ -1,0 +1,181 @@
+"""``moe-sbo check``: one MoE layer of a real checkpoint, every dispatcher, against ``transformers``.
+
+Each rank reads only its own experts of layer N from the checkpoint (``checkpoint.py``), builds one
+layer per dispatcher and runs its own random tokens through them. The parent process builds
+``transformers``' own MoE block for the model (``hf.reference_moe_block``) on the whole layer, read
+from the same files, and runs the same tokens through it. Tolerance, relative L2 error
+‖y − ref‖ / ‖ref‖ per rank: 1e-5 with ``--dtype float32`` (only summation order differs),
+2e-2 with ``--dtype bfloat16`` (activations and weights rounded; the reference stays float32).
+Exit code 0 only if every dispatcher on every rank is within it.
+
+The hard part is failing early: config.json, the layer index, the EP size and every tensor name,
+shape and FP8 scale of the layer (from the safetensors headers, no data) are checked in the parent
+before any rank starts, so a broken checkpoint gives one clear error, not a rank stuck in a collective.
+The reference holds the whole layer in float32 in the parent (DeepSeek-V3: about 45 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import Checkpoint, LayerLoader
+from .dispatch import DISPATCHERS
+from .layer import MoELayer
+
+# Relative L2 error allowed against transformers' float32 module, per --dtype.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def add_check_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``check`` to an ``argparse`` subparsers object; returns the new parser (``func=run_check``)."""
+    parser = subparsers.add_parser(
+        "check", help="load one MoE layer of a checkpoint, run every dispatcher, compare with transformers",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="model directory: config.json + model.safetensors or model.safetensors.index.json")
+    parser.add_argument("--layer", type=int, default=None, help="decoder layer index (default: the first MoE layer)")
+    parser.add_argument("--ranks", type=int, default=None, help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
+    parser.add_argument("--dispatcher", default="all",
+                        help=f"one of {sorted(DISPATCHERS)}, or all (the expert-parallel ones; local on 1 rank)")
+    parser.add_argument("--tokens", type=int, default=32, help="random tokens per rank")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE),
+                        help="our layer's dtype; the transformers reference runs in float32")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
+    parser.set_defaults(func=run_check)
+    return parser
+
+
+def check_dispatchers(choice: str, ranks: int) -> list[str]:
+    """``--dispatcher`` -> names. ``all`` leaves out ``local`` on several ranks: it would make every
+    rank read every expert, which is what the per-rank read exists to avoid."""
+    if choice == "all":
+        return ["local"] if ranks == 1 else [name for name in sorted(DISPATCHERS) if name != "local"]
+    if choice not in DISPATCHERS:
+        raise ValueError(f"--dispatcher must be one of {sorted(DISPATCHERS)} or all, got {choice!r}")
+    return [choice]
+
+
+def check_inputs(seed: int, ranks: int, tokens: int, hidden_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each rank's tokens ``[T, H]``: random, already rounded to ``dtype`` so the float32 reference
+    sees exactly the values our layer sees (routing ties cannot flip on input rounding)."""
+    inputs = []
+    for rank in range(ranks):
+        generator = torch.Generator().manual_seed(seed * 7919 + rank)
+        inputs.append(torch.randn(tokens, hidden_size, generator=generator).to(dtype))
+    return inputs
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Run the check; print the table; write ``--json``. Returns 0 (all within tolerance) or 1."""
+    from rich.table import Table
+
+    from .bench_meta import result_meta
+    from .cli import make_console
+    from .runtime import LocalRanks, default_world_size, resolve_device
+
+    device = resolve_device(args.device)
+    ranks = args.ranks or default_world_size(device)
+    if ranks < 1:
+        raise ValueError(f"--ranks must be >= 1, got {ranks}")
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    names = check_dispatchers(args.dispatcher, ranks)
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("moe-sbo check compares with transformers' own module; pip install 'moe-sbo[hf]'")
+    checkpoint = Checkpoint(args.checkpoint)
+    layer = checkpoint.validate_layer(args.layer)  # the index, then every name, shape, FP8 scale (headers only)
+    cfg = checkpoint.moe_config
+    cfg.experts_per_rank(ranks)  # raises before any rank starts if they do not divide
+    dtype = getattr(torch, args.dtype)
+    inputs = check_inputs(args.seed, ranks, args.tokens, cfg.hidden_size, dtype)
+
+    console = make_console()
+    console.print(f"[bold]moe-sbo check[/]: {checkpoint.path} ({checkpoint.model_type}), layer {layer}, "
+                  f"{cfg.num_experts} experts on {ranks} {device} ranks, {args.tokens} tokens/rank, {args.dtype}")
+    with LocalRanks(ranks, device=device) as workers:
+        per_rank = workers.run(check_rank, str(checkpoint.path), layer, names, inputs, args.dtype)
+    references = reference_outputs(checkpoint, layer, inputs)
+    rows = compare(per_rank, references, names, TOLERANCE[args.dtype], args.tokens)
+
+    for rank, result in enumerate(per_rank):
+        for read in result["reads"]:
+            console.print(f"rank {rank} read experts {read['experts'][0]}..{read['experts'][1] - 1}: "
+                          f"{read['tensors']} tensors, {read['bytes_read']:,} B from {len(read['files'])} "
+                          f"of {len(set(checkpoint.weight_map.values()))} files")
+    table = Table(title=f"each dispatcher vs transformers' module (rel L2 tolerance {TOLERANCE[args.dtype]:g})")
+    for col in ("dispatcher", "max |err|", "rel err", "ok", "read B/rank", "sent B/rank", "recv B/rank"):
+        table.add_column(col, justify="left" if col in ("dispatcher", "ok") else "right")
+    for r in rows:
+        table.add_row(r["dispatcher"], f"{r['max_abs_err']:.2e}", f"{r['rel_err']:.2e}",
+                      "[green]yes[/]" if r["ok"] else "[red]NO[/]", f"{r['bytes_read']:,}",
+                      f"{r['bytes_sent']:,}", f"{r['bytes_recv']:,}")
+    console.print(table)
+    if args.json:
+        meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path), "layer": layer}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        console.print(f"rows written to {args.json}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def check_rank(device: torch.device, path: str, layer_index: int, dispatchers: list[str],
+               inputs: list[torch.Tensor], dtype_name: str) -> dict:
+    """One rank's share (called on every rank by ``LocalRanks.run``): read this rank's experts, build
+    one layer per dispatcher, run this rank's tokens through each.
+
+    Returns ``{"outputs": {dispatcher: y [T, H] float32 CPU}, "traffic": {dispatcher: (sent, recv)},
+    "bytes_read": {dispatcher: int}, "reads": [ReadReport.as_dict()]}``. Every read happens before
+    the first forward, so a checkpoint error raises before any collective.
+    """
+    load = LayerLoader(Checkpoint(path), layer_index)
+    dtype = getattr(torch, dtype_name)
+    layers = [load(MoELayer(load.checkpoint.moe_config, dispatcher=name, dtype=dtype, device=device))
+              for name in dispatchers]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    x_TH = inputs[rank].to(device)
+    outputs, traffic, bytes_read = {}, {}, {}
+    with torch.inference_mode():
+        for name, layer in zip(dispatchers, layers):
+            outputs[name] = layer(x_TH).float().cpu()
+            traffic[name] = (layer.last_traffic.bytes_sent, layer.last_traffic.bytes_recv)
+            bytes_read[name] = load.report(layer).bytes_read
+    return {"outputs": outputs, "traffic": traffic, "bytes_read": bytes_read,
+            "reads": [report.as_dict() for report in load.reports]}
+
+
+@torch.no_grad()
+def reference_outputs(checkpoint: Checkpoint, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``transformers``' block for the model, every expert of ``layer`` in float32, on each rank's tokens."""
+    from .hf import reference_moe_block
+
+    weights, _ = checkpoint.read_moe_weights(layer, dtype=torch.float32)
+    block = reference_moe_block(checkpoint.hf_config, weights)
+    return [block(x_TH.float()[None])[0] for x_TH in inputs]
+
+
+def compare(per_rank: list[dict], references: list[torch.Tensor], dispatchers: list[str], tolerance: float,
+            tokens: int) -> list[dict]:
+    """One row per dispatcher: worst error over ranks, most bytes read and mean bytes moved per rank."""
+    rows = []
+    for name in dispatchers:
+        max_abs, rel = 0.0, 0.0
+        for result, ref_TH in zip(per_rank, references):
+            diff_TH = result["outputs"][name] - ref_TH
+            max_abs = max(max_abs, diff_TH.abs().max().item())
+            rel = max(rel, (diff_TH.norm() / ref_TH.norm().clamp_min(1e-30)).item())
+        rows.append({
+            "bench": "check", "dispatcher": name, "ranks": len(per_rank), "tokens_per_rank": tokens,
+            "max_abs_err": max_abs, "rel_err": rel, "tolerance": tolerance, "ok": rel <= tolerance,
+            "bytes_read": max(r["bytes_read"][name] for r in per_rank),
+            "bytes_sent": round(sum(r["traffic"][name][0] for r in per_rank) / len(per_rank)),
+            "bytes_recv": round(sum(r["traffic"][name][1] for r in per_rank) / len(per_rank)),
+        })
+    return rows

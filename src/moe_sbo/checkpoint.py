@@ -1,0 +1,361 @@
+"""Hugging Face safetensors checkpoints: one MoE layer's weights, each rank reading only its experts.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``. Tensor names, with P = ``model.layers.{n}.mlp.``, as the published
+DeepSeek-V2/V3/R1, Kimi-K2 and Qwen3-MoE files and ``transformers`` 5's ``save_pretrained`` spell them::
+
+    P gate.weight                             [E, H]   router
+    P gate.e_score_correction_bias            [E]      noaux_tc routing (DeepSeek-V3/R1, Kimi-K2)
+    P experts.{e}.gate_proj.weight            [I, H]
+    P experts.{e}.up_proj.weight              [I, H]
+    P experts.{e}.down_proj.weight            [H, I]
+    P shared_experts.gate_proj.weight         [S, H]   DeepSeek only (S = I * n_shared_experts)
+    P shared_experts.up_proj.weight           [S, H]
+    P shared_experts.down_proj.weight         [H, S]
+
+or, in place of the per-expert tensors, stacked ones as ``transformers`` 5 holds them in memory:
+``P experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``P experts.down_proj`` [E, H, I].
+Any of these weights may be stored as float8 e4m3 beside a float32 ``{name}_scale_inv`` holding one
+scale per 128x128 block (DeepSeek-V3/R1's published format); they are dequantised on load.
+
+The hard part is reading little: a rank opens only the files holding its own experts (and the router
+and shared experts every rank needs) and reads from them only its tensors, or its rows of a stacked
+tensor. ``safe_open`` memory-maps each file, so bytes not read are never paged in; ``ReadReport``
+says what was opened and read. Every name, shape, dtype and scale is checked against the file
+headers before any tensor data is read, so a broken checkpoint fails before any collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import MoEConfig
+from .hf import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
+from .layer import MoELayer, MoEWeights
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+FP8_DTYPE = "F8_E4M3"
+# safetensors dtype names of the float formats a weight may be stored in, and their sizes.
+STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, FP8_DTYPE: 1}
+DEFAULT_FP8_BLOCK = (128, 128)
+
+
+@dataclass(frozen=True)
+class ReadReport:
+    """What one ``Checkpoint.read_moe_weights`` call opened and read.
+
+    ``files``: safetensors files opened, relative to the checkpoint directory, in opening order;
+    ``tensors``: names of the tensors read (a stacked tensor read in part is listed once);
+    ``bytes_read``: tensor bytes read, as stored (an FP8 weight counts 1 B per element, plus its scales).
+    """
+
+    layer: int
+    expert_ids: range
+    files: tuple[str, ...]
+    tensors: tuple[str, ...]
+    bytes_read: int
+
+    def as_dict(self) -> dict:
+        return {"layer": self.layer, "experts": [self.expert_ids.start, self.expert_ids.stop],
+                "files": list(self.files), "tensors": len(self.tensors), "bytes_read": self.bytes_read}
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One tensor to read: ``name`` in ``file`` must have ``shape``; ``rows`` (stacked tensors) picks
+    this rank's experts; the result goes to ``target[index]`` of the assembled ``MoEWeights``."""
+
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    target: str
+    index: tuple = ()
+    rows: slice | None = None
+    what: str = ""  # for error messages: "expert 3 of layer 1", ...
+
+
+class Checkpoint:
+    """A Hugging Face model directory: ``config.json`` plus safetensors, single-file or sharded.
+
+    Construction reads ``config.json`` and the index (or the single file's header) and nothing else.
+    ``moe_config`` is the ``MoEConfig`` of the model's MoE layers; ``moe_layers`` their indices.
+    """
+
+    def __init__(self, path: str | Path):
+        if importlib.util.find_spec("safetensors") is None:
+            raise ValueError("reading checkpoints needs the safetensors package; pip install 'moe-sbo[hf]'")
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ValueError(
+                f"checkpoint must be a directory holding config.json and safetensors files, got {self.path} "
+                f"({'not a directory' if self.path.exists() else 'does not exist'})"
+            )
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise ValueError(
+                f"{config_path} is missing; a checkpoint directory needs the model's config.json "
+                "(save_pretrained writes it, the Hub ships it) next to its safetensors files"
+            )
+        try:
+            self.hf_config: dict = json.loads(config_path.read_text())
+            self.model_type = model_family(self.hf_config)
+            self.moe_config: MoEConfig = config_from_hf(self.hf_config, name=self.path.name)
+        except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+            raise ValueError(f"{config_path}: {err}") from None
+        self.moe_layers = moe_layer_indices(self.hf_config)
+        self.fp8_block = tuple((self.hf_config.get("quantization_config") or {}).get(
+            "weight_block_size", DEFAULT_FP8_BLOCK))
+        self.weight_map, self.map_source = _weight_map(self.path)
+
+    def resolve_layer(self, layer: int | None) -> int:
+        """``layer`` checked to be an MoE layer (``None``: the first one); the error names config.json."""
+        try:
+            return resolve_moe_layer(self.hf_config, layer)
+        except ValueError as err:
+            raise ValueError(f"{self.path / 'config.json'}: {err}") from None
+
+    def validate_layer(self, layer: int | None) -> int:
+        """Check every tensor of MoE layer ``layer`` (all experts) against the file headers, reading
+        no tensor data; returns the layer index (``None``: the first MoE layer)."""
+        layer = self.resolve_layer(layer)
+        self._read(self._pieces(layer, range(self.moe_config.num_experts)), None)
+        return layer
+
+    @torch.no_grad()
+    def read_moe_weights(self, layer: int, expert_ids: range | None = None,
+                         dtype: torch.dtype | None = None) -> tuple[MoEWeights, ReadReport]:
+        """The weights of MoE layer ``layer``: router, shared experts, and routed experts ``expert_ids``.
+
+        ``expert_ids`` (default: all E) must be contiguous: the routed tensors come back with one row
+        per id, ``[L, 2I, H]`` and ``[L, H, I]``, as ``MoELayer.load_weights(expert_ids=...)`` takes them.
+        ``dtype``: of the expert and shared weights (default: as stored, FP8 dequantised to bfloat16).
+        The router weight and bias come back in float32, the precision routing is computed in.
+        Only files holding the requested tensors are opened (``ReadReport``); bad names, shapes or
+        missing FP8 scales raise ``ValueError`` naming the file and tensor, before any data is read.
+        """
+        layer = self.resolve_layer(layer)
+        num_experts = self.moe_config.num_experts
+        expert_ids = range(num_experts) if expert_ids is None else expert_ids
+        if not isinstance(expert_ids, range) or expert_ids.step != 1 or not (
+                0 <= expert_ids.start < expert_ids.stop <= num_experts):
+            raise ValueError(f"expert_ids must be a contiguous range inside [0, {num_experts}), got {expert_ids!r}")
+        pieces = self._pieces(layer, expert_ids)
+        tensors: dict[str, torch.Tensor] = {}
+        files, names, nbytes = self._read(pieces, _Assembler(self.moe_config, len(expert_ids), dtype, tensors))
+        return _weights(tensors), ReadReport(layer, expert_ids, files, names, nbytes)
+
+    # ---- the plan: which tensors, where ---------------------------------------------------------
+
+    def _pieces(self, layer: int, expert_ids: range) -> list[_Piece]:
+        cfg = self.moe_config
+        e, h, i, s = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+        prefix = f"model.layers.{layer}.mlp."
+        where = f"layer {layer}"
+
+        def piece(name: str, shape: tuple[int, ...], target: str, index: tuple = (), rows=None, what=where):
+            name = prefix + name
+            if name not in self.weight_map:
+                raise ValueError(
+                    f"{self.map_source}: tensor {name} ({what}) is missing; the checkpoint is incomplete "
+                    f"or not a {self.model_type} model of this config.json"
+                )
+            return _Piece(name, self.weight_map[name], shape, target, index, rows, what)
+
+        pieces = [piece("gate.weight", (e, h), "router")]
+        if cfg.topk_method == "noaux_tc":  # required: a zero bias would silently pick other experts
+            pieces.append(piece("gate.e_score_correction_bias", (e,), "bias"))
+        if prefix + "experts.gate_up_proj" in self.weight_map:  # stacked, as transformers holds them
+            rows = slice(expert_ids.start, expert_ids.stop)
+            pieces += [piece("experts.gate_up_proj", (e, 2 * i, h), "gate_up", rows=rows),
+                       piece("experts.down_proj", (e, h, i), "down", rows=rows)]
+        else:
+            for row, expert in enumerate(expert_ids):  # gate rows first in gate_up, as transformers stacks them
+                what, name = f"expert {expert} of layer {layer}", f"experts.{expert}."
+                pieces += [piece(name + "gate_proj.weight", (i, h), "gate_up", (row, slice(0, i)), what=what),
+                           piece(name + "up_proj.weight", (i, h), "gate_up", (row, slice(i, 2 * i)), what=what),
+                           piece(name + "down_proj.weight", (h, i), "down", (row,), what=what)]
+        if s:
+            what, name = f"shared experts of layer {layer}", "shared_experts."
+            pieces += [piece(name + "gate_proj.weight", (s, h), "shared_gate_up", (slice(0, s),), what=what),
+                       piece(name + "up_proj.weight", (s, h), "shared_gate_up", (slice(s, 2 * s),), what=what),
+                       piece(name + "down_proj.weight", (h, s), "shared_down", what=what)]
+        return pieces
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def _read(self, pieces: list[_Piece], sink: "_Assembler | None") -> tuple[tuple[str, ...], tuple[str, ...], int]:
+        """Check ``pieces`` against the file headers, then (with a ``sink``) read them into it.
+
+        Returns (files opened, tensors read, bytes read). Files are opened once each, in the order
+        the pieces first need them; all checks run before the first byte of tensor data is read.
+        """
+        from safetensors import safe_open
+
+        opened: dict[str, tuple[object, set[str]]] = {}  # file -> (open file, its tensor names)
+        with contextlib.ExitStack() as stack:
+            def check(p: _Piece) -> str:
+                if p.file not in opened:
+                    path = self.path / p.file
+                    if not path.is_file():
+                        raise ValueError(f"{path} is missing; {self.map_source} places {p.name} there")
+                    f = stack.enter_context(safe_open(str(path), framework="pt"))
+                    opened[p.file] = (f, set(f.keys()))
+                return self._check_header(*opened[p.file], p)
+
+            plan = []  # (piece, stored dtype, scale piece and its stored dtype, or None)
+            for p in pieces:
+                stored = check(p)
+                scale = self._scale_piece(p) if stored == FP8_DTYPE else None
+                plan.append((p, stored, (scale, check(scale)) if scale is not None else None))
+            if sink is None:
+                return tuple(opened), (), 0
+            names, nbytes = [], 0
+            for p, stored, scaled in plan:
+                tensor = _load(opened[p.file][0], p)
+                nbytes += tensor.numel() * STORED_BYTES[stored]
+                if scaled is not None:
+                    scale, scale_stored = scaled
+                    scale_inv = _load(opened[scale.file][0], scale)
+                    nbytes += scale_inv.numel() * STORED_BYTES[scale_stored]
+                    tensor = dequantize_fp8_blocks(tensor, scale_inv, self.fp8_block)
+                    names.append(scale.name)
+                sink.put(p, tensor, fp8=scaled is not None)
+                names.append(p.name)
+            return tuple(opened), tuple(names), nbytes
+
+    def _check_header(self, f, names: set[str], p: _Piece) -> str:
+        """The stored dtype of ``p`` after checking it exists with the expected shape in its file."""
+        if p.name not in names:
+            raise ValueError(f"{self.path / p.file}: tensor {p.name} ({p.what}) is missing, "
+                             f"though {self.map_source} places it there")
+        header = f.get_slice(p.name)
+        shape, stored = tuple(header.get_shape()), header.get_dtype()
+        if shape != p.shape:
+            cfg = self.moe_config
+            raise ValueError(
+                f"{self.path / p.file}: tensor {p.name} must have shape {p.shape}, got {shape}; config.json "
+                f"says hidden_size={cfg.hidden_size}, moe_intermediate_size={cfg.moe_intermediate_size}, "
+                f"{cfg.num_experts} routed and {cfg.num_shared_experts} shared experts: the weights do not match it"
+            )
+        if stored not in STORED_BYTES:
+            raise ValueError(f"{self.path / p.file}: tensor {p.name} must be stored as one of "
+                             f"{sorted(STORED_BYTES)}, got {stored}; quantised formats other than "
+                             "FP8 e4m3 with 128x128 block scales are not supported")
+        return stored
+
+    def _scale_piece(self, p: _Piece) -> _Piece:
+        """The block-scale tensor of FP8 weight ``p``: [..., ceil(out/128), ceil(in/128)] float32."""
+        name = p.name + "_scale_inv"
+        if name not in self.weight_map:
+            raise ValueError(
+                f"{self.path / p.file}: tensor {p.name} ({p.what}) is float8 e4m3 but its block scale "
+                f"{name} is missing from {self.map_source}; FP8 weights need their weight_scale_inv"
+            )
+        b_out, b_in = self.fp8_block
+        shape = (*p.shape[:-2], math.ceil(p.shape[-2] / b_out), math.ceil(p.shape[-1] / b_in))
+        return _Piece(name, self.weight_map[name], shape, p.target, p.index, p.rows, p.what)
+
+
+def _weight_map(path: Path) -> tuple[dict[str, str], str]:
+    """tensor name -> file (relative to ``path``), and the file that says so (for error messages)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"]), str(index)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{index} must be JSON with a weight_map of tensor name -> file, "
+                             f"got an error: {err}") from None
+    single = path / SINGLE_FILE
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:  # the header only
+            return {name: SINGLE_FILE for name in f.keys()}, str(single)
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    raise ValueError(
+        f"{path} must hold {SINGLE_FILE} or {INDEX_FILE}, got neither"
+        + (f" (safetensors files without an index: {found[:4]})" if found else " (no safetensors files)")
+        + "; save the model with save_pretrained, or download the index with the shards"
+    )
+
+
+def _load(f, p: _Piece) -> torch.Tensor:
+    """Read ``p`` from open file ``f``: the whole tensor, or only its ``rows`` (a memory-mapped slice)."""
+    return f.get_tensor(p.name) if p.rows is None else f.get_slice(p.name)[p.rows]
+
+
+def dequantize_fp8_blocks(weight_OI: torch.Tensor, scale_inv_oi: torch.Tensor,
+                          block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> torch.Tensor:
+    """FP8 block-quantised weight -> float32 ``weight * scale`` of its block, as DeepSeek-V3 stores them.
+
+    ``weight_OI`` [..., O, I] float8_e4m3fn; ``scale_inv_oi`` [..., ceil(O/b0), ceil(I/b1)] float32,
+    one factor per ``block`` = (b0, b1) tile (DeepSeek calls it ``scale_inv`` because quantisation
+    divided by it). Edge tiles are cropped: O and I need not be multiples of the block.
+    """
+    b_out, b_in = block
+    rows, cols = weight_OI.shape[-2:]
+    scale_OI = scale_inv_oi.float().repeat_interleave(b_out, dim=-2).repeat_interleave(b_in, dim=-1)
+    return weight_OI.float() * scale_OI[..., :rows, :cols]
+
+
+class _Assembler:
+    """Collects read tensors into the ``MoEWeights`` parts, allocating each part on first use."""
+
+    def __init__(self, cfg: MoEConfig, num_local: int, dtype: torch.dtype | None, out: dict[str, torch.Tensor]):
+        h, i, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+        self.shapes = {"router": (cfg.num_experts, h), "bias": (cfg.num_experts,), "gate_up": (num_local, 2 * i, h),
+                       "down": (num_local, h, i), "shared_gate_up": (2 * s, h), "shared_down": (h, s)}
+        self.dtype, self.out = dtype, out
+
+    def put(self, p: _Piece, tensor: torch.Tensor, fp8: bool) -> None:
+        if p.target not in self.out:
+            if p.target in ("router", "bias"):
+                dtype = torch.float32
+            else:
+                dtype = self.dtype or (torch.bfloat16 if fp8 else tensor.dtype)
+            self.out[p.target] = torch.empty(self.shapes[p.target], dtype=dtype)
+        self.out[p.target][p.index].copy_(tensor)
+
+
+def _weights(parts: dict[str, torch.Tensor]) -> MoEWeights:
+    return MoEWeights(
+        router_weight_EH=parts["router"], e_score_correction_bias_E=parts.get("bias"),
+        gate_up_proj_E2IH=parts["gate_up"], down_proj_EHI=parts["down"],
+        shared_gate_up_proj_2SH=parts.get("shared_gate_up"), shared_down_proj_HS=parts.get("shared_down"),
+    )
+
+
+class LayerLoader:
+    """Gives ``MoELayer``s the weights of one MoE layer of a checkpoint, each reading only its own
+    experts (``layer.local_expert_ids``); layers with the same experts and dtype share one read.
+
+    ``loader(layer)`` loads and returns ``layer``; ``loader.reports`` lists every read made.
+    Experts are read in the layer's dtype (FP8 dequantised in float32, then cast once).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, layer_index: int):
+        self.checkpoint, self.layer_index = checkpoint, layer_index
+        self._reads: dict[tuple[range, torch.dtype], tuple[MoEWeights, ReadReport]] = {}
+
+    def __call__(self, layer: MoELayer) -> MoELayer:
+        experts, key = layer.local_expert_ids, (layer.local_expert_ids, layer.dtype)
+        if key not in self._reads:
+            self._reads[key] = self.checkpoint.read_moe_weights(self.layer_index, experts, dtype=layer.dtype)
+        layer.load_weights(self._reads[key][0], expert_ids=experts)
+        return layer
+
+    def report(self, layer: MoELayer) -> ReadReport:
+        """The read that gave ``layer`` its weights."""
+        return self._reads[(layer.local_expert_ids, layer.dtype)][1]
+
+    @property
+    def reports(self) -> list[ReadReport]:
+        return [report for _, report in self._reads.values()]

@@ -1,0 +1,160 @@
+"""Two-batch overlap (TBO): split a batch in two micro-batches and interleave their stages, so one
+micro-batch computes (attention, experts) while the other's dispatch or combine is on the wire.
+
+A layer's forward is a generator of stages (``DecoderLayer.stages``: attention + router + dispatch
+launch | dispatch wait + routed experts + combine launch | combine wait + shared + residual). The
+executor runs micro-batch A ``delay`` stages ahead, then alternates A, B, A, B on one host thread::
+
+    delay 0:  A0 B0 A1 B1 A2 B2     B's attention runs while A's dispatch is in flight
+    delay 1:  A0 A1 B0 A2 B1 B2     B's attention runs while A's combine is in flight
+
+Each micro-batch uses its own dispatcher (``MoELayer.dispatcher_for``): its own hooks, so single-batch
+overlap strategies attach to the right micro-batch and SBO and TBO combine, and its own buffers, so two
+transfers in flight never write the same memory (DeepEP's double buffer).
+
+The hard part is agreement across ranks. Every rank must issue the same collectives in the same
+order, yet each rank splits its own batch. So every rank always runs two micro-batches in the
+same schedule; a rank whose batch cannot be split sensibly (one token, one sequence in decode, a
+short prefill) gives micro-batch B no tokens — it still takes part in B's collectives with nothing to
+send — and logs why at debug level. Micro-batch A always starts first, so when a prefill sequence is
+cut in two, its first half is in A and has written its keys and values to the cache before B's
+second half attends to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import Batch, KVCache
+
+log = logging.getLogger("moe_sbo.tbo")
+
+# SGLang's default ``tbo_token_distribution_threshold``: a split at a sequence boundary is kept when
+# the smaller micro-batch holds at least this share of the tokens; otherwise one sequence is cut.
+BALANCE_THRESHOLD = 0.48
+# Below this many tokens a prefill is not worth splitting (each half would be launch-bound).
+MIN_PREFILL_TOKENS = 64
+# Stages micro-batch A runs before B starts, per regime (measure: ``moe-sbo bench --tbo``).
+DEFAULT_DELAY = {"decode": 0, "prefill": 0}
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Tokens ``[start, stop)`` of the packed batch and the ``Batch`` describing them."""
+
+    start: int
+    stop: int
+    batch: Batch
+
+
+@dataclass(frozen=True)
+class Split:
+    """The two micro-batches; ``reason`` says why B is empty when the batch was not split."""
+
+    a: MicroBatch
+    b: MicroBatch
+    reason: str | None = None
+
+
+def _empty(at: int, device: torch.device, decode: bool) -> MicroBatch:
+    positions = torch.zeros(0, dtype=torch.int64, device=device)
+    return MicroBatch(at, at, Batch((), (), (), positions, decode=decode))
+
+
+def _unsplit(batch: Batch, reason: str) -> Split:
+    total = batch.num_tokens
+    return Split(MicroBatch(0, total, batch), _empty(total, batch.positions_T.device, batch.decode), reason)
+
+
+def split_batch(batch: Batch, *, threshold: float = BALANCE_THRESHOLD,
+                min_prefill_tokens: int = MIN_PREFILL_TOKENS) -> Split:
+    """Two micro-batches of about half the tokens each (decode: half the sequences).
+
+    Prefill: the sequence-boundary split closest to half the tokens if the smaller side keeps at
+    least ``threshold`` of them; otherwise the sequence holding the middle token is cut there.
+    """
+    total = batch.num_tokens
+    positions = batch.positions_T
+    if batch.decode:
+        if total < 2:
+            return _unsplit(batch, f"decode batch of {total} sequence(s): nothing to pair it with")
+        half = (total + 1) // 2
+        first = batch.slots[0]
+        return Split(MicroBatch(0, half, Batch.decode_step(first, positions[:half])),
+                     MicroBatch(half, total, Batch.decode_step(first + half, positions[half:])))
+    if total < max(2, min_prefill_tokens):
+        return _unsplit(batch, f"prefill of {total} tokens is below {min_prefill_tokens}: too small to split")
+    ends = [sum(batch.lengths[: i + 1]) for i in range(len(batch.lengths))]
+    best = min(range(len(ends) - 1), key=lambda i: abs(2 * ends[i] - total), default=None)
+    if best is not None and min(ends[best], total - ends[best]) >= threshold * total:
+        return _cut(batch, best + 1, None)
+    middle = total // 2
+    seq = next(i for i, end in enumerate(ends) if end > middle)
+    return _cut(batch, seq, middle - (ends[seq] - batch.lengths[seq]))
+
+
+def _cut(batch: Batch, seq: int, inside: int | None) -> Split:
+    """A takes segments before ``seq`` (and the first ``inside`` tokens of segment ``seq`` if cut)."""
+    slots, starts, lengths = list(batch.slots), list(batch.starts), list(batch.lengths)
+    if inside:
+        a_seg = (slots[:seq + 1], starts[:seq + 1], lengths[:seq] + [inside])
+        b_seg = (slots[seq:], [starts[seq] + inside] + starts[seq + 1:], [lengths[seq] - inside] + lengths[seq + 1:])
+    else:
+        a_seg = (slots[:seq], starts[:seq], lengths[:seq])
+        b_seg = (slots[seq:], starts[seq:], lengths[seq:])
+    a_tokens = sum(a_seg[2])
+    positions = batch.positions_T
+    a = Batch(tuple(a_seg[0]), tuple(a_seg[1]), tuple(a_seg[2]), positions[:a_tokens])
+    b = Batch(tuple(b_seg[0]), tuple(b_seg[1]), tuple(b_seg[2]), positions[a_tokens:])
+    return Split(MicroBatch(0, a_tokens, a), MicroBatch(a_tokens, batch.num_tokens, b))
+
+
+def run_interleaved(stages_a: Generator, stages_b: Generator, delay: int) -> tuple[object, object]:
+    """Run A ``delay`` stages ahead, then alternate A, B; both generators' return values.
+
+    If either raises, both are closed (so each exits its hook scope) and the error propagates.
+    """
+    if delay < 0:
+        raise ValueError(f"delay must be >= 0 stages, got {delay}")
+    gens, results, done = (stages_a, stages_b), [None, None], [False, False]
+
+    def step(i: int) -> None:
+        try:
+            next(gens[i])
+        except StopIteration as finished:
+            done[i], results[i] = True, finished.value
+
+    try:
+        for _ in range(delay):
+            if not done[0]:
+                step(0)
+        while not all(done):
+            for i in (0, 1):
+                if not done[i]:
+                    step(i)
+    except BaseException:
+        for gen in gens:
+            gen.close()
+        raise
+    return results[0], results[1]
+
+
+def tbo_forward(layer, x_TH: torch.Tensor, batch: Batch, cache: KVCache, *, delay: int | None = None,
+                threshold: float = BALANCE_THRESHOLD, min_prefill_tokens: int = MIN_PREFILL_TOKENS) -> torch.Tensor:
+    """``layer`` (a ``DecoderLayer``) on ``x_TH`` [T, H] as two interleaved micro-batches -> ``[T, H]``."""
+    if x_TH.shape[0] != batch.num_tokens:
+        raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
+    cache.check(batch)
+    split = split_batch(batch, threshold=threshold, min_prefill_tokens=min_prefill_tokens)
+    if split.reason:
+        log.debug("two-batch overlap off for this batch: %s", split.reason)
+    if delay is None:
+        delay = DEFAULT_DELAY["decode" if batch.decode else "prefill"]
+    a, b = split.a, split.b
+    out_a, out_b = run_interleaved(layer.stages(x_TH[a.start:a.stop], a.batch, cache, micro_batch=0),
+                                   layer.stages(x_TH[b.start:b.stop], b.batch, cache, micro_batch=1), delay)
+    return torch.cat([out_a, out_b]) if b.stop > b.start else out_a

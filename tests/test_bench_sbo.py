@@ -1,0 +1,56 @@
+"""Smoke test of ``moe-sbo bench`` on 2 CPU ranks: every dispatcher x every mode gets a row with the
+DESIGN.md §7 fields, efficiency and speedup are computed against ``none``, and the timeline is drawn.
+It checks that the benchmark works, not what it measures (CPU times are not GPU numbers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_sbo.cli import main
+from moe_sbo.dispatch import DISPATCHERS
+from moe_sbo.overlap import OVERLAP_MODES
+from moe_sbo.trace import load_spans
+
+FIELDS = ("bench", "preset", "ep", "tokens_per_rank", "dispatcher", "overlap", "tbo", "dtype", "graph",
+          "t_layer_us", "t_dispatch_us", "t_combine_us", "t_shared_us", "t_routed_us", "t_comm_us", "t_ideal_us",
+          "efficiency", "speedup_vs_none", "bytes_sent", "bytes_recv", "experts_per_gpu")
+
+
+def test_bench_sweep_rows_and_timeline(tmp_path):
+    out, png = tmp_path / "sbo.json", tmp_path / "timeline.png"
+    code = main(["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", "--experts", "16", "8",
+                 "--tokens", "4", "24", "--warmup", "0", "--iters", "2", "--out", str(out), "--timeline", str(png),
+                 "--trace", str(tmp_path / "trace")])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    dispatchers = sorted(set(DISPATCHERS) - {"local"})
+    assert len(rows) == 2 * len(dispatchers) * 2 * len(OVERLAP_MODES)
+    assert {r["experts_per_gpu"] for r in rows} == {8, 4}
+    for row in rows:
+        assert all(field in row for field in FIELDS), sorted(set(FIELDS) - set(row))
+        assert row["t_layer_us"] > 0 and row["t_shared_us"] > 0 and row["t_comm_us"] > 0
+        if row["overlap"] == "none":
+            assert row["speedup_vs_none"] == 1.0 and row["efficiency"] == 0.0
+        if row["overlap"] == "auto":
+            assert all(choice in OVERLAP_MODES for choice in row["auto_choice"])
+    assert result["meta"]["world_size"] == 2
+    assert png.stat().st_size > 10_000
+    spans = load_spans(png.with_suffix(".spans.json"))
+    assert set(spans) == {f"{d} / {m}" for d in dispatchers for m in OVERLAP_MODES if m != "auto"}
+    kinds = {s.kind for s in spans["alltoall / dispatch"]}
+    assert {"router", "dispatch", "routed_experts", "combine", "shared_experts"} <= kinds
+    assert (tmp_path / "trace.split.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--overlap", "sideways"], "--overlap must be among"),
+    (["--dispatcher", "deepep"], "--dispatcher must be among"),
+    (["--ranks", "3"], "divisible by the EP size"),
+    (["--tokens", "0"], "--tokens must be >= 1"),
+])
+def test_bench_bad_input_exits_2(argv, message, capsys):
+    assert main(["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", *argv]) == 2
+    assert message in capsys.readouterr().err

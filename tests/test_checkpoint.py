@@ -1,0 +1,278 @@
+"""Checkpoints on disk: configs, tensor names, per-rank reads, FP8 block dequantisation, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from hf_blocks import make_hf_model, quantize_fp8_blocks, write_broken_v3, write_published_v3
+from moe_sbo.checkpoint import Checkpoint, LayerLoader, dequantize_fp8_blocks
+from moe_sbo.config import PRESETS
+from moe_sbo.hf import config_from_hf, moe_layer_indices, reference_moe_block, weights_from_hf_moe
+from moe_sbo.layer import MoELayer
+
+FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe")
+P = "model.layers.1.mlp."
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """family -> (model, single-file dir, sharded dir), written by transformers' save_pretrained."""
+    out = {}
+    for family in FAMILIES:
+        model = make_hf_model(family, seed=3)
+        single, sharded = tmp_path_factory.mktemp(f"{family}_single"), tmp_path_factory.mktemp(f"{family}_sharded")
+        model.save_pretrained(single)
+        model.save_pretrained(sharded, max_shard_size="40KB")
+        out[family] = (model, single, sharded)
+    return out
+
+
+# ---- config.json --------------------------------------------------------------------------------
+
+def test_published_configs_give_the_presets():
+    """config.json fields as the Hub files spell them (Qwen3 counts experts as num_experts)."""
+    v3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+          "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+          "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+          "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+          "num_hidden_layers": 61, "quantization_config": {"fmt": "e4m3", "weight_block_size": [128, 128]}}
+    kimi = {**v3, "model_type": "kimi_k2", "n_routed_experts": 384, "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 2.827, "first_k_dense_replace": 1}
+    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+            "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48}
+    for config, preset in ((v3, "deepseek-v3"), (kimi, "kimi-k2"), (qwen, "qwen3-30b-a3b")):
+        assert config_from_hf(config, name=preset) == PRESETS[preset]
+    assert moe_layer_indices(v3) == list(range(3, 61))
+    assert moe_layer_indices(qwen) == list(range(48))
+
+
+def test_moe_layer_rules():
+    deepseek = {"model_type": "deepseek_v2", "num_hidden_layers": 8, "first_k_dense_replace": 1, "moe_layer_freq": 2}
+    assert moe_layer_indices(deepseek) == [2, 4, 6]
+    qwen = {"model_type": "qwen3_moe", "num_hidden_layers": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert moe_layer_indices(qwen) == [1, 5, 7]  # (n + 1) % 2 == 0, minus layer 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_and_layers_from_save_pretrained(saved, family):
+    model, single, _ = saved[family]
+    checkpoint = Checkpoint(single)
+    assert checkpoint.moe_config == config_from_hf(model.config, name=single.name)
+    assert checkpoint.moe_layers == [1] and checkpoint.resolve_layer(None) == 1
+
+
+# ---- tensor names and values -------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_read_equals_the_transformers_model(saved, family, layout):
+    model, single, sharded = saved[family]
+    weights, report = Checkpoint(single if layout == "single" else sharded).read_moe_weights(1)
+    expected = weights_from_hf_moe(model.model.layers[1].mlp)
+    for field in expected.__dataclass_fields__:
+        got, want = getattr(weights, field), getattr(expected, field)
+        assert (got is None) == (want is None), field
+        if want is not None:
+            assert torch.equal(got, want), field
+    parts = [getattr(expected, f) for f in expected.__dataclass_fields__]
+    assert report.bytes_read == 4 * sum(t.numel() for t in parts if t is not None)  # float32 on disk
+
+
+def test_sharded_read_opens_only_needed_files(saved):
+    """save_pretrained shards by size: a read opens the shards of layer 1's MoE, not the others."""
+    _, _, sharded = saved["deepseek_v3"]
+    checkpoint = Checkpoint(sharded)
+    _, report = checkpoint.read_moe_weights(1, range(0, 8))
+    needed = {checkpoint.weight_map[n] for n in report.tensors}
+    assert set(report.files) == needed
+    assert len(set(checkpoint.weight_map.values())) > len(needed)
+    assert all(".experts." not in n or int(n.split(".experts.")[1].split(".")[0]) < 8
+               for n in report.tensors if ".shared_experts." not in n)
+
+
+def _per_rank_read(device, path):
+    """On each rank: an alltoall layer that reads only its experts, and the answer of the full read."""
+    checkpoint = Checkpoint(path)
+    load = LayerLoader(checkpoint, 1)
+    layer = load(MoELayer(checkpoint.moe_config, dispatcher="alltoall", dtype=torch.float32))
+    reference = load(MoELayer(checkpoint.moe_config, dispatcher="local", dtype=torch.float32))
+    x = torch.randn(13 + dist.get_rank(), checkpoint.moe_config.hidden_size,
+                    generator=torch.Generator().manual_seed(dist.get_rank()))
+    with torch.no_grad():
+        y, ref = layer(x), reference(x)
+    return load.report(layer), ((y - ref).norm() / ref.norm()).item()
+
+
+def test_each_rank_opens_only_the_shards_of_its_experts(tmp_path, ranks2):
+    path, _ = write_published_v3(tmp_path, fp8=False)  # shard 1: experts 0-3, 2: experts 4-7, 3: router+shared
+    (report0, err0), (report1, err1) = ranks2.run(_per_rank_read, str(path))
+    assert report0.files == ("model-00003-of-00003.safetensors", "model-00001-of-00003.safetensors")
+    assert report1.files == ("model-00003-of-00003.safetensors", "model-00002-of-00003.safetensors")
+    assert report1.expert_ids == range(4, 8)
+    expert_names = {n for n in report1.tensors if ".experts." in n and "shared" not in n}
+    projections = ("gate_proj", "up_proj", "down_proj")
+    assert expert_names == {f"{P}experts.{e}.{p}.weight" for e in range(4, 8) for p in projections}
+    h, i = 160, 96  # router bf16, bias float32, 4 experts and the shared one float32
+    assert report1.bytes_read == 8 * h * 2 + 8 * 4 + 4 * 3 * h * i * 4 + 3 * h * i * 4
+    assert err0 <= 1e-6 and err1 <= 1e-6
+
+
+def test_stacked_experts_are_read_by_rows(tmp_path):
+    path, originals = write_published_v3(tmp_path, fp8=False, layout="stacked")
+    weights, report = Checkpoint(path).read_moe_weights(1, range(2, 4))
+    assert torch.equal(weights.gate_up_proj_E2IH, originals[P + "experts.gate_up_proj"][2:4])
+    assert torch.equal(weights.down_proj_EHI, originals[P + "experts.down_proj"][2:4])
+    h, i = 160, 96
+    assert report.bytes_read == 8 * h * 2 + 8 * 4 + 2 * 3 * h * i * 4 + 3 * h * i * 4  # 2 of 8 experts' rows
+
+
+def test_kimi_k2_checkpoint_matches_transformers_deepseek_v3_block(tmp_path):
+    """Kimi-K2 ships DeepSeek-V3's architecture under its own model_type: same names, same reference."""
+    path, _ = write_published_v3(tmp_path, fp8=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1}))
+    checkpoint = Checkpoint(path)
+    assert checkpoint.model_type == "kimi_k2" and checkpoint.moe_config.topk_method == "noaux_tc"
+    layer = LayerLoader(checkpoint, 1)(MoELayer(checkpoint.moe_config, dtype=torch.float32))
+    block = reference_moe_block(checkpoint.hf_config, checkpoint.read_moe_weights(1, dtype=torch.float32)[0])
+    assert type(block).__name__ == "DeepseekV3MoE"
+    x = torch.randn(37, checkpoint.moe_config.hidden_size)
+    with torch.no_grad():
+        ref = block(x[None])[0]
+        assert ((layer(x) - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------
+
+def test_fp8_block_dequantisation_crops_edge_tiles():
+    w = torch.randn(300, 160)  # 3 x 2 tiles, the last row and column of tiles cropped
+    q, scale = quantize_fp8_blocks(w)
+    assert scale.shape == (3, 2)
+    expected = torch.empty(300, 160)
+    for bo in range(3):
+        for bi in range(2):
+            tile = (slice(128 * bo, 128 * bo + 128), slice(128 * bi, 128 * bi + 128))
+            expected[tile] = q[tile].float() * scale[bo, bi]
+    got = dequantize_fp8_blocks(q, scale)
+    assert torch.equal(got, expected)
+    # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself, or of the tile's smallest normal.
+    assert bool(((got - w).abs() <= w.abs() / 16 + 2 ** -6 * scale.max()).all())
+
+
+def test_fp8_checkpoint_dequantises_to_the_originals(tmp_path):
+    path, originals = write_published_v3(tmp_path, fp8=True)
+    checkpoint = Checkpoint(path)
+    weights, report = checkpoint.read_moe_weights(1, dtype=torch.float32)
+    i = 96
+    for e, name in ((0, "gate_proj"), (7, "up_proj")):
+        orig = originals[f"{P}experts.{e}.{name}.weight"]
+        got = weights.gate_up_proj_E2IH[e, :i] if name == "gate_proj" else weights.gate_up_proj_E2IH[e, i:]
+        assert torch.allclose(got, orig, rtol=1 / 16, atol=orig.abs().max().item() / 448)
+        assert ((got - orig).norm() / orig.norm()).item() < 0.05
+    shared_down = originals[P + "shared_experts.down_proj.weight"]
+    assert torch.allclose(weights.shared_down_proj_HS, shared_down, rtol=1 / 16,
+                          atol=shared_down.abs().max().item() / 448)
+    assert torch.equal(weights.router_weight_EH, originals[P + "gate.weight"])  # bf16 on disk, not quantised
+    # Default dtype: FP8 weights come back bf16; bytes read count 1 B per FP8 element plus the scales.
+    default, report_default = checkpoint.read_moe_weights(1, range(0, 4))
+    assert default.gate_up_proj_E2IH.dtype == torch.bfloat16 and default.router_weight_EH.dtype == torch.float32
+    h = 160
+    scales = 4 * 3 * 2 + 3 * 2  # 2 tiles per expert weight ([96,160]: 1x2; [160,96]: 2x1), 4 experts + shared
+    assert report_default.bytes_read == 8 * h * 2 + 8 * 4 + (4 * 3 + 3) * h * i + scales * 4
+    assert torch.equal(default.gate_up_proj_E2IH, weights.gate_up_proj_E2IH[:4].bfloat16())
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def test_missing_config_json(tmp_path):
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"config.json is missing"):
+        Checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="checkpoint must be a directory.*does not exist"):
+        Checkpoint(tmp_path / "nowhere")
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path):
+    config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: model must be one of the supported families \(model_type "
+                                         r"deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe.*got model_type 'mixtral'"):
+        Checkpoint(tmp_path)
+
+
+def test_no_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 8,
+                                                      "moe_intermediate_size": 4, "num_experts": 4,
+                                                      "num_experts_per_tok": 2}))
+    with pytest.raises(ValueError, match="must hold model.safetensors or model.safetensors.index.json, got neither"):
+        Checkpoint(tmp_path)
+
+
+def test_layer_out_of_range_or_dense(saved):
+    checkpoint = Checkpoint(saved["qwen3_moe"][1])
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 2\) \(num_hidden_layers=2\), got 5; MoE layers: 1"):
+        checkpoint.read_moe_weights(5)
+    with pytest.raises(ValueError, match=r"layer must be an MoE layer, got dense layer 0 \(MoE iff layer not in "
+                                         r"mlp_only_layers=\[0\].*MoE layers: 1"):
+        checkpoint.validate_layer(0)
+
+
+def test_missing_expert_names_the_tensor_and_file(tmp_path):
+    path = write_broken_v3(tmp_path, sharded=True, drop=[f"{P}experts.5.up_proj.weight"])
+    checkpoint = Checkpoint(path)
+    checkpoint.read_moe_weights(1, range(0, 4))  # rank 0's half is complete
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: tensor model.layers.1.mlp.experts.5.up_proj"
+                                         r".weight \(expert 5 of layer 1\) is missing"):
+        checkpoint.read_moe_weights(1, range(4, 8))
+    with pytest.raises(ValueError, match="experts.5.up_proj.weight"):
+        checkpoint.validate_layer(1)
+
+
+def test_missing_fp8_scale_names_the_tensor_and_file(tmp_path):
+    path = write_broken_v3(tmp_path, sharded=True, fp8=True,
+                           drop=[f"{P}experts.2.down_proj.weight_scale_inv"])
+    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors: tensor model.layers.1.mlp.experts.2."
+                                         r"down_proj.weight \(expert 2 of layer 1\) is float8 e4m3 but its block "
+                                         r"scale model.layers.1.mlp.experts.2.down_proj.weight_scale_inv is missing"):
+        Checkpoint(path).validate_layer(None)
+
+
+def test_shape_mismatch_names_the_tensor_and_file(tmp_path):
+    path = write_broken_v3(tmp_path, sharded=True,
+                           replace={f"{P}experts.6.gate_proj.weight": torch.zeros(96, 128)})
+    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors: tensor model.layers.1.mlp.experts.6."
+                                         r"gate_proj.weight must have shape \(96, 160\), got \(96, 128\)"):
+        Checkpoint(path).read_moe_weights(1, range(4, 8))
+    bad_scale = write_broken_v3(tmp_path / "fp8", sharded=True, fp8=True,
+                                 replace={f"{P}experts.0.gate_proj.weight_scale_inv": torch.ones(1, 1)})
+    with pytest.raises(ValueError, match=r"gate_proj.weight_scale_inv must have shape \(1, 2\), got \(1, 1\)"):
+        Checkpoint(bad_scale).validate_layer(1)
+
+
+def test_missing_shard_file_is_named(tmp_path):
+    path, _ = write_published_v3(tmp_path, fp8=False)
+    (path / "model-00002-of-00003.safetensors").unlink()
+    checkpoint = Checkpoint(path)
+    checkpoint.read_moe_weights(1, range(0, 4))  # rank 0 never needs the lost shard
+    with pytest.raises(ValueError, match=r"model-00002-of-00003.safetensors is missing; .*index.json places "
+                                         r"model.layers.1.mlp.experts.4"):
+        checkpoint.read_moe_weights(1, range(4, 8))
+
+
+def test_load_weights_refuses_another_ranks_experts(tmp_path):
+    path, _ = write_published_v3(tmp_path, fp8=False)
+    checkpoint = Checkpoint(path)
+    weights, _ = checkpoint.read_moe_weights(1, range(4, 8), dtype=torch.float32)
+    layer = MoELayer(checkpoint.moe_config, dtype=torch.float32)  # one rank: owns all 8 experts
+    with pytest.raises(ValueError, match=r"must hold all 8 experts or this rank's experts 0..7, got experts 4..7"):
+        layer.load_weights(weights, expert_ids=range(4, 8))
+    with pytest.raises(ValueError, match=r"must hold all 8 experts or this rank's experts 0..7, got 4 experts"):
+        layer.load_weights(weights)
+    with pytest.raises(ValueError, match="expert_ids must be a contiguous range inside"):
+        checkpoint.read_moe_weights(1, range(6, 10))

@@ -1,0 +1,106 @@
+"""The decoder layer's attention against Hugging Face ``LlamaAttention`` (same weights, same rotary
+convention): packed prefill, a cut sequence attending to its cached first part, and decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+from moe_sbo.attention import Attention, AttentionConfig, Batch, KVCache
+from moe_sbo.config import get_preset
+from moe_sbo.decoder import DecoderLayer
+from moe_sbo.layer import MoELayer
+
+ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Our attention and HF's, sharing random weights."""
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                      rope_theta=ATTN.rope_theta, attention_bias=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = LlamaAttention(cfg, layer_idx=0).float()
+    ours = Attention(ATTN, dtype=torch.float32)
+    with torch.no_grad():
+        ours.qkv_proj.copy_(torch.cat([hf.q_proj.weight, hf.k_proj.weight, hf.v_proj.weight]))
+        ours.o_proj.copy_(hf.o_proj.weight)
+    return ours, hf, LlamaRotaryEmbedding(cfg)
+
+
+def _hf_sequence(hf, rope, x_LH):
+    """HF attention over one whole sequence (causal)."""
+    length = x_LH.shape[0]
+    cos, sin = rope(x_LH[None], torch.arange(length)[None])
+    mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    return hf(x_LH[None], position_embeddings=(cos, sin), attention_mask=mask)[0][0]
+
+
+def test_packed_prefill_matches_hf_per_sequence(pair):
+    ours, hf, rope = pair
+    lengths = [5, 1, 17, 9]
+    x = torch.randn(sum(lengths), 64)
+    with torch.no_grad():
+        y = ours(x, Batch.prefill(lengths), KVCache(ATTN, 4, 32, dtype=torch.float32, device="cpu"))
+        for seq, part in zip(torch.split(x, lengths), torch.split(y, lengths)):
+            torch.testing.assert_close(part, _hf_sequence(hf, rope, seq), **TOL)
+
+
+def test_cut_sequence_and_decode_match_hf(pair):
+    ours, hf, rope = pair
+    x = torch.randn(20, 64)
+    cache = KVCache(ATTN, 2, 32, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        expected = _hf_sequence(hf, rope, x)
+        first = ours(x[:12], Batch.prefill([12]), cache)                       # slot 0, positions 0..11
+        second = ours(x[12:19], Batch.prefill([7], starts=[12]), cache)        # attends to the cached 12
+        last = ours(x[19:], Batch.decode_step(0, torch.tensor([19])), cache)   # one decode step
+    torch.testing.assert_close(torch.cat([first, second, last]), expected, **TOL)
+
+
+def test_decode_batch_of_sequences_with_different_lengths(pair):
+    ours, hf, rope = pair
+    lengths = [6, 3, 10]
+    xs = [torch.randn(n + 1, 64) for n in lengths]
+    cache = KVCache(ATTN, 3, 16, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        ours(torch.cat([x[:-1] for x in xs]), Batch.prefill(lengths), cache)
+        step = ours(torch.stack([x[-1] for x in xs]), Batch.decode_step(0, torch.tensor(lengths)), cache)
+        for i, x in enumerate(xs):
+            torch.testing.assert_close(step[i], _hf_sequence(hf, rope, x)[-1], **TOL)
+
+
+def test_decoder_layer_is_attention_then_moe_with_residuals():
+    moe = MoELayer(get_preset("tiny"), dtype=torch.float32)
+    layer = DecoderLayer(ATTN, moe, seed=2)
+    x = torch.randn(10, 64)
+    batch = Batch.prefill([4, 6])
+    with torch.no_grad():
+        y = layer(x, batch, layer.make_cache(2, 16))
+        h = x + layer.attention(layer.input_norm(x), batch, layer.make_cache(2, 16))
+        expected = h + moe(layer.post_attention_norm(h))
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Batch.prefill([4, 40]), "needs 40 positions, the KV cache holds 32"),
+    (lambda: Batch.prefill([4], slots=[5]), "cache slot 5 is outside the 2 slots"),
+    (lambda: Batch.prefill([0]), "segment lengths must be >= 1"),
+])
+def test_bad_batches_are_named(make, message):
+    layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dtype=torch.float32))
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        batch = make()
+        layer(torch.randn(batch.num_tokens, 64), batch, layer.make_cache(2, 32))
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="num_heads .8. must be a multiple of num_kv_heads .3."):
+        AttentionConfig(64, 8, 3, 16)
+    layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dtype=torch.float32))
+    with pytest.raises(ValueError, match="x has 5 tokens but the batch describes 4"), torch.no_grad():
+        layer(torch.randn(5, 64), Batch.prefill([4]), layer.make_cache(1, 8))

@@ -1,0 +1,115 @@
+"""Overlap modes on the GPU: same output as ``none`` (bf16), side streams really used, CUDA-graph
+capture of every mode, the SM budget checked against the GPU. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_sbo.config import get_preset
+from moe_sbo.layer import MoELayer
+from moe_sbo.overlap import FIXED_MODES, OVERLAP_MODES, make_overlap
+from moe_sbo.streams import sm_count
+from moe_sbo.trace import spans_from_trace
+
+pytestmark = pytest.mark.gpu
+# Modes that queue the very same kernels as none (only the stream or the moment differs): bitwise.
+# combine_sm asks cuBLASLt for fewer SMs, which may select another kernel: bf16 tolerance.
+BITWISE_MODES = ("none", "dispatch", "combine", "split")
+BF16_REL_TOL = 1e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _modes_vs_none(device, dispatcher, tokens):
+    cfg = get_preset("deepseek-v2-lite")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    x = torch.randn(tokens + 5 * rank, cfg.hidden_size, device=device,
+                    generator=torch.Generator(device=device).manual_seed(9 + rank)).bfloat16()
+    out = {}
+    with torch.inference_mode():
+        layer = MoELayer(cfg, dispatcher=dispatcher, device=device, seed=4)
+        reference = layer(x)
+        for mode in OVERLAP_MODES:
+            layer.overlap = make_overlap(mode, device)
+            for _ in range(12 if mode == "auto" else 1):  # auto explores before it settles
+                y = layer(x)
+            out[mode] = (torch.equal(y, reference), _rel(y, reference))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_modes_match_none_on_one_gpu(tokens):
+    out = _modes_vs_none(torch.device("cuda"), "local", tokens)
+    for mode, (bitwise, rel) in out.items():
+        assert rel <= BF16_REL_TOL, (mode, rel)
+        if mode in BITWISE_MODES:
+            assert bitwise, f"{mode} is not bitwise equal to none (rel {rel:.2e})"
+
+
+def test_modes_match_none_over_nccl():
+    from moe_sbo.runtime import LocalRanks
+
+    world = torch.cuda.device_count()
+    with LocalRanks(world, device="cuda") as ranks:
+        for dispatcher in ("alltoall", "allgather"):
+            for out in ranks.run(_modes_vs_none, dispatcher, 64):
+                for mode, (bitwise, rel) in out.items():
+                    assert rel <= BF16_REL_TOL and (bitwise or mode not in BITWISE_MODES), (dispatcher, mode, rel)
+
+
+def test_combine_modes_run_shared_experts_on_a_side_stream(tmp_path):
+    cfg = get_preset("deepseek-v2-lite")
+    x = torch.randn(256, cfg.hidden_size, device="cuda").bfloat16()
+    lanes = {}
+    with torch.inference_mode():
+        for mode in ("none", "combine", "combine_sm"):
+            layer = MoELayer(cfg, device="cuda", overlap=mode)
+            layer(x)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                layer(x)
+                torch.cuda.synchronize()
+            path = tmp_path / f"{mode}.json"
+            prof.export_chrome_trace(str(path))
+            spans = spans_from_trace(json.loads(path.read_text()))
+            lanes[mode] = {kind: {s.lane for s in spans if s.kind == kind} for kind in ("shared_experts", "routed_experts")}
+    assert lanes["none"]["shared_experts"] == lanes["none"]["routed_experts"]
+    for mode in ("combine", "combine_sm"):
+        assert lanes[mode]["shared_experts"] and not lanes[mode]["shared_experts"] & lanes[mode]["routed_experts"], lanes
+
+
+@pytest.mark.parametrize("mode", FIXED_MODES)
+def test_every_mode_captures_in_a_cuda_graph(mode):
+    # low_latency: the dispatcher with no host sync (the others size buffers from data on the host).
+    cfg = get_preset("deepseek-v2-lite")
+    layer = MoELayer(cfg, device="cuda", overlap=mode, dispatcher="low_latency",
+                     dispatcher_options={"max_tokens_per_rank": 64})
+    static_x = torch.randn(64, cfg.hidden_size, device="cuda").bfloat16()
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                layer(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+        for seed in range(3):
+            static_x.copy_(torch.randn(64, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+            graph.replay()
+            expected = MoELayer(cfg, device="cuda")(static_x)
+            assert _rel(static_y, expected) <= BF16_REL_TOL and (mode == "combine_sm" or torch.equal(static_y, expected))
+
+
+def test_sm_budget_beyond_the_gpu_is_an_error():
+    total = sm_count(torch.device("cuda", torch.cuda.current_device()))
+    with pytest.raises(ValueError, match=rf"sm_budget must be in \[1, {total}\]"):
+        MoELayer(get_preset("tiny"), device="cuda", overlap="combine_sm", sm_budget=total + 1)
+    MoELayer(get_preset("tiny"), device="cuda", overlap="combine_sm", sm_budget=total)

@@ -1,0 +1,143 @@
+"""Two-batch overlap: the split rules, the stage schedule, and TBO (with every SBO mode) giving the
+output of the layer without TBO on 2 gloo ranks for every dispatcher."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_sbo.attention import AttentionConfig, Batch
+from moe_sbo.config import get_preset
+from moe_sbo.decoder import DecoderLayer
+from moe_sbo.dispatch import DISPATCHERS
+from moe_sbo.layer import MoELayer, run_to_end
+from moe_sbo.overlap import FIXED_MODES
+from moe_sbo.overlap.tbo import run_interleaved, split_batch, tbo_forward
+
+ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
+EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})
+
+
+def _lengths(split):
+    return split.a.batch.lengths, split.b.batch.lengths
+
+
+def test_prefill_split_at_a_balanced_sequence_boundary():
+    assert _lengths(split_batch(Batch.prefill([40, 24, 30, 34]))) == ((40, 24), (30, 34))
+
+
+def test_prefill_cuts_one_sequence_when_no_boundary_is_balanced():
+    split = split_batch(Batch.prefill([50, 30, 20, 28]))
+    assert _lengths(split) == ((50, 14), (16, 20, 28))
+    assert split.b.batch.starts == (14, 0, 0) and split.b.batch.slots == (1, 2, 3)
+    assert split.b.batch.positions_T[:3].tolist() == [14, 15, 16]
+    assert _lengths(split_batch(Batch.prefill([100]))) == ((50,), (50,))
+
+
+def test_unsplittable_batches_run_without_tbo_and_say_why(caplog):
+    assert split_batch(Batch.prefill([3])).reason.startswith("prefill of 3 tokens is below 64")
+    assert split_batch(Batch.decode_step(0, torch.tensor([5]))).reason.startswith("decode batch of 1 sequence")
+    layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dtype=torch.float32))
+    with caplog.at_level(logging.DEBUG, logger="moe_sbo.tbo"), torch.no_grad():
+        tbo_forward(layer, torch.randn(3, 64), Batch.prefill([3]), layer.make_cache(1, 8))
+    assert "two-batch overlap off for this batch: prefill of 3 tokens" in caplog.text
+
+
+def test_decode_split_halves_the_sequences():
+    split = split_batch(Batch.decode_step(4, torch.tensor([7, 8, 9, 10, 11])))
+    assert split.a.batch.slots == (4, 5, 6) and split.b.batch.slots == (7, 8)
+    assert split.b.batch.positions_T.tolist() == [10, 11] and split.b.batch.decode
+
+
+def _recorder(name, log, stages=3):
+    for i in range(stages):
+        log.append(f"{name}{i}")
+        if i < stages - 1:
+            yield
+    return name
+
+
+@pytest.mark.parametrize("delay, order", [
+    (0, "A0 B0 A1 B1 A2 B2"), (1, "A0 A1 B0 A2 B1 B2"), (2, "A0 A1 A2 B0 B1 B2"), (5, "A0 A1 A2 B0 B1 B2"),
+])
+def test_schedule_for_each_delay(delay, order):
+    log = []
+    assert run_interleaved(_recorder("A", log), _recorder("B", log), delay) == ("A", "B")
+    assert " ".join(log) == order
+
+
+def test_an_error_in_one_micro_batch_closes_both():
+    closed = []
+
+    def stages(name, fail):
+        try:
+            yield
+            if fail:
+                raise RuntimeError(f"boom in {name}")
+            yield
+        finally:
+            closed.append(name)
+
+    with pytest.raises(RuntimeError, match="boom in B"):
+        run_interleaved(stages("A", False), stages("B", True), 0)
+    assert sorted(closed) == ["A", "B"]
+
+
+def _tbo_rank(device, dispatcher, regime, modes):
+    """TBO vs the same layer without TBO on this rank's own batch (rank 0's cannot be split)."""
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    if regime == "prefill":
+        lengths = [[5], [40, 24, 30, 34], [50, 30, 20, 28], [100]][rank % 4]
+        batch = Batch.prefill(lengths)
+        make_cache = lambda layer: layer.make_cache(len(lengths), 128)  # noqa: E731
+    else:
+        prefix = [[6], [5, 9, 3, 12, 7]][rank % 2]
+        batch = Batch.decode_step(0, torch.tensor(prefix))
+        make_cache = lambda layer: layer.make_cache(len(prefix), 32)  # noqa: E731
+    x = torch.randn(batch.num_tokens, 64)
+    results = {}
+    with torch.no_grad():
+        for mode in modes:
+            layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dispatcher=dispatcher, dtype=torch.float32,
+                                                seed=3, overlap=mode), seed=3)
+            events = {0: [], 1: []}
+            for mb in (0, 1):
+                for event in ("dispatch_in_flight", "combine_in_flight"):
+                    layer.moe.dispatcher_for(mb).hooks.register(event, lambda d, p, mb=mb, e=event: events[mb].append(e))
+            plain = layer(x, batch, make_cache(layer))
+            events[0].clear()
+            tbo = tbo_forward(layer, x, batch, make_cache(layer))
+            tbo_events = {mb: list(fired) for mb, fired in events.items()}
+            # The same two micro-batches run one after the other: interleaving must change nothing.
+            split = split_batch(batch)
+            cache = make_cache(layer)
+            sequential = [run_to_end(layer.stages(x[m.start:m.stop], m.batch, cache, micro_batch=i))
+                          for i, m in enumerate((split.a, split.b))]
+            results[mode] = {
+                "tbo": tbo, "rel": ((tbo - plain).norm() / plain.norm()).item(),
+                "same_as_sequential": torch.equal(tbo, torch.cat(sequential)),
+                "events": tbo_events, "leaked": sum(layer.moe.dispatcher_for(mb).hooks.count() for mb in (0, 1)) - 4,
+                "twin_is_separate": layer.moe.dispatcher_for(1) is not layer.moe.dispatcher,
+            }
+    return results
+
+
+@pytest.mark.parametrize("dispatcher", EP_DISPATCHERS)
+@pytest.mark.parametrize("regime", ["prefill", "decode"])
+def test_tbo_matches_the_layer_without_tbo(ranks2, dispatcher, regime):
+    for rank, results in enumerate(ranks2.run(_tbo_rank, dispatcher, regime, ("none",))):
+        r = results["none"]
+        assert r["rel"] <= 1e-5 and r["same_as_sequential"] and r["leaked"] == 0 and r["twin_is_separate"]
+        # both micro-batches fired their in-flight hooks, each on its own dispatcher
+        assert r["events"][0] == r["events"][1] == ["dispatch_in_flight", "combine_in_flight"], r["events"]
+
+
+def test_tbo_with_every_sbo_mode_on_four_ranks(ranks4):
+    for results in ranks4.run(_tbo_rank, "alltoall", "prefill", FIXED_MODES):
+        for mode, r in results.items():
+            assert torch.equal(r["tbo"], results["none"]["tbo"]), f"TBO + SBO {mode} differs from TBO alone"
+            assert r["rel"] <= 1e-5 and r["leaked"] == 0
