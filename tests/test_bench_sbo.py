@@ -49,7 +49,7 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
     (["--overlap", "sideways"], "--overlap must be among"),
     (["--dispatcher", "deepep"], "--dispatcher must be among"),
     (["--ranks", "3"], "divisible by the EP size"),
-    (["--tokens", "0"], "--tokens must be >= 1"),
+    (["--tokens", "0"], "--tokens, --prefill-tokens and --decode-seqs must be >= 1"),
 ])
 def test_bench_bad_input_exits_2(argv, message, capsys):
     assert main(["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", *argv]) == 2

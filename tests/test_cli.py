@@ -46,3 +46,14 @@ def test_demo_overlap_all_checks_every_mode_against_none(tmp_path):
     assert proc.stderr.count("overlap combine on cpu") == 1
     proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--overlap", "sideways")
     assert proc.returncode == 2 and "--overlap must be one of ['none', 'dispatch'" in proc.stderr
+
+
+def test_demo_tbo_runs_the_decoder_layer_with_two_batch_overlap(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--tokens", "100", "--iters", "1", "--tbo",
+                    "--overlap", "split", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["dispatcher"], r["overlap"]) for r in rows} == {(d, m) for d in DISPATCHERS for m in ("none", "split")}
+    assert all(r["tbo"] and r["ok"] and r["same_as_none"] for r in rows)
+    assert "two-batch overlap" in proc.stdout

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .config import PRESETS, get_preset
-from .dispatch import DISPATCHERS
+from .dispatch import DISPATCHERS, options_for_tokens
 from .layer import MoELayer
 from .overlap import OVERLAP_MODES, AutoOverlap, make_overlap
 from .overlap.sbo import bucket_of
@@ -52,11 +52,6 @@ def _cfg(preset: str, num_experts: int | None):
     return cfg
 
 
-def dispatcher_options(name: str, tokens: int) -> dict:
-    """Construction options a dispatcher needs for ``tokens`` per rank (fixed-capacity ones)."""
-    return {"max_tokens_per_rank": max(tokens, 1)} if name == "low_latency" else {}
-
-
 def graph_capturable(layer: MoELayer) -> bool:
     return bool(getattr(layer.dispatcher, "graph_capturable", False))
 
@@ -66,7 +61,7 @@ _LAYER: dict[tuple, MoELayer] = {}
 
 def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
     """The rank's layer for ``spec``: kept between calls (weights are costly to make), one at a time."""
-    options = dispatcher_options(spec["dispatcher"], tokens)
+    options = options_for_tokens(spec["dispatcher"], tokens)
     key = (spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
            tuple(sorted(options.items())))
     if key not in _LAYER:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .attention import AttentionConfig, Batch
-from .bench import _cfg, dispatcher_options, graph_capturable, profile_spans, time_fn
+from .bench import _cfg, graph_capturable, profile_spans, time_fn
+from .dispatch import options_for_tokens
 from .decoder import DecoderLayer
 from .layer import MoELayer
 from .overlap import make_overlap
@@ -39,7 +40,7 @@ def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int =
 
 
 def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
-    options = dispatcher_options(spec["dispatcher"], capacity)
+    options = options_for_tokens(spec["dispatcher"], capacity)
     key = (spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], tuple(sorted(options.items())),
            spec["heads"], spec["kv_heads"], spec["head_dim"])
     if key not in _DECODER:

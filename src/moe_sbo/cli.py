@@ -28,6 +28,8 @@ def _add_demo_parser(subparsers) -> None:
     p.add_argument("--ranks", type=int, default=None, help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--dispatcher", default="all", help=f"one of {sorted(DISPATCHERS)}, or all")
+    p.add_argument("--tbo", action="store_true",
+                   help="put the MoE in a decoder layer (attention + MoE) run with two-batch overlap")
     p.add_argument("--overlap", default="none",
                    help=f"one of {list(OVERLAP_MODES)}, or all; other than none, none runs too for comparison")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
@@ -70,10 +72,11 @@ def run_demo(args: argparse.Namespace) -> int:
     console = make_console()
     source = f"{args.checkpoint} layer {args.layer}" if args.checkpoint else f"preset {args.preset}"
     console.print(f"[bold]moe-sbo demo[/]: {source}, {ranks} {device} ranks, "
-                  f"{args.tokens} tokens/rank, {dtype}")
+                  f"{args.tokens} tokens/rank, {dtype}"
+                  + (", decoder layer with two-batch overlap" if args.tbo else ""))
     with LocalRanks(ranks, device=device) as workers:
         per_rank = workers.run(run_demo_rank, args.preset, names, args.tokens, args.seed, dtype, args.iters,
-                               overlaps, checkpoint=args.checkpoint, layer_index=args.layer)
+                               overlaps, checkpoint=args.checkpoint, layer_index=args.layer, tbo=args.tbo)
     rows = summarise(per_rank)
 
     table = Table(title="each dispatcher vs the single-rank reference (times: slowest rank, median)")

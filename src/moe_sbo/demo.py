@@ -8,6 +8,7 @@ itself with the same mechanism overlap strategies use, without touching the laye
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -18,7 +19,11 @@ import torch.distributed as dist
 
 from .checkpoint import Checkpoint, LayerLoader
 from .config import get_preset
+from .attention import AttentionConfig, Batch
+from .decoder import DecoderLayer
+from .dispatch import options_for_tokens
 from .layer import MoELayer
+from .overlap.tbo import tbo_forward
 
 # Relative L2 error allowed against the reference, per dtype: float32 differs only by summation
 # order; bf16 by rounding of the activations that cross the wire and of the GEMM outputs.
@@ -29,6 +34,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 class DemoRow:
     dispatcher: str
     overlap: str
+    tbo: bool
     same_as_none: bool  # bitwise equal to this dispatcher's output with the first overlap mode ("none")
     rank: int
     tokens: int
@@ -66,27 +72,33 @@ class PhaseClock:
 
 def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tokens: int, seed: int,
                   dtype_name: str, iters: int, overlaps: tuple[str, ...] = ("none",), *,
-                  checkpoint: str | None = None, layer_index: int | None = None) -> list[dict]:
+                  checkpoint: str | None = None, layer_index: int | None = None, tbo: bool = False) -> list[dict]:
     """One rank's share of the demo (called on every rank by ``LocalRanks.run``): one row per
     dispatcher and overlap mode. With ``checkpoint`` (a model directory) the model and weights are
     MoE layer ``layer_index`` of it instead of ``preset`` and ``seed``: each dispatcher's layer reads only
-    this rank's experts; the ``local`` reference reads them all."""
+    this rank's experts; the ``local`` reference reads them all. With ``tbo`` each MoE layer sits in a
+    decoder layer (attention + MoE) run with two-batch overlap on packed sequences, against the
+    ``local`` decoder layer without it; phase times are then micro-batch A's."""
     load = LayerLoader(Checkpoint(checkpoint), layer_index) if checkpoint else (lambda moe: moe)
     cfg = load.checkpoint.moe_config if checkpoint else get_preset(preset)
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank() if dist.is_initialized() else 0
     generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
     x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
+    model, run, run_reference = _models(tbo, tokens, cfg.hidden_size, seed)
     with torch.inference_mode():
-        reference_TH = load(MoELayer(cfg, dispatcher="local", dtype=dtype, device=device, seed=seed))(x_TH)
+        reference_TH = run_reference(model(load(MoELayer(cfg, dispatcher="local", dtype=dtype, device=device,
+                                                         seed=seed))), x_TH)
         rows = []
         for name, overlap in itertools.product(dispatchers, overlaps):
-            layer = load(MoELayer(cfg, dispatcher=name, dtype=dtype, device=device, seed=seed, overlap=overlap))
+            layer = load(MoELayer(cfg, dispatcher=name, dtype=dtype, device=device, seed=seed, overlap=overlap,
+                                  dispatcher_options=options_for_tokens(name, tokens)))
             clock = PhaseClock(layer)
+            wrapped = model(layer)
             samples = []
             for _ in range(iters + 1):  # the first forward warms up and is not timed
                 start = clock.now()
-                y_TH = layer(x_TH)
+                y_TH = run(wrapped, x_TH)
                 end = clock.now()
                 s = clock.stamps
                 samples.append((s["pre_dispatch"] - start, s["post_dispatch"] - s["pre_dispatch"],
@@ -100,7 +112,7 @@ def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tok
             rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
             traffic = layer.last_traffic
             rows.append(asdict(DemoRow(
-                dispatcher=name, overlap=overlap, same_as_none=torch.equal(y_TH, first_mode_y_TH),
+                dispatcher=name, overlap=overlap, tbo=tbo, same_as_none=torch.equal(y_TH, first_mode_y_TH),
                 rank=rank, tokens=tokens,
                 max_abs_err=diff.abs().max().item() if diff.numel() else 0.0, rel_err=rel,
                 ok=rel <= TOLERANCE[dtype], bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv,
@@ -110,13 +122,35 @@ def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tok
     return rows
 
 
+def _models(tbo: bool, tokens: int, hidden_size: int, seed: int):
+    """(wrap a MoE layer, run it, run the reference): the MoE layer alone, or with ``tbo`` a decoder
+    layer on packed sequences of up to 48 tokens, run with two-batch overlap (reference: without)."""
+    if not tbo:
+        return (lambda moe: moe), (lambda layer, x: layer(x)), (lambda layer, x: layer(x))
+    head_dim = 16 if hidden_size < 1024 else 128
+    heads = hidden_size // head_dim
+    attn = AttentionConfig(hidden_size, heads, max(1, heads // 4), head_dim)
+    lengths = [min(48, tokens - start) for start in range(0, tokens, 48)]
+    batch = Batch.prefill(lengths)
+
+    def on_device(x):
+        return dataclasses.replace(batch, positions_T=batch.positions_T.to(x.device))
+
+    def cache(layer):
+        return layer.make_cache(max(1, len(lengths)), 48)
+
+    return ((lambda moe: DecoderLayer(attn, moe, seed=seed)),
+            (lambda layer, x: tbo_forward(layer, x, on_device(x), cache(layer))),
+            (lambda layer, x: layer(x, on_device(x), cache(layer))))
+
+
 def summarise(per_rank: list[list[dict]]) -> list[dict]:
     """One row per dispatcher: worst error over ranks, mean bytes per rank, slowest rank's times."""
     summary = []
     for rows in zip(*per_rank):
         first = rows[0]
         summary.append({
-            "bench": "demo", "dispatcher": first["dispatcher"], "overlap": first["overlap"],
+            "bench": "demo", "dispatcher": first["dispatcher"], "overlap": first["overlap"], "tbo": first["tbo"],
             "same_as_none": all(r["same_as_none"] for r in rows), "ranks": len(rows),
             "tokens_per_rank": first["tokens"],
             "max_abs_err": max(r["max_abs_err"] for r in rows),

@@ -85,7 +85,8 @@ class MoELayer(nn.Module):
             SharedExperts(cfg.hidden_size, cfg.shared_intermediate_size, dtype=dtype, device=device)
             if cfg.num_shared_experts else None
         )
-        self.last_traffic = Traffic()
+        self.last_traffic = Traffic()  # of the last forward (of both micro-batches after a TBO forward)
+        self.micro_batch_traffic = {0: Traffic(), 1: Traffic()}
         self.reset_parameters(seed)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -111,7 +112,7 @@ class MoELayer(nn.Module):
             yield  # combine in flight
             routed_TH = dispatcher.combine_wait(pending)
             shared_TH = shared.result()
-        self.last_traffic = recv.handle.traffic
+        self.last_traffic = self.micro_batch_traffic[micro_batch] = recv.handle.traffic
         return routed_TH if shared_TH is None else routed_TH + shared_TH
 
     def dispatcher_for(self, micro_batch: int):

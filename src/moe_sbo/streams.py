@@ -81,11 +81,11 @@ def side_stream(device: torch.device) -> SideStream:
     return SideStream(device)
 
 
-def record_event(device: torch.device) -> "torch.cuda.Event | None":
-    """An event recorded now on the current stream (CUDA), or ``None`` on CPU."""
+def record_event(device: torch.device, timing: bool = False) -> "torch.cuda.Event | None":
+    """An event recorded now on the current stream (CUDA; ``timing`` for ``elapsed_time``), or ``None`` on CPU."""
     if device.type != "cuda":
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(enable_timing=timing)
     event.record(torch.cuda.current_stream(device))
     return event
 

@@ -1,10 +1,12 @@
-"""Dispatchers, one per file, chosen by name: ``local``, ``allgather``, ``alltoall``."""
+"""Dispatchers, one per file, chosen by name: ``local``, ``allgather``, ``alltoall``, ``low_latency``."""
 
-from . import allgather, alltoall, local  # noqa: F401  (registers each scheme)
+from . import allgather, alltoall, local, low_latency  # noqa: F401  (registers each scheme)
 from .base import (DISPATCHERS, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher,
-                   EPGroup, Pending, Traffic, make_dispatcher)
+                   EPGroup, Pending, Traffic, dispatcher_option_names, make_dispatcher, options_for_tokens)
+from .low_latency import LowLatencyDispatcher, mask_padding_tokens
 
 __all__ = [
     "DISPATCHERS", "CombineInput", "DispatchHandle", "DispatchInput", "DispatchOutput", "Dispatcher",
-    "EPGroup", "Pending", "Traffic", "make_dispatcher",
+    "EPGroup", "LowLatencyDispatcher", "Pending", "Traffic", "dispatcher_option_names", "make_dispatcher",
+    "mask_padding_tokens", "options_for_tokens",
 ]

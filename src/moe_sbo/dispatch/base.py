@@ -19,6 +19,7 @@ see the hooks; nothing here replaces a method on an instance.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..hooks import HookRegistry
+from ..trace import annotate
 from .layout import ExpertLayout
 
 
@@ -157,7 +159,8 @@ class Dispatcher:
         """
         inp = self.hooks.run("pre_dispatch", self, DispatchInput(x_TH, topk_ids_TK, topk_weights_TK))
         self._check_dispatch_input(inp)
-        pending = self._launch_dispatch(inp)
+        with annotate("dispatch"):
+            pending = self._launch_dispatch(inp)
         self.hooks.run("dispatch_in_flight", self, pending)
         return pending
 
@@ -169,7 +172,9 @@ class Dispatcher:
         builds the expert-major layout on the device; then runs the ``post_dispatch`` hooks. Not
         CUDA-graph safe (variable sizes).
         """
-        return self.hooks.run("post_dispatch", self, self._wait_dispatch(pending))
+        with annotate("dispatch"):
+            out = self._wait_dispatch(pending)
+        return self.hooks.run("post_dispatch", self, out)
 
     def dispatch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> DispatchOutput:
@@ -185,7 +190,8 @@ class Dispatcher:
         """
         inp = self.hooks.run("pre_combine", self, CombineInput(expert_y_RH, handle))
         self._check_combine_input(inp)
-        pending = self._launch_combine(inp)
+        with annotate("combine"):
+            pending = self._launch_combine(inp)
         pending.handle = inp.handle
         self.hooks.run("combine_in_flight", self, pending)
         return pending
@@ -195,7 +201,9 @@ class Dispatcher:
 
         Sync: the current stream (CUDA) or the host (CPU) waits for the transfer.
         """
-        return self.hooks.run("post_combine", self, self._wait_combine(pending))
+        with annotate("combine"):
+            y_TH = self._wait_combine(pending)
+        return self.hooks.run("post_combine", self, y_TH)
 
     def combine(self, expert_y_RH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """``combine_wait(combine_launch(...))``. Sync: as those two."""
@@ -248,8 +256,12 @@ class Dispatcher:
                 f"x, topk_ids and topk_weights must be on one device, got {x.device}, {ids.device}, "
                 f"{weights.device}; move them with .to(x.device)"
             )
-        if ids.numel():
-            lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync for both
+        self._check_topk_ids(ids)
+
+    def _check_topk_ids(self, ids_TK: torch.Tensor) -> None:
+        """Ids in ``[0, E)``. One host read of the id range; schemes that must not sync override this."""
+        if ids_TK.numel():
+            lo, hi = torch.stack([ids_TK.min(), ids_TK.max()]).tolist()  # one host sync for both
             if lo < 0 or hi >= self.num_experts:
                 raise ValueError(
                     f"topk_ids must lie in [0, {self.num_experts}), got values in [{lo}, {hi}]; "
@@ -274,8 +286,32 @@ def register_dispatcher(cls: type[Dispatcher]) -> type[Dispatcher]:
     return cls
 
 
-def make_dispatcher(name: str, num_experts: int, ep: EPGroup) -> Dispatcher:
-    """The dispatcher called ``name`` for ``num_experts`` experts over ``ep``."""
+def dispatcher_option_names(name: str) -> tuple[str, ...]:
+    """The keyword options the dispatcher called ``name`` accepts (its constructor's keyword-only ones)."""
+    params = inspect.signature(DISPATCHERS[name].__init__).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def options_for_tokens(name: str, tokens_per_rank: int) -> dict[str, int]:
+    """Options sizing a fixed-capacity dispatcher for ``tokens_per_rank`` (none for the others)."""
+    if "max_tokens_per_rank" in dispatcher_option_names(name):
+        return {"max_tokens_per_rank": max(tokens_per_rank, 1)}
+    return {}
+
+
+def make_dispatcher(name: str, num_experts: int, ep: EPGroup, **options: Any) -> Dispatcher:
+    """The dispatcher called ``name`` for ``num_experts`` experts over ``ep``.
+
+    ``options`` are passed to its constructor (e.g. ``max_tokens_per_rank`` for ``low_latency``); an
+    option the scheme does not take is an error, not silently ignored.
+    """
     if name not in DISPATCHERS:
         raise ValueError(f"dispatcher must be one of {sorted(DISPATCHERS)}, got {name!r}")
-    return DISPATCHERS[name](num_experts, ep)
+    accepted = dispatcher_option_names(name)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"dispatcher options must be among {list(accepted)} for {name!r}, got {unknown}; "
+            "drop them or choose the dispatcher that takes them"
+        )
+    return DISPATCHERS[name](num_experts, ep, **options)

@@ -259,7 +259,7 @@ class AutoOverlap:
 
     def _clock(self):
         if self.ctx.device.type == "cuda":
-            return record_event(self.ctx.device)
+            return record_event(self.ctx.device, timing=True)
         return time.perf_counter()
 
     def _close(self, bucket: int) -> None:

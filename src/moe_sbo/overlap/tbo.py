@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
 from ..attention import Batch, KVCache
+from ..dispatch import Traffic
 
 log = logging.getLogger("moe_sbo.tbo")
 
@@ -157,4 +158,6 @@ def tbo_forward(layer, x_TH: torch.Tensor, batch: Batch, cache: KVCache, *, dela
     a, b = split.a, split.b
     out_a, out_b = run_interleaved(layer.stages(x_TH[a.start:a.stop], a.batch, cache, micro_batch=0),
                                    layer.stages(x_TH[b.start:b.stop], b.batch, cache, micro_batch=1), delay)
+    traffic = layer.moe.micro_batch_traffic
+    layer.moe.last_traffic = Traffic(*(x + y for x, y in zip(astuple(traffic[0]), astuple(traffic[1]))))
     return torch.cat([out_a, out_b]) if b.stop > b.start else out_a

@@ -1,0 +1,382 @@
+"""Low-latency benchmark (issue 6): the ``low_latency`` dispatcher at decode sizes, replayed from CUDA
+graphs, beside raw NCCL on the same bytes and the ``allgather``/``alltoall`` dispatchers, in one run.
+
+Model: DeepSeek-V3 dims (H 7168, I 2048, top-8, one shared expert) with ``--experts-per-gpu`` routed
+experts per GPU (default 8, so E = 8 * EP: real decode deployments keep 2-9 per GPU, DESIGN.md §6;
+every row says ``experts_per_gpu``), noaux_tc routing with the group counts adjusted to that E.
+
+Rows (``bench="low_latency"``) in ``OUT/low_latency.json`` (DESIGN.md §7), per EP size and tokens
+per rank (capacity = tokens unless ``--capacity``):
+
+- ``dispatcher="low_latency"``, ``graph=True``, once per ``dispatch_dtype`` (bfloat16, fp8 e4m3):
+  ``t_dispatch_us`` / ``t_combine_us`` / ``t_layer_us`` are replays of three CUDA graphs (dispatch
+  alone, combine alone, the whole MoE layer); ``ref_t_dispatch_us`` / ``ref_t_combine_us`` are
+  graph-replayed raw ``all_to_all_single`` calls moving exactly the same fixed blocks;
+  ``dispatch_overhead`` / ``combine_overhead`` are the ratios (target <= 1.2); ``t_layer_b2b_us`` is
+  the mean of back-to-back layer replays (decode throughput rather than isolated latency).
+- ``dispatcher="low_latency"``, ``graph=False``: the same layer run eagerly, phases from hook events.
+- ``dispatcher="allgather"`` / ``"alltoall"``, ``graph=False``: those read sizes on the host, so they
+  run eagerly (phases from hook events), with raw ``all_to_all_single`` on their mean bytes beside.
+
+Timing: every timed call is preceded by a line-up (synchronize + barrier) outside the timed span, and
+spans are CUDA events on the current stream (host clock on CPU); medians over ``--iters``; the row
+holds the slowest rank's median. On CPU (``--device cpu``, gloo) nothing is captured: a smoke run.
+
+Usage (GPU): ``python benchmarks/bench_low_latency.py --out DIR``; the issue's run is 4 GPUs.
+CPU smoke: ``python benchmarks/bench_low_latency.py --out DIR --device cpu --preset tiny --hidden-size 128
+--experts-per-gpu 4 --quick --tokens 4 16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench_foundation import _fmt, _rounded
+from moe_sbo.bench import time_fn
+from moe_sbo.bench_meta import result_meta
+from moe_sbo.config import MoEConfig, PRESETS, get_preset
+from moe_sbo.dispatch.low_latency import RowFormat
+from moe_sbo.layer import MoELayer
+from moe_sbo.runtime import RankError, RankPool, resolve_device
+from moe_sbo.timing import Stamps, line_up, time_all_to_all, time_layer
+
+TARGETS = {"tokens_per_rank": 128, "t_dispatch_us": 60.0, "t_combine_us": 80.0, "overhead_vs_nccl": 1.2}
+FP8_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
+EAGER_SPANS = ("t_route_us", "t_dispatch_us", "t_routed_us", "t_combine_us", "t_layer_us")
+
+
+def bench_config(preset: str, experts_per_gpu: int, ep: int, hidden_size: int | None) -> MoEConfig:
+    """``preset`` with E = experts_per_gpu * ep routed experts and groups that still route top-k."""
+    base = get_preset(preset)
+    num_experts = experts_per_gpu * ep
+    k = base.num_experts_per_tok
+    if k > num_experts:
+        raise ValueError(f"--experts-per-gpu x EP must be >= top-k {k}, got {num_experts}; raise --experts-per-gpu")
+    changes: dict = {"num_experts": num_experts}
+    if hidden_size is not None:
+        changes["hidden_size"] = hidden_size
+    if base.topk_method == "greedy":
+        return base.replace(**changes)
+    # The most groups <= the preset's with >= 2 experts each (noaux_tc scores a group by its top 2),
+    # then the fewest kept groups >= the preset's that still hold k experts.
+    n_group = max(g for g in range(1, base.n_group + 1) if num_experts % g == 0 and num_experts // g >= 2)
+    topk_group = next(t for t in range(min(base.topk_group, n_group), n_group + 1)
+                      if t * (num_experts // n_group) >= k)
+    return base.replace(n_group=n_group, topk_group=topk_group, **changes)
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+
+
+def capture(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[], None], object]:
+    """``fn`` as a CUDA graph (warmed up off the capture stream first) -> (replay, its static output).
+    On CPU nothing is captured: the replay is ``fn`` itself."""
+    if device.type != "cuda":
+        return fn, fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Median µs of ``fn`` (already a graph replay where it should be), ranks lined up before each call."""
+    return time_fn(fn, device, warmup, iters, graph=False)
+
+
+def time_back_to_back(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Mean µs of ``iters`` calls issued back to back (no line-up between them)."""
+    line_up(device)
+    stamps = Stamps(device, 1, ("start", "end"))
+    stamps.iteration = 0
+    stamps.record("start")
+    for _ in range(iters):
+        fn()
+    stamps.record("end")
+    return stamps.span_us("start", "end")[0] / iters
+
+
+def raw_all_to_all(bytes_per_rank: int, device: torch.device) -> Callable[[], None]:
+    """A fixed-size ``all_to_all_single`` of ``bytes_per_rank`` bytes to each rank (uint8 buffers)."""
+    world = dist.get_world_size()
+    send = torch.randint(0, 255, (world * bytes_per_rank,), dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    return lambda: dist.all_to_all_single(recv, send)
+
+
+# ---- per rank ----------------------------------------------------------------------------------------
+
+
+def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int], capacity: int | None,
+                     fp8_modes: tuple[bool, ...], warmup: int, iters: int, seed: int) -> list[dict]:
+    """One rank's ``low_latency`` rows: graph-replayed phases (CUDA), the eager layer's phases, and raw
+    ``all_to_all_single`` on the same fixed blocks beside both."""
+    rank = dist.get_rank()
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows = []
+    with torch.inference_mode():
+        for tokens in tokens_list:
+            cap = capacity or max(tokens, 1)
+            generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
+            x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
+            for fp8 in fp8_modes:
+                layer = MoELayer(cfg, dispatcher="low_latency", dtype=dtype, device=device, seed=seed,
+                                 dispatcher_options={"max_tokens_per_rank": cap, "fp8": fp8})
+                fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, fp8)
+                ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
+                ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)
+                common = {"rank": rank, "tokens": tokens, "capacity": cap,
+                          "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
+                          "ref_t_dispatch_us": time_calls(ref_dispatch, device, warmup, iters),
+                          "ref_t_combine_us": time_calls(ref_combine, device, warmup, iters)}
+                eager = time_layer(layer, x_TH, warmup, iters)
+                traffic = layer.last_traffic
+                common.update(dispatch_bytes_sent=traffic.dispatch_bytes_sent,
+                              dispatch_bytes_recv=traffic.dispatch_bytes_recv,
+                              combine_bytes_sent=traffic.combine_bytes_sent,
+                              combine_bytes_recv=traffic.combine_bytes_recv)
+                rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}})
+                if cuda:
+                    rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
+                del layer, ref_dispatch, ref_combine
+                if cuda:
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def time_graphs(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
+    """Dispatch alone, combine alone and the whole layer, each captured in its own CUDA graph and replayed.
+
+    The combine graph reads the dispatch graph's static outputs (its handle), so it replays what the
+    last dispatch replay laid out; the three graphs share the dispatcher's buffer sets.
+    """
+    d, device = layer.dispatcher, x_TH.device
+    topk = layer.router(x_TH)
+    replay_dispatch, recv = capture(lambda: d.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK), device)
+    expert_y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+    replay_combine, _ = capture(lambda: d.combine(expert_y_RH, recv.handle), device)
+    replay_layer, _ = capture(lambda: layer(x_TH), device)
+    return {"t_dispatch_us": time_calls(replay_dispatch, device, warmup, iters),
+            "t_combine_us": time_calls(replay_combine, device, warmup, iters),
+            "t_layer_us": time_calls(replay_layer, device, warmup, iters),
+            "t_layer_b2b_us": time_back_to_back(replay_layer, device, iters)}
+
+
+def baseline_rank(device: torch.device, cfg: MoEConfig, dispatcher: str, tokens_list: list[int], warmup: int,
+                  iters: int, seed: int) -> list[dict]:
+    """One rank's eager rows for a variable-size dispatcher, raw all-to-all on its mean bytes beside."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    with torch.inference_mode():
+        layer = MoELayer(cfg, dispatcher=dispatcher, dtype=dtype, device=device, seed=seed)
+        for tokens in tokens_list:
+            generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
+            x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
+            times = time_layer(layer, x_TH, warmup, iters)
+            traffic = layer.last_traffic
+            row = {"rank": rank, "tokens": tokens, "dispatch_dtype": str(dtype).removeprefix("torch."),
+                   "graph": False, **{k: times[k] for k in EAGER_SPANS},
+                   "dispatch_bytes_sent": traffic.dispatch_bytes_sent,
+                   "dispatch_bytes_recv": traffic.dispatch_bytes_recv,
+                   "combine_bytes_sent": traffic.combine_bytes_sent, "combine_bytes_recv": traffic.combine_bytes_recv}
+            if world > 1:
+                # Ranks agree on the mean bytes of each phase, sent in equal chunks to the P - 1 others.
+                sent = torch.tensor([traffic.dispatch_bytes_sent, traffic.combine_bytes_sent],
+                                    dtype=torch.int64, device=device)
+                dist.all_reduce(sent)
+                chunks = [max(1, math.ceil(int(b) / world / ((world - 1) * dtype.itemsize))) for b in sent.tolist()]
+                row["ref_t_dispatch_us"] = time_all_to_all(chunks[0], dtype, device, warmup, iters, seed)
+                row["ref_t_combine_us"] = time_all_to_all(chunks[1], dtype, device, warmup, iters, seed + 1)
+            rows.append(row)
+        del layer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- summary -----------------------------------------------------------------------------------------
+
+
+def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list[dict]:
+    """One row per (tokens, mode): slowest rank's medians, mean bytes per rank, ratios to raw NCCL."""
+    world = len(per_rank)
+    out = []
+    for rank_rows in zip(*per_rank):
+        first = rank_rows[0]
+        row = {"bench": "low_latency", **common, "ep": world, "tokens_per_rank": first["tokens"],
+               "dispatcher": dispatcher, "overlap": "none", "tbo": False, "graph": first["graph"],
+               "dispatch_dtype": first["dispatch_dtype"]}
+        if "capacity" in first:
+            row["capacity"] = first["capacity"]
+        for key in ("t_dispatch_us", "t_combine_us", "t_layer_us", "t_layer_b2b_us", "t_routed_us", "t_route_us",
+                    "ref_t_dispatch_us", "ref_t_combine_us"):
+            values = [r.get(key) for r in rank_rows]
+            row[key] = max(values) if all(v is not None for v in values) else None
+        for key in ("dispatch_bytes_sent", "dispatch_bytes_recv", "combine_bytes_sent", "combine_bytes_recv"):
+            row[key] = round(statistics.mean(r[key] for r in rank_rows))
+        row["bytes_sent"] = row["dispatch_bytes_sent"] + row["combine_bytes_sent"]
+        row["bytes_recv"] = row["dispatch_bytes_recv"] + row["combine_bytes_recv"]
+        row["t_comm_us"] = row["t_dispatch_us"] + row["t_combine_us"]
+        if row["ref_t_dispatch_us"] is not None:
+            t_ref = row["ref_t_dispatch_us"] + row["ref_t_combine_us"]
+            row["dispatch_overhead"] = row["t_dispatch_us"] / row["ref_t_dispatch_us"]
+            row["combine_overhead"] = row["t_combine_us"] / row["ref_t_combine_us"]
+            row["ratio_vs_ref"] = t_ref / row["t_comm_us"]
+            if row["bytes_sent"]:
+                row["algbw_GBps"] = row["bytes_sent"] / row["t_comm_us"] / 1e3
+                row["ref_algbw_GBps"] = row["bytes_sent"] / t_ref / 1e3
+        if world == 1:
+            row["note"] = "ep=1: nothing on the wire (the all-to-all's one block stays local)"
+        out.append(row)
+    return out
+
+
+# ---- driver ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for low_latency.json")
+    p.add_argument("--ranks", type=int, nargs="+", default=None,
+                   help="EP sizes, one pool each (default: every GPU; 2 on CPU)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 64, 128, 256], help="tokens per rank")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="max_tokens_per_rank for every row (default: each row's token count)")
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p.add_argument("--experts-per-gpu", type=int, default=8, help="routed experts per GPU (E = this x EP)")
+    p.add_argument("--hidden-size", type=int, default=None, help="override the preset's H (smoke runs)")
+    p.add_argument("--fp8", default="both", choices=sorted(FP8_CHOICES), help="low_latency dispatch in fp8")
+    p.add_argument("--baselines", nargs="*", default=["allgather", "alltoall"], choices=["allgather", "alltoall"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; --quick 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls (default 50; --quick 3)")
+    p.add_argument("--quick", action="store_true", help="few iterations: a smoke run, not a measurement")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
+    iters = args.iters if args.iters is not None else (3 if args.quick else 50)
+    ep_sizes = args.ranks or [torch.cuda.device_count() if device == "cuda" else 2]
+    # Bad input raises here, before any rank starts.
+    if min(args.tokens) < 0 or warmup < 0 or iters < 1:
+        raise ValueError(f"--tokens must be >= 0 and --iters >= 1, got {args.tokens} and {iters}")
+    if args.capacity is not None and args.capacity < max(args.tokens):
+        raise ValueError(f"--capacity must be >= the largest --tokens {max(args.tokens)}, got {args.capacity}")
+    configs = {p: bench_config(args.preset, args.experts_per_gpu, p, args.hidden_size) for p in ep_sizes}
+    for p in ep_sizes:
+        if device == "cuda" and p > torch.cuda.device_count():
+            raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {p}")
+    fp8_modes = FP8_CHOICES[args.fp8]
+    if True in fp8_modes and configs[ep_sizes[0]].hidden_size % 128:
+        raise ValueError(f"fp8 dispatch needs H a multiple of 128, got {configs[ep_sizes[0]].hidden_size}; "
+                         "use --fp8 off or --hidden-size")
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir / "low_latency.json"
+    meta = result_meta(device, max(ep_sizes))
+    meta.update(preset=args.preset, experts_per_gpu=args.experts_per_gpu, ep_sizes=ep_sizes,
+                tokens_per_rank=args.tokens, warmup=warmup, iters=iters, quick=args.quick, targets=TARGETS,
+                model_note=f"{args.preset} dims with {args.experts_per_gpu} routed experts per GPU (E = "
+                f"{args.experts_per_gpu} x EP), as real decode deployments keep (DESIGN.md §6), not all of "
+                "the model's experts",
+                timing="low_latency: CUDA-graph replays (dispatch, combine, layer: three graphs) and graph-replayed "
+                "raw all_to_all_single of the same fixed blocks; baselines: eager, CUDA events from hooks; "
+                "ranks lined up (synchronize + barrier) before every timed call" if device == "cuda"
+                else "host clock, eager (CPU smoke: not a measurement)",
+                aggregation="per-rank medians; times: slowest rank; bytes: mean per rank")
+    rows: list[dict] = []
+    errors = 0
+
+    def save() -> None:
+        out_path.write_text(json.dumps({"meta": meta, "rows": [_rounded(r) for r in rows]}, indent=1))
+
+    started = time.perf_counter()
+    for p in ep_sizes:
+        cfg = configs[p]
+        common = {"preset": args.preset, "experts_per_gpu": args.experts_per_gpu, "num_experts": cfg.num_experts,
+                  "hidden_size": cfg.hidden_size, "dtype": "bfloat16" if device == "cuda" else "float32"}
+        pool = RankPool(p, device)
+        jobs = [("low_latency", low_latency_rank,
+                 (cfg, args.tokens, args.capacity, fp8_modes, warmup, iters, args.seed))]
+        jobs += [(name, baseline_rank, (cfg, name, args.tokens, warmup, iters, args.seed)) for name in args.baselines]
+        try:
+            for name, fn, fn_args in jobs:
+                t0 = time.perf_counter()
+                try:
+                    rows.extend(summarise(pool.run(fn, *fn_args), common, name))
+                except RankError as exc:
+                    errors += 1
+                    rows.append({"bench": "low_latency", **common, "ep": p, "dispatcher": name,
+                                 "error": str(exc)[-3000:]})
+                    print(str(exc)[-3000:], file=sys.stderr)
+                print(f"[{time.perf_counter() - started:6.1f}s] ep={p} {name}: {time.perf_counter() - t0:.1f}s",
+                      flush=True)
+                save()
+        finally:
+            pool.close()
+    meta["wall_s"] = round(time.perf_counter() - started, 1)
+    save()
+    print_table(rows, meta)
+    print(f"wrote {out_path}")
+    return 1 if errors else 0
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 170)
+    console.print(f"{meta.get('gpu') or meta['device']} x{meta['world_size']}, torch {meta['torch']}, nccl "
+                  f"{meta['nccl']}; {meta['model_note']}; {meta['iters']} iters (median, slowest rank)")
+    table = Table(title="low-latency decode: µs per phase; ref = raw all_to_all_single on the same bytes", box=None)
+    for col in ("ep", "T", "dispatcher", "wire", "graph", "dispatch", "ref", "x", "combine", "ref", "x", "layer",
+                "b2b", "KB sent"):
+        table.add_column(col, justify="left" if col in ("dispatcher", "wire") else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(str(r["ep"]), "-", r["dispatcher"], "[red]error[/]")
+            continue
+        at_target = r["tokens_per_rank"] == TARGETS["tokens_per_rank"] and r["graph"]
+
+        def mark(value, key, limit):
+            text = _fmt(r.get(key), ".2f" if key.endswith("overhead") else ".0f")
+            if not at_target or value is None:
+                return text
+            return f"[{'green' if value <= limit else 'red'}]{text}[/]"
+
+        table.add_row(
+            str(r["ep"]), str(r["tokens_per_rank"]), r["dispatcher"], r["dispatch_dtype"], "y" if r["graph"] else "n",
+            mark(r["t_dispatch_us"], "t_dispatch_us", TARGETS["t_dispatch_us"]), _fmt(r.get("ref_t_dispatch_us")),
+            mark(r.get("dispatch_overhead"), "dispatch_overhead", TARGETS["overhead_vs_nccl"]),
+            mark(r["t_combine_us"], "t_combine_us", TARGETS["t_combine_us"]), _fmt(r.get("ref_t_combine_us")),
+            mark(r.get("combine_overhead"), "combine_overhead", TARGETS["overhead_vs_nccl"]),
+            _fmt(r["t_layer_us"]), _fmt(r.get("t_layer_b2b_us")), f"{r['bytes_sent'] / 1e3:.1f}",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

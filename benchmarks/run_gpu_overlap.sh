@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine, from the repo root:  bash benchmarks/run_gpu_overlap.sh
+# Runs every GPU-marked test, the single-GPU contention probe, the SBO sweep (moe-sbo bench) and the
+# decoder-layer TBO sweep (moe-sbo bench --tbo) over every visible GPU, writing JSON, timelines and
+# logs under "${OUT:-out}". With one GPU the EP dispatchers move nothing off the GPU: those rows show
+# each mode's overhead and CUDA-graph capture, not overlap. PARTS picks sections (default: all).
+set -uo pipefail
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# NVLink multicast (NVLS) and symmetric-memory multicast stay off on the lent machines.
+export NCCL_NVLS_ENABLE=0
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT_DIR="${OUT:-out}"
+PARTS="${PARTS:-tests probe sbo tbo}"
+mkdir -p "$OUT_DIR"
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+TAG="h200x${GPUS}"
+
+nvidia-smi -L
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+for part in $PARTS; do
+  start=$SECONDS
+  case "$part" in
+    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 ;;
+    probe) python3 benchmarks/probe_contention.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/probe_contention.log" ;;
+    sbo)
+      if [ "$GPUS" -ge 2 ]; then DISP="all"; EXPERTS="256 32"; TOKENS="128 512 2048 4096 8192";
+      else DISP="local low_latency"; EXPERTS="256 32"; TOKENS="128 512 4096"; fi
+      # shellcheck disable=SC2086
+      python3 -m moe_sbo.cli bench --dispatcher $DISP --experts $EXPERTS --tokens $TOKENS \
+        --out "$OUT_DIR/sbo_$TAG.json" --timeline "$OUT_DIR/sbo_timeline_$TAG.png" --timeline-tokens 4096 \
+        --trace "$OUT_DIR/sbo_trace_$TAG" 2>&1 | tee "$OUT_DIR/sbo_$TAG.log" | tail -60 ;;
+    tbo)
+      if [ "$GPUS" -ge 2 ]; then DISP="alltoall low_latency"; else DISP="low_latency"; fi
+      # shellcheck disable=SC2086
+      python3 -m moe_sbo.cli bench --tbo --dispatcher $DISP --experts 32 --overlap none combine_sm split \
+        --prefill-tokens 4096 8192 --decode-seqs 32 64 128 256 --kv-len 2048 \
+        --out "$OUT_DIR/tbo_$TAG.json" --timeline "$OUT_DIR/tbo_timeline_$TAG.png" \
+        2>&1 | tee "$OUT_DIR/tbo_$TAG.log" | tail -50 ;;
+    *) echo "unknown part $part (tests probe sbo tbo)"; exit 2 ;;
+  esac
+  echo "== $part: $((SECONDS - start)) s"
+done

@@ -1,0 +1,50 @@
+"""Smoke test of ``benchmarks/bench_low_latency.py``: its CPU mode (2 gloo ranks, ``tiny`` at H = 128 so
+fp8 applies, ``--quick``) runs in a subprocess, exits 0, and writes ``low_latency.json`` with the
+DESIGN.md §7 fields, positive times and the fixed-block bytes. It checks that the script works, not
+what it measures (benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_low_latency.py"
+
+FIELDS = ("bench", "preset", "ep", "tokens_per_rank", "dispatcher", "dtype", "dispatch_dtype", "graph",
+          "experts_per_gpu", "t_layer_us", "t_dispatch_us", "t_combine_us", "bytes_sent", "bytes_recv",
+          "ref_t_dispatch_us", "ref_t_combine_us", "algbw_GBps", "ref_algbw_GBps")
+
+
+def test_cpu_smoke_writes_result_file(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny",
+           "--hidden-size", "128", "--experts-per-gpu", "4", "--quick", "--ranks", "2", "--tokens", "4", "16"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "low-latency decode" in proc.stdout
+
+    result = json.loads((tmp_path / "low_latency.json").read_text())
+    assert result["meta"]["device"] == "cpu" and result["meta"]["experts_per_gpu"] == 4
+    rows = result["rows"]
+    assert {(r["dispatcher"], r["dispatch_dtype"], r["tokens_per_rank"]) for r in rows} == {
+        *((d, "float32", t) for d in ("low_latency", "allgather", "alltoall") for t in (4, 16)),
+        *(("low_latency", "float8_e4m3fn", t) for t in (4, 16)),
+    }
+    for row in rows:
+        assert "error" not in row, row
+        for field in FIELDS:
+            assert field in row, (field, row)
+        assert row["ep"] == 2 and row["num_experts"] == 8 and row["graph"] is False
+        for field in ("t_layer_us", "t_dispatch_us", "t_combine_us", "ref_t_dispatch_us", "ref_t_combine_us"):
+            assert row[field] > 0, (field, row)
+    for row in (r for r in rows if r["dispatcher"] == "low_latency"):
+        # One other rank, capacity = tokens rows: H values (fp8: H bytes + H/128 scales) + K ids + K weights.
+        row_bytes = 128 * 4 + 32 if row["dispatch_dtype"] == "float32" else 128 + 4 + 32 + 12  # 16-aligned
+        assert row["dispatch_bytes_sent"] == row["tokens_per_rank"] * row_bytes
+        assert row["combine_bytes_sent"] == row["tokens_per_rank"] * 128 * 4
+        assert row["dispatch_overhead"] > 0 and row["combine_overhead"] > 0
