@@ -140,12 +140,14 @@ def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int
                 layer = MoELayer(cfg, dispatcher="low_latency", dtype=dtype, device=device, seed=seed,
                                  dispatcher_options={"max_tokens_per_rank": cap, "fp8": fp8})
                 fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, fp8)
-                ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
-                ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)
                 common = {"rank": rank, "tokens": tokens, "capacity": cap,
-                          "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
-                          "ref_t_dispatch_us": time_calls(ref_dispatch, device, warmup, iters),
-                          "ref_t_combine_us": time_calls(ref_combine, device, warmup, iters)}
+                          "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch.")}
+                if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
+                    ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
+                    ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)
+                    common["ref_t_dispatch_us"] = time_calls(ref_dispatch, device, warmup, iters)
+                    common["ref_t_combine_us"] = time_calls(ref_combine, device, warmup, iters)
+                    del ref_dispatch, ref_combine
                 eager = time_layer(layer, x_TH, warmup, iters)
                 traffic = layer.last_traffic
                 common.update(dispatch_bytes_sent=traffic.dispatch_bytes_sent,
@@ -155,7 +157,7 @@ def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int
                 rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}})
                 if cuda:
                     rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
-                del layer, ref_dispatch, ref_combine
+                del layer
                 if cuda:
                     torch.cuda.empty_cache()
     return rows

@@ -3,7 +3,8 @@
 # Runs every GPU-marked test, the single-GPU contention probe, the SBO sweep (moe-sbo bench) and the
 # decoder-layer TBO sweep (moe-sbo bench --tbo) over every visible GPU, writing JSON, timelines and
 # logs under "${OUT:-out}". With one GPU the EP dispatchers move nothing off the GPU: those rows show
-# each mode's overhead and CUDA-graph capture, not overlap. PARTS picks sections (default: all).
+# each mode's overhead and CUDA-graph capture, not overlap. PARTS picks sections (default: all);
+# TRACE=1 also keeps the Chrome traces of the SBO timeline.
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -29,7 +30,7 @@ for part in $PARTS; do
       # shellcheck disable=SC2086
       python3 -m moe_sbo.cli bench --dispatcher $DISP --experts $EXPERTS --tokens $TOKENS \
         --out "$OUT_DIR/sbo_$TAG.json" --timeline "$OUT_DIR/sbo_timeline_$TAG.png" --timeline-tokens 4096 \
-        --trace "$OUT_DIR/sbo_trace_$TAG" 2>&1 | tee "$OUT_DIR/sbo_$TAG.log" | tail -60 ;;
+        ${TRACE:+--trace "$OUT_DIR/sbo_trace_$TAG"} 2>&1 | tee "$OUT_DIR/sbo_$TAG.log" | tail -60 ;;
     tbo)
       if [ "$GPUS" -ge 2 ]; then DISP="alltoall low_latency"; else DISP="low_latency"; fi
       # shellcheck disable=SC2086

@@ -1,10 +1,17 @@
 """Ranks and devices: start N local ranks (gloo on CPU, NCCL on GPUs), or join a torchrun job.
 
-The hard part is failure: a rank that raises leaves the others blocked in a collective. Every group
-made here has a finite collective timeout, and ``LocalRanks.run`` waits for each rank's answer with
-a deadline, so a failure ends the call with the failing rank's traceback instead of a hang.
+The hard part is failure. A rank that raises leaves the others blocked in a collective until the
+collective timeout; a rank whose process dies leaves them blocked, or failing on a closed socket.
+``LocalRanks.run`` therefore watches the answers *and* the processes. At the first failed answer or
+dead process it gives the other ranks a short grace period (``failure_grace_s``) to answer, since
+ranks that all reject the same bad input answer at once, then stops those still running: they are
+waiting for the failed rank and could only time out. ``RankError`` names the first failing rank and
+its cause. A failed call may leave half a collective behind in the group, so the next ``run`` starts
+the ranks again (a fresh group on a fresh port). Ranks are forked from a server process that
+imported torch once, so a restart costs a fraction of a second, not a torch import per rank.
+
 ``LocalRanks`` keeps its worker processes (and their process group) alive between calls: tests and
-the demo pay the start-up (importing torch, forming the group) once, not per check.
+the demo pay the start-up (forming the group) once, not per check.
 
 Environment variables are read here and nowhere else: ``MOE_SBO_TIMEOUT_S`` (collective timeout,
 default 60 s) and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
@@ -16,17 +23,31 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
 
-def collective_timeout_s() -> float:
-    return float(os.environ.get("MOE_SBO_TIMEOUT_S", "60"))
+
+def default_collective_timeout_s() -> float:
+    """Seconds a rank waits inside one collective before it fails (``MOE_SBO_TIMEOUT_S``, default 60)."""
+    value = os.environ.get("MOE_SBO_TIMEOUT_S", "60")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"MOE_SBO_TIMEOUT_S must be a number of seconds > 0, got {value!r}")
+    return seconds
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -45,7 +66,7 @@ def default_world_size(device: str) -> int:
     return torch.cuda.device_count() if device == "cuda" else 4
 
 
-def _join_group(device: str, local_rank: int, **init_kwargs: Any) -> torch.device:
+def _join_group(device: str, local_rank: int, timeout_s: float, **init_kwargs: Any) -> torch.device:
     """Pick this rank's device, then join the process group (NCCL on GPUs, gloo on CPU)."""
     if device == "cuda":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -54,22 +75,21 @@ def _join_group(device: str, local_rank: int, **init_kwargs: Any) -> torch.devic
     else:
         torch_device = torch.device("cpu")
     dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=collective_timeout_s()), **init_kwargs)
+                            timeout=datetime.timedelta(seconds=timeout_s), **init_kwargs)
     return torch_device
 
 
-def _init_rank(rank: int, world_size: int, init_method: str, device: str) -> torch.device:
-    if device == "cpu":
-        torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
-    return _join_group(device, rank, init_method=init_method, rank=rank, world_size=world_size)
-
-
 def init_from_torchrun(device: str = "auto") -> torch.device:
-    """Join the job torchrun started (reads its environment); returns this rank's device."""
+    """Join the job torchrun started (reads its environment); returns this rank's device.
+
+    A rank that raises exits non-zero and torchrun stops the others; a rank that is alive but never
+    reaches a collective makes the others fail after ``MOE_SBO_TIMEOUT_S``.
+    """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("RANK/WORLD_SIZE are not set: start this under torchrun, or use LocalRanks")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return _join_group(resolve_device(device), int(os.environ.get("LOCAL_RANK", rank)),
+                       default_collective_timeout_s(),
                        rank=rank, world_size=world)
 
 
@@ -79,38 +99,152 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, init_method: str, device: str,
+# ---- the worker process ------------------------------------------------------------------------------
+
+
+def _dumps(obj: Any) -> bytes:
+    """Pickle as multiprocessing does (torch registers tensor sharing there), into plain bytes."""
+    return bytes(ForkingPickler.dumps(obj))
+
+
+def _failure(exc: BaseException) -> tuple[str, str]:
+    """(one-line cause, full traceback) of the exception being handled."""
+    lines = traceback.format_exception_only(type(exc), exc)
+    cause = lines[-1].strip() if lines else type(exc).__name__
+    return cause[:500], traceback.format_exc()
+
+
+def _worker(rank: int, world_size: int, init_method: str, device: str, timeout_s: float,
             tasks: mp.Queue, results: mp.Queue) -> None:
+    """One rank: join the group, then run pickled tasks until ``None`` or the launcher is gone.
+
+    Answers are ``(call, rank, ok, payload, failed_at)``; a value is pickled here, so one that cannot
+    be pickled is reported as this rank's failure instead of vanishing in the queue's feeder thread.
+    """
     try:
-        torch_device = _init_rank(rank, world_size, init_method, device)
-    except BaseException:  # noqa: BLE001 - report anything, the parent decides
-        results.put((rank, False, traceback.format_exc()))
+        if device == "cpu":
+            torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
+        torch_device = _join_group(device, rank, timeout_s, init_method=init_method, rank=rank,
+                                   world_size=world_size)
+    except BaseException as exc:  # noqa: BLE001 - report anything, the launcher decides
+        results.put((0, rank, False, _failure(exc), time.time()))
         return
-    results.put((rank, True, "ready"))
+    results.put((0, rank, True, _dumps("ready"), time.time()))
+    parent = mp.parent_process()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                break  # the launcher died: nobody will send work or read answers, so do not linger
+            continue
         if task is None:
             break
-        fn, args, kwargs = task
+        call, fn, args, kwargs = ForkingPickler.loads(task)
         try:
-            results.put((rank, True, fn(torch_device, *args, **kwargs)))
-        except BaseException:  # noqa: BLE001
-            results.put((rank, False, traceback.format_exc()))
+            answer = (call, rank, True, _dumps(fn(torch_device, *args, **kwargs)), None)
+        except BaseException as exc:  # noqa: BLE001 - includes SystemExit from fn, and pickling errors
+            answer = (call, rank, False, _failure(exc), time.time())
+        results.put(answer)
     dist.destroy_process_group()
 
 
+# ---- failures ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank failed a call: ``kind`` is ``raised`` (``cause`` is the exception's last line,
+    ``details`` its traceback) or ``died`` (the process ended: ``cause`` gives its exit code or signal).
+    ``failed_at``: wall-clock time the rank raised, or the launcher saw it dead."""
+
+    rank: int
+    kind: str
+    cause: str
+    details: str
+    failed_at: float
+
+
 class RankError(RuntimeError):
-    """One or more ranks failed; the message holds each failing rank's traceback."""
+    """One or more ranks failed a call; the message names the first and holds each one's traceback.
+
+    ``failures``: first failure first (a dead rank before ranks that raised: a peer's death makes the
+    others fail on a closed connection, not the other way round; then by when each rank raised).
+    ``stopped_ranks``: ranks the launcher stopped because they were still running after the grace
+    period (or the call's deadline), most likely waiting in a collective.
+    """
+
+    def __init__(self, message: str, failures: tuple[RankFailure, ...] = (), stopped_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.failures = failures
+        self.stopped_ranks = stopped_ranks
+
+    @property
+    def first(self) -> RankFailure | None:
+        """The failure that most likely caused the others (``None`` when ranks only timed out)."""
+        return self.failures[0] if self.failures else None
+
+
+def _exit_cause(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "process ended (exit code unknown)"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"process killed by signal {-exitcode} ({name})"
+    return f"process exited with code {exitcode} without answering"
+
+
+def _error_message(what: str, failures: tuple[RankFailure, ...], stopped: tuple[int, ...],
+                   elapsed_s: float, grace_s: float) -> str:
+    first = failures[0]
+    verb = "died" if first.kind == "died" else "raised"
+    lines = [f"{what} failed on ranks {sorted(f.rank for f in failures)}: first rank {first.rank} {verb}: "
+             f"{first.cause}"]
+    if stopped:
+        lines.append(f"ranks {list(stopped)} were stopped {grace_s:g} s after that failure, still running "
+                     f"(most likely waiting in a collective for rank {first.rank}); the call ended after "
+                     f"{elapsed_s:.1f} s and the ranks start again at the next call")
+    for failure in failures:
+        lines.append(f"--- rank {failure.rank} ({failure.kind}) ---\n{failure.details or failure.cause}")
+    return "\n".join(lines)
+
+
+# ---- the launcher ------------------------------------------------------------------------------------
+
+
+def _context() -> mp.context.BaseContext:
+    """Workers forked from a server that imported torch once (spawn where there is no forkserver).
+
+    The server only imports: it never touches CUDA or threads, so forking from it is safe, and a
+    child is ready in tens of milliseconds instead of the seconds a fresh ``import torch`` takes.
+    The server keeps the environment it started with; anything a rank needs is passed explicitly.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # The preload list only counts before the server's first start (the first LocalRanks of a process).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "moe_sbo.runtime", "moe_sbo.layer"])
+    return ctx
 
 
 class LocalRanks:
     """``world_size`` local processes in one process group, running functions on request.
 
     ``run(fn, *args)`` calls ``fn(device, *args)`` on every rank (``fn`` must be importable by
-    name: a module-level function) and returns the results in rank order.
+    name: a module-level function) and returns the results in rank order, or raises ``RankError``.
+
+    ``timeout_s``: the most one call may take before every rank is stopped (default: twice the
+    collective timeout plus a minute). ``collective_timeout_s``: each rank's collective timeout
+    (default ``MOE_SBO_TIMEOUT_S``); with fail-fast it only matters for a rank that is alive but never
+    reaches the collective. ``failure_grace_s``: how long the other ranks may still answer after the
+    first failure before they are stopped.
     """
 
-    def __init__(self, world_size: int, device: str = "cpu", timeout_s: float | None = None):
+    def __init__(self, world_size: int, device: str = "cpu", timeout_s: float | None = None, *,
+                 collective_timeout_s: float | None = None, failure_grace_s: float = 1.0):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.device = resolve_device(device)
@@ -120,56 +254,164 @@ class LocalRanks:
                 "lower --ranks or use --device cpu"
             )
         self.world_size = world_size
-        self.timeout_s = timeout_s if timeout_s is not None else 2 * collective_timeout_s() + 60
-        ctx = mp.get_context("spawn")
-        self._results: mp.Queue = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self.collective_timeout_s = (collective_timeout_s if collective_timeout_s is not None
+                                     else default_collective_timeout_s())
+        self.timeout_s = timeout_s if timeout_s is not None else 2 * self.collective_timeout_s + 60
+        if failure_grace_s < 0:
+            raise ValueError(f"failure_grace_s must be >= 0, got {failure_grace_s}")
+        self.failure_grace_s = failure_grace_s
+        self.starts = 0  # how many times the ranks were started (1 + restarts after failed calls)
+        self._ctx = _context()
+        self._procs: list = []
+        self._tasks: list = []
+        self._results = None
+        self._call = 0
+        self._closed = False
+        self._start()
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' ids (empty while stopped after a failed call)."""
+        return [proc.pid for proc in self._procs]
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(device, *args, **kwargs)`` on every rank; the results in rank order.
+
+        Sync: the host blocks until every rank answered, or until the first failure plus
+        ``failure_grace_s`` (then ``RankError``), or ``timeout_s``.
+        """
+        if self._closed:
+            raise RuntimeError("this LocalRanks was closed; make a new one")
+        self._call += 1
+        try:
+            # Pickled here, once per rank (a tensor argument shares its memory with one reader only),
+            # so an unpicklable fn or argument is refused before any rank starts working.
+            payloads = [_dumps((self._call, fn, args, kwargs)) for _ in range(self.world_size)]
+        except Exception as err:
+            raise TypeError(
+                f"fn and its arguments must be picklable (a module-level function, plain values and tensors), "
+                f"got {getattr(fn, '__qualname__', fn)!r}: {err}"
+            ) from err
+        if not self._procs:
+            self._start()
+        for tasks, payload in zip(self._tasks, payloads):
+            tasks.put(payload)
+        return self._collect(self._call, getattr(fn, "__name__", str(fn)))
+
+    def _start(self) -> None:
+        """Start the ranks and wait for all to join the group; once more if the port was taken meanwhile."""
+        for attempt in range(2):
+            try:
+                self._start_once()
+                return
+            except RankError as err:
+                # _free_port releases the port before rank 0 binds it again: another process may win.
+                if attempt or "address already in use" not in str(err).lower():
+                    raise
+
+    def _start_once(self) -> None:
+        self.starts += 1
+        self._results = self._ctx.Queue()  # fresh queues: a stopped rank may have left one half-written
+        self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_method, self.device,
-                                              self._tasks[r], self._results), daemon=True)
-            for r in range(world_size)
+            self._ctx.Process(target=_worker, args=(r, self.world_size, init_method, self.device,
+                                                    self.collective_timeout_s, self._tasks[r], self._results),
+                              daemon=True)
+            for r in range(self.world_size)
         ]
         for proc in self._procs:
             proc.start()
+        self._collect(0, "start-up")
+
+    def _collect(self, call: int, what: str) -> list[Any]:
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        values: dict[int, Any] = {}
+        failures: dict[int, RankFailure] = {}
+        first_failure_at: float | None = None
+        while len(values) + len(failures) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline or (first_failure_at is not None and now >= first_failure_at + self.failure_grace_s):
+                break
+            for answer in self._answers():
+                self._book(call, answer, values, failures)
+            for rank, proc in enumerate(self._procs):
+                if rank not in values and rank not in failures and not proc.is_alive():
+                    failures[rank] = RankFailure(rank, "died", _exit_cause(proc.exitcode), "", time.time())
+            if failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+        if not failures and len(values) == self.world_size:
+            return [values[r] for r in range(self.world_size)]
+
+        pending = tuple(r for r in range(self.world_size) if r not in values and r not in failures)
+        self._stop()  # a failed call may leave half a collective in the group: start afresh next time
+        elapsed_s = time.monotonic() - started
+        if not failures:
+            raise RankError(
+                f"{what}: ranks {list(pending)} did not answer within {self.timeout_s:.0f} s and no rank "
+                f"failed (a rank is stuck outside any collective, or the work outlasts timeout_s); "
+                f"every rank was stopped", (), pending)
+        ordered = tuple(sorted(failures.values(), key=lambda f: (f.kind != "died", f.failed_at)))
+        raise RankError(_error_message(what, ordered, pending, elapsed_s, self.failure_grace_s), ordered, pending)
+
+    def _answers(self) -> list[tuple]:
+        """Answers that arrive within ``POLL_S``, and every one queued behind them."""
+        answers: list[tuple] = []
         try:
-            self._collect("start-up")
-        except BaseException:
-            self.close()
-            raise
+            answers.append(self._results.get(timeout=POLL_S))
+            while True:  # drain, so that a rank's answer is booked before its process is seen dead
+                answers.append(self._results.get_nowait())
+        except queue.Empty:
+            pass
+        except (EOFError, OSError):  # the queue's pipe broke under a rank that died while writing
+            pass
+        return answers
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        for tasks in self._tasks:
-            tasks.put((fn, args, kwargs))
-        return self._collect(getattr(fn, "__name__", str(fn)))
+    def _book(self, call: int, answer: tuple, values: dict, failures: dict) -> None:
+        """File one answer of ``call`` (answers of an earlier, abandoned call are dropped)."""
+        answer_call, rank, ok, payload, failed_at = answer
+        if answer_call != call:
+            return
+        if not ok:
+            cause, details = payload
+            failures[rank] = RankFailure(rank, "raised", cause, details, failed_at)
+            return
+        try:
+            values[rank] = ForkingPickler.loads(payload)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class the launcher cannot import
+            failures[rank] = RankFailure(rank, "raised", f"its answer could not be unpickled: {exc!r}",
+                                         traceback.format_exc(), time.time())
 
-    def _collect(self, what: str) -> list[Any]:
-        answers: dict[int, tuple[bool, Any]] = {}
-        while len(answers) < self.world_size:
-            try:
-                rank, ok, value = self._results.get(timeout=self.timeout_s)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                self.close()
-                raise RankError(
-                    f"{what}: ranks {sorted(set(range(self.world_size)) - set(answers))} did not answer "
-                    f"within {self.timeout_s:.0f} s (dead processes: {dead})"
-                ) from None
-            answers[rank] = (ok, value)
-        failed = {r: v for r, (ok, v) in answers.items() if not ok}
-        if failed:
-            report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
-            raise RankError(f"{what} failed on ranks {sorted(failed)}:\n{report}")
-        return [answers[r][1] for r in range(self.world_size)]
+    def _stop(self) -> None:
+        """Stop every rank now (they may be blocked in a collective, so no polite shutdown)."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._close_queues()
+        self._procs = []
+
+    def _close_queues(self) -> None:
+        for q in (*self._tasks, self._results):
+            if q is not None:
+                q.cancel_join_thread()  # never block on a pipe no one will read again
+                q.close()
+        self._tasks, self._results = [], None
 
     def close(self) -> None:
+        """Ask every rank to leave the group and exit; stop those that do not within 10 s."""
+        self._closed = True
         for tasks, proc in zip(self._tasks, self._procs):
             if proc.is_alive():
                 tasks.put(None)
         for proc in self._procs:
             proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
+        self._stop()
 
     def __enter__(self) -> "LocalRanks":
         return self
@@ -179,7 +421,10 @@ class LocalRanks:
 
 
 class RankPool:
-    """A ``LocalRanks`` pool that is started again after a failed call (its group may be broken)."""
+    """A ``LocalRanks`` started at the first call (sweeps make one per EP size and may never use it).
+
+    After a failed call the ranks start again at the next one, as ``LocalRanks`` does.
+    """
 
     def __init__(self, world_size: int, device: str, timeout_s: float = 900):
         self.world_size, self.device, self.timeout_s = world_size, device, timeout_s
@@ -188,11 +433,7 @@ class RankPool:
     def run(self, fn: Callable, *args) -> list:
         if self.ranks is None:
             self.ranks = LocalRanks(self.world_size, device=self.device, timeout_s=self.timeout_s)
-        try:
-            return self.ranks.run(fn, *args)
-        except RankError:
-            self.close()
-            raise
+        return self.ranks.run(fn, *args)
 
     def close(self) -> None:
         if self.ranks is not None:

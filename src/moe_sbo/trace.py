@@ -22,7 +22,7 @@ import torch
 PREFIX = "moe_sbo."
 COLORS = {
     "shared_experts": "#d62728", "routed_experts": "#1f77b4", "dispatch": "#2ca02c", "combine": "#9467bd",
-    "comm": "#ff7f0e", "router": "#8c564b", "other": "#bbbbbb",
+    "comm": "#ff7f0e", "router": "#8c564b", "attention": "#17becf", "other": "#bbbbbb",
 }
 
 
