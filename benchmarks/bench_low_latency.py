@@ -48,6 +48,7 @@ from moe_sbo.config import MoEConfig, PRESETS, get_preset
 from moe_sbo.dispatch.low_latency import RowFormat
 from moe_sbo.layer import MoELayer
 from moe_sbo.runtime import RankError, RankPool, resolve_device
+from moe_sbo.streams import capture_graph
 from moe_sbo.timing import Stamps, line_up, time_all_to_all, time_layer
 
 TARGETS = {"tokens_per_rank": 128, "t_dispatch_us": 60.0, "t_combine_us": 80.0, "overhead_vs_nccl": 1.2}
@@ -83,15 +84,7 @@ def capture(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[]
     On CPU nothing is captured: the replay is ``fn`` itself."""
     if device.type != "cuda":
         return fn, fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture_graph(fn)
     return graph.replay, out
 
 

@@ -4,15 +4,7 @@
 # CUDA-graph ones), then the low-latency benchmark, which writes "${OUT:-out}/low_latency.json" and
 # "${OUT:-out}/bench_low_latency.log". Extra benchmark flags go in BENCH_ARGS (e.g. BENCH_ARGS="--ranks 4 1").
 set -euo pipefail
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-# NVLink multicast (NVLS) and symmetric-memory multicast stay off on the lent machines.
-export NCCL_NVLS_ENABLE=0
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT_DIR="${OUT:-out}"
-mkdir -p "$OUT_DIR"
-
-nvidia-smi -L
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+source "$(dirname "$0")/gpu_env.sh"
 python3 -m pytest -q tests/test_gpu_low_latency.py tests/test_low_latency.py 2>&1 | tee "$OUT_DIR/tests_low_latency.log" | tail -30 || true
 # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
 python3 benchmarks/bench_low_latency.py --out "$OUT_DIR" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench_low_latency.log"

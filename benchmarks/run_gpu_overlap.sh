@@ -6,19 +6,10 @@
 # each mode's overhead and CUDA-graph capture, not overlap. PARTS picks sections (default: all);
 # TRACE=1 also keeps the Chrome traces of the SBO timeline.
 set -uo pipefail
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-# NVLink multicast (NVLS) and symmetric-memory multicast stay off on the lent machines.
-export NCCL_NVLS_ENABLE=0
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT_DIR="${OUT:-out}"
+source "$(dirname "$0")/gpu_env.sh"
 PARTS="${PARTS:-tests probe sbo tbo}"
-mkdir -p "$OUT_DIR"
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 TAG="h200x${GPUS}"
-
-nvidia-smi -L
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import mask_padding_tokens
 from moe_sbo.layer import MoELayer
+from moe_sbo.streams import capture_graph
 
 pytestmark = pytest.mark.gpu
 BF16_REL_TOL = 2e-2  # as tests/test_gpu.py: bf16 on the wire and in the GEMMs vs the same math on one rank
@@ -76,15 +77,7 @@ def _graph_rank(device, preset, capacity, fp8, real_tokens):
     generator = torch.Generator(device=device).manual_seed(100 + rank)
     results = []
     with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as CUDA graphs require
-            for _ in range(3):
-                layer(x_static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y_static = layer(x_static)
+        graph, y_static = capture_graph(lambda: layer(x_static))
 
         for n in real_tokens[rank]:
             x = torch.randn(n, cfg.hidden_size, generator=generator, device=device).bfloat16()

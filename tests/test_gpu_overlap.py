@@ -12,7 +12,7 @@ import torch.distributed as dist
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import FIXED_MODES, OVERLAP_MODES, make_overlap
-from moe_sbo.streams import sm_count
+from moe_sbo.streams import capture_graph, sm_count
 from moe_sbo.trace import spans_from_trace
 
 pytestmark = pytest.mark.gpu
@@ -92,15 +92,7 @@ def test_every_mode_captures_in_a_cuda_graph(mode):
                      dispatcher_options={"max_tokens_per_rank": 64})
     static_x = torch.randn(64, cfg.hidden_size, device="cuda").bfloat16()
     with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                layer(static_x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = layer(static_x)
+        graph, static_y = capture_graph(lambda: layer(static_x))
         for seed in range(3):
             static_x.copy_(torch.randn(64, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
             graph.replay()

@@ -37,6 +37,7 @@ from .dispatch import DISPATCHERS, options_for_tokens
 from .layer import MoELayer
 from .overlap import OVERLAP_MODES, AutoOverlap, make_overlap
 from .overlap.sbo import bucket_of
+from .streams import capture_graph
 from .timing import SPANS, Stamps, line_up, time_layer
 from .trace import spans_from_trace
 
@@ -77,13 +78,8 @@ def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
 def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, graph: bool) -> float:
     """Median µs of ``fn()`` (eager), or of replays of a CUDA graph that captured one ``fn()``."""
     if graph:
-        for _ in range(2):  # graph capture wants the work seen once on a side stream first
-            fn()
-        torch.cuda.synchronize()
-        line_up(device)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            fn()
+        line_up(device)  # every rank captures its collectives at the same point
+        cuda_graph, _ = capture_graph(fn)
         run = cuda_graph.replay
     else:
         run = fn

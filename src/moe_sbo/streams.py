@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -118,3 +118,22 @@ def sm_budget(device: torch.device, sms: int | None) -> Iterator[None]:
     finally:
         torch._C._set_sm_carveout_experimental(previous_carveout)
         torch.backends.cuda.preferred_blas_library(previous_library)
+
+
+def capture_graph(fn: Callable[[], object], warmup: int = 3) -> "tuple[torch.cuda.CUDAGraph, object]":
+    """``fn`` captured in a CUDA graph -> (graph, the static output of the captured call).
+
+    ``fn`` first runs ``warmup`` times on a side stream, as capture requires (lazy allocations and
+    cuBLAS workspaces happen outside the graph). Replaying the graph reruns ``fn``'s kernels on the
+    same buffers: write new inputs into the tensors ``fn`` reads, then ``graph.replay()``.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

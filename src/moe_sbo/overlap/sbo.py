@@ -127,13 +127,18 @@ def attach_combine(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
         with ctx.side.active():
             out.set(shared(x_TH), "pre_combine")
 
+    hooks.register("pre_combine", start, once=True)
+    _join_side_at_post_combine(hooks, out, ctx)
+    return out
+
+
+def _join_side_at_post_combine(hooks: HookScope, out: SharedOutput, ctx: OverlapContext) -> None:
+    """The current stream waits for the side stream's shared experts once the combine is done."""
     def join(dispatcher, y_TH):
         ctx.side.join()
         ctx.side.record_on_current(out.value_TH)
 
-    hooks.register("pre_combine", start, once=True)
     hooks.register("post_combine", join, once=True)
-    return out
 
 
 def attach_combine_sm(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
@@ -151,13 +156,9 @@ def attach_combine_sm(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tenso
         with ctx.side.active(), sm_budget_ctx(ctx.device, ctx.sm_budget):
             out.set(shared(x_TH), "combine_in_flight")
 
-    def join(dispatcher, y_TH):
-        ctx.side.join()
-        ctx.side.record_on_current(out.value_TH)
-
     hooks.register("pre_combine", mark_routed_done, once=True)
     hooks.register("combine_in_flight", start, once=True)
-    hooks.register("post_combine", join, once=True)
+    _join_side_at_post_combine(hooks, out, ctx)
     return out
 
 
