@@ -240,10 +240,12 @@ class AutoOverlap:
         if shared is None:
             return SharedOutput(launched_at="no_shared_experts")
         bucket = bucket_of(x_TH.shape[0])
-        self._close(bucket)
         capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if bucket in self.choices or capturing:
+        if bucket in self.choices or capturing:  # (reading timings would sync: never inside a capture)
             return ATTACH[self.choices.get(bucket, "none")](hooks, shared, x_TH, self.ctx)
+        self._close(bucket)
+        if bucket in self.choices:  # that forward's timing completed the exploration
+            return ATTACH[self.choices[bucket]](hooks, shared, x_TH, self.ctx)
         call = self._calls.get(bucket, 0)
         self._calls[bucket] = call + 1
         mode = self.candidates[call % len(self.candidates)]
