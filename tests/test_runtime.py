@@ -160,6 +160,17 @@ def test_what_cannot_be_pickled_is_an_error_not_a_silent_hang(fresh_ranks):
     assert ranks.run(_rank) == [0, 1]
 
 
+def test_a_function_the_ranks_cannot_import_is_their_named_error(fresh_ranks, tmp_path, monkeypatch):
+    ranks = fresh_ranks(2)
+    (tmp_path / "only_in_the_launcher.py").write_text("def answer(device):\n    return 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # after the ranks started: they do not see this path
+    from only_in_the_launcher import answer
+
+    err, elapsed = _timed(lambda: ranks.run(answer))
+    assert elapsed < FAIL_FAST_BOUND_S and sorted(f.rank for f in err.failures) == [0, 1]
+    assert "No module named 'only_in_the_launcher'" in err.first.cause
+
+
 def test_a_closed_pool_refuses_work():
     ranks = LocalRanks(1)
     pids = ranks.pids

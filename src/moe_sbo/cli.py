@@ -16,6 +16,7 @@ from .overlap import OVERLAP_MODES
 from .check_cli import add_check_parser, run_check
 from .bench import add_bench_parser, run_bench
 from .plan_cli import add_plan_parser, run_plan
+from .runtime import RankError
 
 
 def make_console() -> Console:
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"moe-sbo {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RankError as err:  # a rank failed: its traceback is in the message, the other ranks were stopped
+        print(f"moe-sbo {args.command}: {err}", file=sys.stderr)
+        return 1
     return 2
 
 

@@ -7,7 +7,7 @@ dead process it gives the other ranks a short grace period (``failure_grace_s``)
 ranks that all reject the same bad input answer at once, then stops those still running: they are
 waiting for the failed rank and could only time out. ``RankError`` names the first failing rank and
 its cause. A failed call may leave half a collective behind in the group, so the next ``run`` starts
-the ranks again (a fresh group on a fresh port). Ranks are forked from a server process that
+the ranks again (a fresh group on a fresh port). CPU ranks are forked from a server process that
 imported torch once, so a restart costs a fraction of a second, not a torch import per rank.
 
 ``LocalRanks`` keeps its worker processes (and their process group) alive between calls: tests and
@@ -118,8 +118,10 @@ def _worker(rank: int, world_size: int, init_method: str, device: str, timeout_s
             tasks: mp.Queue, results: mp.Queue) -> None:
     """One rank: join the group, then run pickled tasks until ``None`` or the launcher is gone.
 
-    Answers are ``(call, rank, ok, payload, failed_at)``; a value is pickled here, so one that cannot
-    be pickled is reported as this rank's failure instead of vanishing in the queue's feeder thread.
+    Tasks are ``(call, pickled (fn, args, kwargs))``; answers ``(call, rank, ok, payload, failed_at)``.
+    Both are (un)pickled inside the ``try``, so a function this rank cannot import, or a value that
+    cannot be pickled, is reported as this rank's failure instead of killing it or vanishing in the
+    queue's feeder thread.
     """
     try:
         if device == "cpu":
@@ -140,8 +142,9 @@ def _worker(rank: int, world_size: int, init_method: str, device: str, timeout_s
             continue
         if task is None:
             break
-        call, fn, args, kwargs = ForkingPickler.loads(task)
+        call, payload = task
         try:
+            fn, args, kwargs = ForkingPickler.loads(payload)  # here: a module this rank cannot import is its error
             answer = (call, rank, True, _dumps(fn(torch_device, *args, **kwargs)), None)
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from fn, and pickling errors
             answer = (call, rank, False, _failure(exc), time.time())
@@ -204,9 +207,9 @@ def _error_message(what: str, failures: tuple[RankFailure, ...], stopped: tuple[
     lines = [f"{what} failed on ranks {sorted(f.rank for f in failures)}: first rank {first.rank} {verb}: "
              f"{first.cause}"]
     if stopped:
-        lines.append(f"ranks {list(stopped)} were stopped {grace_s:g} s after that failure, still running "
-                     f"(most likely waiting in a collective for rank {first.rank}); the call ended after "
-                     f"{elapsed_s:.1f} s and the ranks start again at the next call")
+        lines.append(f"ranks {list(stopped)} were still running {grace_s:g} s after that failure (most likely "
+                     f"waiting in a collective for rank {first.rank}) and were stopped; the call ended "
+                     f"{elapsed_s:.1f} s after it began, and the ranks start again at the next call")
     for failure in failures:
         lines.append(f"--- rank {failure.rank} ({failure.kind}) ---\n{failure.details or failure.cause}")
     return "\n".join(lines)
@@ -215,14 +218,16 @@ def _error_message(what: str, failures: tuple[RankFailure, ...], stopped: tuple[
 # ---- the launcher ------------------------------------------------------------------------------------
 
 
-def _context() -> mp.context.BaseContext:
-    """Workers forked from a server that imported torch once (spawn where there is no forkserver).
+def _context(device: str) -> mp.context.BaseContext:
+    """CPU ranks are forked from a server that imported torch once; CUDA ranks are spawned.
 
-    The server only imports: it never touches CUDA or threads, so forking from it is safe, and a
-    child is ready in tens of milliseconds instead of the seconds a fresh ``import torch`` takes.
-    The server keeps the environment it started with; anything a rank needs is passed explicitly.
+    The server only imports: it never touches CUDA or threads, so forking from it is safe, and a CPU
+    rank is ready in tens of milliseconds instead of the seconds a fresh ``import torch`` takes (which
+    makes restarting after a failed call cheap). The server keeps the environment it started with;
+    anything a rank needs is passed explicitly. CUDA ranks initialise CUDA themselves in a fresh
+    process, as CUDA requires; there a restart costs seconds, and failures are rare.
     """
-    if "forkserver" not in mp.get_all_start_methods():
+    if device == "cuda" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # The preload list only counts before the server's first start (the first LocalRanks of a process).
@@ -261,7 +266,7 @@ class LocalRanks:
             raise ValueError(f"failure_grace_s must be >= 0, got {failure_grace_s}")
         self.failure_grace_s = failure_grace_s
         self.starts = 0  # how many times the ranks were started (1 + restarts after failed calls)
-        self._ctx = _context()
+        self._ctx = _context(self.device)
         self._procs: list = []
         self._tasks: list = []
         self._results = None
@@ -286,7 +291,7 @@ class LocalRanks:
         try:
             # Pickled here, once per rank (a tensor argument shares its memory with one reader only),
             # so an unpicklable fn or argument is refused before any rank starts working.
-            payloads = [_dumps((self._call, fn, args, kwargs)) for _ in range(self.world_size)]
+            payloads = [_dumps((fn, args, kwargs)) for _ in range(self.world_size)]
         except Exception as err:
             raise TypeError(
                 f"fn and its arguments must be picklable (a module-level function, plain values and tensors), "
@@ -295,7 +300,7 @@ class LocalRanks:
         if not self._procs:
             self._start()
         for tasks, payload in zip(self._tasks, payloads):
-            tasks.put(payload)
+            tasks.put((self._call, payload))
         return self._collect(self._call, getattr(fn, "__name__", str(fn)))
 
     def _start(self) -> None:

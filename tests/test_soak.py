@@ -1,0 +1,54 @@
+"""Smoke tests of ``benchmarks/soak.py`` and ``benchmarks/validation_cost.py`` in their CPU mode (2 gloo
+ranks, a few forwards, in a subprocess): each exits 0 and writes DESIGN.md §7 rows. The soak's own
+flatness checks (``--check``) must pass even this short: no hook, Python object or output drift.
+(The 2,000-forward figures are in docs/RELIABILITY.md; benchmarks are not tests.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ("bench", "preset", "ep", "tokens_per_rank", "dispatcher", "overlap", "tbo", "dtype", "graph")
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env["GIT_OPTIONAL_LOCKS"] = "0"  # the result's meta reads the commit; never lock the index for it
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--ranks", "2",
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_soak_smoke(tmp_path):
+    out = tmp_path / "soak.json"
+    # A few forwards only: RSS is not judged (a fresh process's allocator is still settling).
+    _run("soak.py", "--forwards", "30", "--warmup", "3", "--settle", "0", "--tbo", "--dispatchers", "low_latency",
+         "--overlaps", "split", "--check", "--rss-tolerance-kib", "1000000", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["meta"]["forwards"] == 30 and result["meta"]["device"] == "cpu"
+    rows = result["rows"]
+    assert [(r["dispatcher"], r["overlap"], r["tbo"]) for r in rows] == [("low_latency", "split", False),
+                                                                          ("low_latency", "split", True)]
+    for row in rows:
+        assert "error" not in row, row
+        assert all(field in row for field in FIELDS) and row["graph"] is False and row["flat"]
+        assert row["forwards"] == 30 and row["t_forward_us"] > 0
+        assert row["hooks_growth"] == 0 and row["hooks_after"] == 0 and row["py_objects_growth"] == 0
+        assert row["outputs_differing"] == 0 and len(row["rss_kib_checkpoints_rank0"]) == 11
+
+
+def test_validation_cost_smoke(tmp_path):
+    out = tmp_path / "cost.json"
+    proc = _run("validation_cost.py", "--iters", "5", "--warmup", "2", "--rounds", "1", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["dispatcher"] for r in rows] == ["allgather", "alltoall", "local", "low_latency"], proc.stdout
+    for row in rows:
+        assert "error" not in row, row
+        assert 0 < row["t_checks_us"] < row["t_layer_us"] and row["t_layer_unchecked_us"] > 0
+        assert row["t_agree_us"] > 0 and 0 < row["check_share"] < 1
