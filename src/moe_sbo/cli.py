@@ -10,11 +10,11 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from .bench import add_bench_parser, run_bench
+from .check_cli import add_check_parser, run_check
 from .config import PRESETS
 from .dispatch import DISPATCHERS
 from .overlap import OVERLAP_MODES
-from .check_cli import add_check_parser, run_check
-from .bench import add_bench_parser, run_bench
 from .plan_cli import add_plan_parser, run_plan
 from .runtime import RankError
 
