@@ -28,7 +28,6 @@ CPU smoke: ``python benchmarks/bench_foundation.py --out DIR --device cpu --pres
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import result_meta
+from moe_sbo.bench_meta import result_meta, write_results
 from moe_sbo.config import get_preset, PRESETS
 from moe_sbo.experts import RoutedExperts, grouped_mm_supported
 from moe_sbo.layer import MoELayer
@@ -266,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = 0
 
     def save() -> None:
-        out_path.write_text(json.dumps({"meta": meta, "rows": [_rounded(r) for r in rows]}, indent=1))
+        write_results(out_path, meta, rows)
 
     started = time.perf_counter()
     for index, p in enumerate(ep_sizes):
@@ -307,11 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(rows, meta)
     print(f"wrote {out_path}")
     return 1 if errors else 0
-
-
-def _rounded(row: dict) -> dict:
-    """Floats to 4 significant digits (times are medians; more digits are noise)."""
-    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}
 
 
 def _fmt(value, spec: str = ".0f") -> str:

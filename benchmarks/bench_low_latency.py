@@ -30,7 +30,6 @@ CPU smoke: ``python benchmarks/bench_low_latency.py --out DIR --device cpu --pre
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -41,9 +40,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_foundation import _fmt, _rounded
+from bench_foundation import _fmt
 from moe_sbo.bench import time_fn
-from moe_sbo.bench_meta import result_meta
+from moe_sbo.bench_meta import result_meta, write_results
 from moe_sbo.config import MoEConfig, PRESETS, get_preset
 from moe_sbo.dispatch.low_latency import RowFormat
 from moe_sbo.layer import MoELayer
@@ -306,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = 0
 
     def save() -> None:
-        out_path.write_text(json.dumps({"meta": meta, "rows": [_rounded(r) for r in rows]}, indent=1))
+        write_results(out_path, meta, rows)
 
     started = time.perf_counter()
     for p in ep_sizes:

@@ -248,7 +248,7 @@ def add_bench_parser(subparsers) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .bench_meta import result_meta
+    from .bench_meta import result_meta, write_results
     from .cli import make_console
     from .runtime import RankError, RankPool, default_world_size, resolve_device
 
@@ -287,7 +287,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     def save() -> None:
         if out:
-            out.write_text(json.dumps({"meta": meta, "rows": [_rounded(r) for r in rows]}, indent=1))
+            write_results(out, meta, rows)
 
     steps = _steps(args, experts_list, dispatchers, modes, dtype, ranks)
     pool = RankPool(ranks, device)
@@ -385,11 +385,6 @@ def _choose(values: list[str], allowed: list[str], flag: str) -> list[str]:
     if bad:
         raise ValueError(f"{flag} must be among {allowed} or all, got {bad}")
     return list(dict.fromkeys(values))
-
-
-def _rounded(row: dict) -> dict:
-    """Floats to 4 significant digits (medians; more digits are noise)."""
-    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}
 
 
 def _table(rows: list[dict]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,10 @@ def result_meta(device: str, world_size: int) -> dict:
         "torch": torch.__version__,
         "nccl": nccl,
     }
+
+
+def write_results(path, meta: dict, rows: list[dict]) -> None:
+    """``{"meta", "rows"}`` to ``path`` (DESIGN.md §7), floats to 4 significant digits (medians: more
+    digits are noise). Benchmarks call it after every step, so a run cut short keeps what it measured."""
+    rounded = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+    Path(path).write_text(json.dumps({"meta": meta, "rows": rounded}, indent=1))
