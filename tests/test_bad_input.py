@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -90,3 +92,35 @@ def _wrong_device_rank(device):
 def test_wrong_dtype_fails_before_any_collective(ranks2):
     for message in ranks2.run(_wrong_device_rank):
         assert "x must have the layer's dtype torch.float32, got torch.bfloat16" in message
+
+
+def _bad_ids_on_one_rank(device, dispatcher, bad_rank):
+    """Rank ``bad_rank`` passes an out-of-range expert id; the others pass good input."""
+    rank = dist.get_rank()
+    layer = MoELayer(get_preset("tiny"), dispatcher=dispatcher, dtype=torch.float32)
+    x = torch.randn(5, 64)
+    ids = torch.randint(0, 16, (5, 4))
+    if rank == bad_rank:
+        ids[2, 1] = 99
+    started = time.perf_counter()
+    try:
+        layer.dispatcher.dispatch(x, ids, torch.full((5, 4), 0.25))
+        outcome = "no error"
+    except ValueError as err:
+        outcome = str(err)
+    waited = time.perf_counter() - started
+    dist.barrier()  # every rank got here: nobody was left inside a collective
+    with torch.no_grad():
+        layer(x)  # and the group still works: the next forward runs
+    return outcome, waited
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_bad_input_on_one_rank_ends_the_forward_on_every_rank(ranks4, dispatcher):
+    """The count exchange carries a "rejected" sentinel: the others raise at once, no extra collective."""
+    results = ranks4.run(_bad_ids_on_one_rank, dispatcher, 2)
+    assert "topk_ids must lie in [0, 16), got values in [" in results[2][0] and ", 99]" in results[2][0]
+    for rank in (0, 1, 3):
+        message, waited = results[rank]
+        assert "rank(s) [2] rejected their dispatch input" in message
+        assert waited < 5.0  # not the collective timeout

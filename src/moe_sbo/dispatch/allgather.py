@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
+from .base import (REJECTED, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
                    Traffic, register_dispatcher)
 from .layout import combine_rows, group_rows_by_expert, pack_topk, unpack_topk
 
@@ -50,6 +50,11 @@ class AllGatherDispatcher(Dispatcher):
 
     name = "allgather"
 
+    def _announce_rejected_input(self) -> None:
+        if self.ep.size > 1:  # the token/pair count all-gather of _launch_dispatch, every count REJECTED
+            mine = torch.full((1, 1 + self.ep.size), REJECTED, dtype=torch.int64, device=self._counts_device())
+            _all_gather_single(mine.new_empty(self.ep.size, 1 + self.ep.size), mine, group=self.ep.group)
+
     def _launch_dispatch(self, inp: DispatchInput) -> Pending:
         x_TH, ep = inp.x_TH, self.ep
         num_tokens, hidden = x_TH.shape
@@ -61,6 +66,7 @@ class AllGatherDispatcher(Dispatcher):
         counts_P1P = my_counts.new_empty(ep.size, 1 + ep.size)
         _all_gather_single(counts_P1P, my_counts[None], group=ep.group)
         counts = counts_P1P.tolist()
+        self._raise_if_rejected([r for r, row in enumerate(counts) if row[0] == REJECTED])
         tokens_per_rank = tuple(row[0] for row in counts)
         num_pairs = sum(row[1 + ep.rank] for row in counts)
         padded = max(tokens_per_rank)

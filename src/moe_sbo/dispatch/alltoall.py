@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
+from .base import (REJECTED, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
                    Traffic, register_dispatcher)
 from .layout import combine_rows, group_rows_by_expert, pack_topk, unpack_topk
 
@@ -62,6 +62,11 @@ class AllToAllDispatcher(Dispatcher):
 
     name = "alltoall"
 
+    def _announce_rejected_input(self) -> None:
+        if self.ep.size > 1:  # the row/pair count exchange of _launch_dispatch, every count REJECTED
+            send = torch.full((self.ep.size, 2), REJECTED, dtype=torch.int64, device=self._counts_device())
+            dist.all_to_all_single(torch.empty_like(send), send, group=self.ep.group)
+
     def _launch_dispatch(self, inp: DispatchInput) -> Pending:
         x_TH, ids_TK, ep = inp.x_TH, inp.topk_ids_TK.long(), self.ep
         num_tokens, hidden = x_TH.shape
@@ -75,6 +80,7 @@ class AllToAllDispatcher(Dispatcher):
         recv_counts_P2 = torch.empty_like(send_counts_P2)
         dist.all_to_all_single(recv_counts_P2, send_counts_P2, group=ep.group)
         counts = torch.cat([send_counts_P2[:, 0], recv_counts_P2.t().reshape(-1)]).tolist()  # one sync
+        self._raise_if_rejected([r for r in range(ep.size) if counts[ep.size + r] == REJECTED])
         send_counts = tuple(counts[:ep.size])
         recv_counts = tuple(counts[ep.size:2 * ep.size])
         num_pairs = sum(counts[2 * ep.size:])

@@ -158,7 +158,13 @@ class Dispatcher:
         communicator's stream; read nothing until ``dispatch_wait``.
         """
         inp = self.hooks.run("pre_dispatch", self, DispatchInput(x_TH, topk_ids_TK, topk_weights_TK))
-        self._check_dispatch_input(inp)
+        try:
+            self._check_dispatch_input(inp)
+        except (ValueError, TypeError):
+            # Input seen bad on this rank only: tell the others through the scheme's own first
+            # collective (if it has one) so they raise at once instead of waiting in it.
+            self._announce_rejected_input()
+            raise
         with annotate("dispatch"):
             pending = self._launch_dispatch(inp)
         self.hooks.run("dispatch_in_flight", self, pending)
@@ -223,7 +229,27 @@ class Dispatcher:
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         raise NotImplementedError
 
+    def _announce_rejected_input(self) -> None:
+        """Join this scheme's first dispatch collective with a "rejected" sentinel. Schemes without a
+        count exchange (``local``; ``low_latency``, which must not sync) do nothing: there the
+        launcher's fail-fast ends the other ranks."""
+
     # ---- shared helpers ------------------------------------------------------------------------
+
+    def _counts_device(self) -> torch.device:
+        """Where this group's small count tensors live: the current GPU for NCCL, else the CPU."""
+        if self.ep.size > 1 and dist.get_backend(self.ep.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _raise_if_rejected(self, rejected_ranks: list[int]) -> None:
+        """After the count exchange: raise if any rank sent the "rejected" sentinel."""
+        if rejected_ranks:
+            raise ValueError(
+                f"rank(s) {rejected_ranks} rejected their dispatch input (their own error names the "
+                "problem); every rank ends this forward before any data moved"
+            )
+
 
     def _local_ids(self, ids_MK: torch.Tensor, owner_rank: int | torch.Tensor) -> torch.Tensor:
         """Global expert ids -> ids local to ``owner_rank`` (``-1`` for other ranks' experts)."""
@@ -276,6 +302,9 @@ class Dispatcher:
                 f"{tuple(inp.expert_y_RH.shape)}"
             )
 
+
+# A count no rank can send: "my input was rejected" in the count exchanges of allgather/alltoall.
+REJECTED = -1
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {}
 
