@@ -10,15 +10,20 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
+from moe_sbo.dispatch import options_for_tokens
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import FIXED_MODES, OVERLAP_MODES, make_overlap
 from moe_sbo.streams import capture_graph, sm_count
 from moe_sbo.trace import spans_from_trace
 
 pytestmark = pytest.mark.gpu
-# Modes that queue the very same kernels as none (only the stream or the moment differs): bitwise.
-# combine_sm asks cuBLASLt for fewer SMs, which may select another kernel: bf16 tolerance.
+# Modes that queue the very same kernels as none (only the stream or the moment differs) are bitwise
+# equal to none when the dispatcher's reductions have a fixed order (low_latency). combine_sm asks
+# cuBLASLt for fewer SMs, which may select another kernel; and the dispatchers that combine with
+# index_add_ (float atomics) may land their atomics in another order when the shared experts run
+# beside them (one bf16 ulp, measured in docs/RELIABILITY.md): bf16 tolerance for those.
 BITWISE_MODES = ("none", "dispatch", "combine", "split")
+BITWISE_DISPATCHERS = ("low_latency",)
 BF16_REL_TOL = 1e-2
 
 
@@ -33,7 +38,8 @@ def _modes_vs_none(device, dispatcher, tokens):
                     generator=torch.Generator(device=device).manual_seed(9 + rank)).bfloat16()
     out = {}
     with torch.inference_mode():
-        layer = MoELayer(cfg, dispatcher=dispatcher, device=device, seed=4)
+        layer = MoELayer(cfg, dispatcher=dispatcher, device=device, seed=4,
+                         dispatcher_options=options_for_tokens(dispatcher, x.shape[0]))
         reference = layer(x)
         for mode in OVERLAP_MODES:
             layer.overlap = make_overlap(mode, device)
@@ -43,12 +49,13 @@ def _modes_vs_none(device, dispatcher, tokens):
     return out
 
 
+@pytest.mark.parametrize("dispatcher", ["local", "low_latency"])
 @pytest.mark.parametrize("tokens", [1, 300])
-def test_modes_match_none_on_one_gpu(tokens):
-    out = _modes_vs_none(torch.device("cuda"), "local", tokens)
+def test_modes_match_none_on_one_gpu(dispatcher, tokens):
+    out = _modes_vs_none(torch.device("cuda"), dispatcher, tokens)
     for mode, (bitwise, rel) in out.items():
         assert rel <= BF16_REL_TOL, (mode, rel)
-        if mode in BITWISE_MODES:
+        if mode in BITWISE_MODES and dispatcher in BITWISE_DISPATCHERS:
             assert bitwise, f"{mode} is not bitwise equal to none (rel {rel:.2e})"
 
 
@@ -59,8 +66,8 @@ def test_modes_match_none_over_nccl():
     with LocalRanks(world, device="cuda") as ranks:
         for dispatcher in ("alltoall", "allgather"):
             for out in ranks.run(_modes_vs_none, dispatcher, 64):
-                for mode, (bitwise, rel) in out.items():
-                    assert rel <= BF16_REL_TOL and (bitwise or mode not in BITWISE_MODES), (dispatcher, mode, rel)
+                for mode, (_, rel) in out.items():
+                    assert rel <= BF16_REL_TOL, (dispatcher, mode, rel)
 
 
 def test_combine_modes_run_shared_experts_on_a_side_stream(tmp_path):
