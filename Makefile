@@ -16,7 +16,7 @@ $(BIN)/moe-sbo: pyproject.toml
 setup: $(BIN)/moe-sbo
 
 demo: setup
-	$(BIN)/moe-sbo demo
+	$(BIN)/moe-sbo demo --overlap all
 
 test: setup
 	$(BIN)/python -m pytest -q
