@@ -26,7 +26,7 @@ for part in $PARTS; do
       if [ "$GPUS" -ge 2 ]; then DISP="alltoall low_latency"; else DISP="low_latency"; fi
       # shellcheck disable=SC2086
       python3 -m moe_sbo.cli bench --tbo --dispatcher $DISP --experts 32 --overlap none combine_sm split \
-        --prefill-tokens 4096 8192 --decode-seqs 32 64 128 256 --kv-len 2048 \
+        --prefill-tokens 4096 8192 --decode-seqs 32 64 128 256 --kv-len 2048 --delay 0 1 2 \
         --out "$OUT_DIR/tbo_$TAG.json" --timeline "$OUT_DIR/tbo_timeline_$TAG.png" \
         2>&1 | tee "$OUT_DIR/tbo_$TAG.log" | tail -50 ;;
     *) echo "unknown part $part (tests probe sbo tbo)"; exit 2 ;;

@@ -54,3 +54,23 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
 def test_bench_bad_input_exits_2(argv, message, capsys):
     assert main(["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
+    out, png = tmp_path / "tbo.json", tmp_path / "tbo.png"
+    code = main(["bench", "--tbo", "--device", "cpu", "--ranks", "2", "--preset", "tiny", "--dispatcher", "alltoall",
+                 "low_latency", "--overlap", "none", "split", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                 "--prefill-tokens", "96", "--decode-seqs", "4", "--kv-len", "16", "--delay", "0", "2",
+                 "--warmup", "0", "--iters", "1", "--out", str(out), "--timeline", str(png)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    # 2 dispatchers x 2 sizes x 2 modes x (no TBO + 2 delays)
+    assert len(rows) == 2 * 2 * 2 * 3
+    assert {(r["tbo"], r["delay"]) for r in rows} == {(False, None), (True, 0), (True, 2)}
+    for row in rows:
+        assert row["bench"] == "tbo" and row["t_layer_us"] > 0 and row["experts_per_gpu"] == 8
+        if row["overlap"] == "none" and not row["tbo"]:
+            assert row["speedup_vs_none"] == 1.0
+    spans = load_spans(png.with_suffix(".spans.json"))
+    assert {"alltoall / no TBO", "alltoall / TBO", "alltoall / TBO + SBO split"} <= set(spans)
+    assert "attention" in {s.kind for s in spans["alltoall / TBO"]}

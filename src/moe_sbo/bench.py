@@ -242,7 +242,8 @@ def add_bench_parser(subparsers) -> None:
     tbo.add_argument("--heads", type=int, default=128)
     tbo.add_argument("--kv-heads", type=int, default=8, help="GQA key/value heads (8: about MLA's cache footprint)")
     tbo.add_argument("--head-dim", type=int, default=128)
-    tbo.add_argument("--delay", type=int, default=0, help="stages micro-batch A runs before B starts")
+    tbo.add_argument("--delay", type=int, nargs="+", default=[0, 1],
+                     help="stages micro-batch A runs before B starts; one TBO row per value")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -266,7 +267,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for n in experts_list:
         _cfg(args.preset, n).experts_per_rank(ranks)  # bad sizes raise before any rank starts
     sizes = [*args.tokens, *args.prefill_tokens, *args.decode_seqs]
-    if min(sizes) < 1 or args.iters < 1 or args.warmup < 0 or args.delay < 0:
+    if min(sizes) < 1 or args.iters < 1 or args.warmup < 0 or min(args.delay) < 0:
         raise ValueError(f"--tokens, --prefill-tokens and --decode-seqs must be >= 1, --iters >= 1, --warmup >= 0 "
                          f"and --delay >= 0; got {sizes}, {args.iters}, {args.warmup}, {args.delay}")
     if device == "cuda" and ranks > torch.cuda.device_count():
@@ -375,7 +376,7 @@ def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:
             "dtype": dtype, "warmup": args.warmup, "iters": args.iters, "seed": args.seed,
             "graph": not args.no_graph, "graph_max_tokens": args.graph_max_tokens, "sm_budget": args.sm_budget,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kv_len": args.kv_len,
-            "delay": args.delay}
+            "delays": list(dict.fromkeys(args.delay))}
 
 
 def _choose(values: list[str], allowed: list[str], flag: str) -> list[str]:

@@ -1,7 +1,8 @@
 """``moe-sbo bench --tbo``: the decoder layer (attention + MoE) with and without two-batch overlap.
 
 Per regime and size, on every rank, the same layer and inputs run as: every SBO mode asked for,
-each without and with TBO (``none`` without TBO is the baseline). Prefill: packed sequences of
+each without TBO and with TBO at every stage delay of ``--delay`` (``none`` without TBO is the
+baseline). Prefill: packed sequences of
 1024-4096 tokens (drawn from the seed) filling ``--prefill-tokens`` per rank. Decode: ``--decode-seqs``
 sequences per rank, one new token each, attending to ``--kv-len`` cached tokens; timed as CUDA-graph
 replays when the dispatcher can be captured. Times are the slowest rank's medians;
@@ -78,13 +79,16 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
     with torch.inference_mode():
         for mode in spec["modes"]:
             layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
-            for tbo in (False, True):
-                def step(tbo=tbo):
-                    return tbo_forward(layer, x_TH, batch, cache, delay=spec["delay"]) if tbo else layer(x_TH, batch, cache)
+            # Without TBO once, then with TBO at every stage delay asked for (delay None: no TBO).
+            for delay in (None, *spec["delays"]):
+                def step(delay=delay):
+                    if delay is None:
+                        return layer(x_TH, batch, cache)
+                    return tbo_forward(layer, x_TH, batch, cache, delay=delay)
                 t = time_fn(step, device, spec["warmup"], spec["iters"], graph)
                 rows.append({"rank": rank, "regime": regime, "size": size, "tokens": batch.num_tokens,
-                             "sequences": len(batch.lengths), "overlap": mode, "tbo": tbo, "graph": graph,
-                             "t_layer_us": t})
+                             "sequences": len(batch.lengths), "overlap": mode, "tbo": delay is not None,
+                             "delay": delay, "graph": graph, "t_layer_us": t})
         layer.moe.overlap = make_overlap("none", device)
     return rows
 
@@ -100,7 +104,7 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
                      "kv_len": spec["kv_len"] if first["regime"] == "decode" else None,
                      "attention": f"{spec['heads']}x{spec['head_dim']} heads, {spec['kv_heads']} kv heads",
                      "dispatcher": spec["dispatcher"], "overlap": first["overlap"], "tbo": first["tbo"],
-                     "delay": spec["delay"], "dtype": spec["dtype"], "graph": first["graph"],
+                     "delay": first["delay"], "dtype": spec["dtype"], "graph": first["graph"],
                      "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
                      "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows]})
     baseline = next(r for r in rows if r["overlap"] == "none" and not r["tbo"])
@@ -113,7 +117,7 @@ def tbo_table(rows: list[dict]):
     from rich.table import Table
 
     table = Table(title="decoder layer: two-batch overlap (slowest rank, median µs)")
-    for title in ("regime", "tokens", "seqs", "dispatcher", "overlap", "tbo", "graph", "layer µs", "× none"):
+    for title in ("regime", "tokens", "seqs", "dispatcher", "overlap", "tbo (delay)", "graph", "layer µs", "× none"):
         table.add_column(title, justify="right" if title in ("tokens", "seqs", "layer µs", "× none") else "left")
     for r in rows:
         if "error" in r:
@@ -121,7 +125,7 @@ def tbo_table(rows: list[dict]):
                           "", "", "", "")
             continue
         table.add_row(r["regime"], str(r["tokens_per_rank"]), str(r["sequences_per_rank"]), r["dispatcher"],
-                      r["overlap"], "yes" if r["tbo"] else "no", "yes" if r["graph"] else "no",
+                      r["overlap"], f"yes ({r['delay']})" if r["tbo"] else "no", "yes" if r["graph"] else "no",
                       f"{r['t_layer_us']:.0f}", f"{r['speedup_vs_none']:.3f}")
     return table
 
@@ -142,7 +146,7 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
     with torch.inference_mode():
         for title, (mode, tbo) in cases.items():
             layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
-            run = (lambda: tbo_forward(layer, x_TH, batch, cache, delay=spec["delay"])) if tbo else (
+            run = (lambda: tbo_forward(layer, x_TH, batch, cache, delay=spec["delays"][0])) if tbo else (
                 lambda: layer(x_TH, batch, cache))
             spans[title] = profile_spans(run, device, rank, f"{trace_prefix}.tbo.{title.replace(' ', '_')}.json"
                                          if trace_prefix else None)
