@@ -186,4 +186,7 @@ def test_choices_from_benchmark_rows():
             {"tokens_per_rank": 4096, "overlap": "none", "t_layer_us": 900.0},
             {"tokens_per_rank": 4096, "overlap": "auto", "t_layer_us": 1.0}]
     assert choices_from_rows(rows) == {128: "dispatch", 4096: "combine_sm"}
+    rows.append({"tokens_per_rank": 128, "overlap": "split", "t_layer_us": 50.0, "dispatcher": "allgather"})
+    assert choices_from_rows(rows)[128] == "split"
+    assert choices_from_rows(rows, dispatcher="allgather") == {128: "split"}
     assert [bucket_of(n) for n in (0, 1, 2, 3, 128, 129)] == [1, 1, 2, 4, 128, 256]

@@ -283,11 +283,17 @@ class AutoOverlap:
             self.choices[bucket] = min(self.candidates, key=lambda m: medians[m])
 
 
-def choices_from_rows(rows: list[dict]) -> dict[int, str]:
-    """Bucket -> fastest mode, from benchmark rows with ``tokens_per_rank``, ``overlap``, ``t_layer_us``."""
+def choices_from_rows(rows: list[dict], **match) -> dict[int, str]:
+    """Bucket -> fastest mode, from benchmark rows with ``tokens_per_rank``, ``overlap``, ``t_layer_us``.
+
+    ``match`` keeps only the rows whose fields equal it (e.g. ``dispatcher="low_latency",
+    experts_per_gpu=8, graph=True``): a file holds several setups, and only one is yours.
+    """
     best: dict[int, tuple[float, str]] = {}
     for row in rows:
         if row.get("overlap") not in FIXED_MODES or row.get("t_layer_us") is None:
+            continue
+        if any(row.get(key) != value for key, value in match.items()):
             continue
         bucket = bucket_of(int(row["tokens_per_rank"]))
         candidate = (float(row["t_layer_us"]), row["overlap"])
