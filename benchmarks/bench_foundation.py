@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import result_meta, write_results
+from moe_sbo.bench_meta import ResultFile, result_meta
 from moe_sbo.config import get_preset, PRESETS
 from moe_sbo.experts import RoutedExperts, grouped_mm_supported
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import RankError, RankPool, resolve_device
+from moe_sbo.runtime import RankPool, resolve_device
 from moe_sbo.timing import SPANS, KernelTimer, time_all_to_all, time_layer
 
 DISPATCHERS = ("allgather", "alltoall")
@@ -261,12 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 "lined up (synchronize + barrier) between forwards" if device == "cuda" else "host clock",
                 aggregation="per-rank medians; times: slowest rank; bytes: mean per rank; "
                 "ratio_vs_ref = algbw / ref_algbw on the same bytes (raw all_to_all_single, equal splits)")
-    rows: list[dict] = []
-    errors = 0
-
-    def save() -> None:
-        write_results(out_path, meta, rows)
-
+    results = ResultFile(out_path, meta)
     started = time.perf_counter()
     for index, p in enumerate(ep_sizes):
         pool = RankPool(p, device)
@@ -274,38 +269,31 @@ def main(argv: list[str] | None = None) -> int:
             if "layer" not in args.skip:
                 for name in args.dispatchers:
                     t0 = time.perf_counter()
-                    try:
-                        per_rank = pool.run(layer_bench_rank, args.preset, name, args.tokens, dtype_name,
-                                            warmup, iters, args.seed)
-                        rows.extend(summarise_layer(per_rank, args.preset, name, dtype_name))
-                    except RankError as exc:
-                        errors += 1
-                        rows.append({"bench": "moe_layer", "preset": args.preset, "ep": p, "dispatcher": name,
-                                     "error": str(exc)[-3000:]})
-                        print(str(exc)[-3000:], file=sys.stderr)
+                    failure = results.add_step(
+                        lambda: summarise_layer(pool.run(layer_bench_rank, args.preset, name, args.tokens,
+                                                         dtype_name, warmup, iters, args.seed),
+                                                args.preset, name, dtype_name),
+                        {"bench": "moe_layer", "preset": args.preset, "ep": p, "dispatcher": name})
+                    if failure:
+                        print(failure, file=sys.stderr)
                     print(f"[{time.perf_counter() - started:6.1f}s] ep={p} {name}: "
                           f"{time.perf_counter() - t0:.1f}s", flush=True)
-                    save()
             if "gemm" not in args.skip and index == 0:
                 t0 = time.perf_counter()
-                try:
-                    gemm_rows = pool.run(grouped_gemm_rank, args.preset, cases, dtype_name, args.quick, args.seed)[0]
-                    errors += sum("error" in r for r in gemm_rows)
-                    rows.extend(gemm_rows)
-                except RankError as exc:
-                    errors += 1
-                    rows.append({"bench": "grouped_gemm", "preset": args.preset, "error": str(exc)[-3000:]})
-                    print(str(exc)[-3000:], file=sys.stderr)
+                failure = results.add_step(
+                    lambda: pool.run(grouped_gemm_rank, args.preset, cases, dtype_name, args.quick, args.seed)[0],
+                    {"bench": "grouped_gemm", "preset": args.preset})
+                if failure:
+                    print(failure, file=sys.stderr)
                 print(f"[{time.perf_counter() - started:6.1f}s] grouped GEMM: {time.perf_counter() - t0:.1f}s",
                       flush=True)
-                save()
         finally:
             pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)
-    save()
-    print_tables(rows, meta)
+    results.save()
+    print_tables(results.rows, meta)
     print(f"wrote {out_path}")
-    return 1 if errors else 0
+    return 1 if results.errors else 0
 
 
 def _fmt(value, spec: str = ".0f") -> str:

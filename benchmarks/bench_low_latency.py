@@ -41,14 +41,13 @@ import torch
 import torch.distributed as dist
 
 from bench_foundation import _fmt
-from moe_sbo.bench import time_fn
-from moe_sbo.bench_meta import result_meta, write_results
+from moe_sbo.bench_meta import ResultFile, result_meta
 from moe_sbo.config import MoEConfig, PRESETS, get_preset
 from moe_sbo.dispatch.low_latency import RowFormat
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import RankError, RankPool, resolve_device
+from moe_sbo.runtime import RankPool, resolve_device
 from moe_sbo.streams import capture_graph
-from moe_sbo.timing import Stamps, line_up, time_all_to_all, time_layer
+from moe_sbo.timing import Stamps, line_up, time_all_to_all, time_fn, time_layer
 
 TARGETS = {"tokens_per_rank": 128, "t_dispatch_us": 60.0, "t_combine_us": 80.0, "overhead_vs_nccl": 1.2}
 FP8_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -57,22 +56,12 @@ EAGER_SPANS = ("t_route_us", "t_dispatch_us", "t_routed_us", "t_combine_us", "t_
 
 def bench_config(preset: str, experts_per_gpu: int, ep: int, hidden_size: int | None) -> MoEConfig:
     """``preset`` with E = experts_per_gpu * ep routed experts and groups that still route top-k."""
-    base = get_preset(preset)
-    num_experts = experts_per_gpu * ep
-    k = base.num_experts_per_tok
-    if k > num_experts:
-        raise ValueError(f"--experts-per-gpu x EP must be >= top-k {k}, got {num_experts}; raise --experts-per-gpu")
-    changes: dict = {"num_experts": num_experts}
-    if hidden_size is not None:
-        changes["hidden_size"] = hidden_size
-    if base.topk_method == "greedy":
-        return base.replace(**changes)
-    # The most groups <= the preset's with >= 2 experts each (noaux_tc scores a group by its top 2),
-    # then the fewest kept groups >= the preset's that still hold k experts.
-    n_group = max(g for g in range(1, base.n_group + 1) if num_experts % g == 0 and num_experts // g >= 2)
-    topk_group = next(t for t in range(min(base.topk_group, n_group), n_group + 1)
-                      if t * (num_experts // n_group) >= k)
-    return base.replace(n_group=n_group, topk_group=topk_group, **changes)
+    cfg = get_preset(preset)
+    if cfg.num_experts_per_tok > experts_per_gpu * ep:
+        raise ValueError(f"--experts-per-gpu x EP must be >= top-k {cfg.num_experts_per_tok}, got "
+                         f"{experts_per_gpu * ep}; raise --experts-per-gpu")
+    cfg = cfg.with_num_experts(experts_per_gpu * ep)
+    return cfg if hidden_size is None else cfg.replace(hidden_size=hidden_size)
 
 
 # ---- timing ------------------------------------------------------------------------------------------
@@ -85,11 +74,6 @@ def capture(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[]
         return fn, fn()
     graph, out = capture_graph(fn)
     return graph.replay, out
-
-
-def time_calls(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median µs of ``fn`` (already a graph replay where it should be), ranks lined up before each call."""
-    return time_fn(fn, device, warmup, iters, graph=False)
 
 
 def time_back_to_back(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -137,8 +121,8 @@ def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
                     ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)
-                    common["ref_t_dispatch_us"] = time_calls(ref_dispatch, device, warmup, iters)
-                    common["ref_t_combine_us"] = time_calls(ref_combine, device, warmup, iters)
+                    common["ref_t_dispatch_us"] = time_fn(ref_dispatch, device, warmup, iters, graph=False)
+                    common["ref_t_combine_us"] = time_fn(ref_combine, device, warmup, iters, graph=False)
                     del ref_dispatch, ref_combine
                 eager = time_layer(layer, x_TH, warmup, iters)
                 traffic = layer.last_traffic
@@ -167,9 +151,9 @@ def time_graphs(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) ->
     expert_y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
     replay_combine, _ = capture(lambda: d.combine(expert_y_RH, recv.handle), device)
     replay_layer, _ = capture(lambda: layer(x_TH), device)
-    return {"t_dispatch_us": time_calls(replay_dispatch, device, warmup, iters),
-            "t_combine_us": time_calls(replay_combine, device, warmup, iters),
-            "t_layer_us": time_calls(replay_layer, device, warmup, iters),
+    return {"t_dispatch_us": time_fn(replay_dispatch, device, warmup, iters, graph=False),
+            "t_combine_us": time_fn(replay_combine, device, warmup, iters, graph=False),
+            "t_layer_us": time_fn(replay_layer, device, warmup, iters, graph=False),
             "t_layer_b2b_us": time_back_to_back(replay_layer, device, iters)}
 
 
@@ -301,12 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ranks lined up (synchronize + barrier) before every timed call" if device == "cuda"
                 else "host clock, eager (CPU smoke: not a measurement)",
                 aggregation="per-rank medians; times: slowest rank; bytes: mean per rank")
-    rows: list[dict] = []
-    errors = 0
-
-    def save() -> None:
-        write_results(out_path, meta, rows)
-
+    results = ResultFile(out_path, meta)
     started = time.perf_counter()
     for p in ep_sizes:
         cfg = configs[p]
@@ -319,23 +298,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name, fn, fn_args in jobs:
                 t0 = time.perf_counter()
-                try:
-                    rows.extend(summarise(pool.run(fn, *fn_args), common, name))
-                except RankError as exc:
-                    errors += 1
-                    rows.append({"bench": "low_latency", **common, "ep": p, "dispatcher": name,
-                                 "error": str(exc)[-3000:]})
-                    print(str(exc)[-3000:], file=sys.stderr)
+                failure = results.add_step(lambda: summarise(pool.run(fn, *fn_args), common, name),
+                                           {"bench": "low_latency", **common, "ep": p, "dispatcher": name})
+                if failure:
+                    print(failure, file=sys.stderr)
                 print(f"[{time.perf_counter() - started:6.1f}s] ep={p} {name}: {time.perf_counter() - t0:.1f}s",
                       flush=True)
-                save()
         finally:
             pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)
-    save()
-    print_table(rows, meta)
+    results.save()
+    print_table(results.rows, meta)
     print(f"wrote {out_path}")
-    return 1 if errors else 0
+    return 1 if results.errors else 0
 
 
 def print_table(rows: list[dict], meta: dict) -> None:

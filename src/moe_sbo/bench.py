@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .attention import AttentionConfig
 from .config import PRESETS, get_preset
 from .dispatch import DISPATCHERS, options_for_tokens
 from .layer import MoELayer
 from .overlap import OVERLAP_MODES, AutoOverlap, make_overlap
 from .overlap.sbo import bucket_of
-from .streams import capture_graph
-from .timing import SPANS, Stamps, line_up, time_layer
+from .timing import SPANS, line_up, time_fn, time_layer
 from .trace import spans_from_trace
 
 DEFAULT_TOKENS = (128, 512, 2048, 4096, 8192)
@@ -49,51 +49,32 @@ _PHASE_SPANS = tuple(name for name, _, _ in SPANS if name != "t_shared_us")
 def _cfg(preset: str, num_experts: int | None):
     cfg = get_preset(preset)
     if num_experts and num_experts != cfg.num_experts:
-        cfg = cfg.replace(num_experts=num_experts, name=f"{cfg.name}-e{num_experts}")
+        cfg = cfg.with_num_experts(num_experts).replace(name=f"{cfg.name}-e{num_experts}")
     return cfg
 
 
-def graph_capturable(layer: MoELayer) -> bool:
-    return bool(getattr(layer.dispatcher, "graph_capturable", False))
+_CACHED: dict[tuple, object] = {}
 
 
-_LAYER: dict[tuple, MoELayer] = {}
+def cached(key: tuple, make: Callable[[], object], device: torch.device):
+    """The rank's object for ``key``, kept between calls (weights are costly to make); only the last
+    one is kept, so sweeping over setups does not accumulate GPU memory."""
+    if key not in _CACHED:
+        _CACHED.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _CACHED[key] = make()
+    return _CACHED[key]
 
 
 def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
-    """The rank's layer for ``spec``: kept between calls (weights are costly to make), one at a time."""
+    """The rank's layer for ``spec`` (its capacity sized for ``tokens`` where the dispatcher has one)."""
     options = options_for_tokens(spec["dispatcher"], tokens)
-    key = (spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
+    key = ("moe", spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
            tuple(sorted(options.items())))
-    if key not in _LAYER:
-        _LAYER.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        kwargs = {"dispatcher_options": options} if options else {}
-        _LAYER[key] = MoELayer(_cfg(spec["preset"], spec["num_experts"]), dispatcher=spec["dispatcher"],
-                               dtype=getattr(torch, spec["dtype"]), device=device, seed=spec["seed"], **kwargs)
-    return _LAYER[key]
-
-
-def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, graph: bool) -> float:
-    """Median µs of ``fn()`` (eager), or of replays of a CUDA graph that captured one ``fn()``."""
-    if graph:
-        line_up(device)  # every rank captures its collectives at the same point
-        cuda_graph, _ = capture_graph(fn)
-        run = cuda_graph.replay
-    else:
-        run = fn
-    stamps = Stamps(device, iters, ("start", "end"))
-    for it in range(warmup + iters):
-        stamps.iteration = it - warmup
-        line_up(device)
-        stamps.record("start")
-        run()
-        stamps.record("end")
-    median = statistics.median(stamps.span_us("start", "end"))
-    if graph:
-        del cuda_graph
-    return median
+    return cached(key, lambda: MoELayer(_cfg(spec["preset"], spec["num_experts"]), dispatcher=spec["dispatcher"],
+                                        dtype=getattr(torch, spec["dtype"]), device=device, seed=spec["seed"],
+                                        dispatcher_options=options), device)
 
 
 def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
@@ -104,7 +85,7 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 7919 + rank * 131 + tokens)
     x_TH = torch.randn(tokens, layer.cfg.hidden_size, generator=generator, device=device).to(dtype)
     warmup, iters = spec["warmup"], spec["iters"]
-    graph = (device.type == "cuda" and tokens <= spec["graph_max_tokens"] and graph_capturable(layer)
+    graph = (device.type == "cuda" and tokens <= spec["graph_max_tokens"] and layer.dispatcher.graph_capturable
              and spec["graph"])
     rows = []
     with torch.inference_mode():
@@ -249,9 +230,9 @@ def add_bench_parser(subparsers) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .bench_meta import result_meta, write_results
+    from .bench_meta import ResultFile, result_meta
     from .cli import make_console
-    from .runtime import RankError, RankPool, default_world_size, resolve_device
+    from .runtime import RankPool, default_world_size, resolve_device
 
     device = resolve_device(args.device)
     ranks = args.ranks or (default_world_size(device) if device == "cuda" else 2)
@@ -274,54 +255,42 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {ranks}")
     make_overlap("combine_sm", device, sm_budget=args.sm_budget)  # checks the SM budget here, once
     if args.tbo:
-        from .bench_tbo import attention_config
-
-        attention_config(get_preset(args.preset).hidden_size, args.heads, args.kv_heads, args.head_dim)
+        AttentionConfig(get_preset(args.preset).hidden_size, args.heads, args.kv_heads, args.head_dim)  # checks heads
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     console = make_console()
     meta = result_meta(device=device, world_size=ranks)
     meta.update(preset=args.preset, warmup=args.warmup, iters=args.iters, sm_budget=args.sm_budget,
                 timing="median of CUDA events (host clock on CPU); ranks lined up between forwards; "
                        "times are the slowest rank's")
-    rows: list[dict] = []
-    out = Path(args.out) if args.out else None
-
-    def save() -> None:
-        if out:
-            write_results(out, meta, rows)
-
+    results = ResultFile(Path(args.out) if args.out else None, meta)
     steps = _steps(args, experts_list, dispatchers, modes, dtype, ranks)
     pool = RankPool(ranks, device)
-    errors = 0
     started = time.perf_counter()
     try:
         with Progress(console=console, transient=False) as progress:
             task = progress.add_task("sweep", total=len(steps))
             for label, fn, fn_args, summarise_fn in steps:
                 progress.update(task, description=label)
-                try:
-                    rows.extend(summarise_fn(pool.run(fn, *fn_args)))
-                except RankError as exc:
-                    errors += 1
-                    rows.append({"bench": "tbo" if args.tbo else "sbo", "step": label, "error": str(exc)[-3000:]})
-                    console.print(f"[red]{label} failed[/]: {str(exc)[-1500:]}")
-                save()
+                failure = results.add_step(lambda: summarise_fn(pool.run(fn, *fn_args)),
+                                           {"bench": "tbo" if args.tbo else "sbo", "step": label})
+                if failure:
+                    console.print(f"[red]{label} failed[/]: {failure[-1500:]}")
                 progress.advance(task)
         if args.timeline or args.trace:
             _timeline(args, pool, experts_list[0], dispatchers, modes, dtype, ranks, device, console)
     finally:
         pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)
-    save()
+    results.save()
     if args.tbo:
         from .bench_tbo import tbo_table
 
-        console.print(tbo_table(rows))
+        console.print(tbo_table(results.rows))
     else:
-        console.print(_table(rows))
-    if out:
-        console.print(f"rows written to {out}")
-    return 1 if errors else 0
+        console.print(_table(results.rows))
+    if results.path:
+        console.print(f"rows written to {results.path}")
+    return 1 if results.errors else 0
 
 
 def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[tuple]:

@@ -1,4 +1,5 @@
-"""The ``meta`` block every result file carries (DESIGN.md §7): command, commit, GPU, versions, date."""
+"""Result files (DESIGN.md §7): the ``meta`` block every one carries (command, commit, GPU, versions,
+date), and ``ResultFile``, which every benchmark driver fills one step at a time."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import datetime
 import json
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,3 +46,37 @@ def write_results(path, meta: dict, rows: list[dict]) -> None:
     digits are noise). Benchmarks call it after every step, so a run cut short keeps what it measured."""
     rounded = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()} for row in rows]
     Path(path).write_text(json.dumps({"meta": meta, "rows": rounded}, indent=1))
+
+
+@dataclass
+class ResultFile:
+    """A benchmark's rows and meta, written to ``path`` (if any) after every step.
+
+    ``add_step`` turns a failed step (a rank raised: ``RankError``) into an error row instead of
+    ending the sweep, so one bad configuration never loses the others' measurements. ``errors``
+    counts the error rows, a step's own or the ones its rows carry.
+    """
+
+    path: Path | None
+    meta: dict
+    rows: list[dict] = field(default_factory=list)
+    errors: int = 0
+
+    def save(self) -> None:
+        if self.path is not None:
+            write_results(self.path, self.meta, self.rows)
+
+    def add_step(self, run: Callable[[], list[dict]], error_row: dict) -> str | None:
+        """Append ``run()``'s rows, or ``error_row`` plus the failure if a rank failed; save. Returns
+        the failure's text (``None`` when the step worked) for the caller to show."""
+        from .runtime import RankError
+
+        try:
+            new_rows, failure = run(), None
+        except RankError as exc:
+            failure = str(exc)[-3000:]
+            new_rows = [{**error_row, "error": failure}]
+        self.rows.extend(new_rows)
+        self.errors += sum("error" in row for row in new_rows)
+        self.save()
+        return failure

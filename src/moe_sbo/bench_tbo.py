@@ -17,19 +17,13 @@ import torch
 import torch.distributed as dist
 
 from .attention import AttentionConfig, Batch
-from .bench import _cfg, graph_capturable, profile_spans, time_fn
+from .bench import _cfg, cached, profile_spans
+from .timing import time_fn
 from .dispatch import options_for_tokens
 from .decoder import DecoderLayer
 from .layer import MoELayer
 from .overlap import make_overlap
 from .overlap.tbo import tbo_forward
-
-_DECODER: dict[tuple, DecoderLayer] = {}
-
-
-def attention_config(hidden_size: int, heads: int, kv_heads: int, head_dim: int) -> AttentionConfig:
-    return AttentionConfig(hidden_size=hidden_size, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
-
 
 def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int = 4096) -> list[int]:
     """Sequence lengths in ``[shortest, longest]`` summing to ``tokens`` (the last one takes the rest)."""
@@ -42,19 +36,17 @@ def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int =
 
 def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
     options = options_for_tokens(spec["dispatcher"], capacity)
-    key = (spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], tuple(sorted(options.items())),
-           spec["heads"], spec["kv_heads"], spec["head_dim"])
-    if key not in _DECODER:
-        _DECODER.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    key = ("decoder", spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
+           tuple(sorted(options.items())), spec["heads"], spec["kv_heads"], spec["head_dim"])
+
+    def make() -> DecoderLayer:
         cfg = _cfg(spec["preset"], spec["num_experts"])
-        kwargs = {"dispatcher_options": options} if options else {}
         moe = MoELayer(cfg, dispatcher=spec["dispatcher"], dtype=getattr(torch, spec["dtype"]), device=device,
-                       seed=spec["seed"], **kwargs)
-        attn = attention_config(cfg.hidden_size, spec["heads"], spec["kv_heads"], spec["head_dim"])
-        _DECODER[key] = DecoderLayer(attn, moe, seed=spec["seed"])
-    return _DECODER[key]
+                       seed=spec["seed"], dispatcher_options=options)
+        attn = AttentionConfig(cfg.hidden_size, spec["heads"], spec["kv_heads"], spec["head_dim"])
+        return DecoderLayer(attn, moe, seed=spec["seed"])
+
+    return cached(key, make, device)
 
 
 def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> list[dict]:
@@ -71,7 +63,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
         batch = Batch.decode_step(0, positions)
         layer = _decoder(device, spec, size)
         cache = layer.make_cache(size, spec["kv_len"] + 1)
-        graph = device.type == "cuda" and spec["graph"] and graph_capturable(layer.moe)
+        graph = device.type == "cuda" and spec["graph"] and layer.moe.dispatcher.graph_capturable
     dtype = getattr(torch, spec["dtype"])
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 31 + rank)
     x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, generator=generator, device=device).to(dtype)

@@ -64,6 +64,21 @@ class MoEConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def with_num_experts(self, num_experts: int) -> "MoEConfig":
+        """This model with ``num_experts`` routed experts (benchmarks at a per-GPU-realistic count),
+        its groups adjusted so top-k still routes: the most groups <= this config's with >= 2 experts
+        each (noaux_tc scores a group by its top 2), then the fewest kept groups >= this config's that
+        still hold top-k experts."""
+        k = self.num_experts_per_tok
+        if k > num_experts:
+            raise ValueError(f"num_experts must be >= top-k {k}, got {num_experts}; use more experts")
+        if self.topk_method == "greedy":
+            return self.replace(num_experts=num_experts)
+        n_group = max(g for g in range(1, self.n_group + 1) if num_experts % g == 0 and num_experts // g >= 2)
+        topk_group = next(t for t in range(min(self.topk_group, n_group), n_group + 1)
+                          if t * (num_experts // n_group) >= k)
+        return self.replace(num_experts=num_experts, n_group=n_group, topk_group=topk_group)
+
     def experts_per_rank(self, ep_size: int) -> int:
         """Routed experts each rank owns at EP size ``ep_size`` (raises if they do not divide)."""
         if ep_size < 1:

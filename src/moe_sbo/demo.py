@@ -8,7 +8,6 @@ itself with the same mechanism overlap strategies use, without touching the laye
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import statistics
 import time
@@ -85,7 +84,7 @@ def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tok
     rank = dist.get_rank() if dist.is_initialized() else 0
     generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
     x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
-    model, run, run_reference = _models(tbo, tokens, cfg.hidden_size, seed)
+    model, run, run_reference = _models(tbo, tokens, cfg.hidden_size, seed, device)
     with torch.inference_mode():
         reference_TH = run_reference(model(load(MoELayer(cfg, dispatcher="local", dtype=dtype, device=device,
                                                          seed=seed))), x_TH)
@@ -122,7 +121,7 @@ def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tok
     return rows
 
 
-def _models(tbo: bool, tokens: int, hidden_size: int, seed: int):
+def _models(tbo: bool, tokens: int, hidden_size: int, seed: int, device: torch.device):
     """(wrap a MoE layer, run it, run the reference): the MoE layer alone, or with ``tbo`` a decoder
     layer on packed sequences of up to 48 tokens, run with two-batch overlap (reference: without)."""
     if not tbo:
@@ -131,17 +130,14 @@ def _models(tbo: bool, tokens: int, hidden_size: int, seed: int):
     heads = hidden_size // head_dim
     attn = AttentionConfig(hidden_size, heads, max(1, heads // 4), head_dim)
     lengths = [min(48, tokens - start) for start in range(0, tokens, 48)]
-    batch = Batch.prefill(lengths)
-
-    def on_device(x):
-        return dataclasses.replace(batch, positions_T=batch.positions_T.to(x.device))
+    batch = Batch.prefill(lengths, device=device)
 
     def cache(layer):
         return layer.make_cache(max(1, len(lengths)), 48)
 
     return ((lambda moe: DecoderLayer(attn, moe, seed=seed)),
-            (lambda layer, x: tbo_forward(layer, x, on_device(x), cache(layer))),
-            (lambda layer, x: layer(x, on_device(x), cache(layer))))
+            (lambda layer, x: tbo_forward(layer, x, batch, cache(layer))),
+            (lambda layer, x: layer(x, batch, cache(layer))))
 
 
 def summarise(per_rank: list[list[dict]]) -> list[dict]:

@@ -41,11 +41,6 @@ class SideStream:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    @property
-    def is_real(self) -> bool:
-        """Whether side work can run concurrently with the current stream's work."""
-        return self.stream is not None
-
     def fork(self, after: "torch.cuda.Event | None" = None) -> None:
         """The side stream waits for ``after`` (default: everything queued on the current stream)."""
         if self.stream is None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .streams import capture_graph
+
 if TYPE_CHECKING:
     from .layer import MoELayer
 
@@ -130,11 +132,25 @@ def time_all_to_all(chunk_elems: int, dtype: torch.dtype, device: torch.device, 
     generator = torch.Generator(device=device).manual_seed(seed * 104_729 + rank)
     send = torch.randn(world * chunk_elems, generator=generator, device=device).to(dtype)
     recv = torch.empty_like(send)
+    return time_fn(lambda: dist.all_to_all_single(recv, send), device, warmup, iters, graph=False)
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, graph: bool) -> float:
+    """Median µs of ``fn()`` (eager), or of replays of a CUDA graph that captured one ``fn()``."""
+    if graph:
+        line_up(device)  # every rank captures its collectives at the same point
+        cuda_graph, _ = capture_graph(fn)
+        run = cuda_graph.replay
+    else:
+        run = fn
     stamps = Stamps(device, iters, ("start", "end"))
     for it in range(warmup + iters):
         stamps.iteration = it - warmup
         line_up(device)
         stamps.record("start")
-        dist.all_to_all_single(recv, send)
+        run()
         stamps.record("end")
-    return statistics.median(stamps.span_us("start", "end"))
+    median = statistics.median(stamps.span_us("start", "end"))
+    if graph:
+        del cuda_graph
+    return median

@@ -94,23 +94,6 @@ def _innermost(spans: list[tuple[float, float, str]], t: float) -> str | None:
     return best[2] if best else None
 
 
-def overlap_us(spans: list[Span], kind_a: str, kind_b: str) -> float:
-    """Time during which some ``kind_a`` span and some ``kind_b`` span ran at once."""
-    def merged(kind: str) -> list[tuple[float, float]]:
-        out: list[list[float]] = []
-        for s in sorted((s.start_us, s.start_us + s.dur_us) for s in spans if s.kind == kind):
-            if out and s[0] <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], s[1])
-            else:
-                out.append(list(s))
-        return [tuple(x) for x in out]
-
-    total, b = 0.0, merged(kind_b)
-    for a0, a1 in merged(kind_a):
-        total += sum(max(0.0, min(a1, b1) - max(a0, b0)) for b0, b1 in b)
-    return total
-
-
 def save_spans(spans_by_title: dict[str, list[Span]], path: str | Path) -> None:
     with open(path, "w") as f:
         json.dump({title: [asdict(s) for s in spans] for title, spans in spans_by_title.items()}, f)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .base import (REJECTED, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
                    Traffic, register_dispatcher)
-from .layout import combine_rows, group_rows_by_expert, pack_topk, unpack_topk
+from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 (the GPU image) has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,7 +62,7 @@ class AllGatherDispatcher(Dispatcher):
         # rank learns the chunk size and its own pair count R without reading the payload.
         owner_TK = torch.div(inp.topk_ids_TK.long(), self.num_local_experts, rounding_mode="floor")
         my_counts = torch.cat([torch.full((1,), num_tokens, device=x_TH.device, dtype=torch.int64),
-                               torch.bincount(owner_TK.reshape(-1), minlength=ep.size)])
+                               count_per_key(owner_TK.reshape(-1), ep.size)])
         counts_P1P = my_counts.new_empty(ep.size, 1 + ep.size)
         _all_gather_single(counts_P1P, my_counts[None], group=ep.group)
         counts = counts_P1P.tolist()

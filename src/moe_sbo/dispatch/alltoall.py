@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .base import (REJECTED, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
                    Traffic, register_dispatcher)
-from .layout import combine_rows, group_rows_by_expert, pack_topk, unpack_topk
+from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class AllToAllDispatcher(Dispatcher):
         is_sent_TP.scatter_(1, owner_TK, True)
         # Counts per destination: rows, then (row, expert) pairs. Knowing the pairs it will receive
         # lets the receiver lay rows out by expert without reading the payload on the host.
-        pairs_P = torch.bincount(owner_TK.reshape(-1), minlength=ep.size)
+        pairs_P = count_per_key(owner_TK.reshape(-1), ep.size)
         send_counts_P2 = torch.stack([is_sent_TP.sum(dim=0), pairs_P], dim=1)
         recv_counts_P2 = torch.empty_like(send_counts_P2)
         dist.all_to_all_single(recv_counts_P2, send_counts_P2, group=ep.group)

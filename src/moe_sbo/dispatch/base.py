@@ -132,6 +132,8 @@ class Dispatcher:
     """
 
     name: ClassVar[str] = "base"
+    # Whether a whole forward can be captured in a CUDA graph (fixed shapes, no host reads).
+    graph_capturable: ClassVar[bool] = False
 
     def __init__(self, num_experts: int, ep: EPGroup):
         if num_experts % ep.size:

@@ -29,6 +29,16 @@ class ExpertLayout:
     num_rows_per_expert_L: torch.Tensor
 
 
+def count_per_key(keys_N: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """How many of ``keys_N`` (int64, each in ``[0, num_keys)``) take each value: int64 ``[num_keys]``.
+
+    ``scatter_add_`` rather than ``torch.bincount``: bincount sizes its output from the data, which
+    on CUDA is a host read of the maximum, a synchronisation on every dispatch.
+    """
+    counts = torch.zeros(num_keys, dtype=torch.int64, device=keys_N.device)
+    return counts.scatter_add_(0, keys_N, torch.ones_like(keys_N))
+
+
 def group_rows_by_expert(
     local_ids_MK: torch.Tensor, weights_MK: torch.Tensor, num_local_experts: int,
     num_pairs: int | None = None,
@@ -43,7 +53,7 @@ def group_rows_by_expert(
     is_local_P = ids_P >= 0
     # Non-local pairs get key L so a stable sort puts them after every local expert's rows.
     key_P = torch.where(is_local_P, ids_P, num_local_experts)
-    counts = torch.bincount(key_P, minlength=num_local_experts + 1)
+    counts = count_per_key(key_P, num_local_experts + 1)
     if num_pairs is None:
         num_pairs = int(is_local_P.sum().item())
     order_R = torch.sort(key_P, stable=True).indices[:num_pairs]

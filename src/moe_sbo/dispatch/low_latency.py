@@ -37,7 +37,6 @@ device-side assert on CUDA (loud and fatal, never a silent drop), a plain check 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -302,7 +301,7 @@ class LowLatencyDispatcher(Dispatcher):
     """
 
     name = "low_latency"
-    graph_capturable: ClassVar[bool] = True  # a fact of the scheme (fixed shapes, no host read), not a knob
+    graph_capturable = True  # a fact of the scheme (fixed shapes, no host read), not a knob
 
     def __init__(self, num_experts: int, ep: EPGroup, *, max_tokens_per_rank: int = 128, fp8: bool = False,
                  num_buffers: int = 2):
