@@ -8,7 +8,9 @@ every row says ``experts_per_gpu``), noaux_tc routing with the group counts adju
 Rows (``bench="low_latency"``) in ``OUT/low_latency.json`` (DESIGN.md §7), per EP size and tokens
 per rank (capacity = tokens unless ``--capacity``):
 
-- ``dispatcher="low_latency"``, ``graph=True``, once per ``dispatch_dtype`` (bfloat16, fp8 e4m3):
+- ``dispatcher="low_latency"``, ``graph=True``, once per ``dispatch_dtype`` (bfloat16, fp8 e4m3) and
+  per path (``kernels``: fused ``triton`` or the ``torch`` reference; ``transport``: ``nccl`` or, from
+  two GPUs, ``symm_mem``, the fused kernels writing straight into the peers' symmetric buffers):
   ``t_dispatch_us`` / ``t_combine_us`` / ``t_layer_us`` are replays of three CUDA graphs (dispatch
   alone, combine alone, the whole MoE layer); ``ref_t_dispatch_us`` / ``ref_t_combine_us`` are
   graph-replayed raw ``all_to_all_single`` calls moving exactly the same fixed blocks;
@@ -30,6 +32,7 @@ CPU smoke: ``python benchmarks/bench_low_latency.py --out DIR --device cpu --pre
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -100,9 +103,10 @@ def raw_all_to_all(bytes_per_rank: int, device: torch.device) -> Callable[[], No
 
 
 def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int], capacity: int | None,
-                     fp8_modes: tuple[bool, ...], warmup: int, iters: int, seed: int) -> list[dict]:
-    """One rank's ``low_latency`` rows: graph-replayed phases (CUDA), the eager layer's phases, and raw
-    ``all_to_all_single`` on the same fixed blocks beside both."""
+                     fp8_modes: tuple[bool, ...], paths: list[tuple[str, str]], warmup: int, iters: int,
+                     seed: int) -> list[dict]:
+    """One rank's ``low_latency`` rows, per (kernels, transport) path: graph-replayed phases (CUDA), the
+    eager layer's phases, and raw ``all_to_all_single`` on the same fixed blocks beside both."""
     rank = dist.get_rank()
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -112,11 +116,13 @@ def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int
             cap = capacity or max(tokens, 1)
             generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
             x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
-            for fp8 in fp8_modes:
+            for fp8, (kernels, transport) in itertools.product(fp8_modes, paths):
                 layer = MoELayer(cfg, dispatcher="low_latency", dtype=dtype, device=device, seed=seed,
-                                 dispatcher_options={"max_tokens_per_rank": cap, "fp8": fp8})
+                                 dispatcher_options={"max_tokens_per_rank": cap, "fp8": fp8, "kernels": kernels,
+                                                     "transport": transport})
                 fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, fp8)
-                common = {"rank": rank, "tokens": tokens, "capacity": cap,
+                common = {"rank": rank, "tokens": tokens, "capacity": cap, "transport": transport,
+                          "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
                           "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch.")}
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
@@ -202,8 +208,9 @@ def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list
         row = {"bench": "low_latency", **common, "ep": world, "tokens_per_rank": first["tokens"],
                "dispatcher": dispatcher, "overlap": "none", "tbo": False, "graph": first["graph"],
                "dispatch_dtype": first["dispatch_dtype"]}
-        if "capacity" in first:
-            row["capacity"] = first["capacity"]
+        for key in ("capacity", "kernels", "transport"):
+            if key in first:
+                row[key] = first[key]
         for key in ("t_dispatch_us", "t_combine_us", "t_layer_us", "t_layer_b2b_us", "t_routed_us", "t_route_us",
                     "ref_t_dispatch_us", "ref_t_combine_us"):
             values = [r.get(key) for r in rank_rows]
@@ -242,6 +249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--experts-per-gpu", type=int, default=8, help="routed experts per GPU (E = this x EP)")
     p.add_argument("--hidden-size", type=int, default=None, help="override the preset's H (smoke runs)")
     p.add_argument("--fp8", default="both", choices=sorted(FP8_CHOICES), help="low_latency dispatch in fp8")
+    p.add_argument("--kernels", nargs="+", default=["triton", "torch"], choices=["triton", "torch"],
+                   help="low_latency kernel paths (triton: fused kernels, CUDA only; torch: the reference chain)")
+    p.add_argument("--transports", nargs="+", default=["nccl", "symm_mem"], choices=["nccl", "symm_mem"],
+                   help="low_latency transports (symm_mem: fused kernels, >= 2 GPUs; skipped otherwise)")
     p.add_argument("--baselines", nargs="*", default=["allgather", "alltoall"], choices=["allgather", "alltoall"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; --quick 1)")
@@ -292,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         common = {"preset": args.preset, "experts_per_gpu": args.experts_per_gpu, "num_experts": cfg.num_experts,
                   "hidden_size": cfg.hidden_size, "dtype": "bfloat16" if device == "cuda" else "float32"}
         pool = RankPool(p, device)
+        # Paths that cannot run here are left out, not failed: no Triton kernels on CPU, no peer at EP 1.
+        kernels = [k for k in args.kernels if device == "cuda" or k == "torch"] or ["torch"]
+        paths = [(k, t) for k in kernels for t in args.transports
+                 if t == "nccl" or (k == "triton" and device == "cuda" and p > 1)]
         jobs = [("low_latency", low_latency_rank,
-                 (cfg, args.tokens, args.capacity, fp8_modes, warmup, iters, args.seed))]
+                 (cfg, args.tokens, args.capacity, fp8_modes, paths, warmup, iters, args.seed))]
         jobs += [(name, baseline_rank, (cfg, name, args.tokens, warmup, iters, args.seed)) for name in args.baselines]
         try:
             for name, fn, fn_args in jobs:
@@ -321,9 +336,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
     console.print(f"{meta.get('gpu') or meta['device']} x{meta['world_size']}, torch {meta['torch']}, nccl "
                   f"{meta['nccl']}; {meta['model_note']}; {meta['iters']} iters (median, slowest rank)")
     table = Table(title="low-latency decode: µs per phase; ref = raw all_to_all_single on the same bytes", box=None)
-    for col in ("ep", "T", "dispatcher", "wire", "graph", "dispatch", "ref", "x", "combine", "ref", "x", "layer",
-                "b2b", "KB sent"):
-        table.add_column(col, justify="left" if col in ("dispatcher", "wire") else "right")
+    for col in ("ep", "T", "dispatcher", "path", "wire", "graph", "dispatch", "ref", "x", "combine", "ref", "x",
+                "layer", "b2b", "KB sent"):
+        table.add_column(col, justify="left" if col in ("dispatcher", "path", "wire") else "right")
     for r in rows:
         if "error" in r:
             table.add_row(str(r["ep"]), "-", r["dispatcher"], "[red]error[/]")
@@ -337,7 +352,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
             return f"[{'green' if value <= limit else 'red'}]{text}[/]"
 
         table.add_row(
-            str(r["ep"]), str(r["tokens_per_rank"]), r["dispatcher"], r["dispatch_dtype"], "y" if r["graph"] else "n",
+            str(r["ep"]), str(r["tokens_per_rank"]), r["dispatcher"],
+            f"{r['kernels']}/{r['transport']}" if "kernels" in r else "", r["dispatch_dtype"], "y" if r["graph"] else "n",
             mark(r["t_dispatch_us"], "t_dispatch_us", TARGETS["t_dispatch_us"]), _fmt(r.get("ref_t_dispatch_us")),
             mark(r.get("dispatch_overhead"), "dispatch_overhead", TARGETS["overhead_vs_nccl"]),
             mark(r["t_combine_us"], "t_combine_us", TARGETS["t_combine_us"]), _fmt(r.get("ref_t_combine_us")),

@@ -1,9 +1,18 @@
-"""Shared fixtures: persistent gloo rank pools (one start-up per world size) and the gpu marker."""
+"""Shared fixtures: persistent gloo rank pools (one start-up per world size) and the gpu marker.
+
+Without CUDA, Triton kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET`` must be set before
+``triton.jit`` decorates them (at import), and the gloo ranks, forked later, inherit it.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_sbo.runtime import LocalRanks
 

@@ -1,5 +1,7 @@
 """``low_latency`` on GPUs (NCCL, bf16, grouped GEMM): a forward without any device-to-host sync, and
-the whole MoE layer captured in one CUDA graph, replayed with new inputs and fewer real tokens.
+the whole MoE layer captured in one CUDA graph, replayed with new inputs and fewer real tokens, for
+each kernel path (fused Triton, torch reference) and transport (NCCL; symmetric memory from 2 GPUs);
+and the fused kernels against the torch path on the same inputs.
 
 Every test runs one NCCL rank per visible GPU (world size 1 on a 1-GPU machine: the all-to-all is
 still NCCL's). Skipped without CUDA; run through the device tool.
@@ -12,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
-from moe_sbo.dispatch import mask_padding_tokens
+from moe_sbo.dispatch import EPGroup, mask_padding_tokens
+from moe_sbo.dispatch.low_latency import LowLatencyDispatcher, RowFormat
 from moe_sbo.layer import MoELayer
 from moe_sbo.streams import capture_graph
 
@@ -34,11 +37,18 @@ def _ranks():
     return LocalRanks(torch.cuda.device_count(), device="cuda")
 
 
-def _sync_free_rank(device, capacity):
+# (kernels, transport): every path a GPU user can pick; symmetric memory needs a peer.
+PATHS = [("triton", "nccl"), ("torch", "nccl"),
+         pytest.param("triton", "symm_mem", marks=pytest.mark.skipif(
+             torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"))]
+
+
+def _sync_free_rank(device, capacity, kernels, transport):
     cfg = _config("tiny")
     rank = dist.get_rank()
     layer = MoELayer(cfg, dispatcher="low_latency", device=device, seed=1,
-                     dispatcher_options={"max_tokens_per_rank": capacity})
+                     dispatcher_options={"max_tokens_per_rank": capacity, "kernels": kernels,
+                                         "transport": transport})
     generator = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(capacity, cfg.hidden_size, generator=generator, device=device).bfloat16()
     with torch.inference_mode():
@@ -52,18 +62,20 @@ def _sync_free_rank(device, capacity):
     return [tuple(y.shape) for y in outputs], bool(outputs[0].isfinite().all())
 
 
-def test_forward_has_no_device_to_host_sync():
+@pytest.mark.parametrize("kernels, transport", PATHS)
+def test_forward_has_no_device_to_host_sync(kernels, transport):
     with _ranks() as ranks:
-        for shapes, finite in ranks.run(_sync_free_rank, 32):
+        for shapes, finite in ranks.run(_sync_free_rank, 32, kernels, transport):
             assert finite and shapes[0] == (32, 256) and shapes[2] == (0, 256)
 
 
-def _graph_rank(device, preset, capacity, fp8, real_tokens):
+def _graph_rank(device, preset, capacity, fp8, real_tokens, kernels, transport):
     """Capture one capacity-sized forward; replay it for several real counts; compare with eager local."""
     cfg = _config(preset)
     rank = dist.get_rank()
     layer = MoELayer(cfg, dispatcher="low_latency", device=device, seed=1,
-                     dispatcher_options={"max_tokens_per_rank": capacity, "fp8": fp8})
+                     dispatcher_options={"max_tokens_per_rank": capacity, "fp8": fp8, "kernels": kernels,
+                                         "transport": transport})
     reference = MoELayer(cfg, dispatcher="local", device=device, seed=1)
     num_tokens = torch.full((1,), capacity, dtype=torch.int64, device=device)
     x_static = torch.zeros(capacity, cfg.hidden_size, dtype=torch.bfloat16, device=device)
@@ -100,10 +112,11 @@ def _graph_rank(device, preset, capacity, fp8, real_tokens):
     return results
 
 
+@pytest.mark.parametrize("kernels, transport", PATHS)
 @pytest.mark.parametrize("preset, fp8, tolerance", [
     ("tiny", False, BF16_REL_TOL), ("tiny", True, FP8_REL_TOL), ("deepseek-v2-lite", False, BF16_REL_TOL),
 ])
-def test_whole_layer_in_a_cuda_graph_replays_with_fewer_tokens(preset, fp8, tolerance):
+def test_whole_layer_in_a_cuda_graph_replays_with_fewer_tokens(preset, fp8, tolerance, kernels, transport):
     world = torch.cuda.device_count()
     if _config(preset).num_experts % world:
         pytest.skip(f"{world} GPUs do not divide {preset}'s experts")
@@ -111,8 +124,56 @@ def test_whole_layer_in_a_cuda_graph_replays_with_fewer_tokens(preset, fp8, tole
     # Per rank: full, a few, one, none, and back to full (each replay is a new input and count).
     real_tokens = [[64, 17 + rank, 1, 0, 64] for rank in range(world)]
     with _ranks() as ranks:
-        for results in ranks.run(_graph_rank, preset, capacity, fp8, real_tokens):
+        for results in ranks.run(_graph_rank, preset, capacity, fp8, real_tokens, kernels, transport):
             for r in results:
                 assert r["same"] >= 0.9, r
                 assert r["rel"] <= tolerance, r
                 assert r["pad_rel"] <= BF16_REL_TOL, r
+
+
+def _fused_vs_torch_rank(device, fp8, transport):
+    """Same inputs through the torch path (NCCL) and the fused kernels (``transport``): the bytes that
+    arrive, the layout and the expert inputs are identical (fp8 payload included: the kernel rounds as
+    torch does); combine's float32 sums differ in order only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_experts, top_k, hidden, capacity = 8 * world, 8, 7168, 128
+    gen = torch.Generator(device=device).manual_seed(rank)
+    num_tokens = [capacity, 77, 1, 0][rank % 4]
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).bfloat16()
+    ids = torch.rand(num_tokens, num_experts, generator=gen, device=device).topk(top_k, dim=1).indices
+    ids[: num_tokens // 5, :2] = -1  # some tokens with fewer experts
+    weights = torch.rand(num_tokens, top_k, generator=gen, device=device)
+    fmt = RowFormat.make(hidden, top_k, torch.bfloat16, fp8)
+    got = {}
+    for kernels, tr in (("torch", "nccl"), ("triton", transport)):
+        d = LowLatencyDispatcher(num_experts, EPGroup.from_torch(), max_tokens_per_rank=capacity, fp8=fp8,
+                                 kernels=kernels, transport=tr)
+        with torch.inference_mode():
+            recv = d.dispatch(x, ids, weights)
+            y_RH = recv.expert_x_RH * 2 + 1  # padding rows: whatever was there; combine must ignore them
+            out = d.combine(y_RH, recv.handle)
+        recv_SB = d.buffers(device, torch.bfloat16, hidden, top_k)[0].dispatch_recv_SB[:-1]
+        real_S = (fmt.ids(recv_SB) >= 0).any(dim=1)
+        n = int(recv.num_rows_per_expert_L.sum())
+        got[kernels] = (recv_SB.clone(), real_S, recv.handle.layout, recv.expert_x_RH[:n].clone(), out)
+    (ref_bytes, ref_real, ref_layout, ref_x, ref_out), (bytes_, real, layout, x_fused, out) = got["torch"], got["triton"]
+    ref_payload = ref_bytes[ref_real][:, :fmt.weights_offset + 4 * top_k]
+    return {
+        "ids": torch.equal(fmt.ids(ref_bytes), fmt.ids(bytes_)),
+        "payload": torch.equal(ref_payload, bytes_[real][:, :fmt.weights_offset + 4 * top_k]),
+        "layout": all(torch.equal(getattr(ref_layout, f), getattr(layout, f))
+                      for f in ("row_R", "weight_R", "num_rows_per_expert_L")),
+        "x": torch.equal(ref_x, x_fused),
+        "combine_rel": ((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item(),
+        "finite": bool(out.isfinite().all()),
+    }
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("transport", ["nccl", pytest.param("symm_mem", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"))])
+def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport):
+    with _ranks() as ranks:
+        for r in ranks.run(_fused_vs_torch_rank, fp8, transport):
+            assert r["ids"] and r["payload"] and r["layout"] and r["x"] and r["finite"], r
+            assert r["combine_rel"] <= 4e-3, r  # bf16 outputs: the same float32 sums in another order

@@ -90,7 +90,7 @@ def test_fp8_round_trip_within_e4m3_rounding():
 def test_options_are_checked():
     with pytest.raises(ValueError, match=r"dispatcher options must be among \[\] for 'alltoall'"):
         make_dispatcher("alltoall", 16, EPGroup(), max_tokens_per_rank=8)
-    with pytest.raises(ValueError, match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers'\].*'capacity'"):
+    with pytest.raises(ValueError, match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers', 'kernels', 'transport'\].*'capacity'"):
         make_dispatcher("low_latency", 16, EPGroup(), capacity=8)
     with pytest.raises(ValueError, match="max_tokens_per_rank must be an int >= 1, got 0"):
         make_dispatcher("low_latency", 16, EPGroup(), max_tokens_per_rank=0)

@@ -120,7 +120,9 @@ def capture_graph(fn: Callable[[], object], warmup: int = 3) -> "tuple[torch.cud
 
     ``fn`` first runs ``warmup`` times on a side stream, as capture requires (lazy allocations and
     cuBLAS workspaces happen outside the graph). Replaying the graph reruns ``fn``'s kernels on the
-    same buffers: write new inputs into the tensors ``fn`` reads, then ``graph.replay()``.
+    same buffers: write new inputs into the tensors ``fn`` reads, then ``graph.replay()``. The graph
+    keeps ``fn`` (and so every tensor its closure holds) alive: were they freed, their memory would
+    be reused while replays still write into it (an illegal access once the allocator releases it).
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -131,4 +133,5 @@ def capture_graph(fn: Callable[[], object], warmup: int = 3) -> "tuple[torch.cud
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
+    graph.captured_fn = fn
     return graph, out

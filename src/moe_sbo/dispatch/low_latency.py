@@ -36,7 +36,8 @@ device-side assert on CUDA (loud and fatal, never a silent drop), a plain check 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,11 @@ from ..hooks import HookFn
 from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, EPGroup, Pending,
                    Traffic, register_dispatcher)
 from .layout import ExpertLayout
+
+try:  # Triton comes with CUDA builds of torch; without it the torch reference path runs
+    from . import ll_kernels
+except ImportError:  # pragma: no cover - depends on the environment
+    ll_kernels = None
 
 FP8_GROUP = 128  # values sharing one fp8 scale, as DeepEP's low-latency dispatch
 FP8_DTYPE = torch.float8_e4m3fn
@@ -251,13 +257,31 @@ class _Buffers:
     """One set of communication buffers, allocated once and reused by every forward that uses it.
 
     The receive buffers have one extra, never-written row of zeros (index S): the padding slot that
-    padding rows gather from.
+    padding rows gather from. ``*_dst_P`` (int64 [P], device): where the fused kernels write the
+    block for rank p (the send buffer for NCCL, the receive buffer with no collective, the peer's
+    symmetric receive buffer for ``symm_mem``); ``*_barrier``: the symmetric-memory handle whose
+    barrier completes the phase (``symm_mem`` only).
     """
 
     dispatch_send_SB: torch.Tensor
     dispatch_recv_SB: torch.Tensor  # [S + 1, B]
     combine_send_SH: torch.Tensor
     combine_recv_SH: torch.Tensor  # [S + 1, H]
+    dispatch_dst_P: torch.Tensor
+    combine_dst_P: torch.Tensor
+    dispatch_barrier: object = field(default=None, compare=False)
+    combine_barrier: object = field(default=None, compare=False)
+
+
+class _SymmBarrier:
+    """The "work" of a symmetric-memory phase: its data already went out inside the kernel, so
+    waiting is a barrier with every peer (after it, their writes to this rank are visible)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def wait(self) -> None:
+        self.handle.barrier(channel=0)
 
 
 @dataclass(frozen=True)
@@ -266,7 +290,7 @@ class LowLatencyHandle(DispatchHandle):
     layout, the buffer set and the round (``generation``) that owns it."""
 
     slot_TP: torch.Tensor | None = None
-    fixed: FixedLayout | None = None
+    fixed: "FixedLayout | ll_kernels.KernelLayout | None" = None
     buffers: _Buffers | None = None
     generation: int = 0
 
@@ -274,16 +298,24 @@ class LowLatencyHandle(DispatchHandle):
 @dataclass(frozen=True)
 class _InFlightDispatch:
     fmt: RowFormat
-    plan: SendPlan
+    slot_TP: torch.Tensor
     buffers: _Buffers
     generation: int
     num_tokens: int
     traffic: Traffic
 
 
+KERNELS = ("auto", "triton", "torch")
+TRANSPORTS = ("nccl", "symm_mem")
+
+
+def _interpreting_triton() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @register_dispatcher
 class LowLatencyDispatcher(Dispatcher):
-    """Fixed-capacity dispatch and combine, one fixed-size ``all_to_all_single`` each.
+    """Fixed-capacity dispatch and combine, one fixed-size transfer each way.
 
     ``max_tokens_per_rank`` (C): the most tokens any rank may pass to one dispatch; more raise
     ``ValueError`` before any collective. ``fp8``: send x as e4m3 with a float32 scale per token and
@@ -292,26 +324,50 @@ class LowLatencyDispatcher(Dispatcher):
     (2, as DeepEP: one per micro-batch of two-batch overlap); a round whose buffers a later round
     took raises instead of reading them.
 
+    ``kernels``: ``"triton"`` runs the five fused kernels of ``ll_kernels`` (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``); ``"torch"`` the reference chain of torch ops (any device); ``"auto"``
+    Triton on CUDA when it imports, torch otherwise. Both produce the same bytes on the wire and
+    the same layout; combine sums in float32 either way (the order differs, so bf16 results may
+    differ by an ulp between the two, never run to run).
+
+    ``transport``: ``"nccl"`` a fixed-size ``all_to_all_single`` per phase (portable, capturable;
+    gloo on CPU); ``"symm_mem"`` PyTorch symmetric memory: the fused kernels write each block
+    straight into the peer's receive buffer over NVLink and the phase ends with a symmetric-memory
+    barrier (CUDA and ``kernels="triton"`` only; buffers are rendezvoused on the first forward).
+
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
     Sync: no phase reads anything on the host, and every shape is fixed by C, so after one eager
     forward (which allocates the buffers) the whole forward is CUDA-graph capturable. Transfers run
     on the communicator's stream; ``*_wait`` makes the current stream wait for them (CUDA) or blocks
-    the host (gloo). Without an initialised process group (one rank) the transfer is a local copy.
+    the host (gloo). Without an initialised process group (one rank) the transfer is a local copy
+    (or, with the fused kernels, no copy: they write the receive buffer directly).
     """
 
     name = "low_latency"
     graph_capturable = True  # a fact of the scheme (fixed shapes, no host read), not a knob
 
     def __init__(self, num_experts: int, ep: EPGroup, *, max_tokens_per_rank: int = 128, fp8: bool = False,
-                 num_buffers: int = 2):
+                 num_buffers: int = 2, kernels: str = "auto", transport: str = "nccl"):
         super().__init__(num_experts, ep)
         for option, value in (("max_tokens_per_rank", max_tokens_per_rank), ("num_buffers", num_buffers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{option} must be an int >= 1, got {value!r}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if (kernels == "triton" or transport == "symm_mem") and ll_kernels is None:
+            raise ValueError(f"kernels={kernels!r} / transport={transport!r} need Triton, which does not import "
+                             "here; pip install triton, or use kernels='torch', transport='nccl'")
+        if transport == "symm_mem" and kernels == "torch":
+            raise ValueError("transport='symm_mem' writes into the peers' buffers from the fused Triton kernels; "
+                             "use kernels='triton' or 'auto' with it, or transport='nccl' with kernels='torch'")
         self.capacity = max_tokens_per_rank
         self.fp8 = bool(fp8)
         self.num_buffers = num_buffers
+        self.kernels = kernels
+        self.transport = transport
         self.num_slots = ep.size * max_tokens_per_rank
         # One rank uses the real communicator when there is one (a graph then captures what it would
         # at EP > 1); without a process group, or with a one-rank EP group inside a larger job, it
@@ -321,6 +377,12 @@ class LowLatencyDispatcher(Dispatcher):
         self._rounds = 0  # dispatches launched so far; round n uses buffer set n % num_buffers
 
     # ---- validation (before any collective, no host read of device data) -----------------------------
+
+    def uses_triton(self, device: torch.device) -> bool:
+        """Whether a forward on ``device`` runs the fused Triton kernels."""
+        if self.kernels == "torch" or ll_kernels is None:
+            return False
+        return device.type == "cuda" or (self.kernels == "triton" and _interpreting_triton())
 
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
         super()._check_dispatch_input(inp)
@@ -342,6 +404,18 @@ class LowLatencyDispatcher(Dispatcher):
                 f"hidden size must be a multiple of {FP8_GROUP} for fp8 dispatch (one scale per {FP8_GROUP} "
                 f"values), got H = {hidden}; use fp8=False for this model"
             )
+        device = inp.x_TH.device
+        if self.kernels == "triton" and device.type != "cuda" and not _interpreting_triton():
+            raise ValueError(
+                f"kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU interpreter), got x on "
+                f"{device}; use kernels='auto' or 'torch' here"
+            )
+        if self.transport == "symm_mem" and (device.type != "cuda" or not self._collective):
+            raise ValueError(
+                "transport='symm_mem' needs CUDA tensors and an initialised NCCL process group (it writes into "
+                f"the peers' GPU buffers), got x on {device}"
+                f"{'' if self._collective else ' without a process group'}; use transport='nccl'"
+            )
 
     def _check_topk_ids(self, ids_TK: torch.Tensor) -> None:
         """Ids in ``[-1, E)``, -1 meaning "no expert". Never a host read of device data: on CUDA a
@@ -362,23 +436,49 @@ class LowLatencyDispatcher(Dispatcher):
     # ---- buffers -------------------------------------------------------------------------------------
 
     def buffers(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> list[_Buffers]:
-        """The buffer sets for this device, activation dtype and shape; allocated on first use only."""
+        """The buffer sets for this device, activation dtype and shape; allocated on first use only
+        (with ``symm_mem``, a collective rendezvous: every rank's first forward reaches it together)."""
         fmt = RowFormat.make(hidden, top_k, dtype, self.fp8)
         key = (device, dtype, hidden, top_k)
         if key not in self._buffers:
-            def zeros(rows: int, cols: int, dt: torch.dtype) -> torch.Tensor:
+            with torch.inference_mode(False):
                 # Normal tensors even when first used under inference_mode: inference tensors could
                 # not be written by a later forward under plain no_grad.
-                with torch.inference_mode(False):
-                    return torch.zeros(rows, cols, dtype=dt, device=device)
-
-            s = self.num_slots
-            self._buffers[key] = [
-                _Buffers(zeros(s, fmt.row_bytes, torch.uint8), zeros(s + 1, fmt.row_bytes, torch.uint8),
-                         zeros(s, hidden, dtype), zeros(s + 1, hidden, dtype))
-                for _ in range(self.num_buffers)
-            ]
+                self._buffers[key] = [self._allocate(device, dtype, fmt) for _ in range(self.num_buffers)]
         return self._buffers[key]
+
+    def _allocate(self, device: torch.device, dtype: torch.dtype, fmt: RowFormat) -> _Buffers:
+        s, c, rank, hidden = self.num_slots, self.capacity, self.ep.rank, fmt.hidden
+        dispatch_send = torch.zeros(s, fmt.row_bytes, dtype=torch.uint8, device=device)
+        combine_send = torch.zeros(s, hidden, dtype=dtype, device=device)
+        handles = (None, None)
+        if self.transport == "symm_mem":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            recvs, handles = [], []
+            for cols, dt in ((fmt.row_bytes, torch.uint8), (hidden, dtype)):
+                recv = symm_mem.empty((s + 1, cols), dtype=dt, device=device).zero_()
+                handle = symm_mem.rendezvous(recv, self.ep.group or dist.group.WORLD)
+                recvs.append(recv)
+                handles.append(handle)
+            # This rank's block in each peer's receive buffer.
+            peer = [[h.get_buffer(p, (s + 1, cols), dt).data_ptr() for p in range(self.ep.size)]
+                    for h, cols, dt in ((handles[0], fmt.row_bytes, torch.uint8), (handles[1], hidden, dtype))]
+            dispatch_dst = [ptr + rank * c * fmt.row_bytes for ptr in peer[0]]
+            combine_dst = [ptr + rank * c * hidden * dtype.itemsize for ptr in peer[1]]
+            dispatch_recv, combine_recv = recvs
+            torch.cuda.synchronize(device)
+            dist.barrier(group=self.ep.group)  # every peer zeroed its padding rows before anyone writes
+        else:
+            dispatch_recv = torch.zeros(s + 1, fmt.row_bytes, dtype=torch.uint8, device=device)
+            combine_recv = torch.zeros(s + 1, hidden, dtype=dtype, device=device)
+            # NCCL: the blocks go to the send buffer; one rank without a collective: straight to recv.
+            d_base, c_base = ((dispatch_send, combine_send) if self._collective else (dispatch_recv, combine_recv))
+            dispatch_dst = [d_base.data_ptr() + p * c * fmt.row_bytes for p in range(self.ep.size)]
+            combine_dst = [c_base.data_ptr() + p * c * hidden * dtype.itemsize for p in range(self.ep.size)]
+        return _Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv,
+                        torch.tensor(dispatch_dst, dtype=torch.int64, device=device),
+                        torch.tensor(combine_dst, dtype=torch.int64, device=device), *handles)
 
     def _check_round(self, generation: int) -> None:
         if self._rounds - generation > self.num_buffers:
@@ -389,10 +489,15 @@ class LowLatencyDispatcher(Dispatcher):
                 "num_buffers"
             )
 
-    def _exchange(self, recv: torch.Tensor, send: torch.Tensor) -> list:
-        """Fixed-size all-to-all of ``send`` into ``recv`` (async works to wait on), or a local copy."""
+    def _exchange(self, recv: torch.Tensor, send: torch.Tensor, fused: bool, barrier) -> list:
+        """Start the fixed-size transfer of ``send`` into ``recv`` (works to wait on). With the fused
+        kernels the blocks are already in place for ``symm_mem`` (a barrier remains) and without a
+        collective (nothing remains); otherwise an all-to-all, or a local copy."""
+        if fused and self.transport == "symm_mem":
+            return [_SymmBarrier(barrier)]
         if not self._collective:
-            recv.copy_(send)
+            if not fused:
+                recv.copy_(send)
             return []
         return [dist.all_to_all_single(recv, send, group=self.ep.group, async_op=True)]
 
@@ -405,27 +510,39 @@ class LowLatencyDispatcher(Dispatcher):
         generation = self._rounds
         self._rounds += 1
         bufs = self.buffers(x_TH.device, x_TH.dtype, hidden, ids_TK.shape[1])[generation % self.num_buffers]
-        plan = plan_send(ids_TK, self.num_local_experts, self.ep.size, self.capacity)
-        rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
-        torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
-        works = self._exchange(bufs.dispatch_recv_SB[:self.num_slots], bufs.dispatch_send_SB)
+        fused = self.uses_triton(x_TH.device)
+        if fused:
+            slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
+            ll_kernels.pack_rows(x_TH.contiguous(), ids_TK.contiguous(), inp.topk_weights_TK.float().contiguous(),
+                                 bufs.dispatch_dst_P, slot_TP, fmt, self.num_local_experts, self.capacity)
+        else:
+            plan = plan_send(ids_TK, self.num_local_experts, self.ep.size, self.capacity)
+            rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
+            torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
+            slot_TP = plan.slot_TP
+        works = self._exchange(bufs.dispatch_recv_SB[:self.num_slots], bufs.dispatch_send_SB, fused,
+                               bufs.dispatch_barrier)
         block_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
         traffic = Traffic(dispatch_bytes_sent=block_bytes, dispatch_bytes_recv=block_bytes)
-        return Pending(works=works, state=_InFlightDispatch(fmt, plan, bufs, generation, num_tokens, traffic))
+        return Pending(works=works, state=_InFlightDispatch(fmt, slot_TP, bufs, generation, num_tokens, traffic))
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
         s: _InFlightDispatch = pending.state
         self._check_round(s.generation)
         recv_SB = s.buffers.dispatch_recv_SB
-        local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[:self.num_slots]).long(), self.ep.rank)
-        fixed = group_slots_by_expert(local_ids_SK, s.fmt.weights(recv_SB[:self.num_slots]),
-                                      self.num_local_experts)
-        # x of all S + 1 rows (the last is the zero padding slot), then one gather into expert order.
-        expert_x_RH = s.fmt.x(recv_SB)[fixed.layout.row_R]
+        if self.uses_triton(recv_SB.device):
+            fixed = ll_kernels.expert_layout(recv_SB[:self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
+            expert_x_RH = ll_kernels.gather_rows(recv_SB, fixed, s.fmt)
+        else:
+            local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[:self.num_slots]).long(), self.ep.rank)
+            fixed = group_slots_by_expert(local_ids_SK, s.fmt.weights(recv_SB[:self.num_slots]),
+                                          self.num_local_experts)
+            # x of all S + 1 rows (the last is the zero padding slot), then one gather into expert order.
+            expert_x_RH = s.fmt.x(recv_SB)[fixed.layout.row_R]
         handle = LowLatencyHandle(
             num_tokens=s.num_tokens, hidden_size=s.fmt.hidden, dtype=s.fmt.dtype, layout=fixed.layout,
-            traffic=s.traffic, slot_TP=s.plan.slot_TP, fixed=fixed, buffers=s.buffers, generation=s.generation,
+            traffic=s.traffic, slot_TP=s.slot_TP, fixed=fixed, buffers=s.buffers, generation=s.generation,
         )
         return self._output(expert_x_RH, handle)
 
@@ -433,19 +550,29 @@ class LowLatencyDispatcher(Dispatcher):
         handle: LowLatencyHandle = inp.handle  # type: ignore[assignment]
         self._check_round(handle.generation)
         bufs = handle.buffers
-        bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
-        works = self._exchange(bufs.combine_recv_SH[:self.num_slots], bufs.combine_send_SH)
+        fused = isinstance(handle.fixed, ll_kernels.KernelLayout) if ll_kernels is not None else False
+        if fused:
+            fmt = RowFormat.make(handle.hidden_size, handle.fixed.pair_row_SK.shape[1], handle.dtype, self.fp8)
+            ll_kernels.reduce_pairs(inp.expert_y_RH.contiguous(), handle.fixed, bufs.dispatch_recv_SB, fmt,
+                                    bufs.combine_dst_P, self.capacity)
+        else:
+            bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
+        works = self._exchange(bufs.combine_recv_SH[:self.num_slots], bufs.combine_send_SH, fused,
+                               bufs.combine_barrier)
         block_bytes = (self.ep.size - 1) * self.capacity * handle.hidden_size * bufs.combine_send_SH.element_size()
         handle.traffic.combine_bytes_sent = block_bytes
         handle.traffic.combine_bytes_recv = block_bytes
-        return Pending(works=works, state=bufs.combine_recv_SH)
+        return Pending(works=works, state=(bufs.combine_recv_SH, fused))
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()
         handle: LowLatencyHandle = pending.handle  # type: ignore[assignment]
         self._check_round(handle.generation)
+        recv_SH, fused = pending.state
+        if fused:
+            return ll_kernels.sum_returned(recv_SH, handle.slot_TP)
         # Each token's P returned rows (the zero padding slot where it sent nothing), summed in float32.
-        return pending.state[handle.slot_TP].sum(dim=1, dtype=torch.float32).to(handle.dtype)
+        return recv_SH[handle.slot_TP].sum(dim=1, dtype=torch.float32).to(handle.dtype)
 
 
 def mask_padding_tokens(num_tokens: torch.Tensor) -> HookFn:
