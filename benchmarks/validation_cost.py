@@ -6,6 +6,9 @@ Per dispatcher, on every rank, one layer at decode size (``--tokens`` per rank):
   check (shape, dtype, device: host-only), the dispatcher's (shapes, dtypes, devices, expert-id range:
   one host read of min/max for the variable-size schemes, a device-side assert for ``low_latency`` on
   CUDA), the combine input check. On CUDA each call is followed by a synchronize, so a host read shows.
+- ``t_checks_host_us``: the same checks back to back without that synchronize (one at the end), per
+  call: what they add to the host's critical path of an eager step, which is what bounds eager decode
+  (the GPU runs ahead of nothing). ``host_share`` = ``t_checks_host_us / t_layer_us``.
 - ``t_layer_us`` / ``t_layer_unchecked_us``: the whole forward with the checks, and with the three check
   methods replaced by no-ops on this layer's instances (inputs are valid, so the result is the same);
   A and B alternate in rounds so drift hits both. ``check_share`` = ``t_checks_us / t_layer_us`` and
@@ -102,6 +105,15 @@ def cost_rank(device: torch.device, spec: dict) -> dict:
         for _ in range(spec["warmup"]):
             checks()
         out["t_checks_us"] = _median_us(checks, device, spec["iters"])
+        host_times = []
+        for _ in range(spec["rounds"]):
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(spec["iters"]):
+                checks()
+            host_times.append((time.perf_counter() - start) * 1e6 / spec["iters"])
+            _sync(device)
+        out["t_checks_host_us"] = statistics.median(host_times)
 
         # A/B in alternating rounds: with checks, then with no-op checks on these instances only.
         checked, unchecked = [], []
@@ -140,6 +152,7 @@ def summarise(per_rank: list[dict], spec: dict, ep: int, experts: int) -> dict:
     for key in per_rank[0]:
         row[key] = max(r[key] for r in per_rank)  # the slowest rank's median
     row["check_share"] = row["t_checks_us"] / row["t_layer_us"]
+    row["host_share"] = row["t_checks_host_us"] / row["t_layer_us"]
     row["ab_share"] = (row["t_layer_us"] - row["t_layer_unchecked_us"]) / row["t_layer_us"]
     if "t_agree_us" in row:
         row["agree_share"] = row["t_agree_us"] / row["t_layer_us"]
@@ -188,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(row["error"], file=sys.stderr)
             else:
                 print(f"{name:<12} checks {row['t_checks_us']:8.1f} us = {100 * row['check_share']:5.2f} % of "
-                      f"the layer ({row['t_layer_us']:.0f} us); A/B {100 * row['ab_share']:+6.2f} %"
+                      f"the layer ({row['t_layer_us']:.0f} us), host-only {row['t_checks_host_us']:.1f} us = "
+                      f"{100 * row['host_share']:.2f} %; A/B {100 * row['ab_share']:+6.2f} %"
                       + (f"; agreement all-reduce {row['t_agree_us']:.1f} us = {100 * row['agree_share']:.2f} %"
                          if "t_agree_us" in row else ""), flush=True)
             rows.append(row)

@@ -80,7 +80,8 @@ def _assert_same(ref, fused, fmt: RowFormat):
 def test_one_rank_fused_equals_torch_path(fp8):
     torch.manual_seed(0)
     num_experts, top_k, hidden = 8, 4, 256
-    for num_tokens, capacity in ((0, 4), (1, 4), (5, 8), (8, 8)):
+    # (50, 64): 256 (slot, k) pairs, so the layout kernel runs two chunks of 128.
+    for num_tokens, capacity in ((0, 4), (1, 4), (5, 8), (8, 8), (50, 64)):
         x = torch.randn(num_tokens, hidden)
         ids = _random_ids(num_tokens, num_experts, top_k)
         if num_tokens > 2:

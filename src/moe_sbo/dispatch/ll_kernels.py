@@ -4,17 +4,18 @@ Same legend and wire format as ``low_latency.py`` (T tokens, C capacity, P ranks
 K top-k, L local experts, H hidden, B row bytes, R = S * K expert rows). Each kernel replaces a chain
 of small torch ops of the reference path there, and produces the same bytes and indices::
 
-    dispatch  pack_rows      grid C: program c counts, from all T x K ids, the earlier tokens going to
+    dispatch  pack_rows      grid C x H / 1024: program (c, j) counts, from all T x K ids, the earlier tokens going to
                              each rank (token c's row in that block), writes token c's packed row
-                             (x or fp8 x + scales, ids, weights) into every block it goes to, and
-                             marks row c of every block holding <= c tokens as padding (ids -1).
+                             (slice j of x or fp8 x + scales; j = 0: ids, weights) into every
+                             block it goes to; j = 0 marks row c of every block holding <= c
+                             tokens as padding (ids -1).
               [transport]    NCCL all_to_all_single of the blocks, or nothing: with symmetric memory
                              the blocks were written straight into the peers' receive buffers.
-              expert_layout  grid 1: stable counting sort of the S x K received (slot, k) pairs by
-                             local expert (real pairs first), per-expert counts, on the device.
+              expert_layout  grid S x K / 128: stable counting sort of the S x K received (slot, k)
+                             pairs by local expert (real pairs first), per-expert counts, on the device.
               gather_rows    grid R: copies (dequantises) real expert row i; rows past the real count
                              return at once, so the padding tail costs a launch, not a copy.
-    combine   reduce_pairs   grid S: each slot's weighted sum over its local experts' outputs, written
+    combine   reduce_pairs   grid S x H / 1024: each slot's weighted sum over its local experts' outputs, written
                              into its destination block (a slot with no local pair returns at once).
               sum_returned   grid T: each token's P returned rows, summed in float32.
 
@@ -70,6 +71,7 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, dst_ptr, slot_ptr, num_tokens, num_
                       FP8: tl.constexpr, BLOCK_T: tl.constexpr, K_P2: tl.constexpr, P_P2: tl.constexpr,
                       BLOCK_H: tl.constexpr):
     c = tl.program_id(0)
+    h0 = tl.program_id(1) * BLOCK_H  # this program's slice of the row; the first also writes the rest
     offs_k = tl.arange(0, K_P2)
     offs_p = tl.arange(0, P_P2)
     # Per rank: tokens before c that go there (token c's row in that block), all tokens that go
@@ -88,51 +90,51 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, dst_ptr, slot_ptr, num_tokens, num_
         mine_P += tl.sum(tl.where((t == c)[:, None], sent_TP, 0), axis=0)
 
     num_slots = num_ranks * capacity
-    for p in range(0, num_ranks):
-        is_p = offs_p == p
-        row = tl.sum(tl.where(is_p, before_P, 0))
-        sent = tl.sum(tl.where(is_p, mine_P, 0)) > 0
-        block = tl.load(dst_ptr + p).to(tl.pointer_type(tl.uint8))
-        if c < num_tokens:
-            tl.store(slot_ptr + c * num_ranks + p, tl.where(sent, p * capacity + row, num_slots).to(tl.int64))
-            if sent:
-                dst_row = block + row.to(tl.int64) * ROW_BYTES
-                ids_K = tl.load(ids_ptr + c * TOP_K + offs_k, mask=offs_k < TOP_K)
-                w_K = tl.load(w_ptr + c * TOP_K + offs_k, mask=offs_k < TOP_K)
-                tl.store((dst_row + IDS_OFFSET).to(tl.pointer_type(tl.int32)) + offs_k, ids_K.to(tl.int32),
-                         mask=offs_k < TOP_K)
-                tl.store((dst_row + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32)) + offs_k,
-                         w_K.to(tl.float32), mask=offs_k < TOP_K)
-        if c >= tl.sum(tl.where(is_p, total_P, 0)):
-            pad_ids = (block + c.to(tl.int64) * ROW_BYTES + IDS_OFFSET).to(tl.pointer_type(tl.int32))
-            tl.store(pad_ids + offs_k, tl.full([K_P2], -1, tl.int32), mask=offs_k < TOP_K)
+    if h0 == 0:
+        for p in range(0, num_ranks):
+            is_p = offs_p == p
+            row = tl.sum(tl.where(is_p, before_P, 0))
+            sent = tl.sum(tl.where(is_p, mine_P, 0)) > 0
+            block = tl.load(dst_ptr + p).to(tl.pointer_type(tl.uint8))
+            if c < num_tokens:
+                tl.store(slot_ptr + c * num_ranks + p, tl.where(sent, p * capacity + row, num_slots).to(tl.int64))
+                if sent:
+                    dst_row = block + row.to(tl.int64) * ROW_BYTES
+                    ids_K = tl.load(ids_ptr + c * TOP_K + offs_k, mask=offs_k < TOP_K)
+                    w_K = tl.load(w_ptr + c * TOP_K + offs_k, mask=offs_k < TOP_K)
+                    tl.store((dst_row + IDS_OFFSET).to(tl.pointer_type(tl.int32)) + offs_k, ids_K.to(tl.int32),
+                             mask=offs_k < TOP_K)
+                    tl.store((dst_row + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32)) + offs_k,
+                             w_K.to(tl.float32), mask=offs_k < TOP_K)
+            if c >= tl.sum(tl.where(is_p, total_P, 0)):
+                pad_ids = (block + c.to(tl.int64) * ROW_BYTES + IDS_OFFSET).to(tl.pointer_type(tl.int32))
+                tl.store(pad_ids + offs_k, tl.full([K_P2], -1, tl.int32), mask=offs_k < TOP_K)
 
     if c < num_tokens:
         x_row = x_ptr + c.to(tl.int64) * HIDDEN
-        for h0 in range(0, HIDDEN, BLOCK_H):
-            if FP8:
-                offs_g = tl.arange(0, BLOCK_H // 128)
-                g_mask = h0 + offs_g * 128 < HIDDEN
-                h_GV = h0 + offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
-                x_GV = tl.load(x_row + h_GV, mask=g_mask[:, None], other=0.0).to(tl.float32)
-                # As quantize_fp8: amax / 448 per group (floored so a zero group stays finite), an
-                # IEEE division (Triton's "/" is approximate), clamp, round to nearest e4m3.
-                scale_G = tl.maximum(tl.max(tl.abs(x_GV), axis=1), 1e-30) / 448.0
-                q_GV = tl.clamp(tl.math.div_rn(x_GV, scale_G[:, None]), -448.0, 448.0).to(tl.float8e4nv)
-            else:
-                h = h0 + tl.arange(0, BLOCK_H)
-                x_H = tl.load(x_row + h, mask=h < HIDDEN)
-            for p in range(0, num_ranks):
-                is_p = offs_p == p
-                if tl.sum(tl.where(is_p, mine_P, 0)) > 0:
-                    block = tl.load(dst_ptr + p).to(tl.pointer_type(tl.uint8))
-                    dst_row = block + tl.sum(tl.where(is_p, before_P, 0)).to(tl.int64) * ROW_BYTES
-                    if FP8:
-                        tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_GV, q_GV, mask=g_mask[:, None])
-                        tl.store((dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // 128 + offs_g,
-                                 scale_G, mask=g_mask)
-                    else:
-                        tl.store(dst_row.to(x_ptr.dtype) + h, x_H, mask=h < HIDDEN)
+        if FP8:
+            offs_g = tl.arange(0, BLOCK_H // 128)
+            g_mask = h0 + offs_g * 128 < HIDDEN
+            h_GV = h0 + offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+            x_GV = tl.load(x_row + h_GV, mask=g_mask[:, None], other=0.0).to(tl.float32)
+            # As quantize_fp8: amax / 448 per group (floored so a zero group stays finite), an IEEE
+            # division (Triton's "/" is approximate), clamp, round to nearest e4m3.
+            scale_G = tl.maximum(tl.max(tl.abs(x_GV), axis=1), 1e-30) / 448.0
+            q_GV = tl.clamp(tl.math.div_rn(x_GV, scale_G[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+        else:
+            h = h0 + tl.arange(0, BLOCK_H)
+            x_H = tl.load(x_row + h, mask=h < HIDDEN)
+        for p in range(0, num_ranks):
+            is_p = offs_p == p
+            if tl.sum(tl.where(is_p, mine_P, 0)) > 0:
+                block = tl.load(dst_ptr + p).to(tl.pointer_type(tl.uint8))
+                dst_row = block + tl.sum(tl.where(is_p, before_P, 0)).to(tl.int64) * ROW_BYTES
+                if FP8:
+                    tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_GV, q_GV, mask=g_mask[:, None])
+                    tl.store((dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // 128 + offs_g,
+                             scale_G, mask=g_mask)
+                else:
+                    tl.store(dst_row.to(x_ptr.dtype) + h, x_H, mask=h < HIDDEN)
 
 
 def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, dst_P: torch.Tensor,
@@ -141,12 +143,12 @@ def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
     and fill ``slot_TP`` [T, P] (slot ``p * C + row``, or S where the token sends nothing to p)."""
     num_tokens, top_k = ids_TK.shape
     num_ranks = dst_P.shape[0]
-    _pack_rows_kernel[(capacity,)](
+    block_h = _block_h(fmt.hidden, fmt.fp8)
+    _pack_rows_kernel[(capacity, triton.cdiv(fmt.hidden, block_h))](
         x_TH, ids_TK, weights_TK, dst_P, slot_TP, num_tokens, num_local_experts, num_ranks, capacity,
         HIDDEN=fmt.hidden, TOP_K=top_k, ROW_BYTES=fmt.row_bytes, SCALES_OFFSET=fmt.scales_offset,
         IDS_OFFSET=fmt.ids_offset, WEIGHTS_OFFSET=fmt.weights_offset, FP8=fmt.fp8,
-        BLOCK_T=max(16, min(128, _pow2(num_tokens))), K_P2=_pow2(top_k), P_P2=_pow2(num_ranks),
-        BLOCK_H=_block_h(fmt.hidden, fmt.fp8),
+        BLOCK_T=max(16, min(128, _pow2(num_tokens))), K_P2=_pow2(top_k), P_P2=_pow2(num_ranks), BLOCK_H=block_h,
     )
 
 
@@ -170,33 +172,38 @@ def _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K: t
 def _expert_layout_kernel(recv_ptr, row_ptr, weight_ptr, pair_row_ptr, counts_ptr, num_real_ptr, first_expert,
                           num_local_experts, num_slots, TOP_K: tl.constexpr, ROW_BYTES: tl.constexpr,
                           IDS_OFFSET: tl.constexpr, WEIGHTS_OFFSET: tl.constexpr, E_P2: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, SCAN_N: tl.constexpr):
+    # Program i places pairs [i * BLOCK_N, (i + 1) * BLOCK_N). Every program first counts all pairs per
+    # expert (the experts' starts) and those before its chunk (its offset inside each expert): the
+    # keys are a few KB, read from L2 by every program, which beats a serial scan in one program.
+    chunk_start = tl.program_id(0) * BLOCK_N
     num_pairs = num_slots * TOP_K
     offs_e = tl.arange(0, E_P2)
     counts_E = tl.zeros([E_P2], dtype=tl.int32)
-    for n0 in range(0, num_pairs, BLOCK_N):
-        key = _pair_keys(recv_ptr, n0 + tl.arange(0, BLOCK_N), num_pairs, first_expert, num_local_experts,
-                         TOP_K, ROW_BYTES, IDS_OFFSET, E_P2)
-        counts_E += tl.sum((key[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-    start_E = tl.cumsum(counts_E, axis=0) - counts_E
-    tl.store(counts_ptr + offs_e, counts_E.to(tl.int64), mask=offs_e < num_local_experts)
-    tl.store(num_real_ptr, tl.sum(tl.where(offs_e == num_local_experts, start_E, 0)))
-    # Second pass: a pair's row is its expert's start + the earlier pairs of that expert (stable).
-    next_E = start_E
-    for n0 in range(0, num_pairs, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
+    before_E = tl.zeros([E_P2], dtype=tl.int32)
+    for n0 in range(0, num_pairs, SCAN_N):
+        n = n0 + tl.arange(0, SCAN_N)
         key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET,
                          E_P2)
         hot_NE = (key[:, None] == offs_e[None, :]).to(tl.int32)
-        row_N = tl.sum((tl.cumsum(hot_NE, axis=0) - 1 + next_E[None, :]) * hot_NE, axis=1)
-        next_E += tl.sum(hot_NE, axis=0)
-        valid = n < num_pairs
-        is_local = key < num_local_experts
-        w_ptr = (recv_ptr + (n // TOP_K).to(tl.int64) * ROW_BYTES + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32))
-        w_N = tl.load(w_ptr + n % TOP_K, mask=valid & is_local, other=0.0)
-        tl.store(pair_row_ptr + n, row_N.to(tl.int64), mask=valid)
-        tl.store(row_ptr + row_N, tl.where(is_local, n // TOP_K, num_slots).to(tl.int64), mask=valid)
-        tl.store(weight_ptr + row_N, w_N, mask=valid)
+        counts_E += tl.sum(hot_NE, axis=0)
+        before_E += tl.sum(tl.where((n < chunk_start)[:, None], hot_NE, 0), axis=0)
+    start_E = tl.cumsum(counts_E, axis=0) - counts_E
+    if chunk_start == 0:
+        tl.store(counts_ptr + offs_e, counts_E.to(tl.int64), mask=offs_e < num_local_experts)
+        tl.store(num_real_ptr, tl.sum(tl.where(offs_e == num_local_experts, start_E, 0)))
+    # A pair's row: its expert's start + the pairs of that expert before it (stable: slot order).
+    n = chunk_start + tl.arange(0, BLOCK_N)
+    key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, E_P2)
+    hot_NE = (key[:, None] == offs_e[None, :]).to(tl.int32)
+    row_N = tl.sum((tl.cumsum(hot_NE, axis=0) - 1 + (start_E + before_E)[None, :]) * hot_NE, axis=1)
+    valid = n < num_pairs
+    is_local = key < num_local_experts
+    w_ptr = (recv_ptr + (n // TOP_K).to(tl.int64) * ROW_BYTES + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32))
+    w_N = tl.load(w_ptr + n % TOP_K, mask=valid & is_local, other=0.0)
+    tl.store(pair_row_ptr + n, row_N.to(tl.int64), mask=valid)
+    tl.store(row_ptr + row_N, tl.where(is_local, n // TOP_K, num_slots).to(tl.int64), mask=valid)
+    tl.store(weight_ptr + row_N, w_N, mask=valid)
 
 
 def expert_layout(recv_SB: torch.Tensor, fmt, rank: int, num_local_experts: int) -> KernelLayout:
@@ -210,11 +217,11 @@ def expert_layout(recv_SB: torch.Tensor, fmt, rank: int, num_local_experts: int)
     counts_L = torch.empty(num_local_experts, dtype=torch.int64, device=device)
     num_real_1 = torch.empty(1, dtype=torch.int32, device=device)
     e_p2 = _pow2(num_local_experts + 1)
-    _expert_layout_kernel[(1,)](
+    block_n = 128
+    _expert_layout_kernel[(triton.cdiv(num_slots * top_k, block_n),)](
         recv_SB, row_R, weight_R, pair_row_SK, counts_L, num_real_1, rank * num_local_experts, num_local_experts,
         num_slots, TOP_K=top_k, ROW_BYTES=fmt.row_bytes, IDS_OFFSET=fmt.ids_offset,
-        WEIGHTS_OFFSET=fmt.weights_offset, E_P2=e_p2, BLOCK_N=max(16, min(1024, 8192 // e_p2)),
-        num_warps=8,
+        WEIGHTS_OFFSET=fmt.weights_offset, E_P2=e_p2, BLOCK_N=block_n, SCAN_N=max(16, min(1024, 8192 // e_p2)),
     )
     return KernelLayout(ExpertLayout(row_R=row_R, weight_R=weight_R, num_rows_per_expert_L=counts_L),
                         pair_row_SK, num_real_1)
@@ -260,6 +267,7 @@ def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, dst_ptr, c
                          TOP_K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr,
                          WEIGHTS_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr):
     s = tl.program_id(0)
+    h0 = tl.program_id(1) * BLOCK_H
     offs_k = tl.arange(0, K_P2)
     num_real = tl.load(num_real_ptr)
     row_K = tl.load(pair_row_ptr + s * TOP_K + offs_k, mask=offs_k < TOP_K, other=num_real)
@@ -270,11 +278,10 @@ def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, dst_ptr, c
         w_K = tl.load(w_ptr + offs_k, mask=is_local_K, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
         block = tl.load(dst_ptr + s // capacity).to(y_ptr.dtype)
         dst_row = block + (s % capacity).to(tl.int64) * HIDDEN
-        for h0 in range(0, HIDDEN, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            y_KH = tl.load(y_ptr + row_K[:, None] * HIDDEN + h[None, :],
-                           mask=is_local_K[:, None] & (h[None, :] < HIDDEN), other=0.0).to(tl.float32)
-            tl.store(dst_row + h, tl.sum(y_KH * w_K[:, None], axis=0).to(y_ptr.dtype.element_ty), mask=h < HIDDEN)
+        h = h0 + tl.arange(0, BLOCK_H)
+        y_KH = tl.load(y_ptr + row_K[:, None] * HIDDEN + h[None, :],
+                       mask=is_local_K[:, None] & (h[None, :] < HIDDEN), other=0.0).to(tl.float32)
+        tl.store(dst_row + h, tl.sum(y_KH * w_K[:, None], axis=0).to(y_ptr.dtype.element_ty), mask=h < HIDDEN)
 
 
 def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.Tensor, fmt, dst_P: torch.Tensor,
@@ -283,10 +290,10 @@ def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.
     ``dst_P[s // C]``. Slots with no local pair are not written (their sender never reads them)."""
     num_slots, top_k = fixed.pair_row_SK.shape
     hidden = expert_y_RH.shape[1]
-    _reduce_pairs_kernel[(num_slots,)](
+    block_h = min(_block_h(hidden, False), 8192 // _pow2(top_k))
+    _reduce_pairs_kernel[(num_slots, triton.cdiv(hidden, block_h))](
         expert_y_RH, fixed.pair_row_SK, fixed.num_real_1, recv_SB, dst_P, capacity, HIDDEN=hidden, TOP_K=top_k,
-        K_P2=_pow2(top_k), ROW_BYTES=fmt.row_bytes, WEIGHTS_OFFSET=fmt.weights_offset,
-        BLOCK_H=min(_block_h(hidden, False), 8192 // _pow2(top_k)),
+        K_P2=_pow2(top_k), ROW_BYTES=fmt.row_bytes, WEIGHTS_OFFSET=fmt.weights_offset, BLOCK_H=block_h,
     )
 
 
