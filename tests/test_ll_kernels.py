@@ -150,3 +150,16 @@ def _layer_rank(device):
 @interpreted
 def test_gloo_layer_with_fused_kernels_matches_local(ranks2):
     assert max(ranks2.run(_layer_rank)) < 1e-5
+
+
+@interpreted
+def test_pack_flags_out_of_range_ids():
+    # On CUDA the fused path asserts on these flags instead of checking the ids with torch ops.
+    fmt = RowFormat.make(16, 2, torch.float32, False)
+    ids = torch.tensor([[0, 3], [-1, 4], [-2, 1]])  # E = 4: token 1 has 4, token 2 has -2
+    dst_P = torch.zeros(4, fmt.row_bytes, dtype=torch.uint8)
+    slot_TP = torch.empty(3, 1, dtype=torch.int64)
+    ok = ll_kernels.pack_rows(torch.randn(3, 16), ids, torch.rand(3, 2),
+                              ll_kernels.Destinations.make(dst_P, [dst_P.data_ptr()]), slot_TP,
+                              fmt, num_local_experts=4, capacity=4)
+    assert ok.tolist() == [1, 0, 0, 1]  # row 3: no token, nothing to flag

@@ -19,9 +19,11 @@ of small torch ops of the reference path there, and produces the same bytes and 
                              into its destination block (a slot with no local pair returns at once).
               sum_returned   grid T: each token's P returned rows, summed in float32.
 
-Destinations are passed as ``dst_P``, an int64 tensor of P addresses (row 0 of the block for rank
-p), so one kernel serves every transport: the local send buffer's blocks (NCCL), the receive buffer
-itself (one rank, no collective), or the peers' symmetric receive buffers (NVLink writes).
+Destinations are ``Destinations``: where row 0 of the block for rank p lies, so one kernel serves
+every transport: the local send buffer's blocks (NCCL), the receive buffer itself (one rank, no
+collective), or the peers' symmetric receive buffers (NVLink writes). They are 16-byte offsets from
+a tensor argument rather than raw addresses: Triton then knows every row is 16-byte aligned and
+stores 16 bytes at a time (from a raw address it must assume 2, which over NVLink is ~10x slower).
 
 The kernels run under ``TRITON_INTERPRET=1`` on CPU tensors too; the tests use that to hold them to
 the torch reference without a GPU.
@@ -51,6 +53,24 @@ def _block_h(hidden: int, fp8: bool) -> int:
 
 
 @dataclass(frozen=True)
+class Destinations:
+    """P block addresses as ``anchor`` (a uint8 tensor, 16-byte aligned) plus ``offsets_P`` (int64,
+    device) in 16-byte units; all addresses must be 16-byte aligned."""
+
+    anchor: torch.Tensor
+    offsets_P: torch.Tensor
+
+    @classmethod
+    def make(cls, anchor: torch.Tensor, addresses: list[int]) -> "Destinations":
+        base = anchor.data_ptr()
+        if base % 16 or any(a % 16 for a in addresses):
+            raise ValueError(f"block addresses must be 16-byte aligned, got {[hex(a) for a in [base, *addresses]]}; "
+                             "rows are padded to 16 bytes, so check the hidden size and dtype")
+        offsets = [(a - base) // 16 for a in addresses]
+        return cls(anchor.view(torch.uint8), torch.tensor(offsets, dtype=torch.int64, device=anchor.device))
+
+
+@dataclass(frozen=True)
 class KernelLayout:
     """The receiver's layout as ``expert_layout`` leaves it: ``layout`` (as the torch path's),
     ``pair_row_SK`` int64 expert row of each (slot, k) pair (rows >= the real count belong to pairs
@@ -65,8 +85,8 @@ class KernelLayout:
 
 
 @triton.jit
-def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, dst_ptr, slot_ptr, num_tokens, num_local_experts, num_ranks,
-                      capacity, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ROW_BYTES: tl.constexpr,
+def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_ok_ptr, num_tokens, num_local_experts,
+                      num_ranks, capacity, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ROW_BYTES: tl.constexpr,
                       SCALES_OFFSET: tl.constexpr, IDS_OFFSET: tl.constexpr, WEIGHTS_OFFSET: tl.constexpr,
                       FP8: tl.constexpr, BLOCK_T: tl.constexpr, K_P2: tl.constexpr, P_P2: tl.constexpr,
                       BLOCK_H: tl.constexpr):
@@ -91,11 +111,16 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, dst_ptr, slot_ptr, num_tokens, num_
 
     num_slots = num_ranks * capacity
     if h0 == 0:
+        # Token c's ids in [-1, E): the caller asserts on these flags (no host read, one kernel less
+        # than checking the ids with torch ops).
+        ids_c = tl.load(ids_ptr + c * TOP_K + offs_k, mask=(offs_k < TOP_K) & (c < num_tokens), other=-1)
+        bad = (ids_c < -1) | (ids_c >= num_local_experts * num_ranks)
+        tl.store(ids_ok_ptr + c, 1 - tl.max(bad.to(tl.int32), axis=0))
         for p in range(0, num_ranks):
             is_p = offs_p == p
             row = tl.sum(tl.where(is_p, before_P, 0))
             sent = tl.sum(tl.where(is_p, mine_P, 0)) > 0
-            block = tl.load(dst_ptr + p).to(tl.pointer_type(tl.uint8))
+            block = anchor_ptr + tl.load(dst_ptr + p) * 16
             if c < num_tokens:
                 tl.store(slot_ptr + c * num_ranks + p, tl.where(sent, p * capacity + row, num_slots).to(tl.int64))
                 if sent:
@@ -127,7 +152,7 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, dst_ptr, slot_ptr, num_tokens, num_
         for p in range(0, num_ranks):
             is_p = offs_p == p
             if tl.sum(tl.where(is_p, mine_P, 0)) > 0:
-                block = tl.load(dst_ptr + p).to(tl.pointer_type(tl.uint8))
+                block = anchor_ptr + tl.load(dst_ptr + p) * 16
                 dst_row = block + tl.sum(tl.where(is_p, before_P, 0)).to(tl.int64) * ROW_BYTES
                 if FP8:
                     tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_GV, q_GV, mask=g_mask[:, None])
@@ -137,19 +162,24 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, dst_ptr, slot_ptr, num_tokens, num_
                     tl.store(dst_row.to(x_ptr.dtype) + h, x_H, mask=h < HIDDEN)
 
 
-def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, dst_P: torch.Tensor,
-              slot_TP: torch.Tensor, fmt, num_local_experts: int, capacity: int) -> None:
-    """Write every token's packed row into the blocks of ``dst_P`` (rank-deduplicated, token order)
-    and fill ``slot_TP`` [T, P] (slot ``p * C + row``, or S where the token sends nothing to p)."""
+def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, dst: Destinations,
+              slot_TP: torch.Tensor, fmt, num_local_experts: int, capacity: int) -> torch.Tensor:
+    """Write every token's packed row into the blocks of ``dst`` (rank-deduplicated, token order)
+    and fill ``slot_TP`` [T, P] (slot ``p * C + row``, or S where the token sends nothing to p).
+
+    Returns ``ids_ok_C`` int32 [C]: 0 where token c has an id outside [-1, E) (1 elsewhere); such a
+    token's rows go nowhere, so the caller must fail on it (a device-side assert)."""
+    ids_ok_C = torch.empty(capacity, dtype=torch.int32, device=x_TH.device)
     num_tokens, top_k = ids_TK.shape
-    num_ranks = dst_P.shape[0]
+    num_ranks = dst.offsets_P.shape[0]
     block_h = _block_h(fmt.hidden, fmt.fp8)
     _pack_rows_kernel[(capacity, triton.cdiv(fmt.hidden, block_h))](
-        x_TH, ids_TK, weights_TK, dst_P, slot_TP, num_tokens, num_local_experts, num_ranks, capacity,
+        x_TH, ids_TK, weights_TK, dst.anchor, dst.offsets_P, slot_TP, ids_ok_C, num_tokens, num_local_experts, num_ranks, capacity,
         HIDDEN=fmt.hidden, TOP_K=top_k, ROW_BYTES=fmt.row_bytes, SCALES_OFFSET=fmt.scales_offset,
         IDS_OFFSET=fmt.ids_offset, WEIGHTS_OFFSET=fmt.weights_offset, FP8=fmt.fp8,
         BLOCK_T=max(16, min(128, _pow2(num_tokens))), K_P2=_pow2(top_k), P_P2=_pow2(num_ranks), BLOCK_H=block_h,
     )
+    return ids_ok_C
 
 
 # ---- dispatch: receiver layout -----------------------------------------------------------------------
@@ -263,7 +293,7 @@ def gather_rows(recv_SB: torch.Tensor, fixed: KernelLayout, fmt) -> torch.Tensor
 
 
 @triton.jit
-def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, dst_ptr, capacity, HIDDEN: tl.constexpr,
+def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, anchor_ptr, dst_ptr, capacity, HIDDEN: tl.constexpr,
                          TOP_K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr,
                          WEIGHTS_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr):
     s = tl.program_id(0)
@@ -276,7 +306,7 @@ def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, dst_ptr, c
         w_ptr = (recv_ptr + s.to(tl.int64) * ROW_BYTES + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32))
         # As the torch path: the weights rounded to the activation dtype, the sum in float32.
         w_K = tl.load(w_ptr + offs_k, mask=is_local_K, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
-        block = tl.load(dst_ptr + s // capacity).to(y_ptr.dtype)
+        block = (anchor_ptr + tl.load(dst_ptr + s // capacity) * 16).to(y_ptr.dtype)
         dst_row = block + (s % capacity).to(tl.int64) * HIDDEN
         h = h0 + tl.arange(0, BLOCK_H)
         y_KH = tl.load(y_ptr + row_K[:, None] * HIDDEN + h[None, :],
@@ -284,15 +314,15 @@ def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, dst_ptr, c
         tl.store(dst_row + h, tl.sum(y_KH * w_K[:, None], axis=0).to(y_ptr.dtype.element_ty), mask=h < HIDDEN)
 
 
-def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.Tensor, fmt, dst_P: torch.Tensor,
+def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.Tensor, fmt, dst: Destinations,
                  capacity: int) -> None:
     """Each slot's weighted sum of its local experts' outputs, into row ``s % C`` of block
-    ``dst_P[s // C]``. Slots with no local pair are not written (their sender never reads them)."""
+    ``s // C`` of ``dst``. Slots with no local pair are not written (their sender never reads them)."""
     num_slots, top_k = fixed.pair_row_SK.shape
     hidden = expert_y_RH.shape[1]
     block_h = min(_block_h(hidden, False), 8192 // _pow2(top_k))
     _reduce_pairs_kernel[(num_slots, triton.cdiv(hidden, block_h))](
-        expert_y_RH, fixed.pair_row_SK, fixed.num_real_1, recv_SB, dst_P, capacity, HIDDEN=hidden, TOP_K=top_k,
+        expert_y_RH, fixed.pair_row_SK, fixed.num_real_1, recv_SB, dst.anchor, dst.offsets_P, capacity, HIDDEN=hidden, TOP_K=top_k,
         K_P2=_pow2(top_k), ROW_BYTES=fmt.row_bytes, WEIGHTS_OFFSET=fmt.weights_offset, BLOCK_H=block_h,
     )
 

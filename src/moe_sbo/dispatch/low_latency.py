@@ -257,9 +257,9 @@ class _Buffers:
     """One set of communication buffers, allocated once and reused by every forward that uses it.
 
     The receive buffers have one extra, never-written row of zeros (index S): the padding slot that
-    padding rows gather from. ``*_dst_P`` (int64 [P], device): where the fused kernels write the
-    block for rank p (the send buffer for NCCL, the receive buffer with no collective, the peer's
-    symmetric receive buffer for ``symm_mem``); ``*_barrier``: the symmetric-memory handle whose
+    padding rows gather from. ``*_dst``: where the fused kernels write the block for rank p (the
+    send buffer for NCCL, the receive buffer with no collective, the peer's symmetric receive
+    buffer for ``symm_mem``); ``*_barrier``: the symmetric-memory handle whose
     barrier completes the phase (``symm_mem`` only).
     """
 
@@ -267,8 +267,8 @@ class _Buffers:
     dispatch_recv_SB: torch.Tensor  # [S + 1, B]
     combine_send_SH: torch.Tensor
     combine_recv_SH: torch.Tensor  # [S + 1, H]
-    dispatch_dst_P: torch.Tensor
-    combine_dst_P: torch.Tensor
+    dispatch_dst: "ll_kernels.Destinations | None"
+    combine_dst: "ll_kernels.Destinations | None"
     dispatch_barrier: object = field(default=None, compare=False)
     combine_barrier: object = field(default=None, compare=False)
 
@@ -423,6 +423,8 @@ class LowLatencyDispatcher(Dispatcher):
         drop); on CPU there is no device, so a plain check raises ``ValueError`` here."""
         if not ids_TK.numel():
             return
+        if ids_TK.device.type == "cuda" and self.uses_triton(ids_TK.device):
+            return  # the pack kernel checks every id it reads; _launch_dispatch asserts on its flags
         in_range = ((ids_TK >= -1) & (ids_TK < self.num_experts)).all()
         if ids_TK.device.type != "cpu":
             torch._assert_async(in_range, f"topk_ids must lie in [-1, {self.num_experts})")
@@ -476,9 +478,11 @@ class LowLatencyDispatcher(Dispatcher):
             d_base, c_base = ((dispatch_send, combine_send) if self._collective else (dispatch_recv, combine_recv))
             dispatch_dst = [d_base.data_ptr() + p * c * fmt.row_bytes for p in range(self.ep.size)]
             combine_dst = [c_base.data_ptr() + p * c * hidden * dtype.itemsize for p in range(self.ep.size)]
+        if ll_kernels is None:
+            return _Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv, None, None, *handles)
         return _Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv,
-                        torch.tensor(dispatch_dst, dtype=torch.int64, device=device),
-                        torch.tensor(combine_dst, dtype=torch.int64, device=device), *handles)
+                        ll_kernels.Destinations.make(dispatch_recv, dispatch_dst),
+                        ll_kernels.Destinations.make(combine_recv, combine_dst), *handles)
 
     def _check_round(self, generation: int) -> None:
         if self._rounds - generation > self.num_buffers:
@@ -513,8 +517,11 @@ class LowLatencyDispatcher(Dispatcher):
         fused = self.uses_triton(x_TH.device)
         if fused:
             slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
-            ll_kernels.pack_rows(x_TH.contiguous(), ids_TK.contiguous(), inp.topk_weights_TK.float().contiguous(),
-                                 bufs.dispatch_dst_P, slot_TP, fmt, self.num_local_experts, self.capacity)
+            ids_ok_C = ll_kernels.pack_rows(x_TH.contiguous(), ids_TK.contiguous(),
+                                            inp.topk_weights_TK.float().contiguous(), bufs.dispatch_dst, slot_TP,
+                                            fmt, self.num_local_experts, self.capacity)
+            if x_TH.device.type == "cuda":
+                torch._assert_async(ids_ok_C.amin(), f"topk_ids must lie in [-1, {self.num_experts})")
         else:
             plan = plan_send(ids_TK, self.num_local_experts, self.ep.size, self.capacity)
             rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
@@ -554,7 +561,7 @@ class LowLatencyDispatcher(Dispatcher):
         if fused:
             fmt = RowFormat.make(handle.hidden_size, handle.fixed.pair_row_SK.shape[1], handle.dtype, self.fp8)
             ll_kernels.reduce_pairs(inp.expert_y_RH.contiguous(), handle.fixed, bufs.dispatch_recv_SB, fmt,
-                                    bufs.combine_dst_P, self.capacity)
+                                    bufs.combine_dst, self.capacity)
         else:
             bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
         works = self._exchange(bufs.combine_recv_SH[:self.num_slots], bufs.combine_send_SH, fused,
