@@ -37,8 +37,8 @@ def _ranks():
     return LocalRanks(torch.cuda.device_count(), device="cuda")
 
 
-# (kernels, transport): every path a GPU user can pick; symmetric memory needs a peer.
-PATHS = [("triton", "nccl"), ("torch", "nccl"),
+# (kernels, transport): every path a GPU user can pick, the default first; symmetric memory needs a peer.
+PATHS = [("auto", "auto"), ("triton", "nccl"), ("torch", "nccl"),
          pytest.param("triton", "symm_mem", marks=pytest.mark.skipif(
              torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"))]
 
@@ -59,14 +59,17 @@ def _sync_free_rank(device, capacity, kernels, transport):
             outputs = [layer(x), layer(x[: capacity // 2 + rank]), layer(x[:0])]
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return [tuple(y.shape) for y in outputs], bool(outputs[0].isfinite().all())
+    resolved = (layer.dispatcher.uses_triton(device), layer.dispatcher.transport_for(device))
+    return [tuple(y.shape) for y in outputs], bool(outputs[0].isfinite().all()), resolved
 
 
 @pytest.mark.parametrize("kernels, transport", PATHS)
 def test_forward_has_no_device_to_host_sync(kernels, transport):
     with _ranks() as ranks:
-        for shapes, finite in ranks.run(_sync_free_rank, 32, kernels, transport):
+        for shapes, finite, (fused, resolved) in ranks.run(_sync_free_rank, 32, kernels, transport):
             assert finite and shapes[0] == (32, 256) and shapes[2] == (0, 256)
+            if transport == "auto":  # the default: fused kernels, symmetric memory from 2 GPUs on
+                assert fused and resolved == ("symm_mem" if torch.cuda.device_count() > 1 else "nccl")
 
 
 def _graph_rank(device, preset, capacity, fp8, real_tokens, kernels, transport):

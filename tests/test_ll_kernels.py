@@ -99,7 +99,9 @@ def test_fused_kernels_refuse_cpu_without_the_interpreter(monkeypatch):
     d = LowLatencyDispatcher(8, EPGroup(), max_tokens_per_rank=4, kernels="triton")
     with torch.inference_mode(), pytest.raises(ValueError, match="kernels='triton' needs CUDA tensors"):
         d.dispatch(torch.randn(2, 16), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2))
-    assert not LowLatencyDispatcher(8, EPGroup(), kernels="auto").uses_triton(torch.device("cpu"))
+    default = LowLatencyDispatcher(8, EPGroup())
+    assert not default.uses_triton(torch.device("cpu"))
+    assert default.transport_for(torch.device("cpu")) == "nccl"  # auto: symmetric memory only on CUDA, EP > 1
     with pytest.raises(ValueError, match="transport='symm_mem' writes into the peers' buffers"):
         LowLatencyDispatcher(8, EPGroup(), kernels="torch", transport="symm_mem")
     with pytest.raises(ValueError, match="transport must be one of"):

@@ -49,6 +49,7 @@ class AllGatherDispatcher(Dispatcher):
     """Gather all tokens everywhere; reduce-scatter the partial sums back."""
 
     name = "allgather"
+    checks_ids_in_count_exchange = True
 
     def _announce_rejected_input(self) -> None:
         if self.ep.size > 1:  # the token/pair count all-gather of _launch_dispatch, every count REJECTED
@@ -60,13 +61,15 @@ class AllGatherDispatcher(Dispatcher):
         num_tokens, hidden = x_TH.shape
         # Each rank shares its T and how many of its (token, expert) pairs each rank owns, so every
         # rank learns the chunk size and its own pair count R without reading the payload.
-        owner_TK = torch.div(inp.topk_ids_TK.long(), self.num_local_experts, rounding_mode="floor")
+        # The id check rides on this exchange: a rank with a bad id sends REJECTED, no extra host read.
+        ids_ok, owner_TK = self._ids_in_range(inp.topk_ids_TK)
         my_counts = torch.cat([torch.full((1,), num_tokens, device=x_TH.device, dtype=torch.int64),
                                count_per_key(owner_TK.reshape(-1), ep.size)])
+        my_counts = torch.where(ids_ok, my_counts, REJECTED)
         counts_P1P = my_counts.new_empty(ep.size, 1 + ep.size)
         _all_gather_single(counts_P1P, my_counts[None], group=ep.group)
         counts = counts_P1P.tolist()
-        self._raise_if_rejected([r for r, row in enumerate(counts) if row[0] == REJECTED])
+        self._raise_if_rejected([r for r, row in enumerate(counts) if row[0] == REJECTED], inp.topk_ids_TK)
         tokens_per_rank = tuple(row[0] for row in counts)
         num_pairs = sum(row[1 + ep.rank] for row in counts)
         padded = max(tokens_per_rank)

@@ -61,6 +61,7 @@ class AllToAllDispatcher(Dispatcher):
     """Rank-deduplicated token rows over ``all_to_all_single`` with variable splits."""
 
     name = "alltoall"
+    checks_ids_in_count_exchange = True
 
     def _announce_rejected_input(self) -> None:
         if self.ep.size > 1:  # the row/pair count exchange of _launch_dispatch, every count REJECTED
@@ -70,17 +71,18 @@ class AllToAllDispatcher(Dispatcher):
     def _launch_dispatch(self, inp: DispatchInput) -> Pending:
         x_TH, ids_TK, ep = inp.x_TH, inp.topk_ids_TK.long(), self.ep
         num_tokens, hidden = x_TH.shape
-        owner_TK = torch.div(ids_TK, self.num_local_experts, rounding_mode="floor")
+        # The id check rides on the count exchange: a rank with a bad id sends REJECTED counts.
+        ids_ok, owner_TK = self._ids_in_range(ids_TK)
         is_sent_TP = torch.zeros(num_tokens, ep.size, dtype=torch.bool, device=x_TH.device)
         is_sent_TP.scatter_(1, owner_TK, True)
         # Counts per destination: rows, then (row, expert) pairs. Knowing the pairs it will receive
         # lets the receiver lay rows out by expert without reading the payload on the host.
         pairs_P = count_per_key(owner_TK.reshape(-1), ep.size)
-        send_counts_P2 = torch.stack([is_sent_TP.sum(dim=0), pairs_P], dim=1)
+        send_counts_P2 = torch.where(ids_ok, torch.stack([is_sent_TP.sum(dim=0), pairs_P], dim=1), REJECTED)
         recv_counts_P2 = torch.empty_like(send_counts_P2)
         dist.all_to_all_single(recv_counts_P2, send_counts_P2, group=ep.group)
         counts = torch.cat([send_counts_P2[:, 0], recv_counts_P2.t().reshape(-1)]).tolist()  # one sync
-        self._raise_if_rejected([r for r in range(ep.size) if counts[ep.size + r] == REJECTED])
+        self._raise_if_rejected([r for r in range(ep.size) if counts[ep.size + r] == REJECTED], ids_TK)
         send_counts = tuple(counts[:ep.size])
         recv_counts = tuple(counts[ep.size:2 * ep.size])
         num_pairs = sum(counts[2 * ep.size:])

@@ -134,6 +134,8 @@ class Dispatcher:
     name: ClassVar[str] = "base"
     # Whether a whole forward can be captured in a CUDA graph (fixed shapes, no host reads).
     graph_capturable: ClassVar[bool] = False
+    # At EP > 1 the scheme's count exchange carries the expert-id check (see ``_ids_in_range``).
+    checks_ids_in_count_exchange: ClassVar[bool] = False
 
     def __init__(self, num_experts: int, ep: EPGroup):
         if num_experts % ep.size:
@@ -244,8 +246,11 @@ class Dispatcher:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _raise_if_rejected(self, rejected_ranks: list[int]) -> None:
-        """After the count exchange: raise if any rank sent the "rejected" sentinel."""
+    def _raise_if_rejected(self, rejected_ranks: list[int], ids_TK: torch.Tensor | None = None) -> None:
+        """After the count exchange: raise if any rank sent the "rejected" sentinel; this rank's own
+        rejection (bad ``ids_TK``, checked inside the exchange) raises the named id-range error."""
+        if self.ep.rank in rejected_ranks and ids_TK is not None:
+            self._raise_bad_ids(int(ids_TK.min()), int(ids_TK.max()))
         if rejected_ranks:
             raise ValueError(
                 f"rank(s) {rejected_ranks} rejected their dispatch input (their own error names the "
@@ -287,14 +292,29 @@ class Dispatcher:
         self._check_topk_ids(ids)
 
     def _check_topk_ids(self, ids_TK: torch.Tensor) -> None:
-        """Ids in ``[0, E)``. One host read of the id range; schemes that must not sync override this."""
+        """Ids in ``[0, E)``. One host read of the id range; schemes that must not sync override this,
+        and schemes with a count exchange check inside it instead (no read of its own)."""
+        if self.checks_ids_in_count_exchange and self.ep.size > 1:
+            return
         if ids_TK.numel():
             lo, hi = torch.stack([ids_TK.min(), ids_TK.max()]).tolist()  # one host sync for both
             if lo < 0 or hi >= self.num_experts:
-                raise ValueError(
-                    f"topk_ids must lie in [0, {self.num_experts}), got values in [{lo}, {hi}]; "
-                    "the router and the dispatcher disagree on the expert count"
-                )
+                self._raise_bad_ids(lo, hi)
+
+    def _raise_bad_ids(self, lo: int, hi: int) -> None:
+        raise ValueError(
+            f"topk_ids must lie in [0, {self.num_experts}), got values in [{lo}, {hi}]; "
+            "the router and the dispatcher disagree on the expert count"
+        )
+
+    def _ids_in_range(self, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a count exchange that carries the id check: (``ok``, a 0-dim bool on the device: all ids
+        in ``[0, E)``; ``owner_TK``: each id's rank, 0 where the id is bad so counting stays in range).
+        The scheme sends ``REJECTED`` instead of its counts when ``ok`` is false, and after the
+        exchange's one host read ``_raise_if_rejected`` names the problem on every rank."""
+        valid_TK = (ids_TK >= 0) & (ids_TK < self.num_experts)
+        owner_TK = torch.div(ids_TK.long(), self.num_local_experts, rounding_mode="floor")
+        return valid_TK.all(), torch.where(valid_TK, owner_TK, 0)
 
     def _check_combine_input(self, inp: CombineInput) -> None:
         expected = (inp.handle.layout.row_R.shape[0], inp.handle.hidden_size)

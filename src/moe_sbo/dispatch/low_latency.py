@@ -306,7 +306,7 @@ class _InFlightDispatch:
 
 
 KERNELS = ("auto", "triton", "torch")
-TRANSPORTS = ("nccl", "symm_mem")
+TRANSPORTS = ("auto", "nccl", "symm_mem")
 
 
 def _interpreting_triton() -> bool:
@@ -333,7 +333,9 @@ class LowLatencyDispatcher(Dispatcher):
     ``transport``: ``"nccl"`` a fixed-size ``all_to_all_single`` per phase (portable, capturable;
     gloo on CPU); ``"symm_mem"`` PyTorch symmetric memory: the fused kernels write each block
     straight into the peer's receive buffer over NVLink and the phase ends with a symmetric-memory
-    barrier (CUDA and ``kernels="triton"`` only; buffers are rendezvoused on the first forward).
+    barrier (CUDA and ``kernels="triton"`` only; buffers are rendezvoused on the first forward);
+    ``"auto"`` (default) ``symm_mem`` where it can run (CUDA, fused kernels, EP > 1: the faster one
+    on 2x H200, docs/BENCHMARKS.md), ``nccl`` elsewhere.
 
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
@@ -348,7 +350,7 @@ class LowLatencyDispatcher(Dispatcher):
     graph_capturable = True  # a fact of the scheme (fixed shapes, no host read), not a knob
 
     def __init__(self, num_experts: int, ep: EPGroup, *, max_tokens_per_rank: int = 128, fp8: bool = False,
-                 num_buffers: int = 2, kernels: str = "auto", transport: str = "nccl"):
+                 num_buffers: int = 2, kernels: str = "auto", transport: str = "auto"):
         super().__init__(num_experts, ep)
         for option, value in (("max_tokens_per_rank", max_tokens_per_rank), ("num_buffers", num_buffers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -384,6 +386,13 @@ class LowLatencyDispatcher(Dispatcher):
             return False
         return device.type == "cuda" or (self.kernels == "triton" and _interpreting_triton())
 
+    def transport_for(self, device: torch.device) -> str:
+        """The transport a forward on ``device`` uses (``"auto"`` resolved; the same on every rank)."""
+        if self.transport != "auto":
+            return self.transport
+        usable = device.type == "cuda" and self.uses_triton(device) and self._collective and self.ep.size > 1
+        return "symm_mem" if usable else "nccl"
+
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
         super()._check_dispatch_input(inp)
         if torch.is_grad_enabled():
@@ -410,7 +419,7 @@ class LowLatencyDispatcher(Dispatcher):
                 f"kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU interpreter), got x on "
                 f"{device}; use kernels='auto' or 'torch' here"
             )
-        if self.transport == "symm_mem" and (device.type != "cuda" or not self._collective):
+        if self.transport_for(device) == "symm_mem" and (device.type != "cuda" or not self._collective):
             raise ValueError(
                 "transport='symm_mem' needs CUDA tensors and an initialised NCCL process group (it writes into "
                 f"the peers' GPU buffers), got x on {device}"
@@ -454,7 +463,7 @@ class LowLatencyDispatcher(Dispatcher):
         dispatch_send = torch.zeros(s, fmt.row_bytes, dtype=torch.uint8, device=device)
         combine_send = torch.zeros(s, hidden, dtype=dtype, device=device)
         handles = (None, None)
-        if self.transport == "symm_mem":
+        if self.transport_for(device) == "symm_mem":
             import torch.distributed._symmetric_memory as symm_mem
 
             recvs, handles = [], []
@@ -497,7 +506,7 @@ class LowLatencyDispatcher(Dispatcher):
         """Start the fixed-size transfer of ``send`` into ``recv`` (works to wait on). With the fused
         kernels the blocks are already in place for ``symm_mem`` (a barrier remains) and without a
         collective (nothing remains); otherwise an all-to-all, or a local copy."""
-        if fused and self.transport == "symm_mem":
+        if fused and barrier is not None:  # symm_mem: the kernel wrote into the peers' buffers
             return [_SymmBarrier(barrier)]
         if not self._collective:
             if not fused:
