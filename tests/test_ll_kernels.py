@@ -155,6 +155,13 @@ def test_gloo_layer_with_fused_kernels_matches_local(ranks2):
 
 
 @interpreted
+def test_fused_kernels_refuse_rows_not_a_multiple_of_16_bytes():
+    d = LowLatencyDispatcher(8, EPGroup(), max_tokens_per_rank=4, kernels="triton")
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"multiple of 16 bytes, got H = 10 x 4.*kernels='torch'"):
+        d.dispatch(torch.randn(2, 10), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2))
+
+
+@interpreted
 def test_pack_flags_out_of_range_ids():
     # On CUDA the fused path asserts on these flags instead of checking the ids with torch ops.
     fmt = RowFormat.make(16, 2, torch.float32, False)

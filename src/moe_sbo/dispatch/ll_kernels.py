@@ -1,22 +1,26 @@
-"""Fused Triton kernels of the ``low_latency`` dispatcher: five launches per forward, not ~35.
+"""Fused Triton kernels of the ``low_latency`` dispatcher: five kernels per forward, not ~35 torch ops
+(plus the two small ones of the id assert).
 
 Same legend and wire format as ``low_latency.py`` (T tokens, C capacity, P ranks, S = P * C slots,
 K top-k, L local experts, H hidden, B row bytes, R = S * K expert rows). Each kernel replaces a chain
 of small torch ops of the reference path there, and produces the same bytes and indices::
 
-    dispatch  pack_rows      grid C x H / 1024: program (c, j) counts, from all T x K ids, the earlier tokens going to
-                             each rank (token c's row in that block), writes token c's packed row
-                             (slice j of x or fp8 x + scales; j = 0: ids, weights) into every
-                             block it goes to; j = 0 marks row c of every block holding <= c
+    dispatch  pack_rows      grid C x H/1024: program (c, j) counts, from all T x K ids, the
+                             earlier tokens going to each rank (token c's row in that block) and
+                             writes slice j of token c's packed row (x, or fp8 x and its scales)
+                             into every block it goes to; j = 0 also writes the ids and weights,
+                             flags ids out of range, and marks row c of every block holding <= c
                              tokens as padding (ids -1).
-              [transport]    NCCL all_to_all_single of the blocks, or nothing: with symmetric memory
-                             the blocks were written straight into the peers' receive buffers.
-              expert_layout  grid S x K / 128: stable counting sort of the S x K received (slot, k)
-                             pairs by local expert (real pairs first), per-expert counts, on the device.
-              gather_rows    grid R: copies (dequantises) real expert row i; rows past the real count
-                             return at once, so the padding tail costs a launch, not a copy.
-    combine   reduce_pairs   grid S x H / 1024: each slot's weighted sum over its local experts' outputs, written
-                             into its destination block (a slot with no local pair returns at once).
+              [transport]    NCCL all_to_all_single of the blocks, or nothing: with symmetric
+                             memory the blocks were written straight into the peers' buffers.
+              expert_layout  grid S x K/128: stable counting sort of the S x K received (slot, k)
+                             pairs by local expert (real pairs first), per-expert counts, on the
+                             device.
+              gather_rows    grid R: copies (dequantises) real expert row i; rows past the real
+                             count return at once, so the padding tail costs a launch, not a copy.
+    combine   reduce_pairs   grid S x H/1024: each slot's weighted sum over its local experts'
+                             outputs, written into its destination block (a slot with no local
+                             pair returns at once: its sender never reads it).
               sum_returned   grid T: each token's P returned rows, summed in float32.
 
 Destinations are ``Destinations``: where row 0 of the block for rank p lies, so one kernel serves
@@ -174,8 +178,8 @@ def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
     num_ranks = dst.offsets_P.shape[0]
     block_h = _block_h(fmt.hidden, fmt.fp8)
     _pack_rows_kernel[(capacity, triton.cdiv(fmt.hidden, block_h))](
-        x_TH, ids_TK, weights_TK, dst.anchor, dst.offsets_P, slot_TP, ids_ok_C, num_tokens, num_local_experts, num_ranks, capacity,
-        HIDDEN=fmt.hidden, TOP_K=top_k, ROW_BYTES=fmt.row_bytes, SCALES_OFFSET=fmt.scales_offset,
+        x_TH, ids_TK, weights_TK, dst.anchor, dst.offsets_P, slot_TP, ids_ok_C, num_tokens, num_local_experts,
+        num_ranks, capacity, HIDDEN=fmt.hidden, TOP_K=top_k, ROW_BYTES=fmt.row_bytes, SCALES_OFFSET=fmt.scales_offset,
         IDS_OFFSET=fmt.ids_offset, WEIGHTS_OFFSET=fmt.weights_offset, FP8=fmt.fp8,
         BLOCK_T=max(16, min(128, _pow2(num_tokens))), K_P2=_pow2(top_k), P_P2=_pow2(num_ranks), BLOCK_H=block_h,
     )
@@ -293,8 +297,8 @@ def gather_rows(recv_SB: torch.Tensor, fixed: KernelLayout, fmt) -> torch.Tensor
 
 
 @triton.jit
-def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, anchor_ptr, dst_ptr, capacity, HIDDEN: tl.constexpr,
-                         TOP_K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr,
+def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, anchor_ptr, dst_ptr, capacity,
+                         HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr,
                          WEIGHTS_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr):
     s = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
@@ -322,8 +326,9 @@ def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.
     hidden = expert_y_RH.shape[1]
     block_h = min(_block_h(hidden, False), 8192 // _pow2(top_k))
     _reduce_pairs_kernel[(num_slots, triton.cdiv(hidden, block_h))](
-        expert_y_RH, fixed.pair_row_SK, fixed.num_real_1, recv_SB, dst.anchor, dst.offsets_P, capacity, HIDDEN=hidden, TOP_K=top_k,
-        K_P2=_pow2(top_k), ROW_BYTES=fmt.row_bytes, WEIGHTS_OFFSET=fmt.weights_offset, BLOCK_H=block_h,
+        expert_y_RH, fixed.pair_row_SK, fixed.num_real_1, recv_SB, dst.anchor, dst.offsets_P, capacity,
+        HIDDEN=hidden, TOP_K=top_k, K_P2=_pow2(top_k), ROW_BYTES=fmt.row_bytes, WEIGHTS_OFFSET=fmt.weights_offset,
+        BLOCK_H=block_h,
     )
 
 

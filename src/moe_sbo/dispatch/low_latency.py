@@ -5,7 +5,9 @@ Legend: T tokens on this rank (T <= C), C ``max_tokens_per_rank`` (the capacity)
 slots, K top-k, L local experts, H hidden, G = H / 128 fp8 scale groups, B bytes of one packed row,
 R = S * K expert rows (fixed: every (slot, k) pair has one, real ones first).
 
-Wire format: one ``all_to_all_single`` of fixed size per phase::
+Wire format: one fixed-size block per (rank, peer) and phase, moved by one ``all_to_all_single``
+(``transport="nccl"``) or written by the packing kernel straight into the peer's symmetric-memory
+receive buffer (``"symm_mem"``, the CUDA default from two GPUs)::
 
     dispatch  send [P, C, B] uint8. Block p holds, in its first rows, each token with at least one
               expert on rank p, once (rank-deduplicated), in token order; the rest of the block is
@@ -25,9 +27,9 @@ computes only rows below the last offset, so the padding tail costs a gather but
 The alternative, a padded ``[L, S, H]`` layout with counts = S per expert, would make the GEMM run
 on L * S rows (L times the real work at decode, all of it padding); we take the gather instead. The
 padding rows' expert outputs are undefined (grouped GEMM leaves them unwritten), so combine masks
-them rather than multiplying by a zero weight (0 * NaN is NaN). The price: the receiver's gather and
-combine's reduction still touch all R rows, about P times the real ones under balanced routing; a
-kernel that reads the device counts could skip them, the first thing to fuse if the benchmark asks.
+them rather than multiplying by a zero weight (0 * NaN is NaN). On the torch path the receiver's
+gather and combine's reduction still touch all R rows, about P times the real ones under balanced
+routing; the fused kernels (``ll_kernels.py``, the CUDA default) read the device count and skip them.
 
 Ids may be -1: "no expert" (a padding token; ``mask_padding_tokens`` makes a capacity-sized input
 whose real count is a device tensor). Other out-of-range ids are checked without a host read: a
@@ -36,6 +38,7 @@ device-side assert on CUDA (loud and fatal, never a silent drop), a plain check 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -313,6 +316,18 @@ def _interpreting_triton() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache  # asked on every forward; the answer is fixed for the process
+def _peers_reachable(ep_size: int) -> bool:
+    """Whether an EP group of ``ep_size`` can be one node's GPUs with peer access between them all
+    (symmetric memory maps the peers' buffers): the group fits this node (torchrun's
+    ``LOCAL_WORLD_SIZE`` when set) and every pair of local GPUs has peer access. The same answer on
+    every rank of a node, so ``transport="auto"`` resolves alike everywhere."""
+    num_gpus = torch.cuda.device_count()
+    if ep_size > num_gpus or int(os.environ.get("LOCAL_WORLD_SIZE", ep_size)) < ep_size:
+        return False
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(num_gpus) for b in range(num_gpus) if a != b)
+
+
 @register_dispatcher
 class LowLatencyDispatcher(Dispatcher):
     """Fixed-capacity dispatch and combine, one fixed-size transfer each way.
@@ -334,8 +349,8 @@ class LowLatencyDispatcher(Dispatcher):
     gloo on CPU); ``"symm_mem"`` PyTorch symmetric memory: the fused kernels write each block
     straight into the peer's receive buffer over NVLink and the phase ends with a symmetric-memory
     barrier (CUDA and ``kernels="triton"`` only; buffers are rendezvoused on the first forward);
-    ``"auto"`` (default) ``symm_mem`` where it can run (CUDA, fused kernels, EP > 1: the faster one
-    on 2x H200, docs/BENCHMARKS.md), ``nccl`` elsewhere.
+    ``"auto"`` (default) ``symm_mem`` where it can run (CUDA, fused kernels, EP > 1 within one node
+    whose GPUs reach each other: the faster one on 2x H200, docs/BENCHMARKS.md), ``nccl`` elsewhere.
 
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
@@ -391,7 +406,7 @@ class LowLatencyDispatcher(Dispatcher):
         if self.transport != "auto":
             return self.transport
         usable = device.type == "cuda" and self.uses_triton(device) and self._collective and self.ep.size > 1
-        return "symm_mem" if usable else "nccl"
+        return "symm_mem" if usable and _peers_reachable(self.ep.size) else "nccl"
 
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
         super()._check_dispatch_input(inp)
@@ -414,6 +429,11 @@ class LowLatencyDispatcher(Dispatcher):
                 f"values), got H = {hidden}; use fp8=False for this model"
             )
         device = inp.x_TH.device
+        if self.uses_triton(device) and hidden * inp.x_TH.element_size() % 16:
+            raise ValueError(
+                f"the fused low_latency kernels need rows of a multiple of 16 bytes, got H = {hidden} x "
+                f"{inp.x_TH.element_size()} bytes; use kernels='torch' for this model"
+            )
         if self.kernels == "triton" and device.type != "cuda" and not _interpreting_triton():
             raise ValueError(
                 f"kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU interpreter), got x on "
