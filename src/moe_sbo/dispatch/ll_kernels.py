@@ -117,7 +117,8 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_
     if h0 == 0:
         # Token c's ids in [-1, E): the caller asserts on these flags (no host read, one kernel less
         # than checking the ids with torch ops).
-        ids_c = tl.load(ids_ptr + c * TOP_K + offs_k, mask=(offs_k < TOP_K) & (c < num_tokens), other=-1)
+        num_ids = tl.where(c < num_tokens, TOP_K, 0)  # a bound, not a scalar in the mask: one dtype
+        ids_c = tl.load(ids_ptr + c * TOP_K + offs_k, mask=offs_k < num_ids, other=-1)
         bad = (ids_c < -1) | (ids_c >= num_local_experts * num_ranks)
         tl.store(ids_ok_ptr + c, 1 - tl.max(bad.to(tl.int32), axis=0))
         for p in range(0, num_ranks):
