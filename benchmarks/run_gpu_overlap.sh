@@ -21,7 +21,14 @@ for part in $PARTS; do
       # shellcheck disable=SC2086
       python3 -m moe_sbo.cli bench --dispatcher $DISP --experts $EXPERTS --tokens $TOKENS \
         --out "$OUT_DIR/sbo_$TAG.json" --timeline "$OUT_DIR/sbo_timeline_$TAG.png" --timeline-tokens 4096 \
-        ${TRACE:+--trace "$OUT_DIR/sbo_trace_$TAG"} 2>&1 | tee "$OUT_DIR/sbo_$TAG.log" | tail -60 ;;
+        ${TRACE:+--trace "$OUT_DIR/sbo_trace_$TAG"} 2>&1 | tee "$OUT_DIR/sbo_$TAG.log" | tail -60
+      if [ "$GPUS" -ge 2 ]; then
+        # low_latency's default transport there is symmetric memory, whose dispatch transfer is the
+        # packing kernel on the compute stream; the same decode sweep over NCCL shows what SBO gains with each.
+        # shellcheck disable=SC2086
+        python3 -m moe_sbo.cli bench --dispatcher low_latency --transport nccl --experts $EXPERTS --tokens 128 512 \
+          --out "$OUT_DIR/sbo_${TAG}_ll_nccl.json" 2>&1 | tail -30
+      fi ;;
     tbo)
       if [ "$GPUS" -ge 2 ]; then DISP="alltoall low_latency"; else DISP="low_latency"; fi
       # shellcheck disable=SC2086

@@ -36,6 +36,8 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
             assert row["speedup_vs_none"] == 1.0 and row["efficiency"] == 0.0
         if row["overlap"] == "auto":
             assert all(choice in OVERLAP_MODES for choice in row["auto_choice"])
+        # --transport reaches the dispatcher that has one (auto: NCCL/gloo on CPU); the others say None.
+        assert row["transport"] == ("auto" if row["dispatcher"] == "low_latency" else None)
     assert result["meta"]["world_size"] == 2
     assert png.stat().st_size > 10_000
     spans = load_spans(png.with_suffix(".spans.json"))
@@ -50,6 +52,7 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
     (["--dispatcher", "deepep"], "--dispatcher must be among"),
     (["--ranks", "3"], "divisible by the EP size"),
     (["--tokens", "0"], "--tokens, --prefill-tokens and --decode-seqs must be >= 1"),
+    (["--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
 ])
 def test_bench_bad_input_exits_2(argv, message, capsys):
     assert main(["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", *argv]) == 2

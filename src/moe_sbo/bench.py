@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .attention import AttentionConfig
 from .config import PRESETS, get_preset
-from .dispatch import DISPATCHERS, options_for_tokens
+from .dispatch import DISPATCHERS, dispatcher_option_names, options_for_tokens
 from .layer import MoELayer
 from .overlap import OVERLAP_MODES, AutoOverlap, make_overlap
 from .overlap.sbo import bucket_of
@@ -67,9 +67,23 @@ def cached(key: tuple, make: Callable[[], object], device: torch.device):
     return _CACHED[key]
 
 
+def dispatcher_options(spec: dict, tokens: int) -> dict:
+    """Options for ``spec``'s dispatcher: its capacity sized for ``tokens`` and ``--transport``, where
+    the dispatcher takes them (``low_latency``)."""
+    options = options_for_tokens(spec["dispatcher"], tokens)
+    if "transport" in dispatcher_option_names(spec["dispatcher"]):
+        options["transport"] = spec["transport"]
+    return options
+
+
+def transport_label(spec: dict) -> str | None:
+    """The row's ``transport``: what ``--transport`` asked of a dispatcher that takes one, else None."""
+    return spec["transport"] if "transport" in dispatcher_option_names(spec["dispatcher"]) else None
+
+
 def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
     """The rank's layer for ``spec`` (its capacity sized for ``tokens`` where the dispatcher has one)."""
-    options = options_for_tokens(spec["dispatcher"], tokens)
+    options = dispatcher_options(spec, tokens)
     key = ("moe", spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
            tuple(sorted(options.items())))
     return cached(key, lambda: MoELayer(_cfg(spec["preset"], spec["num_experts"]), dispatcher=spec["dispatcher"],
@@ -133,8 +147,8 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         first = rank_rows[0]
         row = {"bench": "sbo", "preset": spec["preset"], "ep": ep, "num_experts": cfg.num_experts,
                "experts_per_gpu": cfg.num_experts // ep, "tokens_per_rank": first["tokens"],
-               "dispatcher": spec["dispatcher"], "overlap": first["overlap"], "tbo": False, "dtype": spec["dtype"],
-               "graph": first["graph"]}
+               "dispatcher": spec["dispatcher"], "transport": transport_label(spec), "overlap": first["overlap"],
+               "tbo": False, "dtype": spec["dtype"], "graph": first["graph"]}
         for key, value in first.items():
             if key.startswith("t_") and not key.endswith("_graph_us"):
                 values = [r[key] for r in rank_rows if r[key] is not None]
@@ -206,6 +220,8 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--sm-budget", type=int, default=None, help="SMs for the shared experts in combine_sm")
+    p.add_argument("--transport", default="auto", choices=["auto", "nccl", "symm_mem"],
+                   help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-graph", action="store_true", help="no CUDA-graph rows")
@@ -254,6 +270,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if device == "cuda" and ranks > torch.cuda.device_count():
         raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {ranks}")
     make_overlap("combine_sm", device, sm_budget=args.sm_budget)  # checks the SM budget here, once
+    if args.transport == "symm_mem" and (device != "cuda" or ranks < 2):
+        raise ValueError(f"--transport symm_mem needs CUDA and >= 2 ranks, got {device} with {ranks}; "
+                         "use --transport auto or nccl")
     if args.tbo:
         AttentionConfig(get_preset(args.preset).hidden_size, args.heads, args.kv_heads, args.head_dim)  # checks heads
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -345,7 +364,7 @@ def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:
             "dtype": dtype, "warmup": args.warmup, "iters": args.iters, "seed": args.seed,
             "graph": not args.no_graph, "graph_max_tokens": args.graph_max_tokens, "sm_budget": args.sm_budget,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kv_len": args.kv_len,
-            "delays": list(dict.fromkeys(args.delay))}
+            "delays": list(dict.fromkeys(args.delay)), "transport": args.transport}
 
 
 def _choose(values: list[str], allowed: list[str], flag: str) -> list[str]:

@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .attention import AttentionConfig, Batch
-from .bench import _cfg, cached, profile_spans
+from .bench import _cfg, cached, dispatcher_options, profile_spans, transport_label
 from .timing import time_fn
-from .dispatch import options_for_tokens
 from .decoder import DecoderLayer
 from .layer import MoELayer
 from .overlap import make_overlap
@@ -35,7 +34,7 @@ def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int =
 
 
 def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
-    options = options_for_tokens(spec["dispatcher"], capacity)
+    options = dispatcher_options(spec, capacity)
     key = ("decoder", spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
            tuple(sorted(options.items())), spec["heads"], spec["kv_heads"], spec["head_dim"])
 
@@ -95,7 +94,8 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
                      "tokens_per_rank": first["tokens"], "sequences_per_rank": first["sequences"],
                      "kv_len": spec["kv_len"] if first["regime"] == "decode" else None,
                      "attention": f"{spec['heads']}x{spec['head_dim']} heads, {spec['kv_heads']} kv heads",
-                     "dispatcher": spec["dispatcher"], "overlap": first["overlap"], "tbo": first["tbo"],
+                     "dispatcher": spec["dispatcher"], "transport": transport_label(spec),
+                     "overlap": first["overlap"], "tbo": first["tbo"],
                      "delay": first["delay"], "dtype": spec["dtype"], "graph": first["graph"],
                      "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
                      "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows]})
