@@ -127,15 +127,15 @@ def main() -> None:
             try:
                 inp = symm_mem.empty(world * block, dtype=torch.uint8, device="cuda")
                 out = symm_mem.empty(world * block, dtype=torch.uint8, device="cuda")
-                splits = symm_mem.empty((3, world), dtype=torch.int64, device="cuda")
-                symm_mem.rendezvous(inp, group_name)
-                symm_mem.rendezvous(out, group_name)
-                symm_mem.rendezvous(splits, group_name)
+                # torch 2.11: all_to_all_vdev(input, out, in_splits [P], out_splits_offsets [2, P], group)
+                in_splits = symm_mem.empty(world, dtype=torch.int64, device="cuda").fill_(block)
+                out_splits_offsets = symm_mem.empty((2, world), dtype=torch.int64, device="cuda")
+                for t in (inp, out, in_splits, out_splits_offsets):
+                    symm_mem.rendezvous(t, group_name)
                 inp.copy_(send.view(-1))
 
                 def vdev() -> None:
-                    splits[0].fill_(block)
-                    torch.ops.symm_mem.all_to_all_vdev(inp, out, splits, group_name)
+                    torch.ops.symm_mem.all_to_all_vdev(inp, out, in_splits, out_splits_offsets, group_name)
                 variants["all_to_all_vdev"] = (vdev, lambda: out.view(world, block))
             except Exception as exc:  # noqa: BLE001
                 rows_out.append({"rows": rows, "variant": "vdev_setup", "error": repr(exc)})

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, mask_padding_tokens
+from moe_sbo.dispatch import low_latency
 from moe_sbo.dispatch.low_latency import LowLatencyDispatcher, RowFormat, ll_kernels
 from moe_sbo.layer import MoELayer
 
@@ -172,3 +173,29 @@ def test_pack_flags_out_of_range_ids():
                               ll_kernels.Destinations.make(dst_P, [dst_P.data_ptr()]), slot_TP,
                               fmt, num_local_experts=4, capacity=4)
     assert ok.tolist() == [1, 0, 0, 1]  # row 3: no token, nothing to flag
+
+
+def test_auto_transport_needs_one_node_with_peer_access(monkeypatch):
+    """``transport="auto"`` takes symmetric memory only when the EP group can be this node's GPUs,
+    all reachable from each other (the answer is cached per process: cleared around each case)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cases = [(4, None, True, True), (8, None, True, False),  # more ranks than GPUs: another node
+             (4, "2", True, False),  # torchrun says two ranks per node
+             (4, None, False, False)]  # no peer access (PCIe without P2P)
+    for ep_size, local_world, peer_access, expected in cases:
+        if local_world is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+        monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b, ok=peer_access: ok)
+        low_latency._peers_reachable.cache_clear()
+        assert low_latency._peers_reachable(ep_size) is expected, (ep_size, local_world, peer_access)
+    low_latency._peers_reachable.cache_clear()
+
+
+def test_destinations_must_be_16_byte_aligned():
+    buf = torch.zeros(64, dtype=torch.uint8)
+    dst = ll_kernels.Destinations.make(buf, [buf.data_ptr(), buf.data_ptr() + 32])
+    assert dst.offsets_P.tolist() == [0, 2]  # in 16-byte units from the anchor
+    with pytest.raises(ValueError, match="block addresses must be 16-byte aligned"):
+        ll_kernels.Destinations.make(buf, [buf.data_ptr() + 8])
