@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import ResultFile, result_meta
+from moe_sbo.bench_meta import ResultFile, Sweep, add_sweep_args, default_dtype_name, result_meta
 from moe_sbo.config import get_preset, PRESETS
 from moe_sbo.experts import RoutedExperts, grouped_mm_supported
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import RankPool, resolve_device
+from moe_sbo.runtime import RankPool
 from moe_sbo.timing import SPANS, KernelTimer, time_all_to_all, time_layer
 
 DISPATCHERS = ("allgather", "alltoall")
@@ -216,40 +216,27 @@ def grouped_gemm_rank(device: torch.device, preset: str, cases: list[tuple[str, 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="directory for foundation.json")
-    p.add_argument("--ranks", type=int, nargs="+", default=None,
-                   help="EP sizes to run, one pool each (default: every GPU; 2 on CPU)")
+    add_sweep_args(p, "foundation.json", iters=30)
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096], help="tokens per rank")
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=list(DISPATCHERS))
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up forwards (default 10; --quick 1)")
-    p.add_argument("--iters", type=int, default=None, help="timed forwards (default 30; --quick 3)")
     p.add_argument("--gemm-ep", type=int, default=4,
                    help="EP size whose experts per GPU the grouped-GEMM rows use (default 4: 64 for V3)")
     p.add_argument("--skip", nargs="*", default=[], choices=["layer", "gemm"], help="parts to leave out")
-    p.add_argument("--quick", action="store_true", help="few iterations: a smoke run, not a measurement")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    dtype_name = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
-    iters = args.iters if args.iters is not None else (3 if args.quick else 30)
-    ep_sizes = args.ranks or [torch.cuda.device_count() if device == "cuda" else 2]
-    cfg = get_preset(args.preset)
     # Bad input raises here, before any rank starts.
+    sweep = Sweep.from_args(args, args.tokens)
+    device, warmup, iters, ep_sizes = sweep.device, sweep.warmup, sweep.iters, sweep.ep_sizes
+    dtype_name = args.dtype or default_dtype_name(device)
+    cfg = get_preset(args.preset)
     for p in ep_sizes:
         cfg.experts_per_rank(p)
-        if device == "cuda" and p > torch.cuda.device_count():
-            raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {p}")
-    if min(args.tokens) < 0 or warmup < 0 or iters < 1:
-        raise ValueError(f"--tokens must be >= 0 and --iters >= 1, got {args.tokens} and {iters}")
     cases = gemm_cases(args.preset, args.gemm_ep, max(args.tokens))
 
     out_dir = Path(args.out)

@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 
 from bench_foundation import _fmt
-from moe_sbo.bench_meta import ResultFile, result_meta
+from moe_sbo.bench_meta import ResultFile, Sweep, add_sweep_args, default_dtype_name, result_meta
 from moe_sbo.config import MoEConfig, PRESETS, get_preset
 from moe_sbo.dispatch.low_latency import RowFormat
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import RankPool, resolve_device
+from moe_sbo.runtime import RankPool
 from moe_sbo.streams import capture_graph
 from moe_sbo.timing import Stamps, line_up, time_all_to_all, time_fn, time_layer
 
@@ -239,9 +239,7 @@ def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="directory for low_latency.json")
-    p.add_argument("--ranks", type=int, nargs="+", default=None,
-                   help="EP sizes, one pool each (default: every GPU; 2 on CPU)")
+    add_sweep_args(p, "low_latency.json", iters=50)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 64, 128, 256], help="tokens per rank")
     p.add_argument("--capacity", type=int, default=None,
                    help="max_tokens_per_rank for every row (default: each row's token count)")
@@ -254,29 +252,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--transports", nargs="+", default=["nccl", "symm_mem"], choices=["nccl", "symm_mem"],
                    help="low_latency transports (symm_mem: fused kernels, >= 2 GPUs; skipped otherwise)")
     p.add_argument("--baselines", nargs="*", default=["allgather", "alltoall"], choices=["allgather", "alltoall"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; --quick 1)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls (default 50; --quick 3)")
-    p.add_argument("--quick", action="store_true", help="few iterations: a smoke run, not a measurement")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
-    iters = args.iters if args.iters is not None else (3 if args.quick else 50)
-    ep_sizes = args.ranks or [torch.cuda.device_count() if device == "cuda" else 2]
     # Bad input raises here, before any rank starts.
-    if min(args.tokens) < 0 or warmup < 0 or iters < 1:
-        raise ValueError(f"--tokens must be >= 0 and --iters >= 1, got {args.tokens} and {iters}")
+    sweep = Sweep.from_args(args, args.tokens)
+    device, warmup, iters, ep_sizes = sweep.device, sweep.warmup, sweep.iters, sweep.ep_sizes
     if args.capacity is not None and args.capacity < max(args.tokens):
         raise ValueError(f"--capacity must be >= the largest --tokens {max(args.tokens)}, got {args.capacity}")
     configs = {p: bench_config(args.preset, args.experts_per_gpu, p, args.hidden_size) for p in ep_sizes}
-    for p in ep_sizes:
-        if device == "cuda" and p > torch.cuda.device_count():
-            raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {p}")
     fp8_modes = FP8_CHOICES[args.fp8]
     if True in fp8_modes and configs[ep_sizes[0]].hidden_size % 128:
         raise ValueError(f"fp8 dispatch needs H a multiple of 128, got {configs[ep_sizes[0]].hidden_size}; "
@@ -301,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in ep_sizes:
         cfg = configs[p]
         common = {"preset": args.preset, "experts_per_gpu": args.experts_per_gpu, "num_experts": cfg.num_experts,
-                  "hidden_size": cfg.hidden_size, "dtype": "bfloat16" if device == "cuda" else "float32"}
+                  "hidden_size": cfg.hidden_size, "dtype": default_dtype_name(device)}
         pool = RankPool(p, device)
         # Paths that cannot run here are left out, not failed: no Triton kernels on CPU, no peer at EP 1.
         kernels = [k for k in args.kernels if device == "cuda" or k == "torch"] or ["torch"]

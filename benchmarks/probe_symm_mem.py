@@ -1,6 +1,7 @@
 """Probe: can PyTorch symmetric memory carry the low-latency dispatcher's fixed blocks, and how fast?
 
-Run on >= 2 GPUs:  ``torchrun --nproc-per-node N benchmarks/probe_symm_mem.py --out DIR``
+Run on >= 2 GPUs, after ``source benchmarks/gpu_env.sh`` (it puts ``src`` on the path):
+``torchrun --nproc-per-node N benchmarks/probe_symm_mem.py --out DIR``
 
 For the low-latency dispatch block of DeepSeek-V3 (``--rows`` per peer of ``--row-bytes`` bytes) it
 checks, per variant, that the bytes arrive intact and that the variant can be captured in a CUDA graph,
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import traceback
 from pathlib import Path
 
@@ -29,38 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
+from moe_sbo.streams import capture_graph
+from moe_sbo.timing import line_up, time_fn
 
-def timed_replays(graph: torch.cuda.CUDAGraph, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    worst = torch.tensor([statistics.median(times)], device="cuda")
+
+def slowest_median_us(replay, iters: int) -> float:
+    """The slowest rank's median of ``replay`` (ranks lined up before every call)."""
+    worst = torch.tensor([time_fn(replay, torch.device("cuda"), 3, iters, graph=False)], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    return graph
 
 
 def main() -> None:
@@ -147,15 +124,14 @@ def main() -> None:
                 torch.cuda.synchronize()
                 dist.barrier()
                 row["eager_correct"] = bool(torch.equal(result(), expect))
-                graph = capture(fn)
-                result().zero_() if name != "nccl_all_to_all_single" else None
-                torch.cuda.synchronize()
-                dist.barrier()
+                line_up(torch.device("cuda"))  # every rank captures its transfers at the same point
+                graph, _ = capture_graph(fn)
+                result().zero_()
+                line_up(torch.device("cuda"))
                 graph.replay()
-                torch.cuda.synchronize()
-                dist.barrier()
+                line_up(torch.device("cuda"))
                 row["graph_correct"] = bool(torch.equal(result(), expect))
-                row["t_graph_us"] = timed_replays(graph, args.iters)
+                row["t_graph_us"] = slowest_median_us(graph.replay, args.iters)
             except Exception as exc:  # noqa: BLE001
                 row["error"] = repr(exc)
                 row["trace"] = traceback.format_exc()[-2000:]

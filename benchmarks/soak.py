@@ -34,12 +34,11 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import result_meta
+from moe_sbo.bench_meta import default_dtype_name, default_ep_size, result_meta, result_path
 from moe_sbo.config import PRESETS, get_preset
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
@@ -233,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     device = resolve_device(args.device)
-    ranks = args.ranks or (torch.cuda.device_count() if device == "cuda" else 2)
+    ranks = args.ranks or default_ep_size(device)
     forwards = args.forwards or (10_000 if device == "cuda" else 2_000)
     dispatchers = sorted(DISPATCHERS) if args.dispatchers == ["all"] else args.dispatchers
     overlaps = list(OVERLAP_MODES) if args.overlaps == ["all"] else args.overlaps
@@ -244,10 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         if mode not in OVERLAP_MODES:
             raise SystemExit(f"--overlaps must be among {list(OVERLAP_MODES)}, got {mode!r}")
     get_preset(args.preset).experts_per_rank(ranks)
-    out = Path(args.out)
-    if out.is_dir():
-        out = out / f"soak_{device}.json"
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    out = result_path(args.out, "soak", device)
+    dtype = args.dtype or default_dtype_name(device)
     meta = result_meta(device=device, world_size=ranks)
     meta.update(preset=args.preset, forwards=forwards, warmup=args.warmup, tokens_per_rank=args.tokens,
                 memory="host: RSS from /proc/self/statm after gc.collect(); device: torch.cuda.memory_allocated; "

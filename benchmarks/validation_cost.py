@@ -33,12 +33,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import result_meta
+from moe_sbo.bench_meta import default_dtype_name, default_ep_size, result_meta, result_path
 from moe_sbo.config import PRESETS, get_preset
 from moe_sbo.dispatch import DISPATCHERS, CombineInput, DispatchInput
 from moe_sbo.layer import MoELayer
@@ -176,14 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     device = resolve_device(args.device)
-    ranks = args.ranks or (torch.cuda.device_count() if device == "cuda" else 2)
+    ranks = args.ranks or default_ep_size(device)
     tokens = args.tokens or (128 if device == "cuda" else 16)
     dispatchers = sorted(DISPATCHERS) if args.dispatchers == ["all"] else args.dispatchers
     experts = _config(args.preset, args.experts_per_gpu, ranks).num_experts
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    out = Path(args.out)
-    if out.is_dir():
-        out = out / f"validation_cost_{device}.json"
+    dtype = args.dtype or default_dtype_name(device)
+    out = result_path(args.out, "validation_cost", device)
     meta = result_meta(device=device, world_size=ranks)
     meta.update(preset=args.preset, num_experts=experts, tokens_per_rank=tokens, iters=args.iters, rounds=args.rounds,
                 timing="host clock around each call, synchronize before and after (CUDA); forwards via "

@@ -76,9 +76,14 @@ def dispatcher_options(spec: dict, tokens: int) -> dict:
     return options
 
 
-def transport_label(spec: dict) -> str | None:
-    """The row's ``transport``: what ``--transport`` asked of a dispatcher that takes one, else None."""
-    return spec["transport"] if "transport" in dispatcher_option_names(spec["dispatcher"]) else None
+def row_head(bench: str, spec: dict, ep: int) -> dict:
+    """The fields every SBO and TBO row opens with: the setup it measured."""
+    cfg = _cfg(spec["preset"], spec["num_experts"])
+    # transport: what --transport asked of a dispatcher that takes one (low_latency), else None.
+    transport = spec["transport"] if "transport" in dispatcher_option_names(spec["dispatcher"]) else None
+    return {"bench": bench, "preset": spec["preset"], "ep": ep, "num_experts": cfg.num_experts,
+            "experts_per_gpu": cfg.num_experts // ep, "dispatcher": spec["dispatcher"], "transport": transport,
+            "dtype": spec["dtype"]}
 
 
 def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
@@ -141,14 +146,11 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
 
 def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
     """Slowest rank's times per row, then efficiency and speedup against the group's ``none`` row."""
-    cfg = _cfg(spec["preset"], spec["num_experts"])
     rows = []
     for rank_rows in zip(*per_rank):
         first = rank_rows[0]
-        row = {"bench": "sbo", "preset": spec["preset"], "ep": ep, "num_experts": cfg.num_experts,
-               "experts_per_gpu": cfg.num_experts // ep, "tokens_per_rank": first["tokens"],
-               "dispatcher": spec["dispatcher"], "transport": transport_label(spec), "overlap": first["overlap"],
-               "tbo": False, "dtype": spec["dtype"], "graph": first["graph"]}
+        row = {**row_head("sbo", spec, ep), "tokens_per_rank": first["tokens"], "overlap": first["overlap"],
+               "tbo": False, "graph": first["graph"]}
         for key, value in first.items():
             if key.startswith("t_") and not key.endswith("_graph_us"):
                 values = [r[key] for r in rank_rows if r[key] is not None]
@@ -246,7 +248,7 @@ def add_bench_parser(subparsers) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .bench_meta import ResultFile, result_meta
+    from .bench_meta import ResultFile, default_dtype_name, result_meta
     from .cli import make_console
     from .runtime import RankPool, default_world_size, resolve_device
 
@@ -275,7 +277,7 @@ def run_bench(args: argparse.Namespace) -> int:
                          "use --transport auto or nccl")
     if args.tbo:
         AttentionConfig(get_preset(args.preset).hidden_size, args.heads, args.kv_heads, args.head_dim)  # checks heads
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    dtype = args.dtype or default_dtype_name(device)
     console = make_console()
     meta = result_meta(device=device, world_size=ranks)
     meta.update(preset=args.preset, warmup=args.warmup, iters=args.iters, sm_budget=args.sm_budget,

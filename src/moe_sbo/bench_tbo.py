@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .attention import AttentionConfig, Batch
-from .bench import _cfg, cached, dispatcher_options, profile_spans, transport_label
+from .bench import _cfg, cached, dispatcher_options, profile_spans, row_head
 from .timing import time_fn
 from .decoder import DecoderLayer
 from .layer import MoELayer
@@ -85,18 +85,15 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
 
 
 def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
-    cfg = _cfg(spec["preset"], spec["num_experts"])
     rows = []
     for rank_rows in zip(*per_rank):
         first = rank_rows[0]
-        rows.append({"bench": "tbo", "preset": spec["preset"], "ep": ep, "num_experts": cfg.num_experts,
-                     "experts_per_gpu": cfg.num_experts // ep, "regime": first["regime"],
+        rows.append({**row_head("tbo", spec, ep), "regime": first["regime"],
                      "tokens_per_rank": first["tokens"], "sequences_per_rank": first["sequences"],
                      "kv_len": spec["kv_len"] if first["regime"] == "decode" else None,
                      "attention": f"{spec['heads']}x{spec['head_dim']} heads, {spec['kv_heads']} kv heads",
-                     "dispatcher": spec["dispatcher"], "transport": transport_label(spec),
-                     "overlap": first["overlap"], "tbo": first["tbo"],
-                     "delay": first["delay"], "dtype": spec["dtype"], "graph": first["graph"],
+                     "overlap": first["overlap"], "tbo": first["tbo"], "delay": first["delay"],
+                     "graph": first["graph"],
                      "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
                      "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows]})
     baseline = next(r for r in rows if r["overlap"] == "none" and not r["tbo"])

@@ -46,7 +46,7 @@ def _add_demo_parser(subparsers) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .bench_meta import result_meta
+    from .bench_meta import default_dtype_name, result_meta
     from .demo import run_demo_rank, summarise
     from .runtime import LocalRanks, default_world_size, resolve_device
 
@@ -68,7 +68,7 @@ def run_demo(args: argparse.Namespace) -> int:
         checkpoint = Checkpoint(args.checkpoint)
         args.layer, model = checkpoint.validate_layer(args.layer), checkpoint.moe_config
     model.experts_per_rank(ranks)  # raises before any rank starts if they do not divide
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    dtype = args.dtype or default_dtype_name(device)
 
     console = make_console()
     source = f"{args.checkpoint} layer {args.layer}" if args.checkpoint else f"preset {args.preset}"

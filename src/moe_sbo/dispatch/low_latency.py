@@ -290,9 +290,10 @@ class _SymmBarrier:
 @dataclass(frozen=True)
 class LowLatencyHandle(DispatchHandle):
     """Adds the sender's ``slot_TP`` (for summing the P returned rows), the receiver's ``fixed``
-    layout, the buffer set and the round (``generation``) that owns it."""
+    layout, the row format, the buffer set and the round (``generation``) that owns it."""
 
     slot_TP: torch.Tensor | None = None
+    fmt: RowFormat | None = None
     fixed: "FixedLayout | ll_kernels.KernelLayout | None" = None
     buffers: _Buffers | None = None
     generation: int = 0
@@ -469,9 +470,9 @@ class LowLatencyDispatcher(Dispatcher):
     def buffers(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> list[_Buffers]:
         """The buffer sets for this device, activation dtype and shape; allocated on first use only
         (with ``symm_mem``, a collective rendezvous: every rank's first forward reaches it together)."""
-        fmt = RowFormat.make(hidden, top_k, dtype, self.fp8)
         key = (device, dtype, hidden, top_k)
         if key not in self._buffers:
+            fmt = RowFormat.make(hidden, top_k, dtype, self.fp8)
             with torch.inference_mode(False):
                 # Normal tensors even when first used under inference_mode: inference tensors could
                 # not be written by a later forward under plain no_grad.
@@ -578,7 +579,8 @@ class LowLatencyDispatcher(Dispatcher):
             expert_x_RH = s.fmt.x(recv_SB)[fixed.layout.row_R]
         handle = LowLatencyHandle(
             num_tokens=s.num_tokens, hidden_size=s.fmt.hidden, dtype=s.fmt.dtype, layout=fixed.layout,
-            traffic=s.traffic, slot_TP=s.slot_TP, fixed=fixed, buffers=s.buffers, generation=s.generation,
+            traffic=s.traffic, slot_TP=s.slot_TP, fmt=s.fmt, fixed=fixed, buffers=s.buffers,
+            generation=s.generation,
         )
         return self._output(expert_x_RH, handle)
 
@@ -588,8 +590,7 @@ class LowLatencyDispatcher(Dispatcher):
         bufs = handle.buffers
         fused = isinstance(handle.fixed, ll_kernels.KernelLayout) if ll_kernels is not None else False
         if fused:
-            fmt = RowFormat.make(handle.hidden_size, handle.fixed.pair_row_SK.shape[1], handle.dtype, self.fp8)
-            ll_kernels.reduce_pairs(inp.expert_y_RH.contiguous(), handle.fixed, bufs.dispatch_recv_SB, fmt,
+            ll_kernels.reduce_pairs(inp.expert_y_RH.contiguous(), handle.fixed, bufs.dispatch_recv_SB, handle.fmt,
                                     bufs.combine_dst, self.capacity)
         else:
             bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
