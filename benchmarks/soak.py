@@ -128,18 +128,22 @@ def soak_rank(device: torch.device, spec: dict) -> list[dict]:
     cfg = get_preset(spec["preset"])
     dtype = getattr(torch, spec["dtype"])
     rank = dist.get_rank() if dist.is_initialized() else 0
-    options = {"max_tokens_per_rank": spec["tokens"]} if spec["dispatcher"] == "low_latency" else None
+    options = ({"max_tokens_per_rank": spec["tokens"], "kernels": spec["kernels"], "transport": spec["transport"]}
+               if spec["dispatcher"] == "low_latency" else None)
     layer = MoELayer(cfg, dispatcher=spec["dispatcher"], overlap=spec["overlap"], dtype=dtype, device=device,
                      seed=spec["seed"], dispatcher_options=options)
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 1000 + rank)
     x_TH = torch.randn(spec["tokens"], cfg.hidden_size, generator=generator, device=device).to(dtype)
     rows = []
+    # What low_latency resolved "auto" to on this device and group (the same on every rank).
+    path = ({"kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
+             "transport": layer.dispatcher.transport_for(device)} if spec["dispatcher"] == "low_latency" else {})
     with torch.inference_mode():
         y_first = _forward(layer, x_TH, spec["tbo"]).clone()
         for _ in range(spec["warmup"]):
             _forward(layer, x_TH, spec["tbo"])
         watch = _Watch(layer, device, spec["tbo"])
-        rows.append({"graph": False, **watch.report(_soak(lambda: _forward(layer, x_TH, spec["tbo"]), y_first,
+        rows.append({"graph": False, **path, **watch.report(_soak(lambda: _forward(layer, x_TH, spec["tbo"]), y_first,
                                                           spec["forwards"]))})
 
         capturable = getattr(type(layer.dispatcher), "graph_capturable", False)
@@ -158,7 +162,7 @@ def soak_rank(device: torch.device, spec: dict) -> list[dict]:
             row = watch.report(_soak(replay, y_graph_first, spec["graph_replays"]))
             # The replays compute what the eager forward did (same kernels, same input).
             row["graph_vs_eager_max_abs_diff"] = (y_graph_first.float() - y_first.float()).abs().max().item()
-            rows.append({"graph": True, **row})
+            rows.append({"graph": True, **path, **row})
             del graph
     return rows
 
@@ -181,6 +185,9 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         row["py_objects_growth"] = max(r["py_objects_checkpoints"][-1] - r["py_objects_checkpoints"][0] for r in variant)
         row["hooks_growth"] = max(r["hooks_after"] - r["hooks_before"] for r in variant)
         row["hooks_after"] = max(r["hooks_after"] for r in variant)
+        for key in ("kernels", "transport"):  # low_latency only: the path that ran
+            if key in variant[0]:
+                row[key] = variant[0][key]
         for key in ("outputs_differing", "max_abs_diff", "t_forward_us", "graph_vs_eager_max_abs_diff"):
             if key in variant[0]:
                 row[key] = max(r[key] for r in variant)
@@ -222,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graph-replays", type=int, default=None, help="GPU: CUDA-graph replays (default --forwards)")
     parser.add_argument("--dispatchers", nargs="+", default=["all"])
     parser.add_argument("--overlaps", nargs="+", default=["all"])
+    parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+                        help="low_latency: its kernel path (rows say which ran)")
+    parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "symm_mem"],
+                        help="low_latency: its transport (rows say which ran)")
     parser.add_argument("--tbo", action="store_true", help="also soak two-batch overlap (micro-batches 0 and 1)")
     parser.add_argument("--settle", type=int, default=3000,
                         help="forwards run once before any case, unmeasured, so the ranks' allocator settles")
@@ -251,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                        "rows hold the worst rank")
     rows: list[dict] = []
     specs = [{"preset": args.preset, "dtype": dtype, "tokens": args.tokens, "dispatcher": name, "overlap": mode,
-              "tbo": tbo, "warmup": args.warmup, "forwards": forwards, "seed": args.seed,
+              "tbo": tbo, "kernels": args.kernels, "transport": args.transport, "warmup": args.warmup,
+              "forwards": forwards, "seed": args.seed,
               "graph_replays": forwards if args.graph_replays is None else args.graph_replays}
              for name in dispatchers for mode in overlaps for tbo in ((False, True) if args.tbo else (False,))]
     pool = RankPool(ranks, device)

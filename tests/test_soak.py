@@ -41,6 +41,8 @@ def test_soak_smoke(tmp_path):
         assert row["forwards"] == 30 and row["t_forward_us"] > 0
         assert row["hooks_growth"] == 0 and row["hooks_after"] == 0 and row["py_objects_growth"] == 0
         assert row["outputs_differing"] == 0 and len(row["rss_kib_checkpoints_rank0"]) == 11
+        # low_latency's rows name the path "auto" resolved to: on CPU the torch ops over the process group.
+        assert (row["kernels"], row["transport"]) == ("torch", "nccl")
 
 
 def test_validation_cost_smoke(tmp_path):
