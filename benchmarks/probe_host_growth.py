@@ -29,6 +29,8 @@ from moe_sbo.bench_meta import result_meta, result_path
 from moe_sbo.runtime import RankPool, resolve_device
 from soak import CHECKPOINTS, host_rss_kib
 
+# torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single; 2.11 has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 KINDS = ("tensor_op", "all_reduce", "all_gather_into_tensor", "all_to_all_single")
 
 
@@ -38,7 +40,7 @@ def _call(kind: str, src: torch.Tensor, dst: torch.Tensor, small: torch.Tensor) 
     elif kind == "all_reduce":  # the count exchanges' size
         dist.all_reduce(small)
     elif kind == "all_gather_into_tensor":
-        dist.all_gather_into_tensor(dst, src)
+        _all_gather_single(dst, src)
     elif kind == "all_to_all_single":
         dist.all_to_all_single(dst, src)
     else:

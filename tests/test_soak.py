@@ -5,6 +5,7 @@ flatness checks (``--check``) must pass even this short: no hook, Python object 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,3 +55,31 @@ def test_validation_cost_smoke(tmp_path):
         assert "error" not in row, row
         assert 0 < row["t_checks_us"] < row["t_layer_us"] and row["t_layer_unchecked_us"] > 0
         assert row["t_agree_us"] > 0 and 0 < row["check_share"] < 1
+
+
+def test_host_growth_probe_smoke(tmp_path):
+    out = tmp_path / "growth.json"
+    _run("probe_host_growth.py", "--calls", "20", "--warmup", "2", "--kinds", "tensor_op", "all_reduce",
+         "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["world_size"], r["kind"]) for r in rows] == [(2, "tensor_op"), (2, "all_reduce")]
+    for row in rows:
+        assert row["calls"] == 20 and len(row["rss_kib_checkpoints_rank0"]) == 11 and row["t_call_us"] > 0
+
+
+def test_soak_judges_growth_not_a_fall():
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    flat = {"hooks_growth": 0, "hooks_after": 0, "py_objects_growth": 0, "rss_growth_kib": 12,
+            "cuda_allocated_growth": 0, "outputs_differing": 0, "device": "cuda"}
+    assert soak.violations(flat, rss_tolerance_kib=1024) == []
+    assert soak.violations(dict(flat, py_objects_growth=-2), rss_tolerance_kib=1024) == []  # freed, not leaked
+    assert soak.violations(dict(flat, py_objects_growth=1), rss_tolerance_kib=1024) == ["1 more Python objects"]
+    assert soak.violations(dict(flat, rss_growth_kib=2044), rss_tolerance_kib=1024) == ["host RSS grew by 2044 KiB"]
+    assert soak.violations(dict(flat, cuda_allocated_growth=512), rss_tolerance_kib=1024) == [
+        "CUDA memory grew by 512 B"]
+    # Bitwise drift fails on CPU (deterministic) but is reported, not failed, on CUDA (float atomics).
+    assert soak.violations(dict(flat, outputs_differing=3), rss_tolerance_kib=1024) == []
+    assert soak.violations(dict(flat, outputs_differing=3, device="cpu"), rss_tolerance_kib=1024) == [
+        "3 outputs differ bitwise (CPU is deterministic)"]
