@@ -34,8 +34,9 @@ def test_layout_hand_worked():
     assert layout.row_R.tolist() == [0, 2, 0, 1]          # expert 0: row 0; expert 1: row 2; expert 2: rows 0, 1
     assert layout.num_rows_per_expert_L.tolist() == [1, 1, 2]
     torch.testing.assert_close(layout.weight_R, torch.tensor([0.2, 0.5, 0.1, 0.4]))
+    assert layout.pair_MK.tolist() == [[2, 0], [4, 3], [1, 4]]  # the inverse; 4 = R: not local
     y = torch.arange(4, dtype=torch.float32)[:, None].repeat(1, 2)  # expert output of pair n = n
-    torch.testing.assert_close(combine_rows(y, layout, 3),
+    torch.testing.assert_close(combine_rows(y, layout),
                                torch.tensor([[0 * .2 + 2 * .1] * 2, [3 * .4] * 2, [1 * .5] * 2]))
 
 

@@ -111,8 +111,7 @@ class AllGatherDispatcher(Dispatcher):
         handle: AllGatherHandle = inp.handle  # type: ignore[assignment]
         ep = self.ep
         # Partial sums for every gathered row; sent in the activation dtype, as on the wire in practice.
-        partial_MH = combine_rows(inp.expert_y_RH, handle.layout, ep.size * handle.padded_tokens)
-        partial_MH = partial_MH.to(handle.dtype)
+        partial_MH = combine_rows(inp.expert_y_RH, handle.layout, handle.dtype)
         out_TH = partial_MH.new_empty(handle.padded_tokens, handle.hidden_size)
         work = _reduce_scatter_single(out_TH, partial_MH, group=ep.group, async_op=True)
         chunk_bytes = handle.padded_tokens * handle.hidden_size * partial_MH.element_size()

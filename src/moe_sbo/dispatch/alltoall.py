@@ -19,14 +19,16 @@ import torch.distributed as dist
 from .base import (REJECTED, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
                    Traffic, register_dispatcher)
 from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
+from .reduce import gather_sum
 
 
 @dataclass(frozen=True)
 class AllToAllHandle(DispatchHandle):
-    """``send_token_M``: token index of each sent row (rows sorted by destination rank);
-    ``send_counts`` / ``recv_counts``: rows to / from each rank (host ints)."""
+    """``slot_TP`` int64 ``[T, P]``: which sent row carried token t to rank p (rows are sorted by
+    destination rank), M where it went nowhere; ``send_counts`` / ``recv_counts``: rows to / from
+    each rank (host ints)."""
 
-    send_token_M: torch.Tensor | None = None
+    slot_TP: torch.Tensor | None = None
     send_counts: tuple[int, ...] = ()
     recv_counts: tuple[int, ...] = ()
 
@@ -37,7 +39,7 @@ class _InFlightDispatch:
 
     recv_x_MH: torch.Tensor
     recv_meta_M2K: torch.Tensor
-    send_token_M: torch.Tensor
+    slot_TP: torch.Tensor
     send_counts: tuple[int, ...]
     recv_counts: tuple[int, ...]
     num_pairs: int
@@ -91,6 +93,9 @@ class AllToAllDispatcher(Dispatcher):
         dest_M, send_token_M = _nonzero_static(is_sent_TP.t(), sum(send_counts)).unbind(1)
 
         # Ids are made local to the destination before sending, -1 where another rank owns them.
+        # Where each (token, rank) row went, for combine's sum of the returned rows (M: nowhere).
+        slot_TP = torch.full((num_tokens, ep.size), dest_M.shape[0], dtype=torch.int64, device=x_TH.device)
+        slot_TP[send_token_M, dest_M] = torch.arange(dest_M.shape[0], device=x_TH.device)
         local_ids_MK = self._local_ids(ids_TK[send_token_M], dest_M[:, None])
         send_meta = pack_topk(local_ids_MK, inp.topk_weights_TK[send_token_M])
         send_x = x_TH[send_token_M]
@@ -105,7 +110,7 @@ class AllToAllDispatcher(Dispatcher):
         row_bytes = hidden * x_TH.element_size() + send_meta.shape[1] * 4
         traffic = Traffic(dispatch_bytes_sent=_remote(send_counts, ep.rank) * row_bytes,
                           dispatch_bytes_recv=_remote(recv_counts, ep.rank) * row_bytes)
-        state = _InFlightDispatch(recv_x, recv_meta, send_token_M, send_counts, recv_counts, num_pairs,
+        state = _InFlightDispatch(recv_x, recv_meta, slot_TP, send_counts, recv_counts, num_pairs,
                                   num_tokens, traffic)
         return Pending(works=works, state=state)
 
@@ -116,7 +121,7 @@ class AllToAllDispatcher(Dispatcher):
         layout = group_rows_by_expert(local_ids_MK, weights_MK, self.num_local_experts, s.num_pairs)
         handle = AllToAllHandle(
             num_tokens=s.num_tokens, hidden_size=s.recv_x_MH.shape[1], dtype=s.recv_x_MH.dtype,
-            layout=layout, traffic=s.traffic, send_token_M=s.send_token_M, send_counts=s.send_counts,
+            layout=layout, traffic=s.traffic, slot_TP=s.slot_TP, send_counts=s.send_counts,
             recv_counts=s.recv_counts,
         )
         return self._output(s.recv_x_MH[layout.row_R], handle)
@@ -124,8 +129,7 @@ class AllToAllDispatcher(Dispatcher):
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: AllToAllHandle = inp.handle  # type: ignore[assignment]
         # One row per received token row: the sum over this rank's experts, weighted.
-        partial_MH = combine_rows(inp.expert_y_RH, handle.layout, sum(handle.recv_counts))
-        partial_MH = partial_MH.to(handle.dtype)
+        partial_MH = combine_rows(inp.expert_y_RH, handle.layout, handle.dtype)
         back_MH = partial_MH.new_empty(sum(handle.send_counts), handle.hidden_size)
         work = dist.all_to_all_single(back_MH, partial_MH, list(handle.send_counts),
                                       list(handle.recv_counts), group=self.ep.group, async_op=True)
@@ -137,6 +141,5 @@ class AllToAllDispatcher(Dispatcher):
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()
         handle: AllToAllHandle = pending.handle  # type: ignore[assignment]
-        y_TH = pending.state.new_zeros(handle.num_tokens, handle.hidden_size, dtype=torch.float32)
-        y_TH.index_add_(0, handle.send_token_M, pending.state.float())
-        return y_TH.to(handle.dtype)
+        # Each token's returned rows (one per rank it went to), summed in float32 in rank order.
+        return gather_sum(pending.state, handle.slot_TP, out_dtype=handle.dtype)

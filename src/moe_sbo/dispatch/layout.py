@@ -6,7 +6,8 @@ experts, R (row, local expert) pairs this rank's experts compute, H hidden.
 A token row carries K local expert ids (``-1`` where the choice belongs to another rank). The
 expert-major layout lists every (row, k) pair with a local expert, sorted by expert and, inside an
 expert, by row (a stable sort, so the order is deterministic). Combining is the inverse: each pair's
-expert output times its weight, summed into its row, accumulated in float32.
+expert output times its weight, summed into its row, accumulated in float32 in a fixed order
+(``reduce.gather_sum``: no float atomics, the same bits every run).
 """
 
 from __future__ import annotations
@@ -15,18 +16,23 @@ from dataclasses import dataclass
 
 import torch
 
+from .reduce import gather_sum
+
 
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where each expert input row comes from.
 
     ``row_R`` int64 index into the M moved rows; ``weight_R`` float32 top-k weight of the pair;
-    ``num_rows_per_expert_L`` int64 (same device) rows per local expert, in expert order.
+    ``num_rows_per_expert_L`` int64 (same device) rows per local expert, in expert order;
+    ``pair_MK`` int64, the inverse of ``row_R``: the pair index of row m's k-th choice, R where that
+    choice is not local (what ``combine_rows`` reads; None in layouts combined by other means).
     """
 
     row_R: torch.Tensor
     weight_R: torch.Tensor
     num_rows_per_expert_L: torch.Tensor
+    pair_MK: torch.Tensor | None = None
 
 
 def count_per_key(keys_N: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -57,20 +63,21 @@ def group_rows_by_expert(
     if num_pairs is None:
         num_pairs = int(is_local_P.sum().item())
     order_R = torch.sort(key_P, stable=True).indices[:num_pairs]
+    pair_P = torch.full_like(ids_P, num_pairs)  # non-local choices point one past the last pair
+    pair_P[order_R] = torch.arange(num_pairs, device=ids_P.device)
     return ExpertLayout(
         row_R=torch.div(order_R, k, rounding_mode="floor"),
         weight_R=weights_MK.reshape(-1)[order_R].float(),
         num_rows_per_expert_L=counts[:num_local_experts],
+        pair_MK=pair_P.view(num_rows, k),
     )
 
 
-def combine_rows(expert_y_RH: torch.Tensor, layout: ExpertLayout, num_rows: int) -> torch.Tensor:
-    """Weighted sum of expert outputs into their rows: ``[num_rows, H]`` float32."""
-    y_MH = expert_y_RH.new_zeros(num_rows, expert_y_RH.shape[1], dtype=torch.float32)
-    # One float32 temporary (copy, then scale in place), not two: at prefill sizes it is R x H x 4 B.
-    weighted_RH = expert_y_RH.to(torch.float32, copy=True).mul_(layout.weight_R[:, None])
-    y_MH.index_add_(0, layout.row_R, weighted_RH)
-    return y_MH
+def combine_rows(expert_y_RH: torch.Tensor, layout: ExpertLayout, out_dtype: torch.dtype = torch.float32,
+                 kernels: str = "auto") -> torch.Tensor:
+    """Weighted sum of expert outputs into their rows: ``[M, H]`` in ``out_dtype``, summed in float32
+    over each row's choices in top-k order (rows with no local choice are zero)."""
+    return gather_sum(expert_y_RH, layout.pair_MK, layout.weight_R, out_dtype=out_dtype, kernels=kernels)
 
 
 def pack_topk(ids_MK: torch.Tensor, weights_MK: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ of small torch ops of the reference path there, and produces the same bytes and 
     combine   reduce_pairs   grid S x H/1024: each slot's weighted sum over its local experts'
                              outputs, written into its destination block (a slot with no local
                              pair returns at once: its sender never reads it).
-              sum_returned   grid T: each token's P returned rows, summed in float32.
+              gather_sum     (``reduce.py``, shared with the other dispatchers) grid T x H/1024:
+                             each token's P returned rows, summed in float32.
 
 Destinations are ``Destinations``: where row 0 of the block for rank p lies, so one kernel serves
 every transport: the local send buffer's blocks (NCCL), the receive buffer itself (one rank, no
@@ -331,29 +332,3 @@ def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.
         HIDDEN=hidden, TOP_K=top_k, K_P2=_pow2(top_k), ROW_BYTES=fmt.row_bytes, WEIGHTS_OFFSET=fmt.weights_offset,
         BLOCK_H=block_h,
     )
-
-
-@triton.jit
-def _sum_returned_kernel(recv_ptr, slot_ptr, out_ptr, num_ranks, num_slots, HIDDEN: tl.constexpr,
-                         P_P2: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
-    offs_p = tl.arange(0, P_P2)
-    slot_P = tl.load(slot_ptr + t * num_ranks + offs_p, mask=offs_p < num_ranks, other=num_slots)
-    sent_P = slot_P < num_slots
-    out_row = out_ptr + t.to(tl.int64) * HIDDEN
-    for h0 in range(0, HIDDEN, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        y_PH = tl.load(recv_ptr + slot_P[:, None] * HIDDEN + h[None, :], mask=sent_P[:, None] & (h[None, :] < HIDDEN),
-                       other=0.0).to(tl.float32)
-        tl.store(out_row + h, tl.sum(y_PH, axis=0).to(out_ptr.dtype.element_ty), mask=h < HIDDEN)
-
-
-def sum_returned(recv_SH: torch.Tensor, slot_TP: torch.Tensor) -> torch.Tensor:
-    """``[T, H]``: each token's returned rows (``recv_SH[slot_TP[t]]`` where sent) summed in float32."""
-    num_tokens, num_ranks = slot_TP.shape
-    hidden = recv_SH.shape[1]
-    out_TH = torch.empty(num_tokens, hidden, dtype=recv_SH.dtype, device=recv_SH.device)
-    if num_tokens:
-        _sum_returned_kernel[(num_tokens,)](recv_SH, slot_TP, out_TH, num_ranks, recv_SH.shape[0] - 1, HIDDEN=hidden,
-                                            P_P2=_pow2(num_ranks), BLOCK_H=_block_h(hidden, False))
-    return out_TH

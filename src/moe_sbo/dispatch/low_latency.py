@@ -49,6 +49,7 @@ from ..hooks import HookFn
 from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, EPGroup, Pending,
                    Traffic, register_dispatcher)
 from .layout import ExpertLayout
+from .reduce import gather_sum, interpreting_triton
 
 try:  # Triton comes with CUDA builds of torch; without it the torch reference path runs
     from . import ll_kernels
@@ -313,10 +314,6 @@ KERNELS = ("auto", "triton", "torch")
 TRANSPORTS = ("auto", "nccl", "symm_mem")
 
 
-def _interpreting_triton() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @functools.cache  # asked on every forward; the answer is fixed for the process
 def _peers_reachable(ep_size: int) -> bool:
     """Whether an EP group of ``ep_size`` can be one node's GPUs with peer access between them all
@@ -400,7 +397,7 @@ class LowLatencyDispatcher(Dispatcher):
         """Whether a forward on ``device`` runs the fused Triton kernels."""
         if self.kernels == "torch" or ll_kernels is None:
             return False
-        return device.type == "cuda" or (self.kernels == "triton" and _interpreting_triton())
+        return device.type == "cuda" or (self.kernels == "triton" and interpreting_triton())
 
     def transport_for(self, device: torch.device) -> str:
         """The transport a forward on ``device`` uses (``"auto"`` resolved; the same on every rank)."""
@@ -435,7 +432,7 @@ class LowLatencyDispatcher(Dispatcher):
                 f"the fused low_latency kernels need rows of a multiple of 16 bytes, got H = {hidden} x "
                 f"{inp.x_TH.element_size()} bytes; use kernels='torch' for this model"
             )
-        if self.kernels == "triton" and device.type != "cuda" and not _interpreting_triton():
+        if self.kernels == "triton" and device.type != "cuda" and not interpreting_triton():
             raise ValueError(
                 f"kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU interpreter), got x on "
                 f"{device}; use kernels='auto' or 'torch' here"
@@ -606,10 +603,9 @@ class LowLatencyDispatcher(Dispatcher):
         handle: LowLatencyHandle = pending.handle  # type: ignore[assignment]
         self._check_round(handle.generation)
         recv_SH, fused = pending.state
-        if fused:
-            return ll_kernels.sum_returned(recv_SH, handle.slot_TP)
-        # Each token's P returned rows (the zero padding slot where it sent nothing), summed in float32.
-        return recv_SH[handle.slot_TP].sum(dim=1, dtype=torch.float32).to(handle.dtype)
+        # Each token's P returned rows (slot S where it sent nothing), summed in float32 in a fixed order.
+        return gather_sum(recv_SH[:self.num_slots], handle.slot_TP, out_dtype=handle.dtype,
+                          kernels="triton" if fused else "torch")
 
 
 def mask_padding_tokens(num_tokens: torch.Tensor) -> HookFn:

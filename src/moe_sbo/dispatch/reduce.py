@@ -1,0 +1,105 @@
+"""Fixed-order sums of gathered rows: the combine reductions, with no float atomics.
+
+``gather_sum`` computes, for every output row m::
+
+    out[m] = sum over k = 0 .. K-1 of  weight[index[m, k]] * src[index[m, k]]     (index == N: skipped)
+
+accumulated in float32 and rounded once to the output dtype. Each output row is written by one
+program that reads its K sources in a fixed order, so the result does not depend on scheduling:
+the same inputs give the same bits on every run, on CPU and GPU. ``index_add_`` (float atomics on
+CUDA) gave no such promise, and needed an R x H float32 temporary besides.
+
+Callers: the expert-output combine of ``local``/``allgather``/``alltoall`` (src = expert outputs,
+index = the pair of each (row, k), weight = the pairs' top-k weights), ``alltoall``'s sum of the rows
+each rank returns, and ``low_latency``'s sum of the P returned rows (no weight).
+
+On CUDA a Triton kernel does it in one pass (grid M x H/BLOCK_H); elsewhere, or with
+``kernels="torch"``, K gathers summed in order. The two agree to float32 rounding, not bit for bit
+(the kernel's sum is a tree over k, the torch one a chain); each is deterministic on its own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path serves; kernels="triton" then raises
+    triton = None
+
+
+def interpreting_triton() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``; the CPU tests use it)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_sum_kernel(src_ptr, index_ptr, weight_ptr, out_ptr, num_src, HIDDEN: tl.constexpr,
+                           TOP_K: tl.constexpr, K_P2: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+        m = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_k = tl.arange(0, K_P2)
+        index_K = tl.load(index_ptr + m.to(tl.int64) * TOP_K + offs_k, mask=offs_k < TOP_K, other=num_src)
+        valid_K = index_K < num_src
+        src_KH = tl.load(src_ptr + index_K[:, None] * HIDDEN + h[None, :],
+                         mask=valid_K[:, None] & (h[None, :] < HIDDEN), other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            w_K = tl.load(weight_ptr + index_K, mask=valid_K, other=0.0).to(tl.float32)
+            src_KH = src_KH * w_K[:, None]
+        tl.store(out_ptr + m.to(tl.int64) * HIDDEN + h, tl.sum(src_KH, axis=0).to(out_ptr.dtype.element_ty),
+                 mask=h < HIDDEN)
+
+
+def uses_triton(device: torch.device, kernels: str = "auto") -> bool:
+    """Whether ``gather_sum(kernels=...)`` runs the Triton kernel on ``device``: ``"auto"`` on CUDA
+    when Triton imports, ``"triton"`` on CUDA or under Triton's interpreter, ``"torch"`` never."""
+    if kernels not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
+    if kernels == "torch" or (kernels == "auto" and triton is None):
+        return False
+    if kernels == "triton" and (triton is None or (device.type != "cuda" and not interpreting_triton())):
+        raise ValueError("kernels='triton' needs Triton and CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU "
+                         f"interpreter); got {device} tensors{'' if triton else ' and no Triton'}: use 'auto' or 'torch'")
+    return device.type == "cuda" or kernels == "triton"
+
+
+def gather_sum(src_NH: torch.Tensor, index_MK: torch.Tensor, weight_N: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.float32, kernels: str = "auto") -> torch.Tensor:
+    """``[M, H]`` in ``out_dtype``: row m is the (weighted) sum of ``src_NH[index_MK[m, k]]`` over k.
+
+    ``index_MK`` int64, each in ``[0, N]``; N (one past the last row) marks "no source" and adds
+    nothing. ``weight_N`` float32 ``[N]``: a weight per source row, or None for a plain sum.
+    """
+    num_rows, top_k = index_MK.shape
+    num_src, hidden = src_NH.shape
+    out_MH = torch.empty(num_rows, hidden, dtype=out_dtype, device=src_NH.device)
+    if num_rows == 0:
+        return out_MH
+    if num_src == 0:
+        return out_MH.zero_()
+    if uses_triton(src_NH.device, kernels):
+        k_p2 = triton.next_power_of_2(top_k)
+        # K x BLOCK_H float32 values live in one program's registers: at most 8192 of them.
+        block_h = max(min(triton.next_power_of_2(hidden), 8192 // k_p2, 1024), 16)
+        src = src_NH.contiguous()
+        _gather_sum_kernel[(num_rows, triton.cdiv(hidden, block_h))](
+            src, index_MK.contiguous(), src if weight_N is None else weight_N.contiguous(), out_MH, num_src,
+            HIDDEN=hidden, TOP_K=top_k, K_P2=k_p2, HAS_WEIGHT=weight_N is not None, BLOCK_H=block_h,
+        )
+        return out_MH
+    acc_MH = torch.zeros(num_rows, hidden, dtype=torch.float32, device=src_NH.device)
+    for k in range(top_k):  # a chain over k: the same order every run
+        index_M = index_MK[:, k]
+        valid_M = index_M < num_src
+        safe_M = torch.where(valid_M, index_M, 0)
+        rows_MH = src_NH[safe_M].float()
+        if weight_N is not None:
+            rows_MH.mul_(weight_N[safe_M].float()[:, None])
+        acc_MH.add_(torch.where(valid_M[:, None], rows_MH, 0.0))
+    return out_MH.copy_(acc_MH)
