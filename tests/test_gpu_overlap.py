@@ -18,12 +18,10 @@ from moe_sbo.trace import spans_from_trace
 
 pytestmark = pytest.mark.gpu
 # Modes that queue the very same kernels as none (only the stream or the moment differs) are bitwise
-# equal to none when the dispatcher's reductions have a fixed order (low_latency). combine_sm asks
-# cuBLASLt for fewer SMs, which may select another kernel; and the dispatchers that combine with
-# index_add_ (float atomics) may land their atomics in another order when the shared experts run
-# beside them (one bf16 ulp, measured in docs/RELIABILITY.md): bf16 tolerance for those.
+# equal to none: every dispatcher's reductions have a fixed order (reduce.gather_sum, no float
+# atomics). combine_sm asks cuBLASLt for fewer SMs, which may select another kernel: bf16 tolerance.
 BITWISE_MODES = ("none", "dispatch", "combine", "split")
-BITWISE_DISPATCHERS = ("low_latency",)
+BITWISE_DISPATCHERS = ("local", "allgather", "alltoall", "low_latency")
 BF16_REL_TOL = 1e-2
 
 
