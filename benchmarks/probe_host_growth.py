@@ -76,8 +76,9 @@ def grow_rank(device: torch.device, spec: dict) -> list[dict]:
                 objects.append(len(gc.get_objects()))
                 rss_kib.append(host_rss_kib())
         _sync(device)
-        rows.append({"kind": kind, "calls": spec["calls"], "t_call_us": (time.perf_counter() - start) / spec["calls"] * 1e6,
-                     "rss_kib_checkpoints": rss_kib, "py_objects_checkpoints": objects})
+        t_call_us = (time.perf_counter() - start) / spec["calls"] * 1e6
+        rows.append({"kind": kind, "calls": spec["calls"], "t_call_us": t_call_us, "rss_kib_checkpoints": rss_kib,
+                     "py_objects_checkpoints": objects})
     return rows
 
 

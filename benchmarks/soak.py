@@ -145,8 +145,8 @@ def soak_rank(device: torch.device, spec: dict) -> list[dict]:
         for _ in range(spec["warmup"]):
             _forward(layer, x_TH, spec["tbo"])
         watch = _Watch(layer, device, spec["tbo"])
-        rows.append({"graph": False, **path, **watch.report(_soak(lambda: _forward(layer, x_TH, spec["tbo"]), y_first,
-                                                          spec["forwards"]))})
+        soaked = _soak(lambda: _forward(layer, x_TH, spec["tbo"]), y_first, spec["forwards"])
+        rows.append({"graph": False, **path, **watch.report(soaked)})
 
         capturable = getattr(type(layer.dispatcher), "graph_capturable", False)
         if device.type == "cuda" and capturable and spec["graph_replays"] and not spec["tbo"]:

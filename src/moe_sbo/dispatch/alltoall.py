@@ -92,10 +92,11 @@ class AllToAllDispatcher(Dispatcher):
         # count is known on the host now, so nonzero needs no second host sync.
         dest_M, send_token_M = _nonzero_static(is_sent_TP.t(), sum(send_counts)).unbind(1)
 
-        # Ids are made local to the destination before sending, -1 where another rank owns them.
         # Where each (token, rank) row went, for combine's sum of the returned rows (M: nowhere).
         slot_TP = torch.full((num_tokens, ep.size), dest_M.shape[0], dtype=torch.int64, device=x_TH.device)
         slot_TP[send_token_M, dest_M] = torch.arange(dest_M.shape[0], device=x_TH.device)
+
+        # Ids are made local to the destination before sending, -1 where another rank owns them.
         local_ids_MK = self._local_ids(ids_TK[send_token_M], dest_M[:, None])
         send_meta = pack_topk(local_ids_MK, inp.topk_weights_TK[send_token_M])
         send_x = x_TH[send_token_M]

@@ -64,8 +64,9 @@ def uses_triton(device: torch.device, kernels: str = "auto") -> bool:
     if kernels == "torch" or (kernels == "auto" and triton is None):
         return False
     if kernels == "triton" and (triton is None or (device.type != "cuda" and not interpreting_triton())):
+        missing = "" if triton else " and no Triton"
         raise ValueError("kernels='triton' needs Triton and CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU "
-                         f"interpreter); got {device} tensors{'' if triton else ' and no Triton'}: use 'auto' or 'torch'")
+                         f"interpreter); got {device} tensors{missing}: use 'auto' or 'torch'")
     return device.type == "cuda" or kernels == "triton"
 
 
