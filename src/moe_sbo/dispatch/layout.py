@@ -73,11 +73,11 @@ def group_rows_by_expert(
     )
 
 
-def combine_rows(expert_y_RH: torch.Tensor, layout: ExpertLayout, out_dtype: torch.dtype = torch.float32,
-                 kernels: str = "auto") -> torch.Tensor:
+def combine_rows(expert_y_RH: torch.Tensor, layout: ExpertLayout,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Weighted sum of expert outputs into their rows: ``[M, H]`` in ``out_dtype``, summed in float32
     over each row's choices in top-k order (rows with no local choice are zero)."""
-    return gather_sum(expert_y_RH, layout.pair_MK, layout.weight_R, out_dtype=out_dtype, kernels=kernels)
+    return gather_sum(expert_y_RH, layout.pair_MK, layout.weight_R, out_dtype=out_dtype)
 
 
 def pack_topk(ids_MK: torch.Tensor, weights_MK: torch.Tensor) -> torch.Tensor:
