@@ -184,6 +184,7 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         row["rss_kib_before"] = [r["rss_kib_before"] for r in variant]
         row["rss_kib_after"] = [r["rss_kib_after"] for r in variant]
         row["rss_kib_checkpoints_rank0"] = variant[0]["rss_kib_checkpoints"]
+        row["py_objects_checkpoints_rank0"] = variant[0]["py_objects_checkpoints"]
         row["py_objects_growth"] = max(r["py_objects_checkpoints"][-1] - r["py_objects_checkpoints"][0] for r in variant)
         row["hooks_growth"] = max(r["hooks_after"] - r["hooks_before"] for r in variant)
         row["hooks_after"] = max(r["hooks_after"] for r in variant)
