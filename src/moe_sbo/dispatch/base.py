@@ -257,7 +257,6 @@ class Dispatcher:
                 "problem); every rank ends this forward before any data moved"
             )
 
-
     def _local_ids(self, ids_MK: torch.Tensor, owner_rank: int | torch.Tensor) -> torch.Tensor:
         """Global expert ids -> ids local to ``owner_rank`` (``-1`` for other ranks' experts)."""
         first = owner_rank * self.num_local_experts
