@@ -7,34 +7,40 @@
 #           (flight recorder on, then off), and the low_latency soak at EP 1 and EP n with each kernel
 #           path over NCCL (rows under growth/, packed into growth.tgz)
 #   soak    every EP dispatcher x every overlap mode, 10,000 eager forwards and 10,000 CUDA-graph replays
-#           where capturable, low_latency on its default path (symmetric memory from 2 GPUs)
+#           where capturable, low_latency on its default path (symmetric memory from 2 GPUs); --check:
+#           a case that is not flat fails the part
+# Every part runs; the exit status is 1 when any part failed (the tests, a probe, or a soak case).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 PARTS="${PARTS:-tests growth soak}"
+failed=""
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 TAG="h200x${GPUS}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 ;;
+    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 || failed+=" tests" ;;
     growth)
       mkdir -p "$OUT_DIR/growth"
       python3 benchmarks/probe_host_growth.py --device cuda --ranks 1 "$GPUS" \
-        --out "$OUT_DIR/growth/host_growth_$TAG.json" 2>&1 | grep -v Warning
+        --out "$OUT_DIR/growth/host_growth_$TAG.json" 2>&1 | grep -v Warning || failed+=" growth"
       TORCH_FR_BUFFER_SIZE=0 python3 benchmarks/probe_host_growth.py --device cuda --ranks 1 "$GPUS" \
-        --kinds all_reduce all_to_all_single --out "$OUT_DIR/growth/host_growth_${TAG}_fr_off.json" 2>&1 | grep -v Warning
+        --kinds all_reduce all_to_all_single --out "$OUT_DIR/growth/host_growth_${TAG}_fr_off.json" 2>&1 | grep -v Warning \
+        || failed+=" growth"
       for ranks in 1 "$GPUS"; do
         for kernels in torch triton; do
           python3 benchmarks/soak.py --device cuda --ranks "$ranks" --dispatchers low_latency --overlaps none \
             --kernels "$kernels" --transport nccl --forwards 5000 --settle 2000 --graph-replays 0 \
-            --out "$OUT_DIR/growth/soak_${TAG}_ep${ranks}_${kernels}.json" 2>&1 | tail -3
+            --out "$OUT_DIR/growth/soak_${TAG}_ep${ranks}_${kernels}.json" 2>&1 | tail -3 || failed+=" growth"
         done
       done
       tar czf "$OUT_DIR/growth.tgz" -C "$OUT_DIR" growth && rm -r "$OUT_DIR/growth" ;;
     soak)
       python3 benchmarks/soak.py --device cuda --dispatchers allgather alltoall low_latency --overlaps all \
-        --forwards 10000 --out "$OUT_DIR/soak_$TAG.json" 2>&1 | tee "$OUT_DIR/soak_$TAG.log" | tail -40 ;;
+        --forwards 10000 --check --out "$OUT_DIR/soak_$TAG.json" 2>&1 | tee "$OUT_DIR/soak_$TAG.log" | tail -40 \
+        || failed+=" soak" ;;
     *) echo "unknown part $part (tests growth soak)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
 done
+if [ -n "$failed" ]; then echo "failed:$failed"; exit 1; fi

@@ -14,9 +14,11 @@ Per (dispatcher, overlap mode) every rank builds one layer, runs ``--warmup`` fo
 - CUDA-graph replays (``--graph-replays``, GPU only, for dispatchers that declare
   ``graph_capturable``): the whole layer captured once, replayed N times, same checks (row ``graph``).
 
-Flat means: device memory and hook count exactly equal from the first checkpoint to the last, the
-Python object count no higher (it may fall by a few, when something made before the first checkpoint
-is freed), host RSS within ``--rss-tolerance-kib`` (the C allocator may still settle a few pages).
+Flat means: device memory and hook count exactly equal from the first checkpoint to the last; the
+Python object count at the last checkpoint at most ``--objects-tolerance`` above its lowest one (a
+leak of one object per forward is thousands over a soak; a transient object or two, a gloo thread's
+or one freed early, is not a leak); host RSS within ``--rss-tolerance-kib`` (the C allocator may still
+settle a few pages).
 ``--check`` makes any violation the exit status (1).
 Before the first case the ranks run ``--settle`` unmeasured forwards (a fresh process's allocator
 grows for a few thousand forwards whatever it runs; ``meta.settle`` records by how much).
@@ -106,7 +108,7 @@ def _soak(run, y_first: torch.Tensor, count: int) -> dict:
 
     Host RSS and the garbage collector's object count are read after the first call and then after
     every tenth of the calls, at the same point of this loop, so without a leak the object count
-    never rises from one checkpoint to the next.
+    stays where it was, give or take a transient object.
     """
     rss_kib, objects, differing, max_abs_diff = [], [], 0, 0.0
     every = max(count // CHECKPOINTS, 1)
@@ -172,6 +174,12 @@ def soak_rank(device: torch.device, spec: dict) -> list[dict]:
 # ---- the parent: one pool call per case, rows with the worst rank --------------------------------------
 
 
+def _rise_at_end(checkpoints: list[int]) -> int:
+    """How far a count ends above its lowest checkpoint: an early fall (something made before the
+    soak freed) must not hide a later rise, and a transient rise in the middle is not growth."""
+    return checkpoints[-1] - min(checkpoints)
+
+
 def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
     rows = []
     for variant in zip(*per_rank):  # eager row, then graph row, each across ranks
@@ -185,7 +193,7 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         row["rss_kib_after"] = [r["rss_kib_after"] for r in variant]
         row["rss_kib_checkpoints_rank0"] = variant[0]["rss_kib_checkpoints"]
         row["py_objects_checkpoints_rank0"] = variant[0]["py_objects_checkpoints"]
-        row["py_objects_growth"] = max(r["py_objects_checkpoints"][-1] - r["py_objects_checkpoints"][0] for r in variant)
+        row["py_objects_growth"] = max(_rise_at_end(r["py_objects_checkpoints"]) for r in variant)
         row["hooks_growth"] = max(r["hooks_after"] - r["hooks_before"] for r in variant)
         row["hooks_after"] = max(r["hooks_after"] for r in variant)
         for key in ("kernels", "transport"):  # low_latency only: the path that ran
@@ -202,19 +210,21 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
     return rows
 
 
-def violations(row: dict, rss_tolerance_kib: int) -> list[str]:
+def violations(row: dict, rss_tolerance_kib: int, objects_tolerance: int = 8) -> list[str]:
     """What is not flat (or not stable) in a summary row; empty when the case passed."""
     bad = []
     if row.get("error"):
         return [f"failed: {row['error'][:200]}"]
     if row["hooks_growth"] or row["hooks_after"]:
         bad.append(f"hooks grew by {row['hooks_growth']} ({row['hooks_after']} left)")
-    if row["py_objects_growth"] > 0:  # fewer objects at the end is something transient freed, not a leak
+    if row["py_objects_growth"] > objects_tolerance:
         bad.append(f"{row['py_objects_growth']} more Python objects")
     if row["rss_growth_kib"] > rss_tolerance_kib:
         bad.append(f"host RSS grew by {row['rss_growth_kib']} KiB")
     if row.get("cuda_allocated_growth"):
         bad.append(f"CUDA memory grew by {row['cuda_allocated_growth']} B")
+    # On CUDA drift is reported, not failed: combine_sm's SM budget (and auto, which may settle on it
+    # after the first forward) can pick another cuBLAS kernel than the first forward did.
     if row["outputs_differing"] and row.get("device") == "cpu":
         bad.append(f"{row['outputs_differing']} outputs differ bitwise (CPU is deterministic)")
     return bad
@@ -241,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="forwards run once before any case, unmeasured, so the ranks' allocator settles")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-tolerance-kib", type=int, default=1024)
+    parser.add_argument("--objects-tolerance", type=int, default=8,
+                        help="Python objects the count may end above its lowest checkpoint")
     parser.add_argument("--check", action="store_true", help="exit 1 when any case is not flat or not stable")
     parser.add_argument("--out", required=True, help="JSON file (a directory gets soak_<device>.json)")
     args = parser.parse_args(argv)
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                              "tbo": spec["tbo"], "error": str(exc)[-3000:]}]
             for row in new_rows:
                 row["device"] = device
-                problems = violations(row, args.rss_tolerance_kib)
+                problems = violations(row, args.rss_tolerance_kib, args.objects_tolerance)
                 row["flat"] = not problems
                 failed += bool(problems)
                 kind = "graph" if row.get("graph") else "eager"

@@ -2,9 +2,9 @@
 mode, one batch or two-batch overlap, float32 and bfloat16, low_latency with fp8 dispatch too.
 
 "Run to run" is checked three ways: two forwards of one layer, a freshly built layer, and freshly
-started rank processes (a second pool). On CPU every reduction has a fixed order: ``index_add_``
-runs sequentially, gloo's reduce-scatter sums in a fixed ring order and each rank uses one thread.
-(Which dispatchers are expected to be bitwise on GPU, and why, is in docs/RELIABILITY.md.)
+started rank processes (a second pool). Every reduction has a fixed order: the combines sum with
+``reduce.gather_sum`` (a chain over k), gloo's reduce-scatter sums in a fixed ring order and each rank
+uses one thread. (The GPU side, tested in tests/test_gpu.py, is in docs/RELIABILITY.md §6.)
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def test_soak_smoke(tmp_path):
         assert "error" not in row, row
         assert all(field in row for field in FIELDS) and row["graph"] is False and row["flat"]
         assert row["forwards"] == 30 and row["t_forward_us"] > 0
-        assert row["hooks_growth"] == 0 and row["hooks_after"] == 0 and row["py_objects_growth"] == 0
+        # Objects: a transient one or two may come and go; a leak of one per forward would be ~27 here.
+        assert row["hooks_growth"] == 0 and row["hooks_after"] == 0 and row["py_objects_growth"] <= 8
         assert row["outputs_differing"] == 0 and len(row["rss_kib_checkpoints_rank0"]) == 11
         # low_latency's rows name the path "auto" resolved to: on CPU the torch ops over the process group.
         assert (row["kernels"], row["transport"]) == ("torch", "nccl")
@@ -74,12 +75,16 @@ def test_soak_judges_growth_not_a_fall():
     flat = {"hooks_growth": 0, "hooks_after": 0, "py_objects_growth": 0, "rss_growth_kib": 12,
             "cuda_allocated_growth": 0, "outputs_differing": 0, "device": "cuda"}
     assert soak.violations(flat, rss_tolerance_kib=1024) == []
-    assert soak.violations(dict(flat, py_objects_growth=-2), rss_tolerance_kib=1024) == []  # freed, not leaked
-    assert soak.violations(dict(flat, py_objects_growth=1), rss_tolerance_kib=1024) == ["1 more Python objects"]
+    assert soak._rise_at_end([100, 100, 100]) == 0
+    assert soak._rise_at_end([100, 98, 98]) == 0  # freed, not leaked
+    assert soak._rise_at_end([100, 98, 109]) == 11  # a rise after an early fall still counts
+    assert soak._rise_at_end([100, 101, 100]) == 0  # a transient object in the middle is not growth
+    assert soak.violations(dict(flat, py_objects_growth=1), rss_tolerance_kib=1024) == []  # one transient object
+    assert soak.violations(dict(flat, py_objects_growth=30), rss_tolerance_kib=1024) == ["30 more Python objects"]
     assert soak.violations(dict(flat, rss_growth_kib=2044), rss_tolerance_kib=1024) == ["host RSS grew by 2044 KiB"]
     assert soak.violations(dict(flat, cuda_allocated_growth=512), rss_tolerance_kib=1024) == [
         "CUDA memory grew by 512 B"]
-    # Bitwise drift fails on CPU (deterministic) but is reported, not failed, on CUDA (float atomics).
+    # Bitwise drift fails on CPU but is reported, not failed, on CUDA (combine_sm may pick another GEMM).
     assert soak.violations(dict(flat, outputs_differing=3), rss_tolerance_kib=1024) == []
     assert soak.violations(dict(flat, outputs_differing=3, device="cpu"), rss_tolerance_kib=1024) == [
         "3 outputs differ bitwise (CPU is deterministic)"]

@@ -77,6 +77,9 @@ def combine_rows(expert_y_RH: torch.Tensor, layout: ExpertLayout,
                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Weighted sum of expert outputs into their rows: ``[M, H]`` in ``out_dtype``, summed in float32
     over each row's choices in top-k order (rows with no local choice are zero)."""
+    if layout.pair_MK is None:
+        raise ValueError("combine_rows needs a layout from group_rows_by_expert (one with pair_MK); "
+                         "low_latency's layouts are combined by its own reduce_pairs")
     return gather_sum(expert_y_RH, layout.pair_MK, layout.weight_R, out_dtype=out_dtype)
 
 

@@ -1,5 +1,6 @@
 """Fused Triton kernels of the ``low_latency`` dispatcher: five kernels per forward, not ~35 torch ops
-(plus the two small ones of the id assert).
+(plus the two small ones of the id assert); four live here, the last (``gather_sum``) in ``reduce.py``,
+which the other dispatchers share.
 
 Same legend and wire format as ``low_latency.py`` (T tokens, C capacity, P ranks, S = P * C slots,
 K top-k, L local experts, H hidden, B row bytes, R = S * K expert rows). Each kernel replaces a chain
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .layout import ExpertLayout
+from .reduce import block_h_for
 
 FP8_GROUP = 128
 FP8_MAX = 448.0
@@ -326,7 +328,7 @@ def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.
     ``s // C`` of ``dst``. Slots with no local pair are not written (their sender never reads them)."""
     num_slots, top_k = fixed.pair_row_SK.shape
     hidden = expert_y_RH.shape[1]
-    block_h = min(_block_h(hidden, False), 8192 // _pow2(top_k))
+    block_h = block_h_for(hidden, _pow2(top_k))
     _reduce_pairs_kernel[(num_slots, triton.cdiv(hidden, block_h))](
         expert_y_RH, fixed.pair_row_SK, fixed.num_real_1, recv_SB, dst.anchor, dst.offsets_P, capacity,
         HIDDEN=hidden, TOP_K=top_k, K_P2=_pow2(top_k), ROW_BYTES=fmt.row_bytes, WEIGHTS_OFFSET=fmt.weights_offset,

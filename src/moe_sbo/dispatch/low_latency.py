@@ -337,9 +337,9 @@ class LowLatencyDispatcher(Dispatcher):
     (2, as DeepEP: one per micro-batch of two-batch overlap); a round whose buffers a later round
     took raises instead of reading them.
 
-    ``kernels``: ``"triton"`` runs the five fused kernels of ``ll_kernels`` (CUDA, or CPU under
-    ``TRITON_INTERPRET=1``); ``"torch"`` the reference chain of torch ops (any device); ``"auto"``
-    Triton on CUDA when it imports, torch otherwise. Both produce the same bytes on the wire and
+    ``kernels``: ``"triton"`` runs the five fused kernels (``ll_kernels`` and ``reduce.gather_sum``;
+    CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"torch"`` the reference chain of torch ops (any
+    device); ``"auto"`` Triton on CUDA when it imports, torch otherwise. Both produce the same bytes on the wire and
     the same layout; combine sums in float32 either way (the order differs, so bf16 results may
     differ by an ulp between the two, never run to run).
 

@@ -56,6 +56,12 @@ if triton is not None:
                  mask=h < HIDDEN)
 
 
+def block_h_for(hidden: int, k_p2: int, min_block: int = 16) -> int:
+    """Columns per program for kernels that hold ``k_p2`` (a power of two) rows of a block in
+    registers: at most 1024 (7 steps for DeepSeek-V3's 7168) and at most 8192 float32 values in all."""
+    return max(min(triton.next_power_of_2(max(hidden, 1)), 8192 // k_p2, 1024), min_block)
+
+
 def uses_triton(device: torch.device, kernels: str = "auto") -> bool:
     """Whether ``gather_sum(kernels=...)`` runs the Triton kernel on ``device``: ``"auto"`` on CUDA
     when Triton imports, ``"triton"`` on CUDA or under Triton's interpreter, ``"torch"`` never."""
@@ -74,7 +80,7 @@ def gather_sum(src_NH: torch.Tensor, index_MK: torch.Tensor, weight_N: torch.Ten
                out_dtype: torch.dtype = torch.float32, kernels: str = "auto") -> torch.Tensor:
     """``[M, H]`` in ``out_dtype``: row m is the (weighted) sum of ``src_NH[index_MK[m, k]]`` over k.
 
-    ``index_MK`` int64, each in ``[0, N]``; N (one past the last row) marks "no source" and adds
+    ``index_MK`` integer, each in ``[0, N]``; N (one past the last row) marks "no source" and adds
     nothing. ``weight_N`` float32 ``[N]``: a weight per source row, or None for a plain sum.
     """
     num_rows, top_k = index_MK.shape
@@ -82,12 +88,12 @@ def gather_sum(src_NH: torch.Tensor, index_MK: torch.Tensor, weight_N: torch.Ten
     out_MH = torch.empty(num_rows, hidden, dtype=out_dtype, device=src_NH.device)
     if num_rows == 0:
         return out_MH
-    if num_src == 0:
+    if num_src == 0 or top_k == 0:
         return out_MH.zero_()
+    index_MK = index_MK.long()  # the kernel's row offsets index * H must not wrap at 2**31
     if uses_triton(src_NH.device, kernels):
         k_p2 = triton.next_power_of_2(top_k)
-        # K x BLOCK_H float32 values live in one program's registers: at most 8192 of them.
-        block_h = max(min(triton.next_power_of_2(hidden), 8192 // k_p2, 1024), 16)
+        block_h = block_h_for(hidden, k_p2)
         src = src_NH.contiguous()
         _gather_sum_kernel[(num_rows, triton.cdiv(hidden, block_h))](
             src, index_MK.contiguous(), src if weight_N is None else weight_N.contiguous(), out_MH, num_src,
@@ -102,5 +108,5 @@ def gather_sum(src_NH: torch.Tensor, index_MK: torch.Tensor, weight_N: torch.Ten
         rows_MH = src_NH[safe_M].float()
         if weight_N is not None:
             rows_MH.mul_(weight_N[safe_M].float()[:, None])
-        acc_MH.add_(torch.where(valid_M[:, None], rows_MH, 0.0))
+        acc_MH.add_(rows_MH.masked_fill_(~valid_M[:, None], 0.0))
     return out_MH.copy_(acc_MH)
