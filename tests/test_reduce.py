@@ -62,6 +62,9 @@ def test_gather_sum_edges(kernels):
     out = gather_sum(src, torch.tensor([[4, 4], [0, 4]]), kernels=kernels)
     assert torch.equal(out[0], torch.zeros(32)) and torch.equal(out[1], src[0])
     assert gather_sum(src, torch.empty(0, 3, dtype=torch.int64), kernels=kernels).shape == (0, 32)
+    assert torch.equal(gather_sum(src, torch.empty(3, 0, dtype=torch.int64), kernels=kernels), torch.zeros(3, 32))
+    int32_index = torch.tensor([[1, 4], [3, 2]], dtype=torch.int32)  # any integer dtype
+    torch.testing.assert_close(gather_sum(src, int32_index, kernels=kernels), torch.stack([src[1], src[3] + src[2]]))
     empty_src = torch.empty(0, 32)
     assert torch.equal(gather_sum(empty_src, torch.zeros(3, 2, dtype=torch.int64), kernels=kernels),
                        torch.zeros(3, 32))
