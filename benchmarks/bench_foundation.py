@@ -255,25 +255,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if "layer" not in args.skip:
                 for name in args.dispatchers:
-                    t0 = time.perf_counter()
-                    failure = results.add_step(
+                    results.add_timed_step(
+                        f"ep={p} {name}",
                         lambda: summarise_layer(pool.run(layer_bench_rank, args.preset, name, args.tokens,
                                                          dtype_name, warmup, iters, args.seed),
                                                 args.preset, name, dtype_name),
-                        {"bench": "moe_layer", "preset": args.preset, "ep": p, "dispatcher": name})
-                    if failure:
-                        print(failure, file=sys.stderr)
-                    print(f"[{time.perf_counter() - started:6.1f}s] ep={p} {name}: "
-                          f"{time.perf_counter() - t0:.1f}s", flush=True)
+                        {"bench": "moe_layer", "preset": args.preset, "ep": p, "dispatcher": name}, started)
             if "gemm" not in args.skip and index == 0:
-                t0 = time.perf_counter()
-                failure = results.add_step(
+                results.add_timed_step(
+                    "grouped GEMM",
                     lambda: pool.run(grouped_gemm_rank, args.preset, cases, dtype_name, args.quick, args.seed)[0],
-                    {"bench": "grouped_gemm", "preset": args.preset})
-                if failure:
-                    print(failure, file=sys.stderr)
-                print(f"[{time.perf_counter() - started:6.1f}s] grouped GEMM: {time.perf_counter() - t0:.1f}s",
-                      flush=True)
+                    {"bench": "grouped_gemm", "preset": args.preset}, started)
         finally:
             pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)

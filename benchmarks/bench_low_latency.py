@@ -298,13 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [(name, baseline_rank, (cfg, name, args.tokens, warmup, iters, args.seed)) for name in args.baselines]
         try:
             for name, fn, fn_args in jobs:
-                t0 = time.perf_counter()
-                failure = results.add_step(lambda: summarise(pool.run(fn, *fn_args), common, name),
-                                           {"bench": "low_latency", **common, "ep": p, "dispatcher": name})
-                if failure:
-                    print(failure, file=sys.stderr)
-                print(f"[{time.perf_counter() - started:6.1f}s] ep={p} {name}: {time.perf_counter() - t0:.1f}s",
-                      flush=True)
+                results.add_timed_step(f"ep={p} {name}", lambda: summarise(pool.run(fn, *fn_args), common, name),
+                                       {"bench": "low_latency", **common, "ep": p, "dispatcher": name}, started)
         finally:
             pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)

@@ -14,8 +14,6 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 PARTS="${PARTS:-tests growth soak}"
 failed=""
-GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-TAG="h200x${GPUS}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in

@@ -42,8 +42,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import default_dtype_name, default_ep_size, result_meta, result_path
-from moe_sbo.config import PRESETS, get_preset
+from moe_sbo.bench_meta import add_rank_args, default_dtype_name, default_ep_size, result_meta, result_path
+from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import OVERLAP_MODES
@@ -232,10 +232,7 @@ def violations(row: dict, rss_tolerance_kib: int, objects_tolerance: int = 8) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--ranks", type=int, default=None, help="ranks (default: every GPU, or 2 on CPU)")
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    add_rank_args(parser)
     parser.add_argument("--tokens", type=int, default=16, help="tokens per rank (fixed shapes)")
     parser.add_argument("--forwards", type=int, default=None, help="per case (default: 10000 GPU, 2000 CPU)")
     parser.add_argument("--warmup", type=int, default=100)

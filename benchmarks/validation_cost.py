@@ -37,8 +37,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import default_dtype_name, default_ep_size, result_meta, result_path
-from moe_sbo.config import PRESETS, get_preset
+from moe_sbo.bench_meta import add_rank_args, default_dtype_name, default_ep_size, result_meta, result_path
+from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS, CombineInput, DispatchInput
 from moe_sbo.layer import MoELayer
 from moe_sbo.runtime import RankError, RankPool, resolve_device
@@ -160,12 +160,9 @@ def summarise(per_rank: list[dict], spec: dict, ep: int, experts: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--ranks", type=int, default=None, help="ranks (default: every GPU, or 2 on CPU)")
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    add_rank_args(parser)
     parser.add_argument("--experts-per-gpu", type=int, default=None,
                         help="routed experts per rank (E = this x ranks); default: the preset's E")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: 128 GPU, 16 CPU)")
     parser.add_argument("--dispatchers", nargs="+", default=["all"])
     parser.add_argument("--warmup", type=int, default=20)

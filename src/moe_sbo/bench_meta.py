@@ -9,6 +9,7 @@ import datetime
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,15 @@ class ResultFile:
         self.save()
         return failure
 
+    def add_timed_step(self, label: str, run: Callable[[], list[dict]], error_row: dict, started: float) -> None:
+        """``add_step``, then the failure (if any) on stderr and one progress line: seconds since
+        ``started`` (a ``time.perf_counter()`` value) and this step's own seconds."""
+        t0 = time.perf_counter()
+        failure = self.add_step(run, error_row)
+        if failure:
+            print(failure, file=sys.stderr)
+        print(f"[{time.perf_counter() - started:6.1f}s] {label}: {time.perf_counter() - t0:.1f}s", flush=True)
+
 
 # ---- what the benchmark drivers share ----------------------------------------------------------------
 
@@ -95,6 +105,16 @@ def default_dtype_name(device: str) -> str:
 def default_ep_size(device: str) -> int:
     """Ranks a benchmark starts unless told: every visible GPU, or 2 CPU ranks."""
     return torch.cuda.device_count() if device == "cuda" else 2
+
+
+def add_rank_args(p: argparse.ArgumentParser, preset: str = "tiny") -> None:
+    """The options a one-setup driver (soak, validation cost) shares: device, rank count, preset, dtype."""
+    from .config import PRESETS
+
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--ranks", type=int, default=None, help="ranks (default: every GPU, or 2 on CPU)")
+    p.add_argument("--preset", default=preset, choices=sorted(PRESETS))
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
 
 
 def result_path(out: str, stem: str, device: str) -> Path:

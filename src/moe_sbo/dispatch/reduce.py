@@ -100,7 +100,8 @@ def gather_sum(src_NH: torch.Tensor, index_MK: torch.Tensor, weight_N: torch.Ten
             HIDDEN=hidden, TOP_K=top_k, K_P2=k_p2, HAS_WEIGHT=weight_N is not None, BLOCK_H=block_h,
         )
         return out_MH
-    acc_MH = torch.zeros(num_rows, hidden, dtype=torch.float32, device=src_NH.device)
+    # Accumulate in float32: in the output itself when it is float32, else in a temporary.
+    acc_MH = out_MH.zero_() if out_dtype == torch.float32 else torch.zeros_like(out_MH, dtype=torch.float32)
     for k in range(top_k):  # a chain over k: the same order every run
         index_M = index_MK[:, k]
         valid_M = index_M < num_src
@@ -109,4 +110,4 @@ def gather_sum(src_NH: torch.Tensor, index_MK: torch.Tensor, weight_N: torch.Ten
         if weight_N is not None:
             rows_MH.mul_(weight_N[safe_M].float()[:, None])
         acc_MH.add_(rows_MH.masked_fill_(~valid_M[:, None], 0.0))
-    return out_MH.copy_(acc_MH)
+    return acc_MH if acc_MH is out_MH else out_MH.copy_(acc_MH)
