@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kib", type=int, default=64, help="KiB each rank sends per call")
     parser.add_argument("--out", required=True, help="JSON file (a directory gets host_growth_<device>.json)")
     args = parser.parse_args(argv)
+    if args.calls < 2 or args.warmup < 0 or args.kib < 1 or min(args.ranks) < 1:
+        parser.error("--calls must be >= 2 (growth is last checkpoint minus first), --warmup >= 0, --kib >= 1 "
+                     f"and every --ranks >= 1; got {args.calls}, {args.warmup}, {args.kib}, {args.ranks}")
 
     device = resolve_device(args.device)
     out = result_path(args.out, "host_growth", device)
