@@ -37,12 +37,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import ResultFile, Sweep, add_sweep_args, default_dtype_name, result_meta
+from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
+from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.config import get_preset, PRESETS
 from moe_sbo.experts import RoutedExperts, grouped_mm_supported
 from moe_sbo.layer import MoELayer
 from moe_sbo.runtime import RankPool
-from moe_sbo.timing import SPANS, KernelTimer, time_all_to_all, time_layer
+from moe_sbo.measure.timing import SPANS, KernelTimer, time_all_to_all, time_layer
 
 DISPATCHERS = ("allgather", "alltoall")
 # ---- the layer benchmark (runs on every rank) -------------------------------------------------------

@@ -44,13 +44,14 @@ import torch
 import torch.distributed as dist
 
 from bench_foundation import _fmt
-from moe_sbo.bench_meta import ResultFile, Sweep, add_sweep_args, default_dtype_name, result_meta
+from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
+from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.config import MoEConfig, PRESETS, get_preset
 from moe_sbo.dispatch.low_latency import RowFormat
 from moe_sbo.layer import MoELayer
 from moe_sbo.runtime import RankPool
 from moe_sbo.streams import capture_graph
-from moe_sbo.timing import Stamps, line_up, time_all_to_all, time_fn, time_layer
+from moe_sbo.measure.timing import Stamps, line_up, time_all_to_all, time_fn, time_layer
 
 TARGETS = {"tokens_per_rank": 128, "t_dispatch_us": 60.0, "t_combine_us": 80.0, "overhead_vs_nccl": 1.2}
 FP8_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}

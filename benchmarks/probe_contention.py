@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_sbo.bench_meta import result_meta
+from moe_sbo.measure.results import result_meta
 from moe_sbo.experts import SharedExperts
 from moe_sbo.streams import sm_budget, sm_count
 

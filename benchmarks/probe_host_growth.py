@@ -25,7 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import result_meta, result_path
+from moe_sbo.cli.options import result_path
+from moe_sbo.measure.results import result_meta
 from moe_sbo.runtime import RankPool, resolve_device
 from soak import CHECKPOINTS, host_rss_kib
 

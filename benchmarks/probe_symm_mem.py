@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 from moe_sbo.streams import capture_graph
-from moe_sbo.timing import line_up, time_fn
+from moe_sbo.measure.timing import line_up, time_fn
 
 
 def slowest_median_us(replay, iters: int) -> float:

@@ -42,15 +42,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import add_rank_args, default_dtype_name, default_ep_size, result_meta, result_path
+from moe_sbo.cli.options import add_rank_args, default_dtype_name, default_ep_size, result_path
+from moe_sbo.measure.results import result_meta
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import OVERLAP_MODES
-from moe_sbo.overlap.tbo import run_interleaved
+from moe_sbo.overlap.tbo import dispatcher_for
+from moe_sbo.stages import run_interleaved
 from moe_sbo.runtime import RankError, RankPool, resolve_device
 from moe_sbo.streams import capture_graph
-from moe_sbo.timing import line_up
+from moe_sbo.measure.timing import line_up
 
 CHECKPOINTS = 10
 
@@ -67,15 +69,15 @@ def host_rss_kib() -> int:
 
 def _hook_count(layer: MoELayer, tbo: bool) -> int:
     """Hooks on the dispatchers the soak uses (micro-batch 1's twin too under two-batch overlap)."""
-    return sum(layer.dispatcher_for(mb).hooks.count() for mb in ((0, 1) if tbo else (0,)))
+    return sum(dispatcher_for(layer, mb).hooks.count() for mb in ((0, 1) if tbo else (0,)))
 
 
 def _forward(layer: MoELayer, x_TH: torch.Tensor, tbo: bool) -> torch.Tensor:
     if not tbo:
         return layer(x_TH)
     half = x_TH.shape[0] // 2
-    return torch.cat(run_interleaved(layer.stages(x_TH[:half], micro_batch=0),
-                                     layer.stages(x_TH[half:], micro_batch=1), delay=0))
+    return torch.cat(run_interleaved(layer.stages(x_TH[:half], dispatcher=dispatcher_for(layer, 0)),
+                                     layer.stages(x_TH[half:], dispatcher=dispatcher_for(layer, 1)), delay=0))
 
 
 class _Watch:

@@ -37,12 +37,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_sbo.bench_meta import add_rank_args, default_dtype_name, default_ep_size, result_meta, result_path
+from moe_sbo.cli.options import add_rank_args, default_dtype_name, default_ep_size, result_path
+from moe_sbo.measure.results import result_meta
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS, CombineInput, DispatchInput
 from moe_sbo.layer import MoELayer
 from moe_sbo.runtime import RankError, RankPool, resolve_device
-from moe_sbo.timing import line_up, time_fn
+from moe_sbo.measure.timing import line_up, time_fn
 
 CHECKS = ("_check_dispatch_input", "_check_combine_input")
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = result_meta(device=device, world_size=ranks)
     meta.update(preset=args.preset, num_experts=experts, tokens_per_rank=tokens, iters=args.iters, rounds=args.rounds,
                 timing="host clock around each call, synchronize before and after (CUDA); forwards via "
-                       "moe_sbo.timing.time_fn (ranks lined up between iterations); medians; slowest rank")
+                       "moe_sbo.measure.timing.time_fn (ranks lined up between iterations); medians; slowest rank")
     rows = []
     pool = RankPool(ranks, device)
     try:

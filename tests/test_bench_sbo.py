@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from moe_sbo.cli import main
+from moe_sbo.cli.main import main
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.overlap import OVERLAP_MODES
-from moe_sbo.trace import load_spans
+from moe_sbo.measure.trace import load_spans
 
 FIELDS = ("bench", "preset", "ep", "tokens_per_rank", "dispatcher", "overlap", "tbo", "dtype", "graph",
           "t_layer_us", "t_dispatch_us", "t_combine_us", "t_shared_us", "t_routed_us", "t_comm_us", "t_ideal_us",

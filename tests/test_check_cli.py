@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from hf_blocks import make_hf_model, write_broken_v3, write_checkpoint, write_published_v3
-from moe_sbo import check_cli, runtime
-from moe_sbo.cli import main
+from moe_sbo import runtime
+from moe_sbo.cli import check as check_cli
+from moe_sbo.cli.main import main
 
 
 @pytest.fixture(scope="module")

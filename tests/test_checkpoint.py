@@ -10,9 +10,10 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from hf_blocks import make_hf_model, quantize_fp8_blocks, write_broken_v3, write_published_v3
-from moe_sbo.checkpoint import Checkpoint, LayerLoader, dequantize_fp8_blocks
+from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader, dequantize_fp8_blocks
 from moe_sbo.config import PRESETS
-from moe_sbo.hf import config_from_hf, moe_layer_indices, reference_moe_block, weights_from_hf_moe
+from moe_sbo.hf.config import config_from_hf, moe_layer_indices
+from moe_sbo.hf.reference import reference_moe_block, weights_from_hf_moe
 from moe_sbo.layer import MoELayer
 
 FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe")
@@ -176,7 +177,7 @@ def test_fp8_checkpoint_dequantises_to_the_originals(tmp_path):
         assert torch.allclose(got, orig, rtol=1 / 16, atol=orig.abs().max().item() / 448)
         assert ((got - orig).norm() / orig.norm()).item() < 0.05
     shared_down = originals[P + "shared_experts.down_proj.weight"]
-    assert torch.allclose(weights.shared_down_proj_HS, shared_down, rtol=1 / 16,
+    assert torch.allclose(weights.shared_down_proj_HJ, shared_down, rtol=1 / 16,
                           atol=shared_down.abs().max().item() / 448)
     assert torch.equal(weights.router_weight_EH, originals[P + "gate.weight"])  # bf16 on disk, not quantised
     # Default dtype: FP8 weights come back bf16; bytes read count 1 B per FP8 element plus the scales.

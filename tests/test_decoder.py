@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from moe_sbo.attention import Attention, AttentionConfig, Batch, KVCache
+from moe_sbo.model.attention import Attention, AttentionConfig, Batch, KVCache
 from moe_sbo.config import get_preset
-from moe_sbo.decoder import DecoderLayer
+from moe_sbo.model.decoder import DecoderLayer
 from moe_sbo.layer import MoELayer
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)

@@ -69,7 +69,7 @@ def _case_rank(device, dispatcher, routing, token_case, skew):
             recv = layer.dispatcher.dispatch(x, ids, weights)
             y = layer.dispatcher.combine(layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L), recv.handle)
             outputs.append(y)
-        traffic = recv.handle.traffic
+        traffic = ep.dispatcher.last_traffic
     owners = torch.div(ids, ep.dispatcher.num_local_experts, rounding_mode="floor")
     remote_ranks = sum(len(set(row) - {rank}) for row in owners.tolist())
     return {"err": (outputs[0] - outputs[1]).abs().max().item() if tokens else 0.0,

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
-from moe_sbo.overlap.tbo import run_interleaved
+from moe_sbo.overlap.tbo import dispatcher_for
+from moe_sbo.stages import run_interleaved
 from moe_sbo.runtime import LocalRanks, RankError
 
 COLLECTIVE_TIMEOUT_S = 30
@@ -72,11 +73,12 @@ def _faulty_forward_rank(device, dispatcher, overlap, phase, fault, victim, tbo=
             x = torch.randn(CAPACITY + 1, 64)
         else:
             # On micro-batch 1's dispatcher in the two-batch case: the fault hits B while A is in flight.
-            layer.dispatcher_for(1 if tbo else 0).hooks.register(phase, lambda d, payload: _inject(fault, phase))
+            dispatcher_for(layer, 1 if tbo else 0).hooks.register(phase, lambda d, payload: _inject(fault, phase))
     with torch.inference_mode():
         if tbo:
             half = x.shape[0] // 2
-            run_interleaved(layer.stages(x[:half], micro_batch=0), layer.stages(x[half:], micro_batch=1), delay=0)
+            run_interleaved(layer.stages(x[:half], dispatcher=dispatcher_for(layer, 0)),
+                            layer.stages(x[half:], dispatcher=dispatcher_for(layer, 1)), delay=0)
         else:
             layer(x)
     return "finished"

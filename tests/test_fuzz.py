@@ -31,7 +31,8 @@ from moe_sbo.dispatch import DISPATCHERS, DispatchInput
 from moe_sbo.hooks import HOOK_EVENTS, IN_FLIGHT_EVENTS
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import OVERLAP_MODES
-from moe_sbo.overlap.tbo import run_interleaved
+from moe_sbo.overlap.tbo import dispatcher_for
+from moe_sbo.stages import run_interleaved
 
 EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})
 FLOAT32_TOL = 1e-5  # relative to max |y|: EP dispatchers sum the K expert outputs in another order
@@ -296,8 +297,8 @@ def forward(layer: MoELayer, x_TH: torch.Tensor, tbo: bool) -> torch.Tensor:
     if not tbo:
         return layer(x_TH)
     half = x_TH.shape[0] // 2
-    out_a, out_b = run_interleaved(layer.stages(x_TH[:half], micro_batch=0),
-                                   layer.stages(x_TH[half:], micro_batch=1), delay=0)
+    out_a, out_b = run_interleaved(layer.stages(x_TH[:half], dispatcher=dispatcher_for(layer, 0)),
+                                   layer.stages(x_TH[half:], dispatcher=dispatcher_for(layer, 1)), delay=0)
     return torch.cat([out_a, out_b])
 
 
@@ -309,7 +310,7 @@ def _hooks_case_rank(device, case):
                                 dtype=torch.float32, seed=4, dispatcher_options=options)
     layer = _LAYERS[key]
     batches = (0, 1) if case["tbo"] else (0,)
-    registries = [layer.dispatcher_for(mb).hooks for mb in batches]
+    registries = [dispatcher_for(layer, mb).hooks for mb in batches]
     leftover_before = [r.count() for r in registries]
     rank = dist.get_rank()
     x_TH = torch.randn(case["tokens"][rank], 64, generator=torch.Generator().manual_seed(case["seed"] + rank))

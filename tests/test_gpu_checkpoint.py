@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_blocks import make_hf_model, write_published_v3
-from moe_sbo.cli import main
+from moe_sbo.cli.main import main
 
 pytestmark = pytest.mark.gpu
 

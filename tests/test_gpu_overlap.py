@@ -14,7 +14,7 @@ from moe_sbo.dispatch import options_for_tokens
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import FIXED_MODES, OVERLAP_MODES, make_overlap
 from moe_sbo.streams import capture_graph, sm_count
-from moe_sbo.trace import spans_from_trace
+from moe_sbo.measure.trace import spans_from_trace
 
 pytestmark = pytest.mark.gpu
 # Modes that queue the very same kernels as none (only the stream or the moment differs) are bitwise

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from hf_blocks import FAMILIES, make_hf_block
-from moe_sbo.hf import config_from_hf, weights_from_hf_moe
+from moe_sbo.hf.config import config_from_hf
+from moe_sbo.hf.reference import weights_from_hf_moe
 from moe_sbo.layer import MoELayer
 from moe_sbo.routing import Router
 

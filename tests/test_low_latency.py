@@ -37,7 +37,7 @@ def _routed(layer: MoELayer, x_TH: torch.Tensor, ids_TK=None, weights_TK=None) -
         ids_TK, weights_TK = topk.topk_ids_TK, topk.topk_weights_TK
     recv = layer.dispatcher.dispatch(x_TH, ids_TK, weights_TK)
     y_TH = layer.dispatcher.combine(layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L), recv.handle)
-    return y_TH, recv.handle.traffic
+    return y_TH, layer.dispatcher.last_traffic
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -9,13 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_sbo.attention import AttentionConfig, Batch
+from moe_sbo.model.attention import AttentionConfig, Batch
 from moe_sbo.config import get_preset
-from moe_sbo.decoder import DecoderLayer
+from moe_sbo.model.decoder import DecoderLayer
 from moe_sbo.dispatch import DISPATCHERS
-from moe_sbo.layer import MoELayer, run_to_end
+from moe_sbo.layer import MoELayer
+from moe_sbo.stages import run_to_end
 from moe_sbo.overlap import FIXED_MODES
-from moe_sbo.overlap.tbo import run_interleaved, split_batch, tbo_forward
+from moe_sbo.overlap.tbo import dispatcher_for, split_batch, tbo_forward
+from moe_sbo.stages import run_interleaved
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
 EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})
@@ -107,7 +109,7 @@ def _tbo_rank(device, dispatcher, regime, modes):
             events = {0: [], 1: []}
             for mb in (0, 1):
                 for event in ("dispatch_in_flight", "combine_in_flight"):
-                    layer.moe.dispatcher_for(mb).hooks.register(event, lambda d, p, mb=mb, e=event: events[mb].append(e))
+                    dispatcher_for(layer.moe, mb).hooks.register(event, lambda d, p, mb=mb, e=event: events[mb].append(e))
             plain = layer(x, batch, make_cache(layer))
             events[0].clear()
             tbo = tbo_forward(layer, x, batch, make_cache(layer))
@@ -115,13 +117,13 @@ def _tbo_rank(device, dispatcher, regime, modes):
             # The same two micro-batches run one after the other: interleaving must change nothing.
             split = split_batch(batch)
             cache = make_cache(layer)
-            sequential = [run_to_end(layer.stages(x[m.start:m.stop], m.batch, cache, micro_batch=i))
+            sequential = [run_to_end(layer.stages(x[m.start:m.stop], m.batch, cache, dispatcher=dispatcher_for(layer.moe, i)))
                           for i, m in enumerate((split.a, split.b))]
             results[mode] = {
                 "tbo": tbo, "rel": ((tbo - plain).norm() / plain.norm()).item(),
                 "same_as_sequential": torch.equal(tbo, torch.cat(sequential)),
-                "events": tbo_events, "leaked": sum(layer.moe.dispatcher_for(mb).hooks.count() for mb in (0, 1)) - 4,
-                "twin_is_separate": layer.moe.dispatcher_for(1) is not layer.moe.dispatcher,
+                "events": tbo_events, "leaked": sum(dispatcher_for(layer.moe, mb).hooks.count() for mb in (0, 1)) - 4,
+                "twin_is_separate": dispatcher_for(layer.moe, 1) is not layer.moe.dispatcher,
             }
     return results
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .trace import annotate
+from .profiling import annotate
 
 
 @functools.lru_cache(maxsize=None)

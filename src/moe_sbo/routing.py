@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .trace import annotate
+from .profiling import annotate
 
 
 @dataclass(frozen=True)

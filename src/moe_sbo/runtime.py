@@ -35,19 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import env
+
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
 
 
 def default_collective_timeout_s() -> float:
     """Seconds a rank waits inside one collective before it fails (``MOE_SBO_TIMEOUT_S``, default 60)."""
-    value = os.environ.get("MOE_SBO_TIMEOUT_S", "60")
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"MOE_SBO_TIMEOUT_S must be a number of seconds > 0, got {value!r}")
-    return seconds
+    return env.collective_timeout_s()
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -85,10 +80,11 @@ def init_from_torchrun(device: str = "auto") -> torch.device:
     A rank that raises exits non-zero and torchrun stops the others; a rank that is alive but never
     reaches a collective makes the others fail after ``MOE_SBO_TIMEOUT_S``.
     """
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    ranks = env.torchrun_rank()
+    if ranks is None:
         raise RuntimeError("RANK/WORLD_SIZE are not set: start this under torchrun, or use LocalRanks")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return _join_group(resolve_device(device), int(os.environ.get("LOCAL_RANK", rank)),
+    rank, world, local_rank = ranks
+    return _join_group(resolve_device(device), local_rank,
                        default_collective_timeout_s(),
                        rank=rank, world_size=world)
 

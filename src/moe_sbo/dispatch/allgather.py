@@ -115,9 +115,9 @@ class AllGatherDispatcher(Dispatcher):
         out_TH = partial_MH.new_empty(handle.padded_tokens, handle.hidden_size)
         work = _reduce_scatter_single(out_TH, partial_MH, group=ep.group, async_op=True)
         chunk_bytes = handle.padded_tokens * handle.hidden_size * partial_MH.element_size()
-        handle.traffic.combine_bytes_sent = (ep.size - 1) * chunk_bytes
-        handle.traffic.combine_bytes_recv = (ep.size - 1) * chunk_bytes
-        return Pending(works=[work], state=out_TH)
+        traffic = Traffic(combine_bytes_sent=(ep.size - 1) * chunk_bytes,
+                          combine_bytes_recv=(ep.size - 1) * chunk_bytes)
+        return Pending(works=[work], state=out_TH, traffic=traffic)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()

@@ -135,9 +135,9 @@ class AllToAllDispatcher(Dispatcher):
         work = dist.all_to_all_single(back_MH, partial_MH, list(handle.send_counts),
                                       list(handle.recv_counts), group=self.ep.group, async_op=True)
         row_bytes = handle.hidden_size * partial_MH.element_size()
-        handle.traffic.combine_bytes_sent = _remote(handle.recv_counts, self.ep.rank) * row_bytes
-        handle.traffic.combine_bytes_recv = _remote(handle.send_counts, self.ep.rank) * row_bytes
-        return Pending(works=[work], state=back_MH)
+        traffic = Traffic(combine_bytes_sent=_remote(handle.recv_counts, self.ep.rank) * row_bytes,
+                          combine_bytes_recv=_remote(handle.send_counts, self.ep.rank) * row_bytes)
+        return Pending(works=[work], state=back_MH, traffic=traffic)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()

@@ -20,25 +20,30 @@ see the hooks; nothing here replaces a method on an instance.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from ..hooks import HookRegistry
-from ..trace import annotate
+from ..profiling import annotate
 from .layout import ExpertLayout
 
 
-@dataclass
+@dataclass(frozen=True)
 class Traffic:
-    """Bytes this rank put on / took off the wire for one forward (its own rank's share excluded)."""
+    """Bytes this rank put on / took off the wire (its own rank's share excluded): one phase's, or
+    a forward's (the sum of its two phases), or two micro-batches' (their sum)."""
 
     dispatch_bytes_sent: int = 0
     dispatch_bytes_recv: int = 0
     combine_bytes_sent: int = 0
     combine_bytes_recv: int = 0
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     @property
     def bytes_sent(self) -> int:
@@ -60,7 +65,10 @@ class DispatchInput:
 
 @dataclass(frozen=True)
 class DispatchHandle:
-    """What combine needs to undo a dispatch. Schemes subclass it with their own fields."""
+    """What combine needs to undo a dispatch. Schemes subclass it with their own fields.
+
+    ``traffic``: the bytes the dispatch phase moved (recorded when it ended).
+    """
 
     num_tokens: int
     hidden_size: int
@@ -92,11 +100,13 @@ class CombineInput:
 
 @dataclass
 class Pending:
-    """A transfer on the wire (payload of the ``*_in_flight`` hooks): async works plus scheme state."""
+    """A transfer on the wire (payload of the ``*_in_flight`` hooks): async works plus scheme state,
+    and ``traffic``, the bytes this phase moves (known at launch)."""
 
     works: list[Any]
     state: Any
     handle: DispatchHandle | None = None
+    traffic: Traffic = Traffic()
 
     def wait(self) -> None:
         """Block until the transfer is done (CPU), or make the current stream wait for it (CUDA)."""
@@ -128,7 +138,8 @@ class EPGroup:
 class Dispatcher:
     """Moves tokens to the ranks owning their experts and brings the outputs back.
 
-    One instance per layer and EP group. ``hooks`` is this dispatcher's ``HookRegistry``.
+    One instance per layer and EP group. ``hooks`` is this dispatcher's ``HookRegistry``;
+    ``last_traffic`` the bytes of the last finished dispatch + combine (recorded by ``combine_wait``).
     """
 
     name: ClassVar[str] = "base"
@@ -148,6 +159,20 @@ class Dispatcher:
         self.num_local_experts = num_experts // ep.size
         self.first_local_expert = ep.rank * self.num_local_experts
         self.hooks = HookRegistry()
+        self.last_traffic = Traffic()
+
+    def twin(self) -> "Dispatcher":
+        """A dispatcher for a second micro-batch: the same group and buffers, its own hooks.
+
+        Two-batch overlap runs two forwards interleaved; each needs its own hooks so a strategy
+        attaches to one micro-batch only. Whatever the scheme keeps between forwards (buffers and
+        the round counter of ``low_latency``) is shared, so two rounds in flight use the scheme's
+        own double buffering.
+        """
+        twin = copy.copy(self)
+        twin.hooks = HookRegistry()
+        twin.last_traffic = Traffic()
+        return twin
 
     # ---- the public two-phase API -------------------------------------------------------------
 
@@ -213,6 +238,7 @@ class Dispatcher:
         """
         with annotate("combine"):
             y_TH = self._wait_combine(pending)
+        self.last_traffic = pending.handle.traffic + pending.traffic
         return self.hooks.run("post_combine", self, y_TH)
 
     def combine(self, expert_y_RH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

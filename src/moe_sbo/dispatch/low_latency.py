@@ -39,12 +39,12 @@ device-side assert on CUDA (loud and fatal, never a silent drop), a plain check 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..hooks import HookFn
 from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, EPGroup, Pending,
                    Traffic, register_dispatcher)
@@ -277,6 +277,13 @@ class _Buffers:
     combine_barrier: object = field(default=None, compare=False)
 
 
+@dataclass
+class RoundCounter:
+    """Dispatches launched so far by a dispatcher and its twins; round n uses buffer set n % num_buffers."""
+
+    launched: int = 0
+
+
 class _SymmBarrier:
     """The "work" of a symmetric-memory phase: its data already went out inside the kernel, so
     waiting is a barrier with every peer (after it, their writes to this rank are visible)."""
@@ -321,7 +328,7 @@ def _peers_reachable(ep_size: int) -> bool:
     ``LOCAL_WORLD_SIZE`` when set) and every pair of local GPUs has peer access. The same answer on
     every rank of a node, so ``transport="auto"`` resolves alike everywhere."""
     num_gpus = torch.cuda.device_count()
-    if ep_size > num_gpus or int(os.environ.get("LOCAL_WORLD_SIZE", ep_size)) < ep_size:
+    if ep_size > num_gpus or env.local_world_size(ep_size) < ep_size:
         return False
     return all(torch.cuda.can_device_access_peer(a, b) for a in range(num_gpus) for b in range(num_gpus) if a != b)
 
@@ -389,7 +396,8 @@ class LowLatencyDispatcher(Dispatcher):
         # copies locally.
         self._collective = ep.size > 1 or (dist.is_initialized() and dist.get_world_size(ep.group) == 1)
         self._buffers: dict[tuple, list[_Buffers]] = {}
-        self._rounds = 0  # dispatches launched so far; round n uses buffer set n % num_buffers
+        # Shared with twin() dispatchers (two-batch overlap): they take turns on the same buffer sets.
+        self._rounds = RoundCounter()
 
     # ---- validation (before any collective, no host read of device data) -----------------------------
 
@@ -512,9 +520,9 @@ class LowLatencyDispatcher(Dispatcher):
                         ll_kernels.Destinations.make(combine_recv, combine_dst), *handles)
 
     def _check_round(self, generation: int) -> None:
-        if self._rounds - generation > self.num_buffers:
+        if self._rounds.launched - generation > self.num_buffers:
             raise RuntimeError(
-                f"this dispatch's buffers were taken by a later one: {self._rounds - generation - 1} "
+                f"this dispatch's buffers were taken by a later one: {self._rounds.launched - generation - 1} "
                 f"dispatches started after it, but a low_latency dispatcher keeps num_buffers = "
                 f"{self.num_buffers} rounds in flight; combine each round before starting more, or raise "
                 "num_buffers"
@@ -538,8 +546,8 @@ class LowLatencyDispatcher(Dispatcher):
         x_TH, ids_TK = inp.x_TH, inp.topk_ids_TK
         num_tokens, hidden = x_TH.shape
         fmt = RowFormat.make(hidden, ids_TK.shape[1], x_TH.dtype, self.fp8)
-        generation = self._rounds
-        self._rounds += 1
+        generation = self._rounds.launched
+        self._rounds.launched += 1
         bufs = self.buffers(x_TH.device, x_TH.dtype, hidden, ids_TK.shape[1])[generation % self.num_buffers]
         fused = self.uses_triton(x_TH.device)
         if fused:
@@ -594,9 +602,8 @@ class LowLatencyDispatcher(Dispatcher):
         works = self._exchange(bufs.combine_recv_SH[:self.num_slots], bufs.combine_send_SH, fused,
                                bufs.combine_barrier)
         block_bytes = (self.ep.size - 1) * self.capacity * handle.hidden_size * bufs.combine_send_SH.element_size()
-        handle.traffic.combine_bytes_sent = block_bytes
-        handle.traffic.combine_bytes_recv = block_bytes
-        return Pending(works=works, state=(bufs.combine_recv_SH, fused))
+        traffic = Traffic(combine_bytes_sent=block_bytes, combine_bytes_recv=block_bytes)
+        return Pending(works=works, state=(bufs.combine_recv_SH, fused), traffic=traffic)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()

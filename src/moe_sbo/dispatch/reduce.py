@@ -20,9 +20,9 @@ On CUDA a Triton kernel does it in one pass (grid M x H/BLOCK_H); elsewhere, or 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .. import env
 
 try:
     import triton
@@ -33,7 +33,7 @@ except ImportError:  # the torch path serves; kernels="triton" then raises
 
 def interpreting_triton() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``; the CPU tests use it)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return env.triton_interpreting()
 
 
 if triton is not None:

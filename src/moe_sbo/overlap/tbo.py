@@ -8,9 +8,10 @@ executor runs micro-batch A ``delay`` stages ahead, then alternates A, B, A, B o
     delay 0:  A0 B0 A1 B1 A2 B2     B's attention runs while A's dispatch is in flight
     delay 1:  A0 A1 B0 A2 B1 B2     B's attention runs while A's combine is in flight
 
-Each micro-batch uses its own dispatcher (``MoELayer.dispatcher_for``): its own hooks, so single-batch
-overlap strategies attach to the right micro-batch and SBO and TBO combine, and its own buffers, so two
-transfers in flight never write the same memory (DeepEP's double buffer).
+Each micro-batch uses its own dispatcher (``dispatcher_for``: B's is a twin of A's): its own hooks, so
+single-batch overlap strategies attach to the right micro-batch and SBO and TBO combine. The twin
+shares the scheme's buffers, whose own rounds keep two transfers in flight apart (DeepEP's double
+buffer, ``low_latency``'s ``num_buffers``).
 
 The hard part is agreement across ranks. Every rank must issue the same collectives in the same
 order, yet each rank splits its own batch. So every rank always runs two micro-batches in the
@@ -24,13 +25,19 @@ second half attends to them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
-from dataclasses import astuple, dataclass
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention import Batch, KVCache
-from ..dispatch import Traffic
+from ..dispatch import Dispatcher
+from ..model.attention import Batch, KVCache
+from ..stages import run_interleaved
+
+if TYPE_CHECKING:
+    from ..layer import MoELayer
+    from ..model.decoder import DecoderLayer
 
 log = logging.getLogger("moe_sbo.tbo")
 
@@ -41,6 +48,8 @@ BALANCE_THRESHOLD = 0.48
 MIN_PREFILL_TOKENS = 64
 # Stages micro-batch A runs before B starts, per regime (measure: ``moe-sbo bench --tbo``).
 DEFAULT_DELAY = {"decode": 0, "prefill": 0}
+# Micro-batch B's dispatcher per micro-batch A's, dropped with it.
+_TWINS: weakref.WeakKeyDictionary[Dispatcher, Dispatcher] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -114,37 +123,25 @@ def _cut(batch: Batch, seq: int, inside: int | None) -> Split:
     return Split(MicroBatch(0, a_tokens, a), MicroBatch(a_tokens, batch.num_tokens, b))
 
 
-def run_interleaved(stages_a: Generator, stages_b: Generator, delay: int) -> tuple[object, object]:
-    """Run A ``delay`` stages ahead, then alternate A, B; both generators' return values.
+def twin_dispatcher(dispatcher: Dispatcher) -> Dispatcher:
+    """Micro-batch B's dispatcher for ``dispatcher`` (micro-batch A's): made once, then reused.
 
-    If either raises, both are closed (so each exits its hook scope) and the error propagates.
+    Its own hooks, so an SBO strategy attaches to one micro-batch only; the scheme's buffers are
+    shared (``Dispatcher.twin``), so the scheme's own double buffering keeps the two rounds apart.
     """
-    if delay < 0:
-        raise ValueError(f"delay must be >= 0 stages, got {delay}")
-    gens, results, done = (stages_a, stages_b), [None, None], [False, False]
-
-    def step(i: int) -> None:
-        try:
-            next(gens[i])
-        except StopIteration as finished:
-            done[i], results[i] = True, finished.value
-
-    try:
-        for _ in range(delay):
-            if not done[0]:
-                step(0)
-        while not all(done):
-            for i in (0, 1):
-                if not done[i]:
-                    step(i)
-    except BaseException:
-        for gen in gens:
-            gen.close()
-        raise
-    return results[0], results[1]
+    if dispatcher not in _TWINS:
+        _TWINS[dispatcher] = dispatcher.twin()
+    return _TWINS[dispatcher]
 
 
-def tbo_forward(layer, x_TH: torch.Tensor, batch: Batch, cache: KVCache, *, delay: int | None = None,
+def dispatcher_for(moe: MoELayer, micro_batch: int) -> Dispatcher:
+    """The dispatcher micro-batch 0 (``moe.dispatcher``) or 1 (its twin) of ``moe`` uses."""
+    if micro_batch not in (0, 1):
+        raise ValueError(f"micro_batch must be 0 or 1 (two-batch overlap), got {micro_batch}")
+    return moe.dispatcher if micro_batch == 0 else twin_dispatcher(moe.dispatcher)
+
+
+def tbo_forward(layer: DecoderLayer, x_TH: torch.Tensor, batch: Batch, cache: KVCache, *, delay: int | None = None,
                 threshold: float = BALANCE_THRESHOLD, min_prefill_tokens: int = MIN_PREFILL_TOKENS) -> torch.Tensor:
     """``layer`` (a ``DecoderLayer``) on ``x_TH`` [T, H] as two interleaved micro-batches -> ``[T, H]``."""
     if x_TH.shape[0] != batch.num_tokens:
@@ -156,8 +153,9 @@ def tbo_forward(layer, x_TH: torch.Tensor, batch: Batch, cache: KVCache, *, dela
     if delay is None:
         delay = DEFAULT_DELAY["decode" if batch.decode else "prefill"]
     a, b = split.a, split.b
-    out_a, out_b = run_interleaved(layer.stages(x_TH[a.start:a.stop], a.batch, cache, micro_batch=0),
-                                   layer.stages(x_TH[b.start:b.stop], b.batch, cache, micro_batch=1), delay)
-    traffic = layer.moe.micro_batch_traffic
-    layer.moe.last_traffic = Traffic(*(x + y for x, y in zip(astuple(traffic[0]), astuple(traffic[1]))))
+    dispatcher_a, dispatcher_b = dispatcher_for(layer.moe, 0), dispatcher_for(layer.moe, 1)
+    out_a, out_b = run_interleaved(layer.stages(x_TH[a.start:a.stop], a.batch, cache, dispatcher=dispatcher_a),
+                                   layer.stages(x_TH[b.start:b.stop], b.batch, cache, dispatcher=dispatcher_b),
+                                   delay)
+    layer.moe.last_traffic = dispatcher_a.last_traffic + dispatcher_b.last_traffic
     return torch.cat([out_a, out_b]) if b.stop > b.start else out_a

@@ -19,8 +19,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import planner
-from .config import PRESETS
+from .. import planner
+from ..config import PRESETS
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .trace import annotate
+from ..profiling import annotate
 
 
 @dataclass(frozen=True)

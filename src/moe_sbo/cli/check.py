@@ -23,9 +23,12 @@ import json
 import torch
 import torch.distributed as dist
 
-from .checkpoint import Checkpoint, LayerLoader
-from .dispatch import DISPATCHERS
-from .layer import MoELayer
+from ..dispatch import DISPATCHERS
+from ..hf.checkpoint import Checkpoint, LayerLoader
+from ..layer import MoELayer
+from ..measure.results import result_meta
+from ..runtime import LocalRanks, default_world_size, resolve_device
+from .options import make_console
 
 # Relative L2 error allowed against transformers' float32 module, per --dtype.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -77,9 +80,6 @@ def run_check(args: argparse.Namespace) -> int:
     """Run the check; print the table; write ``--json``. Returns 0 (all within tolerance) or 1."""
     from rich.table import Table
 
-    from .bench_meta import result_meta
-    from .cli import make_console
-    from .runtime import LocalRanks, default_world_size, resolve_device
 
     device = resolve_device(args.device)
     ranks = args.ranks or default_world_size(device)
@@ -154,7 +154,7 @@ def check_rank(device: torch.device, path: str, layer_index: int, dispatchers: l
 @torch.no_grad()
 def reference_outputs(checkpoint: Checkpoint, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """``transformers``' block for the model, every expert of ``layer`` in float32, on each rank's tokens."""
-    from .hf import reference_moe_block
+    from ..hf.reference import reference_moe_block
 
     weights, _ = checkpoint.read_moe_weights(layer, dtype=torch.float32)
     block = reference_moe_block(checkpoint.hf_config, weights)

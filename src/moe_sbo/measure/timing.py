@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .streams import capture_graph
+from ..streams import capture_graph
 
 if TYPE_CHECKING:
-    from .layer import MoELayer
+    from ..layer import MoELayer
 
 # Hook events stamped inside one forward, plus "start"/"end" around it.
 HOOK_STAMPS = ("pre_dispatch", "dispatch_in_flight", "post_dispatch", "pre_combine", "combine_in_flight",

@@ -15,14 +15,15 @@ import random
 
 import torch
 import torch.distributed as dist
+from rich.table import Table
 
-from .attention import AttentionConfig, Batch
-from .bench import _cfg, cached, dispatcher_options, profile_spans, row_head
-from .timing import time_fn
-from .decoder import DecoderLayer
-from .layer import MoELayer
-from .overlap import make_overlap
-from .overlap.tbo import tbo_forward
+from ..layer import MoELayer
+from ..measure.timing import time_fn
+from ..model.attention import AttentionConfig, Batch
+from ..model.decoder import DecoderLayer
+from ..overlap import make_overlap
+from ..overlap.tbo import tbo_forward
+from .bench_common import bench_config, cached, dispatcher_options, profile_spans, row_head
 
 def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int = 4096) -> list[int]:
     """Sequence lengths in ``[shortest, longest]`` summing to ``tokens`` (the last one takes the rest)."""
@@ -39,7 +40,7 @@ def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
            tuple(sorted(options.items())), spec["heads"], spec["kv_heads"], spec["head_dim"])
 
     def make() -> DecoderLayer:
-        cfg = _cfg(spec["preset"], spec["num_experts"])
+        cfg = bench_config(spec["preset"], spec["num_experts"])
         moe = MoELayer(cfg, dispatcher=spec["dispatcher"], dtype=getattr(torch, spec["dtype"]), device=device,
                        seed=spec["seed"], dispatcher_options=options)
         attn = AttentionConfig(cfg.hidden_size, spec["heads"], spec["kv_heads"], spec["head_dim"])
@@ -102,9 +103,8 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
     return rows
 
 
-def tbo_table(rows: list[dict]):
-    from rich.table import Table
-
+def tbo_table(rows: list[dict]) -> Table:
+    """The TBO rows as a terminal table."""
     table = Table(title="decoder layer: two-batch overlap (slowest rank, median µs)")
     for title in ("regime", "tokens", "seqs", "dispatcher", "overlap", "tbo (delay)", "graph", "layer µs", "× none"):
         table.add_column(title, justify="right" if title in ("tokens", "seqs", "layer µs", "× none") else "left")

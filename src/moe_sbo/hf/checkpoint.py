@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from .config import MoEConfig
-from .hf import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
-from .layer import MoELayer, MoEWeights
+from ..config import MoEConfig
+from ..layer import MoELayer
+from ..weights import MoEWeights
+from .config import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -329,7 +330,7 @@ def _weights(parts: dict[str, torch.Tensor]) -> MoEWeights:
     return MoEWeights(
         router_weight_EH=parts["router"], e_score_correction_bias_E=parts.get("bias"),
         gate_up_proj_E2IH=parts["gate_up"], down_proj_EHI=parts["down"],
-        shared_gate_up_proj_2SH=parts.get("shared_gate_up"), shared_down_proj_HS=parts.get("shared_down"),
+        shared_gate_up_proj_2JH=parts.get("shared_gate_up"), shared_down_proj_HJ=parts.get("shared_down"),
     )
 
 

@@ -1,7 +1,7 @@
-"""What actually overlapped: profiler annotations, spans per stream from a trace, and the timeline picture.
+"""What actually overlapped: spans per stream from a profiler trace, and the timeline picture.
 
-The library marks its phases with ``annotate("moe_sbo.<kind>")`` (free unless the PyTorch profiler
-is on: a ``record_function`` costs ~6 µs of host time, too much for every decode forward). From a
+The library marks its phases with ``profiling.annotate`` (``moe_sbo.<kind>`` ranges, free unless the
+PyTorch profiler is on). From a
 Chrome trace written by ``torch.profiler`` this module rebuilds one lane per CUDA stream: every
 kernel becomes a span whose kind is the innermost ``moe_sbo.*`` annotation around its launch on the
 host (found through the launch's correlation id), or ``comm`` when it is a NCCL kernel. Without CUDA
@@ -19,18 +19,12 @@ from pathlib import Path
 
 import torch
 
-PREFIX = "moe_sbo."
+from ..profiling import PREFIX
+
 COLORS = {
     "shared_experts": "#d62728", "routed_experts": "#1f77b4", "dispatch": "#2ca02c", "combine": "#9467bd",
     "comm": "#ff7f0e", "router": "#8c564b", "attention": "#17becf", "other": "#bbbbbb",
 }
-
-
-def annotate(kind: str) -> contextlib.AbstractContextManager:
-    """A ``record_function("moe_sbo.<kind>")`` while the profiler runs; nothing otherwise."""
-    if torch._C._autograd._profiler_enabled():
-        return torch.profiler.record_function(PREFIX + kind)
-    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

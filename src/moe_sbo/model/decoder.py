@@ -17,8 +17,11 @@ from collections.abc import Generator
 import torch
 from torch import nn
 
+from ..dispatch import Dispatcher
+from ..layer import MoELayer
+from ..stages import run_to_end
+from ..weights import seeded_normal
 from .attention import Attention, AttentionConfig, Batch, KVCache
-from .layer import MoELayer, _randn, run_to_end
 
 
 class DecoderLayer(nn.Module):
@@ -37,8 +40,8 @@ class DecoderLayer(nn.Module):
         self.moe = moe
         with torch.no_grad():
             h, nd = attn_cfg.hidden_size, attn_cfg.num_heads * attn_cfg.head_dim
-            self.attention.qkv_proj.copy_(_randn(tuple(self.attention.qkv_proj.shape), h ** -0.5, seed, "qkv", 0, device))
-            self.attention.o_proj.copy_(_randn((h, nd), nd ** -0.5, seed, "o_proj", 0, device))
+            self.attention.qkv_proj.copy_(seeded_normal(tuple(self.attention.qkv_proj.shape), h ** -0.5, seed, "qkv", 0, device))
+            self.attention.o_proj.copy_(seeded_normal((h, nd), nd ** -0.5, seed, "o_proj", 0, device))
 
     def make_cache(self, num_slots: int, capacity: int) -> KVCache:
         """An empty KV cache for ``num_slots`` sequences of up to ``capacity`` tokens."""
@@ -48,11 +51,12 @@ class DecoderLayer(nn.Module):
         return run_to_end(self.stages(x_TH, batch, cache))
 
     def stages(self, x_TH: torch.Tensor, batch: Batch, cache: KVCache,
-               micro_batch: int = 0) -> Generator[None, None, torch.Tensor]:
-        """The forward, pausing while the MoE's transfers are in flight; returns ``[T, H]``."""
+               dispatcher: Dispatcher | None = None) -> Generator[None, None, torch.Tensor]:
+        """The forward, pausing while the MoE's transfers are in flight; returns ``[T, H]``.
+        ``dispatcher``: the MoE's (default) or, for two-batch overlap's micro-batch B, its twin."""
         if x_TH.shape[0] != batch.num_tokens:
             raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
         cache.check(batch)  # before the first collective: a bad batch must not leave other ranks waiting
         h_TH = x_TH + self.attention(self.input_norm(x_TH), batch, cache) if x_TH.shape[0] else x_TH
-        moe_TH = yield from self.moe.stages(self.post_attention_norm(h_TH), micro_batch)
+        moe_TH = yield from self.moe.stages(self.post_attention_norm(h_TH), dispatcher)
         return h_TH + moe_TH

@@ -1,0 +1,1 @@
+"""The ``moe-sbo`` command line: one module per subcommand (``main.py`` dispatches)."""

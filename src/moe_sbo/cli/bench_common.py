@@ -1,0 +1,81 @@
+"""What the ``bench`` subcommand's SBO and TBO sweeps share: the setup of a row, one cached layer
+per rank, and one profiled forward turned into timeline spans.
+
+The hard part is memory across a sweep: building a DeepSeek-sized layer is costly, so a rank keeps
+its last one between calls, and only the last one, so sweeping setups does not accumulate GPU memory.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+
+import torch
+
+from ..config import MoEConfig, get_preset
+from ..dispatch import dispatcher_option_names, options_for_tokens
+from ..measure.timing import line_up
+from ..measure.trace import spans_from_trace
+
+
+def bench_config(preset: str, num_experts: int | None) -> MoEConfig:
+    """``preset`` with ``num_experts`` routed experts (its own count when None)."""
+    cfg = get_preset(preset)
+    if num_experts and num_experts != cfg.num_experts:
+        cfg = cfg.with_num_experts(num_experts).replace(name=f"{cfg.name}-e{num_experts}")
+    return cfg
+
+
+CACHED: dict[tuple, object] = {}
+
+
+def cached(key: tuple, make: Callable[[], object], device: torch.device):
+    """The rank's object for ``key``, kept between calls (weights are costly to make); only the last
+    one is kept, so sweeping over setups does not accumulate GPU memory."""
+    if key not in CACHED:
+        CACHED.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        CACHED[key] = make()
+    return CACHED[key]
+
+
+def dispatcher_options(spec: dict, tokens: int) -> dict:
+    """Options for ``spec``'s dispatcher: its capacity sized for ``tokens`` and ``--transport``, where
+    the dispatcher takes them (``low_latency``)."""
+    options = options_for_tokens(spec["dispatcher"], tokens)
+    if "transport" in dispatcher_option_names(spec["dispatcher"]):
+        options["transport"] = spec["transport"]
+    return options
+
+
+def row_head(bench: str, spec: dict, ep: int) -> dict:
+    """The fields every SBO and TBO row opens with: the setup it measured."""
+    cfg = bench_config(spec["preset"], spec["num_experts"])
+    # transport: what --transport asked of a dispatcher that takes one (low_latency), else None.
+    transport = spec["transport"] if "transport" in dispatcher_option_names(spec["dispatcher"]) else None
+    return {"bench": bench, "preset": spec["preset"], "ep": ep, "num_experts": cfg.num_experts,
+            "experts_per_gpu": cfg.num_experts // ep, "dispatcher": spec["dispatcher"], "transport": transport,
+            "dtype": spec["dtype"]}
+
+
+def profile_spans(run: Callable[[], object], device: torch.device, rank: int, trace_path: str | None) -> list[dict]:
+    """Warm ``run`` up, profile one call on every rank; rank 0 returns its spans (and keeps the trace)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for _ in range(3):
+        run()
+    line_up(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if rank != 0:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace_path or str(Path(tmp) / "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return [vars(s) for s in spans_from_trace(json.load(f))]

@@ -1,0 +1,160 @@
+"""``moe-sbo bench`` (without ``--tbo``): single-batch overlap measured — every dispatcher × every overlap mode × token count.
+
+For each (expert count, dispatcher, tokens per rank), on every rank of the EP group:
+
+- ``t_shared_us``: the shared experts alone on the same tokens;
+- ``t_comm_us``: dispatch + combine alone (the routed experts skipped: outputs = inputs);
+- per overlap mode: the layer's median time and its phases (CUDA events recorded by dispatcher hooks,
+  no sync inside a forward), and for decode sizes (<= ``--graph-max-tokens``) with a dispatcher that
+  can be captured, the median of CUDA-graph replays as a second row (``graph: true``).
+
+Per-rank medians become one row per mode: times are the slowest rank's. In each group,
+``efficiency = (t_none - t_mode) / min(t_shared, t_comm)`` (1.0: the shorter side fully hidden),
+``speedup_vs_none = t_none / t_mode`` and ``t_ideal_us = t_none - min(t_shared, t_comm)`` (the layer
+time if the overlap were perfect and free). ``--timeline`` profiles one forward per mode at one size
+and draws one lane per CUDA stream (``moe_sbo.trace``); ``--trace`` keeps the Chrome traces.
+
+The hard part is comparing modes fairly: every mode runs on the same layer object (same weights),
+the same input and the same ranks, interleaved in one run, and ``auto`` is given its exploration
+forwards before it is timed, so its row is what it settled on.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+
+from ..layer import MoELayer
+from ..measure.timing import SPANS, line_up, time_fn, time_layer
+from ..overlap import AutoOverlap, make_overlap
+from ..overlap.sbo import bucket_of
+from .bench_common import bench_config, cached, dispatcher_options, profile_spans, row_head
+
+# Span of time_layer that is the shared experts only in mode none; in other modes it is the final add.
+PHASE_SPANS = tuple(name for name, _, _ in SPANS if name != "t_shared_us")
+
+
+def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
+    """The rank's layer for ``spec`` (its capacity sized for ``tokens`` where the dispatcher has one)."""
+    options = dispatcher_options(spec, tokens)
+    key = ("moe", spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
+           tuple(sorted(options.items())))
+    return cached(key, lambda: MoELayer(bench_config(spec["preset"], spec["num_experts"]), dispatcher=spec["dispatcher"],
+                                        dtype=getattr(torch, spec["dtype"]), device=device, seed=spec["seed"],
+                                        dispatcher_options=options), device)
+
+def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
+    """One rank's rows for one (expert count, dispatcher, token count): every mode. Run on every rank."""
+    layer = _layer(device, spec, tokens)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dtype = getattr(torch, spec["dtype"])
+    generator = torch.Generator(device=device).manual_seed(spec["seed"] * 7919 + rank * 131 + tokens)
+    x_TH = torch.randn(tokens, layer.cfg.hidden_size, generator=generator, device=device).to(dtype)
+    warmup, iters = spec["warmup"], spec["iters"]
+    graph = (device.type == "cuda" and tokens <= spec["graph_max_tokens"] and layer.dispatcher.graph_capturable
+             and spec["graph"])
+    rows = []
+    with torch.inference_mode():
+        topk = layer.router(x_TH)
+
+        def comm_alone() -> None:
+            recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+            layer.dispatcher.combine(recv.expert_x_RH, recv.handle)
+
+        shared = layer.shared_experts
+        base = {"rank": rank, "tokens": tokens}
+        base["t_shared_us"] = time_fn(lambda: shared(x_TH), device, warmup, iters, False) if shared else 0.0
+        base["t_comm_us"] = time_fn(comm_alone, device, warmup, iters, False)
+        if graph:
+            base["t_shared_graph_us"] = time_fn(lambda: shared(x_TH), device, warmup, iters, True) if shared else 0.0
+            base["t_comm_graph_us"] = time_fn(comm_alone, device, warmup, iters, True)
+        for mode in spec["modes"]:
+            layer.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
+            if isinstance(layer.overlap, AutoOverlap):
+                explore = len(layer.overlap.candidates) * (layer.overlap.warmup + layer.overlap.trials) + 1
+                for _ in range(explore):
+                    line_up(device)  # as the timed forwards run: one quiet forward at a time
+                    layer(x_TH)
+            spans = time_layer(layer, x_TH, warmup, iters)
+            row = {**base, "overlap": mode, "graph": False, **{k: spans[k] for k in PHASE_SPANS}}
+            if isinstance(layer.overlap, AutoOverlap):
+                row["auto_choice"] = layer.overlap.choices.get(bucket_of(tokens), "none")
+            traffic = layer.last_traffic
+            row.update(bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
+            rows.append(row)
+            if graph:
+                rows.append({**row, "graph": True, "t_layer_us": time_fn(lambda: layer(x_TH), device, warmup,
+                                                                         iters, True),
+                             "t_shared_us": base["t_shared_graph_us"], "t_comm_us": base["t_comm_graph_us"],
+                             **{k: None for k in PHASE_SPANS if k != "t_layer_us"}})
+        layer.overlap = make_overlap("none", device)
+    return rows
+
+
+def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
+    """Slowest rank's times per row, then efficiency and speedup against the group's ``none`` row."""
+    rows = []
+    for rank_rows in zip(*per_rank):
+        first = rank_rows[0]
+        row = {**row_head("sbo", spec, ep), "tokens_per_rank": first["tokens"], "overlap": first["overlap"],
+               "tbo": False, "graph": first["graph"]}
+        for key, value in first.items():
+            if key.startswith("t_") and not key.endswith("_graph_us"):
+                values = [r[key] for r in rank_rows if r[key] is not None]
+                row[key] = max(values) if values else None
+        row["t_layer_us_per_rank"] = [round(r["t_layer_us"], 1) for r in rank_rows]
+        row["bytes_sent"] = round(statistics.mean(r["bytes_sent"] for r in rank_rows))
+        row["bytes_recv"] = round(statistics.mean(r["bytes_recv"] for r in rank_rows))
+        if "auto_choice" in first:
+            row["auto_choice"] = [r["auto_choice"] for r in rank_rows]
+        rows.append(row)
+    for row in rows:
+        none = next(r for r in rows if r["overlap"] == "none" and r["graph"] == row["graph"])
+        hideable = min(row["t_shared_us"], row["t_comm_us"])
+        row["t_ideal_us"] = none["t_layer_us"] - hideable
+        row["speedup_vs_none"] = none["t_layer_us"] / row["t_layer_us"]
+        row["efficiency"] = (none["t_layer_us"] - row["t_layer_us"]) / hideable if hideable > 0 else None
+    return rows
+
+def timeline_rank(device: torch.device, spec: dict, tokens: int, trace_prefix: str | None) -> dict:
+    """Profile one forward per mode (every rank runs it; rank 0 returns its spans per mode)."""
+    layer = _layer(device, spec, tokens)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    x_TH = torch.randn(tokens, layer.cfg.hidden_size, device=device).to(getattr(torch, spec["dtype"]))
+    spans = {}
+    with torch.inference_mode():
+        for mode in spec["modes"]:
+            if mode == "auto":
+                continue  # auto runs one of the others
+            layer.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
+            spans[mode] = profile_spans(lambda: layer(x_TH), device, rank,
+                                        f"{trace_prefix}.{mode}.json" if trace_prefix else None)
+        layer.overlap = make_overlap("none", device)
+    return spans
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def sbo_table(rows: list[dict]) -> Table:
+    """The SBO rows as a terminal table."""
+    table = Table(title="single-batch overlap (times: slowest rank, median µs)")
+    columns = [("E/GPU", "experts_per_gpu", "d"), ("tokens", "tokens_per_rank", "d"), ("dispatcher", "dispatcher", "s"),
+               ("overlap", "overlap", "s"), ("graph", "graph", "s"), ("layer", "t_layer_us", ".0f"),
+               ("dispatch", "t_dispatch_us", ".0f"), ("routed", "t_routed_us", ".0f"),
+               ("combine", "t_combine_us", ".0f"), ("shared alone", "t_shared_us", ".0f"),
+               ("comm alone", "t_comm_us", ".0f"), ("ideal", "t_ideal_us", ".0f"),
+               ("× none", "speedup_vs_none", ".3f"), ("efficiency", "efficiency", ".2f")]
+    for title, _, _ in columns:
+        table.add_column(title, justify="left" if title in ("dispatcher", "overlap", "graph") else "right")
+    for row in rows:
+        if "error" in row:
+            table.add_row(str(row.get("num_experts", "")), str(row.get("tokens_per_rank", "")), row["dispatcher"],
+                          "[red]error[/]", *[""] * (len(columns) - 4))
+            continue
+        table.add_row(*("-" if row.get(key) is None else format(row[key], spec) if spec != "s" else str(row[key])
+                        for _, key, spec in columns))
+    return table

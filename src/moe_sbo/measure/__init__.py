@@ -1,0 +1,1 @@
+"""What benchmarks and the command line share: result files, timing, and profiler traces as timelines."""

@@ -1,0 +1,96 @@
+"""Result files: ``{"meta": {...}, "rows": [...]}``, the ``meta`` block every one carries (command,
+commit, GPU, versions, date), and ``ResultFile``, which every benchmark driver fills one step at a time.
+
+The hard part is losing nothing: a sweep's step can fail on one rank, so the file is rewritten after
+every step and a failed step becomes an error row instead of ending the sweep.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def result_meta(device: str, world_size: int) -> dict:
+    cuda = device == "cuda" and torch.cuda.is_available()
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "nccl": nccl,
+    }
+
+
+def write_results(path, meta: dict, rows: list[dict]) -> None:
+    """``{"meta", "rows"}`` to ``path``, floats to 4 significant digits (medians: more
+    digits are noise). Benchmarks call it after every step, so a run cut short keeps what it measured."""
+    rounded = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+    Path(path).write_text(json.dumps({"meta": meta, "rows": rounded}, indent=1))
+
+
+@dataclass
+class ResultFile:
+    """A benchmark's rows and meta, written to ``path`` (if any) after every step.
+
+    ``add_step`` turns a failed step (a rank raised: ``RankError``) into an error row instead of
+    ending the sweep, so one bad configuration never loses the others' measurements. ``errors``
+    counts the error rows, a step's own or the ones its rows carry.
+    """
+
+    path: Path | None
+    meta: dict
+    rows: list[dict] = field(default_factory=list)
+    errors: int = 0
+
+    def save(self) -> None:
+        if self.path is not None:
+            write_results(self.path, self.meta, self.rows)
+
+    def add_step(self, run: Callable[[], list[dict]], error_row: dict) -> str | None:
+        """Append ``run()``'s rows, or ``error_row`` plus the failure if a rank failed; save. Returns
+        the failure's text (``None`` when the step worked) for the caller to show."""
+        from ..runtime import RankError
+
+        try:
+            new_rows, failure = run(), None
+        except RankError as exc:
+            failure = str(exc)[-3000:]
+            new_rows = [{**error_row, "error": failure}]
+        self.rows.extend(new_rows)
+        self.errors += sum("error" in row for row in new_rows)
+        self.save()
+        return failure
+
+    def add_timed_step(self, label: str, run: Callable[[], list[dict]], error_row: dict, started: float) -> None:
+        """``add_step``, then the failure (if any) on stderr and one progress line: seconds since
+        ``started`` (a ``time.perf_counter()`` value) and this step's own seconds."""
+        t0 = time.perf_counter()
+        failure = self.add_step(run, error_row)
+        if failure:
+            print(failure, file=sys.stderr)
+        print(f"[{time.perf_counter() - started:6.1f}s] {label}: {time.perf_counter() - t0:.1f}s", flush=True)

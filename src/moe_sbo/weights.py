@@ -1,0 +1,116 @@
+"""Weights of one MoE layer: the Hugging Face-layout container, seeded random weights, and loading.
+
+The hard part is agreement across ranks: every rank must hold bit-identical weights for the experts
+it owns, so random weights are seeded per expert (``seeded_normal``), never per rank, and a per-rank
+checkpoint read is checked against the experts the rank owns before anything is copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+
+if TYPE_CHECKING:
+    from .layer import MoELayer
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """Weights of one MoE layer, Hugging Face layout: every expert, or one rank's experts only.
+
+    ``router_weight_EH`` [E, H]; ``e_score_correction_bias_E`` [E] or None; ``gate_up_proj_E2IH``
+    [E, 2I, H] (gate rows first); ``down_proj_EHI`` [E, H, I]; ``shared_gate_up_proj_2JH`` [2J, H]
+    and ``shared_down_proj_HJ`` [H, J] with J = I * num_shared_experts, or None without shared experts.
+    A per-rank checkpoint read (``hf/checkpoint.py``) gives the two routed-expert tensors with L rows,
+    this rank's experts in order, instead of E; ``MoELayer.load_weights`` accepts either.
+    """
+
+    router_weight_EH: torch.Tensor
+    e_score_correction_bias_E: torch.Tensor | None
+    gate_up_proj_E2IH: torch.Tensor
+    down_proj_EHI: torch.Tensor
+    shared_gate_up_proj_2JH: torch.Tensor | None = None
+    shared_down_proj_HJ: torch.Tensor | None = None
+
+
+def seeded_normal(shape: tuple[int, ...], std: float, seed: int, tag: str, index: int,
+                  device: torch.device) -> torch.Tensor:
+    """float32 Normal(0, std) values that depend only on (seed, tag, index, device type)."""
+    tag_id = sum((n + 1) * ord(c) for n, c in enumerate(tag))  # stable across processes, unlike hash()
+    generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + tag_id * 65_537 + index)
+    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * std
+
+
+@torch.no_grad()
+def seed_weights(layer: MoELayer, seed: int) -> None:
+    """Seeded random weights into ``layer``, one expert at a time (no second copy of all experts).
+
+    Expert e gets the same values whichever rank owns it. The router bias is non-zero, as in trained
+    models: a zero bias would leave ``noaux_tc``'s correction untested.
+    """
+    cfg, device = layer.cfg, layer.router.weight.device
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    layer.router.weight.copy_(seeded_normal((cfg.num_experts, h), h ** -0.5, seed, "router", 0, device))
+    layer.router.e_score_correction_bias.copy_(seeded_normal((cfg.num_experts,), 0.05, seed, "bias", 0, device))
+    for local, expert in enumerate(layer.local_expert_ids):
+        layer.experts.gate_up_proj[local].copy_(seeded_normal((2 * i, h), h ** -0.5, seed, "gate_up", expert, device))
+        layer.experts.down_proj[local].copy_(seeded_normal((h, i), i ** -0.5, seed, "down", expert, device))
+    if layer.shared_experts is not None:
+        j = cfg.shared_intermediate_size
+        layer.shared_experts.gate_up_proj.copy_(seeded_normal((2 * j, h), h ** -0.5, seed, "shared_gate_up", 0, device))
+        layer.shared_experts.down_proj.copy_(seeded_normal((h, j), j ** -0.5, seed, "shared_down", 0, device))
+
+
+@torch.no_grad()
+def load_weights(layer: MoELayer, weights: MoEWeights, expert_ids: range | None = None) -> None:
+    """Copy ``weights`` into ``layer`` (see ``MoELayer.load_weights``); shapes checked before any copy."""
+    cfg = layer.cfg
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    held = weights.gate_up_proj_E2IH.shape[0]
+    mine = expert_rows(held, e, layer.local_expert_ids, expert_ids)
+    check_shape("router_weight_EH", weights.router_weight_EH, (e, h))
+    check_shape("gate_up_proj_E2IH", weights.gate_up_proj_E2IH, (held, 2 * i, h))
+    check_shape("down_proj_EHI", weights.down_proj_EHI, (held, h, i))
+    layer.router.weight.copy_(weights.router_weight_EH)
+    if weights.e_score_correction_bias_E is not None:
+        check_shape("e_score_correction_bias_E", weights.e_score_correction_bias_E, (e,))
+        layer.router.e_score_correction_bias.copy_(weights.e_score_correction_bias_E)
+    layer.experts.gate_up_proj.copy_(weights.gate_up_proj_E2IH[mine])
+    layer.experts.down_proj.copy_(weights.down_proj_EHI[mine])
+    if layer.shared_experts is not None:
+        j = cfg.shared_intermediate_size
+        if weights.shared_gate_up_proj_2JH is None or weights.shared_down_proj_HJ is None:
+            raise ValueError(
+                f"{cfg.name} has {cfg.num_shared_experts} shared experts, but the weights have none; "
+                "set shared_gate_up_proj_2JH and shared_down_proj_HJ"
+            )
+        check_shape("shared_gate_up_proj_2JH", weights.shared_gate_up_proj_2JH, (2 * j, h))
+        check_shape("shared_down_proj_HJ", weights.shared_down_proj_HJ, (h, j))
+        layer.shared_experts.gate_up_proj.copy_(weights.shared_gate_up_proj_2JH)
+        layer.shared_experts.down_proj.copy_(weights.shared_down_proj_HJ)
+
+
+def expert_rows(held: int, num_experts: int, local: range, expert_ids: range | None) -> slice:
+    """Rows of routed-expert tensors holding ``held`` experts that belong to this rank's ``local`` ones."""
+    if expert_ids is None:
+        expert_ids = range(num_experts) if held == num_experts else local if held == len(local) else None
+    elif len(expert_ids) != held:
+        raise ValueError(f"expert_ids must name one expert per row, got {len(expert_ids)} ids for {held} rows")
+    if expert_ids == range(num_experts):
+        return slice(local.start, local.stop)
+    if expert_ids != local:
+        got = f"experts {expert_ids.start}..{expert_ids.stop - 1}" if expert_ids else f"{held} experts"
+        raise ValueError(
+            f"routed-expert weights must hold all {num_experts} experts or this rank's experts "
+            f"{local.start}..{local.stop - 1}, got {got}; read the experts of layer.local_expert_ids"
+        )
+    return slice(None)
+
+
+def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """``ValueError`` naming ``name`` unless ``tensor`` has shape ``expected``."""
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}; check the checkpoint's model")
