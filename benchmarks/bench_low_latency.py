@@ -47,7 +47,7 @@ from bench_foundation import _fmt
 from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.config import MoEConfig, PRESETS, get_preset
-from moe_sbo.dispatch.low_latency import RowFormat
+from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.layer import MoELayer
 from moe_sbo.runtime import RankPool
 from moe_sbo.streams import capture_graph

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, mask_padding_tokens
-from moe_sbo.dispatch.low_latency import LowLatencyDispatcher, RowFormat
+from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
 from moe_sbo.layer import MoELayer
 from moe_sbo.streams import capture_graph
 

@@ -20,8 +20,10 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, mask_padding_tokens
-from moe_sbo.dispatch import low_latency
-from moe_sbo.dispatch.low_latency import LowLatencyDispatcher, RowFormat, ll_kernels
+from moe_sbo.dispatch import ll_transport
+from moe_sbo.dispatch.ll_transport import ll_kernels
+from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
 from moe_sbo.layer import MoELayer
 
 pytestmark = pytest.mark.skipif(ll_kernels is None, reason="needs Triton (pip install triton)")
@@ -188,9 +190,9 @@ def test_auto_transport_needs_one_node_with_peer_access(monkeypatch):
         else:
             monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
         monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b, ok=peer_access: ok)
-        low_latency._peers_reachable.cache_clear()
-        assert low_latency._peers_reachable(ep_size) is expected, (ep_size, local_world, peer_access)
-    low_latency._peers_reachable.cache_clear()
+        ll_transport.peers_reachable.cache_clear()
+        assert ll_transport.peers_reachable(ep_size) is expected, (ep_size, local_world, peer_access)
+    ll_transport.peers_reachable.cache_clear()
 
 
 def test_destinations_must_be_16_byte_aligned():

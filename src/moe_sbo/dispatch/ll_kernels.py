@@ -2,8 +2,8 @@
 (plus the two small ones of the id assert); four live here, the last (``gather_sum``) in ``reduce.py``,
 which the other dispatchers share.
 
-Same legend and wire format as ``low_latency.py`` (T tokens, C capacity, P ranks, S = P * C slots,
-K top-k, L local experts, H hidden, B row bytes, R = S * K expert rows). Each kernel replaces a chain
+Legend: see ``moe_sbo/__init__.py``; the wire format is ``ll_wire.py``'s (S = P * C slots, B row
+bytes, R = S * K expert rows). Each kernel replaces a chain
 of small torch ops of the reference path there, and produces the same bytes and indices::
 
     dispatch  pack_rows      grid C x H/1024: program (c, j) counts, from all T x K ids, the
@@ -44,10 +44,12 @@ import triton
 import triton.language as tl
 
 from .layout import ExpertLayout
+from .ll_wire import FP8_GROUP, FP8_MAX, RowFormat
 from .reduce import block_h_for
 
-FP8_GROUP = 128
-FP8_MAX = 448.0
+# The wire format's constants, as compile-time constants of the kernels.
+GROUP_V = tl.constexpr(FP8_GROUP)
+E4M3_MAX = tl.constexpr(FP8_MAX)
 
 
 def _pow2(n: int) -> int:
@@ -146,14 +148,14 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_
     if c < num_tokens:
         x_row = x_ptr + c.to(tl.int64) * HIDDEN
         if FP8:
-            offs_g = tl.arange(0, BLOCK_H // 128)
-            g_mask = h0 + offs_g * 128 < HIDDEN
-            h_GV = h0 + offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+            offs_g = tl.arange(0, BLOCK_H // GROUP_V)
+            g_mask = h0 + offs_g * GROUP_V < HIDDEN
+            h_GV = h0 + offs_g[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
             x_GV = tl.load(x_row + h_GV, mask=g_mask[:, None], other=0.0).to(tl.float32)
             # As quantize_fp8: amax / 448 per group (floored so a zero group stays finite), an IEEE
             # division (Triton's "/" is approximate), clamp, round to nearest e4m3.
-            scale_G = tl.maximum(tl.max(tl.abs(x_GV), axis=1), 1e-30) / 448.0
-            q_GV = tl.clamp(tl.math.div_rn(x_GV, scale_G[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+            scale_G = tl.maximum(tl.max(tl.abs(x_GV), axis=1), 1e-30) / E4M3_MAX
+            q_GV = tl.clamp(tl.math.div_rn(x_GV, scale_G[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
         else:
             h = h0 + tl.arange(0, BLOCK_H)
             x_H = tl.load(x_row + h, mask=h < HIDDEN)
@@ -164,14 +166,14 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_
                 dst_row = block + tl.sum(tl.where(is_p, before_P, 0)).to(tl.int64) * ROW_BYTES
                 if FP8:
                     tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_GV, q_GV, mask=g_mask[:, None])
-                    tl.store((dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // 128 + offs_g,
+                    tl.store((dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_g,
                              scale_G, mask=g_mask)
                 else:
                     tl.store(dst_row.to(x_ptr.dtype) + h, x_H, mask=h < HIDDEN)
 
 
 def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, dst: Destinations,
-              slot_TP: torch.Tensor, fmt, num_local_experts: int, capacity: int) -> torch.Tensor:
+              slot_TP: torch.Tensor, fmt: RowFormat, num_local_experts: int, capacity: int) -> torch.Tensor:
     """Write every token's packed row into the blocks of ``dst`` (rank-deduplicated, token order)
     and fill ``slot_TP`` [T, P] (slot ``p * C + row``, or S where the token sends nothing to p).
 
@@ -244,7 +246,7 @@ def _expert_layout_kernel(recv_ptr, row_ptr, weight_ptr, pair_row_ptr, counts_pt
     tl.store(weight_ptr + row_N, w_N, mask=valid)
 
 
-def expert_layout(recv_SB: torch.Tensor, fmt, rank: int, num_local_experts: int) -> KernelLayout:
+def expert_layout(recv_SB: torch.Tensor, fmt: RowFormat, rank: int, num_local_experts: int) -> KernelLayout:
     """The expert-major layout of the S x K pairs in the received rows ``recv_SB`` (uint8 [S, B])."""
     num_slots = recv_SB.shape[0]
     top_k = fmt.top_k
@@ -274,11 +276,11 @@ def _gather_rows_kernel(recv_ptr, row_ptr, num_real_ptr, out_ptr, HIDDEN: tl.con
         out_row = out_ptr + i.to(tl.int64) * HIDDEN
         for h0 in range(0, HIDDEN, BLOCK_H):
             if FP8:
-                offs_g = tl.arange(0, BLOCK_H // 128)
-                g_mask = h0 + offs_g * 128 < HIDDEN
-                h_GV = h0 + offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+                offs_g = tl.arange(0, BLOCK_H // GROUP_V)
+                g_mask = h0 + offs_g * GROUP_V < HIDDEN
+                h_GV = h0 + offs_g[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
                 q_GV = tl.load(src_row.to(tl.pointer_type(tl.float8e4nv)) + h_GV, mask=g_mask[:, None], other=0.0)
-                scale_G = tl.load((src_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // 128 + offs_g,
+                scale_G = tl.load((src_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_g,
                                   mask=g_mask, other=0.0)
                 x_GV = q_GV.to(tl.float32) * scale_G[:, None]
                 tl.store(out_row + h_GV, x_GV.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -287,7 +289,7 @@ def _gather_rows_kernel(recv_ptr, row_ptr, num_real_ptr, out_ptr, HIDDEN: tl.con
                 tl.store(out_row + h, tl.load(src_row.to(out_ptr.dtype) + h, mask=h < HIDDEN), mask=h < HIDDEN)
 
 
-def gather_rows(recv_SB: torch.Tensor, fixed: KernelLayout, fmt) -> torch.Tensor:
+def gather_rows(recv_SB: torch.Tensor, fixed: KernelLayout, fmt: RowFormat) -> torch.Tensor:
     """``[R, H]`` expert inputs in expert order; rows past the real count are left unwritten."""
     num_rows = fixed.layout.row_R.shape[0]
     out_RH = torch.empty(num_rows, fmt.hidden, dtype=fmt.dtype, device=recv_SB.device)
@@ -322,7 +324,7 @@ def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, anchor_ptr
         tl.store(dst_row + h, tl.sum(y_KH * w_K[:, None], axis=0).to(y_ptr.dtype.element_ty), mask=h < HIDDEN)
 
 
-def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.Tensor, fmt, dst: Destinations,
+def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.Tensor, fmt: RowFormat, dst: Destinations,
                  capacity: int) -> None:
     """Each slot's weighted sum of its local experts' outputs, into row ``s % C`` of block
     ``s // C`` of ``dst``. Slots with no local pair are not written (their sender never reads them)."""

@@ -1,9 +1,12 @@
 """``low_latency``: DeepEP low-latency style. Fixed-capacity buffers, counts that never leave the
 device, no host synchronisation: a whole MoE forward can be captured in a CUDA graph.
 
-Legend: T tokens on this rank (T <= C), C ``max_tokens_per_rank`` (the capacity), P ranks, S = P * C
-slots, K top-k, L local experts, H hidden, G = H / 128 fp8 scale groups, B bytes of one packed row,
+Legend: see ``moe_sbo/__init__.py``. Here T <= C (``max_tokens_per_rank``), S = P * C slots, and
 R = S * K expert rows (fixed: every (slot, k) pair has one, real ones first).
+
+Files: ``ll_wire.py`` (the packed row, fp8), ``ll_reference.py`` (the torch path's index logic),
+``ll_kernels.py`` (the fused Triton path), ``ll_transport.py`` (buffers, NCCL or symmetric memory);
+this one chooses between them and runs the four phases.
 
 Wire format: one fixed-size block per (rank, peer) and phase, moved by one ``all_to_all_single``
 (``transport="nccl"``) or written by the packing kernel straight into the peer's symmetric-memory
@@ -12,7 +15,7 @@ receive buffer (``"symm_mem"``, the CUDA default from two GPUs)::
     dispatch  send [P, C, B] uint8. Block p holds, in its first rows, each token with at least one
               expert on rank p, once (rank-deduplicated), in token order; the rest of the block is
               the padding row (x zero, ids -1). A row packs x (activation dtype, or fp8 e4m3 plus
-              G float32 scales), the K global expert ids (int32) and the K weights (float32).
+              Q float32 scales), the K global expert ids (int32) and the K weights (float32).
     combine   send [P, C, H] activation dtype. Row c of block p: this rank's weighted sum of its
               experts' outputs for slot c of what rank p sent; the token's rank sums its P rows.
 
@@ -38,261 +41,19 @@ device-side assert on CUDA (loud and fatal, never a silent drop), a plain check 
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import env
 from ..hooks import HookFn
 from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, EPGroup, Pending,
                    Traffic, register_dispatcher)
-from .layout import ExpertLayout
+from .ll_reference import FixedLayout, group_slots_by_expert, plan_send, reduce_pairs
+from .ll_transport import Buffers, RoundCounter, allocate_buffers, ll_kernels, peers_reachable, start_exchange
+from .ll_wire import FP8_GROUP, RowFormat
 from .reduce import gather_sum, interpreting_triton
-
-try:  # Triton comes with CUDA builds of torch; without it the torch reference path runs
-    from . import ll_kernels
-except ImportError:  # pragma: no cover - depends on the environment
-    ll_kernels = None
-
-FP8_GROUP = 128  # values sharing one fp8 scale, as DeepEP's low-latency dispatch
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-
-
-# ---- fp8 ---------------------------------------------------------------------------------------------
-
-
-def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x_TH`` [T, H] (H a multiple of 128) -> (``q_TH`` e4m3 [T, H], ``scales_TG`` float32 [T, G]).
-
-    One scale per token and 128 consecutive values: amax / 448, so x ~= q * scale with e4m3's 3
-    mantissa bits: relative error <= 2^-4 down to amax * 2^-6 / 448 (e4m3's smallest normal), below
-    that an absolute error <= scale * 2^-10.
-    """
-    num_tokens, hidden = x_TH.shape
-    x_TGV = x_TH.float().view(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
-    # The floor keeps an all-zero group finite (0 / 0 would be NaN); it is far below any real amax.
-    scales_TG1 = x_TGV.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
-    # Clamp: amax / scale can round a hair above 448, and e4m3fn has no inf (it would become NaN).
-    q_TGV = (x_TGV / scales_TG1).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q_TGV.view(num_tokens, hidden), scales_TG1.view(num_tokens, hidden // FP8_GROUP)
-
-
-def dequantize_fp8(q_NH: torch.Tensor, scales_NG: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``quantize_fp8``: ``[N, H]`` in ``dtype``."""
-    num_rows, hidden = q_NH.shape
-    x_NGV = q_NH.float().view(num_rows, hidden // FP8_GROUP, FP8_GROUP) * scales_NG[:, :, None]
-    return x_NGV.view(num_rows, hidden).to(dtype)
-
-
-# ---- the packed row ----------------------------------------------------------------------------------
-
-
-def _align(nbytes: int, to: int) -> int:
-    return -(-nbytes // to) * to
-
-
-@dataclass(frozen=True)
-class RowFormat:
-    """Byte layout of one dispatch row: x (or fp8 x and its scales), ids, weights.
-
-    Each part starts on a 4-byte boundary so it can be viewed in place as its dtype; rows are padded
-    to 16 bytes so copies stay vectorised.
-    """
-
-    hidden: int
-    top_k: int
-    dtype: torch.dtype  # the activation dtype (what the receiver gets back)
-    fp8: bool
-    scales_offset: int
-    ids_offset: int
-    weights_offset: int
-    row_bytes: int
-
-    @classmethod
-    def make(cls, hidden: int, top_k: int, dtype: torch.dtype, fp8: bool) -> "RowFormat":
-        x_bytes = hidden * (1 if fp8 else dtype.itemsize)
-        scales_offset = _align(x_bytes, 4)
-        ids_offset = scales_offset + (4 * hidden // FP8_GROUP if fp8 else 0)
-        weights_offset = ids_offset + 4 * top_k
-        return cls(hidden, top_k, dtype, fp8, scales_offset, ids_offset, weights_offset,
-                   _align(weights_offset + 4 * top_k, 16))
-
-    def _part(self, rows_NB: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        return rows_NB[:, offset:offset + nbytes].view(dtype)
-
-    def ids(self, rows_NB: torch.Tensor) -> torch.Tensor:
-        """int32 ``[N, K]`` view of the rows' global expert ids."""
-        return self._part(rows_NB, self.ids_offset, 4 * self.top_k, torch.int32)
-
-    def weights(self, rows_NB: torch.Tensor) -> torch.Tensor:
-        """float32 ``[N, K]`` view of the rows' top-k weights."""
-        return self._part(rows_NB, self.weights_offset, 4 * self.top_k, torch.float32)
-
-    def x(self, rows_NB: torch.Tensor) -> torch.Tensor:
-        """``[N, H]`` activations in ``dtype``: a view, or a dequantised copy for fp8."""
-        if not self.fp8:
-            return self._part(rows_NB, 0, self.hidden * self.dtype.itemsize, self.dtype)
-        scales_NG = self._part(rows_NB, self.scales_offset, 4 * self.hidden // FP8_GROUP, torch.float32)
-        return dequantize_fp8(self._part(rows_NB, 0, self.hidden, FP8_DTYPE), scales_NG, self.dtype)
-
-    def pack(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        """uint8 ``[T + 1, B]``: token t in row t, and row T the padding row (x zero, ids -1)."""
-        num_tokens = x_TH.shape[0]
-        rows = torch.zeros(num_tokens + 1, self.row_bytes, dtype=torch.uint8, device=x_TH.device)
-        if self.fp8:
-            q_TH, scales_TG = quantize_fp8(x_TH)
-            self._part(rows, 0, self.hidden, FP8_DTYPE)[:num_tokens] = q_TH
-            self._part(rows, self.scales_offset, 4 * scales_TG.shape[1], torch.float32)[:num_tokens] = scales_TG
-        else:
-            self._part(rows, 0, self.hidden * self.dtype.itemsize, self.dtype)[:num_tokens] = x_TH
-        ids = self.ids(rows)
-        ids[:num_tokens] = ids_TK
-        ids[num_tokens] = -1
-        self.weights(rows)[:num_tokens] = weights_TK
-        return rows
-
-
-# ---- index logic (pure functions, tested against hand-worked tensors) ---------------------------------
-
-
-@dataclass(frozen=True)
-class SendPlan:
-    """Where each token goes. ``slot_TP`` int64 [T, P]: the slot ``p * C + row`` of token t in block p,
-    or S when t has no expert on rank p. ``token_S`` int64 [S]: the token in each slot, or T (the
-    padding row) for an empty slot."""
-
-    slot_TP: torch.Tensor
-    token_S: torch.Tensor
-
-
-def plan_send(ids_TK: torch.Tensor, num_local_experts: int, num_ranks: int, capacity: int) -> SendPlan:
-    """Rank-deduplicated placement of ``T <= capacity`` tokens into P blocks of ``capacity`` rows.
-
-    Ids of -1 ("no expert") send nothing. All on the device, no host read: a token's row in block p
-    is how many earlier tokens also go to p (a cumulative sum), so blocks keep token order.
-    """
-    num_tokens = ids_TK.shape[0]
-    device = ids_TK.device
-    num_slots = num_ranks * capacity
-    ids_TK = ids_TK.long()
-    # Column P collects "no expert", so scatter needs no mask; it is dropped after.
-    owner_TK = torch.where(ids_TK >= 0, torch.div(ids_TK, num_local_experts, rounding_mode="floor"), num_ranks)
-    is_sent_TP = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool, device=device)
-    is_sent_TP = is_sent_TP.scatter_(1, owner_TK, True)[:, :num_ranks]
-    # Prefix sum along the contiguous dimension: a scan down few columns of many rows is sequential on CUDA.
-    row_TP = (is_sent_TP.t().long().cumsum(dim=1) - 1).t()
-    first_slot_P = torch.arange(num_ranks, device=device) * capacity
-    slot_TP = torch.where(is_sent_TP, first_slot_P + row_TP, num_slots)
-    # Slot S is scratch: every "not sent" (t, p) lands there, and it is cut off.
-    token_S = torch.full((num_slots + 1,), num_tokens, dtype=torch.int64, device=device)
-    token_TP = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, num_ranks)
-    token_S.scatter_(0, slot_TP.reshape(-1), token_TP.reshape(-1))
-    return SendPlan(slot_TP=slot_TP, token_S=token_S[:num_slots])
-
-
-@dataclass(frozen=True)
-class FixedLayout:
-    """The receiver's expert-major layout of R = S * K rows, and its inverse for combine.
-
-    ``layout.row_R``: slot of each expert row (S, the zero padding slot, for padding rows);
-    ``layout.weight_R`` float32 (0 on padding rows); ``layout.num_rows_per_expert_L`` int64 real
-    rows per local expert, on the device. ``pair_row_SK``: the expert row of pair (slot, k);
-    ``pair_weight_SK`` float32 its weight, 0 where the pair is not a local expert's;
-    ``is_local_SK`` bool.
-    """
-
-    layout: ExpertLayout
-    pair_row_SK: torch.Tensor
-    pair_weight_SK: torch.Tensor
-    is_local_SK: torch.Tensor
-
-
-def group_slots_by_expert(local_ids_SK: torch.Tensor, weights_SK: torch.Tensor,
-                          num_local_experts: int) -> FixedLayout:
-    """Every (slot, k) pair in expert order (stable: slot order inside an expert), real pairs first,
-    pairs with local id -1 after them. Fixed shapes, no host read."""
-    num_slots, k = local_ids_SK.shape
-    device = local_ids_SK.device
-    is_local_SK = local_ids_SK >= 0
-    # Non-local pairs get key L: a counting sort puts them after every expert's rows.
-    key_N = torch.where(is_local_SK, local_ids_SK.long(), num_local_experts).reshape(-1)
-    # Counting sort by one-hot prefix sums, not torch.sort: at decode sizes a radix sort of a few
-    # thousand keys costs ~27 µs on an H200. The one-hot is [keys, pairs] so each prefix sum runs
-    # along the contiguous dimension (a scan down 9 columns of 1024 rows is sequential: 150 µs).
-    # A comparison, not F.one_hot, which may read the keys' range on the host.
-    one_hot_EN = (torch.arange(num_local_experts + 1, device=device)[:, None] == key_N[None, :]).to(torch.int32)
-    seen_EN = one_hot_EN.cumsum(dim=1, dtype=torch.int32)
-    counts_E = seen_EN[:, -1].long() if key_N.numel() else torch.zeros(num_local_experts + 1, dtype=torch.int64,
-                                                                           device=device)
-    start_E = counts_E.cumsum(0) - counts_E
-    rank_in_key_N = seen_EN.gather(0, key_N[None, :]).squeeze(0).long() - 1
-    pair_row_N = start_E[key_N] + rank_in_key_N  # where pair n lands in expert order
-    order_R = torch.empty_like(pair_row_N).scatter_(0, pair_row_N, torch.arange(key_N.shape[0], device=device))
-    is_real_R = torch.arange(key_N.shape[0], device=device) < start_E[num_local_experts]
-    row_R = torch.where(is_real_R, torch.div(order_R, k, rounding_mode="floor"), num_slots)
-    pair_weight_SK = torch.where(is_local_SK, weights_SK.float(), 0.0)
-    layout = ExpertLayout(row_R=row_R, weight_R=pair_weight_SK.reshape(-1)[order_R],
-                          num_rows_per_expert_L=counts_E[:num_local_experts])
-    return FixedLayout(layout, pair_row_N.view(num_slots, k), pair_weight_SK, is_local_SK)
-
-
-def reduce_pairs(expert_y_RH: torch.Tensor, fixed: FixedLayout) -> torch.Tensor:
-    """Each slot's weighted sum over its local experts' outputs: ``[S, H]`` in ``expert_y``'s dtype.
-
-    A gather back to slot order, then one batched ``[1, K] x [K, H]`` product per slot: no atomics,
-    and the product accumulates in float32 (the weights are rounded to the activation dtype first).
-    Non-local pairs gather padding rows, whose outputs are undefined: they are zeroed, not weighted.
-    """
-    num_slots, k = fixed.pair_row_SK.shape
-    y_SKH = expert_y_RH.index_select(0, fixed.pair_row_SK.reshape(-1)).view(num_slots, k, -1)
-    y_SKH.masked_fill_(~fixed.is_local_SK[:, :, None], 0)
-    weights_S1K = fixed.pair_weight_SK.to(expert_y_RH.dtype)[:, None, :]
-    return torch.bmm(weights_S1K, y_SKH).squeeze(1)
-
-
-# ---- the dispatcher ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Buffers:
-    """One set of communication buffers, allocated once and reused by every forward that uses it.
-
-    The receive buffers have one extra, never-written row of zeros (index S): the padding slot that
-    padding rows gather from. ``*_dst``: where the fused kernels write the block for rank p (the
-    send buffer for NCCL, the receive buffer with no collective, the peer's symmetric receive
-    buffer for ``symm_mem``); ``*_barrier``: the symmetric-memory handle whose
-    barrier completes the phase (``symm_mem`` only).
-    """
-
-    dispatch_send_SB: torch.Tensor
-    dispatch_recv_SB: torch.Tensor  # [S + 1, B]
-    combine_send_SH: torch.Tensor
-    combine_recv_SH: torch.Tensor  # [S + 1, H]
-    dispatch_dst: "ll_kernels.Destinations | None"
-    combine_dst: "ll_kernels.Destinations | None"
-    dispatch_barrier: object = field(default=None, compare=False)
-    combine_barrier: object = field(default=None, compare=False)
-
-
-@dataclass
-class RoundCounter:
-    """Dispatches launched so far by a dispatcher and its twins; round n uses buffer set n % num_buffers."""
-
-    launched: int = 0
-
-
-class _SymmBarrier:
-    """The "work" of a symmetric-memory phase: its data already went out inside the kernel, so
-    waiting is a barrier with every peer (after it, their writes to this rank are visible)."""
-
-    def __init__(self, handle) -> None:
-        self.handle = handle
-
-    def wait(self) -> None:
-        self.handle.barrier(channel=0)
 
 
 @dataclass(frozen=True)
@@ -302,8 +63,8 @@ class LowLatencyHandle(DispatchHandle):
 
     slot_TP: torch.Tensor | None = None
     fmt: RowFormat | None = None
-    fixed: "FixedLayout | ll_kernels.KernelLayout | None" = None
-    buffers: _Buffers | None = None
+    fixed: Any = None  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
+    buffers: Buffers | None = None
     generation: int = 0
 
 
@@ -311,7 +72,7 @@ class LowLatencyHandle(DispatchHandle):
 class _InFlightDispatch:
     fmt: RowFormat
     slot_TP: torch.Tensor
-    buffers: _Buffers
+    buffers: Buffers
     generation: int
     num_tokens: int
     traffic: Traffic
@@ -319,18 +80,6 @@ class _InFlightDispatch:
 
 KERNELS = ("auto", "triton", "torch")
 TRANSPORTS = ("auto", "nccl", "symm_mem")
-
-
-@functools.cache  # asked on every forward; the answer is fixed for the process
-def _peers_reachable(ep_size: int) -> bool:
-    """Whether an EP group of ``ep_size`` can be one node's GPUs with peer access between them all
-    (symmetric memory maps the peers' buffers): the group fits this node (torchrun's
-    ``LOCAL_WORLD_SIZE`` when set) and every pair of local GPUs has peer access. The same answer on
-    every rank of a node, so ``transport="auto"`` resolves alike everywhere."""
-    num_gpus = torch.cuda.device_count()
-    if ep_size > num_gpus or env.local_world_size(ep_size) < ep_size:
-        return False
-    return all(torch.cuda.can_device_access_peer(a, b) for a in range(num_gpus) for b in range(num_gpus) if a != b)
 
 
 @register_dispatcher
@@ -395,7 +144,7 @@ class LowLatencyDispatcher(Dispatcher):
         # at EP > 1); without a process group, or with a one-rank EP group inside a larger job, it
         # copies locally.
         self._collective = ep.size > 1 or (dist.is_initialized() and dist.get_world_size(ep.group) == 1)
-        self._buffers: dict[tuple, list[_Buffers]] = {}
+        self._buffers: dict[tuple, list[Buffers]] = {}
         # Shared with twin() dispatchers (two-batch overlap): they take turns on the same buffer sets.
         self._rounds = RoundCounter()
 
@@ -412,7 +161,7 @@ class LowLatencyDispatcher(Dispatcher):
         if self.transport != "auto":
             return self.transport
         usable = device.type == "cuda" and self.uses_triton(device) and self._collective and self.ep.size > 1
-        return "symm_mem" if usable and _peers_reachable(self.ep.size) else "nccl"
+        return "symm_mem" if usable and peers_reachable(self.ep.size) else "nccl"
 
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
         super()._check_dispatch_input(inp)
@@ -472,7 +221,7 @@ class LowLatencyDispatcher(Dispatcher):
 
     # ---- buffers -------------------------------------------------------------------------------------
 
-    def buffers(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> list[_Buffers]:
+    def buffers(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> list[Buffers]:
         """The buffer sets for this device, activation dtype and shape; allocated on first use only
         (with ``symm_mem``, a collective rendezvous: every rank's first forward reaches it together)."""
         key = (device, dtype, hidden, top_k)
@@ -481,43 +230,11 @@ class LowLatencyDispatcher(Dispatcher):
             with torch.inference_mode(False):
                 # Normal tensors even when first used under inference_mode: inference tensors could
                 # not be written by a later forward under plain no_grad.
-                self._buffers[key] = [self._allocate(device, dtype, fmt) for _ in range(self.num_buffers)]
+                symmetric = self.transport_for(device) == "symm_mem"
+                self._buffers[key] = [allocate_buffers(device, dtype, fmt, self.ep, self.capacity, symmetric=symmetric,
+                                                       collective=self._collective)
+                                      for _ in range(self.num_buffers)]
         return self._buffers[key]
-
-    def _allocate(self, device: torch.device, dtype: torch.dtype, fmt: RowFormat) -> _Buffers:
-        s, c, rank, hidden = self.num_slots, self.capacity, self.ep.rank, fmt.hidden
-        dispatch_send = torch.zeros(s, fmt.row_bytes, dtype=torch.uint8, device=device)
-        combine_send = torch.zeros(s, hidden, dtype=dtype, device=device)
-        handles = (None, None)
-        if self.transport_for(device) == "symm_mem":
-            import torch.distributed._symmetric_memory as symm_mem
-
-            recvs, handles = [], []
-            for cols, dt in ((fmt.row_bytes, torch.uint8), (hidden, dtype)):
-                recv = symm_mem.empty((s + 1, cols), dtype=dt, device=device).zero_()
-                handle = symm_mem.rendezvous(recv, self.ep.group or dist.group.WORLD)
-                recvs.append(recv)
-                handles.append(handle)
-            # This rank's block in each peer's receive buffer.
-            peer = [[h.get_buffer(p, (s + 1, cols), dt).data_ptr() for p in range(self.ep.size)]
-                    for h, cols, dt in ((handles[0], fmt.row_bytes, torch.uint8), (handles[1], hidden, dtype))]
-            dispatch_dst = [ptr + rank * c * fmt.row_bytes for ptr in peer[0]]
-            combine_dst = [ptr + rank * c * hidden * dtype.itemsize for ptr in peer[1]]
-            dispatch_recv, combine_recv = recvs
-            torch.cuda.synchronize(device)
-            dist.barrier(group=self.ep.group)  # every peer zeroed its padding rows before anyone writes
-        else:
-            dispatch_recv = torch.zeros(s + 1, fmt.row_bytes, dtype=torch.uint8, device=device)
-            combine_recv = torch.zeros(s + 1, hidden, dtype=dtype, device=device)
-            # NCCL: the blocks go to the send buffer; one rank without a collective: straight to recv.
-            d_base, c_base = ((dispatch_send, combine_send) if self._collective else (dispatch_recv, combine_recv))
-            dispatch_dst = [d_base.data_ptr() + p * c * fmt.row_bytes for p in range(self.ep.size)]
-            combine_dst = [c_base.data_ptr() + p * c * hidden * dtype.itemsize for p in range(self.ep.size)]
-        if ll_kernels is None:
-            return _Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv, None, None, *handles)
-        return _Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv,
-                        ll_kernels.Destinations.make(dispatch_recv, dispatch_dst),
-                        ll_kernels.Destinations.make(combine_recv, combine_dst), *handles)
 
     def _check_round(self, generation: int) -> None:
         if self._rounds.launched - generation > self.num_buffers:
@@ -529,16 +246,8 @@ class LowLatencyDispatcher(Dispatcher):
             )
 
     def _exchange(self, recv: torch.Tensor, send: torch.Tensor, fused: bool, barrier) -> list:
-        """Start the fixed-size transfer of ``send`` into ``recv`` (works to wait on). With the fused
-        kernels the blocks are already in place for ``symm_mem`` (a barrier remains) and without a
-        collective (nothing remains); otherwise an all-to-all, or a local copy."""
-        if fused and barrier is not None:  # symm_mem: the kernel wrote into the peers' buffers
-            return [_SymmBarrier(barrier)]
-        if not self._collective:
-            if not fused:
-                recv.copy_(send)
-            return []
-        return [dist.all_to_all_single(recv, send, group=self.ep.group, async_op=True)]
+        return start_exchange(recv, send, fused=fused, barrier=barrier, collective=self._collective,
+                              group=self.ep.group)
 
     # ---- the four phases -----------------------------------------------------------------------------
 

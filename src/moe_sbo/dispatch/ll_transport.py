@@ -1,0 +1,136 @@
+"""``low_latency``'s transports: the buffer sets (plain, or symmetric memory the peers write into),
+the round counter that takes them in turn, and the start of one phase's fixed-size transfer.
+
+Legend: see ``moe_sbo/__init__.py`` (S = P * C slots, B bytes of a packed row).
+
+The hard part is who writes where. With NCCL the kernels write each block into this rank's send
+buffer and one ``all_to_all_single`` moves it; with symmetric memory (``symm_mem``) the kernels
+write straight into the peer's receive buffer over NVLink and the phase ends with a barrier, after
+which every peer's writes to this rank are visible; one rank without a collective writes its own
+receive buffer. The receive buffers keep one extra row of zeros (index S) that padding rows read.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from .base import EPGroup
+from .ll_wire import RowFormat
+
+try:  # Triton comes with CUDA builds of torch; without it the torch reference path runs
+    from . import ll_kernels
+except ImportError:  # pragma: no cover - depends on the environment
+    ll_kernels = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """One set of communication buffers, allocated once and reused by every forward that uses it.
+
+    The receive buffers have one extra, never-written row of zeros (index S): the padding slot that
+    padding rows gather from. ``*_dst``: where the fused kernels write the block for rank p (the
+    send buffer for NCCL, the receive buffer with no collective, the peer's symmetric receive
+    buffer for ``symm_mem``); ``*_barrier``: the symmetric-memory handle whose
+    barrier completes the phase (``symm_mem`` only).
+    """
+
+    dispatch_send_SB: torch.Tensor
+    dispatch_recv_SB: torch.Tensor  # [S + 1, B]
+    combine_send_SH: torch.Tensor
+    combine_recv_SH: torch.Tensor  # [S + 1, H]
+    dispatch_dst: Any  # ll_kernels.Destinations, or None without Triton
+    combine_dst: Any
+    dispatch_barrier: object = field(default=None, compare=False)
+    combine_barrier: object = field(default=None, compare=False)
+
+
+@dataclass
+class RoundCounter:
+    """Dispatches launched so far by a dispatcher and its twins; round n uses buffer set n % num_buffers."""
+
+    launched: int = 0
+
+
+class SymmBarrier:
+    """The "work" of a symmetric-memory phase: its data already went out inside the kernel, so
+    waiting is a barrier with every peer (after it, their writes to this rank are visible)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def wait(self) -> None:
+        self.handle.barrier(channel=0)
+
+
+
+@functools.cache  # asked on every forward; the answer is fixed for the process
+def peers_reachable(ep_size: int) -> bool:
+    """Whether an EP group of ``ep_size`` can be one node's GPUs with peer access between them all
+    (symmetric memory maps the peers' buffers): the group fits this node (torchrun's
+    ``LOCAL_WORLD_SIZE`` when set) and every pair of local GPUs has peer access. The same answer on
+    every rank of a node, so ``transport="auto"`` resolves alike everywhere."""
+    num_gpus = torch.cuda.device_count()
+    if ep_size > num_gpus or env.local_world_size(ep_size) < ep_size:
+        return False
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(num_gpus) for b in range(num_gpus) if a != b)
+
+
+def allocate_buffers(device: torch.device, dtype: torch.dtype, fmt: RowFormat, ep: EPGroup, capacity: int, *,
+                     symmetric: bool, collective: bool) -> Buffers:
+    """One buffer set for ``ep.size * capacity`` slots of rows ``fmt``. ``symmetric``: receive buffers in
+    symmetric memory (a collective rendezvous: every rank must allocate together); ``collective``:
+    whether a communicator moves the blocks (if not, the kernels write the receive buffer directly)."""
+    s, rank, hidden = ep.size * capacity, ep.rank, fmt.hidden
+    dispatch_send = torch.zeros(s, fmt.row_bytes, dtype=torch.uint8, device=device)
+    combine_send = torch.zeros(s, hidden, dtype=dtype, device=device)
+    handles: tuple[Any, Any] = (None, None)
+    if symmetric:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        recvs, rendezvous = [], []
+        for cols, dt in ((fmt.row_bytes, torch.uint8), (hidden, dtype)):
+            recv = symm_mem.empty((s + 1, cols), dtype=dt, device=device).zero_()
+            rendezvous.append(symm_mem.rendezvous(recv, ep.group or dist.group.WORLD))
+            recvs.append(recv)
+        handles = (rendezvous[0], rendezvous[1])
+        # This rank's block in each peer's receive buffer.
+        peer = [[h.get_buffer(p, (s + 1, cols), dt).data_ptr() for p in range(ep.size)]
+                for h, cols, dt in ((handles[0], fmt.row_bytes, torch.uint8), (handles[1], hidden, dtype))]
+        dispatch_dst = [ptr + rank * capacity * fmt.row_bytes for ptr in peer[0]]
+        combine_dst = [ptr + rank * capacity * hidden * dtype.itemsize for ptr in peer[1]]
+        dispatch_recv, combine_recv = recvs
+        torch.cuda.synchronize(device)
+        dist.barrier(group=ep.group)  # every peer zeroed its padding rows before anyone writes
+    else:
+        dispatch_recv = torch.zeros(s + 1, fmt.row_bytes, dtype=torch.uint8, device=device)
+        combine_recv = torch.zeros(s + 1, hidden, dtype=dtype, device=device)
+        # NCCL: the blocks go to the send buffer; one rank without a collective: straight to recv.
+        d_base, c_base = (dispatch_send, combine_send) if collective else (dispatch_recv, combine_recv)
+        dispatch_dst = [d_base.data_ptr() + p * capacity * fmt.row_bytes for p in range(ep.size)]
+        combine_dst = [c_base.data_ptr() + p * capacity * hidden * dtype.itemsize for p in range(ep.size)]
+    if ll_kernels is None:
+        return Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv, None, None, *handles)
+    return Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv,
+                   ll_kernels.Destinations.make(dispatch_recv, dispatch_dst),
+                   ll_kernels.Destinations.make(combine_recv, combine_dst), *handles)
+
+
+def start_exchange(recv: torch.Tensor, send: torch.Tensor, *, fused: bool, barrier: Any, collective: bool,
+                   group: Any) -> list:
+    """Start the fixed-size transfer of ``send`` into ``recv``; the works to wait on. With the fused
+    kernels the blocks are already in place for ``symm_mem`` (a barrier remains) and without a
+    collective (nothing remains); otherwise an all-to-all, or a local copy."""
+    if fused and barrier is not None:  # symm_mem: the kernel wrote into the peers' buffers
+        return [SymmBarrier(barrier)]
+    if not collective:
+        if not fused:
+            recv.copy_(send)
+        return []
+    return [dist.all_to_all_single(recv, send, group=group, async_op=True)]
+
