@@ -1,0 +1,130 @@
+"""The package's layout rules: every module imports alone, no import loops, arrows point down.
+
+Rooms, top to bottom: ``cli`` (the command line) may import anything; ``planner``, ``measure`` and
+``hf`` import the core and nothing above them (the planner may also read ``hf`` configs); the core
+(the root modules, ``dispatch``, ``overlap``, ``model``) imports only the core. Imports are read from
+the source (``ast``), lazy ones inside functions included, ``if TYPE_CHECKING:`` blocks excluded.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "moe_sbo"
+TOOLS = ("cli", "measure", "planner", "hf")
+# What each tool room may import besides the core (and itself).
+TOOL_MAY_IMPORT = {"cli": set(TOOLS), "planner": {"hf"}, "measure": set(), "hf": set()}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__main__.py"}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str) -> set[str]:
+    """The ``moe_sbo`` modules ``name`` imports (a package stands for its ``__init__``)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "moe_sbo")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "moe_sbo":
+                for alias in node.names:  # ``from pkg import submodule`` imports the submodule
+                    sub = f"{target}.{alias.name}"
+                    found.add(sub if sub in MODULES else target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    found.discard(name)
+    return {m for m in found if m in MODULES}
+
+
+def _room(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in TOOLS else "core"
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def test_the_core_imports_only_the_core_and_tools_point_down():
+    wrong = []
+    for name, targets in GRAPH.items():
+        room = _room(name)
+        allowed = {"core", room} | TOOL_MAY_IMPORT.get(room, set())
+        wrong += [f"{name} -> {t}" for t in sorted(targets) if _room(t) not in allowed]
+    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+def test_no_import_loops():
+    loops, state = [], {}
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == "open":
+                loops.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                walk(nxt, path + [nxt])
+        state[node] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            walk(name, [name])
+    assert not loops, "import loops:\n" + "\n".join(loops)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("moe_sbo")):
+                found += [f"{name}: {a.name}" for a in node.names
+                          if a.name.startswith("_") and a.name != "__version__"]
+    assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_every_module_imports_alone():
+    """Each module in a fresh set of ``moe_sbo`` modules (torch stays loaded, so this is quick):
+    an import that only works after another module was imported fails here."""
+    script = (
+        "import importlib, sys, torch\n"
+        f"names = {sorted(MODULES)!r}\n"
+        "failed = []\n"
+        "for name in names:\n"
+        "    for loaded in [m for m in sys.modules if m == 'moe_sbo' or m.startswith('moe_sbo.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as exc:\n"
+        "        failed.append(f'{name}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
