@@ -18,7 +18,7 @@ except ModuleNotFoundError:  # package not installed yet: run from the source tr
 
 from moe_sbo import planner
 from moe_sbo.config import PRESETS, MoEConfig, divisors
-from moe_sbo.plan_cli import main as plan_main
+from moe_sbo.cli.plan import main as plan_main
 
 
 def seed_inputs(**changes) -> planner.PlanInputs:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from ..config import get_preset
+from ..config import PRESETS, get_preset
 from ..dispatch import DISPATCHERS
 from ..measure.results import ResultFile, result_meta
 from ..measure.trace import Span, plot_timeline, save_spans
@@ -119,7 +119,7 @@ def run_bench(args: argparse.Namespace) -> int:
     meta["wall_s"] = round(time.perf_counter() - started, 1)
     results.save()
     if args.tbo:
-        console.print(tbosbo_table(results.rows))
+        console.print(tbo_table(results.rows))
     else:
         console.print(sbo_table(results.rows))
     if results.path:

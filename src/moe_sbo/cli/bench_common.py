@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 

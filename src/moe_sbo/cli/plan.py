@@ -1,4 +1,4 @@
-"""``moe-sbo plan``: the communication-budget planner on the command line (model in ``planner.py``).
+"""``moe-sbo plan``: the communication-budget planner on the command line (model in ``planner/``).
 
 With no arguments it reproduces the seed's DeepSeek-V3 decode example line by line (figure, formula,
 seed value, exact value, agreement), then shows what the byte model adds: real row sizes, fan-out,

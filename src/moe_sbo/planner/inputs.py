@@ -1,0 +1,242 @@
+"""The planner's inputs: units, the hardware table, the model (preset or ``config.json``), ``PlanInputs``.
+
+What is hard: one ``layers`` input, two conventions. The seed counts an all-to-all in every layer
+(``num_hidden_layers``, 61 for DeepSeek-V3); the byte model counts the MoE layers only
+(``num_hidden_layers - first_k_dense_replace``, 58). ``layers=None`` keeps both (``seed_layers`` /
+``model_layers``); an explicit ``layers`` sets both. Every input no plan can use is refused as the
+``PlanInputs`` is built, with "<name> must <rule>, got <value>; <fix>" (the line the CLI prints).
+
+The hardware table mixes measured and datasheet figures (sources beside ``HARDWARE``) with *estimates*
+(``latency_us``, ``SHARED_EXPERT_EFFICIENCY``); ``links.calibrate`` replaces the link figures by a fit.
+
+Units legend: ``_B`` bytes, ``_us`` microseconds, ``_GBps`` 1e9 bytes/s (SI), ``_TFLOPs`` 1e12 FLOP/s.
+1 GB/s = 1e3 bytes per microsecond. P = EP size (ranks), K = top-k, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import PRESETS, MoEConfig, divisors
+
+# --------------------------------------------------------------------------------------------------
+# Units and choices
+# --------------------------------------------------------------------------------------------------
+
+B_PER_US_PER_GBPS = 1e3  # 1 GB/s moves 1e3 bytes every microsecond.
+
+# The inputs the seed's worked example uses (DeepSeek-V3, batch 256, TPOT 20 ms, 61 layers, T = 320 us
+# attention and t = 120 us MoE per layer, FP8 "7 KB" tokens).
+SEED_INPUTS = dict(
+    model="deepseek-v3", batch=256, tpot_ms=20.0, layers=None, attn_us=320.0, moe_us=120.0,
+    dispatch_dtype="fp8",
+)
+
+ELEMENT_B = {"fp8": 1, "bf16": 2}
+
+# How the byte model counts destination ranks per token (see ``bytes.resolve_fanout``).
+FANOUT_MODELS = ("uniform", "router", "max")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hardware
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU model in one kind of node, as the planner sees it.
+
+    ``nvlink_GBps`` / ``nic_GBps``: per GPU, per direction, for traffic inside / between nodes
+    (``gpus_per_node == 1`` means every peer is reached through the NIC). ``latency_us``: fixed cost of
+    one all-to-all (launch + synchronisation), an *estimate* until ``calibrate`` measures it.
+    """
+
+    name: str
+    description: str
+    nvlink_GBps: float
+    nic_GBps: float
+    gpus_per_node: int
+    latency_us: float
+    bf16_TFLOPs: float
+    fp8_TFLOPs: float
+    hbm_GBps: float
+    source: str
+
+
+# Sources:
+# - H800 NVLink ~160 GB/s per direction is *measured*: the seed quotes it; DeepEP's README
+#   (github.com/deepseek-ai/DeepEP, "Normal kernels" table) measures 153 GB/s dispatch / 158 GB/s combine
+#   intranode EP8 on H800 (nominal H800 NVLink is 400 GB/s bidirectional).
+# - H100/H200 SXM NVLink-4: 18 links x 50 GB/s = 900 GB/s bidirectional = 450 GB/s per direction
+#   (NVIDIA H100/H200 datasheets; DESIGN.md section 6).
+# - ConnectX-7 NDR 400 Gb/s = 50 GB/s per direction, one NIC per GPU (NVIDIA ConnectX-7 datasheet);
+#   DeepEP's README measures ~40-58 GB/s RDMA for internode dispatch/combine on it.
+# - Compute and memory: H800/H100 SXM 989 dense BF16 TFLOP/s, 1979 dense FP8, HBM3 3.35 TB/s; H200 SXM
+#   the same compute with HBM3e 4.8 TB/s (NVIDIA datasheets, dense = without sparsity).
+# - latency_us: our estimate of one all-to-all's fixed cost (kernel launch + cross-GPU barrier) --
+#   ~10 us over NVLink, ~20 us through an RDMA NIC. Not a datasheet number; use --calibrate.
+HARDWARE: dict[str, Hardware] = {
+    "h800": Hardware(
+        "h800", "H800 SXM, NVLink ~160 GB/s measured, CX7 between nodes",
+        nvlink_GBps=160.0, nic_GBps=50.0, gpus_per_node=8, latency_us=10.0,
+        bf16_TFLOPs=989.0, fp8_TFLOPs=1979.0, hbm_GBps=3350.0,
+        source="seed; DeepEP README intranode 153/158 GB/s",
+    ),
+    "h100": Hardware(
+        "h100", "H100 SXM, NVLink-4 450 GB/s per direction, CX7 between nodes",
+        nvlink_GBps=450.0, nic_GBps=50.0, gpus_per_node=8, latency_us=10.0,
+        bf16_TFLOPs=989.0, fp8_TFLOPs=1979.0, hbm_GBps=3350.0,
+        source="NVIDIA H100 datasheet (NVLink 900 GB/s bidirectional)",
+    ),
+    "h200": Hardware(
+        "h200", "H200 SXM, NVLink-4 450 GB/s per direction, CX7 between nodes",
+        nvlink_GBps=450.0, nic_GBps=50.0, gpus_per_node=8, latency_us=10.0,
+        bf16_TFLOPs=989.0, fp8_TFLOPs=1979.0, hbm_GBps=4800.0,
+        source="NVIDIA H200 datasheet (NVLink 900 GB/s bidirectional)",
+    ),
+    # Every peer over RDMA (DeepEP low-latency kernels go through the NIC even inside a node).
+    "cx7": Hardware(
+        "cx7", "H800 with every peer over ConnectX-7 400 Gb/s RDMA (~50 GB/s)",
+        nvlink_GBps=50.0, nic_GBps=50.0, gpus_per_node=1, latency_us=20.0,
+        bf16_TFLOPs=989.0, fp8_TFLOPs=1979.0, hbm_GBps=3350.0,
+        source="ConnectX-7 datasheet; DeepEP README internode RDMA ~40-58 GB/s",
+    ),
+}
+
+# Share of datasheet peak a real shared-expert MLP reaches. From DESIGN.md section 6: DeepSeek-V3's
+# shared expert on 4096 tokens took 516 us on one H200, against a 365 us roofline (2*4096*3*7168*2048
+# FLOP at 989 TFLOP/s) -> 0.71. Used for memory bandwidth too, for want of a measurement.
+SHARED_EXPERT_EFFICIENCY = 0.7
+
+
+def get_hardware(name: str) -> Hardware:
+    if name not in HARDWARE:
+        raise ValueError(
+            f"hw must be one of {sorted(HARDWARE)}, got {name!r}; pick the closest machine with --hw "
+            "and measure yours with --calibrate RESULT.json"
+        )
+    return HARDWARE[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Models: presets or a Hugging Face config.json
+# --------------------------------------------------------------------------------------------------
+
+
+def load_model(spec: str) -> MoEConfig:
+    """A preset name (``deepseek-v3``...) or a path to a Hugging Face ``config.json`` (or its folder)."""
+    from ..hf.config import config_from_hf  # lazy: the HF interop imports torch, a preset does not need it
+
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"model must be a preset or a path to a Hugging Face config.json, got {spec!r}; "
+            f"use one of {sorted(PRESETS)} or an existing file"
+        )
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"model config must be valid JSON, got a parse error in {str(path)!r} ({exc}); "
+            "pass the model's config.json"
+        ) from None
+    return config_from_hf(hf, name=hf.get("_name_or_path") or path.parent.name or path.stem)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a plan depends on. Defaults are the seed's worked example at EP8 on H800.
+
+    ``layers``: layers that run an all-to-all; ``None`` means the seed convention counts every layer
+    (``num_hidden_layers``, 61 for V3, as the seed does) and the byte model counts the MoE layers only
+    (``num_hidden_layers - first_k_dense_replace``, 58 for V3). ``attn_us`` / ``moe_us``: the seed's T
+    and t, per layer, taken as given in every mode. ``micro_batches``: 1 (no TBO) or 2 (TBO).
+    """
+
+    model: MoEConfig
+    batch: int = 256
+    tpot_ms: float = 20.0
+    layers: int | None = None
+    attn_us: float = 320.0
+    moe_us: float = 120.0
+    ep: int = 8
+    hw: str = "h800"
+    dispatch_dtype: str = "fp8"
+    combine_dtype: str = "bf16"
+    micro_batches: int = 2
+    weight_dtype: str = "bf16"
+    fanout_model: str = "uniform"
+
+    def __post_init__(self) -> None:
+        validate_inputs(self)
+
+    @property
+    def seed_layers(self) -> int:
+        return self.layers if self.layers is not None else self.model.num_hidden_layers
+
+    @property
+    def model_layers(self) -> int:
+        return self.layers if self.layers is not None else self.model.num_moe_layers
+
+    @property
+    def is_seed_example(self) -> bool:
+        """True when the inputs are the seed's, so its printed figures apply."""
+        return (
+            self.model == PRESETS[SEED_INPUTS["model"]]
+            and self.batch == SEED_INPUTS["batch"]
+            and self.tpot_ms == SEED_INPUTS["tpot_ms"]
+            and self.seed_layers == PRESETS[SEED_INPUTS["model"]].num_hidden_layers
+            and self.attn_us == SEED_INPUTS["attn_us"]
+            and self.moe_us == SEED_INPUTS["moe_us"]
+            and self.dispatch_dtype == SEED_INPUTS["dispatch_dtype"]
+        )
+
+
+def validate_inputs(inp: PlanInputs) -> None:
+    """Raise ``ValueError`` "<name> must <rule>, got <value>; <fix>" for inputs no plan can use."""
+    if not isinstance(inp.batch, int) or inp.batch < 1:
+        raise ValueError(
+            f"batch must be a positive number of tokens per GPU, got {inp.batch}; pass --batch >= 1"
+        )
+    if not inp.tpot_ms > 0:
+        raise ValueError(f"tpot_ms must be > 0, got {inp.tpot_ms}; pass the per-token SLO, e.g. --tpot-ms 20")
+    if inp.layers is not None and inp.layers < 1:
+        raise ValueError(f"layers must be >= 1, got {inp.layers}; omit --layers to use the model's count")
+    for name in ("attn_us", "moe_us"):
+        if getattr(inp, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(inp, name)}; pass a per-layer time in us")
+    if inp.ep < 1 or inp.model.num_experts % inp.ep:
+        raise ValueError(
+            f"ep must divide the {inp.model.num_experts} routed experts of {inp.model.name}, got {inp.ep}; "
+            f"choose --ep among {divisors(inp.model.num_experts)}"
+        )
+    get_hardware(inp.hw)
+    for name in ("dispatch_dtype", "combine_dtype", "weight_dtype"):
+        if getattr(inp, name) not in ELEMENT_B:
+            raise ValueError(f"{name} must be fp8 or bf16, got {getattr(inp, name)!r}; pass fp8 or bf16")
+    if inp.fanout_model not in FANOUT_MODELS:
+        raise ValueError(
+            f"fanout_model must be one of {list(FANOUT_MODELS)}, got {inp.fanout_model!r}; pass --fanout uniform"
+        )
+    if inp.micro_batches not in (1, 2):
+        raise ValueError(
+            f"micro_batches must be 1 or 2, got {inp.micro_batches}; the (T - t) / 2 rule is derived for "
+            "two micro-batches (pass 2 for TBO, 1 without)"
+        )
+    if inp.micro_batches > inp.batch:
+        raise ValueError(
+            f"batch must hold at least one token per micro-batch, got batch {inp.batch} for "
+            f"{inp.micro_batches} micro-batches; raise --batch or pass --micro-batches 1"
+        )
