@@ -86,17 +86,17 @@ def make_hf_model(family: str, seed: int = 0):
     return model.float().eval()
 
 
-def quantize_fp8_blocks(w_OI: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(w_OU: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's weight format: float8 e4m3 values and one float32 ``scale_inv`` per block x block
     tile (tile amax / 448), so that ``fp8 * scale_inv`` of the tile approximates ``w``."""
-    rows, cols = w_OI.shape
-    tiles_o, tiles_i = -(-rows // block), -(-cols // block)
-    padded = torch.zeros(tiles_o * block, tiles_i * block)
-    padded[:rows, :cols] = w_OI.float()
-    tiles = padded.view(tiles_o, block, tiles_i, block)
-    scale_oi = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    q = (tiles / scale_oi[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
-    return q.contiguous(), scale_oi
+    rows, cols = w_OU.shape
+    tiles_o, tiles_u = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(tiles_o * block, tiles_u * block)
+    padded[:rows, :cols] = w_OU.float()
+    tiles = padded.view(tiles_o, block, tiles_u, block)
+    scale_ou = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (tiles / scale_ou[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale_ou
 
 
 def write_checkpoint(path, config: dict, tensors: dict, shards: list[list[str]] | None = None):

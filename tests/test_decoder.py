@@ -32,12 +32,12 @@ def pair():
     return ours, hf, LlamaRotaryEmbedding(cfg)
 
 
-def _hf_sequence(hf, rope, x_LH):
+def _hf_sequence(hf, rope, x_TH):
     """HF attention over one whole sequence (causal)."""
-    length = x_LH.shape[0]
-    cos, sin = rope(x_LH[None], torch.arange(length)[None])
+    length = x_TH.shape[0]
+    cos, sin = rope(x_TH[None], torch.arange(length)[None])
     mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
-    return hf(x_LH[None], position_embeddings=(cos, sin), attention_mask=mask)[0][0]
+    return hf(x_TH[None], position_embeddings=(cos, sin), attention_mask=mask)[0][0]
 
 
 def test_packed_prefill_matches_hf_per_sequence(pair):

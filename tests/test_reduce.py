@@ -15,15 +15,15 @@ from moe_sbo.dispatch.reduce import gather_sum, interpreting_triton, triton, use
 PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(triton is None, reason="needs Triton"))]
 
 
-def reference(src_NH, index_MK, weight_N):
-    """float64 sum via index_add_ over the valid (m, k) pairs."""
-    num_src = src_NH.shape[0]
-    m_idx, k_idx = (index_MK < num_src).nonzero(as_tuple=True)
-    rows = index_MK[m_idx, k_idx]
-    values = src_NH.double()[rows]
-    if weight_N is not None:
-        values = values * weight_N.double()[rows, None]
-    return torch.zeros(index_MK.shape[0], src_NH.shape[1], dtype=torch.float64).index_add_(0, m_idx, values)
+def reference(src_XH, index_YK, weight_X):
+    """float64 sum via index_add_ over the valid (y, k) pairs."""
+    num_src = src_XH.shape[0]
+    m_idx, k_idx = (index_YK < num_src).nonzero(as_tuple=True)
+    rows = index_YK[m_idx, k_idx]
+    values = src_XH.double()[rows]
+    if weight_X is not None:
+        values = values * weight_X.double()[rows, None]
+    return torch.zeros(index_YK.shape[0], src_XH.shape[1], dtype=torch.float64).index_add_(0, m_idx, values)
 
 
 def random_case(generator, num_rows, top_k, num_src, hidden, dtype, weighted=True):

@@ -1,7 +1,6 @@
 """Routed experts as one grouped GEMM over expert-sorted rows, and the shared experts' dense MLP.
 
-Legend: R rows this rank's experts compute (grouped by local expert), H hidden, I expert
-intermediate, L experts local to this rank.
+Legend: see ``moe_sbo/__init__.py``.
 
 The hard part is the grouped GEMM: ``torch._grouped_mm`` takes cumulative row offsets on the device
 (so no host sync) but only runs for some dtype/device pairs (bf16 on sm90+ CUDA, and the CPU build
@@ -85,7 +84,7 @@ class RoutedExperts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """The shared experts, fused into one dense SwiGLU MLP of width ``I * num_shared_experts``."""
+    """The shared experts, fused into one dense SwiGLU MLP of width J (``I * num_shared_experts``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
@@ -102,12 +101,12 @@ class SharedExperts(nn.Module):
 
     # The two halves are separate so an overlap strategy can run them in different transfer windows.
     def up_and_activate(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """First half: ``silu(x gate^T) * (x up^T)`` -> ``[T, S]``."""
+        """First half: ``silu(x gate^T) * (x up^T)`` -> ``[T, J]``."""
         with annotate("shared_experts"):
-            gate_TS, up_TS = F.linear(x_TH, self.gate_up_proj).chunk(2, dim=-1)
-            return F.silu(gate_TS) * up_TS
+            gate_TJ, up_TJ = F.linear(x_TH, self.gate_up_proj).chunk(2, dim=-1)
+            return F.silu(gate_TJ) * up_TJ
 
-    def down(self, h_TS: torch.Tensor) -> torch.Tensor:
+    def down(self, h_TJ: torch.Tensor) -> torch.Tensor:
         """Second half: ``h down^T`` -> ``[T, H]``."""
         with annotate("shared_experts"):
-            return F.linear(h_TS, self.down_proj)
+            return F.linear(h_TJ, self.down_proj)

@@ -1,8 +1,6 @@
 """The expert-parallel MoE layer: router, routed experts spread over the EP group, shared experts.
 
-Legend (used in every module): T tokens on this rank, H hidden, I expert intermediate, E routed
-experts (global), L experts local to this rank, K top-k, R (token, local expert) rows this rank's
-experts compute, P ranks in the EP group.
+Legend: see ``moe_sbo/__init__.py``.
 
 One forward::
 

@@ -1,6 +1,6 @@
 """The router: gate logits -> top-k expert ids and weights, for every routing the presets use.
 
-Legend: T tokens on this rank, H hidden, E routed experts (global), K top-k, G expert groups.
+Legend: see ``moe_sbo/__init__.py``.
 
 The hard part is the group limit. DeepSeek-V2 ``group_limited_greedy`` scores a group by its best
 expert's softmax score; DeepSeek-V3 ``noaux_tc`` scores it by the sum of its two best *biased* sigmoid

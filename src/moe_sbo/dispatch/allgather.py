@@ -66,9 +66,9 @@ class AllGatherDispatcher(Dispatcher):
         my_counts = torch.cat([torch.full((1,), num_tokens, device=x_TH.device, dtype=torch.int64),
                                count_per_key(owner_TK.reshape(-1), ep.size)])
         my_counts = torch.where(ids_ok, my_counts, REJECTED)
-        counts_P1P = my_counts.new_empty(ep.size, 1 + ep.size)
-        _all_gather_single(counts_P1P, my_counts[None], group=ep.group)
-        counts = counts_P1P.tolist()
+        counts_PY = my_counts.new_empty(ep.size, 1 + ep.size)  # Y = 1 + P: each rank's T, then its pairs per rank
+        _all_gather_single(counts_PY, my_counts[None], group=ep.group)
+        counts = counts_PY.tolist()
         self._raise_if_rejected([r for r, row in enumerate(counts) if row[0] == REJECTED], inp.topk_ids_TK)
         tokens_per_rank = tuple(row[0] for row in counts)
         num_pairs = sum(row[1 + ep.rank] for row in counts)

@@ -1,8 +1,6 @@
 """The dispatcher contract: two phases (launch, then wait) for dispatch and for combine, with hooks.
 
-Legend: T tokens on this rank, H hidden, K top-k, E routed experts (global), L experts local to
-this rank, P ranks in the EP group, M token rows moved to this rank, R (row, expert) pairs the local
-experts compute.
+Legend: see ``moe_sbo/__init__.py``.
 
 ::
 

@@ -1,7 +1,6 @@
 """Index logic every dispatcher shares: group moved token rows by local expert, and fold them back.
 
-Legend: M token rows that reached this rank (one per token and destination), K top-k, L local
-experts, R (row, local expert) pairs this rank's experts compute, H hidden.
+Legend: see ``moe_sbo/__init__.py``.
 
 A token row carries K local expert ids (``-1`` where the choice belongs to another rank). The
 expert-major layout lists every (row, k) pair with a local expert, sorted by expert and, inside an
@@ -35,14 +34,14 @@ class ExpertLayout:
     pair_MK: torch.Tensor | None = None
 
 
-def count_per_key(keys_N: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """How many of ``keys_N`` (int64, each in ``[0, num_keys)``) take each value: int64 ``[num_keys]``.
+def count_per_key(keys_X: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """How many of ``keys_X`` (int64, each in ``[0, num_keys)``) take each value: int64 ``[num_keys]``.
 
     ``scatter_add_`` rather than ``torch.bincount``: bincount sizes its output from the data, which
     on CUDA is a host read of the maximum, a synchronisation on every dispatch.
     """
-    counts = torch.zeros(num_keys, dtype=torch.int64, device=keys_N.device)
-    return counts.scatter_add_(0, keys_N, torch.ones_like(keys_N))
+    counts = torch.zeros(num_keys, dtype=torch.int64, device=keys_X.device)
+    return counts.scatter_add_(0, keys_X, torch.ones_like(keys_X))
 
 
 def group_rows_by_expert(
@@ -52,24 +51,24 @@ def group_rows_by_expert(
     """Expert-major layout of the (row, k) pairs whose ``local_ids_MK`` is in ``[0, L)``.
 
     Pairs marked ``-1`` are not this rank's. ``num_pairs`` (R), when the caller already knows it
-    on the host, saves the one host synchronisation this otherwise needs.
+    on the host, saves the one host synchronisation this otherwise needs. X: the M * K pairs, flattened.
     """
     num_rows, k = local_ids_MK.shape
-    ids_P = local_ids_MK.reshape(-1).long()
-    is_local_P = ids_P >= 0
+    ids_X = local_ids_MK.reshape(-1).long()
+    is_local_X = ids_X >= 0
     # Non-local pairs get key L so a stable sort puts them after every local expert's rows.
-    key_P = torch.where(is_local_P, ids_P, num_local_experts)
-    counts = count_per_key(key_P, num_local_experts + 1)
+    key_X = torch.where(is_local_X, ids_X, num_local_experts)
+    counts = count_per_key(key_X, num_local_experts + 1)
     if num_pairs is None:
-        num_pairs = int(is_local_P.sum().item())
-    order_R = torch.sort(key_P, stable=True).indices[:num_pairs]
-    pair_P = torch.full_like(ids_P, num_pairs)  # non-local choices point one past the last pair
-    pair_P[order_R] = torch.arange(num_pairs, device=ids_P.device)
+        num_pairs = int(is_local_X.sum().item())
+    order_R = torch.sort(key_X, stable=True).indices[:num_pairs]
+    pair_X = torch.full_like(ids_X, num_pairs)  # non-local choices point one past the last pair
+    pair_X[order_R] = torch.arange(num_pairs, device=ids_X.device)
     return ExpertLayout(
         row_R=torch.div(order_R, k, rounding_mode="floor"),
         weight_R=weights_MK.reshape(-1)[order_R].float(),
         num_rows_per_expert_L=counts[:num_local_experts],
-        pair_MK=pair_P.view(num_rows, k),
+        pair_MK=pair_X.view(num_rows, k),
     )
 
 

@@ -2,9 +2,10 @@
 (plus the two small ones of the id assert); four live here, the last (``gather_sum``) in ``reduce.py``,
 which the other dispatchers share.
 
-Legend: see ``moe_sbo/__init__.py``; the wire format is ``ll_wire.py``'s (S = P * C slots, B row
-bytes, R = S * K expert rows). Each kernel replaces a chain
-of small torch ops of the reference path there, and produces the same bytes and indices::
+Legend: see ``moe_sbo/__init__.py``; here R = S * K expert rows (padding included), and in
+``expert_layout`` X is a chunk of the S * K (slot, k) pairs and Y the L + 1 sort keys (each local
+expert, then "not local"). The wire format is ``ll_wire.py``'s. Each kernel replaces a chain of small
+torch ops of the reference path there, and produces the same bytes and indices::
 
     dispatch  pack_rows      grid C x H/1024: program (c, j) counts, from all T x K ids, the
                              earlier tokens going to each rank (token c's row in that block) and
@@ -148,14 +149,14 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_
     if c < num_tokens:
         x_row = x_ptr + c.to(tl.int64) * HIDDEN
         if FP8:
-            offs_g = tl.arange(0, BLOCK_H // GROUP_V)
-            g_mask = h0 + offs_g * GROUP_V < HIDDEN
-            h_GV = h0 + offs_g[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
-            x_GV = tl.load(x_row + h_GV, mask=g_mask[:, None], other=0.0).to(tl.float32)
+            offs_q = tl.arange(0, BLOCK_H // GROUP_V)
+            q_mask = h0 + offs_q * GROUP_V < HIDDEN
+            h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
+            x_QV = tl.load(x_row + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
             # As quantize_fp8: amax / 448 per group (floored so a zero group stays finite), an IEEE
             # division (Triton's "/" is approximate), clamp, round to nearest e4m3.
-            scale_G = tl.maximum(tl.max(tl.abs(x_GV), axis=1), 1e-30) / E4M3_MAX
-            q_GV = tl.clamp(tl.math.div_rn(x_GV, scale_G[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+            scale_Q = tl.maximum(tl.max(tl.abs(x_QV), axis=1), 1e-30) / E4M3_MAX
+            q_QV = tl.clamp(tl.math.div_rn(x_QV, scale_Q[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
         else:
             h = h0 + tl.arange(0, BLOCK_H)
             x_H = tl.load(x_row + h, mask=h < HIDDEN)
@@ -165,9 +166,9 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_
                 block = anchor_ptr + tl.load(dst_ptr + p) * 16
                 dst_row = block + tl.sum(tl.where(is_p, before_P, 0)).to(tl.int64) * ROW_BYTES
                 if FP8:
-                    tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_GV, q_GV, mask=g_mask[:, None])
-                    tl.store((dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_g,
-                             scale_G, mask=g_mask)
+                    tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_QV, q_QV, mask=q_mask[:, None])
+                    tl.store((dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q,
+                             scale_Q, mask=q_mask)
                 else:
                     tl.store(dst_row.to(x_ptr.dtype) + h, x_H, mask=h < HIDDEN)
 
@@ -197,53 +198,53 @@ def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
 
 @triton.jit
 def _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K: tl.constexpr,
-               ROW_BYTES: tl.constexpr, IDS_OFFSET: tl.constexpr, E_P2: tl.constexpr):
-    """Local expert of pairs ``n`` (L for another rank's expert or "no expert"; E_P2, counted
+               ROW_BYTES: tl.constexpr, IDS_OFFSET: tl.constexpr, Y_P2: tl.constexpr):
+    """Local expert of pairs ``n`` (L for another rank's expert or "no expert"; Y_P2, counted
     nowhere, past the last pair)."""
     slot = n // TOP_K
     ids_ptr = (recv_ptr + slot.to(tl.int64) * ROW_BYTES + IDS_OFFSET).to(tl.pointer_type(tl.int32))
     ids = tl.load(ids_ptr + n % TOP_K, mask=n < num_pairs, other=-1)
     local = ids - first_expert
     key = tl.where((ids >= 0) & (local >= 0) & (local < num_local_experts), local, num_local_experts)
-    return tl.where(n < num_pairs, key, E_P2)
+    return tl.where(n < num_pairs, key, Y_P2)
 
 
 @triton.jit
 def _expert_layout_kernel(recv_ptr, row_ptr, weight_ptr, pair_row_ptr, counts_ptr, num_real_ptr, first_expert,
                           num_local_experts, num_slots, TOP_K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                          IDS_OFFSET: tl.constexpr, WEIGHTS_OFFSET: tl.constexpr, E_P2: tl.constexpr,
-                          BLOCK_N: tl.constexpr, SCAN_N: tl.constexpr):
-    # Program i places pairs [i * BLOCK_N, (i + 1) * BLOCK_N). Every program first counts all pairs per
+                          IDS_OFFSET: tl.constexpr, WEIGHTS_OFFSET: tl.constexpr, Y_P2: tl.constexpr,
+                          BLOCK_X: tl.constexpr, SCAN_X: tl.constexpr):
+    # Program i places pairs [i * BLOCK_X, (i + 1) * BLOCK_X). Every program first counts all pairs per
     # expert (the experts' starts) and those before its chunk (its offset inside each expert): the
     # keys are a few KB, read from L2 by every program, which beats a serial scan in one program.
-    chunk_start = tl.program_id(0) * BLOCK_N
+    chunk_start = tl.program_id(0) * BLOCK_X
     num_pairs = num_slots * TOP_K
-    offs_e = tl.arange(0, E_P2)
-    counts_E = tl.zeros([E_P2], dtype=tl.int32)
-    before_E = tl.zeros([E_P2], dtype=tl.int32)
-    for n0 in range(0, num_pairs, SCAN_N):
-        n = n0 + tl.arange(0, SCAN_N)
+    offs_y = tl.arange(0, Y_P2)
+    counts_Y = tl.zeros([Y_P2], dtype=tl.int32)
+    before_Y = tl.zeros([Y_P2], dtype=tl.int32)
+    for n0 in range(0, num_pairs, SCAN_X):
+        n = n0 + tl.arange(0, SCAN_X)
         key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET,
-                         E_P2)
-        hot_NE = (key[:, None] == offs_e[None, :]).to(tl.int32)
-        counts_E += tl.sum(hot_NE, axis=0)
-        before_E += tl.sum(tl.where((n < chunk_start)[:, None], hot_NE, 0), axis=0)
-    start_E = tl.cumsum(counts_E, axis=0) - counts_E
+                         Y_P2)
+        hot_XY = (key[:, None] == offs_y[None, :]).to(tl.int32)
+        counts_Y += tl.sum(hot_XY, axis=0)
+        before_Y += tl.sum(tl.where((n < chunk_start)[:, None], hot_XY, 0), axis=0)
+    start_Y = tl.cumsum(counts_Y, axis=0) - counts_Y
     if chunk_start == 0:
-        tl.store(counts_ptr + offs_e, counts_E.to(tl.int64), mask=offs_e < num_local_experts)
-        tl.store(num_real_ptr, tl.sum(tl.where(offs_e == num_local_experts, start_E, 0)))
+        tl.store(counts_ptr + offs_y, counts_Y.to(tl.int64), mask=offs_y < num_local_experts)
+        tl.store(num_real_ptr, tl.sum(tl.where(offs_y == num_local_experts, start_Y, 0)))
     # A pair's row: its expert's start + the pairs of that expert before it (stable: slot order).
-    n = chunk_start + tl.arange(0, BLOCK_N)
-    key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, E_P2)
-    hot_NE = (key[:, None] == offs_e[None, :]).to(tl.int32)
-    row_N = tl.sum((tl.cumsum(hot_NE, axis=0) - 1 + (start_E + before_E)[None, :]) * hot_NE, axis=1)
+    n = chunk_start + tl.arange(0, BLOCK_X)
+    key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
+    hot_XY = (key[:, None] == offs_y[None, :]).to(tl.int32)
+    row_X = tl.sum((tl.cumsum(hot_XY, axis=0) - 1 + (start_Y + before_Y)[None, :]) * hot_XY, axis=1)
     valid = n < num_pairs
     is_local = key < num_local_experts
     w_ptr = (recv_ptr + (n // TOP_K).to(tl.int64) * ROW_BYTES + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32))
-    w_N = tl.load(w_ptr + n % TOP_K, mask=valid & is_local, other=0.0)
-    tl.store(pair_row_ptr + n, row_N.to(tl.int64), mask=valid)
-    tl.store(row_ptr + row_N, tl.where(is_local, n // TOP_K, num_slots).to(tl.int64), mask=valid)
-    tl.store(weight_ptr + row_N, w_N, mask=valid)
+    w_X = tl.load(w_ptr + n % TOP_K, mask=valid & is_local, other=0.0)
+    tl.store(pair_row_ptr + n, row_X.to(tl.int64), mask=valid)
+    tl.store(row_ptr + row_X, tl.where(is_local, n // TOP_K, num_slots).to(tl.int64), mask=valid)
+    tl.store(weight_ptr + row_X, w_X, mask=valid)
 
 
 def expert_layout(recv_SB: torch.Tensor, fmt: RowFormat, rank: int, num_local_experts: int) -> KernelLayout:
@@ -256,12 +257,12 @@ def expert_layout(recv_SB: torch.Tensor, fmt: RowFormat, rank: int, num_local_ex
     pair_row_SK = torch.empty(num_slots, top_k, dtype=torch.int64, device=device)
     counts_L = torch.empty(num_local_experts, dtype=torch.int64, device=device)
     num_real_1 = torch.empty(1, dtype=torch.int32, device=device)
-    e_p2 = _pow2(num_local_experts + 1)
-    block_n = 128
-    _expert_layout_kernel[(triton.cdiv(num_slots * top_k, block_n),)](
+    y_p2 = _pow2(num_local_experts + 1)
+    block_x = 128
+    _expert_layout_kernel[(triton.cdiv(num_slots * top_k, block_x),)](
         recv_SB, row_R, weight_R, pair_row_SK, counts_L, num_real_1, rank * num_local_experts, num_local_experts,
         num_slots, TOP_K=top_k, ROW_BYTES=fmt.row_bytes, IDS_OFFSET=fmt.ids_offset,
-        WEIGHTS_OFFSET=fmt.weights_offset, E_P2=e_p2, BLOCK_N=block_n, SCAN_N=max(16, min(1024, 8192 // e_p2)),
+        WEIGHTS_OFFSET=fmt.weights_offset, Y_P2=y_p2, BLOCK_X=block_x, SCAN_X=max(16, min(1024, 8192 // y_p2)),
     )
     return KernelLayout(ExpertLayout(row_R=row_R, weight_R=weight_R, num_rows_per_expert_L=counts_L),
                         pair_row_SK, num_real_1)
@@ -276,14 +277,14 @@ def _gather_rows_kernel(recv_ptr, row_ptr, num_real_ptr, out_ptr, HIDDEN: tl.con
         out_row = out_ptr + i.to(tl.int64) * HIDDEN
         for h0 in range(0, HIDDEN, BLOCK_H):
             if FP8:
-                offs_g = tl.arange(0, BLOCK_H // GROUP_V)
-                g_mask = h0 + offs_g * GROUP_V < HIDDEN
-                h_GV = h0 + offs_g[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
-                q_GV = tl.load(src_row.to(tl.pointer_type(tl.float8e4nv)) + h_GV, mask=g_mask[:, None], other=0.0)
-                scale_G = tl.load((src_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_g,
-                                  mask=g_mask, other=0.0)
-                x_GV = q_GV.to(tl.float32) * scale_G[:, None]
-                tl.store(out_row + h_GV, x_GV.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+                offs_q = tl.arange(0, BLOCK_H // GROUP_V)
+                q_mask = h0 + offs_q * GROUP_V < HIDDEN
+                h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
+                q_QV = tl.load(src_row.to(tl.pointer_type(tl.float8e4nv)) + h_QV, mask=q_mask[:, None], other=0.0)
+                scale_Q = tl.load((src_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q,
+                                  mask=q_mask, other=0.0)
+                x_QV = q_QV.to(tl.float32) * scale_Q[:, None]
+                tl.store(out_row + h_QV, x_QV.to(out_ptr.dtype.element_ty), mask=q_mask[:, None])
             else:
                 h = h0 + tl.arange(0, BLOCK_H)
                 tl.store(out_row + h, tl.load(src_row.to(out_ptr.dtype) + h, mask=h < HIDDEN), mask=h < HIDDEN)

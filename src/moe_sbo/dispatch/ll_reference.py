@@ -2,7 +2,7 @@
 combine's per-slot reduction, as chains of torch ops with no host read (any device). The fused
 kernels (``ll_kernels.py``) produce the same bytes and indices; the tests hold them to this.
 
-Legend: see ``moe_sbo/__init__.py`` (S = P * C slots of the fixed-capacity buffers, X rows).
+Legend: see ``moe_sbo/__init__.py``.
 
 The hard part is the receiver's layout: grouped GEMM needs rows grouped by expert, but the number of
 rows per expert is data. A fixed R = S * K rows are laid out expert-major with the real rows first and
@@ -73,30 +73,33 @@ class FixedLayout:
 def group_slots_by_expert(local_ids_SK: torch.Tensor, weights_SK: torch.Tensor,
                           num_local_experts: int) -> FixedLayout:
     """Every (slot, k) pair in expert order (stable: slot order inside an expert), real pairs first,
-    pairs with local id -1 after them. Fixed shapes, no host read."""
+    pairs with local id -1 after them. Fixed shapes, no host read.
+
+    X: the S * K pairs, flattened; Y: the L + 1 sort keys (each local expert, then "not local").
+    """
     num_slots, k = local_ids_SK.shape
     device = local_ids_SK.device
     is_local_SK = local_ids_SK >= 0
     # Non-local pairs get key L: a counting sort puts them after every expert's rows.
-    key_N = torch.where(is_local_SK, local_ids_SK.long(), num_local_experts).reshape(-1)
+    key_X = torch.where(is_local_SK, local_ids_SK.long(), num_local_experts).reshape(-1)
     # Counting sort by one-hot prefix sums, not torch.sort: at decode sizes a radix sort of a few
     # thousand keys costs ~27 µs on an H200. The one-hot is [keys, pairs] so each prefix sum runs
     # along the contiguous dimension (a scan down 9 columns of 1024 rows is sequential: 150 µs).
     # A comparison, not F.one_hot, which may read the keys' range on the host.
-    one_hot_EN = (torch.arange(num_local_experts + 1, device=device)[:, None] == key_N[None, :]).to(torch.int32)
-    seen_EN = one_hot_EN.cumsum(dim=1, dtype=torch.int32)
-    counts_E = seen_EN[:, -1].long() if key_N.numel() else torch.zeros(num_local_experts + 1, dtype=torch.int64,
+    one_hot_YX = (torch.arange(num_local_experts + 1, device=device)[:, None] == key_X[None, :]).to(torch.int32)
+    seen_YX = one_hot_YX.cumsum(dim=1, dtype=torch.int32)
+    counts_Y = seen_YX[:, -1].long() if key_X.numel() else torch.zeros(num_local_experts + 1, dtype=torch.int64,
                                                                            device=device)
-    start_E = counts_E.cumsum(0) - counts_E
-    rank_in_key_N = seen_EN.gather(0, key_N[None, :]).squeeze(0).long() - 1
-    pair_row_N = start_E[key_N] + rank_in_key_N  # where pair n lands in expert order
-    order_R = torch.empty_like(pair_row_N).scatter_(0, pair_row_N, torch.arange(key_N.shape[0], device=device))
-    is_real_R = torch.arange(key_N.shape[0], device=device) < start_E[num_local_experts]
+    start_Y = counts_Y.cumsum(0) - counts_Y
+    rank_in_key_X = seen_YX.gather(0, key_X[None, :]).squeeze(0).long() - 1
+    pair_row_X = start_Y[key_X] + rank_in_key_X  # where pair x lands in expert order
+    order_R = torch.empty_like(pair_row_X).scatter_(0, pair_row_X, torch.arange(key_X.shape[0], device=device))
+    is_real_R = torch.arange(key_X.shape[0], device=device) < start_Y[num_local_experts]
     row_R = torch.where(is_real_R, torch.div(order_R, k, rounding_mode="floor"), num_slots)
     pair_weight_SK = torch.where(is_local_SK, weights_SK.float(), 0.0)
     layout = ExpertLayout(row_R=row_R, weight_R=pair_weight_SK.reshape(-1)[order_R],
-                          num_rows_per_expert_L=counts_E[:num_local_experts])
-    return FixedLayout(layout, pair_row_N.view(num_slots, k), pair_weight_SK, is_local_SK)
+                          num_rows_per_expert_L=counts_Y[:num_local_experts])
+    return FixedLayout(layout, pair_row_X.view(num_slots, k), pair_weight_SK, is_local_SK)
 
 
 def reduce_pairs(expert_y_RH: torch.Tensor, fixed: FixedLayout) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``low_latency``'s transports: the buffer sets (plain, or symmetric memory the peers write into),
 the round counter that takes them in turn, and the start of one phase's fixed-size transfer.
 
-Legend: see ``moe_sbo/__init__.py`` (S = P * C slots, B bytes of a packed row).
+Legend: see ``moe_sbo/__init__.py``.
 
 The hard part is who writes where. With NCCL the kernels write each block into this rank's send
 buffer and one ``all_to_all_single`` moves it; with symmetric memory (``symm_mem``) the kernels

@@ -1,7 +1,7 @@
 """``low_latency``'s wire format: the packed dispatch row and fp8 e4m3 activations with one float32
 scale per 128 values (the constants every path, torch and Triton, takes from here).
 
-Legend: see ``moe_sbo/__init__.py``; here X rows, Q = H / 128 scale groups, V = 128 values per group.
+Legend: see ``moe_sbo/__init__.py``.
 
 A dispatch row packs x (activation dtype, or fp8 e4m3 plus Q float32 scales), the K global expert
 ids (int32) and the K weights (float32). The hard part is alignment: each part starts on a 4-byte
@@ -18,30 +18,30 @@ import torch
 FP8_GROUP = 128  # values sharing one fp8 scale, as DeepEP's low-latency dispatch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-ROW_ALIGN_B = 16  # packed rows are a multiple of this many bytes
+ROW_ALIGN_BYTES = 16  # packed rows are a multiple of this many bytes
 
 
 def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x_TH`` [T, H] (H a multiple of 128) -> (``q_TH`` e4m3 [T, H], ``scales_TG`` float32 [T, G]).
+    """``x_TH`` [T, H] (H a multiple of 128) -> (``q_TH`` e4m3 [T, H], ``scales_TQ`` float32 [T, Q]).
 
     One scale per token and 128 consecutive values: amax / 448, so x ~= q * scale with e4m3's 3
     mantissa bits: relative error <= 2^-4 down to amax * 2^-6 / 448 (e4m3's smallest normal), below
     that an absolute error <= scale * 2^-10.
     """
     num_tokens, hidden = x_TH.shape
-    x_TGV = x_TH.float().view(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
+    x_TQV = x_TH.float().view(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
     # The floor keeps an all-zero group finite (0 / 0 would be NaN); it is far below any real amax.
-    scales_TG1 = x_TGV.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
+    scales_TQ1 = x_TQV.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
     # Clamp: amax / scale can round a hair above 448, and e4m3fn has no inf (it would become NaN).
-    q_TGV = (x_TGV / scales_TG1).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q_TGV.view(num_tokens, hidden), scales_TG1.view(num_tokens, hidden // FP8_GROUP)
+    q_TQV = (x_TQV / scales_TQ1).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q_TQV.view(num_tokens, hidden), scales_TQ1.view(num_tokens, hidden // FP8_GROUP)
 
 
-def dequantize_fp8(q_NH: torch.Tensor, scales_NG: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``quantize_fp8``: ``[N, H]`` in ``dtype``."""
-    num_rows, hidden = q_NH.shape
-    x_NGV = q_NH.float().view(num_rows, hidden // FP8_GROUP, FP8_GROUP) * scales_NG[:, :, None]
-    return x_NGV.view(num_rows, hidden).to(dtype)
+def dequantize_fp8(q_XH: torch.Tensor, scales_XQ: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize_fp8``: ``[X, H]`` in ``dtype``."""
+    num_rows, hidden = q_XH.shape
+    x_XQV = q_XH.float().view(num_rows, hidden // FP8_GROUP, FP8_GROUP) * scales_XQ[:, :, None]
+    return x_XQV.view(num_rows, hidden).to(dtype)
 
 
 # ---- the packed row ----------------------------------------------------------------------------------
@@ -76,34 +76,34 @@ class RowFormat:
         ids_offset = scales_offset + (4 * hidden // FP8_GROUP if fp8 else 0)
         weights_offset = ids_offset + 4 * top_k
         return cls(hidden, top_k, dtype, fp8, scales_offset, ids_offset, weights_offset,
-                   align(weights_offset + 4 * top_k, ROW_ALIGN_B))
+                   align(weights_offset + 4 * top_k, ROW_ALIGN_BYTES))
 
-    def _part(self, rows_NB: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        return rows_NB[:, offset:offset + nbytes].view(dtype)
+    def _part(self, rows_XB: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return rows_XB[:, offset:offset + nbytes].view(dtype)
 
-    def ids(self, rows_NB: torch.Tensor) -> torch.Tensor:
-        """int32 ``[N, K]`` view of the rows' global expert ids."""
-        return self._part(rows_NB, self.ids_offset, 4 * self.top_k, torch.int32)
+    def ids(self, rows_XB: torch.Tensor) -> torch.Tensor:
+        """int32 ``[X, K]`` view of the rows' global expert ids."""
+        return self._part(rows_XB, self.ids_offset, 4 * self.top_k, torch.int32)
 
-    def weights(self, rows_NB: torch.Tensor) -> torch.Tensor:
-        """float32 ``[N, K]`` view of the rows' top-k weights."""
-        return self._part(rows_NB, self.weights_offset, 4 * self.top_k, torch.float32)
+    def weights(self, rows_XB: torch.Tensor) -> torch.Tensor:
+        """float32 ``[X, K]`` view of the rows' top-k weights."""
+        return self._part(rows_XB, self.weights_offset, 4 * self.top_k, torch.float32)
 
-    def x(self, rows_NB: torch.Tensor) -> torch.Tensor:
-        """``[N, H]`` activations in ``dtype``: a view, or a dequantised copy for fp8."""
+    def x(self, rows_XB: torch.Tensor) -> torch.Tensor:
+        """``[X, H]`` activations in ``dtype``: a view, or a dequantised copy for fp8."""
         if not self.fp8:
-            return self._part(rows_NB, 0, self.hidden * self.dtype.itemsize, self.dtype)
-        scales_NG = self._part(rows_NB, self.scales_offset, 4 * self.hidden // FP8_GROUP, torch.float32)
-        return dequantize_fp8(self._part(rows_NB, 0, self.hidden, FP8_DTYPE), scales_NG, self.dtype)
+            return self._part(rows_XB, 0, self.hidden * self.dtype.itemsize, self.dtype)
+        scales_XQ = self._part(rows_XB, self.scales_offset, 4 * self.hidden // FP8_GROUP, torch.float32)
+        return dequantize_fp8(self._part(rows_XB, 0, self.hidden, FP8_DTYPE), scales_XQ, self.dtype)
 
     def pack(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """uint8 ``[T + 1, B]``: token t in row t, and row T the padding row (x zero, ids -1)."""
         num_tokens = x_TH.shape[0]
         rows = torch.zeros(num_tokens + 1, self.row_bytes, dtype=torch.uint8, device=x_TH.device)
         if self.fp8:
-            q_TH, scales_TG = quantize_fp8(x_TH)
+            q_TH, scales_TQ = quantize_fp8(x_TH)
             self._part(rows, 0, self.hidden, FP8_DTYPE)[:num_tokens] = q_TH
-            self._part(rows, self.scales_offset, 4 * scales_TG.shape[1], torch.float32)[:num_tokens] = scales_TG
+            self._part(rows, self.scales_offset, 4 * scales_TQ.shape[1], torch.float32)[:num_tokens] = scales_TQ
         else:
             self._part(rows, 0, self.hidden * self.dtype.itemsize, self.dtype)[:num_tokens] = x_TH
         ids = self.ids(rows)

@@ -1,8 +1,8 @@
 """``low_latency``: DeepEP low-latency style. Fixed-capacity buffers, counts that never leave the
 device, no host synchronisation: a whole MoE forward can be captured in a CUDA graph.
 
-Legend: see ``moe_sbo/__init__.py``. Here T <= C (``max_tokens_per_rank``), S = P * C slots, and
-R = S * K expert rows (fixed: every (slot, k) pair has one, real ones first).
+Legend: see ``moe_sbo/__init__.py``. Here T <= C (``max_tokens_per_rank``) and R = S * K expert rows
+(fixed: every (slot, k) pair has one, real ones first).
 
 Files: ``ll_wire.py`` (the packed row, fp8), ``ll_reference.py`` (the torch path's index logic),
 ``ll_kernels.py`` (the fused Triton path), ``ll_transport.py`` (buffers, NCCL or symmetric memory);

@@ -1,8 +1,8 @@
 """Fixed-order sums of gathered rows: the combine reductions, with no float atomics.
 
-``gather_sum`` computes, for every output row m::
+``gather_sum`` computes, for every output row y of Y, from X source rows::
 
-    out[m] = sum over k = 0 .. K-1 of  weight[index[m, k]] * src[index[m, k]]     (index == N: skipped)
+    out[y] = sum over k = 0 .. K-1 of  weight[index[y, k]] * src[index[y, k]]     (index == X: skipped)
 
 accumulated in float32 and rounded once to the output dtype. Each output row is written by one
 program that reads its K sources in a fixed order, so the result does not depend on scheduling:
@@ -13,7 +13,7 @@ Callers: the expert-output combine of ``local``/``allgather``/``alltoall`` (src 
 index = the pair of each (row, k), weight = the pairs' top-k weights), ``alltoall``'s sum of the rows
 each rank returns, and ``low_latency``'s sum of the P returned rows (no weight).
 
-On CUDA a Triton kernel does it in one pass (grid M x H/BLOCK_H); elsewhere, or with
+On CUDA a Triton kernel does it in one pass (grid Y x H/BLOCK_H); elsewhere, or with
 ``kernels="torch"``, K gathers summed in order. The two agree to float32 rounding, not bit for bit
 (the kernel's sum is a tree over k, the torch one a chain); each is deterministic on its own.
 """
@@ -42,17 +42,17 @@ if triton is not None:
     def _gather_sum_kernel(src_ptr, index_ptr, weight_ptr, out_ptr, num_src, HIDDEN: tl.constexpr,
                            TOP_K: tl.constexpr, K_P2: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                            BLOCK_H: tl.constexpr):
-        m = tl.program_id(0)
+        y = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_k = tl.arange(0, K_P2)
-        index_K = tl.load(index_ptr + m.to(tl.int64) * TOP_K + offs_k, mask=offs_k < TOP_K, other=num_src)
+        index_K = tl.load(index_ptr + y.to(tl.int64) * TOP_K + offs_k, mask=offs_k < TOP_K, other=num_src)
         valid_K = index_K < num_src
         src_KH = tl.load(src_ptr + index_K[:, None] * HIDDEN + h[None, :],
                          mask=valid_K[:, None] & (h[None, :] < HIDDEN), other=0.0).to(tl.float32)
         if HAS_WEIGHT:
             w_K = tl.load(weight_ptr + index_K, mask=valid_K, other=0.0).to(tl.float32)
             src_KH = src_KH * w_K[:, None]
-        tl.store(out_ptr + m.to(tl.int64) * HIDDEN + h, tl.sum(src_KH, axis=0).to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + y.to(tl.int64) * HIDDEN + h, tl.sum(src_KH, axis=0).to(out_ptr.dtype.element_ty),
                  mask=h < HIDDEN)
 
 
@@ -76,38 +76,38 @@ def uses_triton(device: torch.device, kernels: str = "auto") -> bool:
     return device.type == "cuda" or kernels == "triton"
 
 
-def gather_sum(src_NH: torch.Tensor, index_MK: torch.Tensor, weight_N: torch.Tensor | None = None,
+def gather_sum(src_XH: torch.Tensor, index_YK: torch.Tensor, weight_X: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.float32, kernels: str = "auto") -> torch.Tensor:
-    """``[M, H]`` in ``out_dtype``: row m is the (weighted) sum of ``src_NH[index_MK[m, k]]`` over k.
+    """``[Y, H]`` in ``out_dtype``: row y is the (weighted) sum of ``src_XH[index_YK[y, k]]`` over k.
 
-    ``index_MK`` integer, each in ``[0, N]``; N (one past the last row) marks "no source" and adds
-    nothing. ``weight_N`` float32 ``[N]``: a weight per source row, or None for a plain sum.
+    Y: the output rows. ``index_YK`` integer, each in ``[0, X]``; X (one past the last row) marks "no
+    source" and adds nothing. ``weight_X`` float32 ``[X]``: a weight per source row, or None for a plain sum.
     """
-    num_rows, top_k = index_MK.shape
-    num_src, hidden = src_NH.shape
-    out_MH = torch.empty(num_rows, hidden, dtype=out_dtype, device=src_NH.device)
+    num_rows, top_k = index_YK.shape
+    num_src, hidden = src_XH.shape
+    out_YH = torch.empty(num_rows, hidden, dtype=out_dtype, device=src_XH.device)
     if num_rows == 0:
-        return out_MH
+        return out_YH
     if num_src == 0 or top_k == 0:
-        return out_MH.zero_()
-    index_MK = index_MK.long()  # the kernel's row offsets index * H must not wrap at 2**31
-    if uses_triton(src_NH.device, kernels):
+        return out_YH.zero_()
+    index_YK = index_YK.long()  # the kernel's row offsets index * H must not wrap at 2**31
+    if uses_triton(src_XH.device, kernels):
         k_p2 = triton.next_power_of_2(top_k)
         block_h = block_h_for(hidden, k_p2)
-        src = src_NH.contiguous()
+        src = src_XH.contiguous()
         _gather_sum_kernel[(num_rows, triton.cdiv(hidden, block_h))](
-            src, index_MK.contiguous(), src if weight_N is None else weight_N.contiguous(), out_MH, num_src,
-            HIDDEN=hidden, TOP_K=top_k, K_P2=k_p2, HAS_WEIGHT=weight_N is not None, BLOCK_H=block_h,
+            src, index_YK.contiguous(), src if weight_X is None else weight_X.contiguous(), out_YH, num_src,
+            HIDDEN=hidden, TOP_K=top_k, K_P2=k_p2, HAS_WEIGHT=weight_X is not None, BLOCK_H=block_h,
         )
-        return out_MH
+        return out_YH
     # Accumulate in float32: in the output itself when it is float32, else in a temporary.
-    acc_MH = out_MH.zero_() if out_dtype == torch.float32 else torch.zeros_like(out_MH, dtype=torch.float32)
+    acc_YH = out_YH.zero_() if out_dtype == torch.float32 else torch.zeros_like(out_YH, dtype=torch.float32)
     for k in range(top_k):  # a chain over k: the same order every run
-        index_M = index_MK[:, k]
-        valid_M = index_M < num_src
-        safe_M = torch.where(valid_M, index_M, 0)
-        rows_MH = src_NH[safe_M].float()
-        if weight_N is not None:
-            rows_MH.mul_(weight_N[safe_M].float()[:, None])
-        acc_MH.add_(rows_MH.masked_fill_(~valid_M[:, None], 0.0))
-    return acc_MH if acc_MH is out_MH else out_MH.copy_(acc_MH)
+        index_Y = index_YK[:, k]
+        valid_Y = index_Y < num_src
+        safe_Y = torch.where(valid_Y, index_Y, 0)
+        rows_YH = src_XH[safe_Y].float()
+        if weight_X is not None:
+            rows_YH.mul_(weight_X[safe_Y].float()[:, None])
+        acc_YH.add_(rows_YH.masked_fill_(~valid_Y[:, None], 0.0))
+    return acc_YH if acc_YH is out_YH else out_YH.copy_(acc_YH)

@@ -9,9 +9,9 @@ DeepSeek-V2/V3/R1, Kimi-K2 and Qwen3-MoE files and ``transformers`` 5's ``save_p
     P experts.{e}.gate_proj.weight            [I, H]
     P experts.{e}.up_proj.weight              [I, H]
     P experts.{e}.down_proj.weight            [H, I]
-    P shared_experts.gate_proj.weight         [S, H]   DeepSeek only (S = I * n_shared_experts)
-    P shared_experts.up_proj.weight           [S, H]
-    P shared_experts.down_proj.weight         [H, S]
+    P shared_experts.gate_proj.weight         [J, H]   DeepSeek only (J = I * n_shared_experts)
+    P shared_experts.up_proj.weight           [J, H]
+    P shared_experts.down_proj.weight         [H, J]
 
 or, in place of the per-expert tensors, stacked ones as ``transformers`` 5 holds them in memory:
 ``P experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``P experts.down_proj`` [E, H, I].
@@ -293,18 +293,19 @@ def _load(f, p: _Piece) -> torch.Tensor:
     return f.get_tensor(p.name) if p.rows is None else f.get_slice(p.name)[p.rows]
 
 
-def dequantize_fp8_blocks(weight_OI: torch.Tensor, scale_inv_oi: torch.Tensor,
+def dequantize_fp8_blocks(weight_OU: torch.Tensor, scale_inv_ou: torch.Tensor,
                           block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> torch.Tensor:
     """FP8 block-quantised weight -> float32 ``weight * scale`` of its block, as DeepSeek-V3 stores them.
 
-    ``weight_OI`` [..., O, I] float8_e4m3fn; ``scale_inv_oi`` [..., ceil(O/b0), ceil(I/b1)] float32,
+    ``weight_OU`` [..., O, U] float8_e4m3fn; ``scale_inv_ou`` [..., ceil(O/b0), ceil(U/b1)] float32,
     one factor per ``block`` = (b0, b1) tile (DeepSeek calls it ``scale_inv`` because quantisation
-    divided by it). Edge tiles are cropped: O and I need not be multiples of the block.
+    divided by it; lowercase ``ou``: tiles of O and U, not features). Edge tiles are cropped: O and U
+    need not be multiples of the block.
     """
     b_out, b_in = block
-    rows, cols = weight_OI.shape[-2:]
-    scale_OI = scale_inv_oi.float().repeat_interleave(b_out, dim=-2).repeat_interleave(b_in, dim=-1)
-    return weight_OI.float() * scale_OI[..., :rows, :cols]
+    rows, cols = weight_OU.shape[-2:]
+    scale_OU = scale_inv_ou.float().repeat_interleave(b_out, dim=-2).repeat_interleave(b_in, dim=-1)
+    return weight_OU.float() * scale_OU[..., :rows, :cols]
 
 
 class _Assembler:

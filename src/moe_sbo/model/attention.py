@@ -1,13 +1,12 @@
 """Causal self-attention with a KV cache: packed variable-length prefill and one-token decode.
 
-Legend: T tokens in the packed batch, H hidden, N query heads, G key/value heads (GQA: N % G == 0),
-D head dim, S cache slots (one per sequence), C cache capacity in tokens per sequence.
+Legend: see ``moe_sbo/__init__.py`` (here T is the tokens of the packed batch, and N % A == 0: GQA).
 
 A ``Batch`` says which tokens belong to which sequence: segment i is ``lengths[i]`` tokens of the
 sequence in cache slot ``slots[i]``, at positions ``starts[i] ...``; the ``starts[i]`` tokens before
 it are already in the cache. Prefill segments start at 0, except the second half of a sequence that
 two-batch overlap cut in two, which attends to the first half through the cache. A decode batch is
-one token for each of the consecutive slots ``slots[0] ... slots[0] + B - 1``.
+one token for each of the Z consecutive slots ``slots[0] ... slots[0] + Z - 1``.
 
 The hard part is decode cost: a decode step reads every cached key and value of its sequences, so
 the cache is attended in place (a view of consecutive slots, never a gathered copy), with a mask
@@ -78,25 +77,25 @@ class Batch:
         return Batch(tuple(slots), tuple(starts), tuple(lengths), positions_T.to(device))
 
     @staticmethod
-    def decode_step(first_slot: int, positions_B: torch.Tensor) -> "Batch":
-        """One new token for each of the slots ``first_slot ... first_slot + B - 1`` at ``positions_B``."""
-        b = positions_B.shape[0]
-        return Batch(tuple(range(first_slot, first_slot + b)), (0,) * b, (1,) * b, positions_B, decode=True)
+    def decode_step(first_slot: int, positions_Z: torch.Tensor) -> "Batch":
+        """One new token for each of the Z slots ``first_slot ... first_slot + Z - 1`` at ``positions_Z``."""
+        z = positions_Z.shape[0]
+        return Batch(tuple(range(first_slot, first_slot + z)), (0,) * z, (1,) * z, positions_Z, decode=True)
 
 
 class KVCache:
-    """Keys and values of ``num_slots`` sequences, up to ``capacity`` tokens each: ``[S, G, C, D]``."""
+    """Keys and values of ``num_slots`` sequences, up to ``capacity`` tokens each: ``[Z, A, W, D]``."""
 
     def __init__(self, cfg: AttentionConfig, num_slots: int, capacity: int, *, dtype: torch.dtype,
                  device: torch.device | str):
         shape = (num_slots, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.k_SGCD = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_SGCD = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_ZAWD = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_ZAWD = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
 
     def check(self, batch: Batch) -> None:
         """Raise, naming the segment, if a batch would write outside the cache (before any write)."""
-        num_slots = self.k_SGCD.shape[0]
+        num_slots = self.k_ZAWD.shape[0]
         # A decode batch's slots are consecutive by construction: its two ends bound them all, so a
         # decode step of hundreds of sequences checks two numbers, not every segment.
         segments = zip(batch.slots[:1] + batch.slots[-1:], (0, 0), (1, 1)) if batch.decode else zip(
@@ -121,61 +120,62 @@ class Attention(nn.Module):
 
     def forward(self, x_TH: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         cfg = self.cfg
-        n, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n, a, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         with annotate("attention"):
             qkv = F.linear(x_TH, self.qkv_proj)
             q_TND = qkv[:, : n * d].view(-1, n, d)
-            k_TGD = qkv[:, n * d: (n + g) * d].view(-1, g, d)
-            v_TGD = qkv[:, (n + g) * d:].view(-1, g, d)
-            q_TND, k_TGD = _rotate(q_TND, batch.positions_T, cfg.rope_theta), _rotate(k_TGD, batch.positions_T, cfg.rope_theta)
+            k_TAD = qkv[:, n * d: (n + a) * d].view(-1, a, d)
+            v_TAD = qkv[:, (n + a) * d:].view(-1, a, d)
+            q_TND, k_TAD = _rotate(q_TND, batch.positions_T, cfg.rope_theta), _rotate(k_TAD, batch.positions_T, cfg.rope_theta)
             if batch.decode:
-                out_TND = _decode(q_TND, k_TGD, v_TGD, batch, cache)
+                out_TND = _decode(q_TND, k_TAD, v_TAD, batch, cache)
             else:
-                out_TND = _prefill(q_TND, k_TGD, v_TGD, batch, cache)
+                out_TND = _prefill(q_TND, k_TAD, v_TAD, batch, cache)
             return F.linear(out_TND.reshape(-1, n * d), self.o_proj)
 
 
-def _rotate(x_TXD: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (half-split convention) at ``positions_T``, computed in float32."""
-    d = x_TXD.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x_TXD.device, dtype=torch.float32) / d)
+def _rotate(x_TYD: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (half-split convention) at ``positions_T``, computed in float32 (Y: N or A heads)."""
+    d = x_TYD.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x_TYD.device, dtype=torch.float32) / d)
     angles_TF = positions_T.to(torch.float32)[:, None] * inv_freq[None, :]
     cos, sin = angles_TF.cos()[:, None, :], angles_TF.sin()[:, None, :]
-    x1, x2 = x_TXD.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_TXD.dtype)
+    x1, x2 = x_TYD.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_TYD.dtype)
 
 
-def _prefill(q_TND, k_TGD, v_TGD, batch: Batch, cache: KVCache) -> torch.Tensor:
+def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
+    """Each segment attends on its own (Y: the tokens of one segment)."""
     out_TND = torch.empty_like(q_TND)
-    gqa = q_TND.shape[1] != k_TGD.shape[1]
+    gqa = q_TND.shape[1] != k_TAD.shape[1]
     offset = 0
     for slot, start, length in zip(batch.slots, batch.starts, batch.lengths):
         rows = slice(offset, offset + length)
         offset += length
-        cache.k_SGCD[slot, :, start:start + length] = k_TGD[rows].transpose(0, 1)
-        cache.v_SGCD[slot, :, start:start + length] = v_TGD[rows].transpose(0, 1)
-        q_NLD = q_TND[rows].transpose(0, 1)
+        cache.k_ZAWD[slot, :, start:start + length] = k_TAD[rows].transpose(0, 1)
+        cache.v_ZAWD[slot, :, start:start + length] = v_TAD[rows].transpose(0, 1)
+        q_NYD = q_TND[rows].transpose(0, 1)
         if start == 0:
-            k, v, mask, causal = k_TGD[rows].transpose(0, 1), v_TGD[rows].transpose(0, 1), None, True
+            k, v, mask, causal = k_TAD[rows].transpose(0, 1), v_TAD[rows].transpose(0, 1), None, True
         else:  # a cut sequence's second part: attend to the cached first part too (bottom-right causal)
-            k, v = cache.k_SGCD[slot, :, :start + length], cache.v_SGCD[slot, :, :start + length]
+            k, v = cache.k_ZAWD[slot, :, :start + length], cache.v_ZAWD[slot, :, :start + length]
             key_pos = torch.arange(start + length, device=q_TND.device)
             mask = key_pos[None, :] <= (start + torch.arange(length, device=q_TND.device))[:, None]
             causal = False
-        out = F.scaled_dot_product_attention(q_NLD[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+        out = F.scaled_dot_product_attention(q_NYD[None], k[None], v[None], attn_mask=mask, is_causal=causal,
                                              enable_gqa=gqa)
         out_TND[rows] = out[0].transpose(0, 1)
     return out_TND
 
 
-def _decode(q_BND, k_BGD, v_BGD, batch: Batch, cache: KVCache) -> torch.Tensor:
-    first, b = batch.slots[0] if batch.slots else 0, len(batch.slots)
-    positions_B = batch.positions_T
-    slots = torch.arange(first, first + b, device=q_BND.device)
-    cache.k_SGCD[slots, :, positions_B] = k_BGD  # index_put: no host read of the positions
-    cache.v_SGCD[slots, :, positions_B] = v_BGD
-    k_BGCD, v_BGCD = cache.k_SGCD[first:first + b], cache.v_SGCD[first:first + b]  # views, no copy
-    visible_BC = torch.arange(cache.capacity, device=q_BND.device)[None, :] <= positions_B[:, None]
-    out = F.scaled_dot_product_attention(q_BND[:, :, None], k_BGCD, v_BGCD, attn_mask=visible_BC[:, None, None, :],
-                                         enable_gqa=q_BND.shape[1] != k_BGD.shape[1])
+def _decode(q_ZND, k_ZAD, v_ZAD, batch: Batch, cache: KVCache) -> torch.Tensor:
+    first, z = batch.slots[0] if batch.slots else 0, len(batch.slots)
+    positions_Z = batch.positions_T
+    slots = torch.arange(first, first + z, device=q_ZND.device)
+    cache.k_ZAWD[slots, :, positions_Z] = k_ZAD  # index_put: no host read of the positions
+    cache.v_ZAWD[slots, :, positions_Z] = v_ZAD
+    k_ZAWD, v_ZAWD = cache.k_ZAWD[first:first + z], cache.v_ZAWD[first:first + z]  # views, no copy
+    visible_ZW = torch.arange(cache.capacity, device=q_ZND.device)[None, :] <= positions_Z[:, None]
+    out = F.scaled_dot_product_attention(q_ZND[:, :, None], k_ZAWD, v_ZAWD, attn_mask=visible_ZW[:, None, None, :],
+                                         enable_gqa=q_ZND.shape[1] != k_ZAD.shape[1])
     return out[:, :, 0]
