@@ -38,19 +38,27 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
-from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.config import get_preset, PRESETS
+from moe_sbo.config import PRESETS, get_preset
 from moe_sbo.experts import RoutedExperts, grouped_mm_supported
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import RankPool
+from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import SPANS, KernelTimer, time_all_to_all, time_layer
+from moe_sbo.runtime import RankPool
 
 DISPATCHERS = ("allgather", "alltoall")
 # ---- the layer benchmark (runs on every rank) -------------------------------------------------------
 
 
-def layer_bench_rank(device: torch.device, preset: str, dispatcher: str, tokens_list: list[int],
-                     dtype_name: str, warmup: int, iters: int, seed: int) -> list[dict]:
+def layer_bench_rank(
+    device: torch.device,
+    preset: str,
+    dispatcher: str,
+    tokens_list: list[int],
+    dtype_name: str,
+    warmup: int,
+    iters: int,
+    seed: int,
+) -> list[dict]:
     """One rank's rows for one dispatcher, every token count. Called on every rank by ``LocalRanks.run``."""
     cfg = get_preset(preset)
     dtype = getattr(torch, dtype_name)
@@ -63,17 +71,22 @@ def layer_bench_rank(device: torch.device, preset: str, dispatcher: str, tokens_
             x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
             times = time_layer(layer, x_TH, warmup, iters)
             traffic = layer.last_traffic
-            row = {"rank": rank, "tokens": tokens, **times,
-                   "dispatch_bytes_sent": traffic.dispatch_bytes_sent,
-                   "dispatch_bytes_recv": traffic.dispatch_bytes_recv,
-                   "combine_bytes_sent": traffic.combine_bytes_sent,
-                   "combine_bytes_recv": traffic.combine_bytes_recv}
+            row = {
+                "rank": rank,
+                "tokens": tokens,
+                **times,
+                "dispatch_bytes_sent": traffic.dispatch_bytes_sent,
+                "dispatch_bytes_recv": traffic.dispatch_bytes_recv,
+                "combine_bytes_sent": traffic.combine_bytes_sent,
+                "combine_bytes_recv": traffic.combine_bytes_recv,
+            }
             if world > 1:
                 # Raw NCCL (gloo on CPU) on the same bytes: every rank agrees on the mean per-rank bytes
                 # of each phase and sends them in equal chunks to the other P-1 ranks (the chunk to
                 # itself is a local copy, excluded from the bytes as the dispatchers exclude it).
-                sent = torch.tensor([traffic.dispatch_bytes_sent, traffic.combine_bytes_sent],
-                                    dtype=torch.int64, device=device)
+                sent = torch.tensor(
+                    [traffic.dispatch_bytes_sent, traffic.combine_bytes_sent], dtype=torch.int64, device=device
+                )
                 dist.all_reduce(sent)
                 elem = torch.finfo(dtype).bits // 8
                 chunks = [max(1, math.ceil(int(b) / world / ((world - 1) * elem))) for b in sent.tolist()]
@@ -93,8 +106,17 @@ def summarise_layer(per_rank: list[list[dict]], preset: str, dispatcher: str, dt
     out = []
     for rank_rows in zip(*per_rank):
         first = rank_rows[0]
-        row = {"bench": "moe_layer", "preset": preset, "ep": world, "tokens_per_rank": first["tokens"],
-               "dispatcher": dispatcher, "overlap": "none", "tbo": False, "dtype": dtype_name, "graph": False}
+        row = {
+            "bench": "moe_layer",
+            "preset": preset,
+            "ep": world,
+            "tokens_per_rank": first["tokens"],
+            "dispatcher": dispatcher,
+            "overlap": "none",
+            "tbo": False,
+            "dtype": dtype_name,
+            "graph": False,
+        }
         for name, _, _ in SPANS:
             row[name] = max(r[name] for r in rank_rows)
         row["t_layer_us_per_rank"] = [round(r["t_layer_us"], 1) for r in rank_rows]
@@ -139,8 +161,9 @@ def gemm_cases(preset: str, gemm_ep: int, max_tokens: int) -> list[tuple[str, in
     ]
 
 
-def grouped_gemm_rank(device: torch.device, preset: str, cases: list[tuple[str, int, int]], dtype_name: str,
-                      quick: bool, seed: int) -> list[dict]:
+def grouped_gemm_rank(
+    device: torch.device, preset: str, cases: list[tuple[str, int, int]], dtype_name: str, quick: bool, seed: int
+) -> list[dict]:
     """Rows for every case on rank 0 (other ranks return nothing at once)."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return []
@@ -158,13 +181,21 @@ def grouped_gemm_rank(device: torch.device, preset: str, cases: list[tuple[str, 
         n = 512 if (quick or device.type == "cpu") else 8192
         a, b = randn(n, n), randn(n, n)
         t_square = timer(lambda: torch.mm(a, b))
-        square_tflops = 2 * n ** 3 / t_square / 1e6
+        square_tflops = 2 * n**3 / t_square / 1e6
         del a, b
         experts: RoutedExperts | None = None
         for regime, num_experts, rows_per_expert in cases:
-            row = {"bench": "grouped_gemm", "preset": preset, "regime": regime, "dtype": dtype_name,
-                   "graph": False, "experts_per_gpu": num_experts, "rows_per_expert": rows_per_expert,
-                   "timer": timer.name, "dense_shape": f"{n}x{n}x{n}"}
+            row = {
+                "bench": "grouped_gemm",
+                "preset": preset,
+                "regime": regime,
+                "dtype": dtype_name,
+                "graph": False,
+                "experts_per_gpu": num_experts,
+                "rows_per_expert": rows_per_expert,
+                "timer": timer.name,
+                "dense_shape": f"{n}x{n}x{n}",
+            }
             try:
                 if experts is None or experts.num_local_experts != num_experts:
                     experts = None
@@ -172,8 +203,8 @@ def grouped_gemm_rank(device: torch.device, preset: str, cases: list[tuple[str, 
                         torch.cuda.empty_cache()
                     experts = RoutedExperts(num_experts, h, i, dtype=dtype, device=device)
                     # In place, in the weights' dtype: no float32 copy of ~5.6 GB of V3 experts.
-                    experts.gate_up_proj.normal_(0.0, h ** -0.5, generator=generator)
-                    experts.down_proj.normal_(0.0, i ** -0.5, generator=generator)
+                    experts.gate_up_proj.normal_(0.0, h**-0.5, generator=generator)
+                    experts.down_proj.normal_(0.0, i**-0.5, generator=generator)
                 rows_total = num_experts * rows_per_expert
                 x_RH = randn(rows_total, h)
                 counts_L = torch.full((num_experts,), rows_per_expert, dtype=torch.int64, device=device)
@@ -181,13 +212,17 @@ def grouped_gemm_rank(device: torch.device, preset: str, cases: list[tuple[str, 
                 t_experts = timer(lambda: experts(x_RH, counts_L))
                 flops = 2 * rows_total * 3 * h * i  # gate_up (2I·H) + down (H·I) per row
                 # Dense GEMMs of exactly the same FLOPs: [rows, H]x[H, 2I] and [rows, I]x[I, H].
-                w1_H2I, w2_IH, act_RI = randn(h, 2 * i, std=h ** -0.5), randn(i, h, std=i ** -0.5), randn(rows_total, i)
+                w1_H2I, w2_IH, act_RI = randn(h, 2 * i, std=h**-0.5), randn(i, h, std=i**-0.5), randn(rows_total, i)
                 t_same = timer(lambda: (torch.mm(x_RH, w1_H2I), torch.mm(act_RI, w2_IH)))
                 weight_bytes = 3 * num_experts * h * i * x_RH.element_size()
                 row.update(
-                    grouped_mm=use_grouped_mm, rows_total=rows_total, t_routed_us=t_experts,
-                    tflops=flops / t_experts / 1e6, dense_tflops=square_tflops,
-                    dense_same_flops_tflops=flops / t_same / 1e6, t_dense_same_flops_us=t_same,
+                    grouped_mm=use_grouped_mm,
+                    rows_total=rows_total,
+                    t_routed_us=t_experts,
+                    tflops=flops / t_experts / 1e6,
+                    dense_tflops=square_tflops,
+                    dense_same_flops_tflops=flops / t_same / 1e6,
+                    t_dense_same_flops_us=t_same,
                     weight_read_GBps=weight_bytes / t_experts / 1e3,
                 )
                 row["ratio"] = row["tflops"] / square_tflops
@@ -195,9 +230,12 @@ def grouped_gemm_rank(device: torch.device, preset: str, cases: list[tuple[str, 
                 if use_grouped_mm:
                     offsets_L = counts_L.to(torch.int32).cumsum(0, dtype=torch.int32)
                     act_grouped = randn(rows_total, i)
-                    t_mm = timer(lambda: (
-                        torch._grouped_mm(x_RH, experts.gate_up_proj.transpose(-2, -1), offs=offsets_L),
-                        torch._grouped_mm(act_grouped, experts.down_proj.transpose(-2, -1), offs=offsets_L)))
+                    t_mm = timer(
+                        lambda: (
+                            torch._grouped_mm(x_RH, experts.gate_up_proj.transpose(-2, -1), offs=offsets_L),
+                            torch._grouped_mm(act_grouped, experts.down_proj.transpose(-2, -1), offs=offsets_L),
+                        )
+                    )
                     row["t_grouped_mm_only_us"] = t_mm
                     row["tflops_grouped_mm_only"] = flops / t_mm / 1e6
                 if device.type == "cpu":
@@ -221,10 +259,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096], help="tokens per rank")
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=list(DISPATCHERS))
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--gemm-ep", type=int, default=4,
-                   help="EP size whose experts per GPU the grouped-GEMM rows use (default 4: 64 for V3)")
+    p.add_argument(
+        "--dtype", default=None, choices=["bfloat16", "float32"], help="default: bfloat16 on CUDA, float32 on CPU"
+    )
+    p.add_argument(
+        "--gemm-ep",
+        type=int,
+        default=4,
+        help="EP size whose experts per GPU the grouped-GEMM rows use (default 4: 64 for V3)",
+    )
     p.add_argument("--skip", nargs="*", default=[], choices=["layer", "gemm"], help="parts to leave out")
     return p.parse_args(argv)
 
@@ -244,11 +287,20 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / "foundation.json"
     meta = result_meta(device, max(ep_sizes))
-    meta.update(preset=args.preset, ep_sizes=ep_sizes, tokens_per_rank=args.tokens, warmup=warmup, iters=iters,
-                quick=args.quick, timing="CUDA events from dispatcher hooks, no sync inside a forward; ranks "
-                "lined up (synchronize + barrier) between forwards" if device == "cuda" else "host clock",
-                aggregation="per-rank medians; times: slowest rank; bytes: mean per rank; "
-                "ratio_vs_ref = algbw / ref_algbw on the same bytes (raw all_to_all_single, equal splits)")
+    meta.update(
+        preset=args.preset,
+        ep_sizes=ep_sizes,
+        tokens_per_rank=args.tokens,
+        warmup=warmup,
+        iters=iters,
+        quick=args.quick,
+        timing="CUDA events from dispatcher hooks, no sync inside a forward; ranks "
+        "lined up (synchronize + barrier) between forwards"
+        if device == "cuda"
+        else "host clock",
+        aggregation="per-rank medians; times: slowest rank; bytes: mean per rank; "
+        "ratio_vs_ref = algbw / ref_algbw on the same bytes (raw all_to_all_single, equal splits)",
+    )
     results = ResultFile(out_path, meta)
     started = time.perf_counter()
     for index, p in enumerate(ep_sizes):
@@ -258,15 +310,24 @@ def main(argv: list[str] | None = None) -> int:
                 for name in args.dispatchers:
                     results.add_timed_step(
                         f"ep={p} {name}",
-                        lambda: summarise_layer(pool.run(layer_bench_rank, args.preset, name, args.tokens,
-                                                         dtype_name, warmup, iters, args.seed),
-                                                args.preset, name, dtype_name),
-                        {"bench": "moe_layer", "preset": args.preset, "ep": p, "dispatcher": name}, started)
+                        lambda: summarise_layer(
+                            pool.run(
+                                layer_bench_rank, args.preset, name, args.tokens, dtype_name, warmup, iters, args.seed
+                            ),
+                            args.preset,
+                            name,
+                            dtype_name,
+                        ),
+                        {"bench": "moe_layer", "preset": args.preset, "ep": p, "dispatcher": name},
+                        started,
+                    )
             if "gemm" not in args.skip and index == 0:
                 results.add_timed_step(
                     "grouped GEMM",
                     lambda: pool.run(grouped_gemm_rank, args.preset, cases, dtype_name, args.quick, args.seed)[0],
-                    {"bench": "grouped_gemm", "preset": args.preset}, started)
+                    {"bench": "grouped_gemm", "preset": args.preset},
+                    started,
+                )
         finally:
             pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)
@@ -285,11 +346,26 @@ def print_tables(rows: list[dict], meta: dict) -> None:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 150)
-    console.print(f"{meta.get('gpu') or meta['device']} ×{meta['world_size']}, torch {meta['torch']}, "
-                  f"nccl {meta['nccl']}, {meta['preset']}, {meta['iters']} iters (median)")
+    console.print(
+        f"{meta.get('gpu') or meta['device']} ×{meta['world_size']}, torch {meta['torch']}, "
+        f"nccl {meta['nccl']}, {meta['preset']}, {meta['iters']} iters (median)"
+    )
     layer = Table(title="MoE layer per phase, µs (slowest rank); algbw = dispatch+combine bytes/time", box=None)
-    for col in ("ep", "T/rank", "disp", "route", "dispatch", "experts", "combine", "shared", "layer",
-                "MB sent", "GB/s", "ref GB/s", "ratio"):
+    for col in (
+        "ep",
+        "T/rank",
+        "disp",
+        "route",
+        "dispatch",
+        "experts",
+        "combine",
+        "shared",
+        "layer",
+        "MB sent",
+        "GB/s",
+        "ref GB/s",
+        "ratio",
+    ):
         layer.add_column(col, justify="left" if col == "disp" else "right")
     for r in rows:
         if r["bench"] != "moe_layer":
@@ -298,11 +374,19 @@ def print_tables(rows: list[dict], meta: dict) -> None:
             layer.add_row(str(r["ep"]), "-", r["dispatcher"], "[red]error[/]")
             continue
         ratio = r["ratio_vs_ref"]
-        layer.add_row(str(r["ep"]), str(r["tokens_per_rank"]), r["dispatcher"],
-                      *(_fmt(r[k]) for k in ("t_route_us", "t_dispatch_us", "t_routed_us", "t_combine_us",
-                                             "t_shared_us", "t_layer_us")),
-                      f"{r['bytes_sent'] / 1e6:.2f}", _fmt(r["algbw_GBps"], ".3g"), _fmt(r["ref_algbw_GBps"], ".3g"),
-                      "-" if ratio is None else f"[{'green' if ratio >= 0.85 else 'red'}]{ratio:.2f}[/]")
+        layer.add_row(
+            str(r["ep"]),
+            str(r["tokens_per_rank"]),
+            r["dispatcher"],
+            *(
+                _fmt(r[k])
+                for k in ("t_route_us", "t_dispatch_us", "t_routed_us", "t_combine_us", "t_shared_us", "t_layer_us")
+            ),
+            f"{r['bytes_sent'] / 1e6:.2f}",
+            _fmt(r["algbw_GBps"], ".3g"),
+            _fmt(r["ref_algbw_GBps"], ".3g"),
+            "-" if ratio is None else f"[{'green' if ratio >= 0.85 else 'red'}]{ratio:.2f}[/]",
+        )
     console.print(layer)
     gemm = Table(title="routed experts (grouped GEMM) vs dense GEMM, same run", box=None)
     for col in ("regime", "L", "rows/exp", "µs", "TFLOP/s", "mm-only", "dense", "same-FLOPs", "ratio", "wt GB/s"):
@@ -314,10 +398,18 @@ def print_tables(rows: list[dict], meta: dict) -> None:
             gemm.add_row(r.get("regime", "-"), str(r.get("experts_per_gpu", "-")), "-", f"[red]{r['error'][:60]}[/]")
             continue
         ratio = r["ratio"]
-        gemm.add_row(r["regime"], str(r["experts_per_gpu"]), str(r["rows_per_expert"]), _fmt(r["t_routed_us"]),
-                     _fmt(r["tflops"], ".3g"), _fmt(r.get("tflops_grouped_mm_only"), ".3g"),
-                     _fmt(r["dense_tflops"], ".3g"), _fmt(r["dense_same_flops_tflops"], ".3g"),
-                     f"[{'green' if ratio >= 0.7 else 'red'}]{ratio:.2f}[/]", _fmt(r["weight_read_GBps"], ".3g"))
+        gemm.add_row(
+            r["regime"],
+            str(r["experts_per_gpu"]),
+            str(r["rows_per_expert"]),
+            _fmt(r["t_routed_us"]),
+            _fmt(r["tflops"], ".3g"),
+            _fmt(r.get("tflops_grouped_mm_only"), ".3g"),
+            _fmt(r["dense_tflops"], ".3g"),
+            _fmt(r["dense_same_flops_tflops"], ".3g"),
+            f"[{'green' if ratio >= 0.7 else 'red'}]{ratio:.2f}[/]",
+            _fmt(r["weight_read_GBps"], ".3g"),
+        )
     console.print(gemm)
 
 

@@ -45,13 +45,13 @@ import torch.distributed as dist
 
 from bench_foundation import _fmt
 from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
-from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.config import MoEConfig, PRESETS, get_preset
+from moe_sbo.config import PRESETS, MoEConfig, get_preset
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure.results import ResultFile, result_meta
+from moe_sbo.measure.timing import Stamps, line_up, time_all_to_all, time_fn, time_layer
 from moe_sbo.runtime import RankPool
 from moe_sbo.streams import capture_graph
-from moe_sbo.measure.timing import Stamps, line_up, time_all_to_all, time_fn, time_layer
 
 TARGETS = {"tokens_per_rank": 128, "t_dispatch_us": 60.0, "t_combine_us": 80.0, "overhead_vs_nccl": 1.2}
 FP8_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -62,8 +62,10 @@ def bench_config(preset: str, experts_per_gpu: int, ep: int, hidden_size: int | 
     """``preset`` with E = experts_per_gpu * ep routed experts and groups that still route top-k."""
     cfg = get_preset(preset)
     if cfg.num_experts_per_tok > experts_per_gpu * ep:
-        raise ValueError(f"--experts-per-gpu x EP must be >= top-k {cfg.num_experts_per_tok}, got "
-                         f"{experts_per_gpu * ep}; raise --experts-per-gpu")
+        raise ValueError(
+            f"--experts-per-gpu x EP must be >= top-k {cfg.num_experts_per_tok}, got "
+            f"{experts_per_gpu * ep}; raise --experts-per-gpu"
+        )
     cfg = cfg.with_num_experts(experts_per_gpu * ep)
     return cfg if hidden_size is None else cfg.replace(hidden_size=hidden_size)
 
@@ -103,9 +105,17 @@ def raw_all_to_all(bytes_per_rank: int, device: torch.device) -> Callable[[], No
 # ---- per rank ----------------------------------------------------------------------------------------
 
 
-def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int], capacity: int | None,
-                     fp8_modes: tuple[bool, ...], paths: list[tuple[str, str]], warmup: int, iters: int,
-                     seed: int) -> list[dict]:
+def low_latency_rank(
+    device: torch.device,
+    cfg: MoEConfig,
+    tokens_list: list[int],
+    capacity: int | None,
+    fp8_modes: tuple[bool, ...],
+    paths: list[tuple[str, str]],
+    warmup: int,
+    iters: int,
+    seed: int,
+) -> list[dict]:
     """One rank's ``low_latency`` rows, per (kernels, transport) path: graph-replayed phases (CUDA), the
     eager layer's phases, and raw ``all_to_all_single`` on the same fixed blocks beside both."""
     rank = dist.get_rank()
@@ -118,13 +128,28 @@ def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int
             generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
             x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
             for fp8, (kernels, transport) in itertools.product(fp8_modes, paths):
-                layer = MoELayer(cfg, dispatcher="low_latency", dtype=dtype, device=device, seed=seed,
-                                 dispatcher_options={"max_tokens_per_rank": cap, "fp8": fp8, "kernels": kernels,
-                                                     "transport": transport})
+                layer = MoELayer(
+                    cfg,
+                    dispatcher="low_latency",
+                    dtype=dtype,
+                    device=device,
+                    seed=seed,
+                    dispatcher_options={
+                        "max_tokens_per_rank": cap,
+                        "fp8": fp8,
+                        "kernels": kernels,
+                        "transport": transport,
+                    },
+                )
                 fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, fp8)
-                common = {"rank": rank, "tokens": tokens, "capacity": cap, "transport": transport,
-                          "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
-                          "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch.")}
+                common = {
+                    "rank": rank,
+                    "tokens": tokens,
+                    "capacity": cap,
+                    "transport": transport,
+                    "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
+                    "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
+                }
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
                     ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)
@@ -133,10 +158,12 @@ def low_latency_rank(device: torch.device, cfg: MoEConfig, tokens_list: list[int
                     del ref_dispatch, ref_combine
                 eager = time_layer(layer, x_TH, warmup, iters)
                 traffic = layer.last_traffic
-                common.update(dispatch_bytes_sent=traffic.dispatch_bytes_sent,
-                              dispatch_bytes_recv=traffic.dispatch_bytes_recv,
-                              combine_bytes_sent=traffic.combine_bytes_sent,
-                              combine_bytes_recv=traffic.combine_bytes_recv)
+                common.update(
+                    dispatch_bytes_sent=traffic.dispatch_bytes_sent,
+                    dispatch_bytes_recv=traffic.dispatch_bytes_recv,
+                    combine_bytes_sent=traffic.combine_bytes_sent,
+                    combine_bytes_recv=traffic.combine_bytes_recv,
+                )
                 rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}})
                 if cuda:
                     rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
@@ -158,14 +185,17 @@ def time_graphs(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) ->
     expert_y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
     replay_combine, _ = capture(lambda: d.combine(expert_y_RH, recv.handle), device)
     replay_layer, _ = capture(lambda: layer(x_TH), device)
-    return {"t_dispatch_us": time_fn(replay_dispatch, device, warmup, iters, graph=False),
-            "t_combine_us": time_fn(replay_combine, device, warmup, iters, graph=False),
-            "t_layer_us": time_fn(replay_layer, device, warmup, iters, graph=False),
-            "t_layer_b2b_us": time_back_to_back(replay_layer, device, iters)}
+    return {
+        "t_dispatch_us": time_fn(replay_dispatch, device, warmup, iters, graph=False),
+        "t_combine_us": time_fn(replay_combine, device, warmup, iters, graph=False),
+        "t_layer_us": time_fn(replay_layer, device, warmup, iters, graph=False),
+        "t_layer_b2b_us": time_back_to_back(replay_layer, device, iters),
+    }
 
 
-def baseline_rank(device: torch.device, cfg: MoEConfig, dispatcher: str, tokens_list: list[int], warmup: int,
-                  iters: int, seed: int) -> list[dict]:
+def baseline_rank(
+    device: torch.device, cfg: MoEConfig, dispatcher: str, tokens_list: list[int], warmup: int, iters: int, seed: int
+) -> list[dict]:
     """One rank's eager rows for a variable-size dispatcher, raw all-to-all on its mean bytes beside."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -177,15 +207,22 @@ def baseline_rank(device: torch.device, cfg: MoEConfig, dispatcher: str, tokens_
             x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
             times = time_layer(layer, x_TH, warmup, iters)
             traffic = layer.last_traffic
-            row = {"rank": rank, "tokens": tokens, "dispatch_dtype": str(dtype).removeprefix("torch."),
-                   "graph": False, **{k: times[k] for k in EAGER_SPANS},
-                   "dispatch_bytes_sent": traffic.dispatch_bytes_sent,
-                   "dispatch_bytes_recv": traffic.dispatch_bytes_recv,
-                   "combine_bytes_sent": traffic.combine_bytes_sent, "combine_bytes_recv": traffic.combine_bytes_recv}
+            row = {
+                "rank": rank,
+                "tokens": tokens,
+                "dispatch_dtype": str(dtype).removeprefix("torch."),
+                "graph": False,
+                **{k: times[k] for k in EAGER_SPANS},
+                "dispatch_bytes_sent": traffic.dispatch_bytes_sent,
+                "dispatch_bytes_recv": traffic.dispatch_bytes_recv,
+                "combine_bytes_sent": traffic.combine_bytes_sent,
+                "combine_bytes_recv": traffic.combine_bytes_recv,
+            }
             if world > 1:
                 # Ranks agree on the mean bytes of each phase, sent in equal chunks to the P - 1 others.
-                sent = torch.tensor([traffic.dispatch_bytes_sent, traffic.combine_bytes_sent],
-                                    dtype=torch.int64, device=device)
+                sent = torch.tensor(
+                    [traffic.dispatch_bytes_sent, traffic.combine_bytes_sent], dtype=torch.int64, device=device
+                )
                 dist.all_reduce(sent)
                 chunks = [max(1, math.ceil(int(b) / world / ((world - 1) * dtype.itemsize))) for b in sent.tolist()]
                 row["ref_t_dispatch_us"] = time_all_to_all(chunks[0], dtype, device, warmup, iters, seed)
@@ -206,14 +243,30 @@ def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list
     out = []
     for rank_rows in zip(*per_rank):
         first = rank_rows[0]
-        row = {"bench": "low_latency", **common, "ep": world, "tokens_per_rank": first["tokens"],
-               "dispatcher": dispatcher, "overlap": "none", "tbo": False, "graph": first["graph"],
-               "dispatch_dtype": first["dispatch_dtype"]}
+        row = {
+            "bench": "low_latency",
+            **common,
+            "ep": world,
+            "tokens_per_rank": first["tokens"],
+            "dispatcher": dispatcher,
+            "overlap": "none",
+            "tbo": False,
+            "graph": first["graph"],
+            "dispatch_dtype": first["dispatch_dtype"],
+        }
         for key in ("capacity", "kernels", "transport"):
             if key in first:
                 row[key] = first[key]
-        for key in ("t_dispatch_us", "t_combine_us", "t_layer_us", "t_layer_b2b_us", "t_routed_us", "t_route_us",
-                    "ref_t_dispatch_us", "ref_t_combine_us"):
+        for key in (
+            "t_dispatch_us",
+            "t_combine_us",
+            "t_layer_us",
+            "t_layer_b2b_us",
+            "t_routed_us",
+            "t_route_us",
+            "ref_t_dispatch_us",
+            "ref_t_combine_us",
+        ):
             values = [r.get(key) for r in rank_rows]
             row[key] = max(values) if all(v is not None for v in values) else None
         for key in ("dispatch_bytes_sent", "dispatch_bytes_recv", "combine_bytes_sent", "combine_bytes_recv"):
@@ -242,16 +295,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_sweep_args(p, "low_latency.json", iters=50)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 64, 128, 256], help="tokens per rank")
-    p.add_argument("--capacity", type=int, default=None,
-                   help="max_tokens_per_rank for every row (default: each row's token count)")
+    p.add_argument(
+        "--capacity", type=int, default=None, help="max_tokens_per_rank for every row (default: each row's token count)"
+    )
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--experts-per-gpu", type=int, default=8, help="routed experts per GPU (E = this x EP)")
     p.add_argument("--hidden-size", type=int, default=None, help="override the preset's H (smoke runs)")
     p.add_argument("--fp8", default="both", choices=sorted(FP8_CHOICES), help="low_latency dispatch in fp8")
-    p.add_argument("--kernels", nargs="+", default=["triton", "torch"], choices=["triton", "torch"],
-                   help="low_latency kernel paths (triton: fused kernels, CUDA only; torch: the reference chain)")
-    p.add_argument("--transports", nargs="+", default=["nccl", "symm_mem"], choices=["nccl", "symm_mem"],
-                   help="low_latency transports (symm_mem: fused kernels, >= 2 GPUs; skipped otherwise)")
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["triton", "torch"],
+        choices=["triton", "torch"],
+        help="low_latency kernel paths (triton: fused kernels, CUDA only; torch: the reference chain)",
+    )
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        default=["nccl", "symm_mem"],
+        choices=["nccl", "symm_mem"],
+        help="low_latency transports (symm_mem: fused kernels, >= 2 GPUs; skipped otherwise)",
+    )
     p.add_argument("--baselines", nargs="*", default=["allgather", "alltoall"], choices=["allgather", "alltoall"])
     return p.parse_args(argv)
 
@@ -266,41 +330,70 @@ def main(argv: list[str] | None = None) -> int:
     configs = {p: bench_config(args.preset, args.experts_per_gpu, p, args.hidden_size) for p in ep_sizes}
     fp8_modes = FP8_CHOICES[args.fp8]
     if True in fp8_modes and configs[ep_sizes[0]].hidden_size % 128:
-        raise ValueError(f"fp8 dispatch needs H a multiple of 128, got {configs[ep_sizes[0]].hidden_size}; "
-                         "use --fp8 off or --hidden-size")
+        raise ValueError(
+            f"fp8 dispatch needs H a multiple of 128, got {configs[ep_sizes[0]].hidden_size}; "
+            "use --fp8 off or --hidden-size"
+        )
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / "low_latency.json"
     meta = result_meta(device, max(ep_sizes))
-    meta.update(preset=args.preset, experts_per_gpu=args.experts_per_gpu, ep_sizes=ep_sizes,
-                tokens_per_rank=args.tokens, warmup=warmup, iters=iters, quick=args.quick, targets=TARGETS,
-                model_note=f"{args.preset} dims with {args.experts_per_gpu} routed experts per GPU (E = "
-                f"{args.experts_per_gpu} x EP), as real decode deployments keep (DESIGN.md §6), not all of "
-                "the model's experts",
-                timing="low_latency: CUDA-graph replays (dispatch, combine, layer: three graphs) and graph-replayed "
-                "raw all_to_all_single of the same fixed blocks; baselines: eager, CUDA events from hooks; "
-                "ranks lined up (synchronize + barrier) before every timed call" if device == "cuda"
-                else "host clock, eager (CPU smoke: not a measurement)",
-                aggregation="per-rank medians; times: slowest rank; bytes: mean per rank")
+    meta.update(
+        preset=args.preset,
+        experts_per_gpu=args.experts_per_gpu,
+        ep_sizes=ep_sizes,
+        tokens_per_rank=args.tokens,
+        warmup=warmup,
+        iters=iters,
+        quick=args.quick,
+        targets=TARGETS,
+        model_note=f"{args.preset} dims with {args.experts_per_gpu} routed experts per GPU (E = "
+        f"{args.experts_per_gpu} x EP), as real decode deployments keep (DESIGN.md §6), not all of "
+        "the model's experts",
+        timing="low_latency: CUDA-graph replays (dispatch, combine, layer: three graphs) and graph-replayed "
+        "raw all_to_all_single of the same fixed blocks; baselines: eager, CUDA events from hooks; "
+        "ranks lined up (synchronize + barrier) before every timed call"
+        if device == "cuda"
+        else "host clock, eager (CPU smoke: not a measurement)",
+        aggregation="per-rank medians; times: slowest rank; bytes: mean per rank",
+    )
     results = ResultFile(out_path, meta)
     started = time.perf_counter()
     for p in ep_sizes:
         cfg = configs[p]
-        common = {"preset": args.preset, "experts_per_gpu": args.experts_per_gpu, "num_experts": cfg.num_experts,
-                  "hidden_size": cfg.hidden_size, "dtype": default_dtype_name(device)}
+        common = {
+            "preset": args.preset,
+            "experts_per_gpu": args.experts_per_gpu,
+            "num_experts": cfg.num_experts,
+            "hidden_size": cfg.hidden_size,
+            "dtype": default_dtype_name(device),
+        }
         pool = RankPool(p, device)
         # Paths that cannot run here are left out, not failed: no Triton kernels on CPU, no peer at EP 1.
         kernels = [k for k in args.kernels if device == "cuda" or k == "torch"] or ["torch"]
-        paths = [(k, t) for k in kernels for t in args.transports
-                 if t == "nccl" or (k == "triton" and device == "cuda" and p > 1)]
-        jobs = [("low_latency", low_latency_rank,
-                 (cfg, args.tokens, args.capacity, fp8_modes, paths, warmup, iters, args.seed))]
+        paths = [
+            (k, t)
+            for k in kernels
+            for t in args.transports
+            if t == "nccl" or (k == "triton" and device == "cuda" and p > 1)
+        ]
+        jobs = [
+            (
+                "low_latency",
+                low_latency_rank,
+                (cfg, args.tokens, args.capacity, fp8_modes, paths, warmup, iters, args.seed),
+            )
+        ]
         jobs += [(name, baseline_rank, (cfg, name, args.tokens, warmup, iters, args.seed)) for name in args.baselines]
         try:
             for name, fn, fn_args in jobs:
-                results.add_timed_step(f"ep={p} {name}", lambda: summarise(pool.run(fn, *fn_args), common, name),
-                                       {"bench": "low_latency", **common, "ep": p, "dispatcher": name}, started)
+                results.add_timed_step(
+                    f"ep={p} {name}",
+                    lambda: summarise(pool.run(fn, *fn_args), common, name),
+                    {"bench": "low_latency", **common, "ep": p, "dispatcher": name},
+                    started,
+                )
         finally:
             pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)
@@ -315,11 +408,28 @@ def print_table(rows: list[dict], meta: dict) -> None:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 170)
-    console.print(f"{meta.get('gpu') or meta['device']} x{meta['world_size']}, torch {meta['torch']}, nccl "
-                  f"{meta['nccl']}; {meta['model_note']}; {meta['iters']} iters (median, slowest rank)")
+    console.print(
+        f"{meta.get('gpu') or meta['device']} x{meta['world_size']}, torch {meta['torch']}, nccl "
+        f"{meta['nccl']}; {meta['model_note']}; {meta['iters']} iters (median, slowest rank)"
+    )
     table = Table(title="low-latency decode: µs per phase; ref = raw all_to_all_single on the same bytes", box=None)
-    for col in ("ep", "T", "dispatcher", "path", "wire", "graph", "dispatch", "ref", "x", "combine", "ref", "x",
-                "layer", "b2b", "KB sent"):
+    for col in (
+        "ep",
+        "T",
+        "dispatcher",
+        "path",
+        "wire",
+        "graph",
+        "dispatch",
+        "ref",
+        "x",
+        "combine",
+        "ref",
+        "x",
+        "layer",
+        "b2b",
+        "KB sent",
+    ):
         table.add_column(col, justify="left" if col in ("dispatcher", "path", "wire") else "right")
     for r in rows:
         if "error" in r:
@@ -334,13 +444,21 @@ def print_table(rows: list[dict], meta: dict) -> None:
             return f"[{'green' if value <= limit else 'red'}]{text}[/]"
 
         table.add_row(
-            str(r["ep"]), str(r["tokens_per_rank"]), r["dispatcher"],
-            f"{r['kernels']}/{r['transport']}" if "kernels" in r else "", r["dispatch_dtype"], "y" if r["graph"] else "n",
-            mark(r["t_dispatch_us"], "t_dispatch_us", TARGETS["t_dispatch_us"]), _fmt(r.get("ref_t_dispatch_us")),
+            str(r["ep"]),
+            str(r["tokens_per_rank"]),
+            r["dispatcher"],
+            f"{r['kernels']}/{r['transport']}" if "kernels" in r else "",
+            r["dispatch_dtype"],
+            "y" if r["graph"] else "n",
+            mark(r["t_dispatch_us"], "t_dispatch_us", TARGETS["t_dispatch_us"]),
+            _fmt(r.get("ref_t_dispatch_us")),
             mark(r.get("dispatch_overhead"), "dispatch_overhead", TARGETS["overhead_vs_nccl"]),
-            mark(r["t_combine_us"], "t_combine_us", TARGETS["t_combine_us"]), _fmt(r.get("ref_t_combine_us")),
+            mark(r["t_combine_us"], "t_combine_us", TARGETS["t_combine_us"]),
+            _fmt(r.get("ref_t_combine_us")),
             mark(r.get("combine_overhead"), "combine_overhead", TARGETS["overhead_vs_nccl"]),
-            _fmt(r["t_layer_us"]), _fmt(r.get("t_layer_b2b_us")), f"{r['bytes_sent'] / 1e3:.1f}",
+            _fmt(r["t_layer_us"]),
+            _fmt(r.get("t_layer_b2b_us")),
+            f"{r['bytes_sent'] / 1e3:.1f}",
         )
     console.print(table)
 

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_sbo.measure.results import result_meta
 from moe_sbo.experts import SharedExperts
+from moe_sbo.measure.results import result_meta
 from moe_sbo.streams import sm_budget, sm_count
 
 
@@ -76,22 +76,33 @@ def main() -> int:
 
     def both(first, second_on_side):
         """``first`` on the main stream, then ``second_on_side`` on the side stream, concurrently."""
+
         def run():
             side.wait_stream(main_stream)  # before either launch: the side must not wait for ``first``
             first()
             with torch.cuda.stream(side):
                 second_on_side()
             main_stream.wait_stream(side)
+
         return run
 
     with torch.inference_mode():
         t_gemm = timed(lambda: shared(x), args.iters)
         for budget in (total_sms, total_sms - 16, total_sms - 32, total_sms // 2):
+
             def gemm_budget(budget=budget):
                 with sm_budget(device, budget):
                     shared(x)
-            rows.append({"bench": "contention", "case": "gemm_alone_sm_budget", "sm_budget": budget,
-                         "t_us": timed(gemm_budget, args.iters), "t_gemm_full_us": t_gemm})
+
+            rows.append(
+                {
+                    "bench": "contention",
+                    "case": "gemm_alone_sm_budget",
+                    "sm_budget": budget,
+                    "t_us": timed(gemm_budget, args.iters),
+                    "t_gemm_full_us": t_gemm,
+                }
+            )
         for mb in args.copy_mb:
             src = torch.empty(mb * 2**20 // 2, dtype=torch.bfloat16, device=device).normal_()
             dst = torch.empty_like(src)
@@ -99,30 +110,48 @@ def main() -> int:
             transports["copy_engine"] = lambda: dst.copy_(src)
             for name, copy in transports.items():
                 t_copy = timed(copy, args.iters)
-                budget = total_sms - int(name.split("_")[2].removesuffix("ctas")) if name.startswith("sm_copy") else None
+                budget = (
+                    total_sms - int(name.split("_")[2].removesuffix("ctas")) if name.startswith("sm_copy") else None
+                )
 
                 def gemm_budget(budget=budget):
                     with sm_budget(device, budget):
                         shared(x)
 
-                cases = {"gemm_first": both(lambda: shared(x), copy),
-                         "copy_first": both(copy, lambda: shared(x)),
-                         "gemm_first_sm_budget": both(gemm_budget, copy)}
+                cases = {
+                    "gemm_first": both(lambda: shared(x), copy),
+                    "copy_first": both(copy, lambda: shared(x)),
+                    "gemm_first_sm_budget": both(gemm_budget, copy),
+                }
 
                 for order, run in cases.items():
                     if order.endswith("sm_budget") and budget is None:
                         continue
                     t_both = timed(run, args.iters)
                     hidden = min(t_gemm, t_copy)
-                    rows.append({"bench": "contention", "case": "gemm_beside_copy", "transport": name,
-                                 "copy_MB": mb, "order": order, "sm_budget": budget if "budget" in order else None,
-                                 "tokens": args.tokens, "t_gemm_us": t_gemm, "t_copy_us": t_copy, "t_both_us": t_both,
-                                 "t_sequential_us": t_gemm + t_copy, "t_ideal_us": max(t_gemm, t_copy),
-                                 "copy_GBps": mb * 2**20 / t_copy / 1e3,
-                                 "efficiency": (t_gemm + t_copy - t_both) / hidden})
+                    rows.append(
+                        {
+                            "bench": "contention",
+                            "case": "gemm_beside_copy",
+                            "transport": name,
+                            "copy_MB": mb,
+                            "order": order,
+                            "sm_budget": budget if "budget" in order else None,
+                            "tokens": args.tokens,
+                            "t_gemm_us": t_gemm,
+                            "t_copy_us": t_copy,
+                            "t_both_us": t_both,
+                            "t_sequential_us": t_gemm + t_copy,
+                            "t_ideal_us": max(t_gemm, t_copy),
+                            "copy_GBps": mb * 2**20 / t_copy / 1e3,
+                            "efficiency": (t_gemm + t_copy - t_both) / hidden,
+                        }
+                    )
             del src, dst
     meta = result_meta("cuda", 1)
-    meta.update(sms=total_sms, gemm="DeepSeek-V3 shared expert: [T,7168]x[7168,4096] -> silu*mul -> [T,2048]x[2048,7168]")
+    meta.update(
+        sms=total_sms, gemm="DeepSeek-V3 shared expert: [T,7168]x[7168,4096] -> silu*mul -> [T,2048]x[2048,7168]"
+    )
     out = Path(args.out) / "contention.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     for r in rows:

@@ -78,8 +78,15 @@ def grow_rank(device: torch.device, spec: dict) -> list[dict]:
                 rss_kib.append(host_rss_kib())
         _sync(device)
         t_call_us = (time.perf_counter() - start) / spec["calls"] * 1e6
-        rows.append({"kind": kind, "calls": spec["calls"], "t_call_us": t_call_us, "rss_kib_checkpoints": rss_kib,
-                     "py_objects_checkpoints": objects})
+        rows.append(
+            {
+                "kind": kind,
+                "calls": spec["calls"],
+                "t_call_us": t_call_us,
+                "rss_kib_checkpoints": rss_kib,
+                "py_objects_checkpoints": objects,
+            }
+        )
     return rows
 
 
@@ -94,15 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file (a directory gets host_growth_<device>.json)")
     args = parser.parse_args(argv)
     if args.calls < 2 or args.warmup < 0 or args.kib < 1 or min(args.ranks) < 1:
-        parser.error("--calls must be >= 2 (growth is last checkpoint minus first), --warmup >= 0, --kib >= 1 "
-                     f"and every --ranks >= 1; got {args.calls}, {args.warmup}, {args.kib}, {args.ranks}")
+        parser.error(
+            "--calls must be >= 2 (growth is last checkpoint minus first), --warmup >= 0, --kib >= 1 "
+            f"and every --ranks >= 1; got {args.calls}, {args.warmup}, {args.kib}, {args.ranks}"
+        )
 
     device = resolve_device(args.device)
     out = result_path(args.out, "host_growth", device)
     meta = result_meta(device=device, world_size=max(args.ranks))
-    meta.update(calls=args.calls, warmup=args.warmup, kib=args.kib,
-                env={k: v for k, v in sorted(os.environ.items()) if k.startswith(("TORCH_NCCL", "TORCH_FR", "NCCL_"))},
-                memory="host: RSS from /proc/self/statm after gc.collect() and a device sync; rows hold the worst rank")
+    meta.update(
+        calls=args.calls,
+        warmup=args.warmup,
+        kib=args.kib,
+        env={k: v for k, v in sorted(os.environ.items()) if k.startswith(("TORCH_NCCL", "TORCH_FR", "NCCL_"))},
+        memory="host: RSS from /proc/self/statm after gc.collect() and a device sync; rows hold the worst rank",
+    )
     rows = []
     spec = {"kinds": args.kinds, "calls": args.calls, "warmup": args.warmup, "kib": args.kib}
     for world in args.ranks:
@@ -113,17 +126,27 @@ def main(argv: list[str] | None = None) -> int:
             pool.close()
         for variant in zip(*per_rank):
             growth = max(r["rss_kib_checkpoints"][-1] - r["rss_kib_checkpoints"][0] for r in variant)
-            row = {"bench": "host_growth", "device": device, "world_size": world, "kind": variant[0]["kind"],
-                   "calls": args.calls, "rss_growth_kib": growth,
-                   "rss_growth_bytes_per_call": round(growth * 1024 / max(args.calls - 1, 1), 1),
-                   "py_objects_growth": max(r["py_objects_checkpoints"][-1] - r["py_objects_checkpoints"][0]
-                                            for r in variant),
-                   "t_call_us": max(r["t_call_us"] for r in variant),
-                   "rss_kib_checkpoints_rank0": variant[0]["rss_kib_checkpoints"]}
+            row = {
+                "bench": "host_growth",
+                "device": device,
+                "world_size": world,
+                "kind": variant[0]["kind"],
+                "calls": args.calls,
+                "rss_growth_kib": growth,
+                "rss_growth_bytes_per_call": round(growth * 1024 / max(args.calls - 1, 1), 1),
+                "py_objects_growth": max(
+                    r["py_objects_checkpoints"][-1] - r["py_objects_checkpoints"][0] for r in variant
+                ),
+                "t_call_us": max(r["t_call_us"] for r in variant),
+                "rss_kib_checkpoints_rank0": variant[0]["rss_kib_checkpoints"],
+            }
             rows.append(row)
-            print(f"world {world} {row['kind']:<24} rss +{growth} KiB over {args.calls} calls "
-                  f"({row['rss_growth_bytes_per_call']} B/call), objects +{row['py_objects_growth']}, "
-                  f"{row['t_call_us']:.1f} us/call", flush=True)
+            print(
+                f"world {world} {row['kind']:<24} rss +{growth} KiB over {args.calls} calls "
+                f"({row['rss_growth_bytes_per_call']} B/call), objects +{row['py_objects_growth']}, "
+                f"{row['t_call_us']:.1f} us/call",
+                flush=True,
+            )
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"written to {out}")
     return 0

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from moe_sbo.streams import capture_graph
 from moe_sbo.measure.timing import line_up, time_fn
+from moe_sbo.streams import capture_graph
 
 
 def slowest_median_us(replay, iters: int) -> float:
@@ -54,9 +54,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group_name = dist.group.WORLD.group_name
     rows_out = []
-    meta = {"torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "gpu": torch.cuda.get_device_name(), "world": world, "backend": args.backend,
-            "nvshmem_available": symm_mem.is_nvshmem_available()}
+    meta = {
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "gpu": torch.cuda.get_device_name(),
+        "world": world,
+        "backend": args.backend,
+        "nvshmem_available": symm_mem.is_nvshmem_available(),
+    }
     try:
         symm_mem.set_backend(args.backend)
     except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on with the default
@@ -71,6 +76,7 @@ def main() -> None:
 
         def nccl() -> None:
             dist.all_to_all_single(recv_plain, send)
+
         variants["nccl_all_to_all_single"] = (nccl, lambda: recv_plain)
 
         try:
@@ -82,6 +88,7 @@ def main() -> None:
                 for peer in range(world):
                     peer_bufs[peer][rank].copy_(send[peer])
                 hdl.barrier(channel=0)
+
             variants["symm_push"] = (push, lambda: buf)
 
             pull_src = symm_mem.empty((world, block), dtype=torch.uint8, device="cuda")
@@ -95,10 +102,12 @@ def main() -> None:
                 for peer in range(world):
                     recv_pull[peer].copy_(src_bufs[peer][rank])
                 hdl_src.barrier(channel=1)
+
             variants["symm_pull"] = (pull, lambda: recv_pull)
         except Exception as exc:  # noqa: BLE001
-            rows_out.append({"rows": rows, "variant": "symm_setup", "error": repr(exc),
-                             "trace": traceback.format_exc()[-2000:]})
+            rows_out.append(
+                {"rows": rows, "variant": "symm_setup", "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+            )
 
         if args.backend == "NVSHMEM":
             try:
@@ -113,6 +122,7 @@ def main() -> None:
 
                 def vdev() -> None:
                     torch.ops.symm_mem.all_to_all_vdev(inp, out, in_splits, out_splits_offsets, group_name)
+
                 variants["all_to_all_vdev"] = (vdev, lambda: out.view(world, block))
             except Exception as exc:  # noqa: BLE001
                 rows_out.append({"rows": rows, "variant": "vdev_setup", "error": repr(exc)})
@@ -141,8 +151,9 @@ def main() -> None:
     if rank == 0:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"symm_mem_probe_{args.backend}.json").write_text(json.dumps({"meta": meta, "rows": rows_out},
-                                                                                 indent=1))
+        (out_dir / f"symm_mem_probe_{args.backend}.json").write_text(
+            json.dumps({"meta": meta, "rows": rows_out}, indent=1)
+        )
     dist.destroy_process_group()
 
 

@@ -20,9 +20,12 @@ from moe_sbo.runtime import LocalRanks
 
 def profile_rank(device: torch.device, tokens: int, experts: int, fp8: bool, kernels: str, transport: str) -> str:
     cfg = get_preset("deepseek-v3").replace(num_experts=experts * dist.get_world_size(), n_group=4, topk_group=4)
-    layer = MoELayer(cfg, dispatcher="low_latency", device=device,
-                     dispatcher_options={"max_tokens_per_rank": tokens, "fp8": fp8, "kernels": kernels,
-                                         "transport": transport})
+    layer = MoELayer(
+        cfg,
+        dispatcher="low_latency",
+        device=device,
+        dispatcher_options={"max_tokens_per_rank": tokens, "fp8": fp8, "kernels": kernels, "transport": transport},
+    )
     x = torch.randn(tokens, cfg.hidden_size, device=device).bfloat16()
     out = [f"-- {kernels}/{transport}, {'fp8' if fp8 else 'bf16'}, {tokens} tokens, EP{dist.get_world_size()}"]
     with torch.inference_mode():

@@ -43,16 +43,16 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.cli.options import add_rank_args, default_dtype_name, default_ep_size, result_path
-from moe_sbo.measure.results import result_meta
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure.results import result_meta
+from moe_sbo.measure.timing import line_up
 from moe_sbo.overlap import OVERLAP_MODES
 from moe_sbo.overlap.tbo import dispatcher_for
-from moe_sbo.stages import run_interleaved
 from moe_sbo.runtime import RankError, RankPool, resolve_device
+from moe_sbo.stages import run_interleaved
 from moe_sbo.streams import capture_graph
-from moe_sbo.measure.timing import line_up
 
 CHECKPOINTS = 10
 
@@ -76,8 +76,13 @@ def _forward(layer: MoELayer, x_TH: torch.Tensor, tbo: bool) -> torch.Tensor:
     if not tbo:
         return layer(x_TH)
     half = x_TH.shape[0] // 2
-    return torch.cat(run_interleaved(layer.stages(x_TH[:half], dispatcher=dispatcher_for(layer, 0)),
-                                     layer.stages(x_TH[half:], dispatcher=dispatcher_for(layer, 1)), delay=0))
+    return torch.cat(
+        run_interleaved(
+            layer.stages(x_TH[:half], dispatcher=dispatcher_for(layer, 0)),
+            layer.stages(x_TH[half:], dispatcher=dispatcher_for(layer, 1)),
+            delay=0,
+        )
+    )
 
 
 class _Watch:
@@ -96,12 +101,20 @@ class _Watch:
 
     def report(self, soaked: dict) -> dict:
         gc.collect()
-        out = {**soaked, "rss_kib_before": self.rss_kib, "rss_kib_after": host_rss_kib(),
-               "hooks_before": self.hooks, "hooks_after": _hook_count(self.layer, self.tbo)}
+        out = {
+            **soaked,
+            "rss_kib_before": self.rss_kib,
+            "rss_kib_after": host_rss_kib(),
+            "hooks_before": self.hooks,
+            "hooks_after": _hook_count(self.layer, self.tbo),
+        }
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            out.update(cuda_allocated_before=self.allocated, cuda_allocated_after=torch.cuda.memory_allocated(self.device),
-                       cuda_peak_allocated=torch.cuda.max_memory_allocated(self.device))
+            out.update(
+                cuda_allocated_before=self.allocated,
+                cuda_allocated_after=torch.cuda.memory_allocated(self.device),
+                cuda_peak_allocated=torch.cuda.max_memory_allocated(self.device),
+            )
         return out
 
 
@@ -124,9 +137,14 @@ def _soak(run, y_first: torch.Tensor, count: int) -> dict:
             gc.collect()
             objects.append(len(gc.get_objects()))
             rss_kib.append(host_rss_kib())
-    return {"forwards": count, "t_forward_us": (time.perf_counter() - start) / max(count, 1) * 1e6,
-            "outputs_differing": differing, "max_abs_diff": max_abs_diff, "rss_kib_checkpoints": rss_kib,
-            "py_objects_checkpoints": objects}
+    return {
+        "forwards": count,
+        "t_forward_us": (time.perf_counter() - start) / max(count, 1) * 1e6,
+        "outputs_differing": differing,
+        "max_abs_diff": max_abs_diff,
+        "rss_kib_checkpoints": rss_kib,
+        "py_objects_checkpoints": objects,
+    }
 
 
 def soak_rank(device: torch.device, spec: dict) -> list[dict]:
@@ -134,16 +152,32 @@ def soak_rank(device: torch.device, spec: dict) -> list[dict]:
     cfg = get_preset(spec["preset"])
     dtype = getattr(torch, spec["dtype"])
     rank = dist.get_rank() if dist.is_initialized() else 0
-    options = ({"max_tokens_per_rank": spec["tokens"], "kernels": spec["kernels"], "transport": spec["transport"]}
-               if spec["dispatcher"] == "low_latency" else None)
-    layer = MoELayer(cfg, dispatcher=spec["dispatcher"], overlap=spec["overlap"], dtype=dtype, device=device,
-                     seed=spec["seed"], dispatcher_options=options)
+    options = (
+        {"max_tokens_per_rank": spec["tokens"], "kernels": spec["kernels"], "transport": spec["transport"]}
+        if spec["dispatcher"] == "low_latency"
+        else None
+    )
+    layer = MoELayer(
+        cfg,
+        dispatcher=spec["dispatcher"],
+        overlap=spec["overlap"],
+        dtype=dtype,
+        device=device,
+        seed=spec["seed"],
+        dispatcher_options=options,
+    )
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 1000 + rank)
     x_TH = torch.randn(spec["tokens"], cfg.hidden_size, generator=generator, device=device).to(dtype)
     rows = []
     # What low_latency resolved "auto" to on this device and group (the same on every rank).
-    path = ({"kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
-             "transport": layer.dispatcher.transport_for(device)} if spec["dispatcher"] == "low_latency" else {})
+    path = (
+        {
+            "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
+            "transport": layer.dispatcher.transport_for(device),
+        }
+        if spec["dispatcher"] == "low_latency"
+        else {}
+    )
     with torch.inference_mode():
         y_first = _forward(layer, x_TH, spec["tbo"]).clone()
         for _ in range(spec["warmup"]):
@@ -185,10 +219,19 @@ def _rise_at_end(checkpoints: list[int]) -> int:
 def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
     rows = []
     for variant in zip(*per_rank):  # eager row, then graph row, each across ranks
-        row = {"bench": "soak", "preset": spec["preset"], "ep": ep, "tokens_per_rank": spec["tokens"],
-               "dispatcher": spec["dispatcher"], "overlap": spec["overlap"], "tbo": spec["tbo"],
-               "dtype": spec["dtype"], "graph": variant[0]["graph"], "warmup": spec["warmup"],
-               "forwards": variant[0]["forwards"]}
+        row = {
+            "bench": "soak",
+            "preset": spec["preset"],
+            "ep": ep,
+            "tokens_per_rank": spec["tokens"],
+            "dispatcher": spec["dispatcher"],
+            "overlap": spec["overlap"],
+            "tbo": spec["tbo"],
+            "dtype": spec["dtype"],
+            "graph": variant[0]["graph"],
+            "warmup": spec["warmup"],
+            "forwards": variant[0]["forwards"],
+        }
         # Flat after warm-up: from the soak's first checkpoint to its last (the warm-up ended before it).
         row["rss_growth_kib"] = max(r["rss_kib_checkpoints"][-1] - r["rss_kib_checkpoints"][0] for r in variant)
         row["rss_kib_before"] = [r["rss_kib_before"] for r in variant]
@@ -241,17 +284,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graph-replays", type=int, default=None, help="GPU: CUDA-graph replays (default --forwards)")
     parser.add_argument("--dispatchers", nargs="+", default=["all"])
     parser.add_argument("--overlaps", nargs="+", default=["all"])
-    parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
-                        help="low_latency: its kernel path (rows say which ran)")
-    parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "symm_mem"],
-                        help="low_latency: its transport (rows say which ran)")
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "triton", "torch"],
+        help="low_latency: its kernel path (rows say which ran)",
+    )
+    parser.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "nccl", "symm_mem"],
+        help="low_latency: its transport (rows say which ran)",
+    )
     parser.add_argument("--tbo", action="store_true", help="also soak two-batch overlap (micro-batches 0 and 1)")
-    parser.add_argument("--settle", type=int, default=3000,
-                        help="forwards run once before any case, unmeasured, so the ranks' allocator settles")
+    parser.add_argument(
+        "--settle",
+        type=int,
+        default=3000,
+        help="forwards run once before any case, unmeasured, so the ranks' allocator settles",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-tolerance-kib", type=int, default=1024)
-    parser.add_argument("--objects-tolerance", type=int, default=8,
-                        help="Python objects the count may end above its lowest checkpoint")
+    parser.add_argument(
+        "--objects-tolerance", type=int, default=8, help="Python objects the count may end above its lowest checkpoint"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when any case is not flat or not stable")
     parser.add_argument("--out", required=True, help="JSON file (a directory gets soak_<device>.json)")
     args = parser.parse_args(argv)
@@ -271,15 +327,34 @@ def main(argv: list[str] | None = None) -> int:
     out = result_path(args.out, "soak", device)
     dtype = args.dtype or default_dtype_name(device)
     meta = result_meta(device=device, world_size=ranks)
-    meta.update(preset=args.preset, forwards=forwards, warmup=args.warmup, tokens_per_rank=args.tokens,
-                memory="host: RSS from /proc/self/statm after gc.collect(); device: torch.cuda.memory_allocated; "
-                       "rows hold the worst rank")
+    meta.update(
+        preset=args.preset,
+        forwards=forwards,
+        warmup=args.warmup,
+        tokens_per_rank=args.tokens,
+        memory="host: RSS from /proc/self/statm after gc.collect(); device: torch.cuda.memory_allocated; "
+        "rows hold the worst rank",
+    )
     rows: list[dict] = []
-    specs = [{"preset": args.preset, "dtype": dtype, "tokens": args.tokens, "dispatcher": name, "overlap": mode,
-              "tbo": tbo, "kernels": args.kernels, "transport": args.transport, "warmup": args.warmup,
-              "forwards": forwards, "seed": args.seed,
-              "graph_replays": forwards if args.graph_replays is None else args.graph_replays}
-             for name in dispatchers for mode in overlaps for tbo in ((False, True) if args.tbo else (False,))]
+    specs = [
+        {
+            "preset": args.preset,
+            "dtype": dtype,
+            "tokens": args.tokens,
+            "dispatcher": name,
+            "overlap": mode,
+            "tbo": tbo,
+            "kernels": args.kernels,
+            "transport": args.transport,
+            "warmup": args.warmup,
+            "forwards": forwards,
+            "seed": args.seed,
+            "graph_replays": forwards if args.graph_replays is None else args.graph_replays,
+        }
+        for name in dispatchers
+        for mode in overlaps
+        for tbo in ((False, True) if args.tbo else (False,))
+    ]
     pool = RankPool(ranks, device)
     started = time.perf_counter()
     failed = 0
@@ -288,34 +363,61 @@ def main(argv: list[str] | None = None) -> int:
             # A fresh process's C allocator keeps growing for a few thousand forwards whatever runs
             # (measured: +2.7 MiB over 3000 CPU forwards, then flat; the same case run later is flat),
             # so the pool settles once on the first case before any case is measured.
-            settle = summarise(pool.run(soak_rank, dict(specs[0], forwards=args.settle, graph_replays=0)), specs[0],
-                               ranks)[0]
-            meta["settle"] = {k: settle[k] for k in ("dispatcher", "overlap", "forwards", "rss_growth_kib",
-                                                     "rss_kib_checkpoints_rank0", "py_objects_growth")}
-            print(f"settled the ranks with {args.settle} forwards of {specs[0]['dispatcher']} "
-                  f"{specs[0]['overlap']}: rss +{settle['rss_growth_kib']} KiB (not a case)", flush=True)
+            settle = summarise(
+                pool.run(soak_rank, dict(specs[0], forwards=args.settle, graph_replays=0)), specs[0], ranks
+            )[0]
+            meta["settle"] = {
+                k: settle[k]
+                for k in (
+                    "dispatcher",
+                    "overlap",
+                    "forwards",
+                    "rss_growth_kib",
+                    "rss_kib_checkpoints_rank0",
+                    "py_objects_growth",
+                )
+            }
+            print(
+                f"settled the ranks with {args.settle} forwards of {specs[0]['dispatcher']} "
+                f"{specs[0]['overlap']}: rss +{settle['rss_growth_kib']} KiB (not a case)",
+                flush=True,
+            )
         for spec in specs:
             label = f"{spec['dispatcher']:<12} {spec['overlap']:<10}" + (" tbo" if spec["tbo"] else "")
             t0 = time.perf_counter()
             try:
                 new_rows = summarise(pool.run(soak_rank, spec), spec, ranks)
             except RankError as exc:
-                new_rows = [{"bench": "soak", "dispatcher": spec["dispatcher"], "overlap": spec["overlap"],
-                             "tbo": spec["tbo"], "error": str(exc)[-3000:]}]
+                new_rows = [
+                    {
+                        "bench": "soak",
+                        "dispatcher": spec["dispatcher"],
+                        "overlap": spec["overlap"],
+                        "tbo": spec["tbo"],
+                        "error": str(exc)[-3000:],
+                    }
+                ]
             for row in new_rows:
                 row["device"] = device
                 problems = violations(row, args.rss_tolerance_kib, args.objects_tolerance)
                 row["flat"] = not problems
                 failed += bool(problems)
                 kind = "graph" if row.get("graph") else "eager"
-                detail = "; ".join(problems) if problems else (
-                    f"rss +{row['rss_growth_kib']} KiB, objects +{row['py_objects_growth']}, hooks "
-                    f"+{row['hooks_growth']}, differing {row['outputs_differing']}, "
-                    f"{row['t_forward_us']:.0f} us/forward"
-                    + (f", cuda +{row['cuda_allocated_growth']} B" if "cuda_allocated_growth" in row else ""))
-                print(f"[{time.perf_counter() - started:7.1f}s] {label} {kind:<5} "
-                      f"({time.perf_counter() - t0:5.1f}s): {'ok' if not problems else 'NOT FLAT'}: {detail}",
-                      flush=True)
+                detail = (
+                    "; ".join(problems)
+                    if problems
+                    else (
+                        f"rss +{row['rss_growth_kib']} KiB, objects +{row['py_objects_growth']}, hooks "
+                        f"+{row['hooks_growth']}, differing {row['outputs_differing']}, "
+                        f"{row['t_forward_us']:.0f} us/forward"
+                        + (f", cuda +{row['cuda_allocated_growth']} B" if "cuda_allocated_growth" in row else "")
+                    )
+                )
+                print(
+                    f"[{time.perf_counter() - started:7.1f}s] {label} {kind:<5} "
+                    f"({time.perf_counter() - t0:5.1f}s): {'ok' if not problems else 'NOT FLAT'}: {detail}",
+                    flush=True,
+                )
             rows.extend(new_rows)
             meta["wall_s"] = round(time.perf_counter() - started, 1)
             out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.cli.options import add_rank_args, default_dtype_name, default_ep_size, result_path
-from moe_sbo.measure.results import result_meta
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS, CombineInput, DispatchInput
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import RankError, RankPool, resolve_device
+from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import line_up, time_fn
+from moe_sbo.runtime import RankError, RankPool, resolve_device
 
 CHECKS = ("_check_dispatch_input", "_check_combine_input")
 
@@ -84,8 +84,7 @@ def cost_rank(device: torch.device, spec: dict) -> dict:
     dtype = getattr(torch, spec["dtype"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     options = {"max_tokens_per_rank": spec["tokens"]} if spec["dispatcher"] == "low_latency" else None
-    layer = MoELayer(cfg, dispatcher=spec["dispatcher"], dtype=dtype, device=device, seed=0,
-                     dispatcher_options=options)
+    layer = MoELayer(cfg, dispatcher=spec["dispatcher"], dtype=dtype, device=device, seed=0, dispatcher_options=options)
     generator = torch.Generator(device=device).manual_seed(rank)
     x_TH = torch.randn(spec["tokens"], cfg.hidden_size, generator=generator, device=device).to(dtype)
     dispatcher = layer.dispatcher
@@ -146,9 +145,18 @@ def cost_rank(device: torch.device, spec: dict) -> dict:
 
 
 def summarise(per_rank: list[dict], spec: dict, ep: int, experts: int) -> dict:
-    row = {"bench": "validation_cost", "preset": spec["preset"], "ep": ep, "num_experts": experts,
-           "tokens_per_rank": spec["tokens"], "dispatcher": spec["dispatcher"], "overlap": "none", "tbo": False,
-           "dtype": spec["dtype"], "graph": False}
+    row = {
+        "bench": "validation_cost",
+        "preset": spec["preset"],
+        "ep": ep,
+        "num_experts": experts,
+        "tokens_per_rank": spec["tokens"],
+        "dispatcher": spec["dispatcher"],
+        "overlap": "none",
+        "tbo": False,
+        "dtype": spec["dtype"],
+        "graph": False,
+    }
     for key in per_rank[0]:
         row[key] = max(r[key] for r in per_rank)  # the slowest rank's median
     row["check_share"] = row["t_checks_us"] / row["t_layer_us"]
@@ -162,8 +170,12 @@ def summarise(per_rank: list[dict], spec: dict, ep: int, experts: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_rank_args(parser)
-    parser.add_argument("--experts-per-gpu", type=int, default=None,
-                        help="routed experts per rank (E = this x ranks); default: the preset's E")
+    parser.add_argument(
+        "--experts-per-gpu",
+        type=int,
+        default=None,
+        help="routed experts per rank (E = this x ranks); default: the preset's E",
+    )
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: 128 GPU, 16 CPU)")
     parser.add_argument("--dispatchers", nargs="+", default=["all"])
     parser.add_argument("--warmup", type=int, default=20)
@@ -180,26 +192,46 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or default_dtype_name(device)
     out = result_path(args.out, "validation_cost", device)
     meta = result_meta(device=device, world_size=ranks)
-    meta.update(preset=args.preset, num_experts=experts, tokens_per_rank=tokens, iters=args.iters, rounds=args.rounds,
-                timing="host clock around each call, synchronize before and after (CUDA); forwards via "
-                       "moe_sbo.measure.timing.time_fn (ranks lined up between iterations); medians; slowest rank")
+    meta.update(
+        preset=args.preset,
+        num_experts=experts,
+        tokens_per_rank=tokens,
+        iters=args.iters,
+        rounds=args.rounds,
+        timing="host clock around each call, synchronize before and after (CUDA); forwards via "
+        "moe_sbo.measure.timing.time_fn (ranks lined up between iterations); medians; slowest rank",
+    )
     rows = []
     pool = RankPool(ranks, device)
     try:
         for name in dispatchers:
-            spec = {"preset": args.preset, "experts_per_gpu": args.experts_per_gpu, "dtype": dtype, "tokens": tokens,
-                    "dispatcher": name, "warmup": args.warmup, "iters": args.iters, "rounds": args.rounds}
+            spec = {
+                "preset": args.preset,
+                "experts_per_gpu": args.experts_per_gpu,
+                "dtype": dtype,
+                "tokens": tokens,
+                "dispatcher": name,
+                "warmup": args.warmup,
+                "iters": args.iters,
+                "rounds": args.rounds,
+            }
             try:
                 row = summarise(pool.run(cost_rank, spec), spec, ranks, experts)
             except RankError as exc:
                 row = {"bench": "validation_cost", "dispatcher": name, "error": str(exc)[-3000:]}
                 print(row["error"], file=sys.stderr)
             else:
-                print(f"{name:<12} checks {row['t_checks_us']:8.1f} us = {100 * row['check_share']:5.2f} % of "
-                      f"the layer ({row['t_layer_us']:.0f} us), host-only {row['t_checks_host_us']:.1f} us = "
-                      f"{100 * row['host_share']:.2f} %; A/B {100 * row['ab_share']:+6.2f} %"
-                      + (f"; agreement all-reduce {row['t_agree_us']:.1f} us = {100 * row['agree_share']:.2f} %"
-                         if "t_agree_us" in row else ""), flush=True)
+                print(
+                    f"{name:<12} checks {row['t_checks_us']:8.1f} us = {100 * row['check_share']:5.2f} % of "
+                    f"the layer ({row['t_layer_us']:.0f} us), host-only {row['t_checks_host_us']:.1f} us = "
+                    f"{100 * row['host_share']:.2f} %; A/B {100 * row['ab_share']:+6.2f} %"
+                    + (
+                        f"; agreement all-reduce {row['t_agree_us']:.1f} us = {100 * row['agree_share']:.2f} %"
+                        if "t_agree_us" in row
+                        else ""
+                    ),
+                    flush=True,
+                )
             rows.append(row)
             out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     finally:

@@ -17,12 +17,15 @@ def _layer(**kw):
     return MoELayer(get_preset("tiny"), dtype=torch.float32, **kw)
 
 
-@pytest.mark.parametrize("x, error, message", [
-    (torch.randn(4, 32), ValueError, r"x must be \[T, 64\]"),
-    (torch.randn(2, 4, 64), ValueError, r"x must be \[T, 64\]"),
-    (torch.randn(4, 64, dtype=torch.float64), TypeError, "x must have the layer's dtype"),
-    ([[0.0] * 64], TypeError, "x must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "x, error, message",
+    [
+        (torch.randn(4, 32), ValueError, r"x must be \[T, 64\]"),
+        (torch.randn(2, 4, 64), ValueError, r"x must be \[T, 64\]"),
+        (torch.randn(4, 64, dtype=torch.float64), TypeError, "x must have the layer's dtype"),
+        ([[0.0] * 64], TypeError, "x must be a torch.Tensor"),
+    ],
+)
 def test_bad_activations(x, error, message):
     with pytest.raises(error, match=message):
         _layer()(x)
@@ -66,8 +69,11 @@ def test_group_without_distributed_is_an_error():
 
 def _bad_ep_size_rank(device):
     try:
-        MoELayer(get_preset("tiny").replace(num_experts=18, n_group=3, topk_group=2),
-                 dispatcher="alltoall", dtype=torch.float32)
+        MoELayer(
+            get_preset("tiny").replace(num_experts=18, n_group=3, topk_group=2),
+            dispatcher="alltoall",
+            dtype=torch.float32,
+        )
     except ValueError as err:
         dist.barrier()  # all ranks got here: nobody was left waiting inside a collective
         return str(err)

@@ -13,18 +13,55 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_foundation.py"
 
-LAYER_FIELDS = ("bench", "preset", "ep", "tokens_per_rank", "dispatcher", "dtype", "graph", "t_layer_us",
-                "t_dispatch_us", "t_combine_us", "t_routed_us", "bytes_sent", "bytes_recv", "algbw_GBps",
-                "ref_algbw_GBps", "ratio_vs_ref")
-GEMM_FIELDS = ("bench", "preset", "rows_per_expert", "experts_per_gpu", "tflops", "dense_tflops", "ratio",
-               "t_routed_us")
+LAYER_FIELDS = (
+    "bench",
+    "preset",
+    "ep",
+    "tokens_per_rank",
+    "dispatcher",
+    "dtype",
+    "graph",
+    "t_layer_us",
+    "t_dispatch_us",
+    "t_combine_us",
+    "t_routed_us",
+    "bytes_sent",
+    "bytes_recv",
+    "algbw_GBps",
+    "ref_algbw_GBps",
+    "ratio_vs_ref",
+)
+GEMM_FIELDS = (
+    "bench",
+    "preset",
+    "rows_per_expert",
+    "experts_per_gpu",
+    "tflops",
+    "dense_tflops",
+    "ratio",
+    "t_routed_us",
+)
 
 
 def test_cpu_smoke_writes_result_file(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny",
-           "--quick", "--ranks", "2", "--tokens", "16", "64"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--quick",
+        "--ranks",
+        "2",
+        "--tokens",
+        "16",
+        "64",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert "MoE layer per phase" in proc.stdout
@@ -44,8 +81,14 @@ def test_cpu_smoke_writes_result_file(tmp_path):
         for field in LAYER_FIELDS:
             assert field in row, (field, row)
         assert row["ep"] == 2 and row["preset"] == "tiny" and row["graph"] is False
-        for field in ("t_layer_us", "t_dispatch_us", "t_combine_us", "t_routed_us", "ref_t_dispatch_us",
-                      "ref_t_combine_us"):
+        for field in (
+            "t_layer_us",
+            "t_dispatch_us",
+            "t_combine_us",
+            "t_routed_us",
+            "ref_t_dispatch_us",
+            "ref_t_combine_us",
+        ):
             assert row[field] > 0, (field, row)
         assert row["bytes_sent"] > 0 and row["bytes_recv"] > 0
         assert row["algbw_GBps"] > 0 and row["ref_algbw_GBps"] > 0 and row["ratio_vs_ref"] > 0

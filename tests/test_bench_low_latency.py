@@ -14,16 +14,51 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_low_latency.py"
 
-FIELDS = ("bench", "preset", "ep", "tokens_per_rank", "dispatcher", "dtype", "dispatch_dtype", "graph",
-          "experts_per_gpu", "t_layer_us", "t_dispatch_us", "t_combine_us", "bytes_sent", "bytes_recv",
-          "ref_t_dispatch_us", "ref_t_combine_us", "algbw_GBps", "ref_algbw_GBps")
+FIELDS = (
+    "bench",
+    "preset",
+    "ep",
+    "tokens_per_rank",
+    "dispatcher",
+    "dtype",
+    "dispatch_dtype",
+    "graph",
+    "experts_per_gpu",
+    "t_layer_us",
+    "t_dispatch_us",
+    "t_combine_us",
+    "bytes_sent",
+    "bytes_recv",
+    "ref_t_dispatch_us",
+    "ref_t_combine_us",
+    "algbw_GBps",
+    "ref_algbw_GBps",
+)
 
 
 def test_cpu_smoke_writes_result_file(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny",
-           "--hidden-size", "128", "--experts-per-gpu", "4", "--quick", "--ranks", "2", "--tokens", "4", "16"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--hidden-size",
+        "128",
+        "--experts-per-gpu",
+        "4",
+        "--quick",
+        "--ranks",
+        "2",
+        "--tokens",
+        "4",
+        "16",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert "low-latency decode" in proc.stdout

@@ -10,19 +10,63 @@ import pytest
 
 from moe_sbo.cli.main import main
 from moe_sbo.dispatch import DISPATCHERS
-from moe_sbo.overlap import OVERLAP_MODES
 from moe_sbo.measure.trace import load_spans
+from moe_sbo.overlap import OVERLAP_MODES
 
-FIELDS = ("bench", "preset", "ep", "tokens_per_rank", "dispatcher", "overlap", "tbo", "dtype", "graph",
-          "t_layer_us", "t_dispatch_us", "t_combine_us", "t_shared_us", "t_routed_us", "t_comm_us", "t_ideal_us",
-          "efficiency", "speedup_vs_none", "bytes_sent", "bytes_recv", "experts_per_gpu")
+FIELDS = (
+    "bench",
+    "preset",
+    "ep",
+    "tokens_per_rank",
+    "dispatcher",
+    "overlap",
+    "tbo",
+    "dtype",
+    "graph",
+    "t_layer_us",
+    "t_dispatch_us",
+    "t_combine_us",
+    "t_shared_us",
+    "t_routed_us",
+    "t_comm_us",
+    "t_ideal_us",
+    "efficiency",
+    "speedup_vs_none",
+    "bytes_sent",
+    "bytes_recv",
+    "experts_per_gpu",
+)
 
 
 def test_bench_sweep_rows_and_timeline(tmp_path):
     out, png = tmp_path / "sbo.json", tmp_path / "timeline.png"
-    code = main(["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", "--experts", "16", "8",
-                 "--tokens", "4", "24", "--warmup", "0", "--iters", "2", "--out", str(out), "--timeline", str(png),
-                 "--trace", str(tmp_path / "trace")])
+    code = main(
+        [
+            "bench",
+            "--device",
+            "cpu",
+            "--ranks",
+            "2",
+            "--preset",
+            "tiny",
+            "--experts",
+            "16",
+            "8",
+            "--tokens",
+            "4",
+            "24",
+            "--warmup",
+            "0",
+            "--iters",
+            "2",
+            "--out",
+            str(out),
+            "--timeline",
+            str(png),
+            "--trace",
+            str(tmp_path / "trace"),
+        ]
+    )
     assert code == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -47,13 +91,16 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
     assert (tmp_path / "trace.split.json").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--overlap", "sideways"], "--overlap must be among"),
-    (["--dispatcher", "deepep"], "--dispatcher must be among"),
-    (["--ranks", "3"], "divisible by the EP size"),
-    (["--tokens", "0"], "--tokens, --prefill-tokens and --decode-seqs must be >= 1"),
-    (["--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--overlap", "sideways"], "--overlap must be among"),
+        (["--dispatcher", "deepep"], "--dispatcher must be among"),
+        (["--ranks", "3"], "divisible by the EP size"),
+        (["--tokens", "0"], "--tokens, --prefill-tokens and --decode-seqs must be >= 1"),
+        (["--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
+    ],
+)
 def test_bench_bad_input_exits_2(argv, message, capsys):
     assert main(["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -61,10 +108,47 @@ def test_bench_bad_input_exits_2(argv, message, capsys):
 
 def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
     out, png = tmp_path / "tbo.json", tmp_path / "tbo.png"
-    code = main(["bench", "--tbo", "--device", "cpu", "--ranks", "2", "--preset", "tiny", "--dispatcher", "alltoall",
-                 "low_latency", "--overlap", "none", "split", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-                 "--prefill-tokens", "96", "--decode-seqs", "4", "--kv-len", "16", "--delay", "0", "2",
-                 "--warmup", "0", "--iters", "1", "--out", str(out), "--timeline", str(png)])
+    code = main(
+        [
+            "bench",
+            "--tbo",
+            "--device",
+            "cpu",
+            "--ranks",
+            "2",
+            "--preset",
+            "tiny",
+            "--dispatcher",
+            "alltoall",
+            "low_latency",
+            "--overlap",
+            "none",
+            "split",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--prefill-tokens",
+            "96",
+            "--decode-seqs",
+            "4",
+            "--kv-len",
+            "16",
+            "--delay",
+            "0",
+            "2",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--out",
+            str(out),
+            "--timeline",
+            str(png),
+        ]
+    )
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     # 2 dispatchers x 2 sizes x 2 modes x (no TBO + 2 delays)

@@ -27,8 +27,22 @@ def checkpoints(tmp_path_factory):
 
 def _check(path, *extra, tmp_path):
     out = tmp_path / "check.json"
-    code = main(["check", "--checkpoint", str(path), "--ranks", "2", "--device", "cpu", "--tokens", "24",
-                 "--json", str(out), *extra])
+    code = main(
+        [
+            "check",
+            "--checkpoint",
+            str(path),
+            "--ranks",
+            "2",
+            "--device",
+            "cpu",
+            "--tokens",
+            "24",
+            "--json",
+            str(out),
+            *extra,
+        ]
+    )
     return code, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -46,8 +60,9 @@ def test_check_passes_on_every_family(checkpoints, family, tmp_path, capsys):
 
 
 def test_check_in_bfloat16_uses_the_bf16_tolerance(checkpoints, tmp_path, capsys):
-    code, result = _check(checkpoints["deepseek_v3_fp8"], "--dtype", "bfloat16", "--dispatcher", "alltoall",
-                          tmp_path=tmp_path)
+    code, result = _check(
+        checkpoints["deepseek_v3_fp8"], "--dtype", "bfloat16", "--dispatcher", "alltoall", tmp_path=tmp_path
+    )
     assert code == 0, capsys.readouterr()
     (row,) = result["rows"]
     assert row["tolerance"] == 2e-2 and 0 < row["rel_err"] <= 2e-2
@@ -61,8 +76,25 @@ def test_check_fails_with_exit_1_beyond_tolerance(checkpoints, tmp_path, monkeyp
 
 def test_demo_runs_a_checkpoint_layer(checkpoints, tmp_path):
     out = tmp_path / "demo.json"
-    code = main(["demo", "--checkpoint", str(checkpoints["deepseek_v3_fp8"]), "--layer", "1", "--ranks", "2",
-                 "--device", "cpu", "--tokens", "8", "--iters", "1", "--json", str(out)])
+    code = main(
+        [
+            "demo",
+            "--checkpoint",
+            str(checkpoints["deepseek_v3_fp8"]),
+            "--layer",
+            "1",
+            "--ranks",
+            "2",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+            "--iters",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     assert {"local", "alltoall"} <= {r["dispatcher"] for r in rows} and all(r["ok"] for r in rows)
@@ -71,31 +103,40 @@ def test_demo_runs_a_checkpoint_layer(checkpoints, tmp_path):
 @pytest.fixture
 def no_ranks(monkeypatch):
     """Bad input must be refused before any rank (and so any collective) starts."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a rank pool was started for bad input")
+
     monkeypatch.setattr(runtime, "LocalRanks", refuse)
 
 
 P = "model.layers.1.mlp."
 
 
-@pytest.mark.parametrize("case, message", [
-    ("no_config", "config.json is missing"),
-    ("mixtral", "model must be one of the supported families (model_type deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe"),
-    ("dense", "layer must be an MoE layer, got dense layer 0"),
-    ("out_of_range", "layer must be in [0, 2) (num_hidden_layers=2), got 7"),
-    ("missing_expert", f"model.safetensors: tensor {P}experts.3.down_proj.weight (expert 3 of layer 1) is missing"),
-    ("missing_scale", f"{P}shared_experts.up_proj.weight_scale_inv is missing"),
-    ("bad_shape", f"model.safetensors: tensor {P}gate.weight must have shape (8, 160), got (8, 64)"),
-    ("ranks", "divisible by the EP size, got 8 experts on 3 ranks"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no_config", "config.json is missing"),
+        (
+            "mixtral",
+            "model must be one of the supported families (model_type deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe",
+        ),
+        ("dense", "layer must be an MoE layer, got dense layer 0"),
+        ("out_of_range", "layer must be in [0, 2) (num_hidden_layers=2), got 7"),
+        ("missing_expert", f"model.safetensors: tensor {P}experts.3.down_proj.weight (expert 3 of layer 1) is missing"),
+        ("missing_scale", f"{P}shared_experts.up_proj.weight_scale_inv is missing"),
+        ("bad_shape", f"model.safetensors: tensor {P}gate.weight must have shape (8, 160), got (8, 64)"),
+        ("ranks", "divisible by the EP size, got 8 experts on 3 ranks"),
+    ],
+)
 def test_check_bad_input_exits_2_before_any_rank(tmp_path, capsys, no_ranks, case, message):
     layer, ranks = "1", "2"
     if case == "no_config":
         path = tmp_path
     elif case == "mixtral":
-        path = write_checkpoint(tmp_path, {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]},
-                                {"x": torch.zeros(1)})
+        path = write_checkpoint(
+            tmp_path, {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, {"x": torch.zeros(1)}
+        )
     elif case == "missing_expert":
         path = write_broken_v3(tmp_path, drop=[f"{P}experts.3.down_proj.weight"])
     elif case == "missing_scale":

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from hf_blocks import make_hf_model, quantize_fp8_blocks, write_broken_v3, write_published_v3
-from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader, dequantize_fp8_blocks
 from moe_sbo.config import PRESETS
+from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader, dequantize_fp8_blocks
 from moe_sbo.hf.config import config_from_hf, moe_layer_indices
 from moe_sbo.hf.reference import reference_moe_block, weights_from_hf_moe
 from moe_sbo.layer import MoELayer
@@ -35,18 +35,49 @@ def saved(tmp_path_factory):
 
 # ---- config.json --------------------------------------------------------------------------------
 
+
 def test_published_configs_give_the_presets():
     """config.json fields as the Hub files spell them (Qwen3 counts experts as num_experts)."""
-    v3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-          "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-          "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-          "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "moe_layer_freq": 1,
-          "num_hidden_layers": 61, "quantization_config": {"fmt": "e4m3", "weight_block_size": [128, 128]}}
-    kimi = {**v3, "model_type": "kimi_k2", "n_routed_experts": 384, "n_group": 1, "topk_group": 1,
-            "routed_scaling_factor": 2.827, "first_k_dense_replace": 1}
-    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-            "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48}
+    v3 = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "num_hidden_layers": 61,
+        "quantization_config": {"fmt": "e4m3", "weight_block_size": [128, 128]},
+    }
+    kimi = {
+        **v3,
+        "model_type": "kimi_k2",
+        "n_routed_experts": 384,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.827,
+        "first_k_dense_replace": 1,
+    }
+    qwen = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+    }
     for config, preset in ((v3, "deepseek-v3"), (kimi, "kimi-k2"), (qwen, "qwen3-30b-a3b")):
         assert config_from_hf(config, name=preset) == PRESETS[preset]
     assert moe_layer_indices(v3) == list(range(3, 61))
@@ -69,6 +100,7 @@ def test_config_and_layers_from_save_pretrained(saved, family):
 
 
 # ---- tensor names and values -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -93,8 +125,11 @@ def test_sharded_read_opens_only_needed_files(saved):
     needed = {checkpoint.weight_map[n] for n in report.tensors}
     assert set(report.files) == needed
     assert len(set(checkpoint.weight_map.values())) > len(needed)
-    assert all(".experts." not in n or int(n.split(".experts.")[1].split(".")[0]) < 8
-               for n in report.tensors if ".shared_experts." not in n)
+    assert all(
+        ".experts." not in n or int(n.split(".experts.")[1].split(".")[0]) < 8
+        for n in report.tensors
+        if ".shared_experts." not in n
+    )
 
 
 def _per_rank_read(device, path):
@@ -103,8 +138,11 @@ def _per_rank_read(device, path):
     load = LayerLoader(checkpoint, 1)
     layer = load(MoELayer(checkpoint.moe_config, dispatcher="alltoall", dtype=torch.float32))
     reference = load(MoELayer(checkpoint.moe_config, dispatcher="local", dtype=torch.float32))
-    x = torch.randn(13 + dist.get_rank(), checkpoint.moe_config.hidden_size,
-                    generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(
+        13 + dist.get_rank(),
+        checkpoint.moe_config.hidden_size,
+        generator=torch.Generator().manual_seed(dist.get_rank()),
+    )
     with torch.no_grad():
         y, ref = layer(x), reference(x)
     return load.report(layer), ((y - ref).norm() / ref.norm()).item()
@@ -151,6 +189,7 @@ def test_kimi_k2_checkpoint_matches_transformers_deepseek_v3_block(tmp_path):
 
 # ---- FP8 ---------------------------------------------------------------------------------------
 
+
 def test_fp8_block_dequantisation_crops_edge_tiles():
     w = torch.randn(300, 160)  # 3 x 2 tiles, the last row and column of tiles cropped
     q, scale = quantize_fp8_blocks(w)
@@ -163,7 +202,7 @@ def test_fp8_block_dequantisation_crops_edge_tiles():
     got = dequantize_fp8_blocks(q, scale)
     assert torch.equal(got, expected)
     # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself, or of the tile's smallest normal.
-    assert bool(((got - w).abs() <= w.abs() / 16 + 2 ** -6 * scale.max()).all())
+    assert bool(((got - w).abs() <= w.abs() / 16 + 2**-6 * scale.max()).all())
 
 
 def test_fp8_checkpoint_dequantises_to_the_originals(tmp_path):
@@ -177,8 +216,9 @@ def test_fp8_checkpoint_dequantises_to_the_originals(tmp_path):
         assert torch.allclose(got, orig, rtol=1 / 16, atol=orig.abs().max().item() / 448)
         assert ((got - orig).norm() / orig.norm()).item() < 0.05
     shared_down = originals[P + "shared_experts.down_proj.weight"]
-    assert torch.allclose(weights.shared_down_proj_HJ, shared_down, rtol=1 / 16,
-                          atol=shared_down.abs().max().item() / 448)
+    assert torch.allclose(
+        weights.shared_down_proj_HJ, shared_down, rtol=1 / 16, atol=shared_down.abs().max().item() / 448
+    )
     assert torch.equal(weights.router_weight_EH, originals[P + "gate.weight"])  # bf16 on disk, not quantised
     # Default dtype: FP8 weights come back bf16; bytes read count 1 B per FP8 element plus the scales.
     default, report_default = checkpoint.read_moe_weights(1, range(0, 4))
@@ -191,6 +231,7 @@ def test_fp8_checkpoint_dequantises_to_the_originals(tmp_path):
 
 # ---- bad input ---------------------------------------------------------------------------------
 
+
 def test_missing_config_json(tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"config.json is missing"):
@@ -202,15 +243,26 @@ def test_missing_config_json(tmp_path):
 def test_unsupported_architecture_lists_the_supported(tmp_path):
     config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"config.json: model must be one of the supported families \(model_type "
-                                         r"deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe.*got model_type 'mixtral'"):
+    with pytest.raises(
+        ValueError,
+        match=r"config.json: model must be one of the supported families \(model_type "
+        r"deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe.*got model_type 'mixtral'",
+    ):
         Checkpoint(tmp_path)
 
 
 def test_no_safetensors(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 8,
-                                                      "moe_intermediate_size": 4, "num_experts": 4,
-                                                      "num_experts_per_tok": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3_moe",
+                "hidden_size": 8,
+                "moe_intermediate_size": 4,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="must hold model.safetensors or model.safetensors.index.json, got neither"):
         Checkpoint(tmp_path)
 
@@ -219,8 +271,11 @@ def test_layer_out_of_range_or_dense(saved):
     checkpoint = Checkpoint(saved["qwen3_moe"][1])
     with pytest.raises(ValueError, match=r"layer must be in \[0, 2\) \(num_hidden_layers=2\), got 5; MoE layers: 1"):
         checkpoint.read_moe_weights(5)
-    with pytest.raises(ValueError, match=r"layer must be an MoE layer, got dense layer 0 \(MoE iff layer not in "
-                                         r"mlp_only_layers=\[0\].*MoE layers: 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer must be an MoE layer, got dense layer 0 \(MoE iff layer not in "
+        r"mlp_only_layers=\[0\].*MoE layers: 1",
+    ):
         checkpoint.validate_layer(0)
 
 
@@ -228,30 +283,38 @@ def test_missing_expert_names_the_tensor_and_file(tmp_path):
     path = write_broken_v3(tmp_path, sharded=True, drop=[f"{P}experts.5.up_proj.weight"])
     checkpoint = Checkpoint(path)
     checkpoint.read_moe_weights(1, range(0, 4))  # rank 0's half is complete
-    with pytest.raises(ValueError, match=r"model.safetensors.index.json: tensor model.layers.1.mlp.experts.5.up_proj"
-                                         r".weight \(expert 5 of layer 1\) is missing"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors.index.json: tensor model.layers.1.mlp.experts.5.up_proj"
+        r".weight \(expert 5 of layer 1\) is missing",
+    ):
         checkpoint.read_moe_weights(1, range(4, 8))
     with pytest.raises(ValueError, match="experts.5.up_proj.weight"):
         checkpoint.validate_layer(1)
 
 
 def test_missing_fp8_scale_names_the_tensor_and_file(tmp_path):
-    path = write_broken_v3(tmp_path, sharded=True, fp8=True,
-                           drop=[f"{P}experts.2.down_proj.weight_scale_inv"])
-    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors: tensor model.layers.1.mlp.experts.2."
-                                         r"down_proj.weight \(expert 2 of layer 1\) is float8 e4m3 but its block "
-                                         r"scale model.layers.1.mlp.experts.2.down_proj.weight_scale_inv is missing"):
+    path = write_broken_v3(tmp_path, sharded=True, fp8=True, drop=[f"{P}experts.2.down_proj.weight_scale_inv"])
+    with pytest.raises(
+        ValueError,
+        match=r"model-00001-of-00001.safetensors: tensor model.layers.1.mlp.experts.2."
+        r"down_proj.weight \(expert 2 of layer 1\) is float8 e4m3 but its block "
+        r"scale model.layers.1.mlp.experts.2.down_proj.weight_scale_inv is missing",
+    ):
         Checkpoint(path).validate_layer(None)
 
 
 def test_shape_mismatch_names_the_tensor_and_file(tmp_path):
-    path = write_broken_v3(tmp_path, sharded=True,
-                           replace={f"{P}experts.6.gate_proj.weight": torch.zeros(96, 128)})
-    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors: tensor model.layers.1.mlp.experts.6."
-                                         r"gate_proj.weight must have shape \(96, 160\), got \(96, 128\)"):
+    path = write_broken_v3(tmp_path, sharded=True, replace={f"{P}experts.6.gate_proj.weight": torch.zeros(96, 128)})
+    with pytest.raises(
+        ValueError,
+        match=r"model-00001-of-00001.safetensors: tensor model.layers.1.mlp.experts.6."
+        r"gate_proj.weight must have shape \(96, 160\), got \(96, 128\)",
+    ):
         Checkpoint(path).read_moe_weights(1, range(4, 8))
-    bad_scale = write_broken_v3(tmp_path / "fp8", sharded=True, fp8=True,
-                                 replace={f"{P}experts.0.gate_proj.weight_scale_inv": torch.ones(1, 1)})
+    bad_scale = write_broken_v3(
+        tmp_path / "fp8", sharded=True, fp8=True, replace={f"{P}experts.0.gate_proj.weight_scale_inv": torch.ones(1, 1)}
+    )
     with pytest.raises(ValueError, match=r"gate_proj.weight_scale_inv must have shape \(1, 2\), got \(1, 1\)"):
         Checkpoint(bad_scale).validate_layer(1)
 
@@ -261,8 +324,11 @@ def test_missing_shard_file_is_named(tmp_path):
     (path / "model-00002-of-00003.safetensors").unlink()
     checkpoint = Checkpoint(path)
     checkpoint.read_moe_weights(1, range(0, 4))  # rank 0 never needs the lost shard
-    with pytest.raises(ValueError, match=r"model-00002-of-00003.safetensors is missing; .*index.json places "
-                                         r"model.layers.1.mlp.experts.4"):
+    with pytest.raises(
+        ValueError,
+        match=r"model-00002-of-00003.safetensors is missing; .*index.json places "
+        r"model.layers.1.mlp.experts.4",
+    ):
         checkpoint.read_moe_weights(1, range(4, 8))
 
 

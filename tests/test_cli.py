@@ -10,8 +10,7 @@ from moe_sbo.dispatch import DISPATCHERS
 
 
 def _moe_sbo(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "moe_sbo.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "moe_sbo.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_demo_runs_every_dispatcher_and_matches(tmp_path):
@@ -36,8 +35,23 @@ def test_demo_bad_input_exits_2_with_a_message():
 
 def test_demo_overlap_all_checks_every_mode_against_none(tmp_path):
     out = tmp_path / "demo.json"
-    proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--tokens", "6", "--iters", "1",
-                    "--dispatcher", "alltoall", "--overlap", "all", "--json", str(out))
+    proc = _moe_sbo(
+        "demo",
+        "--ranks",
+        "2",
+        "--device",
+        "cpu",
+        "--tokens",
+        "6",
+        "--iters",
+        "1",
+        "--dispatcher",
+        "alltoall",
+        "--overlap",
+        "all",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["overlap"] for r in rows] == ["none", "dispatch", "combine", "combine_sm", "split", "auto"]
@@ -50,8 +64,22 @@ def test_demo_overlap_all_checks_every_mode_against_none(tmp_path):
 
 def test_demo_tbo_runs_the_decoder_layer_with_two_batch_overlap(tmp_path):
     out = tmp_path / "demo.json"
-    proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--tokens", "100", "--iters", "1", "--tbo",
-                    "--overlap", "split", "--json", str(out))
+    proc = _moe_sbo(
+        "demo",
+        "--ranks",
+        "2",
+        "--device",
+        "cpu",
+        "--tokens",
+        "100",
+        "--iters",
+        "1",
+        "--tbo",
+        "--overlap",
+        "split",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {(r["dispatcher"], r["overlap"]) for r in rows} == {(d, m) for d in DISPATCHERS for m in ("none", "split")}

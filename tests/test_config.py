@@ -15,9 +15,19 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_presets_match_published_configs(name):
     c = get_preset(name)
-    assert (c.num_experts, c.num_experts_per_tok, c.num_shared_experts, c.hidden_size,
-            c.moe_intermediate_size, c.topk_method, c.scoring_func, c.norm_topk_prob,
-            c.routed_scaling_factor, c.n_group, c.topk_group) == PUBLISHED[name]
+    assert (
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.num_shared_experts,
+        c.hidden_size,
+        c.moe_intermediate_size,
+        c.topk_method,
+        c.scoring_func,
+        c.norm_topk_prob,
+        c.routed_scaling_factor,
+        c.n_group,
+        c.topk_group,
+    ) == PUBLISHED[name]
 
 
 def test_tiny_has_v3_routing_structure():
@@ -27,13 +37,16 @@ def test_tiny_has_v3_routing_structure():
     assert set(PRESETS) == {*PUBLISHED, "tiny"}
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"num_experts_per_tok": 17}, "top-k"),
-    ({"n_group": 3}, "n_group must divide num_experts"),
-    ({"topk_group": 5}, "topk_group must be in"),
-    ({"topk_method": "random"}, "topk_method must be one of"),
-    ({"n_group": 16, "topk_group": 4}, "top-2"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_experts_per_tok": 17}, "top-k"),
+        ({"n_group": 3}, "n_group must divide num_experts"),
+        ({"topk_group": 5}, "topk_group must be in"),
+        ({"topk_method": "random"}, "topk_method must be one of"),
+        ({"n_group": 16, "topk_group": 4}, "top-2"),
+    ],
+)
 def test_bad_configs_are_named(changes, message):
     with pytest.raises(ValueError, match=message):
         get_preset("tiny").replace(**changes)

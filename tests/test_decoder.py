@@ -8,10 +8,10 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from moe_sbo.model.attention import Attention, AttentionConfig, Batch, KVCache
 from moe_sbo.config import get_preset
-from moe_sbo.model.decoder import DecoderLayer
 from moe_sbo.layer import MoELayer
+from moe_sbo.model.attention import Attention, AttentionConfig, Batch, KVCache
+from moe_sbo.model.decoder import DecoderLayer
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -20,8 +20,14 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 @pytest.fixture(scope="module")
 def pair():
     """Our attention and HF's, sharing random weights."""
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                      rope_theta=ATTN.rope_theta, attention_bias=False)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=ATTN.rope_theta,
+        attention_bias=False,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = LlamaAttention(cfg, layer_idx=0).float()
@@ -56,9 +62,9 @@ def test_cut_sequence_and_decode_match_hf(pair):
     cache = KVCache(ATTN, 2, 32, dtype=torch.float32, device="cpu")
     with torch.no_grad():
         expected = _hf_sequence(hf, rope, x)
-        first = ours(x[:12], Batch.prefill([12]), cache)                       # slot 0, positions 0..11
-        second = ours(x[12:19], Batch.prefill([7], starts=[12]), cache)        # attends to the cached 12
-        last = ours(x[19:], Batch.decode_step(0, torch.tensor([19])), cache)   # one decode step
+        first = ours(x[:12], Batch.prefill([12]), cache)  # slot 0, positions 0..11
+        second = ours(x[12:19], Batch.prefill([7], starts=[12]), cache)  # attends to the cached 12
+        last = ours(x[19:], Batch.decode_step(0, torch.tensor([19])), cache)  # one decode step
     torch.testing.assert_close(torch.cat([first, second, last]), expected, **TOL)
 
 
@@ -86,11 +92,14 @@ def test_decoder_layer_is_attention_then_moe_with_residuals():
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: Batch.prefill([4, 40]), "needs 40 positions, the KV cache holds 32"),
-    (lambda: Batch.prefill([4], slots=[5]), "cache slot 5 is outside the 2 slots"),
-    (lambda: Batch.prefill([0]), "segment lengths must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Batch.prefill([4, 40]), "needs 40 positions, the KV cache holds 32"),
+        (lambda: Batch.prefill([4], slots=[5]), "cache slot 5 is outside the 2 slots"),
+        (lambda: Batch.prefill([0]), "segment lengths must be >= 1"),
+    ],
+)
 def test_bad_batches_are_named(make, message):
     layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dtype=torch.float32))
     with pytest.raises(ValueError, match=message), torch.no_grad():

@@ -29,8 +29,14 @@ CASES = [(mode, False) for mode in OVERLAP_MODES] + [("none", True), ("split", T
 
 def _layer(name: str, fp8: bool, hidden: int, overlap: str, dtype: torch.dtype) -> MoELayer:
     options = {"max_tokens_per_rank": 16, "fp8": fp8} if name == "low_latency" else None
-    return MoELayer(get_preset("tiny").replace(hidden_size=hidden), dispatcher=name, overlap=overlap, dtype=dtype,
-                    seed=21, dispatcher_options=options)
+    return MoELayer(
+        get_preset("tiny").replace(hidden_size=hidden),
+        dispatcher=name,
+        overlap=overlap,
+        dtype=dtype,
+        seed=21,
+        dispatcher_options=options,
+    )
 
 
 def _outputs_rank(device, dtype_name):
@@ -43,8 +49,11 @@ def _outputs_rank(device, dtype_name):
             x_TH = torch.randn(TOKENS[rank], hidden, generator=torch.Generator().manual_seed(rank)).to(dtype)
             for mode, tbo in CASES:
                 layer = _layer(name, fp8, hidden, mode, dtype)
-                ys = [forward(layer, x_TH, tbo), forward(layer, x_TH, tbo),
-                      forward(_layer(name, fp8, hidden, mode, dtype), x_TH, tbo)]  # and a fresh layer
+                ys = [
+                    forward(layer, x_TH, tbo),
+                    forward(layer, x_TH, tbo),
+                    forward(_layer(name, fp8, hidden, mode, dtype), x_TH, tbo),
+                ]  # and a fresh layer
                 out[(name, fp8, mode, tbo)] = (ys[0], all(torch.equal(y, ys[0]) for y in ys[1:]))
     return out
 

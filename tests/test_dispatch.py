@@ -12,8 +12,12 @@ from moe_sbo.layer import MoELayer
 
 ROUTINGS = {
     "noaux_tc": {},
-    "group_limited_greedy": {"topk_method": "group_limited_greedy", "scoring_func": "softmax",
-                             "norm_topk_prob": False, "routed_scaling_factor": 16.0},
+    "group_limited_greedy": {
+        "topk_method": "group_limited_greedy",
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 16.0,
+    },
     "greedy": {"topk_method": "greedy", "scoring_func": "softmax", "n_group": 1, "topk_group": 1},
 }
 # tokens per rank as a function of (rank, world size): the awkward cases the issue names.
@@ -31,13 +35,14 @@ def test_layout_hand_worked():
     ids = torch.tensor([[2, 0], [-1, 2], [1, -1]])
     weights = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]])
     layout = group_rows_by_expert(ids, weights, 3)
-    assert layout.row_R.tolist() == [0, 2, 0, 1]          # expert 0: row 0; expert 1: row 2; expert 2: rows 0, 1
+    assert layout.row_R.tolist() == [0, 2, 0, 1]  # expert 0: row 0; expert 1: row 2; expert 2: rows 0, 1
     assert layout.num_rows_per_expert_L.tolist() == [1, 1, 2]
     torch.testing.assert_close(layout.weight_R, torch.tensor([0.2, 0.5, 0.1, 0.4]))
     assert layout.pair_MK.tolist() == [[2, 0], [4, 3], [1, 4]]  # the inverse; 4 = R: not local
     y = torch.arange(4, dtype=torch.float32)[:, None].repeat(1, 2)  # expert output of pair n = n
-    torch.testing.assert_close(combine_rows(y, layout),
-                               torch.tensor([[0 * .2 + 2 * .1] * 2, [3 * .4] * 2, [1 * .5] * 2]))
+    torch.testing.assert_close(
+        combine_rows(y, layout), torch.tensor([[0 * 0.2 + 2 * 0.1] * 2, [3 * 0.4] * 2, [1 * 0.5] * 2])
+    )
 
 
 def test_pack_topk_round_trips_weights_bit_exactly():
@@ -72,10 +77,14 @@ def _case_rank(device, dispatcher, routing, token_case, skew):
         traffic = ep.dispatcher.last_traffic
     owners = torch.div(ids, ep.dispatcher.num_local_experts, rounding_mode="floor")
     remote_ranks = sum(len(set(row) - {rank}) for row in owners.tolist())
-    return {"err": (outputs[0] - outputs[1]).abs().max().item() if tokens else 0.0,
-            "shape_ok": outputs[1].shape == (tokens, cfg.hidden_size),
-            "traffic": traffic, "remote_rows": remote_ranks,
-            "tokens": tokens, "row_bytes": cfg.hidden_size * 4 + 2 * cfg.num_experts_per_tok * 4}
+    return {
+        "err": (outputs[0] - outputs[1]).abs().max().item() if tokens else 0.0,
+        "shape_ok": outputs[1].shape == (tokens, cfg.hidden_size),
+        "traffic": traffic,
+        "remote_rows": remote_ranks,
+        "tokens": tokens,
+        "row_bytes": cfg.hidden_size * 4 + 2 * cfg.num_experts_per_tok * 4,
+    }
 
 
 def _check(results, dispatcher):
@@ -90,7 +99,8 @@ def _check(results, dispatcher):
         for r in results:
             assert r["traffic"].dispatch_bytes_sent == r["remote_rows"] * r["row_bytes"]
         assert sum(r["traffic"].combine_bytes_sent for r in results) == sum(
-            r["remote_rows"] * (r["row_bytes"] - 2 * 4 * 4) for r in results)
+            r["remote_rows"] * (r["row_bytes"] - 2 * 4 * 4) for r in results
+        )
     if dispatcher == "low_latency":
         # Fixed blocks: capacity rows to each other rank whatever the routing (row_bytes is 16-aligned).
         for r in results:
@@ -126,18 +136,30 @@ def _stamped_rank(device, dispatcher):
     x = torch.full((tokens, cfg.hidden_size), float(rank + 1))
     # Token t of rank r picks experts owned by ranks (r + t) % P and (r + t + 1) % P.
     local = cfg.num_experts // world
-    ids = torch.stack([((rank + t) % world) * local + torch.arange(2) for t in range(tokens)]
-                      + []) if False else torch.tensor(
-        [[((rank + t) % world) * local, ((rank + t) % world) * local + 1,
-          ((rank + t + 1) % world) * local, ((rank + t + 1) % world) * local + 1] for t in range(tokens)])
+    ids = (
+        torch.stack([((rank + t) % world) * local + torch.arange(2) for t in range(tokens)] + [])
+        if False
+        else torch.tensor(
+            [
+                [
+                    ((rank + t) % world) * local,
+                    ((rank + t) % world) * local + 1,
+                    ((rank + t + 1) % world) * local,
+                    ((rank + t + 1) % world) * local + 1,
+                ]
+                for t in range(tokens)
+            ]
+        )
+    )
     with torch.no_grad():
         recv = layer.dispatcher.dispatch(x, ids, torch.ones(tokens, 4))
     # Rows past the real count are padding (low_latency's fixed layout); the other schemes have none.
-    real_x_RH = recv.expert_x_RH[:int(recv.num_rows_per_expert_L.sum())]
+    real_x_RH = recv.expert_x_RH[: int(recv.num_rows_per_expert_L.sum())]
     sources = sorted(set(real_x_RH[:, 0].tolist()))
     # Which ranks' tokens chose one of my experts, computed from the rule above:
-    expected = sorted({float(r + 1) for r in range(world) for t in range(3 + r)
-                       if rank in ((r + t) % world, (r + t + 1) % world)})
+    expected = sorted(
+        {float(r + 1) for r in range(world) for t in range(3 + r) if rank in ((r + t) % world, (r + t + 1) % world)}
+    )
     rows_constant = bool((real_x_RH == real_x_RH[:, :1]).all())
     return sources, expected, rows_constant, recv.num_rows_per_expert_L.tolist()
 

@@ -12,7 +12,7 @@ from moe_sbo.experts import RoutedExperts, SharedExperts
 def _reference(x_RH, counts, gate_up, down):
     out, start = [], 0
     for expert, n in enumerate(counts):
-        for row in x_RH[start:start + n]:
+        for row in x_RH[start : start + n]:
             gate, up = (gate_up[expert] @ row).chunk(2)
             out.append(down[expert] @ (F.silu(gate) * up))
         start += n
@@ -48,8 +48,8 @@ def test_shared_experts_are_a_swiglu_mlp():
 def test_grouped_mm_on_gpu_matches_fallback_in_bf16():
     experts = RoutedExperts(8, 256, 128, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
-        experts.gate_up_proj.normal_(std=256 ** -0.5)
-        experts.down_proj.normal_(std=128 ** -0.5)
+        experts.gate_up_proj.normal_(std=256**-0.5)
+        experts.down_proj.normal_(std=128**-0.5)
         counts = torch.tensor([64, 0, 17, 128, 3, 0, 40, 1], device="cuda")
         x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
         fast = experts(x, counts)

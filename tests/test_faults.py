@@ -22,8 +22,8 @@ import torch.distributed as dist
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap.tbo import dispatcher_for
-from moe_sbo.stages import run_interleaved
 from moe_sbo.runtime import LocalRanks, RankError
+from moe_sbo.stages import run_interleaved
 
 COLLECTIVE_TIMEOUT_S = 30
 FAIL_FAST_BOUND_S = 6.0  # grace 0.5 s + stopping the ranks; without fail-fast: >= 30 s
@@ -47,8 +47,14 @@ def ranks4():
 
 def _layer(dispatcher: str, overlap: str = "none") -> MoELayer:
     options = {"max_tokens_per_rank": CAPACITY} if dispatcher == "low_latency" else None
-    return MoELayer(get_preset("tiny"), dispatcher=dispatcher, overlap=overlap, dtype=torch.float32, seed=7,
-                    dispatcher_options=options)
+    return MoELayer(
+        get_preset("tiny"),
+        dispatcher=dispatcher,
+        overlap=overlap,
+        dtype=torch.float32,
+        seed=7,
+        dispatcher_options=options,
+    )
 
 
 def _inject(fault: str, phase: str) -> None:
@@ -77,8 +83,11 @@ def _faulty_forward_rank(device, dispatcher, overlap, phase, fault, victim, tbo=
     with torch.inference_mode():
         if tbo:
             half = x.shape[0] // 2
-            run_interleaved(layer.stages(x[:half], dispatcher=dispatcher_for(layer, 0)),
-                            layer.stages(x[half:], dispatcher=dispatcher_for(layer, 1)), delay=0)
+            run_interleaved(
+                layer.stages(x[:half], dispatcher=dispatcher_for(layer, 0)),
+                layer.stages(x[half:], dispatcher=dispatcher_for(layer, 1)),
+                delay=0,
+            )
         else:
             layer(x)
     return "finished"
@@ -126,15 +135,29 @@ def test_a_raising_rank_among_4_is_named_and_the_others_stopped(ranks4, dispatch
 
 @pytest.mark.parametrize("dispatcher", EP_DISPATCHERS)
 def test_bad_input_on_one_rank_only_is_named(ranks2, dispatcher):
-    _expect_named_failure(ranks2, 0, "x must have the layer's dtype torch.float32, got torch.float64",
-                          dispatcher, "none", "bad_dtype", "raise")
+    _expect_named_failure(
+        ranks2,
+        0,
+        "x must have the layer's dtype torch.float32, got torch.float64",
+        dispatcher,
+        "none",
+        "bad_dtype",
+        "raise",
+    )
 
 
 def test_over_capacity_on_one_rank_only_is_named(ranks4):
     # low_latency refuses T > capacity before its collective; only this rank can see it (no host read of
     # other ranks' counts), so the others wait in the all-to-all until the launcher stops them.
-    _expect_named_failure(ranks4, 3, "tokens per rank must be <= max_tokens_per_rank = 16",
-                          "low_latency", "none", "over_capacity", "raise")
+    _expect_named_failure(
+        ranks4,
+        3,
+        "tokens per rank must be <= max_tokens_per_rank = 16",
+        "low_latency",
+        "none",
+        "over_capacity",
+        "raise",
+    )
 
 
 @pytest.mark.parametrize("fault", ["raise", "exit"])

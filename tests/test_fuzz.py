@@ -78,7 +78,7 @@ def _routing(cfg, x_TH: torch.Tensor, skew: str, target: int, num_ranks: int, ge
         scores_TE[:, target % num_experts] = -1.0  # every token picks it (and K - 1 others)
     elif skew == "one_rank":
         first = (target % num_ranks) * local
-        scores_TE[:, first:first + local] -= 2.0  # every choice on that rank while it has experts left
+        scores_TE[:, first : first + local] -= 2.0  # every choice on that rank while it has experts left
     ids_TK = scores_TE.argsort(dim=1)[:, :k]
     return ids_TK, torch.rand(num_tokens, k, generator=generator)
 
@@ -89,9 +89,15 @@ def _routing_case_rank(device, case):
     method = case["topk_method"]
     scoring, norm, scaling = ROUTINGS[method]
     cfg = get_preset("tiny").replace(
-        num_experts=case["num_experts"], num_experts_per_tok=case["top_k"], topk_method=method,
-        scoring_func=scoring, norm_topk_prob=norm, routed_scaling_factor=scaling, n_group=case["n_group"],
-        topk_group=case["topk_group"])
+        num_experts=case["num_experts"],
+        num_experts_per_tok=case["top_k"],
+        topk_method=method,
+        scoring_func=scoring,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scaling,
+        n_group=case["n_group"],
+        topk_group=case["topk_group"],
+    )
     generator = torch.Generator().manual_seed(case["seed"] * 8 + rank)
     num_tokens = case["tokens"][rank]
     x_TH = torch.randn(num_tokens, cfg.hidden_size, generator=generator)
@@ -105,28 +111,44 @@ def _routing_case_rank(device, case):
     outputs = []
     with torch.inference_mode():
         for name, layer_group in ((case["dispatcher"], group), ("local", None)):
-            layer = MoELayer(cfg, dispatcher=name, group=layer_group, dtype=torch.float32, seed=case["seed"],
-                             overlap=case["overlap"], dispatcher_options=options if name != "local" else None)
+            layer = MoELayer(
+                cfg,
+                dispatcher=name,
+                group=layer_group,
+                dtype=torch.float32,
+                seed=case["seed"],
+                overlap=case["overlap"],
+                dispatcher_options=options if name != "local" else None,
+            )
             layer.dispatcher.hooks.register("pre_dispatch", use_drawn_routing)
             if name != "local":
                 layer.dispatcher.hooks.register(
-                    "post_dispatch", lambda d, out: rows.append(out.num_rows_per_expert_L.tolist()))
+                    "post_dispatch", lambda d, out: rows.append(out.num_rows_per_expert_L.tolist())
+                )
             outputs.append(layer(x_TH))
             if name != "local":
                 traffic = layer.last_traffic
     owner_TK = torch.div(ids_TK, cfg.num_experts // len(members), rounding_mode="floor")
     group_rank = members.index(rank)
     return {
-        "members": members, "group_rank": group_rank, "tokens": num_tokens,
+        "members": members,
+        "group_rank": group_rank,
+        "tokens": num_tokens,
         # Largest error relative to the output's scale (routed_scaling_factor reaches 16 here).
         "err": ((outputs[0] - outputs[1]).abs().max() / outputs[1].abs().max().clamp_min(1.0)).item()
-        if num_tokens else 0.0,
-        "shape": tuple(outputs[0].shape), "hidden": cfg.hidden_size,
+        if num_tokens
+        else 0.0,
+        "shape": tuple(outputs[0].shape),
+        "hidden": cfg.hidden_size,
         "rows_per_expert": rows[0],
         "pairs_per_expert": torch.bincount(ids_TK.reshape(-1), minlength=cfg.num_experts).tolist(),
         "remote_rows": sum(len(set(row) - {group_rank}) for row in owner_TK.tolist()),
-        "traffic": (traffic.dispatch_bytes_sent, traffic.dispatch_bytes_recv,
-                    traffic.combine_bytes_sent, traffic.combine_bytes_recv),
+        "traffic": (
+            traffic.dispatch_bytes_sent,
+            traffic.dispatch_bytes_recv,
+            traffic.combine_bytes_sent,
+            traffic.combine_bytes_recv,
+        ),
     }
 
 
@@ -134,18 +156,28 @@ def _routing_case_rank(device, case):
 def routing_cases(draw, dispatcher: str, ep_size: int):
     num_experts = draw(st.sampled_from([e for e in (12, 16, 24) if e % ep_size == 0]))
     method = draw(st.sampled_from(sorted(ROUTINGS)))
-    n_group = 1 if method == "greedy" else draw(
-        st.sampled_from([g for g in (1, 2, 4) if num_experts % g == 0 and num_experts // g >= 2]))
+    n_group = (
+        1
+        if method == "greedy"
+        else draw(st.sampled_from([g for g in (1, 2, 4) if num_experts % g == 0 and num_experts // g >= 2]))
+    )
     topk_group = draw(st.integers(1, n_group))
     max_k = num_experts if method == "greedy" else topk_group * num_experts // n_group
     top_k = draw(st.integers(1, min(max_k, 6)))
     # Zero tokens on some ranks is drawn often on purpose: the case collectives most often get wrong.
     tokens = draw(st.lists(st.one_of(st.just(0), st.integers(0, 24)), min_size=4, max_size=4))
     return {
-        "ep_size": ep_size, "num_experts": num_experts, "topk_method": method, "n_group": n_group,
-        "topk_group": topk_group, "top_k": top_k, "tokens": tokens, "dispatcher": dispatcher,
+        "ep_size": ep_size,
+        "num_experts": num_experts,
+        "topk_method": method,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "top_k": top_k,
+        "tokens": tokens,
+        "dispatcher": dispatcher,
         "skew": draw(st.sampled_from(["router", "uniform", "one_expert", "one_rank"])),
-        "target": draw(st.integers(0, 23)), "overlap": draw(st.sampled_from(OVERLAP_MODES)),
+        "target": draw(st.integers(0, 23)),
+        "overlap": draw(st.sampled_from(OVERLAP_MODES)),
         "capacity": max(tokens) + draw(st.integers(0, 3)) or 1,  # at or just above the largest T
         "seed": draw(st.integers(0, 10_000)),
     }
@@ -186,7 +218,7 @@ def _check_group(case: dict, results: list[dict]) -> None:
 def test_every_dispatcher_equals_local_and_accounts_for_every_token(ranks4, dispatcher, ep_size, data):
     case = data.draw(routing_cases(dispatcher, ep_size), label="case")
     event(f"skew {case['skew']}")
-    event("some rank has no tokens" if 0 in case["tokens"][:case["ep_size"]] else "every rank has tokens")
+    event("some rank has no tokens" if 0 in case["tokens"][: case["ep_size"]] else "every rank has tokens")
     results = ranks4.run(_routing_case_rank, case)
     for r in results:
         assert r["shape"] == (r["tokens"], r["hidden"])
@@ -194,7 +226,7 @@ def test_every_dispatcher_equals_local_and_accounts_for_every_token(ranks4, disp
     groups: dict[tuple, list] = {}
     for r in results:
         groups.setdefault(tuple(r["members"]), []).append(r)
-    for members, group_results in groups.items():
+    for _members, group_results in groups.items():
         _check_group(case, sorted(group_results, key=lambda r: r["group_rank"]))
 
 
@@ -229,8 +261,8 @@ def _model_run(specs: list[dict], num_forwards: int, tbo: bool) -> tuple[list, l
         error = None
         schedule = [(mb, stage) for stage in range(3) for mb in batches]
         for mb, stage in schedule:
-            for event in STAGE_EVENTS[stage]:
-                for hook in list(lists[mb][event]):  # a snapshot, as the registry iterates
+            for hook_event in STAGE_EVENTS[stage]:
+                for hook in list(lists[mb][hook_event]):  # a snapshot, as the registry iterates
                     if not hook.active:
                         continue
                     spec = hook.spec
@@ -240,15 +272,16 @@ def _model_run(specs: list[dict], num_forwards: int, tbo: bool) -> tuple[list, l
                     action = spec["action"]
                     if action == "raise":
                         error = ("RuntimeError", spec["id"])
-                    elif action == "identity" and event in IN_FLIGHT_EVENTS:
+                    elif action == "identity" and hook_event in IN_FLIGHT_EVENTS:
                         error = ("TypeError", spec["id"])
                     elif action == "remove_self":
                         hook.active = False
                     elif action == "remove_other" and spec["target"] < len(hooks[mb]):  # may be a new one
                         hooks[mb][spec["target"]].active = False
                     elif action == "register_new":
-                        new = _ModelHook({"id": len(hooks[mb]), "event": spec["new_event"], "once": False,
-                                          "action": "record"})
+                        new = _ModelHook(
+                            {"id": len(hooks[mb]), "event": spec["new_event"], "once": False, "action": "record"}
+                        )
                         hooks[mb].append(new)
                         lists[mb][new.spec["event"]] = [*lists[mb][new.spec["event"]], new]
                     if error:
@@ -280,8 +313,11 @@ def _make_hook(log: list, handles: list, mb: int, spec: dict, hook_id: int, regi
         elif action == "register_new":
             new_id = len(handles)
             new_spec = {"action": "record", "event": spec["new_event"], "once": False}
-            handles.append(registry.register(spec["new_event"], _make_hook(log, handles, mb, new_spec, new_id,
-                                                                           registry, forward_index)))
+            handles.append(
+                registry.register(
+                    spec["new_event"], _make_hook(log, handles, mb, new_spec, new_id, registry, forward_index)
+                )
+            )
         elif action == "identity":
             return payload  # a replacement equal to the payload (refused at in-flight events)
         return None
@@ -297,8 +333,11 @@ def forward(layer: MoELayer, x_TH: torch.Tensor, tbo: bool) -> torch.Tensor:
     if not tbo:
         return layer(x_TH)
     half = x_TH.shape[0] // 2
-    out_a, out_b = run_interleaved(layer.stages(x_TH[:half], dispatcher=dispatcher_for(layer, 0)),
-                                   layer.stages(x_TH[half:], dispatcher=dispatcher_for(layer, 1)), delay=0)
+    out_a, out_b = run_interleaved(
+        layer.stages(x_TH[:half], dispatcher=dispatcher_for(layer, 0)),
+        layer.stages(x_TH[half:], dispatcher=dispatcher_for(layer, 1)),
+        delay=0,
+    )
     return torch.cat([out_a, out_b])
 
 
@@ -306,8 +345,14 @@ def _hooks_case_rank(device, case):
     key = (case["dispatcher"], case["overlap"])
     if key not in _LAYERS:  # kept between examples: a hook leaked by one example fails the next
         options = {"max_tokens_per_rank": 16} if case["dispatcher"] == "low_latency" else None
-        _LAYERS[key] = MoELayer(get_preset("tiny"), dispatcher=case["dispatcher"], overlap=case["overlap"],
-                                dtype=torch.float32, seed=4, dispatcher_options=options)
+        _LAYERS[key] = MoELayer(
+            get_preset("tiny"),
+            dispatcher=case["dispatcher"],
+            overlap=case["overlap"],
+            dtype=torch.float32,
+            seed=4,
+            dispatcher_options=options,
+        )
     layer = _LAYERS[key]
     batches = (0, 1) if case["tbo"] else (0,)
     registries = [dispatcher_for(layer, mb).hooks for mb in batches]
@@ -336,19 +381,33 @@ def _hooks_case_rank(device, case):
     for handles in all_handles:
         for handle in handles:
             handle.remove()
-    return {"log": log, "results": results, "leftover_before": leftover_before, "left": left,
-            "after_removal": [r.count() for r in registries]}
+    return {
+        "log": log,
+        "results": results,
+        "leftover_before": leftover_before,
+        "left": left,
+        "after_removal": [r.count() for r in registries],
+    }
 
 
-hook_specs = st.fixed_dictionaries({
-    "event": st.sampled_from(HOOK_EVENTS), "once": st.booleans(), "action": st.sampled_from(ACTIONS),
-    "target": st.integers(0, 7), "new_event": st.sampled_from(HOOK_EVENTS),
-})
-hook_cases = st.fixed_dictionaries({
-    "overlap": st.sampled_from(OVERLAP_MODES), "hooks": st.lists(hook_specs, max_size=8),
-    "forwards": st.integers(1, 3), "tokens": st.lists(st.integers(0, 12), min_size=2, max_size=2),
-    "seed": st.integers(0, 10_000),
-})
+hook_specs = st.fixed_dictionaries(
+    {
+        "event": st.sampled_from(HOOK_EVENTS),
+        "once": st.booleans(),
+        "action": st.sampled_from(ACTIONS),
+        "target": st.integers(0, 7),
+        "new_event": st.sampled_from(HOOK_EVENTS),
+    }
+)
+hook_cases = st.fixed_dictionaries(
+    {
+        "overlap": st.sampled_from(OVERLAP_MODES),
+        "hooks": st.lists(hook_specs, max_size=8),
+        "forwards": st.integers(1, 3),
+        "tokens": st.lists(st.integers(0, 12), min_size=2, max_size=2),
+        "seed": st.integers(0, 10_000),
+    }
+)
 
 
 @pytest.mark.parametrize("tbo", [False, True], ids=["one_batch", "two_batch"])

@@ -51,8 +51,10 @@ def test_bf16_layer_on_gpu_matches_float32_on_cpu():
         got = gpu(x.cuda().bfloat16()).float().cpu()
         expected = cpu(x.bfloat16().float())
     # Routing may flip for near-tied experts in bf16; compare tokens whose top-k agree.
-    same = (torch.sort(gpu.router(x.cuda().bfloat16()).topk_ids_TK, 1).values.cpu()
-            == torch.sort(cpu.router(x.bfloat16().float()).topk_ids_TK, 1).values).all(1)
+    same = (
+        torch.sort(gpu.router(x.cuda().bfloat16()).topk_ids_TK, 1).values.cpu()
+        == torch.sort(cpu.router(x.bfloat16().float()).topk_ids_TK, 1).values
+    ).all(1)
     assert same.float().mean() > 0.95
     rel = ((got[same] - expected[same]).norm() / expected[same].norm()).item()
     assert rel <= BF16_REL_TOL

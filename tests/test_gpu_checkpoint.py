@@ -27,8 +27,21 @@ def checkpoints(tmp_path_factory):
 def test_check_on_gpus(checkpoints, family, dtype, tolerance, tmp_path):
     out = tmp_path / "check.json"
     ranks = str(torch.cuda.device_count())
-    code = main(["check", "--checkpoint", str(checkpoints[family]), "--device", "cuda", "--ranks", ranks,
-                 "--dtype", dtype, "--json", str(out)])
+    code = main(
+        [
+            "check",
+            "--checkpoint",
+            str(checkpoints[family]),
+            "--device",
+            "cuda",
+            "--ranks",
+            ranks,
+            "--dtype",
+            dtype,
+            "--json",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())["rows"]
     assert code == 0, rows
     assert all(r["ok"] and r["rel_err"] <= tolerance for r in rows)
@@ -36,7 +49,22 @@ def test_check_on_gpus(checkpoints, family, dtype, tolerance, tmp_path):
 
 def test_demo_on_a_checkpoint_layer_on_gpus(checkpoints, tmp_path):
     out = tmp_path / "demo.json"
-    code = main(["demo", "--checkpoint", str(checkpoints["deepseek_v3"]), "--device", "cuda", "--tokens", "40",
-                 "--iters", "1", "--overlap", "all", "--json", str(out)])
+    code = main(
+        [
+            "demo",
+            "--checkpoint",
+            str(checkpoints["deepseek_v3"]),
+            "--device",
+            "cuda",
+            "--tokens",
+            "40",
+            "--iters",
+            "1",
+            "--overlap",
+            "all",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     assert all(r["ok"] for r in json.loads(out.read_text())["rows"])

@@ -39,17 +39,28 @@ def _ranks():
 
 
 # (kernels, transport): every path a GPU user can pick, the default first; symmetric memory needs a peer.
-PATHS = [("auto", "auto"), ("triton", "nccl"), ("torch", "nccl"),
-         pytest.param("triton", "symm_mem", marks=pytest.mark.skipif(
-             torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"))]
+PATHS = [
+    ("auto", "auto"),
+    ("triton", "nccl"),
+    ("torch", "nccl"),
+    pytest.param(
+        "triton",
+        "symm_mem",
+        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
+    ),
+]
 
 
 def _sync_free_rank(device, capacity, kernels, transport):
     cfg = _config("tiny")
     rank = dist.get_rank()
-    layer = MoELayer(cfg, dispatcher="low_latency", device=device, seed=1,
-                     dispatcher_options={"max_tokens_per_rank": capacity, "kernels": kernels,
-                                         "transport": transport})
+    layer = MoELayer(
+        cfg,
+        dispatcher="low_latency",
+        device=device,
+        seed=1,
+        dispatcher_options={"max_tokens_per_rank": capacity, "kernels": kernels, "transport": transport},
+    )
     generator = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(capacity, cfg.hidden_size, generator=generator, device=device).bfloat16()
     with torch.inference_mode():
@@ -77,9 +88,13 @@ def _graph_rank(device, preset, capacity, fp8, real_tokens, kernels, transport):
     """Capture one capacity-sized forward; replay it for several real counts; compare with eager local."""
     cfg = _config(preset)
     rank = dist.get_rank()
-    layer = MoELayer(cfg, dispatcher="low_latency", device=device, seed=1,
-                     dispatcher_options={"max_tokens_per_rank": capacity, "fp8": fp8, "kernels": kernels,
-                                         "transport": transport})
+    layer = MoELayer(
+        cfg,
+        dispatcher="low_latency",
+        device=device,
+        seed=1,
+        dispatcher_options={"max_tokens_per_rank": capacity, "fp8": fp8, "kernels": kernels, "transport": transport},
+    )
     reference = MoELayer(cfg, dispatcher="local", device=device, seed=1)
     num_tokens = torch.full((1,), capacity, dtype=torch.int64, device=device)
     x_static = torch.zeros(capacity, cfg.hidden_size, dtype=torch.bfloat16, device=device)
@@ -103,23 +118,28 @@ def _graph_rank(device, preset, capacity, fp8, real_tokens, kernels, transport):
             graph.replay()
             got, expected = y_static[:n].float(), reference(x).float()
             # Near-tied experts may flip in bf16 between batch shapes; compare tokens routed alike.
-            same = (torch.sort(ids_static[:n], 1).values
-                    == torch.sort(reference.router(x).topk_ids_TK, 1).values).all(1)
+            same = (torch.sort(ids_static[:n], 1).values == torch.sort(reference.router(x).topk_ids_TK, 1).values).all(
+                1
+            )
             rel = ((got[same] - expected[same]).norm() / expected[same].norm()).item() if n else 0.0
             pad_rel = 0.0
             if n < capacity:
                 # Padding rows carry only the shared experts' output: nothing routed reached them.
                 shared = layer.shared_experts(x_static[n:]).float()
                 pad_rel = ((y_static[n:].float() - shared).norm() / shared.norm()).item()
-            results.append({"n": n, "rel": rel, "pad_rel": pad_rel,
-                            "same": same.float().mean().item() if n else 1.0})
+            results.append({"n": n, "rel": rel, "pad_rel": pad_rel, "same": same.float().mean().item() if n else 1.0})
     return results
 
 
 @pytest.mark.parametrize("kernels, transport", PATHS)
-@pytest.mark.parametrize("preset, fp8, tolerance", [
-    ("tiny", False, BF16_REL_TOL), ("tiny", True, FP8_REL_TOL), ("deepseek-v2-lite", False, BF16_REL_TOL),
-])
+@pytest.mark.parametrize(
+    "preset, fp8, tolerance",
+    [
+        ("tiny", False, BF16_REL_TOL),
+        ("tiny", True, FP8_REL_TOL),
+        ("deepseek-v2-lite", False, BF16_REL_TOL),
+    ],
+)
 def test_whole_layer_in_a_cuda_graph_replays_with_fewer_tokens(preset, fp8, tolerance, kernels, transport):
     world = torch.cuda.device_count()
     if _config(preset).num_experts % world:
@@ -150,8 +170,9 @@ def _fused_vs_torch_rank(device, fp8, transport):
     fmt = RowFormat.make(hidden, top_k, torch.bfloat16, fp8)
     got = {}
     for kernels, tr in (("torch", "nccl"), ("triton", transport)):
-        d = LowLatencyDispatcher(num_experts, EPGroup.from_torch(), max_tokens_per_rank=capacity, fp8=fp8,
-                                 kernels=kernels, transport=tr)
+        d = LowLatencyDispatcher(
+            num_experts, EPGroup.from_torch(), max_tokens_per_rank=capacity, fp8=fp8, kernels=kernels, transport=tr
+        )
         with torch.inference_mode():
             recv = d.dispatch(x, ids, weights)
             y_RH = recv.expert_x_RH * 2 + 1  # padding rows: whatever was there; combine must ignore them
@@ -160,13 +181,18 @@ def _fused_vs_torch_rank(device, fp8, transport):
         real_S = (fmt.ids(recv_SB) >= 0).any(dim=1)
         n = int(recv.num_rows_per_expert_L.sum())
         got[kernels] = (recv_SB.clone(), real_S, recv.handle.layout, recv.expert_x_RH[:n].clone(), out)
-    (ref_bytes, ref_real, ref_layout, ref_x, ref_out), (bytes_, real, layout, x_fused, out) = got["torch"], got["triton"]
-    ref_payload = ref_bytes[ref_real][:, :fmt.weights_offset + 4 * top_k]
+    (ref_bytes, ref_real, ref_layout, ref_x, ref_out), (bytes_, real, layout, x_fused, out) = (
+        got["torch"],
+        got["triton"],
+    )
+    ref_payload = ref_bytes[ref_real][:, : fmt.weights_offset + 4 * top_k]
     return {
         "ids": torch.equal(fmt.ids(ref_bytes), fmt.ids(bytes_)),
-        "payload": torch.equal(ref_payload, bytes_[real][:, :fmt.weights_offset + 4 * top_k]),
-        "layout": all(torch.equal(getattr(ref_layout, f), getattr(layout, f))
-                      for f in ("row_R", "weight_R", "num_rows_per_expert_L")),
+        "payload": torch.equal(ref_payload, bytes_[real][:, : fmt.weights_offset + 4 * top_k]),
+        "layout": all(
+            torch.equal(getattr(ref_layout, f), getattr(layout, f))
+            for f in ("row_R", "weight_R", "num_rows_per_expert_L")
+        ),
         "x": torch.equal(ref_x, x_fused),
         "combine_rel": ((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item(),
         "finite": bool(out.isfinite().all()),
@@ -174,8 +200,16 @@ def _fused_vs_torch_rank(device, fp8, transport):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("transport", ["nccl", pytest.param("symm_mem", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"))])
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "nccl",
+        pytest.param(
+            "symm_mem",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
+        ),
+    ],
+)
 def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport):
     with _ranks() as ranks:
         for r in ranks.run(_fused_vs_torch_rank, fp8, transport):

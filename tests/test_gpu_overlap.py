@@ -12,9 +12,9 @@ import torch.distributed as dist
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import options_for_tokens
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure.trace import spans_from_trace
 from moe_sbo.overlap import FIXED_MODES, OVERLAP_MODES, make_overlap
 from moe_sbo.streams import capture_graph, sm_count
-from moe_sbo.measure.trace import spans_from_trace
 
 pytestmark = pytest.mark.gpu
 # Modes that queue the very same kernels as none (only the stream or the moment differs) are bitwise
@@ -32,12 +32,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _modes_vs_none(device, dispatcher, tokens):
     cfg = get_preset("deepseek-v2-lite")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    x = torch.randn(tokens + 5 * rank, cfg.hidden_size, device=device,
-                    generator=torch.Generator(device=device).manual_seed(9 + rank)).bfloat16()
+    x = torch.randn(
+        tokens + 5 * rank,
+        cfg.hidden_size,
+        device=device,
+        generator=torch.Generator(device=device).manual_seed(9 + rank),
+    ).bfloat16()
     out = {}
     with torch.inference_mode():
-        layer = MoELayer(cfg, dispatcher=dispatcher, device=device, seed=4,
-                         dispatcher_options=options_for_tokens(dispatcher, x.shape[0]))
+        layer = MoELayer(
+            cfg,
+            dispatcher=dispatcher,
+            device=device,
+            seed=4,
+            dispatcher_options=options_for_tokens(dispatcher, x.shape[0]),
+        )
         reference = layer(x)
         for mode in OVERLAP_MODES:
             layer.overlap = make_overlap(mode, device)
@@ -76,30 +85,38 @@ def test_combine_modes_run_shared_experts_on_a_side_stream(tmp_path):
         for mode in ("none", "combine", "combine_sm"):
             layer = MoELayer(cfg, device="cuda", overlap=mode)
             layer(x)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            ) as prof:
                 layer(x)
                 torch.cuda.synchronize()
             path = tmp_path / f"{mode}.json"
             prof.export_chrome_trace(str(path))
             spans = spans_from_trace(json.loads(path.read_text()))
-            lanes[mode] = {kind: {s.lane for s in spans if s.kind == kind} for kind in ("shared_experts", "routed_experts")}
+            lanes[mode] = {
+                kind: {s.lane for s in spans if s.kind == kind} for kind in ("shared_experts", "routed_experts")
+            }
     assert lanes["none"]["shared_experts"] == lanes["none"]["routed_experts"]
     for mode in ("combine", "combine_sm"):
-        assert lanes[mode]["shared_experts"] and not lanes[mode]["shared_experts"] & lanes[mode]["routed_experts"], lanes
+        assert lanes[mode]["shared_experts"] and not lanes[mode]["shared_experts"] & lanes[mode]["routed_experts"], (
+            lanes
+        )
 
 
 @pytest.mark.parametrize("mode", FIXED_MODES)
 def test_every_mode_captures_in_a_cuda_graph(mode):
     # low_latency: the dispatcher with no host sync (the others size buffers from data on the host).
     cfg = get_preset("deepseek-v2-lite")
-    layer = MoELayer(cfg, device="cuda", overlap=mode, dispatcher="low_latency",
-                     dispatcher_options={"max_tokens_per_rank": 64})
+    layer = MoELayer(
+        cfg, device="cuda", overlap=mode, dispatcher="low_latency", dispatcher_options={"max_tokens_per_rank": 64}
+    )
     static_x = torch.randn(64, cfg.hidden_size, device="cuda").bfloat16()
     with torch.inference_mode():
         graph, static_y = capture_graph(lambda: layer(static_x))
         for seed in range(3):
-            static_x.copy_(torch.randn(64, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+            static_x.copy_(
+                torch.randn(64, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            )
             graph.replay()
             replayed = static_y.clone()
             eager = layer(static_x)  # same layer and mode, launched eagerly: the same kernels

@@ -25,10 +25,12 @@ def test_a_hook_may_remove_itself_anywhere_in_the_list(position):
     # SGLang: removing any but the last hook while hooks run raises "OrderedDict mutated during iteration".
     registry, calls, handles = HookRegistry(), [], []
     for n in range(3):
+
         def hook(d, v, n=n):
             calls.append(n)
             if n == position:
                 handles[n].remove()
+
         handles.append(registry.register("post_dispatch", hook))
     registry.run("post_dispatch", None, None)
     assert calls == [0, 1, 2]
@@ -49,9 +51,11 @@ def test_a_hook_may_remove_a_later_hook_which_then_does_not_run():
 
 def test_hook_added_while_running_fires_from_the_next_run():
     registry, calls = HookRegistry(), []
-    registry.register("pre_combine",
-                      lambda d, v: calls.append("adder") or registry.register("pre_combine", lambda d, v: calls.append("new")),
-                      once=True)
+    registry.register(
+        "pre_combine",
+        lambda d, v: calls.append("adder") or registry.register("pre_combine", lambda d, v: calls.append("new")),
+        once=True,
+    )
     registry.run("pre_combine", None, None)
     assert calls == ["adder"]
     registry.run("pre_combine", None, None)
@@ -124,8 +128,8 @@ def test_replacement_at_post_dispatch_reaches_the_experts():
     with torch.no_grad():
         plain = layer(x)
         layer.dispatcher.hooks.register(
-            "post_dispatch",
-            lambda d, out: type(out)(out.expert_x_RH * 0, out.num_rows_per_expert_L, out.handle))
+            "post_dispatch", lambda d, out: type(out)(out.expert_x_RH * 0, out.num_rows_per_expert_L, out.handle)
+        )
         zeroed = layer(x)
         shared_only = layer.shared_experts(x)
     torch.testing.assert_close(zeroed, shared_only)  # routed experts saw zeros: SiLU(0)*0 = 0
@@ -136,8 +140,10 @@ def test_nothing_is_monkey_patched_and_extra_arguments_pass_through():
     # SGLang's registration replaced the dispatcher's methods and dropped extra arguments.
     layer = _layer("local")
     dispatcher = layer.dispatcher
-    before = {name: getattr(type(dispatcher), name) for name in
-              ("dispatch", "dispatch_launch", "dispatch_wait", "combine", "combine_launch", "combine_wait")}
+    before = {
+        name: getattr(type(dispatcher), name)
+        for name in ("dispatch", "dispatch_launch", "dispatch_wait", "combine", "combine_launch", "combine_wait")
+    }
     for event in HOOK_EVENTS:
         dispatcher.hooks.register(event, lambda d, v: None)
     assert all(name not in vars(dispatcher) for name in before)  # no instance attribute shadows a method
@@ -182,7 +188,11 @@ def _two_phase_rank(device, dispatcher_name):
 def test_hooks_fire_on_the_two_phase_path(ranks2, dispatcher):
     # SGLang: hooks did not fire on the two-phase path TBO uses, so SBO and TBO could not combine.
     for seen, err in ranks2.run(_two_phase_rank, dispatcher):
-        two_batches = (["pre_dispatch", "dispatch_in_flight"] * 2 + ["post_dispatch"] * 2
-                       + ["pre_combine", "combine_in_flight"] * 2 + ["post_combine"] * 2)
+        two_batches = (
+            ["pre_dispatch", "dispatch_in_flight"] * 2
+            + ["post_dispatch"] * 2
+            + ["pre_combine", "combine_in_flight"] * 2
+            + ["post_combine"] * 2
+        )
         assert seen[:12] == two_batches and seen[12:] == list(HOOK_EVENTS)
         assert err < 1e-5

@@ -30,7 +30,8 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p.name !
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(name: str) -> set[str]:
@@ -88,7 +89,7 @@ def test_no_import_loops():
         state[node] = "open"
         for nxt in sorted(GRAPH[node]):
             if state.get(nxt) == "open":
-                loops.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                loops.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 walk(nxt, path + [nxt])
         state[node] = "done"
@@ -104,8 +105,7 @@ def test_no_private_name_is_imported_from_another_module():
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("moe_sbo")):
-                found += [f"{name}: {a.name}" for a in node.names
-                          if a.name.startswith("_") and a.name != "__version__"]
+                found += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"]
     assert not found, "private names imported across modules:\n" + "\n".join(found)
 
 

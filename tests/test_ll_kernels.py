@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
-from moe_sbo.dispatch import EPGroup, mask_padding_tokens
-from moe_sbo.dispatch import ll_transport
+from moe_sbo.dispatch import EPGroup, ll_transport, mask_padding_tokens
 from moe_sbo.dispatch.ll_transport import ll_kernels
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
@@ -71,7 +70,7 @@ def _assert_same(ref, fused, fmt: RowFormat):
         scales = slice(fmt.scales_offset, fmt.ids_offset)
         assert torch.equal(r_bytes[real_S, scales], f_bytes[real_S, scales])
     else:
-        assert torch.equal(r_bytes[real_S, :fmt.ids_offset], f_bytes[real_S, :fmt.ids_offset])
+        assert torch.equal(r_bytes[real_S, : fmt.ids_offset], f_bytes[real_S, : fmt.ids_offset])
         assert torch.equal(r_recv.expert_x_RH[:r_n], f_recv.expert_x_RH[:f_n])
     assert f_out.shape == r_out.shape
     if r_out.numel() and not fmt.fp8:
@@ -92,8 +91,13 @@ def test_one_rank_fused_equals_torch_path(fp8):
             ids[2, :2] = -1  # half a token
         weights = torch.rand(num_tokens, top_k)
         ref, fused = _both_paths(
-            lambda kernels: LowLatencyDispatcher(num_experts, EPGroup(), max_tokens_per_rank=capacity, fp8=fp8,
-                                                 kernels=kernels), x, ids, weights)
+            lambda kernels: LowLatencyDispatcher(
+                num_experts, EPGroup(), max_tokens_per_rank=capacity, fp8=fp8, kernels=kernels
+            ),
+            x,
+            ids,
+            weights,
+        )
         _assert_same(ref, fused, RowFormat.make(hidden, top_k, torch.float32, fp8))
 
 
@@ -111,7 +115,8 @@ def test_fused_kernels_refuse_cpu_without_the_interpreter(monkeypatch):
         LowLatencyDispatcher(8, EPGroup(), transport="nvlink")
     with pytest.raises(ValueError, match="transport='symm_mem' needs CUDA tensors"), torch.inference_mode():
         LowLatencyDispatcher(8, EPGroup(), transport="symm_mem").dispatch(
-            torch.randn(2, 16), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2))
+            torch.randn(2, 16), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2)
+        )
 
 
 def _ranks_fused_vs_torch(device, fp8: bool, skew: str):
@@ -124,8 +129,13 @@ def _ranks_fused_vs_torch(device, fp8: bool, skew: str):
     ids = _random_ids(num_tokens, 4 if skew == "one_rank" else num_experts, top_k, gen)
     weights = torch.rand(num_tokens, top_k, generator=gen)
     ref, fused = _both_paths(
-        lambda kernels: LowLatencyDispatcher(num_experts, EPGroup.from_torch(), max_tokens_per_rank=capacity,
-                                             fp8=fp8, kernels=kernels), x, ids, weights)
+        lambda kernels: LowLatencyDispatcher(
+            num_experts, EPGroup.from_torch(), max_tokens_per_rank=capacity, fp8=fp8, kernels=kernels
+        ),
+        x,
+        ids,
+        weights,
+    )
     try:
         _assert_same(ref, fused, RowFormat.make(hidden, top_k, torch.float32, fp8))
     except AssertionError as err:
@@ -143,8 +153,13 @@ def _layer_rank(device):
     """The whole layer with fused kernels, a device-side token count masking padding, against ``local``."""
     cfg = get_preset("tiny")
     x = torch.randn(8, cfg.hidden_size, generator=torch.Generator().manual_seed(dist.get_rank()))
-    fused = MoELayer(cfg, dispatcher="low_latency", dtype=torch.float32, seed=3,
-                     dispatcher_options={"max_tokens_per_rank": 8, "kernels": "triton"})
+    fused = MoELayer(
+        cfg,
+        dispatcher="low_latency",
+        dtype=torch.float32,
+        seed=3,
+        dispatcher_options={"max_tokens_per_rank": 8, "kernels": "triton"},
+    )
     ref = MoELayer(cfg, dtype=torch.float32, seed=3)
     fused.dispatcher.hooks.register("pre_dispatch", mask_padding_tokens(torch.tensor([5])))
     with torch.inference_mode():
@@ -160,7 +175,10 @@ def test_gloo_layer_with_fused_kernels_matches_local(ranks2):
 @interpreted
 def test_fused_kernels_refuse_rows_not_a_multiple_of_16_bytes():
     d = LowLatencyDispatcher(8, EPGroup(), max_tokens_per_rank=4, kernels="triton")
-    with torch.inference_mode(), pytest.raises(ValueError, match=r"multiple of 16 bytes, got H = 10 x 4.*kernels='torch'"):
+    with (
+        torch.inference_mode(),
+        pytest.raises(ValueError, match=r"multiple of 16 bytes, got H = 10 x 4.*kernels='torch'"),
+    ):
         d.dispatch(torch.randn(2, 10), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2))
 
 
@@ -171,9 +189,16 @@ def test_pack_flags_out_of_range_ids():
     ids = torch.tensor([[0, 3], [-1, 4], [-2, 1]])  # E = 4: token 1 has 4, token 2 has -2
     dst_P = torch.zeros(4, fmt.row_bytes, dtype=torch.uint8)
     slot_TP = torch.empty(3, 1, dtype=torch.int64)
-    ok = ll_kernels.pack_rows(torch.randn(3, 16), ids, torch.rand(3, 2),
-                              ll_kernels.Destinations.make(dst_P, [dst_P.data_ptr()]), slot_TP,
-                              fmt, num_local_experts=4, capacity=4)
+    ok = ll_kernels.pack_rows(
+        torch.randn(3, 16),
+        ids,
+        torch.rand(3, 2),
+        ll_kernels.Destinations.make(dst_P, [dst_P.data_ptr()]),
+        slot_TP,
+        fmt,
+        num_local_experts=4,
+        capacity=4,
+    )
     assert ok.tolist() == [1, 0, 0, 1]  # row 3: no token, nothing to flag
 
 
@@ -181,9 +206,12 @@ def test_auto_transport_needs_one_node_with_peer_access(monkeypatch):
     """``transport="auto"`` takes symmetric memory only when the EP group can be this node's GPUs,
     all reachable from each other (the answer is cached per process: cleared around each case)."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    cases = [(4, None, True, True), (8, None, True, False),  # more ranks than GPUs: another node
-             (4, "2", True, False),  # torchrun says two ranks per node
-             (4, None, False, False)]  # no peer access (PCIe without P2P)
+    cases = [
+        (4, None, True, True),
+        (8, None, True, False),  # more ranks than GPUs: another node
+        (4, "2", True, False),  # torchrun says two ranks per node
+        (4, None, False, False),
+    ]  # no peer access (PCIe without P2P)
     for ep_size, local_world, peer_access, expected in cases:
         if local_world is None:
             monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -26,8 +26,13 @@ FP8_REL_TOL = 0.06
 
 
 def _ll(cfg, capacity, **options):
-    return MoELayer(cfg, dispatcher="low_latency", dtype=options.pop("dtype", torch.float32), seed=11,
-                    dispatcher_options={"max_tokens_per_rank": capacity, **options})
+    return MoELayer(
+        cfg,
+        dispatcher="low_latency",
+        dtype=options.pop("dtype", torch.float32),
+        seed=11,
+        dispatcher_options={"max_tokens_per_rank": capacity, **options},
+    )
 
 
 def _routed(layer: MoELayer, x_TH: torch.Tensor, ids_TK=None, weights_TK=None) -> torch.Tensor:
@@ -79,7 +84,7 @@ def test_fp8_round_trip_within_e4m3_rounding():
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (64, 4)
     back = dequantize_fp8(q, scales, torch.float32)
     # Normal range: half a step of 3 mantissa bits; subnormal: half of the 2^-9 step, in scale units.
-    bound = 2.0 ** -4 * x.abs() + 2.0 ** -10 * scales.repeat_interleave(FP8_GROUP, dim=1)
+    bound = 2.0**-4 * x.abs() + 2.0**-10 * scales.repeat_interleave(FP8_GROUP, dim=1)
     assert ((back - x).abs() <= bound * (1 + 1e-5)).all()
     assert torch.equal(back[3, :FP8_GROUP], torch.zeros(FP8_GROUP))
 
@@ -90,7 +95,9 @@ def test_fp8_round_trip_within_e4m3_rounding():
 def test_options_are_checked():
     with pytest.raises(ValueError, match=r"dispatcher options must be among \[\] for 'alltoall'"):
         make_dispatcher("alltoall", 16, EPGroup(), max_tokens_per_rank=8)
-    with pytest.raises(ValueError, match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers', 'kernels', 'transport'\].*'capacity'"):
+    with pytest.raises(
+        ValueError, match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers', 'kernels', 'transport'\].*'capacity'"
+    ):
         make_dispatcher("low_latency", 16, EPGroup(), capacity=8)
     with pytest.raises(ValueError, match="max_tokens_per_rank must be an int >= 1, got 0"):
         make_dispatcher("low_latency", 16, EPGroup(), max_tokens_per_rank=0)
@@ -108,8 +115,9 @@ def test_single_rank_ids_minus_one_and_bad_ids():
         y, _ = _routed(ll, x, ids, weights)
         assert torch.equal(y[2], torch.zeros(cfg.hidden_size))
         keep = [0, 1, 3, 4, 5]
-        torch.testing.assert_close(y[keep], _routed(ref, x[keep], ids[keep], weights[keep])[0],
-                                   atol=FLOAT32_TOL, rtol=0)
+        torch.testing.assert_close(
+            y[keep], _routed(ref, x[keep], ids[keep], weights[keep])[0], atol=FLOAT32_TOL, rtol=0
+        )
         bad_id = r"topk_ids must lie in \[-1, 16\) \(-1: no expert\), got values in \[-2, 15\]"
         with pytest.raises(ValueError, match=bad_id):
             _routed(ll, x, torch.where(ids == 5, -2, ids), weights)
@@ -150,8 +158,9 @@ def _capacity_edges_rank(device, capacity):
                 y, expected = ll(x), ref(x)
             errors.append((y - expected).abs().max().item() if x.shape[0] else 0.0)
             buffers = ll.dispatcher.buffers(x.device, torch.float32, cfg.hidden_size, 4)
-            addresses.append([b.dispatch_send_SB.data_ptr() for b in buffers]
-                             + [b.combine_recv_SH.data_ptr() for b in buffers])
+            addresses.append(
+                [b.dispatch_send_SB.data_ptr() for b in buffers] + [b.combine_recv_SH.data_ptr() for b in buffers]
+            )
     return errors, addresses, len(ll.dispatcher._buffers), ll.last_traffic.dispatch_bytes_sent, world
 
 
@@ -197,8 +206,12 @@ def _fp8_rank(device, dtype_name):
     with torch.no_grad():
         y_plain, traffic_plain = _routed(_ll(cfg, 16, dtype=dtype), x)
         y_fp8, traffic_fp8 = _routed(_ll(cfg, 16, dtype=dtype, fp8=True), x)
-    return {"rel": _rel(y_fp8, y_plain) if x.shape[0] else None, "finite": bool(y_fp8.isfinite().all()),
-            "plain": traffic_plain, "fp8": traffic_fp8}
+    return {
+        "rel": _rel(y_fp8, y_plain) if x.shape[0] else None,
+        "finite": bool(y_fp8.isfinite().all()),
+        "plain": traffic_plain,
+        "fp8": traffic_fp8,
+    }
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])

@@ -25,8 +25,15 @@ EXPECTED_SHARED_POSITION = {
     "dispatch": ["dispatch_in_flight", "shared", "post_dispatch"],
     "combine": ["pre_combine", "shared", "combine_in_flight"],
     "combine_sm": ["combine_in_flight", "shared", "post_combine"],
-    "split": ["dispatch_in_flight", "shared.up", "post_dispatch", "pre_combine", "combine_in_flight",
-              "shared.down", "post_combine"],
+    "split": [
+        "dispatch_in_flight",
+        "shared.up",
+        "post_dispatch",
+        "pre_combine",
+        "combine_in_flight",
+        "shared.down",
+        "post_combine",
+    ],
 }
 
 
@@ -66,7 +73,8 @@ def _modes_rank(device, dispatcher, preset, tokens_per_rank):
             hooks_before = layer.dispatcher.hooks.count()
             first, second = layer(x), layer(x)  # twice: once-hooks must come back for the next forward
             results[mode] = {
-                "y": first, "repeat_equal": torch.equal(first, second),
+                "y": first,
+                "repeat_equal": torch.equal(first, second),
                 "leaked": layer.dispatcher.hooks.count() - hooks_before,
                 "rel_err": ((first - reference).norm() / reference.norm().clamp_min(1e-30)).item(),
             }
@@ -102,7 +110,7 @@ def test_shared_experts_run_where_the_mode_says(mode):
     expected = EXPECTED_SHARED_POSITION[mode]
     flat = log if mode == "split" else _collapse(log)
     start = flat.index(expected[0]) if mode != "none" else flat.index("post_combine")
-    assert flat[start:start + len(expected)] == expected, flat
+    assert flat[start : start + len(expected)] == expected, flat
     assert flat.count("shared") + flat.count("shared.up") == 1
 
 
@@ -180,11 +188,13 @@ def test_auto_decision_never_slower_than_none_with_given_timings():
 
 
 def test_choices_from_benchmark_rows():
-    rows = [{"tokens_per_rank": 128, "overlap": "none", "t_layer_us": 100.0},
-            {"tokens_per_rank": 128, "overlap": "dispatch", "t_layer_us": 90.0},
-            {"tokens_per_rank": 4096, "overlap": "combine_sm", "t_layer_us": 700.0},
-            {"tokens_per_rank": 4096, "overlap": "none", "t_layer_us": 900.0},
-            {"tokens_per_rank": 4096, "overlap": "auto", "t_layer_us": 1.0}]
+    rows = [
+        {"tokens_per_rank": 128, "overlap": "none", "t_layer_us": 100.0},
+        {"tokens_per_rank": 128, "overlap": "dispatch", "t_layer_us": 90.0},
+        {"tokens_per_rank": 4096, "overlap": "combine_sm", "t_layer_us": 700.0},
+        {"tokens_per_rank": 4096, "overlap": "none", "t_layer_us": 900.0},
+        {"tokens_per_rank": 4096, "overlap": "auto", "t_layer_us": 1.0},
+    ]
     assert choices_from_rows(rows) == {128: "dispatch", 4096: "combine_sm"}
     rows.append({"tokens_per_rank": 128, "overlap": "split", "t_layer_us": 50.0, "dispatcher": "allgather"})
     assert choices_from_rows(rows)[128] == "split"

@@ -17,8 +17,8 @@ except ModuleNotFoundError:  # package not installed yet: run from the source tr
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from moe_sbo import planner
-from moe_sbo.config import PRESETS, MoEConfig, divisors
 from moe_sbo.cli.plan import main as plan_main
+from moe_sbo.config import PRESETS, MoEConfig, divisors
 
 
 def seed_inputs(**changes) -> planner.PlanInputs:
@@ -144,10 +144,18 @@ def moe_configs(draw):
     k = draw(st.integers(1, min(8, topk_group * group_size)))
     method = "group_limited_greedy" if n_group > 1 else "greedy"
     cfg = MoEConfig(
-        name="drawn", hidden_size=128 * draw(st.integers(1, 8)), moe_intermediate_size=64,
-        num_experts=n_group * group_size, num_experts_per_tok=k, num_shared_experts=draw(st.integers(0, 2)),
-        topk_method=method, scoring_func="softmax", norm_topk_prob=False, n_group=n_group,
-        topk_group=topk_group, num_hidden_layers=draw(st.integers(1, 64)),
+        name="drawn",
+        hidden_size=128 * draw(st.integers(1, 8)),
+        moe_intermediate_size=64,
+        num_experts=n_group * group_size,
+        num_experts_per_tok=k,
+        num_shared_experts=draw(st.integers(0, 2)),
+        topk_method=method,
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_hidden_layers=draw(st.integers(1, 64)),
     )
     return cfg, draw(st.sampled_from(divisors(cfg.num_experts)))
 
@@ -164,8 +172,13 @@ def test_fanout_bounds(drawn):
     if cfg.topk_method != "greedy":
         # No more ranks than the kept groups can span.
         per_rank = cfg.num_experts // ep
-        spans = sorted((len({e // per_rank for e in range(g * cfg.experts_per_group, (g + 1) * cfg.experts_per_group)})
-                        for g in range(cfg.n_group)), reverse=True)
+        spans = sorted(
+            (
+                len({e // per_rank for e in range(g * cfg.experts_per_group, (g + 1) * cfg.experts_per_group)})
+                for g in range(cfg.n_group)
+            ),
+            reverse=True,
+        )
         assert fan.expected_ranks <= sum(spans[: cfg.topk_group]) + 1e-9
 
 
@@ -174,20 +187,35 @@ def test_fanout_bounds(drawn):
 def test_bytes_linear_in_batch_and_layers(drawn, batch, factor, layers):
     cfg, ep = drawn
     base = planner.byte_model(planner.PlanInputs(model=cfg, ep=ep, batch=batch, layers=layers, micro_batches=1))
-    more_tokens = planner.byte_model(planner.PlanInputs(model=cfg, ep=ep, batch=batch * factor, layers=layers, micro_batches=1))
-    more_layers = planner.byte_model(planner.PlanInputs(model=cfg, ep=ep, batch=batch, layers=layers * factor, micro_batches=1))
+    more_tokens = planner.byte_model(
+        planner.PlanInputs(model=cfg, ep=ep, batch=batch * factor, layers=layers, micro_batches=1)
+    )
+    more_layers = planner.byte_model(
+        planner.PlanInputs(model=cfg, ep=ep, batch=batch, layers=layers * factor, micro_batches=1)
+    )
     assert more_tokens.bytes_per_layer_B == pytest.approx(factor * base.bytes_per_layer_B)
     assert more_tokens.bytes_per_step_B == pytest.approx(factor * base.bytes_per_step_B)
     assert more_layers.bytes_per_step_B == pytest.approx(factor * base.bytes_per_step_B)
     assert more_layers.bytes_per_layer_B == pytest.approx(base.bytes_per_layer_B)
-    seed_base = {f.key: f.exact for f in planner.seed_figures(planner.PlanInputs(model=cfg, ep=ep, batch=batch, layers=layers, micro_batches=1))}
-    seed_more = {f.key: f.exact for f in planner.seed_figures(planner.PlanInputs(model=cfg, ep=ep, batch=batch * factor, layers=layers, micro_batches=1))}
+    seed_base = {
+        f.key: f.exact
+        for f in planner.seed_figures(planner.PlanInputs(model=cfg, ep=ep, batch=batch, layers=layers, micro_batches=1))
+    }
+    seed_more = {
+        f.key: f.exact
+        for f in planner.seed_figures(
+            planner.PlanInputs(model=cfg, ep=ep, batch=batch * factor, layers=layers, micro_batches=1)
+        )
+    }
     assert seed_more["bytes_per_step"] == factor * seed_base["bytes_per_step"]
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from(sorted(PRESETS)), st.lists(st.integers(1, 4096), min_size=2, max_size=6, unique=True),
-       st.sampled_from(sorted(planner.HARDWARE)))
+@given(
+    st.sampled_from(sorted(PRESETS)),
+    st.lists(st.integers(1, 4096), min_size=2, max_size=6, unique=True),
+    st.sampled_from(sorted(planner.HARDWARE)),
+)
 def test_required_bandwidth_monotone_in_batch(preset, batches, hw):
     cfg = PRESETS[preset]
     batches = sorted(batches)
@@ -230,8 +258,16 @@ def test_unknown_preset_and_missing_calibrate_file(tmp_path):
         planner.calibrate(empty)
 
 
-@pytest.mark.parametrize("argv", [["--batch", "-4"], ["--ep", "5"], ["--hw", "a100"], ["--model", "nope"],
-                                  ["--calibrate", "/nonexistent/result.json"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--batch", "-4"],
+        ["--ep", "5"],
+        ["--hw", "a100"],
+        ["--model", "nope"],
+        ["--calibrate", "/nonexistent/result.json"],
+    ],
+)
 def test_cli_bad_input_exits_2_without_traceback(argv, capsys):
     assert plan_main(argv) == 2
     err = capsys.readouterr().err
@@ -243,16 +279,33 @@ def test_cli_bad_input_exits_2_without_traceback(argv, capsys):
 
 def test_hf_config_json_builds_the_same_shapes(tmp_path):
     v3 = {
-        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "moe_intermediate_size": 2048,
-        "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8,
-        "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5, "num_hidden_layers": 61, "first_k_dense_replace": 3,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "hidden_size": 7168,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
     }
     (tmp_path / "config.json").write_text(json.dumps(v3))
     cfg = planner.load_model(str(tmp_path))
     assert cfg.replace(name="deepseek-v3") == PRESETS["deepseek-v3"]
-    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "moe_intermediate_size": 768,
-            "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "num_hidden_layers": 48}
+    qwen = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 48,
+    }
     path = tmp_path / "qwen.json"
     path.write_text(json.dumps(qwen))
     assert planner.load_model(str(path)).replace(name="qwen3-30b-a3b") == PRESETS["qwen3-30b-a3b"]
@@ -279,10 +332,19 @@ def test_calibrate_fits_bandwidth_and_latency(tmp_path):
 
 def test_calibrate_median_algbw_when_one_size(tmp_path):
     path = tmp_path / "result.json"
-    path.write_text(json.dumps({"meta": {}, "rows": [
-        {"algbw_GBps": 100.0, "ref_algbw_GBps": 150.0}, {"algbw_GBps": 140.0}, {"algbw_GBps": 90.0},
-        {"bytes_sent": 5e6, "t_dispatch_us": 20.0, "t_combine_us": 30.0},
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "meta": {},
+                "rows": [
+                    {"algbw_GBps": 100.0, "ref_algbw_GBps": 150.0},
+                    {"algbw_GBps": 140.0},
+                    {"algbw_GBps": 90.0},
+                    {"bytes_sent": 5e6, "t_dispatch_us": 20.0, "t_combine_us": 30.0},
+                ],
+            }
+        )
+    )
     cal = planner.calibrate(path)
     assert cal.GBps == 100.0 and cal.latency_us == 0.0 and "median algbw_GBps" in cal.method
 
@@ -298,8 +360,14 @@ def test_cli_default_reproduces_the_seed_and_writes_json_and_png(tmp_path, capsy
         assert figure in out
     assert "OFF" not in out
     doc = json.loads(json_path.read_text())
-    for key in ("bytes_per_token", "bytes_per_a2a", "bytes_per_layer", "bytes_per_step",
-                "required_GBps_per_gpu", "a2a_budget_us"):
+    for key in (
+        "bytes_per_token",
+        "bytes_per_a2a",
+        "bytes_per_layer",
+        "bytes_per_step",
+        "required_GBps_per_gpu",
+        "a2a_budget_us",
+    ):
         assert {"seed_rounded", "seed_exact", "model"} <= set(doc[key]), key
         assert abs(doc[key]["seed_agreement"]) <= 0.03
     assert doc["inputs"]["batch"] == 256 and doc["inputs"]["model"] == "deepseek-v3"
@@ -309,11 +377,32 @@ def test_cli_default_reproduces_the_seed_and_writes_json_and_png(tmp_path, capsy
 
 def test_cli_other_model_with_calibration(tmp_path, capsys):
     result = tmp_path / "bench.json"
-    result.write_text(json.dumps({"meta": {}, "rows": [
-        {"ep": 4, "bytes_sent": 1e6, "t_comm_us": 15.0}, {"ep": 4, "bytes_sent": 3e6, "t_comm_us": 35.0}]}))
+    result.write_text(
+        json.dumps(
+            {
+                "meta": {},
+                "rows": [
+                    {"ep": 4, "bytes_sent": 1e6, "t_comm_us": 15.0},
+                    {"ep": 4, "bytes_sent": 3e6, "t_comm_us": 35.0},
+                ],
+            }
+        )
+    )
     json_path = tmp_path / "q.json"
-    argv = ["--model", "qwen3-30b-a3b", "--ep", "4", "--batch", "64", "--calibrate", str(result),
-            "--micro-batches", "1", "--json", str(json_path)]
+    argv = [
+        "--model",
+        "qwen3-30b-a3b",
+        "--ep",
+        "4",
+        "--batch",
+        "64",
+        "--calibrate",
+        str(result),
+        "--micro-batches",
+        "1",
+        "--json",
+        str(json_path),
+    ]
     assert plan_main(argv) == 0
     doc = json.loads(json_path.read_text())
     assert doc["link"]["nvlink_GBps"] == pytest.approx(100.0) and doc["link"]["latency_us"] == pytest.approx(5.0)

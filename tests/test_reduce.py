@@ -66,8 +66,7 @@ def test_gather_sum_edges(kernels):
     int32_index = torch.tensor([[1, 4], [3, 2]], dtype=torch.int32)  # any integer dtype
     torch.testing.assert_close(gather_sum(src, int32_index, kernels=kernels), torch.stack([src[1], src[3] + src[2]]))
     empty_src = torch.empty(0, 32)
-    assert torch.equal(gather_sum(empty_src, torch.zeros(3, 2, dtype=torch.int64), kernels=kernels),
-                       torch.zeros(3, 32))
+    assert torch.equal(gather_sum(empty_src, torch.zeros(3, 2, dtype=torch.int64), kernels=kernels), torch.zeros(3, 32))
 
 
 def test_paths_agree():
@@ -75,8 +74,12 @@ def test_paths_agree():
         pytest.skip("needs Triton")
     generator = torch.Generator().manual_seed(3)
     src, index, weight = random_case(generator, 12, 8, 30, 200, torch.bfloat16)
-    torch.testing.assert_close(gather_sum(src, index, weight, kernels="triton"),
-                               gather_sum(src, index, weight, kernels="torch"), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        gather_sum(src, index, weight, kernels="triton"),
+        gather_sum(src, index, weight, kernels="torch"),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_kernel_choice(monkeypatch):

@@ -42,8 +42,21 @@ def test_bad_launch_arguments():
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_torchrun_job(dispatcher):
     worker = Path(__file__).with_name("torchrun_worker.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), dispatcher], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(worker),
+            dispatcher,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0/2" in proc.stdout and "rank 1/2" in proc.stdout
 

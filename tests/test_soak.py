@@ -20,8 +20,14 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env["GIT_OPTIONAL_LOCKS"] = "0"  # the result's meta reads the commit; never lock the index for it
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--ranks", "2",
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--ranks", "2", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return proc
 
@@ -29,13 +35,32 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 def test_soak_smoke(tmp_path):
     out = tmp_path / "soak.json"
     # A few forwards only: RSS is not judged (a fresh process's allocator is still settling).
-    _run("soak.py", "--forwards", "30", "--warmup", "3", "--settle", "0", "--tbo", "--dispatchers", "low_latency",
-         "--overlaps", "split", "--check", "--rss-tolerance-kib", "1000000", "--out", str(out))
+    _run(
+        "soak.py",
+        "--forwards",
+        "30",
+        "--warmup",
+        "3",
+        "--settle",
+        "0",
+        "--tbo",
+        "--dispatchers",
+        "low_latency",
+        "--overlaps",
+        "split",
+        "--check",
+        "--rss-tolerance-kib",
+        "1000000",
+        "--out",
+        str(out),
+    )
     result = json.loads(out.read_text())
     assert result["meta"]["forwards"] == 30 and result["meta"]["device"] == "cpu"
     rows = result["rows"]
-    assert [(r["dispatcher"], r["overlap"], r["tbo"]) for r in rows] == [("low_latency", "split", False),
-                                                                          ("low_latency", "split", True)]
+    assert [(r["dispatcher"], r["overlap"], r["tbo"]) for r in rows] == [
+        ("low_latency", "split", False),
+        ("low_latency", "split", True),
+    ]
     for row in rows:
         assert "error" not in row, row
         assert all(field in row for field in FIELDS) and row["graph"] is False and row["flat"]
@@ -60,8 +85,18 @@ def test_validation_cost_smoke(tmp_path):
 
 def test_host_growth_probe_smoke(tmp_path):
     out = tmp_path / "growth.json"
-    _run("probe_host_growth.py", "--calls", "20", "--warmup", "2", "--kinds", "tensor_op", "all_reduce",
-         "--out", str(out))
+    _run(
+        "probe_host_growth.py",
+        "--calls",
+        "20",
+        "--warmup",
+        "2",
+        "--kinds",
+        "tensor_op",
+        "all_reduce",
+        "--out",
+        str(out),
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["world_size"], r["kind"]) for r in rows] == [(2, "tensor_op"), (2, "all_reduce")]
     for row in rows:
@@ -72,8 +107,15 @@ def test_soak_judges_growth_not_a_fall():
     spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
-    flat = {"hooks_growth": 0, "hooks_after": 0, "py_objects_growth": 0, "rss_growth_kib": 12,
-            "cuda_allocated_growth": 0, "outputs_differing": 0, "device": "cuda"}
+    flat = {
+        "hooks_growth": 0,
+        "hooks_after": 0,
+        "py_objects_growth": 0,
+        "rss_growth_kib": 12,
+        "cuda_allocated_growth": 0,
+        "outputs_differing": 0,
+        "device": "cuda",
+    }
     assert soak.violations(flat, rss_tolerance_kib=1024) == []
     assert soak._rise_at_end([100, 100, 100]) == 0
     assert soak._rise_at_end([100, 98, 98]) == 0  # freed, not leaked
@@ -83,8 +125,10 @@ def test_soak_judges_growth_not_a_fall():
     assert soak.violations(dict(flat, py_objects_growth=30), rss_tolerance_kib=1024) == ["30 more Python objects"]
     assert soak.violations(dict(flat, rss_growth_kib=2044), rss_tolerance_kib=1024) == ["host RSS grew by 2044 KiB"]
     assert soak.violations(dict(flat, cuda_allocated_growth=512), rss_tolerance_kib=1024) == [
-        "CUDA memory grew by 512 B"]
+        "CUDA memory grew by 512 B"
+    ]
     # Bitwise drift fails on CPU but is reported, not failed, on CUDA (combine_sm may pick another GEMM).
     assert soak.violations(dict(flat, outputs_differing=3), rss_tolerance_kib=1024) == []
     assert soak.violations(dict(flat, outputs_differing=3, device="cpu"), rss_tolerance_kib=1024) == [
-        "3 outputs differ bitwise (CPU is deterministic)"]
+        "3 outputs differ bitwise (CPU is deterministic)"
+    ]

@@ -9,15 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_sbo.model.attention import AttentionConfig, Batch
 from moe_sbo.config import get_preset
-from moe_sbo.model.decoder import DecoderLayer
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
-from moe_sbo.stages import run_to_end
+from moe_sbo.model.attention import AttentionConfig, Batch
+from moe_sbo.model.decoder import DecoderLayer
 from moe_sbo.overlap import FIXED_MODES
 from moe_sbo.overlap.tbo import dispatcher_for, split_batch, tbo_forward
-from moe_sbo.stages import run_interleaved
+from moe_sbo.stages import run_interleaved, run_to_end
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
 EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})
@@ -62,9 +61,15 @@ def _recorder(name, log, stages=3):
     return name
 
 
-@pytest.mark.parametrize("delay, order", [
-    (0, "A0 B0 A1 B1 A2 B2"), (1, "A0 A1 B0 A2 B1 B2"), (2, "A0 A1 A2 B0 B1 B2"), (5, "A0 A1 A2 B0 B1 B2"),
-])
+@pytest.mark.parametrize(
+    "delay, order",
+    [
+        (0, "A0 B0 A1 B1 A2 B2"),
+        (1, "A0 A1 B0 A2 B1 B2"),
+        (2, "A0 A1 A2 B0 B1 B2"),
+        (5, "A0 A1 A2 B0 B1 B2"),
+    ],
+)
 def test_schedule_for_each_delay(delay, order):
     log = []
     assert run_interleaved(_recorder("A", log), _recorder("B", log), delay) == ("A", "B")
@@ -104,12 +109,17 @@ def _tbo_rank(device, dispatcher, regime, modes):
     results = {}
     with torch.no_grad():
         for mode in modes:
-            layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dispatcher=dispatcher, dtype=torch.float32,
-                                                seed=3, overlap=mode), seed=3)
+            layer = DecoderLayer(
+                ATTN,
+                MoELayer(get_preset("tiny"), dispatcher=dispatcher, dtype=torch.float32, seed=3, overlap=mode),
+                seed=3,
+            )
             events = {0: [], 1: []}
             for mb in (0, 1):
                 for event in ("dispatch_in_flight", "combine_in_flight"):
-                    dispatcher_for(layer.moe, mb).hooks.register(event, lambda d, p, mb=mb, e=event: events[mb].append(e))
+                    dispatcher_for(layer.moe, mb).hooks.register(
+                        event, lambda d, p, mb=mb, e=event: events[mb].append(e)
+                    )
             plain = layer(x, batch, make_cache(layer))
             events[0].clear()
             tbo = tbo_forward(layer, x, batch, make_cache(layer))
@@ -117,12 +127,16 @@ def _tbo_rank(device, dispatcher, regime, modes):
             # The same two micro-batches run one after the other: interleaving must change nothing.
             split = split_batch(batch)
             cache = make_cache(layer)
-            sequential = [run_to_end(layer.stages(x[m.start:m.stop], m.batch, cache, dispatcher=dispatcher_for(layer.moe, i)))
-                          for i, m in enumerate((split.a, split.b))]
+            sequential = [
+                run_to_end(layer.stages(x[m.start : m.stop], m.batch, cache, dispatcher=dispatcher_for(layer.moe, i)))
+                for i, m in enumerate((split.a, split.b))
+            ]
             results[mode] = {
-                "tbo": tbo, "rel": ((tbo - plain).norm() / plain.norm()).item(),
+                "tbo": tbo,
+                "rel": ((tbo - plain).norm() / plain.norm()).item(),
                 "same_as_sequential": torch.equal(tbo, torch.cat(sequential)),
-                "events": tbo_events, "leaked": sum(dispatcher_for(layer.moe, mb).hooks.count() for mb in (0, 1)) - 4,
+                "events": tbo_events,
+                "leaked": sum(dispatcher_for(layer.moe, mb).hooks.count() for mb in (0, 1)) - 4,
                 "twin_is_separate": dispatcher_for(layer.moe, 1) is not layer.moe.dispatcher,
             }
     return results
@@ -131,7 +145,7 @@ def _tbo_rank(device, dispatcher, regime, modes):
 @pytest.mark.parametrize("dispatcher", EP_DISPATCHERS)
 @pytest.mark.parametrize("regime", ["prefill", "decode"])
 def test_tbo_matches_the_layer_without_tbo(ranks2, dispatcher, regime):
-    for rank, results in enumerate(ranks2.run(_tbo_rank, dispatcher, regime, ("none",))):
+    for _rank, results in enumerate(ranks2.run(_tbo_rank, dispatcher, regime, ("none",))):
         r = results["none"]
         assert r["rel"] <= 1e-5 and r["same_as_sequential"] and r["leaked"] == 0 and r["twin_is_separate"]
         # both micro-batches fired their in-flight hooks, each on its own dispatcher

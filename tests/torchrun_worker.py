@@ -14,8 +14,15 @@ if __name__ == "__main__":
     cfg = get_preset("tiny")
     x = torch.randn(5 + dist.get_rank(), cfg.hidden_size, generator=torch.Generator().manual_seed(dist.get_rank()))
     with torch.no_grad():
-        err = (MoELayer(cfg, dispatcher=sys.argv[1], dtype=torch.float32)(x)
-               - MoELayer(cfg, dispatcher="local", dtype=torch.float32)(x)).abs().max().item()
+        err = (
+            (
+                MoELayer(cfg, dispatcher=sys.argv[1], dtype=torch.float32)(x)
+                - MoELayer(cfg, dispatcher="local", dtype=torch.float32)(x)
+            )
+            .abs()
+            .max()
+            .item()
+        )
     print(f"rank {dist.get_rank()}/{dist.get_world_size()} err {err:.2e}", flush=True)
     dist.destroy_process_group()
     sys.exit(0 if err < 1e-5 else 1)

@@ -60,11 +60,11 @@ class MoEConfig:
     def num_moe_layers(self) -> int:
         return self.num_hidden_layers - self.first_k_dense_replace
 
-    def replace(self, **changes) -> "MoEConfig":
+    def replace(self, **changes) -> MoEConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def with_num_experts(self, num_experts: int) -> "MoEConfig":
+    def with_num_experts(self, num_experts: int) -> MoEConfig:
         """This model with ``num_experts`` routed experts (benchmarks at a per-GPU-realistic count),
         its groups adjusted so top-k still routes: the most groups <= this config's with >= 2 experts
         each (noaux_tc scores a group by its top 2), then the fewest kept groups >= this config's that
@@ -75,8 +75,9 @@ class MoEConfig:
         if self.topk_method == "greedy":
             return self.replace(num_experts=num_experts)
         n_group = max(g for g in range(1, self.n_group + 1) if num_experts % g == 0 and num_experts // g >= 2)
-        topk_group = next(t for t in range(min(self.topk_group, n_group), n_group + 1)
-                          if t * (num_experts // n_group) >= k)
+        topk_group = next(
+            t for t in range(min(self.topk_group, n_group), n_group + 1) if t * (num_experts // n_group) >= k
+        )
         return self.replace(num_experts=num_experts, n_group=n_group, topk_group=topk_group)
 
     def experts_per_rank(self, ep_size: int) -> int:
@@ -108,9 +109,7 @@ def validate_config(cfg: MoEConfig) -> None:
             f"with {cfg.num_experts} experts; lower top-k or add experts"
         )
     if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-        raise ValueError(
-            f"topk_method must be one of greedy, group_limited_greedy, noaux_tc, got {cfg.topk_method!r}"
-        )
+        raise ValueError(f"topk_method must be one of greedy, group_limited_greedy, noaux_tc, got {cfg.topk_method!r}")
     if cfg.scoring_func not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring_func must be softmax or sigmoid, got {cfg.scoring_func!r}")
     if cfg.n_group < 1 or cfg.num_experts % cfg.n_group:
@@ -135,46 +134,111 @@ def validate_config(cfg: MoEConfig) -> None:
 PRESETS: dict[str, MoEConfig] = {
     # deepseek-ai/DeepSeek-V2-Lite/config.json
     "deepseek-v2-lite": MoEConfig(
-        name="deepseek-v2-lite", hidden_size=2048, moe_intermediate_size=1408, num_experts=64,
-        num_experts_per_tok=6, num_shared_experts=2, topk_method="greedy", scoring_func="softmax",
-        norm_topk_prob=False, routed_scaling_factor=1.0, n_group=1, topk_group=1,
-        num_hidden_layers=27, first_k_dense_replace=1, hf_architecture="DeepseekV2ForCausalLM",
+        name="deepseek-v2-lite",
+        hidden_size=2048,
+        moe_intermediate_size=1408,
+        num_experts=64,
+        num_experts_per_tok=6,
+        num_shared_experts=2,
+        topk_method="greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        num_hidden_layers=27,
+        first_k_dense_replace=1,
+        hf_architecture="DeepseekV2ForCausalLM",
     ),
     # deepseek-ai/DeepSeek-V2/config.json
     "deepseek-v2": MoEConfig(
-        name="deepseek-v2", hidden_size=5120, moe_intermediate_size=1536, num_experts=160,
-        num_experts_per_tok=6, num_shared_experts=2, topk_method="group_limited_greedy",
-        scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=16.0, n_group=8,
-        topk_group=3, num_hidden_layers=60, first_k_dense_replace=1,
+        name="deepseek-v2",
+        hidden_size=5120,
+        moe_intermediate_size=1536,
+        num_experts=160,
+        num_experts_per_tok=6,
+        num_shared_experts=2,
+        topk_method="group_limited_greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=16.0,
+        n_group=8,
+        topk_group=3,
+        num_hidden_layers=60,
+        first_k_dense_replace=1,
         hf_architecture="DeepseekV2ForCausalLM",
     ),
     # deepseek-ai/DeepSeek-V3/config.json (DeepSeek-R1 has the same MoE shapes)
     "deepseek-v3": MoEConfig(
-        name="deepseek-v3", hidden_size=7168, moe_intermediate_size=2048, num_experts=256,
-        num_experts_per_tok=8, num_shared_experts=1, topk_method="noaux_tc", scoring_func="sigmoid",
-        norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4,
-        num_hidden_layers=61, first_k_dense_replace=3, hf_architecture="DeepseekV3ForCausalLM",
+        name="deepseek-v3",
+        hidden_size=7168,
+        moe_intermediate_size=2048,
+        num_experts=256,
+        num_experts_per_tok=8,
+        num_shared_experts=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        num_hidden_layers=61,
+        first_k_dense_replace=3,
+        hf_architecture="DeepseekV3ForCausalLM",
     ),
     # Qwen/Qwen3-30B-A3B/config.json (no shared experts, no scaling factor)
     "qwen3-30b-a3b": MoEConfig(
-        name="qwen3-30b-a3b", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, num_shared_experts=0, topk_method="greedy", scoring_func="softmax",
-        norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1,
-        num_hidden_layers=48, first_k_dense_replace=0, hf_architecture="Qwen3MoeForCausalLM",
+        name="qwen3-30b-a3b",
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_shared_experts=0,
+        topk_method="greedy",
+        scoring_func="softmax",
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        num_hidden_layers=48,
+        first_k_dense_replace=0,
+        hf_architecture="Qwen3MoeForCausalLM",
     ),
     # moonshotai/Kimi-K2-Instruct/config.json (DeepSeek-V3 architecture, 384 experts, one group)
     "kimi-k2": MoEConfig(
-        name="kimi-k2", hidden_size=7168, moe_intermediate_size=2048, num_experts=384,
-        num_experts_per_tok=8, num_shared_experts=1, topk_method="noaux_tc", scoring_func="sigmoid",
-        norm_topk_prob=True, routed_scaling_factor=2.827, n_group=1, topk_group=1,
-        num_hidden_layers=61, first_k_dense_replace=1, hf_architecture="DeepseekV3ForCausalLM",
+        name="kimi-k2",
+        hidden_size=7168,
+        moe_intermediate_size=2048,
+        num_experts=384,
+        num_experts_per_tok=8,
+        num_shared_experts=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.827,
+        n_group=1,
+        topk_group=1,
+        num_hidden_layers=61,
+        first_k_dense_replace=1,
+        hf_architecture="DeepseekV3ForCausalLM",
     ),
     # DeepSeek-V3's routing structure (sigmoid noaux_tc, 4 groups, 2 kept) at CPU-friendly sizes.
     "tiny": MoEConfig(
-        name="tiny", hidden_size=64, moe_intermediate_size=32, num_experts=16,
-        num_experts_per_tok=4, num_shared_experts=1, topk_method="noaux_tc", scoring_func="sigmoid",
-        norm_topk_prob=True, routed_scaling_factor=2.5, n_group=4, topk_group=2,
-        num_hidden_layers=4, first_k_dense_replace=1, hf_architecture="DeepseekV3ForCausalLM",
+        name="tiny",
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=16,
+        num_experts_per_tok=4,
+        num_shared_experts=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        n_group=4,
+        topk_group=2,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        hf_architecture="DeepseekV3ForCausalLM",
     ),
 }
 

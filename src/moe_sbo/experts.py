@@ -19,7 +19,7 @@ from torch import nn
 from .profiling import annotate
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
@@ -56,8 +56,14 @@ def grouped_linear(
 class RoutedExperts(nn.Module):
     """The ``L`` routed experts this rank owns: SwiGLU MLPs applied to expert-grouped rows."""
 
-    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.gate_up_proj = nn.Parameter(
@@ -86,13 +92,16 @@ class RoutedExperts(nn.Module):
 class SharedExperts(nn.Module):
     """The shared experts, fused into one dense SwiGLU MLP of width J (``I * num_shared_experts``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         # gate and up in one weight so the first projection is a single GEMM.
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device)
-        )
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype, device=device))
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:

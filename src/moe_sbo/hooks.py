@@ -41,7 +41,7 @@ class HookHandle:
     event: str
     fn: HookFn
     once: bool
-    _registry: "HookRegistry" = field(repr=False)
+    _registry: HookRegistry = field(repr=False)
     active: bool = True
 
     def remove(self) -> None:
@@ -93,7 +93,7 @@ class HookRegistry:
         events = HOOK_EVENTS if event is None else (event,)
         return sum(len(self._hooks[e]) for e in events)
 
-    def scope(self) -> "HookScope":
+    def scope(self) -> HookScope:
         """A ``with`` block whose registrations are all removed when it exits, on every path."""
         return HookScope(self)
 
@@ -115,7 +115,7 @@ class HookScope:
             handle.remove()
         self._handles.clear()
 
-    def __enter__(self) -> "HookScope":
+    def __enter__(self) -> HookScope:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

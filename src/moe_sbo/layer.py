@@ -47,23 +47,35 @@ class MoELayer(nn.Module):
     rank for the same expert) until ``load_weights`` sets them.
     """
 
-    def __init__(self, cfg: MoEConfig, *, dispatcher: str = "local", group=None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 seed: int = 0, overlap: str | Overlap = "none", sm_budget: int | None = None,
-                 dispatcher_options: dict | None = None):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        *,
+        dispatcher: str = "local",
+        group=None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+        overlap: str | Overlap = "none",
+        sm_budget: int | None = None,
+        dispatcher_options: dict | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.overlap = make_overlap(overlap, device, sm_budget=sm_budget) if isinstance(overlap, str) else overlap
-        self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, EPGroup.from_torch(group),
-                                          **(dispatcher_options or {}))
+        self.dispatcher = make_dispatcher(
+            dispatcher, cfg.num_experts, EPGroup.from_torch(group), **(dispatcher_options or {})
+        )
         self.router = Router(cfg, device=device)
-        self.experts = RoutedExperts(self.dispatcher.num_local_experts, cfg.hidden_size,
-                                     cfg.moe_intermediate_size, dtype=dtype, device=device)
+        self.experts = RoutedExperts(
+            self.dispatcher.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype, device=device
+        )
         self.shared_experts = (
             SharedExperts(cfg.hidden_size, cfg.shared_intermediate_size, dtype=dtype, device=device)
-            if cfg.num_shared_experts else None
+            if cfg.num_shared_experts
+            else None
         )
         self.last_traffic = Traffic()  # of the last forward (of both micro-batches after a TBO forward)
         self.reset_parameters(seed)
@@ -72,8 +84,7 @@ class MoELayer(nn.Module):
         """``x_TH`` [T, H] in the layer's dtype and device -> ``[T, H]``. T may differ per rank, or be 0."""
         return run_to_end(self.stages(x_TH))
 
-    def stages(self, x_TH: torch.Tensor,
-               dispatcher: Dispatcher | None = None) -> Generator[None, None, torch.Tensor]:
+    def stages(self, x_TH: torch.Tensor, dispatcher: Dispatcher | None = None) -> Generator[None, None, torch.Tensor]:
         """The forward, pausing (``yield``) while each transfer is in flight; returns ``[T, H]``.
 
         ``forward`` runs it straight through. Two-batch overlap (``overlap/tbo.py``) interleaves two
@@ -130,4 +141,3 @@ class MoELayer(nn.Module):
         device = self.router.weight.device
         if x_TH.device != device:
             raise ValueError(f"x must be on the layer's device {device}, got {x_TH.device}; use x.to('{device}')")
-

@@ -76,9 +76,7 @@ class Router(nn.Module):
     def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None):
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(
-            torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32, device=device)
-        )
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32, device=device))
         self.register_buffer(
             "e_score_correction_bias",
             torch.zeros(cfg.num_experts, dtype=torch.float32, device=device),

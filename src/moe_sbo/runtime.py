@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import os
 import queue
 import signal
 import socket
@@ -69,8 +68,9 @@ def _join_group(device: str, local_rank: int, timeout_s: float, **init_kwargs: A
         init_kwargs["device_id"] = torch_device  # binds the NCCL communicator to this GPU eagerly
     else:
         torch_device = torch.device("cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s), **init_kwargs)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s), **init_kwargs
+    )
     return torch_device
 
 
@@ -84,9 +84,7 @@ def init_from_torchrun(device: str = "auto") -> torch.device:
     if ranks is None:
         raise RuntimeError("RANK/WORLD_SIZE are not set: start this under torchrun, or use LocalRanks")
     rank, world, local_rank = ranks
-    return _join_group(resolve_device(device), local_rank,
-                       default_collective_timeout_s(),
-                       rank=rank, world_size=world)
+    return _join_group(resolve_device(device), local_rank, default_collective_timeout_s(), rank=rank, world_size=world)
 
 
 def _free_port() -> int:
@@ -110,8 +108,9 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     return cause[:500], traceback.format_exc()
 
 
-def _worker(rank: int, world_size: int, init_method: str, device: str, timeout_s: float,
-            tasks: mp.Queue, results: mp.Queue) -> None:
+def _worker(
+    rank: int, world_size: int, init_method: str, device: str, timeout_s: float, tasks: mp.Queue, results: mp.Queue
+) -> None:
     """One rank: join the group, then run pickled tasks until ``None`` or the launcher is gone.
 
     Tasks are ``(call, pickled (fn, args, kwargs))``; answers ``(call, rank, ok, payload, failed_at)``.
@@ -122,8 +121,7 @@ def _worker(rank: int, world_size: int, init_method: str, device: str, timeout_s
     try:
         if device == "cpu":
             torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
-        torch_device = _join_group(device, rank, timeout_s, init_method=init_method, rank=rank,
-                                   world_size=world_size)
+        torch_device = _join_group(device, rank, timeout_s, init_method=init_method, rank=rank, world_size=world_size)
     except BaseException as exc:  # noqa: BLE001 - report anything, the launcher decides
         results.put((0, rank, False, _failure(exc), time.time()))
         return
@@ -196,16 +194,20 @@ def _exit_cause(exitcode: int | None) -> str:
     return f"process exited with code {exitcode} without answering"
 
 
-def _error_message(what: str, failures: tuple[RankFailure, ...], stopped: tuple[int, ...],
-                   elapsed_s: float, grace_s: float) -> str:
+def _error_message(
+    what: str, failures: tuple[RankFailure, ...], stopped: tuple[int, ...], elapsed_s: float, grace_s: float
+) -> str:
     first = failures[0]
     verb = "died" if first.kind == "died" else "raised"
-    lines = [f"{what} failed on ranks {sorted(f.rank for f in failures)}: first rank {first.rank} {verb}: "
-             f"{first.cause}"]
+    lines = [
+        f"{what} failed on ranks {sorted(f.rank for f in failures)}: first rank {first.rank} {verb}: {first.cause}"
+    ]
     if stopped:
-        lines.append(f"ranks {list(stopped)} were still running {grace_s:g} s after that failure (most likely "
-                     f"waiting in a collective for rank {first.rank}) and were stopped; the call ended "
-                     f"{elapsed_s:.1f} s after it began, and the ranks start again at the next call")
+        lines.append(
+            f"ranks {list(stopped)} were still running {grace_s:g} s after that failure (most likely "
+            f"waiting in a collective for rank {first.rank}) and were stopped; the call ended "
+            f"{elapsed_s:.1f} s after it began, and the ranks start again at the next call"
+        )
     for failure in failures:
         lines.append(f"--- rank {failure.rank} ({failure.kind}) ---\n{failure.details or failure.cause}")
     return "\n".join(lines)
@@ -244,8 +246,15 @@ class LocalRanks:
     first failure before they are stopped.
     """
 
-    def __init__(self, world_size: int, device: str = "cpu", timeout_s: float | None = None, *,
-                 collective_timeout_s: float | None = None, failure_grace_s: float = 1.0):
+    def __init__(
+        self,
+        world_size: int,
+        device: str = "cpu",
+        timeout_s: float | None = None,
+        *,
+        collective_timeout_s: float | None = None,
+        failure_grace_s: float = 1.0,
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.device = resolve_device(device)
@@ -255,8 +264,9 @@ class LocalRanks:
                 "lower --ranks or use --device cpu"
             )
         self.world_size = world_size
-        self.collective_timeout_s = (collective_timeout_s if collective_timeout_s is not None
-                                     else default_collective_timeout_s())
+        self.collective_timeout_s = (
+            collective_timeout_s if collective_timeout_s is not None else default_collective_timeout_s()
+        )
         self.timeout_s = timeout_s if timeout_s is not None else 2 * self.collective_timeout_s + 60
         if failure_grace_s < 0:
             raise ValueError(f"failure_grace_s must be >= 0, got {failure_grace_s}")
@@ -316,9 +326,19 @@ class LocalRanks:
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = [
-            self._ctx.Process(target=_worker, args=(r, self.world_size, init_method, self.device,
-                                                    self.collective_timeout_s, self._tasks[r], self._results),
-                              daemon=True)
+            self._ctx.Process(
+                target=_worker,
+                args=(
+                    r,
+                    self.world_size,
+                    init_method,
+                    self.device,
+                    self.collective_timeout_s,
+                    self._tasks[r],
+                    self._results,
+                ),
+                daemon=True,
+            )
             for r in range(self.world_size)
         ]
         for proc in self._procs:
@@ -352,7 +372,10 @@ class LocalRanks:
             raise RankError(
                 f"{what}: ranks {list(pending)} did not answer within {self.timeout_s:.0f} s and no rank "
                 f"failed (a rank is stuck outside any collective, or the work outlasts timeout_s); "
-                f"every rank was stopped", (), pending)
+                f"every rank was stopped",
+                (),
+                pending,
+            )
         ordered = tuple(sorted(failures.values(), key=lambda f: (f.kind != "died", f.failed_at)))
         raise RankError(_error_message(what, ordered, pending, elapsed_s, self.failure_grace_s), ordered, pending)
 
@@ -381,8 +404,9 @@ class LocalRanks:
         try:
             values[rank] = ForkingPickler.loads(payload)
         except Exception as exc:  # noqa: BLE001 - e.g. a class the launcher cannot import
-            failures[rank] = RankFailure(rank, "raised", f"its answer could not be unpickled: {exc!r}",
-                                         traceback.format_exc(), time.time())
+            failures[rank] = RankFailure(
+                rank, "raised", f"its answer could not be unpickled: {exc!r}", traceback.format_exc(), time.time()
+            )
 
     def _stop(self) -> None:
         """Stop every rank now (they may be blocked in a collective, so no polite shutdown)."""
@@ -414,7 +438,7 @@ class LocalRanks:
             proc.join(timeout=10)
         self._stop()
 
-    def __enter__(self) -> "LocalRanks":
+    def __enter__(self) -> LocalRanks:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -23,8 +23,7 @@ def run_to_end(stages: Generator[None, None, A]) -> A:
             return done.value
 
 
-def run_interleaved(stages_a: Generator[None, None, A], stages_b: Generator[None, None, B],
-                    delay: int) -> tuple[A, B]:
+def run_interleaved(stages_a: Generator[None, None, A], stages_b: Generator[None, None, B], delay: int) -> tuple[A, B]:
     """Run A ``delay`` stages ahead, then alternate A, B; both generators' return values.
 
     If either raises, both are closed (so each exits its hook scope) and the error propagates.

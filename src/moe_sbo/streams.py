@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (0 on CPU)."""
     if device.type != "cuda":
@@ -41,7 +41,7 @@ class SideStream:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def fork(self, after: "torch.cuda.Event | None" = None) -> None:
+    def fork(self, after: torch.cuda.Event | None = None) -> None:
         """The side stream waits for ``after`` (default: everything queued on the current stream)."""
         if self.stream is None:
             return
@@ -70,13 +70,13 @@ class SideStream:
             tensor.record_stream(torch.cuda.current_stream(self.device))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def side_stream(device: torch.device) -> SideStream:
     """One side stream per device, reused by every layer (streams are costly to create)."""
     return SideStream(device)
 
 
-def record_event(device: torch.device, timing: bool = False) -> "torch.cuda.Event | None":
+def record_event(device: torch.device, timing: bool = False) -> torch.cuda.Event | None:
     """An event recorded now on the current stream (CUDA; ``timing`` for ``elapsed_time``), or ``None`` on CPU."""
     if device.type != "cuda":
         return None
@@ -115,7 +115,7 @@ def sm_budget(device: torch.device, sms: int | None) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(previous_library)
 
 
-def capture_graph(fn: Callable[[], object], warmup: int = 3) -> "tuple[torch.cuda.CUDAGraph, object]":
+def capture_graph(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
     """``fn`` captured in a CUDA graph -> (graph, the static output of the captured call).
 
     ``fn`` first runs ``warmup`` times on a side stream, as capture requires (lazy allocations and

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-
 if TYPE_CHECKING:
     from .layer import MoELayer
 
@@ -36,8 +35,9 @@ class MoEWeights:
     shared_down_proj_HJ: torch.Tensor | None = None
 
 
-def seeded_normal(shape: tuple[int, ...], std: float, seed: int, tag: str, index: int,
-                  device: torch.device) -> torch.Tensor:
+def seeded_normal(
+    shape: tuple[int, ...], std: float, seed: int, tag: str, index: int, device: torch.device
+) -> torch.Tensor:
     """float32 Normal(0, std) values that depend only on (seed, tag, index, device type)."""
     tag_id = sum((n + 1) * ord(c) for n, c in enumerate(tag))  # stable across processes, unlike hash()
     generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + tag_id * 65_537 + index)
@@ -53,15 +53,15 @@ def seed_weights(layer: MoELayer, seed: int) -> None:
     """
     cfg, device = layer.cfg, layer.router.weight.device
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    layer.router.weight.copy_(seeded_normal((cfg.num_experts, h), h ** -0.5, seed, "router", 0, device))
+    layer.router.weight.copy_(seeded_normal((cfg.num_experts, h), h**-0.5, seed, "router", 0, device))
     layer.router.e_score_correction_bias.copy_(seeded_normal((cfg.num_experts,), 0.05, seed, "bias", 0, device))
     for local, expert in enumerate(layer.local_expert_ids):
-        layer.experts.gate_up_proj[local].copy_(seeded_normal((2 * i, h), h ** -0.5, seed, "gate_up", expert, device))
-        layer.experts.down_proj[local].copy_(seeded_normal((h, i), i ** -0.5, seed, "down", expert, device))
+        layer.experts.gate_up_proj[local].copy_(seeded_normal((2 * i, h), h**-0.5, seed, "gate_up", expert, device))
+        layer.experts.down_proj[local].copy_(seeded_normal((h, i), i**-0.5, seed, "down", expert, device))
     if layer.shared_experts is not None:
         j = cfg.shared_intermediate_size
-        layer.shared_experts.gate_up_proj.copy_(seeded_normal((2 * j, h), h ** -0.5, seed, "shared_gate_up", 0, device))
-        layer.shared_experts.down_proj.copy_(seeded_normal((h, j), j ** -0.5, seed, "shared_down", 0, device))
+        layer.shared_experts.gate_up_proj.copy_(seeded_normal((2 * j, h), h**-0.5, seed, "shared_gate_up", 0, device))
+        layer.shared_experts.down_proj.copy_(seeded_normal((h, j), j**-0.5, seed, "shared_down", 0, device))
 
 
 @torch.no_grad()

@@ -34,8 +34,13 @@ DEFAULT_TOKENS = (128, 512, 2048, 4096, 8192)
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="overlap modes x dispatchers x token counts on N ranks (GPU)")
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
-    p.add_argument("--experts", type=int, nargs="+", default=None,
-                   help="routed experts in total, one sweep each (default: the preset's; label: experts per GPU)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="routed experts in total, one sweep each (default: the preset's; label: experts per GPU)",
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), help="tokens per rank")
     p.add_argument("--dispatcher", nargs="+", default=["all"], help=f"among {sorted(DISPATCHERS)}, or all")
     p.add_argument("--overlap", nargs="+", default=["all"], help=f"among {list(OVERLAP_MODES)}, or all")
@@ -43,8 +48,12 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--sm-budget", type=int, default=None, help="SMs for the shared experts in combine_sm")
-    p.add_argument("--transport", default="auto", choices=["auto", "nccl", "symm_mem"],
-                   help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL)")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "nccl", "symm_mem"],
+        help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL)",
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-graph", action="store_true", help="no CUDA-graph rows")
@@ -62,8 +71,13 @@ def add_bench_parser(subparsers) -> None:
     tbo.add_argument("--heads", type=int, default=128)
     tbo.add_argument("--kv-heads", type=int, default=8, help="GQA key/value heads (8: about MLA's cache footprint)")
     tbo.add_argument("--head-dim", type=int, default=128)
-    tbo.add_argument("--delay", type=int, nargs="+", default=[0, 1],
-                     help="stages micro-batch A runs before B starts; one TBO row per value")
+    tbo.add_argument(
+        "--delay",
+        type=int,
+        nargs="+",
+        default=[0, 1],
+        help="stages micro-batch A runs before B starts; one TBO row per value",
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -82,22 +96,30 @@ def run_bench(args: argparse.Namespace) -> int:
         bench_config(args.preset, n).experts_per_rank(ranks)  # bad sizes raise before any rank starts
     sizes = [*args.tokens, *args.prefill_tokens, *args.decode_seqs]
     if min(sizes) < 1 or args.iters < 1 or args.warmup < 0 or min(args.delay) < 0:
-        raise ValueError(f"--tokens, --prefill-tokens and --decode-seqs must be >= 1, --iters >= 1, --warmup >= 0 "
-                         f"and --delay >= 0; got {sizes}, {args.iters}, {args.warmup}, {args.delay}")
+        raise ValueError(
+            f"--tokens, --prefill-tokens and --decode-seqs must be >= 1, --iters >= 1, --warmup >= 0 "
+            f"and --delay >= 0; got {sizes}, {args.iters}, {args.warmup}, {args.delay}"
+        )
     if device == "cuda" and ranks > torch.cuda.device_count():
         raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {ranks}")
     make_overlap("combine_sm", device, sm_budget=args.sm_budget)  # checks the SM budget here, once
     if args.transport == "symm_mem" and (device != "cuda" or ranks < 2):
-        raise ValueError(f"--transport symm_mem needs CUDA and >= 2 ranks, got {device} with {ranks}; "
-                         "use --transport auto or nccl")
+        raise ValueError(
+            f"--transport symm_mem needs CUDA and >= 2 ranks, got {device} with {ranks}; use --transport auto or nccl"
+        )
     if args.tbo:
         AttentionConfig(get_preset(args.preset).hidden_size, args.heads, args.kv_heads, args.head_dim)  # checks heads
     dtype = args.dtype or default_dtype_name(device)
     console = make_console()
     meta = result_meta(device=device, world_size=ranks)
-    meta.update(preset=args.preset, warmup=args.warmup, iters=args.iters, sm_budget=args.sm_budget,
-                timing="median of CUDA events (host clock on CPU); ranks lined up between forwards; "
-                       "times are the slowest rank's")
+    meta.update(
+        preset=args.preset,
+        warmup=args.warmup,
+        iters=args.iters,
+        sm_budget=args.sm_budget,
+        timing="median of CUDA events (host clock on CPU); ranks lined up between forwards; "
+        "times are the slowest rank's",
+    )
     results = ResultFile(Path(args.out) if args.out else None, meta)
     steps = _steps(args, experts_list, dispatchers, modes, dtype, ranks)
     pool = RankPool(ranks, device)
@@ -107,8 +129,9 @@ def run_bench(args: argparse.Namespace) -> int:
             task = progress.add_task("sweep", total=len(steps))
             for label, fn, fn_args, summarise_fn in steps:
                 progress.update(task, description=label)
-                failure = results.add_step(lambda: summarise_fn(pool.run(fn, *fn_args)),
-                                           {"bench": "tbo" if args.tbo else "sbo", "step": label})
+                failure = results.add_step(
+                    lambda: summarise_fn(pool.run(fn, *fn_args)), {"bench": "tbo" if args.tbo else "sbo", "step": label}
+                )
                 if failure:
                     console.print(f"[red]{label} failed[/]: {failure[-1500:]}")
                 progress.advance(task)
@@ -133,14 +156,26 @@ def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[tuple]:
     if not args.tbo:
         for n, d, t in ((n, d, t) for n in experts_list for d in dispatchers for t in args.tokens):
             spec = _spec(args, n, d, modes, dtype)
-            steps.append((f"E={n} {d} T={t}", sbo_bench_rank, (spec, t),
-                          lambda per_rank, spec=spec: summarise(per_rank, spec, ranks)))
+            steps.append(
+                (
+                    f"E={n} {d} T={t}",
+                    sbo_bench_rank,
+                    (spec, t),
+                    lambda per_rank, spec=spec: summarise(per_rank, spec, ranks),
+                )
+            )
         return steps
     sizes = [("prefill", t) for t in args.prefill_tokens] + [("decode", b) for b in args.decode_seqs]
     for n, d, (regime, size) in ((n, d, s) for n in experts_list for d in dispatchers for s in sizes):
         spec = _spec(args, n, d, modes, dtype)
-        steps.append((f"E={n} {d} {regime} {size}", tbo_bench_rank, (spec, regime, size),
-                      lambda per_rank, spec=spec: summarise_tbo(per_rank, spec, ranks)))
+        steps.append(
+            (
+                f"E={n} {d} {regime} {size}",
+                tbo_bench_rank,
+                (spec, regime, size),
+                lambda per_rank, spec=spec: summarise_tbo(per_rank, spec, ranks),
+            )
+        )
     return steps
 
 
@@ -169,11 +204,25 @@ def _timeline(args, pool, num_experts, dispatchers, modes, dtype, ranks, device,
 
 
 def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:
-    return {"preset": args.preset, "num_experts": num_experts, "dispatcher": dispatcher, "modes": list(modes),
-            "dtype": dtype, "warmup": args.warmup, "iters": args.iters, "seed": args.seed,
-            "graph": not args.no_graph, "graph_max_tokens": args.graph_max_tokens, "sm_budget": args.sm_budget,
-            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kv_len": args.kv_len,
-            "delays": list(dict.fromkeys(args.delay)), "transport": args.transport}
+    return {
+        "preset": args.preset,
+        "num_experts": num_experts,
+        "dispatcher": dispatcher,
+        "modes": list(modes),
+        "dtype": dtype,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "seed": args.seed,
+        "graph": not args.no_graph,
+        "graph_max_tokens": args.graph_max_tokens,
+        "sm_budget": args.sm_budget,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "kv_len": args.kv_len,
+        "delays": list(dict.fromkeys(args.delay)),
+        "transport": args.transport,
+    }
 
 
 def _choose(values: list[str], allowed: list[str], flag: str) -> list[str]:

@@ -56,9 +56,16 @@ def row_head(bench: str, spec: dict, ep: int) -> dict:
     cfg = bench_config(spec["preset"], spec["num_experts"])
     # transport: what --transport asked of a dispatcher that takes one (low_latency), else None.
     transport = spec["transport"] if "transport" in dispatcher_option_names(spec["dispatcher"]) else None
-    return {"bench": bench, "preset": spec["preset"], "ep": ep, "num_experts": cfg.num_experts,
-            "experts_per_gpu": cfg.num_experts // ep, "dispatcher": spec["dispatcher"], "transport": transport,
-            "dtype": spec["dtype"]}
+    return {
+        "bench": bench,
+        "preset": spec["preset"],
+        "ep": ep,
+        "num_experts": cfg.num_experts,
+        "experts_per_gpu": cfg.num_experts // ep,
+        "dispatcher": spec["dispatcher"],
+        "transport": transport,
+        "dtype": spec["dtype"],
+    }
 
 
 def profile_spans(run: Callable[[], object], device: torch.device, rank: int, trace_path: str | None) -> list[dict]:

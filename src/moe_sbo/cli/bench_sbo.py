@@ -1,4 +1,5 @@
-"""``moe-sbo bench`` (without ``--tbo``): single-batch overlap measured — every dispatcher × every overlap mode × token count.
+"""``moe-sbo bench`` (without ``--tbo``): single-batch overlap measured, every dispatcher × every
+overlap mode × token count.
 
 For each (expert count, dispatcher, tokens per rank), on every rank of the EP group:
 
@@ -40,11 +41,28 @@ PHASE_SPANS = tuple(name for name, _, _ in SPANS if name != "t_shared_us")
 def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
     """The rank's layer for ``spec`` (its capacity sized for ``tokens`` where the dispatcher has one)."""
     options = dispatcher_options(spec, tokens)
-    key = ("moe", spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
-           tuple(sorted(options.items())))
-    return cached(key, lambda: MoELayer(bench_config(spec["preset"], spec["num_experts"]), dispatcher=spec["dispatcher"],
-                                        dtype=getattr(torch, spec["dtype"]), device=device, seed=spec["seed"],
-                                        dispatcher_options=options), device)
+    key = (
+        "moe",
+        spec["preset"],
+        spec["num_experts"],
+        spec["dispatcher"],
+        spec["dtype"],
+        spec["seed"],
+        tuple(sorted(options.items())),
+    )
+    return cached(
+        key,
+        lambda: MoELayer(
+            bench_config(spec["preset"], spec["num_experts"]),
+            dispatcher=spec["dispatcher"],
+            dtype=getattr(torch, spec["dtype"]),
+            device=device,
+            seed=spec["seed"],
+            dispatcher_options=options,
+        ),
+        device,
+    )
+
 
 def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
     """One rank's rows for one (expert count, dispatcher, token count): every mode. Run on every rank."""
@@ -54,8 +72,12 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 7919 + rank * 131 + tokens)
     x_TH = torch.randn(tokens, layer.cfg.hidden_size, generator=generator, device=device).to(dtype)
     warmup, iters = spec["warmup"], spec["iters"]
-    graph = (device.type == "cuda" and tokens <= spec["graph_max_tokens"] and layer.dispatcher.graph_capturable
-             and spec["graph"])
+    graph = (
+        device.type == "cuda"
+        and tokens <= spec["graph_max_tokens"]
+        and layer.dispatcher.graph_capturable
+        and spec["graph"]
+    )
     rows = []
     with torch.inference_mode():
         topk = layer.router(x_TH)
@@ -86,10 +108,16 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
             row.update(bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
             rows.append(row)
             if graph:
-                rows.append({**row, "graph": True, "t_layer_us": time_fn(lambda: layer(x_TH), device, warmup,
-                                                                         iters, True),
-                             "t_shared_us": base["t_shared_graph_us"], "t_comm_us": base["t_comm_graph_us"],
-                             **{k: None for k in PHASE_SPANS if k != "t_layer_us"}})
+                rows.append(
+                    {
+                        **row,
+                        "graph": True,
+                        "t_layer_us": time_fn(lambda: layer(x_TH), device, warmup, iters, True),
+                        "t_shared_us": base["t_shared_graph_us"],
+                        "t_comm_us": base["t_comm_graph_us"],
+                        **{k: None for k in PHASE_SPANS if k != "t_layer_us"},
+                    }
+                )
         layer.overlap = make_overlap("none", device)
     return rows
 
@@ -99,9 +127,14 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
     rows = []
     for rank_rows in zip(*per_rank):
         first = rank_rows[0]
-        row = {**row_head("sbo", spec, ep), "tokens_per_rank": first["tokens"], "overlap": first["overlap"],
-               "tbo": False, "graph": first["graph"]}
-        for key, value in first.items():
+        row = {
+            **row_head("sbo", spec, ep),
+            "tokens_per_rank": first["tokens"],
+            "overlap": first["overlap"],
+            "tbo": False,
+            "graph": first["graph"],
+        }
+        for key in first:
             if key.startswith("t_") and not key.endswith("_graph_us"):
                 values = [r[key] for r in rank_rows if r[key] is not None]
                 row[key] = max(values) if values else None
@@ -119,6 +152,7 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         row["efficiency"] = (none["t_layer_us"] - row["t_layer_us"]) / hideable if hideable > 0 else None
     return rows
 
+
 def timeline_rank(device: torch.device, spec: dict, tokens: int, trace_prefix: str | None) -> dict:
     """Profile one forward per mode (every rank runs it; rank 0 returns its spans per mode)."""
     layer = _layer(device, spec, tokens)
@@ -130,8 +164,9 @@ def timeline_rank(device: torch.device, spec: dict, tokens: int, trace_prefix: s
             if mode == "auto":
                 continue  # auto runs one of the others
             layer.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
-            spans[mode] = profile_spans(lambda: layer(x_TH), device, rank,
-                                        f"{trace_prefix}.{mode}.json" if trace_prefix else None)
+            spans[mode] = profile_spans(
+                lambda: layer(x_TH), device, rank, f"{trace_prefix}.{mode}.json" if trace_prefix else None
+            )
         layer.overlap = make_overlap("none", device)
     return spans
 
@@ -142,19 +177,38 @@ def timeline_rank(device: torch.device, spec: dict, tokens: int, trace_prefix: s
 def sbo_table(rows: list[dict]) -> Table:
     """The SBO rows as a terminal table."""
     table = Table(title="single-batch overlap (times: slowest rank, median µs)")
-    columns = [("E/GPU", "experts_per_gpu", "d"), ("tokens", "tokens_per_rank", "d"), ("dispatcher", "dispatcher", "s"),
-               ("overlap", "overlap", "s"), ("graph", "graph", "s"), ("layer", "t_layer_us", ".0f"),
-               ("dispatch", "t_dispatch_us", ".0f"), ("routed", "t_routed_us", ".0f"),
-               ("combine", "t_combine_us", ".0f"), ("shared alone", "t_shared_us", ".0f"),
-               ("comm alone", "t_comm_us", ".0f"), ("ideal", "t_ideal_us", ".0f"),
-               ("× none", "speedup_vs_none", ".3f"), ("efficiency", "efficiency", ".2f")]
+    columns = [
+        ("E/GPU", "experts_per_gpu", "d"),
+        ("tokens", "tokens_per_rank", "d"),
+        ("dispatcher", "dispatcher", "s"),
+        ("overlap", "overlap", "s"),
+        ("graph", "graph", "s"),
+        ("layer", "t_layer_us", ".0f"),
+        ("dispatch", "t_dispatch_us", ".0f"),
+        ("routed", "t_routed_us", ".0f"),
+        ("combine", "t_combine_us", ".0f"),
+        ("shared alone", "t_shared_us", ".0f"),
+        ("comm alone", "t_comm_us", ".0f"),
+        ("ideal", "t_ideal_us", ".0f"),
+        ("× none", "speedup_vs_none", ".3f"),
+        ("efficiency", "efficiency", ".2f"),
+    ]
     for title, _, _ in columns:
         table.add_column(title, justify="left" if title in ("dispatcher", "overlap", "graph") else "right")
     for row in rows:
         if "error" in row:
-            table.add_row(str(row.get("num_experts", "")), str(row.get("tokens_per_rank", "")), row["dispatcher"],
-                          "[red]error[/]", *[""] * (len(columns) - 4))
+            table.add_row(
+                str(row.get("num_experts", "")),
+                str(row.get("tokens_per_rank", "")),
+                row["dispatcher"],
+                "[red]error[/]",
+                *[""] * (len(columns) - 4),
+            )
             continue
-        table.add_row(*("-" if row.get(key) is None else format(row[key], spec) if spec != "s" else str(row[key])
-                        for _, key, spec in columns))
+        table.add_row(
+            *(
+                "-" if row.get(key) is None else format(row[key], spec) if spec != "s" else str(row[key])
+                for _, key, spec in columns
+            )
+        )
     return table

@@ -25,6 +25,7 @@ from ..overlap import make_overlap
 from ..overlap.tbo import tbo_forward
 from .bench_common import bench_config, cached, dispatcher_options, profile_spans, row_head
 
+
 def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int = 4096) -> list[int]:
     """Sequence lengths in ``[shortest, longest]`` summing to ``tokens`` (the last one takes the rest)."""
     rng = random.Random(seed)
@@ -36,13 +37,29 @@ def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int =
 
 def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
     options = dispatcher_options(spec, capacity)
-    key = ("decoder", spec["preset"], spec["num_experts"], spec["dispatcher"], spec["dtype"], spec["seed"],
-           tuple(sorted(options.items())), spec["heads"], spec["kv_heads"], spec["head_dim"])
+    key = (
+        "decoder",
+        spec["preset"],
+        spec["num_experts"],
+        spec["dispatcher"],
+        spec["dtype"],
+        spec["seed"],
+        tuple(sorted(options.items())),
+        spec["heads"],
+        spec["kv_heads"],
+        spec["head_dim"],
+    )
 
     def make() -> DecoderLayer:
         cfg = bench_config(spec["preset"], spec["num_experts"])
-        moe = MoELayer(cfg, dispatcher=spec["dispatcher"], dtype=getattr(torch, spec["dtype"]), device=device,
-                       seed=spec["seed"], dispatcher_options=options)
+        moe = MoELayer(
+            cfg,
+            dispatcher=spec["dispatcher"],
+            dtype=getattr(torch, spec["dtype"]),
+            device=device,
+            seed=spec["seed"],
+            dispatcher_options=options,
+        )
         attn = AttentionConfig(cfg.hidden_size, spec["heads"], spec["kv_heads"], spec["head_dim"])
         return DecoderLayer(attn, moe, seed=spec["seed"])
 
@@ -73,14 +90,27 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
             layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
             # Without TBO once, then with TBO at every stage delay asked for (delay None: no TBO).
             for delay in (None, *spec["delays"]):
+
                 def step(delay=delay):
                     if delay is None:
                         return layer(x_TH, batch, cache)
                     return tbo_forward(layer, x_TH, batch, cache, delay=delay)
+
                 t = time_fn(step, device, spec["warmup"], spec["iters"], graph)
-                rows.append({"rank": rank, "regime": regime, "size": size, "tokens": batch.num_tokens,
-                             "sequences": len(batch.lengths), "overlap": mode, "tbo": delay is not None,
-                             "delay": delay, "graph": graph, "t_layer_us": t})
+                rows.append(
+                    {
+                        "rank": rank,
+                        "regime": regime,
+                        "size": size,
+                        "tokens": batch.num_tokens,
+                        "sequences": len(batch.lengths),
+                        "overlap": mode,
+                        "tbo": delay is not None,
+                        "delay": delay,
+                        "graph": graph,
+                        "t_layer_us": t,
+                    }
+                )
         layer.moe.overlap = make_overlap("none", device)
     return rows
 
@@ -89,14 +119,22 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
     rows = []
     for rank_rows in zip(*per_rank):
         first = rank_rows[0]
-        rows.append({**row_head("tbo", spec, ep), "regime": first["regime"],
-                     "tokens_per_rank": first["tokens"], "sequences_per_rank": first["sequences"],
-                     "kv_len": spec["kv_len"] if first["regime"] == "decode" else None,
-                     "attention": f"{spec['heads']}x{spec['head_dim']} heads, {spec['kv_heads']} kv heads",
-                     "overlap": first["overlap"], "tbo": first["tbo"], "delay": first["delay"],
-                     "graph": first["graph"],
-                     "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
-                     "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows]})
+        rows.append(
+            {
+                **row_head("tbo", spec, ep),
+                "regime": first["regime"],
+                "tokens_per_rank": first["tokens"],
+                "sequences_per_rank": first["sequences"],
+                "kv_len": spec["kv_len"] if first["regime"] == "decode" else None,
+                "attention": f"{spec['heads']}x{spec['head_dim']} heads, {spec['kv_heads']} kv heads",
+                "overlap": first["overlap"],
+                "tbo": first["tbo"],
+                "delay": first["delay"],
+                "graph": first["graph"],
+                "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
+                "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows],
+            }
+        )
     baseline = next(r for r in rows if r["overlap"] == "none" and not r["tbo"])
     for row in rows:
         row["speedup_vs_none"] = baseline["t_layer_us"] / row["t_layer_us"]
@@ -110,12 +148,29 @@ def tbo_table(rows: list[dict]) -> Table:
         table.add_column(title, justify="right" if title in ("tokens", "seqs", "layer µs", "× none") else "left")
     for r in rows:
         if "error" in r:
-            table.add_row(r.get("regime", ""), str(r.get("size", "")), "", r.get("dispatcher", ""), "[red]error[/]",
-                          "", "", "", "")
+            table.add_row(
+                r.get("regime", ""),
+                str(r.get("size", "")),
+                "",
+                r.get("dispatcher", ""),
+                "[red]error[/]",
+                "",
+                "",
+                "",
+                "",
+            )
             continue
-        table.add_row(r["regime"], str(r["tokens_per_rank"]), str(r["sequences_per_rank"]), r["dispatcher"],
-                      r["overlap"], f"yes ({r['delay']})" if r["tbo"] else "no", "yes" if r["graph"] else "no",
-                      f"{r['t_layer_us']:.0f}", f"{r['speedup_vs_none']:.3f}")
+        table.add_row(
+            r["regime"],
+            str(r["tokens_per_rank"]),
+            str(r["sequences_per_rank"]),
+            r["dispatcher"],
+            r["overlap"],
+            f"yes ({r['delay']})" if r["tbo"] else "no",
+            "yes" if r["graph"] else "no",
+            f"{r['t_layer_us']:.0f}",
+            f"{r['speedup_vs_none']:.3f}",
+        )
     return table
 
 
@@ -123,8 +178,11 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
     """Profile one forward without and with TBO (``none``, and TBO with the last SBO mode asked for)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     lengths = prefill_lengths(size, spec["seed"] + rank) if regime == "prefill" else None
-    batch = (Batch.prefill(lengths, device=device) if lengths else
-             Batch.decode_step(0, torch.full((size,), spec["kv_len"], dtype=torch.int64, device=device)))
+    batch = (
+        Batch.prefill(lengths, device=device)
+        if lengths
+        else Batch.decode_step(0, torch.full((size,), spec["kv_len"], dtype=torch.int64, device=device))
+    )
     layer = _decoder(device, spec, size)
     cache = layer.make_cache(len(batch.lengths), max(lengths) if lengths else spec["kv_len"] + 1)
     x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, device=device).to(getattr(torch, spec["dtype"]))
@@ -135,9 +193,13 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
     with torch.inference_mode():
         for title, (mode, tbo) in cases.items():
             layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
-            run = (lambda: tbo_forward(layer, x_TH, batch, cache, delay=spec["delays"][0])) if tbo else (
-                lambda: layer(x_TH, batch, cache))
-            spans[title] = profile_spans(run, device, rank, f"{trace_prefix}.tbo.{title.replace(' ', '_')}.json"
-                                         if trace_prefix else None)
+            run = (
+                (lambda: tbo_forward(layer, x_TH, batch, cache, delay=spec["delays"][0]))
+                if tbo
+                else (lambda: layer(x_TH, batch, cache))
+            )
+            spans[title] = profile_spans(
+                run, device, rank, f"{trace_prefix}.tbo.{title.replace(' ', '_')}.json" if trace_prefix else None
+            )
         layer.moe.overlap = make_overlap("none", device)
     return spans

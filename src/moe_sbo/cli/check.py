@@ -37,19 +37,31 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 def add_check_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``check`` to an ``argparse`` subparsers object; returns the new parser (``func=run_check``)."""
     parser = subparsers.add_parser(
-        "check", help="load one MoE layer of a checkpoint, run every dispatcher, compare with transformers",
+        "check",
+        help="load one MoE layer of a checkpoint, run every dispatcher, compare with transformers",
         description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="model directory: config.json + model.safetensors or model.safetensors.index.json")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="model directory: config.json + model.safetensors or model.safetensors.index.json",
+    )
     parser.add_argument("--layer", type=int, default=None, help="decoder layer index (default: the first MoE layer)")
     parser.add_argument("--ranks", type=int, default=None, help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
-    parser.add_argument("--dispatcher", default="all",
-                        help=f"one of {sorted(DISPATCHERS)}, or all (the expert-parallel ones; local on 1 rank)")
+    parser.add_argument(
+        "--dispatcher",
+        default="all",
+        help=f"one of {sorted(DISPATCHERS)}, or all (the expert-parallel ones; local on 1 rank)",
+    )
     parser.add_argument("--tokens", type=int, default=32, help="random tokens per rank")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE),
-                        help="our layer's dtype; the transformers reference runs in float32")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(TOLERANCE),
+        help="our layer's dtype; the transformers reference runs in float32",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
     parser.set_defaults(func=run_check)
@@ -80,7 +92,6 @@ def run_check(args: argparse.Namespace) -> int:
     """Run the check; print the table; write ``--json``. Returns 0 (all within tolerance) or 1."""
     from rich.table import Table
 
-
     device = resolve_device(args.device)
     ranks = args.ranks or default_world_size(device)
     if ranks < 1:
@@ -98,8 +109,10 @@ def run_check(args: argparse.Namespace) -> int:
     inputs = check_inputs(args.seed, ranks, args.tokens, cfg.hidden_size, dtype)
 
     console = make_console()
-    console.print(f"[bold]moe-sbo check[/]: {checkpoint.path} ({checkpoint.model_type}), layer {layer}, "
-                  f"{cfg.num_experts} experts on {ranks} {device} ranks, {args.tokens} tokens/rank, {args.dtype}")
+    console.print(
+        f"[bold]moe-sbo check[/]: {checkpoint.path} ({checkpoint.model_type}), layer {layer}, "
+        f"{cfg.num_experts} experts on {ranks} {device} ranks, {args.tokens} tokens/rank, {args.dtype}"
+    )
     with LocalRanks(ranks, device=device) as workers:
         per_rank = workers.run(check_rank, str(checkpoint.path), layer, names, inputs, args.dtype)
     references = reference_outputs(checkpoint, layer, inputs)
@@ -107,16 +120,24 @@ def run_check(args: argparse.Namespace) -> int:
 
     for rank, result in enumerate(per_rank):
         for read in result["reads"]:
-            console.print(f"rank {rank} read experts {read['experts'][0]}..{read['experts'][1] - 1}: "
-                          f"{read['tensors']} tensors, {read['bytes_read']:,} B from {len(read['files'])} "
-                          f"of {len(set(checkpoint.weight_map.values()))} files")
+            console.print(
+                f"rank {rank} read experts {read['experts'][0]}..{read['experts'][1] - 1}: "
+                f"{read['tensors']} tensors, {read['bytes_read']:,} B from {len(read['files'])} "
+                f"of {len(set(checkpoint.weight_map.values()))} files"
+            )
     table = Table(title=f"each dispatcher vs transformers' module (rel L2 tolerance {TOLERANCE[args.dtype]:g})")
     for col in ("dispatcher", "max |err|", "rel err", "ok", "read B/rank", "sent B/rank", "recv B/rank"):
         table.add_column(col, justify="left" if col in ("dispatcher", "ok") else "right")
     for r in rows:
-        table.add_row(r["dispatcher"], f"{r['max_abs_err']:.2e}", f"{r['rel_err']:.2e}",
-                      "[green]yes[/]" if r["ok"] else "[red]NO[/]", f"{r['bytes_read']:,}",
-                      f"{r['bytes_sent']:,}", f"{r['bytes_recv']:,}")
+        table.add_row(
+            r["dispatcher"],
+            f"{r['max_abs_err']:.2e}",
+            f"{r['rel_err']:.2e}",
+            "[green]yes[/]" if r["ok"] else "[red]NO[/]",
+            f"{r['bytes_read']:,}",
+            f"{r['bytes_sent']:,}",
+            f"{r['bytes_recv']:,}",
+        )
     console.print(table)
     if args.json:
         meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path), "layer": layer}
@@ -126,8 +147,14 @@ def run_check(args: argparse.Namespace) -> int:
     return 0 if all(r["ok"] for r in rows) else 1
 
 
-def check_rank(device: torch.device, path: str, layer_index: int, dispatchers: list[str],
-               inputs: list[torch.Tensor], dtype_name: str) -> dict:
+def check_rank(
+    device: torch.device,
+    path: str,
+    layer_index: int,
+    dispatchers: list[str],
+    inputs: list[torch.Tensor],
+    dtype_name: str,
+) -> dict:
     """One rank's share (called on every rank by ``LocalRanks.run``): read this rank's experts, build
     one layer per dispatcher, run this rank's tokens through each.
 
@@ -137,8 +164,9 @@ def check_rank(device: torch.device, path: str, layer_index: int, dispatchers: l
     """
     load = LayerLoader(Checkpoint(path), layer_index)
     dtype = getattr(torch, dtype_name)
-    layers = [load(MoELayer(load.checkpoint.moe_config, dispatcher=name, dtype=dtype, device=device))
-              for name in dispatchers]
+    layers = [
+        load(MoELayer(load.checkpoint.moe_config, dispatcher=name, dtype=dtype, device=device)) for name in dispatchers
+    ]
     rank = dist.get_rank() if dist.is_initialized() else 0
     x_TH = inputs[rank].to(device)
     outputs, traffic, bytes_read = {}, {}, {}
@@ -147,8 +175,12 @@ def check_rank(device: torch.device, path: str, layer_index: int, dispatchers: l
             outputs[name] = layer(x_TH).float().cpu()
             traffic[name] = (layer.last_traffic.bytes_sent, layer.last_traffic.bytes_recv)
             bytes_read[name] = load.report(layer).bytes_read
-    return {"outputs": outputs, "traffic": traffic, "bytes_read": bytes_read,
-            "reads": [report.as_dict() for report in load.reports]}
+    return {
+        "outputs": outputs,
+        "traffic": traffic,
+        "bytes_read": bytes_read,
+        "reads": [report.as_dict() for report in load.reports],
+    }
 
 
 @torch.no_grad()
@@ -161,8 +193,9 @@ def reference_outputs(checkpoint: Checkpoint, layer: int, inputs: list[torch.Ten
     return [block(x_TH.float()[None])[0] for x_TH in inputs]
 
 
-def compare(per_rank: list[dict], references: list[torch.Tensor], dispatchers: list[str], tolerance: float,
-            tokens: int) -> list[dict]:
+def compare(
+    per_rank: list[dict], references: list[torch.Tensor], dispatchers: list[str], tolerance: float, tokens: int
+) -> list[dict]:
     """One row per dispatcher: worst error over ranks, most bytes read and mean bytes moved per rank."""
     rows = []
     for name in dispatchers:
@@ -171,11 +204,19 @@ def compare(per_rank: list[dict], references: list[torch.Tensor], dispatchers: l
             diff_TH = result["outputs"][name] - ref_TH
             max_abs = max(max_abs, diff_TH.abs().max().item())
             rel = max(rel, (diff_TH.norm() / ref_TH.norm().clamp_min(1e-30)).item())
-        rows.append({
-            "bench": "check", "dispatcher": name, "ranks": len(per_rank), "tokens_per_rank": tokens,
-            "max_abs_err": max_abs, "rel_err": rel, "tolerance": tolerance, "ok": rel <= tolerance,
-            "bytes_read": max(r["bytes_read"][name] for r in per_rank),
-            "bytes_sent": round(sum(r["traffic"][name][0] for r in per_rank) / len(per_rank)),
-            "bytes_recv": round(sum(r["traffic"][name][1] for r in per_rank) / len(per_rank)),
-        })
+        rows.append(
+            {
+                "bench": "check",
+                "dispatcher": name,
+                "ranks": len(per_rank),
+                "tokens_per_rank": tokens,
+                "max_abs_err": max_abs,
+                "rel_err": rel,
+                "tolerance": tolerance,
+                "ok": rel <= tolerance,
+                "bytes_read": max(r["bytes_read"][name] for r in per_rank),
+                "bytes_sent": round(sum(r["traffic"][name][0] for r in per_rank) / len(per_rank)),
+                "bytes_recv": round(sum(r["traffic"][name][1] for r in per_rank) / len(per_rank)),
+            }
+        )
     return rows

@@ -73,12 +73,24 @@ class PhaseClock:
     def _stamper(self, event: str):
         def stamp(dispatcher, payload):
             self.stamps[event] = self.now()
+
         return stamp
 
 
-def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tokens: int, seed: int,
-                  dtype_name: str, iters: int, overlaps: tuple[str, ...] = ("none",), *,
-                  checkpoint: str | None = None, layer_index: int | None = None, tbo: bool = False) -> list[dict]:
+def run_demo_rank(
+    device: torch.device,
+    preset: str,
+    dispatchers: list[str],
+    tokens: int,
+    seed: int,
+    dtype_name: str,
+    iters: int,
+    overlaps: tuple[str, ...] = ("none",),
+    *,
+    checkpoint: str | None = None,
+    layer_index: int | None = None,
+    tbo: bool = False,
+) -> list[dict]:
     """One rank's share of the demo (called on every rank by ``LocalRanks.run``): one row per
     dispatcher and overlap mode. With ``checkpoint`` (a model directory) the model and weights are
     MoE layer ``layer_index`` of it instead of ``preset`` and ``seed``: each dispatcher's layer reads only
@@ -93,12 +105,22 @@ def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tok
     x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
     model, run, run_reference = _models(tbo, tokens, cfg.hidden_size, seed, device)
     with torch.inference_mode():
-        reference_TH = run_reference(model(load(MoELayer(cfg, dispatcher="local", dtype=dtype, device=device,
-                                                         seed=seed))), x_TH)
+        reference_TH = run_reference(
+            model(load(MoELayer(cfg, dispatcher="local", dtype=dtype, device=device, seed=seed))), x_TH
+        )
         rows = []
         for name, overlap in itertools.product(dispatchers, overlaps):
-            layer = load(MoELayer(cfg, dispatcher=name, dtype=dtype, device=device, seed=seed, overlap=overlap,
-                                  dispatcher_options=options_for_tokens(name, tokens)))
+            layer = load(
+                MoELayer(
+                    cfg,
+                    dispatcher=name,
+                    dtype=dtype,
+                    device=device,
+                    seed=seed,
+                    overlap=overlap,
+                    dispatcher_options=options_for_tokens(name, tokens),
+                )
+            )
             clock = PhaseClock(layer)
             wrapped = model(layer)
             samples = []
@@ -107,24 +129,44 @@ def run_demo_rank(device: torch.device, preset: str, dispatchers: list[str], tok
                 y_TH = run(wrapped, x_TH)
                 end = clock.now()
                 s = clock.stamps
-                samples.append((s["pre_dispatch"] - start, s["post_dispatch"] - s["pre_dispatch"],
-                                s["pre_combine"] - s["post_dispatch"], s["post_combine"] - s["pre_combine"],
-                                end - start))
+                samples.append(
+                    (
+                        s["pre_dispatch"] - start,
+                        s["post_dispatch"] - s["pre_dispatch"],
+                        s["pre_combine"] - s["post_dispatch"],
+                        s["post_combine"] - s["pre_combine"],
+                        end - start,
+                    )
+                )
             medians = [statistics.median(col) * 1e6 for col in zip(*samples[1:])]
             if overlap == overlaps[0]:
                 first_mode_y_TH = y_TH
-            diff = (y_TH.float() - reference_TH.float())
+            diff = y_TH.float() - reference_TH.float()
             ref_norm = reference_TH.float().norm().item()
             rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
             traffic = layer.last_traffic
-            rows.append(asdict(DemoRow(
-                dispatcher=name, overlap=overlap, tbo=tbo, same_as_none=torch.equal(y_TH, first_mode_y_TH),
-                rank=rank, tokens=tokens,
-                max_abs_err=diff.abs().max().item() if diff.numel() else 0.0, rel_err=rel,
-                ok=rel <= TOLERANCE[dtype], bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv,
-                t_route_us=medians[0], t_dispatch_us=medians[1], t_experts_us=medians[2],
-                t_combine_us=medians[3], t_layer_us=medians[4],
-            )))
+            rows.append(
+                asdict(
+                    DemoRow(
+                        dispatcher=name,
+                        overlap=overlap,
+                        tbo=tbo,
+                        same_as_none=torch.equal(y_TH, first_mode_y_TH),
+                        rank=rank,
+                        tokens=tokens,
+                        max_abs_err=diff.abs().max().item() if diff.numel() else 0.0,
+                        rel_err=rel,
+                        ok=rel <= TOLERANCE[dtype],
+                        bytes_sent=traffic.bytes_sent,
+                        bytes_recv=traffic.bytes_recv,
+                        t_route_us=medians[0],
+                        t_dispatch_us=medians[1],
+                        t_experts_us=medians[2],
+                        t_combine_us=medians[3],
+                        t_layer_us=medians[4],
+                    )
+                )
+            )
     return rows
 
 
@@ -142,9 +184,11 @@ def _models(tbo: bool, tokens: int, hidden_size: int, seed: int, device: torch.d
     def cache(layer):
         return layer.make_cache(max(1, len(lengths)), 48)
 
-    return ((lambda moe: DecoderLayer(attn, moe, seed=seed)),
-            (lambda layer, x: tbo_forward(layer, x, batch, cache(layer))),
-            (lambda layer, x: layer(x, batch, cache(layer))))
+    return (
+        (lambda moe: DecoderLayer(attn, moe, seed=seed)),
+        (lambda layer, x: tbo_forward(layer, x, batch, cache(layer))),
+        (lambda layer, x: layer(x, batch, cache(layer))),
+    )
 
 
 def summarise(per_rank: list[list[dict]]) -> list[dict]:
@@ -152,18 +196,26 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
     summary = []
     for rows in zip(*per_rank):
         first = rows[0]
-        summary.append({
-            "bench": "demo", "dispatcher": first["dispatcher"], "overlap": first["overlap"], "tbo": first["tbo"],
-            "same_as_none": all(r["same_as_none"] for r in rows), "ranks": len(rows),
-            "tokens_per_rank": first["tokens"],
-            "max_abs_err": max(r["max_abs_err"] for r in rows),
-            "rel_err": max(r["rel_err"] for r in rows),
-            "ok": all(r["ok"] for r in rows),
-            "bytes_sent": round(statistics.mean(r["bytes_sent"] for r in rows)),
-            "bytes_recv": round(statistics.mean(r["bytes_recv"] for r in rows)),
-            **{key: max(r[key] for r in rows) for key in
-               ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")},
-        })
+        summary.append(
+            {
+                "bench": "demo",
+                "dispatcher": first["dispatcher"],
+                "overlap": first["overlap"],
+                "tbo": first["tbo"],
+                "same_as_none": all(r["same_as_none"] for r in rows),
+                "ranks": len(rows),
+                "tokens_per_rank": first["tokens"],
+                "max_abs_err": max(r["max_abs_err"] for r in rows),
+                "rel_err": max(r["rel_err"] for r in rows),
+                "ok": all(r["ok"] for r in rows),
+                "bytes_sent": round(statistics.mean(r["bytes_sent"] for r in rows)),
+                "bytes_recv": round(statistics.mean(r["bytes_recv"] for r in rows)),
+                **{
+                    key: max(r[key] for r in rows)
+                    for key in ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")
+                },
+            }
+        )
     return summary
 
 
@@ -175,19 +227,28 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--ranks", type=int, default=None, help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--dispatcher", default="all", help=f"one of {sorted(DISPATCHERS)}, or all")
-    p.add_argument("--tbo", action="store_true",
-                   help="put the MoE in a decoder layer (attention + MoE) run with two-batch overlap")
-    p.add_argument("--overlap", default="none",
-                   help=f"one of {list(OVERLAP_MODES)}, or all; other than none, none runs too for comparison")
+    p.add_argument(
+        "--tbo", action="store_true", help="put the MoE in a decoder layer (attention + MoE) run with two-batch overlap"
+    )
+    p.add_argument(
+        "--overlap",
+        default="none",
+        help=f"one of {list(OVERLAP_MODES)}, or all; other than none, none runs too for comparison",
+    )
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on CUDA"
+    )
     p.add_argument("--iters", type=int, default=5, help="timed forwards per dispatcher (after one warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
-    p.add_argument("--checkpoint", metavar="DIR", help="run MoE layer --layer of this Hugging Face model "
-                   "directory instead of --preset with random weights (see docs/CHECKPOINTS.md)")
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="run MoE layer --layer of this Hugging Face model "
+        "directory instead of --preset with random weights (see docs/CHECKPOINTS.md)",
+    )
     p.add_argument("--layer", type=int, default=None, help="with --checkpoint: layer index (default: first MoE layer)")
 
 
@@ -212,24 +273,55 @@ def run_demo(args: argparse.Namespace) -> int:
 
     console = make_console()
     source = f"{args.checkpoint} layer {args.layer}" if args.checkpoint else f"preset {args.preset}"
-    console.print(f"[bold]moe-sbo demo[/]: {source}, {ranks} {device} ranks, "
-                  f"{args.tokens} tokens/rank, {dtype}"
-                  + (", decoder layer with two-batch overlap" if args.tbo else ""))
+    console.print(
+        f"[bold]moe-sbo demo[/]: {source}, {ranks} {device} ranks, "
+        f"{args.tokens} tokens/rank, {dtype}" + (", decoder layer with two-batch overlap" if args.tbo else "")
+    )
     with LocalRanks(ranks, device=device) as workers:
-        per_rank = workers.run(run_demo_rank, args.preset, names, args.tokens, args.seed, dtype, args.iters,
-                               overlaps, checkpoint=args.checkpoint, layer_index=args.layer, tbo=args.tbo)
+        per_rank = workers.run(
+            run_demo_rank,
+            args.preset,
+            names,
+            args.tokens,
+            args.seed,
+            dtype,
+            args.iters,
+            overlaps,
+            checkpoint=args.checkpoint,
+            layer_index=args.layer,
+            tbo=args.tbo,
+        )
     rows = summarise(per_rank)
 
     table = Table(title="each dispatcher vs the single-rank reference (times: slowest rank, median)")
-    for col in ("dispatcher", "overlap", "max |err|", "rel err", "match", "= none", "sent B/rank", "recv B/rank",
-                "route µs", "dispatch µs", "experts µs", "combine µs", "layer µs"):
+    for col in (
+        "dispatcher",
+        "overlap",
+        "max |err|",
+        "rel err",
+        "match",
+        "= none",
+        "sent B/rank",
+        "recv B/rank",
+        "route µs",
+        "dispatch µs",
+        "experts µs",
+        "combine µs",
+        "layer µs",
+    ):
         table.add_column(col, justify="left" if col in ("dispatcher", "overlap", "match", "= none") else "right")
     for r in rows:
-        table.add_row(r["dispatcher"], r["overlap"], f"{r['max_abs_err']:.2e}", f"{r['rel_err']:.2e}",
-                      "[green]yes[/]" if r["ok"] else "[red]NO[/]",
-                      "bitwise" if r["same_as_none"] else "no", f"{r['bytes_sent']:,}",
-                      f"{r['bytes_recv']:,}", *(f"{r[k]:.0f}" for k in
-                      ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")))
+        table.add_row(
+            r["dispatcher"],
+            r["overlap"],
+            f"{r['max_abs_err']:.2e}",
+            f"{r['rel_err']:.2e}",
+            "[green]yes[/]" if r["ok"] else "[red]NO[/]",
+            "bitwise" if r["same_as_none"] else "no",
+            f"{r['bytes_sent']:,}",
+            f"{r['bytes_recv']:,}",
+            *(f"{r[k]:.0f}" for k in ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")),
+        )
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:

@@ -51,8 +51,9 @@ def add_sweep_args(p: argparse.ArgumentParser, file_name: str, iters: int) -> No
     """The options of the EP-size sweeps (``bench_foundation``, ``bench_low_latency``); ``iters``: the
     default timed calls (``--quick``: 3)."""
     p.add_argument("--out", required=True, help=f"directory for {file_name}")
-    p.add_argument("--ranks", type=int, nargs="+", default=None,
-                   help="EP sizes, one pool each (default: every GPU; 2 on CPU)")
+    p.add_argument(
+        "--ranks", type=int, nargs="+", default=None, help="EP sizes, one pool each (default: every GPU; 2 on CPU)"
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; --quick 1)")
     p.add_argument("--iters", type=int, default=None, help=f"timed calls (default {iters}; --quick 3)")
@@ -71,7 +72,7 @@ class Sweep:
     ep_sizes: list[int]
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, tokens: list[int]) -> "Sweep":
+    def from_args(cls, args: argparse.Namespace, tokens: list[int]) -> Sweep:
         device = resolve_device(args.device)
         warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
         iters = args.iters if args.iters is not None else (3 if args.quick else args.default_iters)

@@ -38,36 +38,64 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     d = planner.PlanInputs.__dataclass_fields__
-    parser.add_argument("--model", default=planner.SEED_INPUTS["model"],
-                        help=f"preset ({', '.join(sorted(PRESETS))}) or path to a Hugging Face config.json")
+    parser.add_argument(
+        "--model",
+        default=planner.SEED_INPUTS["model"],
+        help=f"preset ({', '.join(sorted(PRESETS))}) or path to a Hugging Face config.json",
+    )
     parser.add_argument("--batch", type=int, default=d["batch"].default, help="decode tokens per GPU")
     parser.add_argument("--tpot-ms", type=float, default=d["tpot_ms"].default, help="time per output token SLO")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="layers with an all-to-all (default: all layers in the seed convention, MoE layers in the byte model)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers with an all-to-all (default: all layers in the seed convention, MoE layers in the byte model)",
+    )
     parser.add_argument("--attn-us", type=float, default=d["attn_us"].default, help="attention time per layer, T")
     parser.add_argument("--moe-us", type=float, default=d["moe_us"].default, help="MoE compute time per layer, t")
     parser.add_argument("--ep", type=int, default=d["ep"].default, help="expert-parallel size P")
     parser.add_argument("--hw", default=d["hw"].default, help=f"hardware: {', '.join(planner.HARDWARE)}")
     parser.add_argument("--dispatch-dtype", default="fp8", choices=sorted(planner.ELEMENT_B))
     parser.add_argument("--combine-dtype", default="bf16", choices=sorted(planner.ELEMENT_B))
-    parser.add_argument("--weight-dtype", default="bf16", choices=sorted(planner.ELEMENT_B),
-                        help="shared-expert weights, for the SBO time estimate")
-    parser.add_argument("--micro-batches", type=int, default=d["micro_batches"].default,
-                        help="2 = two-batch overlap (TBO), 1 = none")
-    parser.add_argument("--fanout", default="uniform", choices=planner.FANOUT_MODELS,
-                        help="destination ranks per token: exact uniform model, router Monte-Carlo, or worst case")
+    parser.add_argument(
+        "--weight-dtype",
+        default="bf16",
+        choices=sorted(planner.ELEMENT_B),
+        help="shared-expert weights, for the SBO time estimate",
+    )
+    parser.add_argument(
+        "--micro-batches", type=int, default=d["micro_batches"].default, help="2 = two-batch overlap (TBO), 1 = none"
+    )
+    parser.add_argument(
+        "--fanout",
+        default="uniform",
+        choices=planner.FANOUT_MODELS,
+        help="destination ranks per token: exact uniform model, router Monte-Carlo, or worst case",
+    )
     parser.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: batch vs a2a time and bandwidth")
-    parser.add_argument("--calibrate", metavar="RESULT.json",
-                        help="benchmark result file whose measured bandwidth/latency replace the datasheet")
+    parser.add_argument(
+        "--calibrate",
+        metavar="RESULT.json",
+        help="benchmark result file whose measured bandwidth/latency replace the datasheet",
+    )
 
 
 def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
     return planner.PlanInputs(
-        model=planner.load_model(args.model), batch=args.batch, tpot_ms=args.tpot_ms, layers=args.layers,
-        attn_us=args.attn_us, moe_us=args.moe_us, ep=args.ep, hw=args.hw,
-        dispatch_dtype=args.dispatch_dtype, combine_dtype=args.combine_dtype,
-        micro_batches=args.micro_batches, weight_dtype=args.weight_dtype, fanout_model=args.fanout,
+        model=planner.load_model(args.model),
+        batch=args.batch,
+        tpot_ms=args.tpot_ms,
+        layers=args.layers,
+        attn_us=args.attn_us,
+        moe_us=args.moe_us,
+        ep=args.ep,
+        hw=args.hw,
+        dispatch_dtype=args.dispatch_dtype,
+        combine_dtype=args.combine_dtype,
+        micro_batches=args.micro_batches,
+        weight_dtype=args.weight_dtype,
+        fanout_model=args.fanout,
     )
 
 
@@ -122,19 +150,32 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
 
     title = (
         "Seed example (DeepSeek-V3 decode), line by line"
-        if inp.is_seed_example else f"Seed convention on your inputs ({inp.model.name})"
+        if inp.is_seed_example
+        else f"Seed convention on your inputs ({inp.model.name})"
     )
-    table = Table(title=title, caption="seed units: KB = 1024 B, MB = 1000 KB, GB = 1000 MB (the seed's own arithmetic)")
+    table = Table(
+        title=title, caption="seed units: KB = 1024 B, MB = 1000 KB, GB = 1000 MB (the seed's own arithmetic)"
+    )
     for column in ("figure", "formula", "seed", "exact (seed units)", "exact (SI)", "agreement"):
         table.add_column(column, justify="left" if column in ("figure", "formula") else "right")
     for fig in plan.seed:
-        seed_cell = f"{fig.seed_printed:g} {fig.seed_unit}" if fig.seed_printed is not None else f"~{fig.seed_rounded:g} {fig.seed_unit}"
-        agreement = "—" if fig.agreement is None else (
-            f"{fig.agreement:+.2%} " + ("ok" if abs(fig.agreement) <= 0.03 else "OFF")
+        seed_cell = (
+            f"{fig.seed_printed:g} {fig.seed_unit}"
+            if fig.seed_printed is not None
+            else f"~{fig.seed_rounded:g} {fig.seed_unit}"
+        )
+        agreement = (
+            "—"
+            if fig.agreement is None
+            else (f"{fig.agreement:+.2%} " + ("ok" if abs(fig.agreement) <= 0.03 else "OFF"))
         )
         table.add_row(
-            fig.label, fig.formula, seed_cell, f"{fig.exact_seed_units:.4g} {fig.seed_unit}",
-            f"{fig.exact_si:.4g} {fig.si_unit}", agreement,
+            fig.label,
+            fig.formula,
+            seed_cell,
+            f"{fig.exact_seed_units:.4g} {fig.seed_unit}",
+            f"{fig.exact_si:.4g} {fig.si_unit}",
+            agreement,
         )
     console.print(table)
 
@@ -144,20 +185,33 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
     rows.add_column("value", justify="right")
     rows.add_column("how")
     d, c = model.dispatch_row, model.combine_row
-    rows.add_row("dispatch row", f"{d.total_B:,} B", f"{inp.dispatch_dtype} {d.payload_B} + scales {d.scales_B} + topk ids/weights {d.metadata_B}")
+    rows.add_row(
+        "dispatch row",
+        f"{d.total_B:,} B",
+        f"{inp.dispatch_dtype} {d.payload_B} + scales {d.scales_B} + topk ids/weights {d.metadata_B}",
+    )
     rows.add_row("combine row", f"{c.total_B:,} B", f"{inp.combine_dtype} {c.payload_B} + scales {c.scales_B}")
     rows.add_row("destination ranks / token", f"{fan.expected_ranks:.3f}", f"max {fan.max_ranks}; {fan.method}")
-    rows.add_row("remote ranks / token", f"{fan.expected_remote_ranks:.3f}",
-                 f"x (P-1)/P; {fan.expected_intranode_ranks:.2f} in node, {fan.expected_internode_ranks:.2f} across")
+    rows.add_row(
+        "remote ranks / token",
+        f"{fan.expected_remote_ranks:.3f}",
+        f"x (P-1)/P; {fan.expected_intranode_ranks:.2f} in node, {fan.expected_internode_ranks:.2f} across",
+    )
     rows.add_row("bytes per token", f"{model.bytes_per_token_B:,.0f} B", "remote ranks x (dispatch + combine row)")
-    rows.add_row("dispatch bytes / a2a", f"{model.dispatch_bytes_per_a2a_B / 1e6:.3f} MB",
-                 f"{model.tokens_per_a2a} tokens (one of {inp.micro_batches} micro-batches)")
+    rows.add_row(
+        "dispatch bytes / a2a",
+        f"{model.dispatch_bytes_per_a2a_B / 1e6:.3f} MB",
+        f"{model.tokens_per_a2a} tokens (one of {inp.micro_batches} micro-batches)",
+    )
     rows.add_row("combine bytes / a2a", f"{model.combine_bytes_per_a2a_B / 1e6:.3f} MB", "")
     rows.add_row("bytes per layer", f"{model.bytes_per_layer_B / 1e6:.3f} MB", f"{inp.batch} tokens")
     rows.add_row("bytes per step", f"{model.bytes_per_step_B / 1e6:.1f} MB", f"{model.layers} MoE layers")
     rows.add_row("required per GPU", f"{model.required_GBps_per_gpu:.2f} GB/s", f"step / TPOT {inp.tpot_ms:g} ms")
-    rows.add_row("a2a time, whole batch", f"{plan.t_dispatch_us:.1f} / {plan.t_combine_us:.1f} us",
-                 f"dispatch / combine; latency {plan.link.latency_us:.3g} us + bytes / {plan.link.nvlink_GBps:.4g} GB/s")
+    rows.add_row(
+        "a2a time, whole batch",
+        f"{plan.t_dispatch_us:.1f} / {plan.t_combine_us:.1f} us",
+        f"dispatch / combine; latency {plan.link.latency_us:.3g} us + bytes / {plan.link.nvlink_GBps:.4g} GB/s",
+    )
     rows.add_row("communication per step", f"{plan.comm_ms_per_step:.2f} ms", "if nothing overlapped")
     console.print(rows)
 
@@ -173,13 +227,22 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
     for column in ("EP", "remote ranks", "allgather MB", "alltoall MB", "ratio", "allgather us", "alltoall us"):
         schemes.add_column(column, justify="right")
     for r in plan.schemes.rows:
-        schemes.add_row(str(r.ep), f"{r.expected_remote_ranks:.2f}", f"{r.allgather_B / 1e6:.2f}",
-                        f"{r.alltoall_B / 1e6:.2f}", f"{r.ratio:.2f}", f"{r.allgather_us:.0f}", f"{r.alltoall_us:.0f}")
+        schemes.add_row(
+            str(r.ep),
+            f"{r.expected_remote_ranks:.2f}",
+            f"{r.allgather_B / 1e6:.2f}",
+            f"{r.alltoall_B / 1e6:.2f}",
+            f"{r.ratio:.2f}",
+            f"{r.allgather_us:.0f}",
+            f"{r.alltoall_us:.0f}",
+        )
     console.print(schemes)
     for note in plan.notes:
         console.print(f"note: {note}")
     if calibration is not None:
-        console.print(f"calibrated: {calibration.GBps:.1f} GB/s, latency {calibration.latency_us:.1f} us ({calibration.method})")
+        console.print(
+            f"calibrated: {calibration.GBps:.1f} GB/s, latency {calibration.latency_us:.1f} us ({calibration.method})"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,26 +270,47 @@ def write_plot(plan: planner.Plan, path: Path) -> None:
         links = {"calibrated": plan.link, **links}
     for name, link in links.items():
         points = planner.sweep_batches(inp, batches, link)
-        ax_time.plot(batches, [p.micro_batch_a2a_us if inp.micro_batches == 2 else p.t_combine_us for p in points],
-                     marker="o", ms=3, label=f"{name} ({link.nvlink_GBps:g} GB/s)")
+        ax_time.plot(
+            batches,
+            [p.micro_batch_a2a_us if inp.micro_batches == 2 else p.t_combine_us for p in points],
+            marker="o",
+            ms=3,
+            label=f"{name} ({link.nvlink_GBps:g} GB/s)",
+        )
     window_us = (inp.attn_us - inp.moe_us) / 2
     ax_time.axhline(window_us, color="k", ls="--", label=f"TBO budget (T - t)/2 = {window_us:g} us")
-    ax_time.set(xscale="log", yscale="log", xlabel="batch (tokens per GPU)",
-                ylabel="slower all-to-all per " + ("micro-batch" if inp.micro_batches == 2 else "batch") + " (us)",
-                title=f"{inp.model.name} EP{inp.ep}: all-to-all time")
+    ax_time.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch (tokens per GPU)",
+        ylabel="slower all-to-all per " + ("micro-batch" if inp.micro_batches == 2 else "batch") + " (us)",
+        title=f"{inp.model.name} EP{inp.ep}: all-to-all time",
+    )
     ax_time.legend(fontsize=7)
 
     points = planner.sweep_batches(inp, batches, plan.link)
     ax_bw.plot(batches, [p.required_GBps_per_gpu for p in points], marker="o", ms=3, label="byte model: step / TPOT")
-    ax_bw.plot(batches, [p.seed_required_GBps_per_gpu for p in points], marker="s", ms=3, ls=":", label="seed convention: step / TPOT")
+    ax_bw.plot(
+        batches,
+        [p.seed_required_GBps_per_gpu for p in points],
+        marker="s",
+        ms=3,
+        ls=":",
+        label="seed convention: step / TPOT",
+    )
     tbo = [(p.batch, p.tbo_required_GBps) for p in points if p.tbo_required_GBps is not None]
     if tbo and inp.micro_batches == 2:
         ax_bw.plot(*zip(*tbo), marker="^", ms=3, label="to meet the TBO budget")
     for name, link in links.items():
         ax_bw.axhline(link.nvlink_GBps, ls="--", lw=0.8, color="grey")
         ax_bw.annotate(f"{name} {link.nvlink_GBps:.4g} GB/s", (batches[0], link.nvlink_GBps), fontsize=7, va="bottom")
-    ax_bw.set(xscale="log", yscale="log", xlabel="batch (tokens per GPU)", ylabel="required GB/s per GPU",
-              title=f"TPOT {inp.tpot_ms:g} ms, {plan.bytes.layers} layers")
+    ax_bw.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch (tokens per GPU)",
+        ylabel="required GB/s per GPU",
+        title=f"TPOT {inp.tpot_ms:g} ms, {plan.bytes.layers} layers",
+    )
     ax_bw.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

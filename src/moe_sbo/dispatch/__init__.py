@@ -1,12 +1,35 @@
 """Dispatchers, one per file, chosen by name: ``local``, ``allgather``, ``alltoall``, ``low_latency``."""
 
 from . import allgather, alltoall, local, low_latency  # noqa: F401  (registers each scheme)
-from .base import (DISPATCHERS, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher,
-                   EPGroup, Pending, Traffic, dispatcher_option_names, make_dispatcher, options_for_tokens)
+from .base import (
+    DISPATCHERS,
+    CombineInput,
+    Dispatcher,
+    DispatchHandle,
+    DispatchInput,
+    DispatchOutput,
+    EPGroup,
+    Pending,
+    Traffic,
+    dispatcher_option_names,
+    make_dispatcher,
+    options_for_tokens,
+)
 from .low_latency import LowLatencyDispatcher, mask_padding_tokens
 
 __all__ = [
-    "DISPATCHERS", "CombineInput", "DispatchHandle", "DispatchInput", "DispatchOutput", "Dispatcher",
-    "EPGroup", "LowLatencyDispatcher", "Pending", "Traffic", "dispatcher_option_names", "make_dispatcher",
-    "mask_padding_tokens", "options_for_tokens",
+    "DISPATCHERS",
+    "CombineInput",
+    "DispatchHandle",
+    "DispatchInput",
+    "DispatchOutput",
+    "Dispatcher",
+    "EPGroup",
+    "LowLatencyDispatcher",
+    "Pending",
+    "Traffic",
+    "dispatcher_option_names",
+    "make_dispatcher",
+    "mask_padding_tokens",
+    "options_for_tokens",
 ]

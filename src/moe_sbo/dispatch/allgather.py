@@ -15,8 +15,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import (REJECTED, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
-                   Traffic, register_dispatcher)
+from .base import (
+    REJECTED,
+    CombineInput,
+    Dispatcher,
+    DispatchHandle,
+    DispatchInput,
+    DispatchOutput,
+    Pending,
+    Traffic,
+    register_dispatcher,
+)
 from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 (the GPU image) has only the old names.
@@ -63,8 +72,12 @@ class AllGatherDispatcher(Dispatcher):
         # rank learns the chunk size and its own pair count R without reading the payload.
         # The id check rides on this exchange: a rank with a bad id sends REJECTED, no extra host read.
         ids_ok, owner_TK = self._ids_in_range(inp.topk_ids_TK)
-        my_counts = torch.cat([torch.full((1,), num_tokens, device=x_TH.device, dtype=torch.int64),
-                               count_per_key(owner_TK.reshape(-1), ep.size)])
+        my_counts = torch.cat(
+            [
+                torch.full((1,), num_tokens, device=x_TH.device, dtype=torch.int64),
+                count_per_key(owner_TK.reshape(-1), ep.size),
+            ]
+        )
         my_counts = torch.where(ids_ok, my_counts, REJECTED)
         counts_PY = my_counts.new_empty(ep.size, 1 + ep.size)  # Y = 1 + P: each rank's T, then its pairs per rank
         _all_gather_single(counts_PY, my_counts[None], group=ep.group)
@@ -88,10 +101,12 @@ class AllGatherDispatcher(Dispatcher):
             _all_gather_single(all_meta, meta, group=ep.group, async_op=True),
         ]
         chunk_bytes = padded * (hidden * x_TH.element_size() + meta.shape[1] * 4)
-        traffic = Traffic(dispatch_bytes_sent=(ep.size - 1) * chunk_bytes,
-                          dispatch_bytes_recv=(ep.size - 1) * chunk_bytes)
-        return Pending(works=works, state=_InFlightDispatch(all_x, all_meta, tokens_per_rank, padded,
-                                                           num_pairs, traffic))
+        traffic = Traffic(
+            dispatch_bytes_sent=(ep.size - 1) * chunk_bytes, dispatch_bytes_recv=(ep.size - 1) * chunk_bytes
+        )
+        return Pending(
+            works=works, state=_InFlightDispatch(all_x, all_meta, tokens_per_rank, padded, num_pairs, traffic)
+        )
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
@@ -101,8 +116,12 @@ class AllGatherDispatcher(Dispatcher):
             self._local_ids(all_ids, self.ep.rank), all_weights, self.num_local_experts, s.num_pairs
         )
         handle = AllGatherHandle(
-            num_tokens=s.tokens_per_rank[self.ep.rank], hidden_size=s.all_x_MH.shape[1],
-            dtype=s.all_x_MH.dtype, layout=layout, traffic=s.traffic, tokens_per_rank=s.tokens_per_rank,
+            num_tokens=s.tokens_per_rank[self.ep.rank],
+            hidden_size=s.all_x_MH.shape[1],
+            dtype=s.all_x_MH.dtype,
+            layout=layout,
+            traffic=s.traffic,
+            tokens_per_rank=s.tokens_per_rank,
             padded_tokens=s.padded_tokens,
         )
         return self._output(s.all_x_MH[layout.row_R], handle)
@@ -115,8 +134,9 @@ class AllGatherDispatcher(Dispatcher):
         out_TH = partial_MH.new_empty(handle.padded_tokens, handle.hidden_size)
         work = _reduce_scatter_single(out_TH, partial_MH, group=ep.group, async_op=True)
         chunk_bytes = handle.padded_tokens * handle.hidden_size * partial_MH.element_size()
-        traffic = Traffic(combine_bytes_sent=(ep.size - 1) * chunk_bytes,
-                          combine_bytes_recv=(ep.size - 1) * chunk_bytes)
+        traffic = Traffic(
+            combine_bytes_sent=(ep.size - 1) * chunk_bytes, combine_bytes_recv=(ep.size - 1) * chunk_bytes
+        )
         return Pending(works=[work], state=out_TH, traffic=traffic)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:

@@ -16,8 +16,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import (REJECTED, CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, Pending,
-                   Traffic, register_dispatcher)
+from .base import (
+    REJECTED,
+    CombineInput,
+    Dispatcher,
+    DispatchHandle,
+    DispatchInput,
+    DispatchOutput,
+    Pending,
+    Traffic,
+    register_dispatcher,
+)
 from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
 from .reduce import gather_sum
 
@@ -85,9 +94,9 @@ class AllToAllDispatcher(Dispatcher):
         dist.all_to_all_single(recv_counts_P2, send_counts_P2, group=ep.group)
         counts = torch.cat([send_counts_P2[:, 0], recv_counts_P2.t().reshape(-1)]).tolist()  # one sync
         self._raise_if_rejected([r for r in range(ep.size) if counts[ep.size + r] == REJECTED], ids_TK)
-        send_counts = tuple(counts[:ep.size])
-        recv_counts = tuple(counts[ep.size:2 * ep.size])
-        num_pairs = sum(counts[2 * ep.size:])
+        send_counts = tuple(counts[: ep.size])
+        recv_counts = tuple(counts[ep.size : 2 * ep.size])
+        num_pairs = sum(counts[2 * ep.size :])
         # Rows in (destination rank, token) order: what all_to_all_single's splits expect. The row
         # count is known on the host now, so nonzero needs no second host sync.
         dest_M, send_token_M = _nonzero_static(is_sent_TP.t(), sum(send_counts)).unbind(1)
@@ -103,16 +112,17 @@ class AllToAllDispatcher(Dispatcher):
         recv_x = x_TH.new_empty(sum(recv_counts), hidden)
         recv_meta = send_meta.new_empty(sum(recv_counts), send_meta.shape[1])
         works = [
-            dist.all_to_all_single(recv_x, send_x, list(recv_counts), list(send_counts),
-                                   group=ep.group, async_op=True),
-            dist.all_to_all_single(recv_meta, send_meta, list(recv_counts), list(send_counts),
-                                   group=ep.group, async_op=True),
+            dist.all_to_all_single(recv_x, send_x, list(recv_counts), list(send_counts), group=ep.group, async_op=True),
+            dist.all_to_all_single(
+                recv_meta, send_meta, list(recv_counts), list(send_counts), group=ep.group, async_op=True
+            ),
         ]
         row_bytes = hidden * x_TH.element_size() + send_meta.shape[1] * 4
-        traffic = Traffic(dispatch_bytes_sent=_remote(send_counts, ep.rank) * row_bytes,
-                          dispatch_bytes_recv=_remote(recv_counts, ep.rank) * row_bytes)
-        state = _InFlightDispatch(recv_x, recv_meta, slot_TP, send_counts, recv_counts, num_pairs,
-                                  num_tokens, traffic)
+        traffic = Traffic(
+            dispatch_bytes_sent=_remote(send_counts, ep.rank) * row_bytes,
+            dispatch_bytes_recv=_remote(recv_counts, ep.rank) * row_bytes,
+        )
+        state = _InFlightDispatch(recv_x, recv_meta, slot_TP, send_counts, recv_counts, num_pairs, num_tokens, traffic)
         return Pending(works=works, state=state)
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
@@ -121,8 +131,13 @@ class AllToAllDispatcher(Dispatcher):
         local_ids_MK, weights_MK = unpack_topk(s.recv_meta_M2K)
         layout = group_rows_by_expert(local_ids_MK, weights_MK, self.num_local_experts, s.num_pairs)
         handle = AllToAllHandle(
-            num_tokens=s.num_tokens, hidden_size=s.recv_x_MH.shape[1], dtype=s.recv_x_MH.dtype,
-            layout=layout, traffic=s.traffic, slot_TP=s.slot_TP, send_counts=s.send_counts,
+            num_tokens=s.num_tokens,
+            hidden_size=s.recv_x_MH.shape[1],
+            dtype=s.recv_x_MH.dtype,
+            layout=layout,
+            traffic=s.traffic,
+            slot_TP=s.slot_TP,
+            send_counts=s.send_counts,
             recv_counts=s.recv_counts,
         )
         return self._output(s.recv_x_MH[layout.row_R], handle)
@@ -132,11 +147,14 @@ class AllToAllDispatcher(Dispatcher):
         # One row per received token row: the sum over this rank's experts, weighted.
         partial_MH = combine_rows(inp.expert_y_RH, handle.layout, handle.dtype)
         back_MH = partial_MH.new_empty(sum(handle.send_counts), handle.hidden_size)
-        work = dist.all_to_all_single(back_MH, partial_MH, list(handle.send_counts),
-                                      list(handle.recv_counts), group=self.ep.group, async_op=True)
+        work = dist.all_to_all_single(
+            back_MH, partial_MH, list(handle.send_counts), list(handle.recv_counts), group=self.ep.group, async_op=True
+        )
         row_bytes = handle.hidden_size * partial_MH.element_size()
-        traffic = Traffic(combine_bytes_sent=_remote(handle.recv_counts, self.ep.rank) * row_bytes,
-                          combine_bytes_recv=_remote(handle.send_counts, self.ep.rank) * row_bytes)
+        traffic = Traffic(
+            combine_bytes_sent=_remote(handle.recv_counts, self.ep.rank) * row_bytes,
+            combine_bytes_recv=_remote(handle.send_counts, self.ep.rank) * row_bytes,
+        )
         return Pending(works=[work], state=back_MH, traffic=traffic)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:

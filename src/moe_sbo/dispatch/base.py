@@ -17,8 +17,8 @@ see the hooks; nothing here replaces a method on an instance.
 
 from __future__ import annotations
 
-import inspect
 import copy
+import inspect
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -40,7 +40,7 @@ class Traffic:
     combine_bytes_sent: int = 0
     combine_bytes_recv: int = 0
 
-    def __add__(self, other: "Traffic") -> "Traffic":
+    def __add__(self, other: Traffic) -> Traffic:
         return Traffic(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     @property
@@ -122,7 +122,7 @@ class EPGroup:
     size: int = 1
 
     @classmethod
-    def from_torch(cls, group: Any = None) -> "EPGroup":
+    def from_torch(cls, group: Any = None) -> EPGroup:
         if not dist.is_available() or not dist.is_initialized():
             if group is not None:
                 raise ValueError(
@@ -159,7 +159,7 @@ class Dispatcher:
         self.hooks = HookRegistry()
         self.last_traffic = Traffic()
 
-    def twin(self) -> "Dispatcher":
+    def twin(self) -> Dispatcher:
         """A dispatcher for a second micro-batch: the same group and buffers, its own hooks.
 
         Two-batch overlap runs two forwards interleaved; each needs its own hooks so a strategy
@@ -174,8 +174,7 @@ class Dispatcher:
 
     # ---- the public two-phase API -------------------------------------------------------------
 
-    def dispatch_launch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
-                        topk_weights_TK: torch.Tensor) -> Pending:
+    def dispatch_launch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending:
         """Start moving each token to the ranks that own its top-k experts.
 
         Sync: runs ``pre_dispatch`` hooks, validates (one host read of the id range), exchanges the
@@ -209,8 +208,7 @@ class Dispatcher:
             out = self._wait_dispatch(pending)
         return self.hooks.run("post_dispatch", self, out)
 
-    def dispatch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
-                 topk_weights_TK: torch.Tensor) -> DispatchOutput:
+    def dispatch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> DispatchOutput:
         """``dispatch_wait(dispatch_launch(...))``. Sync: as those two."""
         return self.dispatch_wait(self.dispatch_launch(x_TH, topk_ids_TK, topk_weights_TK))
 
@@ -296,9 +294,7 @@ class Dispatcher:
         if x.dim() != 2:
             raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}; flatten batch and sequence first")
         if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"topk_ids must be [T, K] with T = {x.shape[0]} rows of x, got shape {tuple(ids.shape)}"
-            )
+            raise ValueError(f"topk_ids must be [T, K] with T = {x.shape[0]} rows of x, got shape {tuple(ids.shape)}")
         if weights.shape != ids.shape:
             raise ValueError(
                 f"topk_weights must have the shape of topk_ids {tuple(ids.shape)}, got {tuple(weights.shape)}"
@@ -343,8 +339,7 @@ class Dispatcher:
         expected = (inp.handle.layout.row_R.shape[0], inp.handle.hidden_size)
         if tuple(inp.expert_y_RH.shape) != expected:
             raise ValueError(
-                f"expert_y must be [R, H] = {expected} (one row per dispatched row), got "
-                f"{tuple(inp.expert_y_RH.shape)}"
+                f"expert_y must be [R, H] = {expected} (one row per dispatched row), got {tuple(inp.expert_y_RH.shape)}"
             )
 
 

@@ -45,7 +45,9 @@ def count_per_key(keys_X: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def group_rows_by_expert(
-    local_ids_MK: torch.Tensor, weights_MK: torch.Tensor, num_local_experts: int,
+    local_ids_MK: torch.Tensor,
+    weights_MK: torch.Tensor,
+    num_local_experts: int,
     num_pairs: int | None = None,
 ) -> ExpertLayout:
     """Expert-major layout of the (row, k) pairs whose ``local_ids_MK`` is in ``[0, L)``.
@@ -72,13 +74,16 @@ def group_rows_by_expert(
     )
 
 
-def combine_rows(expert_y_RH: torch.Tensor, layout: ExpertLayout,
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def combine_rows(
+    expert_y_RH: torch.Tensor, layout: ExpertLayout, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Weighted sum of expert outputs into their rows: ``[M, H]`` in ``out_dtype``, summed in float32
     over each row's choices in top-k order (rows with no local choice are zero)."""
     if layout.pair_MK is None:
-        raise ValueError("combine_rows needs a layout from group_rows_by_expert (one with pair_MK); "
-                         "low_latency's layouts are combined by its own reduce_pairs")
+        raise ValueError(
+            "combine_rows needs a layout from group_rows_by_expert (one with pair_MK); "
+            "low_latency's layouts are combined by its own reduce_pairs"
+        )
     return gather_sum(expert_y_RH, layout.pair_MK, layout.weight_R, out_dtype=out_dtype)
 
 

@@ -71,11 +71,13 @@ class Destinations:
     offsets_P: torch.Tensor
 
     @classmethod
-    def make(cls, anchor: torch.Tensor, addresses: list[int]) -> "Destinations":
+    def make(cls, anchor: torch.Tensor, addresses: list[int]) -> Destinations:
         base = anchor.data_ptr()
         if base % 16 or any(a % 16 for a in addresses):
-            raise ValueError(f"block addresses must be 16-byte aligned, got {[hex(a) for a in [base, *addresses]]}; "
-                             "rows are padded to 16 bytes, so check the hidden size and dtype")
+            raise ValueError(
+                f"block addresses must be 16-byte aligned, got {[hex(a) for a in [base, *addresses]]}; "
+                "rows are padded to 16 bytes, so check the hidden size and dtype"
+            )
         offsets = [(a - base) // 16 for a in addresses]
         return cls(anchor.view(torch.uint8), torch.tensor(offsets, dtype=torch.int64, device=anchor.device))
 
@@ -95,11 +97,30 @@ class KernelLayout:
 
 
 @triton.jit
-def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_ok_ptr, num_tokens, num_local_experts,
-                      num_ranks, capacity, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                      SCALES_OFFSET: tl.constexpr, IDS_OFFSET: tl.constexpr, WEIGHTS_OFFSET: tl.constexpr,
-                      FP8: tl.constexpr, BLOCK_T: tl.constexpr, K_P2: tl.constexpr, P_P2: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
+def _pack_rows_kernel(
+    x_ptr,
+    ids_ptr,
+    w_ptr,
+    anchor_ptr,
+    dst_ptr,
+    slot_ptr,
+    ids_ok_ptr,
+    num_tokens,
+    num_local_experts,
+    num_ranks,
+    capacity,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    SCALES_OFFSET: tl.constexpr,
+    IDS_OFFSET: tl.constexpr,
+    WEIGHTS_OFFSET: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    K_P2: tl.constexpr,
+    P_P2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     c = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H  # this program's slice of the row; the first also writes the rest
     offs_k = tl.arange(0, K_P2)
@@ -111,8 +132,11 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_
     mine_P = tl.zeros([P_P2], dtype=tl.int32)
     for t0 in range(0, num_tokens, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        ids_TK = tl.load(ids_ptr + t[:, None] * TOP_K + offs_k[None, :],
-                         mask=(t[:, None] < num_tokens) & (offs_k[None, :] < TOP_K), other=-1)
+        ids_TK = tl.load(
+            ids_ptr + t[:, None] * TOP_K + offs_k[None, :],
+            mask=(t[:, None] < num_tokens) & (offs_k[None, :] < TOP_K),
+            other=-1,
+        )
         owner_TK = tl.where(ids_TK >= 0, ids_TK // num_local_experts, -1)
         sent_TP = tl.max((owner_TK[:, :, None] == offs_p[None, None, :]).to(tl.int32), axis=1)
         total_P += tl.sum(sent_TP, axis=0)
@@ -138,10 +162,16 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_
                     dst_row = block + row.to(tl.int64) * ROW_BYTES
                     ids_K = tl.load(ids_ptr + c * TOP_K + offs_k, mask=offs_k < TOP_K)
                     w_K = tl.load(w_ptr + c * TOP_K + offs_k, mask=offs_k < TOP_K)
-                    tl.store((dst_row + IDS_OFFSET).to(tl.pointer_type(tl.int32)) + offs_k, ids_K.to(tl.int32),
-                             mask=offs_k < TOP_K)
-                    tl.store((dst_row + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32)) + offs_k,
-                             w_K.to(tl.float32), mask=offs_k < TOP_K)
+                    tl.store(
+                        (dst_row + IDS_OFFSET).to(tl.pointer_type(tl.int32)) + offs_k,
+                        ids_K.to(tl.int32),
+                        mask=offs_k < TOP_K,
+                    )
+                    tl.store(
+                        (dst_row + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32)) + offs_k,
+                        w_K.to(tl.float32),
+                        mask=offs_k < TOP_K,
+                    )
             if c >= tl.sum(tl.where(is_p, total_P, 0)):
                 pad_ids = (block + c.to(tl.int64) * ROW_BYTES + IDS_OFFSET).to(tl.pointer_type(tl.int32))
                 tl.store(pad_ids + offs_k, tl.full([K_P2], -1, tl.int32), mask=offs_k < TOP_K)
@@ -167,14 +197,25 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, anchor_ptr, dst_ptr, slot_ptr, ids_
                 dst_row = block + tl.sum(tl.where(is_p, before_P, 0)).to(tl.int64) * ROW_BYTES
                 if FP8:
                     tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_QV, q_QV, mask=q_mask[:, None])
-                    tl.store((dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q,
-                             scale_Q, mask=q_mask)
+                    tl.store(
+                        (dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q,
+                        scale_Q,
+                        mask=q_mask,
+                    )
                 else:
                     tl.store(dst_row.to(x_ptr.dtype) + h, x_H, mask=h < HIDDEN)
 
 
-def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, dst: Destinations,
-              slot_TP: torch.Tensor, fmt: RowFormat, num_local_experts: int, capacity: int) -> torch.Tensor:
+def pack_rows(
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    dst: Destinations,
+    slot_TP: torch.Tensor,
+    fmt: RowFormat,
+    num_local_experts: int,
+    capacity: int,
+) -> torch.Tensor:
     """Write every token's packed row into the blocks of ``dst`` (rank-deduplicated, token order)
     and fill ``slot_TP`` [T, P] (slot ``p * C + row``, or S where the token sends nothing to p).
 
@@ -185,10 +226,28 @@ def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
     num_ranks = dst.offsets_P.shape[0]
     block_h = _block_h(fmt.hidden, fmt.fp8)
     _pack_rows_kernel[(capacity, triton.cdiv(fmt.hidden, block_h))](
-        x_TH, ids_TK, weights_TK, dst.anchor, dst.offsets_P, slot_TP, ids_ok_C, num_tokens, num_local_experts,
-        num_ranks, capacity, HIDDEN=fmt.hidden, TOP_K=top_k, ROW_BYTES=fmt.row_bytes, SCALES_OFFSET=fmt.scales_offset,
-        IDS_OFFSET=fmt.ids_offset, WEIGHTS_OFFSET=fmt.weights_offset, FP8=fmt.fp8,
-        BLOCK_T=max(16, min(128, _pow2(num_tokens))), K_P2=_pow2(top_k), P_P2=_pow2(num_ranks), BLOCK_H=block_h,
+        x_TH,
+        ids_TK,
+        weights_TK,
+        dst.anchor,
+        dst.offsets_P,
+        slot_TP,
+        ids_ok_C,
+        num_tokens,
+        num_local_experts,
+        num_ranks,
+        capacity,
+        HIDDEN=fmt.hidden,
+        TOP_K=top_k,
+        ROW_BYTES=fmt.row_bytes,
+        SCALES_OFFSET=fmt.scales_offset,
+        IDS_OFFSET=fmt.ids_offset,
+        WEIGHTS_OFFSET=fmt.weights_offset,
+        FP8=fmt.fp8,
+        BLOCK_T=max(16, min(128, _pow2(num_tokens))),
+        K_P2=_pow2(top_k),
+        P_P2=_pow2(num_ranks),
+        BLOCK_H=block_h,
     )
     return ids_ok_C
 
@@ -197,8 +256,17 @@ def pack_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
 
 
 @triton.jit
-def _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K: tl.constexpr,
-               ROW_BYTES: tl.constexpr, IDS_OFFSET: tl.constexpr, Y_P2: tl.constexpr):
+def _pair_keys(
+    recv_ptr,
+    n,
+    num_pairs,
+    first_expert,
+    num_local_experts,
+    TOP_K: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    IDS_OFFSET: tl.constexpr,
+    Y_P2: tl.constexpr,
+):
     """Local expert of pairs ``n`` (L for another rank's expert or "no expert"; Y_P2, counted
     nowhere, past the last pair)."""
     slot = n // TOP_K
@@ -210,10 +278,24 @@ def _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K: t
 
 
 @triton.jit
-def _expert_layout_kernel(recv_ptr, row_ptr, weight_ptr, pair_row_ptr, counts_ptr, num_real_ptr, first_expert,
-                          num_local_experts, num_slots, TOP_K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                          IDS_OFFSET: tl.constexpr, WEIGHTS_OFFSET: tl.constexpr, Y_P2: tl.constexpr,
-                          BLOCK_X: tl.constexpr, SCAN_X: tl.constexpr):
+def _expert_layout_kernel(
+    recv_ptr,
+    row_ptr,
+    weight_ptr,
+    pair_row_ptr,
+    counts_ptr,
+    num_real_ptr,
+    first_expert,
+    num_local_experts,
+    num_slots,
+    TOP_K: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    IDS_OFFSET: tl.constexpr,
+    WEIGHTS_OFFSET: tl.constexpr,
+    Y_P2: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    SCAN_X: tl.constexpr,
+):
     # Program i places pairs [i * BLOCK_X, (i + 1) * BLOCK_X). Every program first counts all pairs per
     # expert (the experts' starts) and those before its chunk (its offset inside each expert): the
     # keys are a few KB, read from L2 by every program, which beats a serial scan in one program.
@@ -224,8 +306,7 @@ def _expert_layout_kernel(recv_ptr, row_ptr, weight_ptr, pair_row_ptr, counts_pt
     before_Y = tl.zeros([Y_P2], dtype=tl.int32)
     for n0 in range(0, num_pairs, SCAN_X):
         n = n0 + tl.arange(0, SCAN_X)
-        key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET,
-                         Y_P2)
+        key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
         hot_XY = (key[:, None] == offs_y[None, :]).to(tl.int32)
         counts_Y += tl.sum(hot_XY, axis=0)
         before_Y += tl.sum(tl.where((n < chunk_start)[:, None], hot_XY, 0), axis=0)
@@ -260,17 +341,40 @@ def expert_layout(recv_SB: torch.Tensor, fmt: RowFormat, rank: int, num_local_ex
     y_p2 = _pow2(num_local_experts + 1)
     block_x = 128
     _expert_layout_kernel[(triton.cdiv(num_slots * top_k, block_x),)](
-        recv_SB, row_R, weight_R, pair_row_SK, counts_L, num_real_1, rank * num_local_experts, num_local_experts,
-        num_slots, TOP_K=top_k, ROW_BYTES=fmt.row_bytes, IDS_OFFSET=fmt.ids_offset,
-        WEIGHTS_OFFSET=fmt.weights_offset, Y_P2=y_p2, BLOCK_X=block_x, SCAN_X=max(16, min(1024, 8192 // y_p2)),
+        recv_SB,
+        row_R,
+        weight_R,
+        pair_row_SK,
+        counts_L,
+        num_real_1,
+        rank * num_local_experts,
+        num_local_experts,
+        num_slots,
+        TOP_K=top_k,
+        ROW_BYTES=fmt.row_bytes,
+        IDS_OFFSET=fmt.ids_offset,
+        WEIGHTS_OFFSET=fmt.weights_offset,
+        Y_P2=y_p2,
+        BLOCK_X=block_x,
+        SCAN_X=max(16, min(1024, 8192 // y_p2)),
     )
-    return KernelLayout(ExpertLayout(row_R=row_R, weight_R=weight_R, num_rows_per_expert_L=counts_L),
-                        pair_row_SK, num_real_1)
+    return KernelLayout(
+        ExpertLayout(row_R=row_R, weight_R=weight_R, num_rows_per_expert_L=counts_L), pair_row_SK, num_real_1
+    )
 
 
 @triton.jit
-def _gather_rows_kernel(recv_ptr, row_ptr, num_real_ptr, out_ptr, HIDDEN: tl.constexpr, ROW_BYTES: tl.constexpr,
-                        SCALES_OFFSET: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_rows_kernel(
+    recv_ptr,
+    row_ptr,
+    num_real_ptr,
+    out_ptr,
+    HIDDEN: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    SCALES_OFFSET: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     i = tl.program_id(0)
     if i < tl.load(num_real_ptr):
         src_row = recv_ptr + tl.load(row_ptr + i) * ROW_BYTES
@@ -281,8 +385,11 @@ def _gather_rows_kernel(recv_ptr, row_ptr, num_real_ptr, out_ptr, HIDDEN: tl.con
                 q_mask = h0 + offs_q * GROUP_V < HIDDEN
                 h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
                 q_QV = tl.load(src_row.to(tl.pointer_type(tl.float8e4nv)) + h_QV, mask=q_mask[:, None], other=0.0)
-                scale_Q = tl.load((src_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q,
-                                  mask=q_mask, other=0.0)
+                scale_Q = tl.load(
+                    (src_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q,
+                    mask=q_mask,
+                    other=0.0,
+                )
                 x_QV = q_QV.to(tl.float32) * scale_Q[:, None]
                 tl.store(out_row + h_QV, x_QV.to(out_ptr.dtype.element_ty), mask=q_mask[:, None])
             else:
@@ -294,9 +401,17 @@ def gather_rows(recv_SB: torch.Tensor, fixed: KernelLayout, fmt: RowFormat) -> t
     """``[R, H]`` expert inputs in expert order; rows past the real count are left unwritten."""
     num_rows = fixed.layout.row_R.shape[0]
     out_RH = torch.empty(num_rows, fmt.hidden, dtype=fmt.dtype, device=recv_SB.device)
-    _gather_rows_kernel[(num_rows,)](recv_SB, fixed.layout.row_R, fixed.num_real_1, out_RH, HIDDEN=fmt.hidden,
-                                     ROW_BYTES=fmt.row_bytes, SCALES_OFFSET=fmt.scales_offset, FP8=fmt.fp8,
-                                     BLOCK_H=_block_h(fmt.hidden, fmt.fp8))
+    _gather_rows_kernel[(num_rows,)](
+        recv_SB,
+        fixed.layout.row_R,
+        fixed.num_real_1,
+        out_RH,
+        HIDDEN=fmt.hidden,
+        ROW_BYTES=fmt.row_bytes,
+        SCALES_OFFSET=fmt.scales_offset,
+        FP8=fmt.fp8,
+        BLOCK_H=_block_h(fmt.hidden, fmt.fp8),
+    )
     return out_RH
 
 
@@ -304,9 +419,21 @@ def gather_rows(recv_SB: torch.Tensor, fixed: KernelLayout, fmt: RowFormat) -> t
 
 
 @triton.jit
-def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, anchor_ptr, dst_ptr, capacity,
-                         HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, ROW_BYTES: tl.constexpr,
-                         WEIGHTS_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr):
+def _reduce_pairs_kernel(
+    y_ptr,
+    pair_row_ptr,
+    num_real_ptr,
+    recv_ptr,
+    anchor_ptr,
+    dst_ptr,
+    capacity,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    WEIGHTS_OFFSET: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     s = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
     offs_k = tl.arange(0, K_P2)
@@ -320,20 +447,37 @@ def _reduce_pairs_kernel(y_ptr, pair_row_ptr, num_real_ptr, recv_ptr, anchor_ptr
         block = (anchor_ptr + tl.load(dst_ptr + s // capacity) * 16).to(y_ptr.dtype)
         dst_row = block + (s % capacity).to(tl.int64) * HIDDEN
         h = h0 + tl.arange(0, BLOCK_H)
-        y_KH = tl.load(y_ptr + row_K[:, None] * HIDDEN + h[None, :],
-                       mask=is_local_K[:, None] & (h[None, :] < HIDDEN), other=0.0).to(tl.float32)
+        y_KH = tl.load(
+            y_ptr + row_K[:, None] * HIDDEN + h[None, :], mask=is_local_K[:, None] & (h[None, :] < HIDDEN), other=0.0
+        ).to(tl.float32)
         tl.store(dst_row + h, tl.sum(y_KH * w_K[:, None], axis=0).to(y_ptr.dtype.element_ty), mask=h < HIDDEN)
 
 
-def reduce_pairs(expert_y_RH: torch.Tensor, fixed: KernelLayout, recv_SB: torch.Tensor, fmt: RowFormat, dst: Destinations,
-                 capacity: int) -> None:
+def reduce_pairs(
+    expert_y_RH: torch.Tensor,
+    fixed: KernelLayout,
+    recv_SB: torch.Tensor,
+    fmt: RowFormat,
+    dst: Destinations,
+    capacity: int,
+) -> None:
     """Each slot's weighted sum of its local experts' outputs, into row ``s % C`` of block
     ``s // C`` of ``dst``. Slots with no local pair are not written (their sender never reads them)."""
     num_slots, top_k = fixed.pair_row_SK.shape
     hidden = expert_y_RH.shape[1]
     block_h = block_h_for(hidden, _pow2(top_k))
     _reduce_pairs_kernel[(num_slots, triton.cdiv(hidden, block_h))](
-        expert_y_RH, fixed.pair_row_SK, fixed.num_real_1, recv_SB, dst.anchor, dst.offsets_P, capacity,
-        HIDDEN=hidden, TOP_K=top_k, K_P2=_pow2(top_k), ROW_BYTES=fmt.row_bytes, WEIGHTS_OFFSET=fmt.weights_offset,
+        expert_y_RH,
+        fixed.pair_row_SK,
+        fixed.num_real_1,
+        recv_SB,
+        dst.anchor,
+        dst.offsets_P,
+        capacity,
+        HIDDEN=hidden,
+        TOP_K=top_k,
+        K_P2=_pow2(top_k),
+        ROW_BYTES=fmt.row_bytes,
+        WEIGHTS_OFFSET=fmt.weights_offset,
         BLOCK_H=block_h,
     )

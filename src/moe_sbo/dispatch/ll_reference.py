@@ -70,8 +70,7 @@ class FixedLayout:
     is_local_SK: torch.Tensor
 
 
-def group_slots_by_expert(local_ids_SK: torch.Tensor, weights_SK: torch.Tensor,
-                          num_local_experts: int) -> FixedLayout:
+def group_slots_by_expert(local_ids_SK: torch.Tensor, weights_SK: torch.Tensor, num_local_experts: int) -> FixedLayout:
     """Every (slot, k) pair in expert order (stable: slot order inside an expert), real pairs first,
     pairs with local id -1 after them. Fixed shapes, no host read.
 
@@ -88,8 +87,9 @@ def group_slots_by_expert(local_ids_SK: torch.Tensor, weights_SK: torch.Tensor,
     # A comparison, not F.one_hot, which may read the keys' range on the host.
     one_hot_YX = (torch.arange(num_local_experts + 1, device=device)[:, None] == key_X[None, :]).to(torch.int32)
     seen_YX = one_hot_YX.cumsum(dim=1, dtype=torch.int32)
-    counts_Y = seen_YX[:, -1].long() if key_X.numel() else torch.zeros(num_local_experts + 1, dtype=torch.int64,
-                                                                           device=device)
+    counts_Y = (
+        seen_YX[:, -1].long() if key_X.numel() else torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
+    )
     start_Y = counts_Y.cumsum(0) - counts_Y
     rank_in_key_X = seen_YX.gather(0, key_X[None, :]).squeeze(0).long() - 1
     pair_row_X = start_Y[key_X] + rank_in_key_X  # where pair x lands in expert order
@@ -97,8 +97,9 @@ def group_slots_by_expert(local_ids_SK: torch.Tensor, weights_SK: torch.Tensor,
     is_real_R = torch.arange(key_X.shape[0], device=device) < start_Y[num_local_experts]
     row_R = torch.where(is_real_R, torch.div(order_R, k, rounding_mode="floor"), num_slots)
     pair_weight_SK = torch.where(is_local_SK, weights_SK.float(), 0.0)
-    layout = ExpertLayout(row_R=row_R, weight_R=pair_weight_SK.reshape(-1)[order_R],
-                          num_rows_per_expert_L=counts_Y[:num_local_experts])
+    layout = ExpertLayout(
+        row_R=row_R, weight_R=pair_weight_SK.reshape(-1)[order_R], num_rows_per_expert_L=counts_Y[:num_local_experts]
+    )
     return FixedLayout(layout, pair_row_X.view(num_slots, k), pair_weight_SK, is_local_SK)
 
 

@@ -68,7 +68,6 @@ class SymmBarrier:
         self.handle.barrier(channel=0)
 
 
-
 @functools.cache  # asked on every forward; the answer is fixed for the process
 def peers_reachable(ep_size: int) -> bool:
     """Whether an EP group of ``ep_size`` can be one node's GPUs with peer access between them all
@@ -81,8 +80,16 @@ def peers_reachable(ep_size: int) -> bool:
     return all(torch.cuda.can_device_access_peer(a, b) for a in range(num_gpus) for b in range(num_gpus) if a != b)
 
 
-def allocate_buffers(device: torch.device, dtype: torch.dtype, fmt: RowFormat, ep: EPGroup, capacity: int, *,
-                     symmetric: bool, collective: bool) -> Buffers:
+def allocate_buffers(
+    device: torch.device,
+    dtype: torch.dtype,
+    fmt: RowFormat,
+    ep: EPGroup,
+    capacity: int,
+    *,
+    symmetric: bool,
+    collective: bool,
+) -> Buffers:
     """One buffer set for ``ep.size * capacity`` slots of rows ``fmt``. ``symmetric``: receive buffers in
     symmetric memory (a collective rendezvous: every rank must allocate together); ``collective``:
     whether a communicator moves the blocks (if not, the kernels write the receive buffer directly)."""
@@ -100,8 +107,10 @@ def allocate_buffers(device: torch.device, dtype: torch.dtype, fmt: RowFormat, e
             recvs.append(recv)
         handles = (rendezvous[0], rendezvous[1])
         # This rank's block in each peer's receive buffer.
-        peer = [[h.get_buffer(p, (s + 1, cols), dt).data_ptr() for p in range(ep.size)]
-                for h, cols, dt in ((handles[0], fmt.row_bytes, torch.uint8), (handles[1], hidden, dtype))]
+        peer = [
+            [h.get_buffer(p, (s + 1, cols), dt).data_ptr() for p in range(ep.size)]
+            for h, cols, dt in ((handles[0], fmt.row_bytes, torch.uint8), (handles[1], hidden, dtype))
+        ]
         dispatch_dst = [ptr + rank * capacity * fmt.row_bytes for ptr in peer[0]]
         combine_dst = [ptr + rank * capacity * hidden * dtype.itemsize for ptr in peer[1]]
         dispatch_recv, combine_recv = recvs
@@ -116,13 +125,20 @@ def allocate_buffers(device: torch.device, dtype: torch.dtype, fmt: RowFormat, e
         combine_dst = [c_base.data_ptr() + p * capacity * hidden * dtype.itemsize for p in range(ep.size)]
     if ll_kernels is None:
         return Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv, None, None, *handles)
-    return Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv,
-                   ll_kernels.Destinations.make(dispatch_recv, dispatch_dst),
-                   ll_kernels.Destinations.make(combine_recv, combine_dst), *handles)
+    return Buffers(
+        dispatch_send,
+        dispatch_recv,
+        combine_send,
+        combine_recv,
+        ll_kernels.Destinations.make(dispatch_recv, dispatch_dst),
+        ll_kernels.Destinations.make(combine_recv, combine_dst),
+        *handles,
+    )
 
 
-def start_exchange(recv: torch.Tensor, send: torch.Tensor, *, fused: bool, barrier: Any, collective: bool,
-                   group: Any) -> list:
+def start_exchange(
+    recv: torch.Tensor, send: torch.Tensor, *, fused: bool, barrier: Any, collective: bool, group: Any
+) -> list:
     """Start the fixed-size transfer of ``send`` into ``recv``; the works to wait on. With the fused
     kernels the blocks are already in place for ``symm_mem`` (a barrier remains) and without a
     collective (nothing remains); otherwise an all-to-all, or a local copy."""
@@ -133,4 +149,3 @@ def start_exchange(recv: torch.Tensor, send: torch.Tensor, *, fused: bool, barri
             recv.copy_(send)
         return []
     return [dist.all_to_all_single(recv, send, group=group, async_op=True)]
-

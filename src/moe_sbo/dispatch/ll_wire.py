@@ -70,16 +70,24 @@ class RowFormat:
     row_bytes: int
 
     @classmethod
-    def make(cls, hidden: int, top_k: int, dtype: torch.dtype, fp8: bool) -> "RowFormat":
+    def make(cls, hidden: int, top_k: int, dtype: torch.dtype, fp8: bool) -> RowFormat:
         x_bytes = hidden * (1 if fp8 else dtype.itemsize)
         scales_offset = align(x_bytes, 4)
         ids_offset = scales_offset + (4 * hidden // FP8_GROUP if fp8 else 0)
         weights_offset = ids_offset + 4 * top_k
-        return cls(hidden, top_k, dtype, fp8, scales_offset, ids_offset, weights_offset,
-                   align(weights_offset + 4 * top_k, ROW_ALIGN_BYTES))
+        return cls(
+            hidden,
+            top_k,
+            dtype,
+            fp8,
+            scales_offset,
+            ids_offset,
+            weights_offset,
+            align(weights_offset + 4 * top_k, ROW_ALIGN_BYTES),
+        )
 
     def _part(self, rows_XB: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        return rows_XB[:, offset:offset + nbytes].view(dtype)
+        return rows_XB[:, offset : offset + nbytes].view(dtype)
 
     def ids(self, rows_XB: torch.Tensor) -> torch.Tensor:
         """int32 ``[X, K]`` view of the rows' global expert ids."""

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, EPGroup,
-                   Pending, Traffic, register_dispatcher)
+from .base import (
+    CombineInput,
+    Dispatcher,
+    DispatchHandle,
+    DispatchInput,
+    DispatchOutput,
+    EPGroup,
+    Pending,
+    Traffic,
+    register_dispatcher,
+)
 from .layout import combine_rows, group_rows_by_expert
 
 
@@ -19,8 +28,9 @@ class LocalDispatcher(Dispatcher):
     def _launch_dispatch(self, inp: DispatchInput) -> Pending:
         x_TH = inp.x_TH
         # Every pair is local here, so R = T * K is known without a host sync.
-        layout = group_rows_by_expert(inp.topk_ids_TK, inp.topk_weights_TK, self.num_local_experts,
-                                      inp.topk_ids_TK.numel())
+        layout = group_rows_by_expert(
+            inp.topk_ids_TK, inp.topk_weights_TK, self.num_local_experts, inp.topk_ids_TK.numel()
+        )
         handle = DispatchHandle(x_TH.shape[0], x_TH.shape[1], x_TH.dtype, layout, Traffic())
         return Pending(works=[], state=x_TH, handle=handle)
 

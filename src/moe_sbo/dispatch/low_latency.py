@@ -48,9 +48,18 @@ import torch
 import torch.distributed as dist
 
 from ..hooks import HookFn
-from .base import (CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Dispatcher, EPGroup, Pending,
-                   Traffic, register_dispatcher)
-from .ll_reference import FixedLayout, group_slots_by_expert, plan_send, reduce_pairs
+from .base import (
+    CombineInput,
+    Dispatcher,
+    DispatchHandle,
+    DispatchInput,
+    DispatchOutput,
+    EPGroup,
+    Pending,
+    Traffic,
+    register_dispatcher,
+)
+from .ll_reference import group_slots_by_expert, plan_send, reduce_pairs
 from .ll_transport import Buffers, RoundCounter, allocate_buffers, ll_kernels, peers_reachable, start_exchange
 from .ll_wire import FP8_GROUP, RowFormat
 from .reduce import gather_sum, interpreting_triton
@@ -118,8 +127,17 @@ class LowLatencyDispatcher(Dispatcher):
     name = "low_latency"
     graph_capturable = True  # a fact of the scheme (fixed shapes, no host read), not a knob
 
-    def __init__(self, num_experts: int, ep: EPGroup, *, max_tokens_per_rank: int = 128, fp8: bool = False,
-                 num_buffers: int = 2, kernels: str = "auto", transport: str = "auto"):
+    def __init__(
+        self,
+        num_experts: int,
+        ep: EPGroup,
+        *,
+        max_tokens_per_rank: int = 128,
+        fp8: bool = False,
+        num_buffers: int = 2,
+        kernels: str = "auto",
+        transport: str = "auto",
+    ):
         super().__init__(num_experts, ep)
         for option, value in (("max_tokens_per_rank", max_tokens_per_rank), ("num_buffers", num_buffers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -129,11 +147,15 @@ class LowLatencyDispatcher(Dispatcher):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if (kernels == "triton" or transport == "symm_mem") and ll_kernels is None:
-            raise ValueError(f"kernels={kernels!r} / transport={transport!r} need Triton, which does not import "
-                             "here; pip install triton, or use kernels='torch', transport='nccl'")
+            raise ValueError(
+                f"kernels={kernels!r} / transport={transport!r} need Triton, which does not import "
+                "here; pip install triton, or use kernels='torch', transport='nccl'"
+            )
         if transport == "symm_mem" and kernels == "torch":
-            raise ValueError("transport='symm_mem' writes into the peers' buffers from the fused Triton kernels; "
-                             "use kernels='triton' or 'auto' with it, or transport='nccl' with kernels='torch'")
+            raise ValueError(
+                "transport='symm_mem' writes into the peers' buffers from the fused Triton kernels; "
+                "use kernels='triton' or 'auto' with it, or transport='nccl' with kernels='torch'"
+            )
         self.capacity = max_tokens_per_rank
         self.fp8 = bool(fp8)
         self.num_buffers = num_buffers
@@ -231,9 +253,12 @@ class LowLatencyDispatcher(Dispatcher):
                 # Normal tensors even when first used under inference_mode: inference tensors could
                 # not be written by a later forward under plain no_grad.
                 symmetric = self.transport_for(device) == "symm_mem"
-                self._buffers[key] = [allocate_buffers(device, dtype, fmt, self.ep, self.capacity, symmetric=symmetric,
-                                                       collective=self._collective)
-                                      for _ in range(self.num_buffers)]
+                self._buffers[key] = [
+                    allocate_buffers(
+                        device, dtype, fmt, self.ep, self.capacity, symmetric=symmetric, collective=self._collective
+                    )
+                    for _ in range(self.num_buffers)
+                ]
         return self._buffers[key]
 
     def _check_round(self, generation: int) -> None:
@@ -246,8 +271,9 @@ class LowLatencyDispatcher(Dispatcher):
             )
 
     def _exchange(self, recv: torch.Tensor, send: torch.Tensor, fused: bool, barrier) -> list:
-        return start_exchange(recv, send, fused=fused, barrier=barrier, collective=self._collective,
-                              group=self.ep.group)
+        return start_exchange(
+            recv, send, fused=fused, barrier=barrier, collective=self._collective, group=self.ep.group
+        )
 
     # ---- the four phases -----------------------------------------------------------------------------
 
@@ -261,9 +287,16 @@ class LowLatencyDispatcher(Dispatcher):
         fused = self.uses_triton(x_TH.device)
         if fused:
             slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
-            ids_ok_C = ll_kernels.pack_rows(x_TH.contiguous(), ids_TK.contiguous(),
-                                            inp.topk_weights_TK.float().contiguous(), bufs.dispatch_dst, slot_TP,
-                                            fmt, self.num_local_experts, self.capacity)
+            ids_ok_C = ll_kernels.pack_rows(
+                x_TH.contiguous(),
+                ids_TK.contiguous(),
+                inp.topk_weights_TK.float().contiguous(),
+                bufs.dispatch_dst,
+                slot_TP,
+                fmt,
+                self.num_local_experts,
+                self.capacity,
+            )
             if x_TH.device.type == "cuda":
                 torch._assert_async(ids_ok_C.amin(), f"topk_ids must lie in [-1, {self.num_experts})")
         else:
@@ -271,8 +304,9 @@ class LowLatencyDispatcher(Dispatcher):
             rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
             torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
             slot_TP = plan.slot_TP
-        works = self._exchange(bufs.dispatch_recv_SB[:self.num_slots], bufs.dispatch_send_SB, fused,
-                               bufs.dispatch_barrier)
+        works = self._exchange(
+            bufs.dispatch_recv_SB[: self.num_slots], bufs.dispatch_send_SB, fused, bufs.dispatch_barrier
+        )
         block_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
         traffic = Traffic(dispatch_bytes_sent=block_bytes, dispatch_bytes_recv=block_bytes)
         return Pending(works=works, state=_InFlightDispatch(fmt, slot_TP, bufs, generation, num_tokens, traffic))
@@ -283,17 +317,25 @@ class LowLatencyDispatcher(Dispatcher):
         self._check_round(s.generation)
         recv_SB = s.buffers.dispatch_recv_SB
         if self.uses_triton(recv_SB.device):
-            fixed = ll_kernels.expert_layout(recv_SB[:self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
+            fixed = ll_kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
             expert_x_RH = ll_kernels.gather_rows(recv_SB, fixed, s.fmt)
         else:
-            local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[:self.num_slots]).long(), self.ep.rank)
-            fixed = group_slots_by_expert(local_ids_SK, s.fmt.weights(recv_SB[:self.num_slots]),
-                                          self.num_local_experts)
+            local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
+            fixed = group_slots_by_expert(
+                local_ids_SK, s.fmt.weights(recv_SB[: self.num_slots]), self.num_local_experts
+            )
             # x of all S + 1 rows (the last is the zero padding slot), then one gather into expert order.
             expert_x_RH = s.fmt.x(recv_SB)[fixed.layout.row_R]
         handle = LowLatencyHandle(
-            num_tokens=s.num_tokens, hidden_size=s.fmt.hidden, dtype=s.fmt.dtype, layout=fixed.layout,
-            traffic=s.traffic, slot_TP=s.slot_TP, fmt=s.fmt, fixed=fixed, buffers=s.buffers,
+            num_tokens=s.num_tokens,
+            hidden_size=s.fmt.hidden,
+            dtype=s.fmt.dtype,
+            layout=fixed.layout,
+            traffic=s.traffic,
+            slot_TP=s.slot_TP,
+            fmt=s.fmt,
+            fixed=fixed,
+            buffers=s.buffers,
             generation=s.generation,
         )
         return self._output(expert_x_RH, handle)
@@ -304,12 +346,19 @@ class LowLatencyDispatcher(Dispatcher):
         bufs = handle.buffers
         fused = isinstance(handle.fixed, ll_kernels.KernelLayout) if ll_kernels is not None else False
         if fused:
-            ll_kernels.reduce_pairs(inp.expert_y_RH.contiguous(), handle.fixed, bufs.dispatch_recv_SB, handle.fmt,
-                                    bufs.combine_dst, self.capacity)
+            ll_kernels.reduce_pairs(
+                inp.expert_y_RH.contiguous(),
+                handle.fixed,
+                bufs.dispatch_recv_SB,
+                handle.fmt,
+                bufs.combine_dst,
+                self.capacity,
+            )
         else:
             bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
-        works = self._exchange(bufs.combine_recv_SH[:self.num_slots], bufs.combine_send_SH, fused,
-                               bufs.combine_barrier)
+        works = self._exchange(
+            bufs.combine_recv_SH[: self.num_slots], bufs.combine_send_SH, fused, bufs.combine_barrier
+        )
         block_bytes = (self.ep.size - 1) * self.capacity * handle.hidden_size * bufs.combine_send_SH.element_size()
         traffic = Traffic(combine_bytes_sent=block_bytes, combine_bytes_recv=block_bytes)
         return Pending(works=works, state=(bufs.combine_recv_SH, fused), traffic=traffic)
@@ -320,8 +369,9 @@ class LowLatencyDispatcher(Dispatcher):
         self._check_round(handle.generation)
         recv_SH, fused = pending.state
         # Each token's P returned rows (slot S where it sent nothing), summed in float32 in a fixed order.
-        return gather_sum(recv_SH[:self.num_slots], handle.slot_TP, out_dtype=handle.dtype,
-                          kernels="triton" if fused else "torch")
+        return gather_sum(
+            recv_SH[: self.num_slots], handle.slot_TP, out_dtype=handle.dtype, kernels="triton" if fused else "torch"
+        )
 
 
 def mask_padding_tokens(num_tokens: torch.Tensor) -> HookFn:

@@ -39,21 +39,32 @@ def interpreting_triton() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gather_sum_kernel(src_ptr, index_ptr, weight_ptr, out_ptr, num_src, HIDDEN: tl.constexpr,
-                           TOP_K: tl.constexpr, K_P2: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                           BLOCK_H: tl.constexpr):
+    def _gather_sum_kernel(
+        src_ptr,
+        index_ptr,
+        weight_ptr,
+        out_ptr,
+        num_src,
+        HIDDEN: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_P2: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         y = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_k = tl.arange(0, K_P2)
         index_K = tl.load(index_ptr + y.to(tl.int64) * TOP_K + offs_k, mask=offs_k < TOP_K, other=num_src)
         valid_K = index_K < num_src
-        src_KH = tl.load(src_ptr + index_K[:, None] * HIDDEN + h[None, :],
-                         mask=valid_K[:, None] & (h[None, :] < HIDDEN), other=0.0).to(tl.float32)
+        src_KH = tl.load(
+            src_ptr + index_K[:, None] * HIDDEN + h[None, :], mask=valid_K[:, None] & (h[None, :] < HIDDEN), other=0.0
+        ).to(tl.float32)
         if HAS_WEIGHT:
             w_K = tl.load(weight_ptr + index_K, mask=valid_K, other=0.0).to(tl.float32)
             src_KH = src_KH * w_K[:, None]
-        tl.store(out_ptr + y.to(tl.int64) * HIDDEN + h, tl.sum(src_KH, axis=0).to(out_ptr.dtype.element_ty),
-                 mask=h < HIDDEN)
+        tl.store(
+            out_ptr + y.to(tl.int64) * HIDDEN + h, tl.sum(src_KH, axis=0).to(out_ptr.dtype.element_ty), mask=h < HIDDEN
+        )
 
 
 def block_h_for(hidden: int, k_p2: int, min_block: int = 16) -> int:
@@ -71,13 +82,20 @@ def uses_triton(device: torch.device, kernels: str = "auto") -> bool:
         return False
     if kernels == "triton" and (triton is None or (device.type != "cuda" and not interpreting_triton())):
         missing = "" if triton else " and no Triton"
-        raise ValueError("kernels='triton' needs Triton and CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU "
-                         f"interpreter); got {device} tensors{missing}: use 'auto' or 'torch'")
+        raise ValueError(
+            "kernels='triton' needs Triton and CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU "
+            f"interpreter); got {device} tensors{missing}: use 'auto' or 'torch'"
+        )
     return device.type == "cuda" or kernels == "triton"
 
 
-def gather_sum(src_XH: torch.Tensor, index_YK: torch.Tensor, weight_X: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.float32, kernels: str = "auto") -> torch.Tensor:
+def gather_sum(
+    src_XH: torch.Tensor,
+    index_YK: torch.Tensor,
+    weight_X: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    kernels: str = "auto",
+) -> torch.Tensor:
     """``[Y, H]`` in ``out_dtype``: row y is the (weighted) sum of ``src_XH[index_YK[y, k]]`` over k.
 
     Y: the output rows. ``index_YK`` integer, each in ``[0, X]``; X (one past the last row) marks "no
@@ -96,8 +114,16 @@ def gather_sum(src_XH: torch.Tensor, index_YK: torch.Tensor, weight_X: torch.Ten
         block_h = block_h_for(hidden, k_p2)
         src = src_XH.contiguous()
         _gather_sum_kernel[(num_rows, triton.cdiv(hidden, block_h))](
-            src, index_YK.contiguous(), src if weight_X is None else weight_X.contiguous(), out_YH, num_src,
-            HIDDEN=hidden, TOP_K=top_k, K_P2=k_p2, HAS_WEIGHT=weight_X is not None, BLOCK_H=block_h,
+            src,
+            index_YK.contiguous(),
+            src if weight_X is None else weight_X.contiguous(),
+            out_YH,
+            num_src,
+            HIDDEN=hidden,
+            TOP_K=top_k,
+            K_P2=k_p2,
+            HAS_WEIGHT=weight_X is not None,
+            BLOCK_H=block_h,
         )
         return out_YH
     # Accumulate in float32: in the output itself when it is float32, else in a temporary.

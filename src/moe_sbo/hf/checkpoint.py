@@ -65,8 +65,13 @@ class ReadReport:
     bytes_read: int
 
     def as_dict(self) -> dict:
-        return {"layer": self.layer, "experts": [self.expert_ids.start, self.expert_ids.stop],
-                "files": list(self.files), "tensors": len(self.tensors), "bytes_read": self.bytes_read}
+        return {
+            "layer": self.layer,
+            "experts": [self.expert_ids.start, self.expert_ids.stop],
+            "files": list(self.files),
+            "tensors": len(self.tensors),
+            "bytes_read": self.bytes_read,
+        }
 
 
 @dataclass(frozen=True)
@@ -112,8 +117,9 @@ class Checkpoint:
         except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
             raise ValueError(f"{config_path}: {err}") from None
         self.moe_layers = moe_layer_indices(self.hf_config)
-        self.fp8_block = tuple((self.hf_config.get("quantization_config") or {}).get(
-            "weight_block_size", DEFAULT_FP8_BLOCK))
+        self.fp8_block = tuple(
+            (self.hf_config.get("quantization_config") or {}).get("weight_block_size", DEFAULT_FP8_BLOCK)
+        )
         self.weight_map, self.map_source = _weight_map(self.path)
 
     def resolve_layer(self, layer: int | None) -> int:
@@ -131,8 +137,9 @@ class Checkpoint:
         return layer
 
     @torch.no_grad()
-    def read_moe_weights(self, layer: int, expert_ids: range | None = None,
-                         dtype: torch.dtype | None = None) -> tuple[MoEWeights, ReadReport]:
+    def read_moe_weights(
+        self, layer: int, expert_ids: range | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[MoEWeights, ReadReport]:
         """The weights of MoE layer ``layer``: router, shared experts, and routed experts ``expert_ids``.
 
         ``expert_ids`` (default: all E) must be contiguous: the routed tensors come back with one row
@@ -145,8 +152,11 @@ class Checkpoint:
         layer = self.resolve_layer(layer)
         num_experts = self.moe_config.num_experts
         expert_ids = range(num_experts) if expert_ids is None else expert_ids
-        if not isinstance(expert_ids, range) or expert_ids.step != 1 or not (
-                0 <= expert_ids.start < expert_ids.stop <= num_experts):
+        if (
+            not isinstance(expert_ids, range)
+            or expert_ids.step != 1
+            or not (0 <= expert_ids.start < expert_ids.stop <= num_experts)
+        ):
             raise ValueError(f"expert_ids must be a contiguous range inside [0, {num_experts}), got {expert_ids!r}")
         pieces = self._pieces(layer, expert_ids)
         tensors: dict[str, torch.Tensor] = {}
@@ -175,24 +185,30 @@ class Checkpoint:
             pieces.append(piece("gate.e_score_correction_bias", (e,), "bias"))
         if prefix + "experts.gate_up_proj" in self.weight_map:  # stacked, as transformers holds them
             rows = slice(expert_ids.start, expert_ids.stop)
-            pieces += [piece("experts.gate_up_proj", (e, 2 * i, h), "gate_up", rows=rows),
-                       piece("experts.down_proj", (e, h, i), "down", rows=rows)]
+            pieces += [
+                piece("experts.gate_up_proj", (e, 2 * i, h), "gate_up", rows=rows),
+                piece("experts.down_proj", (e, h, i), "down", rows=rows),
+            ]
         else:
             for row, expert in enumerate(expert_ids):  # gate rows first in gate_up, as transformers stacks them
                 what, name = f"expert {expert} of layer {layer}", f"experts.{expert}."
-                pieces += [piece(name + "gate_proj.weight", (i, h), "gate_up", (row, slice(0, i)), what=what),
-                           piece(name + "up_proj.weight", (i, h), "gate_up", (row, slice(i, 2 * i)), what=what),
-                           piece(name + "down_proj.weight", (h, i), "down", (row,), what=what)]
+                pieces += [
+                    piece(name + "gate_proj.weight", (i, h), "gate_up", (row, slice(0, i)), what=what),
+                    piece(name + "up_proj.weight", (i, h), "gate_up", (row, slice(i, 2 * i)), what=what),
+                    piece(name + "down_proj.weight", (h, i), "down", (row,), what=what),
+                ]
         if s:
             what, name = f"shared experts of layer {layer}", "shared_experts."
-            pieces += [piece(name + "gate_proj.weight", (s, h), "shared_gate_up", (slice(0, s),), what=what),
-                       piece(name + "up_proj.weight", (s, h), "shared_gate_up", (slice(s, 2 * s),), what=what),
-                       piece(name + "down_proj.weight", (h, s), "shared_down", what=what)]
+            pieces += [
+                piece(name + "gate_proj.weight", (s, h), "shared_gate_up", (slice(0, s),), what=what),
+                piece(name + "up_proj.weight", (s, h), "shared_gate_up", (slice(s, 2 * s),), what=what),
+                piece(name + "down_proj.weight", (h, s), "shared_down", what=what),
+            ]
         return pieces
 
     # ---- reading --------------------------------------------------------------------------------
 
-    def _read(self, pieces: list[_Piece], sink: "_Assembler | None") -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    def _read(self, pieces: list[_Piece], sink: _Assembler | None) -> tuple[tuple[str, ...], tuple[str, ...], int]:
         """Check ``pieces`` against the file headers, then (with a ``sink``) read them into it.
 
         Returns (files opened, tensors read, bytes read). Files are opened once each, in the order
@@ -202,6 +218,7 @@ class Checkpoint:
 
         opened: dict[str, tuple[object, set[str]]] = {}  # file -> (open file, its tensor names)
         with contextlib.ExitStack() as stack:
+
             def check(p: _Piece) -> str:
                 if p.file not in opened:
                     path = self.path / p.file
@@ -235,8 +252,9 @@ class Checkpoint:
     def _check_header(self, f, names: set[str], p: _Piece) -> str:
         """The stored dtype of ``p`` after checking it exists with the expected shape in its file."""
         if p.name not in names:
-            raise ValueError(f"{self.path / p.file}: tensor {p.name} ({p.what}) is missing, "
-                             f"though {self.map_source} places it there")
+            raise ValueError(
+                f"{self.path / p.file}: tensor {p.name} ({p.what}) is missing, though {self.map_source} places it there"
+            )
         header = f.get_slice(p.name)
         shape, stored = tuple(header.get_shape()), header.get_dtype()
         if shape != p.shape:
@@ -247,9 +265,11 @@ class Checkpoint:
                 f"{cfg.num_experts} routed and {cfg.num_shared_experts} shared experts: the weights do not match it"
             )
         if stored not in STORED_BYTES:
-            raise ValueError(f"{self.path / p.file}: tensor {p.name} must be stored as one of "
-                             f"{sorted(STORED_BYTES)}, got {stored}; quantised formats other than "
-                             "FP8 e4m3 with 128x128 block scales are not supported")
+            raise ValueError(
+                f"{self.path / p.file}: tensor {p.name} must be stored as one of "
+                f"{sorted(STORED_BYTES)}, got {stored}; quantised formats other than "
+                "FP8 e4m3 with 128x128 block scales are not supported"
+            )
         return stored
 
     def _scale_piece(self, p: _Piece) -> _Piece:
@@ -272,8 +292,9 @@ def _weight_map(path: Path) -> tuple[dict[str, str], str]:
         try:
             return dict(json.loads(index.read_text())["weight_map"]), str(index)
         except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{index} must be JSON with a weight_map of tensor name -> file, "
-                             f"got an error: {err}") from None
+            raise ValueError(
+                f"{index} must be JSON with a weight_map of tensor name -> file, got an error: {err}"
+            ) from None
     single = path / SINGLE_FILE
     if single.is_file():
         from safetensors import safe_open
@@ -293,8 +314,9 @@ def _load(f, p: _Piece) -> torch.Tensor:
     return f.get_tensor(p.name) if p.rows is None else f.get_slice(p.name)[p.rows]
 
 
-def dequantize_fp8_blocks(weight_OU: torch.Tensor, scale_inv_ou: torch.Tensor,
-                          block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> torch.Tensor:
+def dequantize_fp8_blocks(
+    weight_OU: torch.Tensor, scale_inv_ou: torch.Tensor, block: tuple[int, int] = DEFAULT_FP8_BLOCK
+) -> torch.Tensor:
     """FP8 block-quantised weight -> float32 ``weight * scale`` of its block, as DeepSeek-V3 stores them.
 
     ``weight_OU`` [..., O, U] float8_e4m3fn; ``scale_inv_ou`` [..., ceil(O/b0), ceil(U/b1)] float32,
@@ -313,8 +335,14 @@ class _Assembler:
 
     def __init__(self, cfg: MoEConfig, num_local: int, dtype: torch.dtype | None, out: dict[str, torch.Tensor]):
         h, i, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
-        self.shapes = {"router": (cfg.num_experts, h), "bias": (cfg.num_experts,), "gate_up": (num_local, 2 * i, h),
-                       "down": (num_local, h, i), "shared_gate_up": (2 * s, h), "shared_down": (h, s)}
+        self.shapes = {
+            "router": (cfg.num_experts, h),
+            "bias": (cfg.num_experts,),
+            "gate_up": (num_local, 2 * i, h),
+            "down": (num_local, h, i),
+            "shared_gate_up": (2 * s, h),
+            "shared_down": (h, s),
+        }
         self.dtype, self.out = dtype, out
 
     def put(self, p: _Piece, tensor: torch.Tensor, fp8: bool) -> None:
@@ -329,9 +357,12 @@ class _Assembler:
 
 def _weights(parts: dict[str, torch.Tensor]) -> MoEWeights:
     return MoEWeights(
-        router_weight_EH=parts["router"], e_score_correction_bias_E=parts.get("bias"),
-        gate_up_proj_E2IH=parts["gate_up"], down_proj_EHI=parts["down"],
-        shared_gate_up_proj_2JH=parts.get("shared_gate_up"), shared_down_proj_HJ=parts.get("shared_down"),
+        router_weight_EH=parts["router"],
+        e_score_correction_bias_E=parts.get("bias"),
+        gate_up_proj_E2IH=parts["gate_up"],
+        down_proj_EHI=parts["down"],
+        shared_gate_up_proj_2JH=parts.get("shared_gate_up"),
+        shared_down_proj_HJ=parts.get("shared_down"),
     )
 
 

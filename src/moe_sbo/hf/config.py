@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..config import MoEConfig
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "qwen3_moe")
@@ -43,17 +41,20 @@ def config_from_hf(config: Any, name: str | None = None) -> MoEConfig:
     """
     architectures = _get(config, "architectures", default=[]) or []
     model_type = _get(config, "model_type", default="") or next(
-        (ARCHITECTURE_MODEL_TYPES[a] for a in architectures if a in ARCHITECTURE_MODEL_TYPES), "")
+        (ARCHITECTURE_MODEL_TYPES[a] for a in architectures if a in ARCHITECTURE_MODEL_TYPES), ""
+    )
     if model_type and model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
             "moe-sbo reads DeepSeek-V2/V3, Kimi-K2 and Qwen3-MoE configs"
         )
     num_experts = _get(config, "n_routed_experts", "num_experts", "num_local_experts")
-    for label, value in (("hidden_size", _get(config, "hidden_size")),
-                         ("moe_intermediate_size", _get(config, "moe_intermediate_size")),
-                         ("n_routed_experts or num_experts", num_experts),
-                         ("num_experts_per_tok", _get(config, "num_experts_per_tok"))):
+    for label, value in (
+        ("hidden_size", _get(config, "hidden_size")),
+        ("moe_intermediate_size", _get(config, "moe_intermediate_size")),
+        ("n_routed_experts or num_experts", num_experts),
+        ("num_experts_per_tok", _get(config, "num_experts_per_tok")),
+    ):
         if value is None:
             raise ValueError(
                 f"model config must have {label}, got a config without it; pass the config.json of a "
@@ -70,8 +71,9 @@ def config_from_hf(config: Any, name: str | None = None) -> MoEConfig:
         hf_architecture=architectures[0] if architectures else "",
     )
     if model_type == "qwen3_moe":  # no groups, no shared experts, no scaling factor
-        return MoEConfig(**common, num_shared_experts=0, topk_method="greedy", scoring_func="softmax",
-                         first_k_dense_replace=0)
+        return MoEConfig(
+            **common, num_shared_experts=0, topk_method="greedy", scoring_func="softmax", first_k_dense_replace=0
+        )
     # DeepSeek-V3's modelling code routes with sigmoid noaux_tc whatever the file says.
     v3_like = model_type in ("deepseek_v3", "kimi_k2")
     return MoEConfig(
@@ -123,10 +125,14 @@ def moe_layer_indices(config: Any) -> list[int]:
 def moe_layer_rule(config: Any) -> str:
     """The rule ``moe_layer_indices`` applies, in words with this config's values (for error messages)."""
     if model_family(config) == "qwen3_moe":
-        return (f"MoE iff layer not in mlp_only_layers={_get(config, 'mlp_only_layers', default=[]) or []} "
-                f"and (layer + 1) % decoder_sparse_step={_get(config, 'decoder_sparse_step', default=1)} == 0")
-    return (f"MoE iff layer >= first_k_dense_replace={_get(config, 'first_k_dense_replace', default=0)} "
-            f"and layer % moe_layer_freq={_get(config, 'moe_layer_freq', default=1)} == 0")
+        return (
+            f"MoE iff layer not in mlp_only_layers={_get(config, 'mlp_only_layers', default=[]) or []} "
+            f"and (layer + 1) % decoder_sparse_step={_get(config, 'decoder_sparse_step', default=1)} == 0"
+        )
+    return (
+        f"MoE iff layer >= first_k_dense_replace={_get(config, 'first_k_dense_replace', default=0)} "
+        f"and layer % moe_layer_freq={_get(config, 'moe_layer_freq', default=1)} == 0"
+    )
 
 
 def resolve_moe_layer(config: Any, layer: int | None) -> int:

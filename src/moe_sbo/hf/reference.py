@@ -53,14 +53,22 @@ def reference_moe_block(config: dict, weights: MoEWeights) -> torch.nn.Module:
     }[model_family(config)]
     hf_config = config_cls(**{k: v for k, v in config.items() if k not in ("model_type", "auto_map")})
     hf_config._experts_implementation = "eager"  # the plain per-expert loop: the most literal reference
-    state = {"gate.weight": weights.router_weight_EH, "experts.gate_up_proj": weights.gate_up_proj_E2IH,
-             "experts.down_proj": weights.down_proj_EHI}
+    state = {
+        "gate.weight": weights.router_weight_EH,
+        "experts.gate_up_proj": weights.gate_up_proj_E2IH,
+        "experts.down_proj": weights.down_proj_EHI,
+    }
     if weights.e_score_correction_bias_E is not None and block_cls is DeepseekV3MoE:
         state["gate.e_score_correction_bias"] = weights.e_score_correction_bias_E
     if block_cls is not Qwen3MoeSparseMoeBlock:
         gate_JH, up_JH = weights.shared_gate_up_proj_2JH.chunk(2)
-        state.update({"shared_experts.gate_proj.weight": gate_JH, "shared_experts.up_proj.weight": up_JH,
-                      "shared_experts.down_proj.weight": weights.shared_down_proj_HJ})
+        state.update(
+            {
+                "shared_experts.gate_proj.weight": gate_JH,
+                "shared_experts.up_proj.weight": up_JH,
+                "shared_experts.down_proj.weight": weights.shared_down_proj_HJ,
+            }
+        )
     with torch.device("meta"):
         block = block_cls(hf_config)
     block.load_state_dict(state, assign=True)

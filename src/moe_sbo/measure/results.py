@@ -21,10 +21,20 @@ import torch
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=5,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=5,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -23,8 +23,14 @@ if TYPE_CHECKING:
     from ..layer import MoELayer
 
 # Hook events stamped inside one forward, plus "start"/"end" around it.
-HOOK_STAMPS = ("pre_dispatch", "dispatch_in_flight", "post_dispatch", "pre_combine", "combine_in_flight",
-               "post_combine")
+HOOK_STAMPS = (
+    "pre_dispatch",
+    "dispatch_in_flight",
+    "post_dispatch",
+    "pre_combine",
+    "combine_in_flight",
+    "post_combine",
+)
 STAMPS = ("start", *HOOK_STAMPS, "end")
 # (name, from stamp, to stamp) of every reported span.
 SPANS = (
@@ -90,11 +96,15 @@ class KernelTimer:
         if device.type == "cuda":
             try:
                 from triton.testing import do_bench
+
                 self.do_bench = do_bench
             except Exception:  # noqa: BLE001 - any import failure means: use events
                 self.do_bench = None
-        self.name = "triton.testing.do_bench(median)" if self.do_bench else (
-            "cuda events (median)" if device.type == "cuda" else "host clock (median)")
+        self.name = (
+            "triton.testing.do_bench(median)"
+            if self.do_bench
+            else ("cuda events (median)" if device.type == "cuda" else "host clock (median)")
+        )
 
     def __call__(self, fn: Callable[[], object]) -> float:
         if self.do_bench is not None:
@@ -110,7 +120,7 @@ class KernelTimer:
         return statistics.median(stamps.span_us("start", "end"))
 
 
-def time_layer(layer: "MoELayer", x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
+def time_layer(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
     """Median µs of every span in ``SPANS`` over ``iters`` forwards, stamped from dispatcher hooks."""
     stamps = Stamps(x_TH.device, iters, STAMPS)
     with layer.dispatcher.hooks.scope() as scope:
@@ -125,8 +135,9 @@ def time_layer(layer: "MoELayer", x_TH: torch.Tensor, warmup: int, iters: int) -
     return {name: statistics.median(stamps.span_us(a, b)) for name, a, b in SPANS}
 
 
-def time_all_to_all(chunk_elems: int, dtype: torch.dtype, device: torch.device, warmup: int, iters: int,
-                    seed: int) -> float:
+def time_all_to_all(
+    chunk_elems: int, dtype: torch.dtype, device: torch.device, warmup: int, iters: int, seed: int
+) -> float:
     """Median µs of one raw ``all_to_all_single`` sending ``chunk_elems`` elements to every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
     generator = torch.Generator(device=device).manual_seed(seed * 104_729 + rank)

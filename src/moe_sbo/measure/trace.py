@@ -11,19 +11,22 @@ host (found through the launch's correlation id), or ``comm`` when it is a NCCL 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from ..profiling import PREFIX
 
 COLORS = {
-    "shared_experts": "#d62728", "routed_experts": "#1f77b4", "dispatch": "#2ca02c", "combine": "#9467bd",
-    "comm": "#ff7f0e", "router": "#8c564b", "attention": "#17becf", "other": "#bbbbbb",
+    "shared_experts": "#d62728",
+    "routed_experts": "#1f77b4",
+    "dispatch": "#2ca02c",
+    "combine": "#9467bd",
+    "comm": "#ff7f0e",
+    "router": "#8c564b",
+    "attention": "#17becf",
+    "other": "#bbbbbb",
 }
 
 
@@ -47,7 +50,7 @@ def spans_from_trace(trace: dict) -> list[Span]:
     for e in events:
         cat, args = e.get("cat", ""), e.get("args", {})
         if cat == "user_annotation" and e["name"].startswith(PREFIX):
-            annotations[e["tid"]].append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][len(PREFIX):]))
+            annotations[e["tid"]].append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][len(PREFIX) :]))
         elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
             launches[args["correlation"]] = (e["tid"], float(e["ts"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -57,13 +60,17 @@ def spans_from_trace(trace: dict) -> list[Span]:
     if kernels:
         spans = [_kernel_span(k, launches, annotations) for k in kernels]
     else:  # CPU: the host's annotated phases, one lane per kind
-        spans = [Span(f"host: {kind}", kind, start, end - start, kind)
-                 for tid_spans in annotations.values() for start, end, kind in tid_spans]
+        spans = [
+            Span(f"host: {kind}", kind, start, end - start, kind)
+            for tid_spans in annotations.values()
+            for start, end, kind in tid_spans
+        ]
     if not spans:
         return []
     origin = min(s.start_us for s in spans)
-    return sorted((Span(s.lane, s.kind, s.start_us - origin, s.dur_us, s.name) for s in spans),
-                  key=lambda s: (s.lane, s.start_us))
+    return sorted(
+        (Span(s.lane, s.kind, s.start_us - origin, s.dur_us, s.name) for s in spans), key=lambda s: (s.lane, s.start_us)
+    )
 
 
 def _kernel_span(kernel: dict, launches: dict, annotations: dict) -> Span:
@@ -82,7 +89,7 @@ def _kernel_span(kernel: dict, launches: dict, annotations: dict) -> Span:
 def _innermost(spans: list[tuple[float, float, str]], t: float) -> str | None:
     """Kind of the shortest annotation containing time ``t`` (spans sorted by start)."""
     best = None
-    for start, end, kind in spans[:bisect.bisect_right(spans, (t, float("inf"), ""))]:
+    for start, end, kind in spans[: bisect.bisect_right(spans, (t, float("inf"), ""))]:
         if start <= t <= end and (best is None or end - start < best[1] - best[0]):
             best = (start, end, kind)
     return best[2] if best else None
@@ -110,8 +117,13 @@ def plot_timeline(spans_by_title: dict[str, list[Span]], path: str | Path, title
     if not panels:
         raise ValueError("no spans to draw: was the profiler on, and did the forward run?")
     heights = [max(1, len({s.lane for s in spans})) for _, spans in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 1.0 + 0.45 * sum(heights) + 0.5 * len(panels)),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(14, 1.0 + 0.45 * sum(heights) + 0.5 * len(panels)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     kinds_seen: set[str] = set()
     for ax, (panel_title, spans) in zip(axes[:, 0], panels):
         lanes = sorted({s.lane for s in spans})
@@ -123,8 +135,11 @@ def plot_timeline(spans_by_title: dict[str, list[Span]], path: str | Path, title
         ax.set_title(panel_title, loc="left", fontsize=10)
         ax.set_xlim(0, max(s.start_us + s.dur_us for s in spans) * 1.01)
     axes[-1, 0].set_xlabel("µs")
-    fig.legend(handles=[Patch(color=COLORS.get(k, "#bbbbbb"), label=k) for k in sorted(kinds_seen)],
-               loc="upper right", ncol=len(kinds_seen))
+    fig.legend(
+        handles=[Patch(color=COLORS.get(k, "#bbbbbb"), label=k) for k in sorted(kinds_seen)],
+        loc="upper right",
+        ncol=len(kinds_seen),
+    )
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))

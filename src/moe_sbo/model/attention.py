@@ -63,13 +63,20 @@ class Batch:
         return sum(self.lengths)
 
     @staticmethod
-    def prefill(lengths: list[int], *, slots: list[int] | None = None, starts: list[int] | None = None,
-                device: torch.device | str = "cpu") -> "Batch":
+    def prefill(
+        lengths: list[int],
+        *,
+        slots: list[int] | None = None,
+        starts: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> Batch:
         """Packed prefill: sequence i has ``lengths[i]`` new tokens after ``starts[i]`` cached ones."""
         slots = list(range(len(lengths))) if slots is None else list(slots)
         starts = [0] * len(lengths) if starts is None else list(starts)
         if not len(slots) == len(starts) == len(lengths):
-            raise ValueError(f"slots, starts and lengths must have one entry per segment, got {slots}, {starts}, {lengths}")
+            raise ValueError(
+                f"slots, starts and lengths must have one entry per segment, got {slots}, {starts}, {lengths}"
+            )
         if any(n < 1 for n in lengths) or any(s < 0 for s in starts):
             raise ValueError(f"segment lengths must be >= 1 and starts >= 0, got {lengths} and {starts}")
         positions = [torch.arange(s, s + n) for s, n in zip(starts, lengths)]
@@ -77,7 +84,7 @@ class Batch:
         return Batch(tuple(slots), tuple(starts), tuple(lengths), positions_T.to(device))
 
     @staticmethod
-    def decode_step(first_slot: int, positions_Z: torch.Tensor) -> "Batch":
+    def decode_step(first_slot: int, positions_Z: torch.Tensor) -> Batch:
         """One new token for each of the Z slots ``first_slot ... first_slot + Z - 1`` at ``positions_Z``."""
         z = positions_Z.shape[0]
         return Batch(tuple(range(first_slot, first_slot + z)), (0,) * z, (1,) * z, positions_Z, decode=True)
@@ -86,8 +93,9 @@ class Batch:
 class KVCache:
     """Keys and values of ``num_slots`` sequences, up to ``capacity`` tokens each: ``[Z, A, W, D]``."""
 
-    def __init__(self, cfg: AttentionConfig, num_slots: int, capacity: int, *, dtype: torch.dtype,
-                 device: torch.device | str):
+    def __init__(
+        self, cfg: AttentionConfig, num_slots: int, capacity: int, *, dtype: torch.dtype, device: torch.device | str
+    ):
         shape = (num_slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k_ZAWD = torch.zeros(shape, dtype=dtype, device=device)
         self.v_ZAWD = torch.zeros(shape, dtype=dtype, device=device)
@@ -98,14 +106,19 @@ class KVCache:
         num_slots = self.k_ZAWD.shape[0]
         # A decode batch's slots are consecutive by construction: its two ends bound them all, so a
         # decode step of hundreds of sequences checks two numbers, not every segment.
-        segments = zip(batch.slots[:1] + batch.slots[-1:], (0, 0), (1, 1)) if batch.decode else zip(
-            batch.slots, batch.starts, batch.lengths)
+        segments = (
+            zip(batch.slots[:1] + batch.slots[-1:], (0, 0), (1, 1))
+            if batch.decode
+            else zip(batch.slots, batch.starts, batch.lengths)
+        )
         for slot, start, length in segments:
             if not 0 <= slot < num_slots:
                 raise ValueError(f"cache slot {slot} is outside the {num_slots} slots of the KV cache")
             if not batch.decode and start + length > self.capacity:
-                raise ValueError(f"sequence in slot {slot} needs {start + length} positions, the KV cache holds "
-                                 f"{self.capacity}; make the cache larger")
+                raise ValueError(
+                    f"sequence in slot {slot} needs {start + length} positions, the KV cache holds "
+                    f"{self.capacity}; make the cache larger"
+                )
 
 
 class Attention(nn.Module):
@@ -116,7 +129,9 @@ class Attention(nn.Module):
         self.cfg = cfg
         qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Parameter(torch.empty(qkv_rows, cfg.hidden_size, dtype=dtype, device=device))
-        self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device))
+        self.o_proj = nn.Parameter(
+            torch.empty(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
+        )
 
     def forward(self, x_TH: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         cfg = self.cfg
@@ -124,9 +139,12 @@ class Attention(nn.Module):
         with annotate("attention"):
             qkv = F.linear(x_TH, self.qkv_proj)
             q_TND = qkv[:, : n * d].view(-1, n, d)
-            k_TAD = qkv[:, n * d: (n + a) * d].view(-1, a, d)
-            v_TAD = qkv[:, (n + a) * d:].view(-1, a, d)
-            q_TND, k_TAD = _rotate(q_TND, batch.positions_T, cfg.rope_theta), _rotate(k_TAD, batch.positions_T, cfg.rope_theta)
+            k_TAD = qkv[:, n * d : (n + a) * d].view(-1, a, d)
+            v_TAD = qkv[:, (n + a) * d :].view(-1, a, d)
+            q_TND, k_TAD = (
+                _rotate(q_TND, batch.positions_T, cfg.rope_theta),
+                _rotate(k_TAD, batch.positions_T, cfg.rope_theta),
+            )
             if batch.decode:
                 out_TND = _decode(q_TND, k_TAD, v_TAD, batch, cache)
             else:
@@ -152,18 +170,19 @@ def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
     for slot, start, length in zip(batch.slots, batch.starts, batch.lengths):
         rows = slice(offset, offset + length)
         offset += length
-        cache.k_ZAWD[slot, :, start:start + length] = k_TAD[rows].transpose(0, 1)
-        cache.v_ZAWD[slot, :, start:start + length] = v_TAD[rows].transpose(0, 1)
+        cache.k_ZAWD[slot, :, start : start + length] = k_TAD[rows].transpose(0, 1)
+        cache.v_ZAWD[slot, :, start : start + length] = v_TAD[rows].transpose(0, 1)
         q_NYD = q_TND[rows].transpose(0, 1)
         if start == 0:
             k, v, mask, causal = k_TAD[rows].transpose(0, 1), v_TAD[rows].transpose(0, 1), None, True
         else:  # a cut sequence's second part: attend to the cached first part too (bottom-right causal)
-            k, v = cache.k_ZAWD[slot, :, :start + length], cache.v_ZAWD[slot, :, :start + length]
+            k, v = cache.k_ZAWD[slot, :, : start + length], cache.v_ZAWD[slot, :, : start + length]
             key_pos = torch.arange(start + length, device=q_TND.device)
             mask = key_pos[None, :] <= (start + torch.arange(length, device=q_TND.device))[:, None]
             causal = False
-        out = F.scaled_dot_product_attention(q_NYD[None], k[None], v[None], attn_mask=mask, is_causal=causal,
-                                             enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q_NYD[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=gqa
+        )
         out_TND[rows] = out[0].transpose(0, 1)
     return out_TND
 
@@ -174,8 +193,13 @@ def _decode(q_ZND, k_ZAD, v_ZAD, batch: Batch, cache: KVCache) -> torch.Tensor:
     slots = torch.arange(first, first + z, device=q_ZND.device)
     cache.k_ZAWD[slots, :, positions_Z] = k_ZAD  # index_put: no host read of the positions
     cache.v_ZAWD[slots, :, positions_Z] = v_ZAD
-    k_ZAWD, v_ZAWD = cache.k_ZAWD[first:first + z], cache.v_ZAWD[first:first + z]  # views, no copy
+    k_ZAWD, v_ZAWD = cache.k_ZAWD[first : first + z], cache.v_ZAWD[first : first + z]  # views, no copy
     visible_ZW = torch.arange(cache.capacity, device=q_ZND.device)[None, :] <= positions_Z[:, None]
-    out = F.scaled_dot_product_attention(q_ZND[:, :, None], k_ZAWD, v_ZAWD, attn_mask=visible_ZW[:, None, None, :],
-                                         enable_gqa=q_ZND.shape[1] != k_ZAD.shape[1])
+    out = F.scaled_dot_product_attention(
+        q_ZND[:, :, None],
+        k_ZAWD,
+        v_ZAWD,
+        attn_mask=visible_ZW[:, None, None, :],
+        enable_gqa=q_ZND.shape[1] != k_ZAD.shape[1],
+    )
     return out[:, :, 0]

@@ -35,13 +35,16 @@ class DecoderLayer(nn.Module):
         self.attn_cfg = attn_cfg
         self.input_norm = nn.RMSNorm(attn_cfg.hidden_size, eps=attn_cfg.rms_norm_eps, device=device, dtype=dtype)
         self.attention = Attention(attn_cfg, dtype=dtype, device=device)
-        self.post_attention_norm = nn.RMSNorm(attn_cfg.hidden_size, eps=attn_cfg.rms_norm_eps, device=device,
-                                              dtype=dtype)
+        self.post_attention_norm = nn.RMSNorm(
+            attn_cfg.hidden_size, eps=attn_cfg.rms_norm_eps, device=device, dtype=dtype
+        )
         self.moe = moe
         with torch.no_grad():
             h, nd = attn_cfg.hidden_size, attn_cfg.num_heads * attn_cfg.head_dim
-            self.attention.qkv_proj.copy_(seeded_normal(tuple(self.attention.qkv_proj.shape), h ** -0.5, seed, "qkv", 0, device))
-            self.attention.o_proj.copy_(seeded_normal((h, nd), nd ** -0.5, seed, "o_proj", 0, device))
+            self.attention.qkv_proj.copy_(
+                seeded_normal(tuple(self.attention.qkv_proj.shape), h**-0.5, seed, "qkv", 0, device)
+            )
+            self.attention.o_proj.copy_(seeded_normal((h, nd), nd**-0.5, seed, "o_proj", 0, device))
 
     def make_cache(self, num_slots: int, capacity: int) -> KVCache:
         """An empty KV cache for ``num_slots`` sequences of up to ``capacity`` tokens."""
@@ -50,8 +53,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x_TH: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         return run_to_end(self.stages(x_TH, batch, cache))
 
-    def stages(self, x_TH: torch.Tensor, batch: Batch, cache: KVCache,
-               dispatcher: Dispatcher | None = None) -> Generator[None, None, torch.Tensor]:
+    def stages(
+        self, x_TH: torch.Tensor, batch: Batch, cache: KVCache, dispatcher: Dispatcher | None = None
+    ) -> Generator[None, None, torch.Tensor]:
         """The forward, pausing while the MoE's transfers are in flight; returns ``[T, H]``.
         ``dispatcher``: the MoE's (default) or, for two-batch overlap's micro-batch B, its twin."""
         if x_TH.shape[0] != batch.num_tokens:

@@ -12,6 +12,12 @@ from .sbo import (
 )
 
 __all__ = [
-    "FIXED_MODES", "OVERLAP_MODES", "AutoOverlap", "FixedOverlap", "Overlap", "SharedOutput",
-    "choices_from_rows", "make_overlap",
+    "FIXED_MODES",
+    "OVERLAP_MODES",
+    "AutoOverlap",
+    "FixedOverlap",
+    "Overlap",
+    "SharedOutput",
+    "choices_from_rows",
+    "make_overlap",
 ]

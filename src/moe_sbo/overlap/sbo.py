@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from ..experts import SharedExperts
 from ..hooks import HookScope
-from ..streams import SideStream, check_sm_budget, record_event, side_stream, sm_budget as sm_budget_ctx, sm_count
+from ..streams import SideStream, check_sm_budget, record_event, side_stream, sm_count
+from ..streams import sm_budget as sm_budget_ctx
 
 log = logging.getLogger("moe_sbo.overlap")
 
@@ -110,16 +111,13 @@ def attach_none(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor, ctx
     return SharedOutput(deferred=lambda: shared(x_TH))
 
 
-def attach_dispatch(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
-                    ctx: OverlapContext) -> SharedOutput:
+def attach_dispatch(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor, ctx: OverlapContext) -> SharedOutput:
     out = SharedOutput()
-    hooks.register("dispatch_in_flight", lambda d, pending: out.set(shared(x_TH), "dispatch_in_flight"),
-                   once=True)
+    hooks.register("dispatch_in_flight", lambda d, pending: out.set(shared(x_TH), "dispatch_in_flight"), once=True)
     return out
 
 
-def attach_combine(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
-                   ctx: OverlapContext) -> SharedOutput:
+def attach_combine(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor, ctx: OverlapContext) -> SharedOutput:
     out = SharedOutput()
 
     def start(dispatcher, combine_input):
@@ -134,6 +132,7 @@ def attach_combine(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
 
 def _join_side_at_post_combine(hooks: HookScope, out: SharedOutput, ctx: OverlapContext) -> None:
     """The current stream waits for the side stream's shared experts once the combine is done."""
+
     def join(dispatcher, y_TH):
         ctx.side.join()
         ctx.side.record_on_current(out.value_TH)
@@ -141,8 +140,7 @@ def _join_side_at_post_combine(hooks: HookScope, out: SharedOutput, ctx: Overlap
     hooks.register("post_combine", join, once=True)
 
 
-def attach_combine_sm(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor,
-                      ctx: OverlapContext) -> SharedOutput:
+def attach_combine_sm(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor, ctx: OverlapContext) -> SharedOutput:
     out = SharedOutput()
     routed_done: list = []
 
@@ -166,8 +164,7 @@ def attach_split(hooks: HookScope, shared: SharedExperts, x_TH: torch.Tensor, ct
     out = SharedOutput()
     hidden: list[torch.Tensor] = []
     hooks.register("dispatch_in_flight", lambda d, p: hidden.append(shared.up_and_activate(x_TH)), once=True)
-    hooks.register("combine_in_flight", lambda d, p: out.set(shared.down(hidden.pop()), "combine_in_flight"),
-                   once=True)
+    hooks.register("combine_in_flight", lambda d, p: out.set(shared.down(hidden.pop()), "combine_in_flight"), once=True)
     return out
 
 
@@ -181,6 +178,7 @@ ATTACH: dict[str, AttachFn] = {
 
 
 # ---- strategies the layer holds ----------------------------------------------------------------
+
 
 @dataclass
 class FixedOverlap:

@@ -80,8 +80,9 @@ def _unsplit(batch: Batch, reason: str) -> Split:
     return Split(MicroBatch(0, total, batch), _empty(total, batch.positions_T.device, batch.decode), reason)
 
 
-def split_batch(batch: Batch, *, threshold: float = BALANCE_THRESHOLD,
-                min_prefill_tokens: int = MIN_PREFILL_TOKENS) -> Split:
+def split_batch(
+    batch: Batch, *, threshold: float = BALANCE_THRESHOLD, min_prefill_tokens: int = MIN_PREFILL_TOKENS
+) -> Split:
     """Two micro-batches of about half the tokens each (decode: half the sequences).
 
     Prefill: the sequence-boundary split closest to half the tokens if the smaller side keeps at
@@ -94,8 +95,10 @@ def split_batch(batch: Batch, *, threshold: float = BALANCE_THRESHOLD,
             return _unsplit(batch, f"decode batch of {total} sequence(s): nothing to pair it with")
         half = (total + 1) // 2
         first = batch.slots[0]
-        return Split(MicroBatch(0, half, Batch.decode_step(first, positions[:half])),
-                     MicroBatch(half, total, Batch.decode_step(first + half, positions[half:])))
+        return Split(
+            MicroBatch(0, half, Batch.decode_step(first, positions[:half])),
+            MicroBatch(half, total, Batch.decode_step(first + half, positions[half:])),
+        )
     if total < max(2, min_prefill_tokens):
         return _unsplit(batch, f"prefill of {total} tokens is below {min_prefill_tokens}: too small to split")
     ends = [sum(batch.lengths[: i + 1]) for i in range(len(batch.lengths))]
@@ -111,8 +114,8 @@ def _cut(batch: Batch, seq: int, inside: int | None) -> Split:
     """A takes segments before ``seq`` (and the first ``inside`` tokens of segment ``seq`` if cut)."""
     slots, starts, lengths = list(batch.slots), list(batch.starts), list(batch.lengths)
     if inside:
-        a_seg = (slots[:seq + 1], starts[:seq + 1], lengths[:seq] + [inside])
-        b_seg = (slots[seq:], [starts[seq] + inside] + starts[seq + 1:], [lengths[seq] - inside] + lengths[seq + 1:])
+        a_seg = (slots[: seq + 1], starts[: seq + 1], lengths[:seq] + [inside])
+        b_seg = (slots[seq:], [starts[seq] + inside] + starts[seq + 1 :], [lengths[seq] - inside] + lengths[seq + 1 :])
     else:
         a_seg = (slots[:seq], starts[:seq], lengths[:seq])
         b_seg = (slots[seq:], starts[seq:], lengths[seq:])
@@ -141,8 +144,16 @@ def dispatcher_for(moe: MoELayer, micro_batch: int) -> Dispatcher:
     return moe.dispatcher if micro_batch == 0 else twin_dispatcher(moe.dispatcher)
 
 
-def tbo_forward(layer: DecoderLayer, x_TH: torch.Tensor, batch: Batch, cache: KVCache, *, delay: int | None = None,
-                threshold: float = BALANCE_THRESHOLD, min_prefill_tokens: int = MIN_PREFILL_TOKENS) -> torch.Tensor:
+def tbo_forward(
+    layer: DecoderLayer,
+    x_TH: torch.Tensor,
+    batch: Batch,
+    cache: KVCache,
+    *,
+    delay: int | None = None,
+    threshold: float = BALANCE_THRESHOLD,
+    min_prefill_tokens: int = MIN_PREFILL_TOKENS,
+) -> torch.Tensor:
     """``layer`` (a ``DecoderLayer``) on ``x_TH`` [T, H] as two interleaved micro-batches -> ``[T, H]``."""
     if x_TH.shape[0] != batch.num_tokens:
         raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
@@ -154,8 +165,10 @@ def tbo_forward(layer: DecoderLayer, x_TH: torch.Tensor, batch: Batch, cache: KV
         delay = DEFAULT_DELAY["decode" if batch.decode else "prefill"]
     a, b = split.a, split.b
     dispatcher_a, dispatcher_b = dispatcher_for(layer.moe, 0), dispatcher_for(layer.moe, 1)
-    out_a, out_b = run_interleaved(layer.stages(x_TH[a.start:a.stop], a.batch, cache, dispatcher=dispatcher_a),
-                                   layer.stages(x_TH[b.start:b.stop], b.batch, cache, dispatcher=dispatcher_b),
-                                   delay)
+    out_a, out_b = run_interleaved(
+        layer.stages(x_TH[a.start : a.stop], a.batch, cache, dispatcher=dispatcher_a),
+        layer.stages(x_TH[b.start : b.stop], b.batch, cache, dispatcher=dispatcher_b),
+        delay,
+    )
     layer.moe.last_traffic = dispatcher_a.last_traffic + dispatcher_b.last_traffic
     return torch.cat([out_a, out_b]) if b.stop > b.start else out_a

@@ -151,7 +151,8 @@ def max_destination_ranks(cfg: MoEConfig, ep: int) -> int:
     spans = sorted(
         (
             sum(
-                1 for r in range(ep)
+                1
+                for r in range(ep)
                 if _overlap(g * group_size, (g + 1) * group_size, r * experts_per_rank, (r + 1) * experts_per_rank)
             )
             for g in range(num_groups)
@@ -199,16 +200,23 @@ def resolve_fanout(cfg: MoEConfig, ep: int, gpus_per_node: int = 8, fanout_model
     if fanout_model == "uniform":
         return exact
     if fanout_model == "router":
-        target, method = simulate_fanout(cfg, ep), "Monte-Carlo: project router on i.i.d. N(0,1) logits, 20000 tokens, seed 0"
+        target, method = (
+            simulate_fanout(cfg, ep),
+            "Monte-Carlo: project router on i.i.d. N(0,1) logits, 20000 tokens, seed 0",
+        )
     else:
         target, method = float(exact.max_ranks), "worst case: every token reaches max_ranks ranks"
     scale = target / exact.expected_ranks
     return Fanout(
-        ep=ep, expected_ranks=target, expected_remote_ranks=exact.expected_remote_ranks * scale,
+        ep=ep,
+        expected_ranks=target,
+        expected_remote_ranks=exact.expected_remote_ranks * scale,
         expected_intranode_ranks=exact.expected_intranode_ranks * scale,
-        expected_internode_ranks=exact.expected_internode_ranks * scale, max_ranks=exact.max_ranks,
+        expected_internode_ranks=exact.expected_internode_ranks * scale,
+        max_ranks=exact.max_ranks,
         expected_remote_experts=exact.expected_remote_experts,
-        hit_probability_by_rank=tuple(min(1.0, p * scale) for p in exact.hit_probability_by_rank), method=method,
+        hit_probability_by_rank=tuple(min(1.0, p * scale) for p in exact.hit_probability_by_rank),
+        method=method,
     )
 
 
@@ -269,11 +277,16 @@ def byte_model(inp: PlanInputs, gpus_per_node: int | None = None) -> ByteModel:
     layer_B = inp.batch * per_token_B
     step_B = inp.model_layers * layer_B
     return ByteModel(
-        dispatch_row=d_row, combine_row=c_row, fanout=fanout, tokens_per_a2a=tokens_per_a2a,
+        dispatch_row=d_row,
+        combine_row=c_row,
+        fanout=fanout,
+        tokens_per_a2a=tokens_per_a2a,
         bytes_per_token_B=per_token_B,
         dispatch_bytes_per_a2a_B=tokens_per_a2a * fanout.expected_remote_ranks * d_row.total_B,
         combine_bytes_per_a2a_B=tokens_per_a2a * fanout.expected_remote_ranks * c_row.total_B,
-        bytes_per_layer_B=layer_B, layers=inp.model_layers, bytes_per_step_B=step_B,
+        bytes_per_layer_B=layer_B,
+        layers=inp.model_layers,
+        bytes_per_step_B=step_B,
         required_GBps_per_gpu=step_B * 1000.0 / inp.tpot_ms / 1e9,
     )
 

@@ -30,7 +30,12 @@ B_PER_US_PER_GBPS = 1e3  # 1 GB/s moves 1e3 bytes every microsecond.
 # The inputs the seed's worked example uses (DeepSeek-V3, batch 256, TPOT 20 ms, 61 layers, T = 320 us
 # attention and t = 120 us MoE per layer, FP8 "7 KB" tokens).
 SEED_INPUTS = dict(
-    model="deepseek-v3", batch=256, tpot_ms=20.0, layers=None, attn_us=320.0, moe_us=120.0,
+    model="deepseek-v3",
+    batch=256,
+    tpot_ms=20.0,
+    layers=None,
+    attn_us=320.0,
+    moe_us=120.0,
     dispatch_dtype="fp8",
 )
 
@@ -80,28 +85,52 @@ class Hardware:
 #   ~10 us over NVLink, ~20 us through an RDMA NIC. Not a datasheet number; use --calibrate.
 HARDWARE: dict[str, Hardware] = {
     "h800": Hardware(
-        "h800", "H800 SXM, NVLink ~160 GB/s measured, CX7 between nodes",
-        nvlink_GBps=160.0, nic_GBps=50.0, gpus_per_node=8, latency_us=10.0,
-        bf16_TFLOPs=989.0, fp8_TFLOPs=1979.0, hbm_GBps=3350.0,
+        "h800",
+        "H800 SXM, NVLink ~160 GB/s measured, CX7 between nodes",
+        nvlink_GBps=160.0,
+        nic_GBps=50.0,
+        gpus_per_node=8,
+        latency_us=10.0,
+        bf16_TFLOPs=989.0,
+        fp8_TFLOPs=1979.0,
+        hbm_GBps=3350.0,
         source="seed; DeepEP README intranode 153/158 GB/s",
     ),
     "h100": Hardware(
-        "h100", "H100 SXM, NVLink-4 450 GB/s per direction, CX7 between nodes",
-        nvlink_GBps=450.0, nic_GBps=50.0, gpus_per_node=8, latency_us=10.0,
-        bf16_TFLOPs=989.0, fp8_TFLOPs=1979.0, hbm_GBps=3350.0,
+        "h100",
+        "H100 SXM, NVLink-4 450 GB/s per direction, CX7 between nodes",
+        nvlink_GBps=450.0,
+        nic_GBps=50.0,
+        gpus_per_node=8,
+        latency_us=10.0,
+        bf16_TFLOPs=989.0,
+        fp8_TFLOPs=1979.0,
+        hbm_GBps=3350.0,
         source="NVIDIA H100 datasheet (NVLink 900 GB/s bidirectional)",
     ),
     "h200": Hardware(
-        "h200", "H200 SXM, NVLink-4 450 GB/s per direction, CX7 between nodes",
-        nvlink_GBps=450.0, nic_GBps=50.0, gpus_per_node=8, latency_us=10.0,
-        bf16_TFLOPs=989.0, fp8_TFLOPs=1979.0, hbm_GBps=4800.0,
+        "h200",
+        "H200 SXM, NVLink-4 450 GB/s per direction, CX7 between nodes",
+        nvlink_GBps=450.0,
+        nic_GBps=50.0,
+        gpus_per_node=8,
+        latency_us=10.0,
+        bf16_TFLOPs=989.0,
+        fp8_TFLOPs=1979.0,
+        hbm_GBps=4800.0,
         source="NVIDIA H200 datasheet (NVLink 900 GB/s bidirectional)",
     ),
     # Every peer over RDMA (DeepEP low-latency kernels go through the NIC even inside a node).
     "cx7": Hardware(
-        "cx7", "H800 with every peer over ConnectX-7 400 Gb/s RDMA (~50 GB/s)",
-        nvlink_GBps=50.0, nic_GBps=50.0, gpus_per_node=1, latency_us=20.0,
-        bf16_TFLOPs=989.0, fp8_TFLOPs=1979.0, hbm_GBps=3350.0,
+        "cx7",
+        "H800 with every peer over ConnectX-7 400 Gb/s RDMA (~50 GB/s)",
+        nvlink_GBps=50.0,
+        nic_GBps=50.0,
+        gpus_per_node=1,
+        latency_us=20.0,
+        bf16_TFLOPs=989.0,
+        fp8_TFLOPs=1979.0,
+        hbm_GBps=3350.0,
         source="ConnectX-7 datasheet; DeepEP README internode RDMA ~40-58 GB/s",
     ),
 }
@@ -144,8 +173,7 @@ def load_model(spec: str) -> MoEConfig:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(
-            f"model config must be valid JSON, got a parse error in {str(path)!r} ({exc}); "
-            "pass the model's config.json"
+            f"model config must be valid JSON, got a parse error in {str(path)!r} ({exc}); pass the model's config.json"
         ) from None
     return config_from_hf(hf, name=hf.get("_name_or_path") or path.parent.name or path.stem)
 
@@ -207,9 +235,7 @@ class PlanInputs:
 def validate_inputs(inp: PlanInputs) -> None:
     """Raise ``ValueError`` "<name> must <rule>, got <value>; <fix>" for inputs no plan can use."""
     if not isinstance(inp.batch, int) or inp.batch < 1:
-        raise ValueError(
-            f"batch must be a positive number of tokens per GPU, got {inp.batch}; pass --batch >= 1"
-        )
+        raise ValueError(f"batch must be a positive number of tokens per GPU, got {inp.batch}; pass --batch >= 1")
     if not inp.tpot_ms > 0:
         raise ValueError(f"tpot_ms must be > 0, got {inp.tpot_ms}; pass the per-token SLO, e.g. --tpot-ms 20")
     if inp.layers is not None and inp.layers < 1:

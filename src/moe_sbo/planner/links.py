@@ -97,7 +97,8 @@ def calibrate(path: str | Path, ep: int | None = None) -> Calibration:
         rows = [row for row in rows if row.get("ep") == ep]
 
     pairs = [
-        (_positive(row, "bytes_sent"), _row_time_us(row)) for row in rows
+        (_positive(row, "bytes_sent"), _row_time_us(row))
+        for row in rows
         if _positive(row, "bytes_sent") is not None and _row_time_us(row) is not None
     ]
     if len({b for b, _ in pairs}) >= 2:
@@ -108,7 +109,9 @@ def calibrate(path: str | Path, ep: int | None = None) -> Calibration:
         if slope_us_per_B > 0:
             latency_us = max(0.0, mean_t - slope_us_per_B * mean_b)
             return Calibration(
-                GBps=1.0 / (slope_us_per_B * B_PER_US_PER_GBPS), latency_us=latency_us, num_rows=n,
+                GBps=1.0 / (slope_us_per_B * B_PER_US_PER_GBPS),
+                latency_us=latency_us,
+                num_rows=n,
                 method=f"least-squares t = a + bytes/bw over {n} rows, {len({b for b, _ in pairs})} sizes",
                 path=str(path),
             )

@@ -38,7 +38,6 @@ SEED_PRINTED = {
 }
 
 
-
 @dataclass(frozen=True)
 class SeedFigure:
     """One figure of the seed's example: its formula, the exact value, and the seed's rounding.
@@ -84,19 +83,72 @@ def seed_figures(inp: PlanInputs) -> list[SeedFigure]:
     per_second_Bps = step_B * 1000.0 / inp.tpot_ms
     budget_us = (inp.attn_us - inp.moe_us) / 2
     rows = [
-        ("bytes_per_token", "token on the wire", f"hidden_size x {elem} B = {h} x {elem}",
-         token_B, "B", SEED_KB_B, "KB", 1e3, "kB"),
-        ("bytes_per_a2a", "one all-to-all", f"batch x token = {inp.batch} x {token_B} B",
-         a2a_B, "B", SEED_MB_B, "MB", 1e6, "MB"),
-        ("bytes_per_layer", "dispatch + combine per layer", f"2 x a2a = 2 x {a2a_B} B",
-         layer_B, "B", SEED_MB_B, "MB", 1e6, "MB"),
-        ("bytes_per_step", "all layers per decode step", f"layers x layer = {inp.seed_layers} x {layer_B} B",
-         step_B, "B", SEED_MB_B, "MB", 1e6, "MB"),
-        ("required_GBps_per_gpu", "per-GPU bandwidth at TPOT",
-         f"step / TPOT = {step_B} B x (1000 / {inp.tpot_ms:g} ms)",
-         per_second_Bps, "B/s", SEED_GB_B, "GB/s", 1e9, "GB/s"),
-        ("a2a_budget_us", "TBO per-all-to-all budget", f"(T - t) / 2 = ({inp.attn_us:g} - {inp.moe_us:g}) / 2",
-         budget_us, "us", 1, "us", 1, "us"),
+        (
+            "bytes_per_token",
+            "token on the wire",
+            f"hidden_size x {elem} B = {h} x {elem}",
+            token_B,
+            "B",
+            SEED_KB_B,
+            "KB",
+            1e3,
+            "kB",
+        ),
+        (
+            "bytes_per_a2a",
+            "one all-to-all",
+            f"batch x token = {inp.batch} x {token_B} B",
+            a2a_B,
+            "B",
+            SEED_MB_B,
+            "MB",
+            1e6,
+            "MB",
+        ),
+        (
+            "bytes_per_layer",
+            "dispatch + combine per layer",
+            f"2 x a2a = 2 x {a2a_B} B",
+            layer_B,
+            "B",
+            SEED_MB_B,
+            "MB",
+            1e6,
+            "MB",
+        ),
+        (
+            "bytes_per_step",
+            "all layers per decode step",
+            f"layers x layer = {inp.seed_layers} x {layer_B} B",
+            step_B,
+            "B",
+            SEED_MB_B,
+            "MB",
+            1e6,
+            "MB",
+        ),
+        (
+            "required_GBps_per_gpu",
+            "per-GPU bandwidth at TPOT",
+            f"step / TPOT = {step_B} B x (1000 / {inp.tpot_ms:g} ms)",
+            per_second_Bps,
+            "B/s",
+            SEED_GB_B,
+            "GB/s",
+            1e9,
+            "GB/s",
+        ),
+        (
+            "a2a_budget_us",
+            "TBO per-all-to-all budget",
+            f"(T - t) / 2 = ({inp.attn_us:g} - {inp.moe_us:g}) / 2",
+            budget_us,
+            "us",
+            1,
+            "us",
+            1,
+            "us",
+        ),
     ]
     figures = []
     for key, label, formula, exact, unit, seed_div, seed_unit, si_div, si_unit in rows:
@@ -105,10 +157,20 @@ def seed_figures(inp: PlanInputs) -> list[SeedFigure]:
         agreement = None
         if printed is not None:
             agreement = printed / in_seed_units - 1 if in_seed_units else 0.0
-        figures.append(SeedFigure(
-            key=key, label=label, formula=formula, exact=exact, exact_unit=unit, seed_unit=seed_unit,
-            exact_seed_units=in_seed_units, seed_rounded=round_sig(in_seed_units), seed_printed=printed,
-            agreement=agreement, exact_si=exact / si_div, si_unit=si_unit,
-        ))
+        figures.append(
+            SeedFigure(
+                key=key,
+                label=label,
+                formula=formula,
+                exact=exact,
+                exact_unit=unit,
+                seed_unit=seed_unit,
+                exact_seed_units=in_seed_units,
+                seed_rounded=round_sig(in_seed_units),
+                seed_printed=printed,
+                agreement=agreement,
+                exact_si=exact / si_div,
+                si_unit=si_unit,
+            )
+        )
     return figures
-

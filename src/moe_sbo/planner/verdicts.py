@@ -23,6 +23,7 @@ from .seed import SeedFigure, seed_figures
 # Overlap verdicts
 # --------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SharedExpertEstimate:
     """Roofline *estimate* of the shared-expert MLP (gate, up, down) on ``tokens`` tokens."""
@@ -37,7 +38,9 @@ class SharedExpertEstimate:
     note: str
 
 
-def shared_expert_time_us(cfg: MoEConfig, tokens: int, hw: Hardware, weight_dtype: str = "bf16") -> SharedExpertEstimate:
+def shared_expert_time_us(
+    cfg: MoEConfig, tokens: int, hw: Hardware, weight_dtype: str = "bf16"
+) -> SharedExpertEstimate:
     """max(FLOPs / peak, bytes / HBM) / efficiency: the weights are read once, activations in bf16."""
     inter = cfg.shared_intermediate_size
     weights = 3 * cfg.hidden_size * inter
@@ -47,8 +50,13 @@ def shared_expert_time_us(cfg: MoEConfig, tokens: int, hw: Hardware, weight_dtyp
     compute_us = flops / (peak_TFLOPs * 1e6) / SHARED_EXPERT_EFFICIENCY
     memory_us = bytes_moved_B / (hw.hbm_GBps * B_PER_US_PER_GBPS) / SHARED_EXPERT_EFFICIENCY
     return SharedExpertEstimate(
-        tokens=tokens, flops=flops, bytes_moved_B=bytes_moved_B, compute_us=compute_us, memory_us=memory_us,
-        time_us=max(compute_us, memory_us), bound="compute" if compute_us >= memory_us else "memory",
+        tokens=tokens,
+        flops=flops,
+        bytes_moved_B=bytes_moved_B,
+        compute_us=compute_us,
+        memory_us=memory_us,
+        time_us=max(compute_us, memory_us),
+        bound="compute" if compute_us >= memory_us else "memory",
         note=f"estimate: roofline at {hw.name} datasheet peak x {SHARED_EXPERT_EFFICIENCY} efficiency",
     )
 
@@ -76,12 +84,18 @@ def overlap_verdicts(inp: PlanInputs, model: ByteModel, link: Link, hw: Hardware
     layer_share_us = inp.tpot_ms * 1000.0 / model.layers
     window = (layer_share_us - inp.attn_us - inp.moe_us) / 2
     work = max(t_dispatch_us, t_combine_us)
-    verdicts.append(OverlapVerdict(
-        "none", window, work, window - work, window >= work,
-        f"per a2a: (TPOT/layers - T - t) / 2 = ({layer_share_us:.0f} - {inp.attn_us:g} - {inp.moe_us:g}) / 2 us "
-        f"vs slower a2a of the batch ({t_dispatch_us:.1f} dispatch / {t_combine_us:.1f} combine us)"
-        + ("; compute alone exceeds the TPOT share" if window < 0 else ""),
-    ))
+    verdicts.append(
+        OverlapVerdict(
+            "none",
+            window,
+            work,
+            window - work,
+            window >= work,
+            f"per a2a: (TPOT/layers - T - t) / 2 = ({layer_share_us:.0f} - {inp.attn_us:g} - {inp.moe_us:g}) / 2 us "
+            f"vs slower a2a of the batch ({t_dispatch_us:.1f} dispatch / {t_combine_us:.1f} combine us)"
+            + ("; compute alone exceeds the TPOT share" if window < 0 else ""),
+        )
+    )
 
     # SBO: the shared expert hides behind the transfer it runs beside.
     if cfg.num_shared_experts == 0:
@@ -91,11 +105,18 @@ def overlap_verdicts(inp: PlanInputs, model: ByteModel, link: Link, hw: Hardware
         shared = shared_expert_time_us(cfg, inp.batch, hw, inp.weight_dtype)
         for mode, transfer_us in (("sbo-dispatch", t_dispatch_us), ("sbo-combine", t_combine_us)):
             left = transfer_us - shared.time_us
-            verdicts.append(OverlapVerdict(
-                mode, transfer_us, shared.time_us, left, left >= 0,
-                f"shared expert {shared.time_us:.1f} us ({shared.bound}-bound {shared.note}) inside the "
-                f"{mode.split('-')[1]} transfer {transfer_us:.1f} us; hides {min(transfer_us, shared.time_us):.1f} us",
-            ))
+            verdicts.append(
+                OverlapVerdict(
+                    mode,
+                    transfer_us,
+                    shared.time_us,
+                    left,
+                    left >= 0,
+                    f"shared expert {shared.time_us:.1f} us ({shared.bound}-bound {shared.note}) inside the "
+                    f"{mode.split('-')[1]} transfer {transfer_us:.1f} us; "
+                    f"hides {min(transfer_us, shared.time_us):.1f} us",
+                )
+            )
 
     # TBO: with two micro-batches, each a2a must finish in (T - t) / 2 (the seed's rule).
     if inp.micro_batches == 2:
@@ -103,12 +124,18 @@ def overlap_verdicts(inp: PlanInputs, model: ByteModel, link: Link, hw: Hardware
         td = a2a_time_us(model.tokens_per_a2a, model.dispatch_row, fan, link)
         tc = a2a_time_us(model.tokens_per_a2a, model.combine_row, fan, link)
         work = max(td, tc)
-        verdicts.append(OverlapVerdict(
-            "tbo", window, work, window - work, window >= work,
-            f"(T - t) / 2 = {window:g} us vs the slower a2a of a {model.tokens_per_a2a}-token micro-batch "
-            f"({td:.1f} dispatch / {tc:.1f} combine us); sum form td + tc = {td + tc:.1f} <= T - t = "
-            f"{inp.attn_us - inp.moe_us:g} us is {'met' if td + tc <= inp.attn_us - inp.moe_us else 'not met'}",
-        ))
+        verdicts.append(
+            OverlapVerdict(
+                "tbo",
+                window,
+                work,
+                window - work,
+                window >= work,
+                f"(T - t) / 2 = {window:g} us vs the slower a2a of a {model.tokens_per_a2a}-token micro-batch "
+                f"({td:.1f} dispatch / {tc:.1f} combine us); sum form td + tc = {td + tc:.1f} <= T - t = "
+                f"{inp.attn_us - inp.moe_us:g} us is {'met' if td + tc <= inp.attn_us - inp.moe_us else 'not met'}",
+            )
+        )
     else:
         verdicts.append(OverlapVerdict("tbo", None, None, None, None, "off: --micro-batches 1"))
     return verdicts
@@ -166,7 +193,8 @@ def scheme_comparison(inp: PlanInputs, link: Link, max_ep: int = 256) -> SchemeC
         rows.append(SchemeRow(ep, fan.expected_remote_ranks, ag_B, a2a_B, ag_B / a2a_B, ag_us, a2a_us))
     crossover = next((row.ep for row in rows if row.alltoall_us < row.allgather_us), None)
     note = (
-        f"alltoall beats allgather from EP{crossover} at batch {inp.batch}" if crossover
+        f"alltoall beats allgather from EP{crossover} at batch {inp.batch}"
+        if crossover
         else f"allgather is never slower up to EP{max_ep} at batch {inp.batch}"
     )
     return SchemeComparison(tuple(rows), crossover, note)
@@ -211,9 +239,16 @@ def make_plan(inp: PlanInputs, calibration: Calibration | None = None) -> Plan:
             f"{model.layers * (inp.attn_us + inp.moe_us) / 1000:.1f} ms, exceeds TPOT {inp.tpot_ms:g} ms"
         )
     return Plan(
-        inputs=inp, hardware=hw, link=link, seed=tuple(seed_figures(inp)), bytes=model,
-        t_dispatch_us=td, t_combine_us=tc, comm_ms_per_step=model.layers * (td + tc) / 1000,
-        verdicts=tuple(overlap_verdicts(inp, model, link, hw)), schemes=scheme_comparison(inp, link),
+        inputs=inp,
+        hardware=hw,
+        link=link,
+        seed=tuple(seed_figures(inp)),
+        bytes=model,
+        t_dispatch_us=td,
+        t_combine_us=tc,
+        comm_ms_per_step=model.layers * (td + tc) / 1000,
+        verdicts=tuple(overlap_verdicts(inp, model, link, hw)),
+        schemes=scheme_comparison(inp, link),
         notes=tuple(notes),
     )
 
@@ -227,10 +262,14 @@ def plan_to_json(plan: Plan) -> dict:
         fig = seed[key]
         return {
             "formula": fig.formula,
-            "seed_exact": fig.exact, "seed_exact_unit": fig.exact_unit,
-            "seed_rounded": fig.seed_rounded, "seed_unit": fig.seed_unit,
-            "seed_printed": fig.seed_printed, "seed_agreement": fig.agreement,
-            "exact_si": fig.exact_si, "si_unit": fig.si_unit,
+            "seed_exact": fig.exact,
+            "seed_exact_unit": fig.exact_unit,
+            "seed_rounded": fig.seed_rounded,
+            "seed_unit": fig.seed_unit,
+            "seed_printed": fig.seed_printed,
+            "seed_agreement": fig.agreement,
+            "exact_si": fig.exact_si,
+            "si_unit": fig.si_unit,
             "model": model_value,
         }
 
@@ -239,37 +278,53 @@ def plan_to_json(plan: Plan) -> dict:
     inputs = {k: v for k, v in asdict(inp).items() if k != "model"}
     inputs.update(model=inp.model.name, seed_layers=inp.seed_layers, model_layers=inp.model_layers)
     return {
-        "meta": {"tool": "moe_sbo.planner", "units": "bytes, us, GBps = 1e9 B/s; seed units KB=1024 B, MB=1000 KB, GB=1000 MB"},
+        "meta": {
+            "tool": "moe_sbo.planner",
+            "units": "bytes, us, GBps = 1e9 B/s; seed units KB=1024 B, MB=1000 KB, GB=1000 MB",
+        },
         "inputs": inputs,
         "model_config": asdict(inp.model),
         "hardware": asdict(plan.hardware),
         "link": asdict(plan.link),
-        "bytes_per_token": metric("bytes_per_token", {
-            "dispatch_row_B": asdict(model.dispatch_row) | {"total_B": model.dispatch_row.total_B},
-            "combine_row_B": asdict(model.combine_row) | {"total_B": model.combine_row.total_B},
-            "expected_remote_ranks": model.fanout.expected_remote_ranks,
-            "per_token_all_destinations_B": model.bytes_per_token_B,
-        }),
-        "bytes_per_a2a": metric("bytes_per_a2a", {
-            "tokens_per_a2a": model.tokens_per_a2a,
-            "dispatch_B": model.dispatch_bytes_per_a2a_B, "combine_B": model.combine_bytes_per_a2a_B,
-        }),
+        "bytes_per_token": metric(
+            "bytes_per_token",
+            {
+                "dispatch_row_B": asdict(model.dispatch_row) | {"total_B": model.dispatch_row.total_B},
+                "combine_row_B": asdict(model.combine_row) | {"total_B": model.combine_row.total_B},
+                "expected_remote_ranks": model.fanout.expected_remote_ranks,
+                "per_token_all_destinations_B": model.bytes_per_token_B,
+            },
+        ),
+        "bytes_per_a2a": metric(
+            "bytes_per_a2a",
+            {
+                "tokens_per_a2a": model.tokens_per_a2a,
+                "dispatch_B": model.dispatch_bytes_per_a2a_B,
+                "combine_B": model.combine_bytes_per_a2a_B,
+            },
+        ),
         "bytes_per_layer": metric("bytes_per_layer", {"B": model.bytes_per_layer_B}),
         "bytes_per_step": metric("bytes_per_step", {"B": model.bytes_per_step_B, "layers": model.layers}),
         "required_GBps_per_gpu": metric("required_GBps_per_gpu", {"GBps": model.required_GBps_per_gpu}),
-        "a2a_budget_us": metric("a2a_budget_us", {
-            "budget_us": (inp.attn_us - inp.moe_us) / 2,
-            "micro_batch_dispatch_us": td_mb, "micro_batch_combine_us": tc_mb,
-        }),
+        "a2a_budget_us": metric(
+            "a2a_budget_us",
+            {
+                "budget_us": (inp.attn_us - inp.moe_us) / 2,
+                "micro_batch_dispatch_us": td_mb,
+                "micro_batch_combine_us": tc_mb,
+            },
+        ),
         "fanout": {k: v for k, v in asdict(model.fanout).items()},
         "transfer": {
-            "t_dispatch_us": plan.t_dispatch_us, "t_combine_us": plan.t_combine_us,
+            "t_dispatch_us": plan.t_dispatch_us,
+            "t_combine_us": plan.t_combine_us,
             "comm_ms_per_step": plan.comm_ms_per_step,
         },
         "verdicts": [asdict(v) for v in plan.verdicts],
         "schemes": {
             "rows": [asdict(r) for r in plan.schemes.rows],
-            "crossover_ep": plan.schemes.crossover_ep, "note": plan.schemes.note,
+            "crossover_ep": plan.schemes.crossover_ep,
+            "note": plan.schemes.note,
         },
         "notes": list(plan.notes),
     }
@@ -300,8 +355,13 @@ def sweep_batches(inp: PlanInputs, batches: list[int], link: Link) -> list[Sweep
     points = []
     window_us = (inp.attn_us - inp.moe_us) / 2
     for batch in batches:
-        point_inp = PlanInputs(**{**{f: getattr(inp, f) for f in inp.__dataclass_fields__}, "batch": batch,
-                                  "micro_batches": min(inp.micro_batches, batch)})
+        point_inp = PlanInputs(
+            **{
+                **{f: getattr(inp, f) for f in inp.__dataclass_fields__},
+                "batch": batch,
+                "micro_batches": min(inp.micro_batches, batch),
+            }
+        )
         model = byte_model(point_inp, link.gpus_per_node)
         fan = model.fanout
         td = a2a_time_us(batch, model.dispatch_row, fan, link)
@@ -310,10 +370,15 @@ def sweep_batches(inp: PlanInputs, batches: list[int], link: Link) -> list[Sweep
         mb_B = max(model.dispatch_bytes_per_a2a_B, model.combine_bytes_per_a2a_B)
         usable_us = window_us - link.latency_us
         seed_step = next(f.exact for f in seed_figures(point_inp) if f.key == "bytes_per_step")
-        points.append(SweepPoint(
-            batch=batch, t_dispatch_us=td, t_combine_us=tc, micro_batch_a2a_us=mb,
-            required_GBps_per_gpu=model.required_GBps_per_gpu,
-            seed_required_GBps_per_gpu=seed_step * 1000.0 / inp.tpot_ms / 1e9,
-            tbo_required_GBps=mb_B / usable_us / B_PER_US_PER_GBPS if usable_us > 0 else None,
-        ))
+        points.append(
+            SweepPoint(
+                batch=batch,
+                t_dispatch_us=td,
+                t_combine_us=tc,
+                micro_batch_a2a_us=mb,
+                required_GBps_per_gpu=model.required_GBps_per_gpu,
+                seed_required_GBps_per_gpu=seed_step * 1000.0 / inp.tpot_ms / 1e9,
+                tbo_required_GBps=mb_B / usable_us / B_PER_US_PER_GBPS if usable_us > 0 else None,
+            )
+        )
     return points
