@@ -33,12 +33,12 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AllGatherHandle(DispatchHandle):
     """``tokens_per_rank``: every rank's T (host ints); ``padded_tokens``: the chunk size, max T."""
 
-    tokens_per_rank: tuple[int, ...] = ()
-    padded_tokens: int = 0
+    tokens_per_rank: tuple[int, ...]
+    padded_tokens: int
 
 
 @dataclass(frozen=True)
@@ -141,4 +141,4 @@ class AllGatherDispatcher(Dispatcher):
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()
-        return pending.state[: pending.handle.num_tokens]
+        return pending.state[: pending.dispatch_handle.num_tokens]

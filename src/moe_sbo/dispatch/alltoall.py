@@ -31,15 +31,15 @@ from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk
 from .reduce import gather_sum
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AllToAllHandle(DispatchHandle):
     """``slot_TP`` int64 ``[T, P]``: which sent row carried token t to rank p (rows are sorted by
     destination rank), M where it went nowhere; ``send_counts`` / ``recv_counts``: rows to / from
     each rank (host ints)."""
 
-    slot_TP: torch.Tensor | None = None
-    send_counts: tuple[int, ...] = ()
-    recv_counts: tuple[int, ...] = ()
+    slot_TP: torch.Tensor
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
 
 
 @dataclass(frozen=True)

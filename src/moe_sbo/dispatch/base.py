@@ -106,6 +106,12 @@ class Pending:
     handle: DispatchHandle | None = None
     traffic: Traffic = Traffic()
 
+    @property
+    def dispatch_handle(self) -> DispatchHandle:
+        """The handle of the dispatch this transfer belongs to (set at launch for combine)."""
+        assert self.handle is not None, "a combine's Pending carries its dispatch handle from combine_launch"
+        return self.handle
+
     def wait(self) -> None:
         """Block until the transfer is done (CPU), or make the current stream wait for it (CUDA)."""
         for work in self.works:
@@ -234,7 +240,7 @@ class Dispatcher:
         """
         with annotate("combine"):
             y_TH = self._wait_combine(pending)
-        self.last_traffic = pending.handle.traffic + pending.traffic
+        self.last_traffic = pending.dispatch_handle.traffic + pending.traffic
         return self.hooks.run("post_combine", self, y_TH)
 
     def combine(self, expert_y_RH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

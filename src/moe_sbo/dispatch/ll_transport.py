@@ -103,7 +103,9 @@ def allocate_buffers(
         recvs, rendezvous = [], []
         for cols, dt in ((fmt.row_bytes, torch.uint8), (hidden, dtype)):
             recv = symm_mem.empty((s + 1, cols), dtype=dt, device=device).zero_()
-            rendezvous.append(symm_mem.rendezvous(recv, ep.group or dist.group.WORLD))
+            group = ep.group if ep.group is not None else dist.group.WORLD
+            assert group is not None, "symmetric memory needs an initialised process group"
+            rendezvous.append(symm_mem.rendezvous(recv, group))
             recvs.append(recv)
         handles = (rendezvous[0], rendezvous[1])
         # This rank's block in each peer's receive buffer.

@@ -35,7 +35,8 @@ class LocalDispatcher(Dispatcher):
         return Pending(works=[], state=x_TH, handle=handle)
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
-        return self._output(pending.state[pending.handle.layout.row_R], pending.handle)
+        handle = pending.dispatch_handle
+        return self._output(pending.state[handle.layout.row_R], handle)
 
     def _launch_combine(self, inp: CombineInput) -> Pending:
         return Pending(works=[], state=combine_rows(inp.expert_y_RH, inp.handle.layout, inp.handle.dtype))

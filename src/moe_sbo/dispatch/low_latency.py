@@ -65,16 +65,16 @@ from .ll_wire import FP8_GROUP, RowFormat
 from .reduce import gather_sum, interpreting_triton
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LowLatencyHandle(DispatchHandle):
     """Adds the sender's ``slot_TP`` (for summing the P returned rows), the receiver's ``fixed``
     layout, the row format, the buffer set and the round (``generation``) that owns it."""
 
-    slot_TP: torch.Tensor | None = None
-    fmt: RowFormat | None = None
-    fixed: Any = None  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
-    buffers: Buffers | None = None
-    generation: int = 0
+    slot_TP: torch.Tensor
+    fmt: RowFormat
+    fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
+    buffers: Buffers
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -316,6 +316,7 @@ class LowLatencyDispatcher(Dispatcher):
         s: _InFlightDispatch = pending.state
         self._check_round(s.generation)
         recv_SB = s.buffers.dispatch_recv_SB
+        fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         if self.uses_triton(recv_SB.device):
             fixed = ll_kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
             expert_x_RH = ll_kernels.gather_rows(recv_SB, fixed, s.fmt)
