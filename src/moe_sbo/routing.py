@@ -73,6 +73,8 @@ def select_experts(
 class Router(nn.Module):
     """Gate ``weight [E, H]`` (float32) and, for ``noaux_tc``, ``e_score_correction_bias [E]``."""
 
+    e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
+
     def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None):
         super().__init__()
         self.cfg = cfg

@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -137,6 +138,7 @@ def _worker(
         if task is None:
             break
         call, payload = task
+        answer: tuple[int, int, bool, bytes | tuple[str, str], float | None]  # (call, rank, ok, payload, failed_at)
         try:
             fn, args, kwargs = ForkingPickler.loads(payload)  # here: a module this rank cannot import is its error
             answer = (call, rank, True, _dumps(fn(torch_device, *args, **kwargs)), None)
@@ -216,7 +218,7 @@ def _error_message(
 # ---- the launcher ------------------------------------------------------------------------------------
 
 
-def _context(device: str) -> mp.context.BaseContext:
+def _context(device: str) -> mp.context.SpawnContext | mp.context.ForkServerContext:
     """CPU ranks are forked from a server that imported torch once; CUDA ranks are spawned.
 
     The server only imports: it never touches CUDA or threads, so forking from it is safe, and a CPU
@@ -275,7 +277,7 @@ class LocalRanks:
         self._ctx = _context(self.device)
         self._procs: list = []
         self._tasks: list = []
-        self._results = None
+        self._results: Queue[Any] | None = None
         self._call = 0
         self._closed = False
         self._start()
@@ -381,6 +383,8 @@ class LocalRanks:
 
     def _answers(self) -> list[tuple]:
         """Answers that arrive within ``POLL_S``, and every one queued behind them."""
+        if self._results is None:
+            raise RuntimeError("the ranks are stopped, so there are no answers to read; start them first")
         answers: list[tuple] = []
         try:
             answers.append(self._results.get(timeout=POLL_S))

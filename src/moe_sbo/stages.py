@@ -30,7 +30,7 @@ def run_interleaved(stages_a: Generator[None, None, A], stages_b: Generator[None
     """
     if delay < 0:
         raise ValueError(f"delay must be >= 0 stages, got {delay}")
-    gens: tuple[Generator, Generator] = (stages_a, stages_b)
+    gens: tuple[Generator[None, None, object], Generator[None, None, object]] = (stages_a, stages_b)
     results: list = [None, None]
     done = [False, False]
 

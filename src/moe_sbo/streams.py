@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 
@@ -133,5 +134,5 @@ def capture_graph(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
-    graph.captured_fn = fn
+    cast(Any, graph).captured_fn = fn  # our own attribute on torch's CUDAGraph: it keeps fn alive
     return graph, out

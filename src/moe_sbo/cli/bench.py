@@ -152,7 +152,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[tuple]:
     """(label, rank function, its arguments, summariser) for every point of the sweep."""
-    steps = []
+    steps: list[tuple] = []
     if not args.tbo:
         for n, d, t in ((n, d, t) for n in experts_list for d in dispatchers for t in args.tokens):
             spec = _spec(args, n, d, modes, dtype)

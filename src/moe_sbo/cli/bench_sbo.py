@@ -87,7 +87,7 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
             layer.dispatcher.combine(recv.expert_x_RH, recv.handle)
 
         shared = layer.shared_experts
-        base = {"rank": rank, "tokens": tokens}
+        base: dict[str, float] = {"rank": rank, "tokens": tokens}
         base["t_shared_us"] = time_fn(lambda: shared(x_TH), device, warmup, iters, False) if shared else 0.0
         base["t_comm_us"] = time_fn(comm_alone, device, warmup, iters, False)
         if graph:

@@ -13,6 +13,7 @@ import itertools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -97,8 +98,17 @@ def run_demo_rank(
     this rank's experts; the ``local`` reference reads them all. With ``tbo`` each MoE layer sits in a
     decoder layer (attention + MoE) run with two-batch overlap on packed sequences, against the
     ``local`` decoder layer without it; phase times are then micro-batch A's."""
-    load = LayerLoader(Checkpoint(checkpoint), layer_index) if checkpoint else (lambda moe: moe)
-    cfg = load.checkpoint.moe_config if checkpoint else get_preset(preset)
+    load: Callable[[MoELayer], MoELayer]
+    if checkpoint:
+        if layer_index is None:
+            raise ValueError(
+                f"layer_index must be given with checkpoint {checkpoint!r}, got None; "
+                "pass Checkpoint(checkpoint).validate_layer(None) for the first MoE layer"
+            )
+        loader = LayerLoader(Checkpoint(checkpoint), layer_index)
+        load, cfg = loader, loader.checkpoint.moe_config
+    else:
+        load, cfg = (lambda moe: moe), get_preset(preset)
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank() if dist.is_initialized() else 0
     generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank)

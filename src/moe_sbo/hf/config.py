@@ -60,7 +60,7 @@ def config_from_hf(config: Any, name: str | None = None) -> MoEConfig:
                 f"model config must have {label}, got a config without it; pass the config.json of a "
                 "DeepSeek-V2/V3, Kimi-K2 or Qwen3-MoE model, or a preset"
             )
-    common = dict(
+    common: dict[str, Any] = dict(
         name=name or model_type or "hf",
         hidden_size=int(_get(config, "hidden_size")),
         moe_intermediate_size=int(_get(config, "moe_intermediate_size")),

@@ -8,6 +8,8 @@ and takes the given tensors as they are (``assign=True``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..weights import MoEWeights
@@ -18,13 +20,15 @@ from .config import model_family
 def weights_from_hf_moe(block: torch.nn.Module) -> MoEWeights:
     """``MoEWeights`` of a ``transformers`` MoE block (``DeepseekV3MoE``, ``DeepseekV2Moe``,
     ``Qwen3MoeSparseMoeBlock``): router ``gate``, fused ``experts``, optional ``shared_experts``."""
+    gate: Any = block.gate  # transformers' submodules, typed by nn.Module as Tensor | Module
+    experts: Any = block.experts
     shared = getattr(block, "shared_experts", None)
-    bias = getattr(block.gate, "e_score_correction_bias", None)
+    bias = getattr(gate, "e_score_correction_bias", None)
     return MoEWeights(
-        router_weight_EH=block.gate.weight.detach(),
+        router_weight_EH=gate.weight.detach(),
         e_score_correction_bias_E=bias.detach() if bias is not None else None,
-        gate_up_proj_E2IH=block.experts.gate_up_proj.detach(),
-        down_proj_EHI=block.experts.down_proj.detach(),
+        gate_up_proj_E2IH=experts.gate_up_proj.detach(),
+        down_proj_EHI=experts.down_proj.detach(),
         shared_gate_up_proj_2JH=(
             torch.cat([shared.gate_proj.weight, shared.up_proj.weight]).detach() if shared is not None else None
         ),
@@ -61,6 +65,11 @@ def reference_moe_block(config: dict, weights: MoEWeights) -> torch.nn.Module:
     if weights.e_score_correction_bias_E is not None and block_cls is DeepseekV3MoE:
         state["gate.e_score_correction_bias"] = weights.e_score_correction_bias_E
     if block_cls is not Qwen3MoeSparseMoeBlock:
+        if weights.shared_gate_up_proj_2JH is None or weights.shared_down_proj_HJ is None:
+            raise ValueError(
+                f"weights must hold shared experts for {block_cls.__name__} (it always has them), got "
+                "shared_gate_up_proj_2JH or shared_down_proj_HJ None; pass the weights of the whole block"
+            )
         gate_JH, up_JH = weights.shared_gate_up_proj_2JH.chunk(2)
         state.update(
             {

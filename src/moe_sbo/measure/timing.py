@@ -124,8 +124,13 @@ def time_layer(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> 
     """Median µs of every span in ``SPANS`` over ``iters`` forwards, stamped from dispatcher hooks."""
     stamps = Stamps(x_TH.device, iters, STAMPS)
     with layer.dispatcher.hooks.scope() as scope:
+
+        def stamp(event: str) -> Callable[[object, object], None]:
+            """A hook that stamps ``event`` (its own, not the loop's last)."""
+            return lambda dispatcher, payload: stamps.record(event)
+
         for event in HOOK_STAMPS:
-            scope.register(event, lambda dispatcher, payload, event=event: stamps.record(event))
+            scope.register(event, stamp(event))
         for it in range(warmup + iters):
             stamps.iteration = it - warmup
             line_up(x_TH.device)
@@ -148,6 +153,7 @@ def time_all_to_all(
 
 def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, graph: bool) -> float:
     """Median µs of ``fn()`` (eager), or of replays of a CUDA graph that captured one ``fn()``."""
+    run: Callable[[], object]
     if graph:
         line_up(device)  # every rank captures its collectives at the same point
         cuda_graph, _ = capture_graph(fn)

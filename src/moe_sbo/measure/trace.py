@@ -55,8 +55,8 @@ def spans_from_trace(trace: dict) -> list[Span]:
             launches[args["correlation"]] = (e["tid"], float(e["ts"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append(e)
-    for spans in annotations.values():
-        spans.sort()
+    for tid_spans in annotations.values():
+        tid_spans.sort()
     if kernels:
         spans = [_kernel_span(k, launches, annotations) for k in kernels]
     else:  # CPU: the host's annotated phases, one lane per kind

@@ -37,6 +37,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -223,7 +224,7 @@ class AutoOverlap:
     choices: dict[int, str] = field(default_factory=dict)
     timings_us: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     _calls: dict[int, int] = field(default_factory=dict)
-    _open: dict[int, tuple[str, object, object]] = field(default_factory=dict)
+    _open: dict[int, tuple[str, torch.cuda.Event | float, torch.cuda.Event | float]] = field(default_factory=dict)
 
     name = "auto"
 
@@ -258,9 +259,10 @@ class AutoOverlap:
         out.on_result = stop
         return out
 
-    def _clock(self):
+    def _clock(self) -> torch.cuda.Event | float:
+        """Now: a timing event on the current stream (CUDA), else ``time.perf_counter()`` seconds."""
         if self.ctx.device.type == "cuda":
-            return record_event(self.ctx.device, timing=True)
+            return cast(torch.cuda.Event, record_event(self.ctx.device, timing=True))  # None only off CUDA
         return time.perf_counter()
 
     def _close(self, bucket: int) -> None:
@@ -268,11 +270,16 @@ class AutoOverlap:
         if bucket not in self._open:
             return
         mode, start, end = self._open.pop(bucket)
-        if self.ctx.device.type == "cuda":
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):  # CUDA: timing events
             end.synchronize()
             elapsed_us = start.elapsed_time(end) * 1e3
-        else:
+        elif isinstance(start, float) and isinstance(end, float):  # CPU: perf_counter seconds
             elapsed_us = (end - start) * 1e6
+        else:
+            raise TypeError(
+                f"a timed forward must span two CUDA events or two perf_counter floats, got "
+                f"{type(start).__name__} and {type(end).__name__} for bucket {bucket}"
+            )
         samples = self.timings_us.setdefault(bucket, {m: [] for m in self.candidates})
         samples[mode].append(elapsed_us)
         if all(len(samples[m]) >= self.trials for m in self.candidates):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import PRESETS, MoEConfig, divisors
 
@@ -29,7 +30,7 @@ B_PER_US_PER_GBPS = 1e3  # 1 GB/s moves 1e3 bytes every microsecond.
 
 # The inputs the seed's worked example uses (DeepSeek-V3, batch 256, TPOT 20 ms, 61 layers, T = 320 us
 # attention and t = 120 us MoE per layer, FP8 "7 KB" tokens).
-SEED_INPUTS = dict(
+SEED_INPUTS: dict[str, Any] = dict(
     model="deepseek-v3",
     batch=256,
     tpot_ms=20.0,

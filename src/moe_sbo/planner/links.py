@@ -96,11 +96,11 @@ def calibrate(path: str | Path, ep: int | None = None) -> Calibration:
     if ep is not None and any(row.get("ep") == ep for row in rows):
         rows = [row for row in rows if row.get("ep") == ep]
 
-    pairs = [
-        (_positive(row, "bytes_sent"), _row_time_us(row))
-        for row in rows
-        if _positive(row, "bytes_sent") is not None and _row_time_us(row) is not None
-    ]
+    pairs: list[tuple[float, float]] = []  # (bytes_sent, time in µs) of every row that has both
+    for row in rows:
+        bytes_sent, time_us = _positive(row, "bytes_sent"), _row_time_us(row)
+        if bytes_sent is not None and time_us is not None:
+            pairs.append((bytes_sent, time_us))
     if len({b for b, _ in pairs}) >= 2:
         n = len(pairs)
         mean_b = sum(b for b, _ in pairs) / n
