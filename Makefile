@@ -1,9 +1,10 @@
-# Two entry points a newcomer needs: `make demo` and `make test`. Each creates .venv on first use.
+# Two entry points a newcomer needs: `make demo` and `make test` (lint, types, then the tests).
+# Each creates .venv on first use.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test clean
+.PHONY: setup lint demo test clean
 
 $(BIN)/moe-sbo: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,7 +19,12 @@ setup: $(BIN)/moe-sbo
 demo: setup
 	$(BIN)/moe-sbo demo --overlap all
 
-test: setup
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 clean:

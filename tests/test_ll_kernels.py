@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
-from moe_sbo.dispatch import EPGroup, ll_transport, mask_padding_tokens
+from moe_sbo.dispatch import EPGroup, ll_transport, low_latency, mask_padding_tokens
 from moe_sbo.dispatch.ll_transport import ll_kernels
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
@@ -99,6 +99,65 @@ def test_one_rank_fused_equals_torch_path(fp8):
             weights,
         )
         _assert_same(ref, fused, RowFormat.make(hidden, top_k, torch.float32, fp8))
+
+
+@interpreted
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_rank_bulk_kernels_equal_torch_path(monkeypatch, fp8):
+    """The two-pass kernels (``ll_bulk``, prefill sizes) against the reference: several token blocks
+    (128 each) and layout chunks (256 pairs each), padding tokens, an empty batch."""
+    monkeypatch.setattr(low_latency, "BULK_MIN_CAPACITY", 1)
+    torch.manual_seed(1)
+    num_experts, top_k, hidden = 8, 4, 128
+    for num_tokens, capacity in ((0, 4), (3, 8), (130, 130), (300, 320)):
+        x = torch.randn(num_tokens, hidden)
+        ids = _random_ids(num_tokens, num_experts, top_k)
+        if num_tokens > 200:
+            ids[129] = -1  # a padding token right after the first block boundary
+            ids[250, :2] = -1
+        weights = torch.rand(num_tokens, top_k)
+        ref, fused = _both_paths(
+            lambda kernels: LowLatencyDispatcher(
+                num_experts, EPGroup(), max_tokens_per_rank=capacity, fp8=fp8, kernels=kernels
+            ),
+            x,
+            ids,
+            weights,
+        )
+        _assert_same(ref, fused, RowFormat.make(hidden, top_k, torch.float32, fp8))
+
+
+def _ranks_bulk_vs_torch(device):
+    """Two ranks, the two-pass kernels forced, blocks spanning several programs on both sides."""
+    rank = dist.get_rank()
+    previous = low_latency.BULK_MIN_CAPACITY
+    low_latency.BULK_MIN_CAPACITY = 1
+    try:
+        gen = torch.Generator().manual_seed(7 + rank)
+        num_experts, top_k, hidden, capacity = 8, 4, 128, 200
+        num_tokens = (200, 141)[rank]
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        ids = _random_ids(num_tokens, num_experts, top_k, gen)
+        weights = torch.rand(num_tokens, top_k, generator=gen)
+        ref, fused = _both_paths(
+            lambda kernels: LowLatencyDispatcher(
+                num_experts, EPGroup.from_torch(), max_tokens_per_rank=capacity, kernels=kernels
+            ),
+            x,
+            ids,
+            weights,
+        )
+        _assert_same(ref, fused, RowFormat.make(hidden, top_k, torch.float32, False))
+    except AssertionError as err:
+        return f"rank {rank}: {err!r}"
+    finally:
+        low_latency.BULK_MIN_CAPACITY = previous
+    return "ok"
+
+
+@interpreted
+def test_gloo_ranks_bulk_kernels_equal_torch_path(ranks2):
+    assert ranks2.run(_ranks_bulk_vs_torch) == ["ok"] * 2
 
 
 def test_fused_kernels_refuse_cpu_without_the_interpreter(monkeypatch):

@@ -53,13 +53,13 @@ GROUP_V = tl.constexpr(FP8_GROUP)
 E4M3_MAX = tl.constexpr(FP8_MAX)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _block_h(hidden: int, fp8: bool) -> int:
+def block_h_for_row(hidden: int, fp8: bool) -> int:
     # 1024 values per step: 7 steps for DeepSeek-V3's 7168; fp8 steps whole 128-value groups.
-    return min(1024, max(_pow2(hidden), FP8_GROUP if fp8 else 16))
+    return min(1024, max(pow2(hidden), FP8_GROUP if fp8 else 16))
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def pack_rows(
     ids_ok_C = torch.empty(capacity, dtype=torch.int32, device=x_TH.device)
     num_tokens, top_k = ids_TK.shape
     num_ranks = dst.offsets_P.shape[0]
-    block_h = _block_h(fmt.hidden, fmt.fp8)
+    block_h = block_h_for_row(fmt.hidden, fmt.fp8)
     _pack_rows_kernel[(capacity, triton.cdiv(fmt.hidden, block_h))](
         x_TH,
         ids_TK,
@@ -244,9 +244,9 @@ def pack_rows(
         IDS_OFFSET=fmt.ids_offset,
         WEIGHTS_OFFSET=fmt.weights_offset,
         FP8=fmt.fp8,
-        BLOCK_T=max(16, min(128, _pow2(num_tokens))),
-        K_P2=_pow2(top_k),
-        P_P2=_pow2(num_ranks),
+        BLOCK_T=max(16, min(128, pow2(num_tokens))),
+        K_P2=pow2(top_k),
+        P_P2=pow2(num_ranks),
         BLOCK_H=block_h,
     )
     return ids_ok_C
@@ -256,7 +256,7 @@ def pack_rows(
 
 
 @triton.jit
-def _pair_keys(
+def pair_keys(
     recv_ptr,
     n,
     num_pairs,
@@ -306,7 +306,7 @@ def _expert_layout_kernel(
     before_Y = tl.zeros([Y_P2], dtype=tl.int32)
     for n0 in range(0, num_pairs, SCAN_X):
         n = n0 + tl.arange(0, SCAN_X)
-        key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
+        key = pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
         hot_XY = (key[:, None] == offs_y[None, :]).to(tl.int32)
         counts_Y += tl.sum(hot_XY, axis=0)
         before_Y += tl.sum(tl.where((n < chunk_start)[:, None], hot_XY, 0), axis=0)
@@ -316,7 +316,7 @@ def _expert_layout_kernel(
         tl.store(num_real_ptr, tl.sum(tl.where(offs_y == num_local_experts, start_Y, 0)))
     # A pair's row: its expert's start + the pairs of that expert before it (stable: slot order).
     n = chunk_start + tl.arange(0, BLOCK_X)
-    key = _pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
+    key = pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
     hot_XY = (key[:, None] == offs_y[None, :]).to(tl.int32)
     row_X = tl.sum((tl.cumsum(hot_XY, axis=0) - 1 + (start_Y + before_Y)[None, :]) * hot_XY, axis=1)
     valid = n < num_pairs
@@ -338,7 +338,7 @@ def expert_layout(recv_SB: torch.Tensor, fmt: RowFormat, rank: int, num_local_ex
     pair_row_SK = torch.empty(num_slots, top_k, dtype=torch.int64, device=device)
     counts_L = torch.empty(num_local_experts, dtype=torch.int64, device=device)
     num_real_1 = torch.empty(1, dtype=torch.int32, device=device)
-    y_p2 = _pow2(num_local_experts + 1)
+    y_p2 = pow2(num_local_experts + 1)
     block_x = 128
     _expert_layout_kernel[(triton.cdiv(num_slots * top_k, block_x),)](
         recv_SB,
@@ -410,7 +410,7 @@ def gather_rows(recv_SB: torch.Tensor, fixed: KernelLayout, fmt: RowFormat) -> t
         ROW_BYTES=fmt.row_bytes,
         SCALES_OFFSET=fmt.scales_offset,
         FP8=fmt.fp8,
-        BLOCK_H=_block_h(fmt.hidden, fmt.fp8),
+        BLOCK_H=block_h_for_row(fmt.hidden, fmt.fp8),
     )
     return out_RH
 
@@ -465,7 +465,7 @@ def reduce_pairs(
     ``s // C`` of ``dst``. Slots with no local pair are not written (their sender never reads them)."""
     num_slots, top_k = fixed.pair_row_SK.shape
     hidden = expert_y_RH.shape[1]
-    block_h = block_h_for(hidden, _pow2(top_k))
+    block_h = block_h_for(hidden, pow2(top_k))
     _reduce_pairs_kernel[(num_slots, triton.cdiv(hidden, block_h))](
         expert_y_RH,
         fixed.pair_row_SK,
@@ -476,7 +476,7 @@ def reduce_pairs(
         capacity,
         HIDDEN=hidden,
         TOP_K=top_k,
-        K_P2=_pow2(top_k),
+        K_P2=pow2(top_k),
         ROW_BYTES=fmt.row_bytes,
         WEIGHTS_OFFSET=fmt.weights_offset,
         BLOCK_H=block_h,

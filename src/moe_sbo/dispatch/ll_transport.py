@@ -24,9 +24,10 @@ from .base import EPGroup
 from .ll_wire import RowFormat
 
 try:  # Triton comes with CUDA builds of torch; without it the torch reference path runs
-    from . import ll_kernels
+    from . import ll_bulk, ll_kernels
 except ImportError:  # pragma: no cover - depends on the environment
     ll_kernels = None  # type: ignore[assignment]
+    ll_bulk = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,15 @@ from .base import (
     register_dispatcher,
 )
 from .ll_reference import group_slots_by_expert, plan_send, reduce_pairs
-from .ll_transport import Buffers, RoundCounter, allocate_buffers, ll_kernels, peers_reachable, start_exchange
+from .ll_transport import (
+    Buffers,
+    RoundCounter,
+    allocate_buffers,
+    ll_bulk,
+    ll_kernels,
+    peers_reachable,
+    start_exchange,
+)
 from .ll_wire import FP8_GROUP, RowFormat
 from .reduce import gather_sum, interpreting_triton
 
@@ -88,6 +96,9 @@ class _InFlightDispatch:
 
 
 KERNELS = ("auto", "triton", "torch")
+# From this capacity (tokens per rank) the send plan and the receiver layout run as two passes
+# (``ll_bulk``: work linear in the tokens) instead of one (``ll_kernels``: quadratic, fewer launches).
+BULK_MIN_CAPACITY = 512
 TRANSPORTS = ("auto", "nccl", "symm_mem")
 
 
@@ -287,7 +298,8 @@ class LowLatencyDispatcher(Dispatcher):
         fused = self.uses_triton(x_TH.device)
         if fused:
             slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
-            ids_ok_C = ll_kernels.pack_rows(
+            kernels = ll_bulk if self.capacity >= BULK_MIN_CAPACITY else ll_kernels
+            ids_ok_C = kernels.pack_rows(
                 x_TH.contiguous(),
                 ids_TK.contiguous(),
                 inp.topk_weights_TK.float().contiguous(),
@@ -318,7 +330,8 @@ class LowLatencyDispatcher(Dispatcher):
         recv_SB = s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         if self.uses_triton(recv_SB.device):
-            fixed = ll_kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
+            kernels = ll_bulk if self.capacity >= BULK_MIN_CAPACITY else ll_kernels
+            fixed = kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
             expert_x_RH = ll_kernels.gather_rows(recv_SB, fixed, s.fmt)
         else:
             local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
