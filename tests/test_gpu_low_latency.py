@@ -48,6 +48,16 @@ PATHS = [
         "symm_mem",
         marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
     ),
+    pytest.param(
+        "triton",
+        "copy_engine",
+        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
+    ),
+    pytest.param(
+        "torch",
+        "copy_engine",
+        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
+    ),
 ]
 
 
@@ -155,14 +165,14 @@ def test_whole_layer_in_a_cuda_graph_replays_with_fewer_tokens(preset, fp8, tole
                 assert r["pad_rel"] <= BF16_REL_TOL, r
 
 
-def _fused_vs_torch_rank(device, fp8, transport):
+def _fused_vs_torch_rank(device, fp8, transport, capacity):
     """Same inputs through the torch path (NCCL) and the fused kernels (``transport``): the bytes that
     arrive, the layout and the expert inputs are identical (fp8 payload included: the kernel rounds as
     torch does); combine's float32 sums differ in order only."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    num_experts, top_k, hidden, capacity = 8 * world, 8, 7168, 128
+    num_experts, top_k, hidden = 8 * world, 8, 7168
     gen = torch.Generator(device=device).manual_seed(rank)
-    num_tokens = [capacity, 77, 1, 0][rank % 4]
+    num_tokens = [capacity, 77 * capacity // 128, 1, 0][rank % 4]
     x = torch.randn(num_tokens, hidden, generator=gen, device=device).bfloat16()
     ids = torch.rand(num_tokens, num_experts, generator=gen, device=device).topk(top_k, dim=1).indices
     ids[: num_tokens // 5, :2] = -1  # some tokens with fewer experts
@@ -208,10 +218,15 @@ def _fused_vs_torch_rank(device, fp8, transport):
             "symm_mem",
             marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
         ),
+        pytest.param(
+            "copy_engine",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
+        ),
     ],
 )
-def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport):
+@pytest.mark.parametrize("capacity", [128, 640])  # 640: the two-pass kernels (ll_bulk) run
+def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport, capacity):
     with _ranks() as ranks:
-        for r in ranks.run(_fused_vs_torch_rank, fp8, transport):
+        for r in ranks.run(_fused_vs_torch_rank, fp8, transport, capacity):
             assert r["ids"] and r["payload"] and r["layout"] and r["x"] and r["finite"], r
             assert r["combine_rel"] <= 4e-3, r  # bf16 outputs: the same float32 sums in another order

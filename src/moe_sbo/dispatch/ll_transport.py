@@ -37,8 +37,9 @@ class Buffers:
     The receive buffers have one extra, never-written row of zeros (index S): the padding slot that
     padding rows gather from. ``*_dst``: where the fused kernels write the block for rank p (the
     send buffer for NCCL, the receive buffer with no collective, the peer's symmetric receive
-    buffer for ``symm_mem``); ``*_barrier``: the symmetric-memory handle whose
-    barrier completes the phase (``symm_mem`` only).
+    buffer for ``symm_mem``); ``*_barrier``: the symmetric-memory handle whose barrier completes the
+    phase (``symm_mem`` and ``copy_engine``); ``*_peer_blocks``: where ``copy_engine`` copies each
+    block of the send buffer to (the peers' symmetric receive buffers).
     """
 
     dispatch_send_SB: torch.Tensor
@@ -49,6 +50,9 @@ class Buffers:
     combine_dst: Any
     dispatch_barrier: object = field(default=None, compare=False)
     combine_barrier: object = field(default=None, compare=False)
+    # copy_engine only: per peer p, this rank's block in p's receive buffer ([C, B] / [C, H] views).
+    dispatch_peer_blocks: list[torch.Tensor] | None = field(default=None, compare=False)
+    combine_peer_blocks: list[torch.Tensor] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -88,17 +92,19 @@ def allocate_buffers(
     ep: EPGroup,
     capacity: int,
     *,
-    symmetric: bool,
+    transport: str,
     collective: bool,
 ) -> Buffers:
-    """One buffer set for ``ep.size * capacity`` slots of rows ``fmt``. ``symmetric``: receive buffers in
-    symmetric memory (a collective rendezvous: every rank must allocate together); ``collective``:
-    whether a communicator moves the blocks (if not, the kernels write the receive buffer directly)."""
+    """One buffer set for ``ep.size * capacity`` slots of rows ``fmt``. ``transport``: ``symm_mem`` and
+    ``copy_engine`` put the receive buffers in symmetric memory (a collective rendezvous: every rank
+    must allocate together); ``collective``: whether a communicator moves the blocks (if not, the
+    kernels write the receive buffer directly)."""
     s, rank, hidden = ep.size * capacity, ep.rank, fmt.hidden
     dispatch_send = torch.zeros(s, fmt.row_bytes, dtype=torch.uint8, device=device)
     combine_send = torch.zeros(s, hidden, dtype=dtype, device=device)
     handles: tuple[Any, Any] = (None, None)
-    if symmetric:
+    peer_blocks: tuple[Any, Any] = (None, None)
+    if transport in ("symm_mem", "copy_engine"):
         import torch.distributed._symmetric_memory as symm_mem
 
         recvs, rendezvous = [], []
@@ -114,9 +120,17 @@ def allocate_buffers(
             [h.get_buffer(p, (s + 1, cols), dt).data_ptr() for p in range(ep.size)]
             for h, cols, dt in ((handles[0], fmt.row_bytes, torch.uint8), (handles[1], hidden, dtype))
         ]
-        dispatch_dst = [ptr + rank * capacity * fmt.row_bytes for ptr in peer[0]]
-        combine_dst = [ptr + rank * capacity * hidden * dtype.itemsize for ptr in peer[1]]
         dispatch_recv, combine_recv = recvs
+        if transport == "symm_mem":  # the kernels write straight into the peers' buffers
+            dispatch_dst = [ptr + rank * capacity * fmt.row_bytes for ptr in peer[0]]
+            combine_dst = [ptr + rank * capacity * hidden * dtype.itemsize for ptr in peer[1]]
+        else:  # copy_engine: the kernels fill the send buffer, then one copy per peer block
+            dispatch_dst = [dispatch_send.data_ptr() + p * capacity * fmt.row_bytes for p in range(ep.size)]
+            combine_dst = [combine_send.data_ptr() + p * capacity * hidden * dtype.itemsize for p in range(ep.size)]
+            peer_blocks = tuple(  # type: ignore[assignment]
+                [h.get_buffer(p, (s + 1, cols), dt)[rank * capacity : (rank + 1) * capacity] for p in range(ep.size)]
+                for h, cols, dt in ((handles[0], fmt.row_bytes, torch.uint8), (handles[1], hidden, dtype))
+            )
         torch.cuda.synchronize(device)
         dist.barrier(group=ep.group)  # every peer zeroed its padding rows before anyone writes
     else:
@@ -126,25 +140,39 @@ def allocate_buffers(
         d_base, c_base = (dispatch_send, combine_send) if collective else (dispatch_recv, combine_recv)
         dispatch_dst = [d_base.data_ptr() + p * capacity * fmt.row_bytes for p in range(ep.size)]
         combine_dst = [c_base.data_ptr() + p * capacity * hidden * dtype.itemsize for p in range(ep.size)]
-    if ll_kernels is None:
-        return Buffers(dispatch_send, dispatch_recv, combine_send, combine_recv, None, None, *handles)
+    fused = ll_kernels is not None
     return Buffers(
         dispatch_send,
         dispatch_recv,
         combine_send,
         combine_recv,
-        ll_kernels.Destinations.make(dispatch_recv, dispatch_dst),
-        ll_kernels.Destinations.make(combine_recv, combine_dst),
+        ll_kernels.Destinations.make(dispatch_recv, dispatch_dst) if fused else None,
+        ll_kernels.Destinations.make(combine_recv, combine_dst) if fused else None,
         *handles,
+        *peer_blocks,
     )
 
 
 def start_exchange(
-    recv: torch.Tensor, send: torch.Tensor, *, fused: bool, barrier: Any, collective: bool, group: Any
+    recv: torch.Tensor,
+    send: torch.Tensor,
+    *,
+    fused: bool,
+    barrier: Any,
+    collective: bool,
+    group: Any,
+    peer_blocks: list[torch.Tensor] | None = None,
 ) -> list:
     """Start the fixed-size transfer of ``send`` into ``recv``; the works to wait on. With the fused
     kernels the blocks are already in place for ``symm_mem`` (a barrier remains) and without a
-    collective (nothing remains); otherwise an all-to-all, or a local copy."""
+    collective (nothing remains); ``copy_engine`` copies each block into its peer's buffer (peer
+    ``cudaMemcpyAsync`` on the current stream: the copy engines move it, no SMs) and a barrier ends
+    the phase; otherwise an all-to-all, or a local copy."""
+    if peer_blocks is not None:  # copy_engine
+        capacity = peer_blocks[0].shape[0]
+        for p, block in enumerate(peer_blocks):
+            block.copy_(send[p * capacity : (p + 1) * capacity])
+        return [SymmBarrier(barrier)]
     if fused and barrier is not None:  # symm_mem: the kernel wrote into the peers' buffers
         return [SymmBarrier(barrier)]
     if not collective:

@@ -99,7 +99,7 @@ KERNELS = ("auto", "triton", "torch")
 # From this capacity (tokens per rank) the send plan and the receiver layout run as two passes
 # (``ll_bulk``: work linear in the tokens) instead of one (``ll_kernels``: quadratic, fewer launches).
 BULK_MIN_CAPACITY = 512
-TRANSPORTS = ("auto", "nccl", "symm_mem")
+TRANSPORTS = ("auto", "nccl", "symm_mem", "copy_engine")
 
 
 @register_dispatcher
@@ -123,6 +123,9 @@ class LowLatencyDispatcher(Dispatcher):
     gloo on CPU); ``"symm_mem"`` PyTorch symmetric memory: the fused kernels write each block
     straight into the peer's receive buffer over NVLink and the phase ends with a symmetric-memory
     barrier (CUDA and ``kernels="triton"`` only; buffers are rendezvoused on the first forward);
+    ``"copy_engine"``: the kernels fill a local send buffer, then one peer copy per block
+    (``cudaMemcpyAsync`` into the peer's symmetric receive buffer: the GPU's copy engines move the
+    bytes, no SMs, so compute on other streams keeps every SM) and a barrier (CUDA, either kernels);
     ``"auto"`` (default) ``symm_mem`` where it can run (CUDA, fused kernels, EP > 1 within one node
     whose GPUs reach each other: the faster one on 2x H200, docs/BENCHMARKS.md), ``nccl`` elsewhere.
 
@@ -227,10 +230,11 @@ class LowLatencyDispatcher(Dispatcher):
                 f"kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU interpreter), got x on "
                 f"{device}; use kernels='auto' or 'torch' here"
             )
-        if self.transport_for(device) == "symm_mem" and (device.type != "cuda" or not self._collective):
+        transport = self.transport_for(device)
+        if transport in ("symm_mem", "copy_engine") and (device.type != "cuda" or not self._collective):
             raise ValueError(
-                "transport='symm_mem' needs CUDA tensors and an initialised NCCL process group (it writes into "
-                f"the peers' GPU buffers), got x on {device}"
+                f"transport={transport!r} needs CUDA tensors and an initialised NCCL process group (it writes "
+                f"into the peers' GPU buffers), got x on {device}"
                 f"{'' if self._collective else ' without a process group'}; use transport='nccl'"
             )
 
@@ -263,10 +267,10 @@ class LowLatencyDispatcher(Dispatcher):
             with torch.inference_mode(False):
                 # Normal tensors even when first used under inference_mode: inference tensors could
                 # not be written by a later forward under plain no_grad.
-                symmetric = self.transport_for(device) == "symm_mem"
+                transport = self.transport_for(device)
                 self._buffers[key] = [
                     allocate_buffers(
-                        device, dtype, fmt, self.ep, self.capacity, symmetric=symmetric, collective=self._collective
+                        device, dtype, fmt, self.ep, self.capacity, transport=transport, collective=self._collective
                     )
                     for _ in range(self.num_buffers)
                 ]
@@ -281,9 +285,15 @@ class LowLatencyDispatcher(Dispatcher):
                 "num_buffers"
             )
 
-    def _exchange(self, recv: torch.Tensor, send: torch.Tensor, fused: bool, barrier) -> list:
+    def _exchange(self, recv: torch.Tensor, send: torch.Tensor, fused: bool, barrier, peer_blocks) -> list:
         return start_exchange(
-            recv, send, fused=fused, barrier=barrier, collective=self._collective, group=self.ep.group
+            recv,
+            send,
+            fused=fused,
+            barrier=barrier,
+            collective=self._collective,
+            group=self.ep.group,
+            peer_blocks=peer_blocks,
         )
 
     # ---- the four phases -----------------------------------------------------------------------------
@@ -317,7 +327,11 @@ class LowLatencyDispatcher(Dispatcher):
             torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
             slot_TP = plan.slot_TP
         works = self._exchange(
-            bufs.dispatch_recv_SB[: self.num_slots], bufs.dispatch_send_SB, fused, bufs.dispatch_barrier
+            bufs.dispatch_recv_SB[: self.num_slots],
+            bufs.dispatch_send_SB,
+            fused,
+            bufs.dispatch_barrier,
+            bufs.dispatch_peer_blocks,
         )
         block_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
         traffic = Traffic(dispatch_bytes_sent=block_bytes, dispatch_bytes_recv=block_bytes)
@@ -371,7 +385,11 @@ class LowLatencyDispatcher(Dispatcher):
         else:
             bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
         works = self._exchange(
-            bufs.combine_recv_SH[: self.num_slots], bufs.combine_send_SH, fused, bufs.combine_barrier
+            bufs.combine_recv_SH[: self.num_slots],
+            bufs.combine_send_SH,
+            fused,
+            bufs.combine_barrier,
+            bufs.combine_peer_blocks,
         )
         block_bytes = (self.ep.size - 1) * self.capacity * handle.hidden_size * bufs.combine_send_SH.element_size()
         traffic = Traffic(combine_bytes_sent=block_bytes, combine_bytes_recv=block_bytes)
