@@ -1,0 +1,344 @@
+"""Prefill-size dispatch and combine, against the wire and the compute floor, in one run.
+
+Model: DeepSeek-V3 dims (H 7168, I 2048, top-8, one shared expert) with ``--experts-per-gpu`` routed
+experts per GPU (default 32, E = 32 x EP), bf16, tokens per rank 512-16384 (capacity = tokens).
+
+Rows (``bench="prefill"``) in ``OUT/prefill.json``, per EP size and tokens per rank:
+
+- ``dispatcher="low_latency"`` per path (``kernels`` triton; ``transport`` nccl, symm_mem,
+  copy_engine; ``plan``: ``two_pass``, the ``ll_bulk`` kernels, or ``one_pass``, the decode kernels
+  forced, up to ``--one-pass-max`` tokens), each twice: ``graph=False`` (eager: phases from CUDA events
+  at the dispatcher's hooks, ``host_*_us`` the host's own time in each call) and ``graph=True``
+  (dispatch alone, combine alone, the layer: three CUDA graphs replayed);
+- ``dispatcher="alltoall"``: the variable-size dispatcher (eager only: it reads sizes on the host).
+
+Every row carries ``ref_t_dispatch_us`` / ``ref_t_combine_us``: graph-replayed raw NCCL
+``all_to_all_single`` of the same bytes, measured in the same run (``t_wire_us`` their sum), their
+ratios ``dispatch_overhead`` / ``combine_overhead``, and the compute floor ``t_floor_us`` = router +
+routed experts (grouped GEMM on the rows this rank received) + shared experts, each timed alone on
+the same tokens, with ``floor_ratio`` = ``t_layer_us / t_floor_us``. Times are the slowest rank's
+medians. ``--plot`` draws dispatch and combine GB/s against tokens per path.
+
+Usage (GPU): ``python benchmarks/bench_prefill.py --out DIR [--plot DIR/prefill.png]``. CPU smoke:
+``python benchmarks/bench_prefill.py --out DIR --device cpu --quick --hidden-size 256 --experts-per-gpu 4
+--tokens 8 16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench_low_latency import EAGER_SPANS, baseline_rank, bench_config, capture, raw_all_to_all, summarise, time_graphs
+from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
+from moe_sbo.config import PRESETS, MoEConfig
+from moe_sbo.dispatch import low_latency
+from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.layer import MoELayer
+from moe_sbo.measure.results import ResultFile, result_meta
+from moe_sbo.measure.timing import line_up, time_fn, time_layer
+from moe_sbo.runtime import RankPool
+
+DEFAULT_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
+TARGETS = {"tokens_per_rank": 4096, "phase_vs_wire": 1.2, "floor_ratio": 1.10}
+
+
+def host_phase_us(layer: MoELayer, x_TH: torch.Tensor, iters: int) -> dict[str, float]:
+    """Median host µs spent inside each of the four dispatcher calls (the GPU is not waited for:
+    this is what the host adds per phase, the part no overlap can hide)."""
+    d, device = layer.dispatcher, x_TH.device
+    spans: dict[str, list[float]] = {
+        k: [] for k in ("dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait")
+    }
+    for _ in range(iters):
+        line_up(device)
+        topk = layer.router(x_TH)
+        t0 = time.perf_counter()
+        pending = d.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+        t1 = time.perf_counter()
+        recv = d.dispatch_wait(pending)
+        t2 = time.perf_counter()
+        y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+        t3 = time.perf_counter()
+        pending = d.combine_launch(y_RH, recv.handle)
+        t4 = time.perf_counter()
+        d.combine_wait(pending)
+        t5 = time.perf_counter()
+        for key, a, b in (
+            ("dispatch_launch", t0, t1),
+            ("dispatch_wait", t1, t2),
+            ("combine_launch", t3, t4),
+            ("combine_wait", t4, t5),
+        ):
+            spans[key].append((b - a) * 1e6)
+    return {f"host_{k}_us": statistics.median(v) for k, v in spans.items()}
+
+
+def floor_us(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
+    """Router, routed experts (on the rows a real dispatch brought here) and shared experts, each timed
+    alone: the compute a perfect dispatcher and perfect overlap would leave."""
+    device = x_TH.device
+    topk = layer.router(x_TH)
+    recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+    experts_x, counts = recv.expert_x_RH, recv.num_rows_per_expert_L
+    t_route = time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph=False)
+    t_routed = time_fn(lambda: layer.experts(experts_x, counts), device, warmup, iters, graph=False)
+    shared = layer.shared_experts
+    t_shared = time_fn(lambda: shared(x_TH), device, warmup, iters, graph=False) if shared is not None else 0.0
+    layer.dispatcher.combine(layer.experts(experts_x, counts), recv.handle)  # close the round it opened
+    return {
+        "t_floor_route_us": t_route,
+        "t_floor_routed_us": t_routed,
+        "t_floor_shared_us": t_shared,
+        "t_floor_us": t_route + t_routed + t_shared,
+    }
+
+
+def prefill_rank(
+    device: torch.device,
+    cfg: MoEConfig,
+    tokens_list: list[int],
+    transports: list[str],
+    one_pass_max: int,
+    warmup: int,
+    iters: int,
+    seed: int,
+) -> list[dict]:
+    """One rank's low_latency rows at prefill sizes, every path, eager and replayed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows = []
+    with torch.inference_mode():
+        for tokens in tokens_list:
+            generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
+            x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
+            fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, False)
+            refs = {}
+            if world > 1:
+                ref_dispatch, _ = capture(raw_all_to_all(tokens * fmt.row_bytes, device), device)
+                ref_combine, _ = capture(raw_all_to_all(tokens * cfg.hidden_size * dtype.itemsize, device), device)
+                refs = {
+                    "ref_t_dispatch_us": time_fn(ref_dispatch, device, warmup, iters, graph=False),
+                    "ref_t_combine_us": time_fn(ref_combine, device, warmup, iters, graph=False),
+                }
+                del ref_dispatch, ref_combine
+            plans = [("two_pass", t) for t in transports]
+            if tokens <= one_pass_max:
+                plans.append(("one_pass", transports[0]))
+            floor: dict[str, float] = {}
+            for plan, transport in plans:
+                previous = low_latency.BULK_MIN_CAPACITY
+                low_latency.BULK_MIN_CAPACITY = 1 if plan == "two_pass" else tokens + 1
+                try:
+                    layer = MoELayer(
+                        cfg,
+                        dispatcher="low_latency",
+                        dtype=dtype,
+                        device=device,
+                        seed=seed,
+                        dispatcher_options={"max_tokens_per_rank": tokens, "transport": transport},
+                    )
+                    if not floor:
+                        floor = floor_us(layer, x_TH, warmup, iters)
+                    common = {
+                        "rank": rank,
+                        "tokens": tokens,
+                        "capacity": tokens,
+                        "transport": transport,
+                        "plan": plan,
+                        "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
+                        "dispatch_dtype": str(dtype).removeprefix("torch."),
+                        **refs,
+                        **floor,
+                    }
+                    eager = time_layer(layer, x_TH, warmup, iters)
+                    traffic = layer.last_traffic
+                    common.update(
+                        dispatch_bytes_sent=traffic.dispatch_bytes_sent,
+                        dispatch_bytes_recv=traffic.dispatch_bytes_recv,
+                        combine_bytes_sent=traffic.combine_bytes_sent,
+                        combine_bytes_recv=traffic.combine_bytes_recv,
+                    )
+                    host = host_phase_us(layer, x_TH, iters)
+                    rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}, **host})
+                    if cuda:
+                        rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
+                finally:
+                    low_latency.BULK_MIN_CAPACITY = previous
+                del layer
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def finish(rows: list[dict], per_rank: list[list[dict]]) -> list[dict]:
+    """``summarise``'s rows plus what this benchmark adds: plan, floor, wire and host times."""
+    for row, rank_rows in zip(rows, zip(*per_rank)):
+        first = rank_rows[0]
+        row["bench"] = "prefill"
+        row["wire"] = "nvlink"
+        for key in ("plan",):
+            if key in first:
+                row[key] = first[key]
+        for key in (*(k for k in first if k.startswith(("host_", "t_floor"))),):
+            row[key] = max(r[key] for r in rank_rows)
+        if row.get("ref_t_dispatch_us") is not None:
+            row["t_wire_us"] = row["ref_t_dispatch_us"] + row["ref_t_combine_us"]
+        if row.get("t_floor_us") and row.get("t_layer_us"):
+            row["floor_ratio"] = row["t_layer_us"] / row["t_floor_us"]
+        if row.get("t_dispatch_us") and row.get("dispatch_bytes_sent"):
+            row["dispatch_GBps"] = row["dispatch_bytes_sent"] / row["t_dispatch_us"] / 1e3
+            row["combine_GBps"] = row["combine_bytes_sent"] / row["t_combine_us"] / 1e3
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Dispatch and combine GB/s (bytes sent per rank / phase time) against tokens, one line per path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    lines: dict[str, list[dict]] = {}
+    for row in rows:
+        if "error" in row or not row.get("dispatch_GBps"):
+            continue
+        name = row["dispatcher"]
+        if row["dispatcher"] == "low_latency":
+            name = f"{row['transport']} {row.get('plan', '')} {'graph' if row['graph'] else 'eager'}"
+        lines.setdefault(name, []).append(row)
+    for ax, phase in zip(axes, ("dispatch", "combine")):
+        for name, group in sorted(lines.items()):
+            group = sorted(group, key=lambda r: r["tokens_per_rank"])
+            ax.plot(
+                [r["tokens_per_rank"] for r in group],
+                [r[f"{phase}_GBps"] for r in group],
+                marker="o",
+                label=name,
+                linestyle="--" if "eager" in name or name == "alltoall" else "-",
+            )
+        ref = sorted(
+            (r for r in rows if r.get("ref_t_dispatch_us") and r.get("dispatch_GBps")),
+            key=lambda r: r["tokens_per_rank"],
+        )
+        by_tokens = {r["tokens_per_rank"]: r for r in ref}
+        ax.plot(
+            list(by_tokens),
+            [r[f"{phase}_bytes_sent"] / r[f"ref_t_{phase}_us"] / 1e3 for r in by_tokens.values()],
+            color="black",
+            linewidth=2,
+            label="raw NCCL all_to_all (graph)",
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+        ax.set_title(phase)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s sent per rank")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_sweep_args(p, "prefill.json", iters=20)
+    p.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS, help="tokens per rank")
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p.add_argument("--experts-per-gpu", type=int, default=32, help="routed experts per GPU (E = this x EP)")
+    p.add_argument("--hidden-size", type=int, default=None, help="override the preset's H (smoke runs)")
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        default=["symm_mem", "copy_engine", "nccl"],
+        choices=["nccl", "symm_mem", "copy_engine"],
+        help="low_latency transports (CUDA, EP > 1 for symm_mem and copy_engine; skipped otherwise)",
+    )
+    p.add_argument(
+        "--one-pass-max",
+        type=int,
+        default=4096,
+        help="also run the one-pass (decode) kernels up to this many tokens, for comparison",
+    )
+    p.add_argument("--baselines", nargs="*", default=["alltoall"], choices=["allgather", "alltoall"])
+    p.add_argument("--plot", default=None, help="PNG: GB/s against tokens per path")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sweep = Sweep.from_args(args, args.tokens)  # bad input raises here, before any rank starts
+    device, warmup, iters, ep_sizes = sweep.device, sweep.warmup, sweep.iters, sweep.ep_sizes
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = result_meta(device, max(ep_sizes))
+    meta.update(
+        preset=args.preset,
+        experts_per_gpu=args.experts_per_gpu,
+        tokens_per_rank=args.tokens,
+        warmup=warmup,
+        iters=iters,
+        targets=TARGETS,
+        timing="eager: CUDA events at the dispatcher's hooks, host_*_us host time inside each call; graph: "
+        "CUDA-graph replays; raw NCCL all_to_all_single graph-replayed on the same bytes; ranks lined up "
+        "before every timed call; per-rank medians, slowest rank",
+    )
+    results = ResultFile(out_dir / "prefill.json", meta)
+    started = time.perf_counter()
+    for p in ep_sizes:
+        cfg = bench_config(args.preset, args.experts_per_gpu, p, args.hidden_size)
+        common = {
+            "preset": args.preset,
+            "experts_per_gpu": args.experts_per_gpu,
+            "num_experts": cfg.num_experts,
+            "hidden_size": cfg.hidden_size,
+            "dtype": default_dtype_name(device),
+        }
+        transports = [t for t in args.transports if t == "nccl" or (device == "cuda" and p > 1)]
+        pool = RankPool(p, device)
+        jobs: list[tuple[str, Callable, tuple]] = [
+            ("low_latency", prefill_rank, (cfg, args.tokens, transports, args.one_pass_max, warmup, iters, args.seed))
+        ]
+        jobs += [(name, baseline_rank, (cfg, name, args.tokens, warmup, iters, args.seed)) for name in args.baselines]
+        try:
+            for name, fn, fn_args in jobs:
+
+                def step(fn=fn, fn_args=fn_args, name=name) -> list[dict]:
+                    per_rank = pool.run(fn, *fn_args)
+                    return finish(summarise(per_rank, common, name), per_rank)
+
+                results.add_timed_step(
+                    f"ep={p} {name}", step, {"bench": "prefill", **common, "ep": p, "dispatcher": name}, started
+                )
+        finally:
+            pool.close()
+    meta["wall_s"] = round(time.perf_counter() - started, 1)
+    results.save()
+    if args.plot:
+        plot(results.rows, Path(args.plot))
+    for row in results.rows:
+        if "error" in row:
+            continue
+        print(
+            f"{row['dispatcher']:11s} {row.get('transport') or '':11s} {row.get('plan') or '':8s} "
+            f"{'graph' if row['graph'] else 'eager'} T={row['tokens_per_rank']:6d} "
+            f"dispatch {row['t_dispatch_us']:8.0f} ({row.get('dispatch_overhead') or 0:.2f}x wire) "
+            f"combine {row['t_combine_us']:8.0f} ({row.get('combine_overhead') or 0:.2f}x) "
+            f"layer {row.get('t_layer_us') or 0:8.0f} floor {row.get('t_floor_us') or 0:8.0f} "
+            f"({row.get('floor_ratio') or 0:.2f}x) host d {row.get('host_dispatch_launch_us') or 0:.0f}"
+            f"+{row.get('host_dispatch_wait_us') or 0:.0f} c {row.get('host_combine_launch_us') or 0:.0f}"
+            f"+{row.get('host_combine_wait_us') or 0:.0f}"
+        )
+    return 1 if results.errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine, from the repo root:  bash benchmarks/run_gpu_prefill.sh
+# PARTS picks sections (default: tests bench): "tests" runs the low_latency GPU tests (every path,
+# the two-pass kernels included), "bench" the prefill benchmark over every visible GPU, writing
+# "${OUT:-out}/prefill.json", its plot and logs. Extra benchmark flags go in BENCH_ARGS.
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+PARTS="${PARTS:-tests bench}"
+for part in $PARTS; do
+  start=$SECONDS
+  case "$part" in
+    tests) python3 -m pytest -q tests/test_gpu_low_latency.py 2>&1 | tee "$OUT_DIR/tests_gpu_low_latency_$TAG.log" | tail -25 ;;
+    bench)
+      # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
+      python3 benchmarks/bench_prefill.py --out "$OUT_DIR" --plot "$OUT_DIR/prefill_$TAG.png" ${BENCH_ARGS:-} \
+        2>&1 | tee "$OUT_DIR/bench_prefill_$TAG.log" | tail -60 ;;
+    *) echo "unknown part $part (tests bench)"; exit 2 ;;
+  esac
+  echo "== $part: $((SECONDS - start)) s"
+done
