@@ -8,7 +8,9 @@ Rows (``bench="prefill"``) in ``OUT/prefill.json``, per EP size and tokens per r
 - ``dispatcher="low_latency"`` per path (``kernels`` triton; ``transport`` nccl, symm_mem,
   copy_engine; ``plan``: ``two_pass``, the ``ll_bulk`` kernels, or ``one_pass``, the decode kernels
   forced, up to ``--one-pass-max`` tokens), each twice: ``graph=False`` (eager: phases from CUDA events
-  at the dispatcher's hooks, ``host_*_us`` the host's own time in each call) and ``graph=True``
+  at the dispatcher's hooks, ranks lined up before each forward; ``host_*_us`` the host's own time in
+  each call; ``t_layer_b2b_us`` the mean of forwards issued back to back, as in a model, where the
+  host runs ahead of the GPU) and ``graph=True``
   (dispatch alone, combine alone, the layer: three CUDA graphs replayed);
 - ``dispatcher="alltoall"``: the variable-size dispatcher (eager only: it reads sizes on the host).
 
@@ -35,7 +37,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_low_latency import EAGER_SPANS, baseline_rank, bench_config, capture, raw_all_to_all, summarise, time_graphs
+from bench_low_latency import (
+    EAGER_SPANS,
+    baseline_rank,
+    bench_config,
+    capture,
+    raw_all_to_all,
+    summarise,
+    time_back_to_back,
+    time_graphs,
+)
 from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig
 from moe_sbo.dispatch import low_latency
@@ -167,7 +178,10 @@ def prefill_rank(
                         combine_bytes_recv=traffic.combine_bytes_recv,
                     )
                     host = host_phase_us(layer, x_TH, iters)
-                    rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}, **host})
+                    # Forwards issued back to back, as in a model (the host runs ahead of the GPU).
+                    b2b = time_back_to_back(lambda layer=layer: layer(x_TH), device, iters)
+                    eager_row = {**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}, **host}
+                    rows.append({**eager_row, "t_layer_b2b_us": b2b})
                     if cuda:
                         rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
                 finally:
@@ -194,6 +208,8 @@ def finish(rows: list[dict], per_rank: list[list[dict]]) -> list[dict]:
             row["t_wire_us"] = row["ref_t_dispatch_us"] + row["ref_t_combine_us"]
         if row.get("t_floor_us") and row.get("t_layer_us"):
             row["floor_ratio"] = row["t_layer_us"] / row["t_floor_us"]
+            if row.get("t_layer_b2b_us"):
+                row["floor_ratio_b2b"] = row["t_layer_b2b_us"] / row["t_floor_us"]
         if row.get("t_dispatch_us") and row.get("dispatch_bytes_sent"):
             row["dispatch_GBps"] = row["dispatch_bytes_sent"] / row["t_dispatch_us"] / 1e3
             row["combine_GBps"] = row["combine_bytes_sent"] / row["t_combine_us"] / 1e3
@@ -333,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             f"dispatch {row['t_dispatch_us']:8.0f} ({row.get('dispatch_overhead') or 0:.2f}x wire) "
             f"combine {row['t_combine_us']:8.0f} ({row.get('combine_overhead') or 0:.2f}x) "
             f"layer {row.get('t_layer_us') or 0:8.0f} floor {row.get('t_floor_us') or 0:8.0f} "
+            f"b2b {row.get('floor_ratio_b2b') or 0:.2f}x "
             f"({row.get('floor_ratio') or 0:.2f}x) host d {row.get('host_dispatch_launch_us') or 0:.0f}"
             f"+{row.get('host_dispatch_wait_us') or 0:.0f} c {row.get('host_combine_launch_us') or 0:.0f}"
             f"+{row.get('host_combine_wait_us') or 0:.0f}"
