@@ -18,8 +18,8 @@ Every row carries ``ref_t_dispatch_us`` / ``ref_t_combine_us``: graph-replayed r
 ``all_to_all_single`` of the same bytes, measured in the same run (``t_wire_us`` their sum), their
 ratios ``dispatch_overhead`` / ``combine_overhead``, and the compute floor ``t_floor_us`` = router +
 routed experts (grouped GEMM on the rows this rank received) + shared experts, each timed alone on
-the same tokens, with ``floor_ratio`` = ``t_layer_us / t_floor_us``. Times are the slowest rank's
-medians. ``--plot`` draws dispatch and combine GB/s against tokens per path.
+the same tokens (replayed from CUDA graphs on GPUs), with ``floor_ratio`` = ``t_layer_us /
+t_floor_us``. Times are the slowest rank's medians. ``--plot`` draws dispatch and combine GB/s against tokens per path.
 
 Usage (GPU): ``python benchmarks/bench_prefill.py --out DIR [--plot DIR/prefill.png]``. CPU smoke:
 ``python benchmarks/bench_prefill.py --out DIR --device cpu --quick --hidden-size 256 --experts-per-gpu 4
@@ -98,10 +98,12 @@ def floor_us(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> di
     topk = layer.router(x_TH)
     recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
     experts_x, counts = recv.expert_x_RH, recv.num_rows_per_expert_L
-    t_route = time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph=False)
-    t_routed = time_fn(lambda: layer.experts(experts_x, counts), device, warmup, iters, graph=False)
+    # Replayed from CUDA graphs where there is a GPU: the parts' own GPU time, without launch gaps.
+    graph = device.type == "cuda"
+    t_route = time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph=graph)
+    t_routed = time_fn(lambda: layer.experts(experts_x, counts), device, warmup, iters, graph=graph)
     shared = layer.shared_experts
-    t_shared = time_fn(lambda: shared(x_TH), device, warmup, iters, graph=False) if shared is not None else 0.0
+    t_shared = time_fn(lambda: shared(x_TH), device, warmup, iters, graph=graph) if shared is not None else 0.0
     layer.dispatcher.combine(layer.experts(experts_x, counts), recv.handle)  # close the round it opened
     return {
         "t_floor_route_us": t_route,
