@@ -77,44 +77,28 @@ def _assert_same(ref, fused, fmt: RowFormat):
         assert (f_out - r_out).abs().max().item() <= COMBINE_TOL * max(1.0, r_out.abs().max().item())
 
 
+# (T, C) cases per plan. One pass (decode kernels): (50, 64) is 256 (slot, k) pairs, two chunks of 128
+# in the layout kernel. Two passes (``ll_bulk``): several token blocks (128 each) and layout chunks
+# (256 pairs each), a padding token right after a block boundary.
+CASES = {"one_pass": ((0, 4), (1, 4), (5, 8), (8, 8), (50, 64)), "two_pass": ((0, 4), (3, 8), (130, 130), (300, 320))}
+
+
 @interpreted
 @pytest.mark.parametrize("fp8", [False, True])
-def test_one_rank_fused_equals_torch_path(fp8):
+@pytest.mark.parametrize("plan", ["one_pass", "two_pass"])
+def test_one_rank_fused_equals_torch_path(monkeypatch, fp8, plan):
+    monkeypatch.setattr(low_latency, "BULK_MIN_CAPACITY", 1 if plan == "two_pass" else 1 << 30)
     torch.manual_seed(0)
-    num_experts, top_k, hidden = 8, 4, 256
-    # (50, 64): 256 (slot, k) pairs, so the layout kernel runs two chunks of 128.
-    for num_tokens, capacity in ((0, 4), (1, 4), (5, 8), (8, 8), (50, 64)):
+    num_experts, top_k = 8, 4
+    hidden = 256 if plan == "one_pass" else 128
+    for num_tokens, capacity in CASES[plan]:
         x = torch.randn(num_tokens, hidden)
         ids = _random_ids(num_tokens, num_experts, top_k)
         if num_tokens > 2:
             ids[1] = -1  # a padding token: sends nothing
             ids[2, :2] = -1  # half a token
-        weights = torch.rand(num_tokens, top_k)
-        ref, fused = _both_paths(
-            lambda kernels: LowLatencyDispatcher(
-                num_experts, EPGroup(), max_tokens_per_rank=capacity, fp8=fp8, kernels=kernels
-            ),
-            x,
-            ids,
-            weights,
-        )
-        _assert_same(ref, fused, RowFormat.make(hidden, top_k, torch.float32, fp8))
-
-
-@interpreted
-@pytest.mark.parametrize("fp8", [False, True])
-def test_one_rank_bulk_kernels_equal_torch_path(monkeypatch, fp8):
-    """The two-pass kernels (``ll_bulk``, prefill sizes) against the reference: several token blocks
-    (128 each) and layout chunks (256 pairs each), padding tokens, an empty batch."""
-    monkeypatch.setattr(low_latency, "BULK_MIN_CAPACITY", 1)
-    torch.manual_seed(1)
-    num_experts, top_k, hidden = 8, 4, 128
-    for num_tokens, capacity in ((0, 4), (3, 8), (130, 130), (300, 320)):
-        x = torch.randn(num_tokens, hidden)
-        ids = _random_ids(num_tokens, num_experts, top_k)
         if num_tokens > 200:
-            ids[129] = -1  # a padding token right after the first block boundary
-            ids[250, :2] = -1
+            ids[129] = -1
         weights = torch.rand(num_tokens, top_k)
         ref, fused = _both_paths(
             lambda kernels: LowLatencyDispatcher(
