@@ -11,7 +11,9 @@ Rows (``bench="prefill"``) in ``OUT/prefill.json``, per EP size and tokens per r
   at the dispatcher's hooks, ranks lined up before each forward; ``host_*_us`` the host's own time in
   each call; ``t_layer_b2b_us`` the mean of forwards issued back to back, as in a model, where the
   host runs ahead of the GPU) and ``graph=True``
-  (dispatch alone, combine alone, the layer: three CUDA graphs replayed);
+  (dispatch alone, combine alone, the layer: three CUDA graphs replayed; and each phase's transfer
+  alone, ``t_*_transfer_us``: launch, then wait for the transfer, without the receiver's expert-major
+  layout or the final sum);
 - ``dispatcher="alltoall"``: the variable-size dispatcher (eager only: it reads sizes on the host).
 
 Every row carries ``ref_t_dispatch_us`` / ``ref_t_combine_us``: graph-replayed raw NCCL
@@ -113,6 +115,29 @@ def floor_us(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> di
     }
 
 
+def transfer_us(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
+    """Each phase's transfer alone, replayed from CUDA graphs: launch, then wait for the transfer's
+    works, without the receiver's expert-major layout (dispatch) or the final sum (combine)."""
+    d, device = layer.dispatcher, x_TH.device
+    topk = layer.router(x_TH)
+
+    def dispatch_transfer() -> None:
+        d.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK).wait()
+
+    recv = d.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+    expert_y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+
+    def combine_transfer() -> None:
+        d.combine_launch(expert_y_RH, recv.handle).wait()
+
+    # Combine first: its handle's buffers stay valid only until num_buffers more dispatches start.
+    replay_combine, _ = capture(combine_transfer, device)
+    t_combine = time_fn(replay_combine, device, warmup, iters, graph=False)
+    replay_dispatch, _ = capture(dispatch_transfer, device)
+    t_dispatch = time_fn(replay_dispatch, device, warmup, iters, graph=False)
+    return {"t_dispatch_transfer_us": t_dispatch, "t_combine_transfer_us": t_combine}
+
+
 def prefill_rank(
     device: torch.device,
     cfg: MoEConfig,
@@ -185,7 +210,8 @@ def prefill_rank(
                     eager_row = {**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}, **host}
                     rows.append({**eager_row, "t_layer_b2b_us": b2b})
                     if cuda:
-                        rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
+                        graphs = {**time_graphs(layer, x_TH, warmup, iters), **transfer_us(layer, x_TH, warmup, iters)}
+                        rows.append({**common, "graph": True, **graphs})
                 finally:
                     low_latency.BULK_MIN_CAPACITY = previous
                 del layer
@@ -204,8 +230,11 @@ def finish(rows: list[dict], per_rank: list[list[dict]]) -> list[dict]:
         for key in ("plan",):
             if key in first:
                 row[key] = first[key]
-        for key in (*(k for k in first if k.startswith(("host_", "t_floor"))),):
+        for key in (*(k for k in first if k.startswith(("host_", "t_floor")) or k.endswith("_transfer_us")),):
             row[key] = max(r[key] for r in rank_rows)
+        for phase in ("dispatch", "combine"):
+            if row.get(f"t_{phase}_transfer_us") and row.get(f"ref_t_{phase}_us"):
+                row[f"{phase}_transfer_overhead"] = row[f"t_{phase}_transfer_us"] / row[f"ref_t_{phase}_us"]
         if row.get("ref_t_dispatch_us") is not None:
             row["t_wire_us"] = row["ref_t_dispatch_us"] + row["ref_t_combine_us"]
         if row.get("t_floor_us") and row.get("t_layer_us"):

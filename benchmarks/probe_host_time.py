@@ -3,7 +3,8 @@
 Every visible GPU is one rank; rank 0's profile is printed (top functions by own time) for each token
 count, after warm-up, with the GPU and the ranks lined up between iterations (so the host never waits
 for a full launch queue). Usage (GPU): ``python benchmarks/probe_host_time.py [--tokens 128 4096]
-[--transport symm_mem]``; writes the text to ``--out`` too.
+[--transport symm_mem] [--pieces]``; writes the text to ``--out`` too. ``--pieces`` times each building
+block's host cost alone instead (a Triton launch, small torch ops, checks, each kernel wrapper).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
@@ -77,6 +80,68 @@ def profile_rank(device: torch.device, tokens: int, transport: str, iters: int, 
     return text.getvalue()
 
 
+@triton.jit
+def _empty_kernel(a_ptr, b_ptr, n, m, k, N: tl.constexpr, M: tl.constexpr):
+    pass
+
+
+def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -> str:
+    """Host µs of each building block of a phase, alone (median of ``iters``, the GPU idle before each):
+    a Triton launch, the small torch ops, our checks and hooks, each kernel wrapper, each phase."""
+    import statistics
+
+    from moe_sbo.dispatch import DispatchInput, ll_bulk, ll_kernels
+    from moe_sbo.dispatch.ll_wire import RowFormat
+
+    cfg = get_preset("deepseek-v3").with_num_experts(32 * dist.get_world_size())
+    layer = MoELayer(
+        cfg,
+        dispatcher="low_latency",
+        device=device,
+        dispatcher_options={"max_tokens_per_rank": tokens, "transport": transport},
+    )
+    d = layer.dispatcher
+    x = torch.randn(tokens, cfg.hidden_size, device=device).bfloat16()
+    small = torch.zeros(64, device=device)
+    fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, x.dtype, False)
+    out = []
+    with torch.inference_mode():
+        topk = layer.router(x)
+        ids, weights = topk.topk_ids_TK, topk.topk_weights_TK
+        layer(x)
+        bufs = d.buffers(device, x.dtype, cfg.hidden_size, cfg.num_experts_per_tok)[0]
+        slot_TP = torch.empty(tokens, d.ep.size, dtype=torch.int64, device=device)
+        kernels = ll_bulk if tokens >= 512 else ll_kernels
+        recv = bufs.dispatch_recv_SB[: d.num_slots]
+        fixed = kernels.expert_layout(recv, fmt, d.ep.rank, d.num_local_experts)
+        inp = DispatchInput(x, ids, weights)
+        cases = {
+            "triton empty kernel (5 args, 2 constexpr)": lambda: _empty_kernel[(1,)](small, small, 1, 2, 3, N=4, M=8),
+            "torch.empty": lambda: torch.empty(tokens, 2, dtype=torch.int64, device=device),
+            "torch.zeros": lambda: torch.zeros(4, 33, dtype=torch.int32, device=device),
+            "cumsum": lambda: small.cumsum(0),
+            "amin + _assert_async": lambda: torch._assert_async(small.amin() >= 0, "x"),
+            "check_dispatch_input": lambda: d._check_dispatch_input(inp),
+            "hooks.run (no hooks)": lambda: d.hooks.run("pre_dispatch", d, inp),
+            "pack_rows": lambda: kernels.pack_rows(
+                x, ids, weights.float(), bufs.dispatch_dst, slot_TP, fmt, d.num_local_experts, d.capacity
+            ),
+            "expert_layout": lambda: kernels.expert_layout(recv, fmt, d.ep.rank, d.num_local_experts),
+            "gather_rows": lambda: ll_kernels.gather_rows(bufs.dispatch_recv_SB, fixed, fmt),
+            "router": lambda: layer.router(x),
+        }
+        for name, fn in cases.items():
+            times = []
+            for _ in range(iters):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+            out.append(f"{name:45s} {statistics.median(times):8.1f} µs")
+        torch.cuda.synchronize()
+    return f"-- host µs per call, {tokens} tokens, {transport}, EP{dist.get_world_size()}\n" + "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
@@ -84,11 +149,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--pieces", action="store_true", help="time each building block alone instead of profiling")
     args = p.parse_args()
     texts = []
     with LocalRanks(torch.cuda.device_count(), device="cuda") as ranks:
         for tokens in args.tokens:
-            texts.append(ranks.run(profile_rank, tokens, args.transport, args.iters, args.top)[0])
+            if args.pieces:
+                texts.append(ranks.run(pieces_rank, tokens, args.transport, args.iters)[0])
+            else:
+                texts.append(ranks.run(profile_rank, tokens, args.transport, args.iters, args.top)[0])
     print("\n".join(texts))
     if args.out:
         Path(args.out).write_text("\n".join(texts))
