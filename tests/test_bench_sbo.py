@@ -99,6 +99,7 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
         (["--ranks", "3"], "divisible by the EP size"),
         (["--tokens", "0"], "--tokens, --prefill-tokens and --decode-seqs must be >= 1"),
         (["--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
+        (["--transport", "copy_engine"], "--transport copy_engine needs CUDA and >= 2 ranks"),
     ],
 )
 def test_bench_bad_input_exits_2(argv, message, capsys):

@@ -51,8 +51,9 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument(
         "--transport",
         default="auto",
-        choices=["auto", "nccl", "symm_mem"],
-        help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL)",
+        choices=["auto", "nccl", "symm_mem", "copy_engine"],
+        help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL; copy_engine: "
+        "peer copies, no SMs in flight)",
     )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -103,9 +104,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if device == "cuda" and ranks > torch.cuda.device_count():
         raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {ranks}")
     make_overlap("combine_sm", device, sm_budget=args.sm_budget)  # checks the SM budget here, once
-    if args.transport == "symm_mem" and (device != "cuda" or ranks < 2):
+    if args.transport in ("symm_mem", "copy_engine") and (device != "cuda" or ranks < 2):
         raise ValueError(
-            f"--transport symm_mem needs CUDA and >= 2 ranks, got {device} with {ranks}; use --transport auto or nccl"
+            f"--transport {args.transport} needs CUDA and >= 2 ranks, got {device} with {ranks}; "
+            "use --transport auto or nccl"
         )
     if args.tbo:
         AttentionConfig(get_preset(args.preset).hidden_size, args.heads, args.kv_heads, args.head_dim)  # checks heads
