@@ -88,10 +88,12 @@ class MoELayer(nn.Module):
         """The forward, pausing (``yield``) while each transfer is in flight; returns ``[T, H]``.
 
         ``forward`` runs it straight through. Two-batch overlap (``overlap/tbo.py``) interleaves two
-        of these, the second with ``dispatcher=self.dispatcher.twin()`` (own hooks, shared buffers).
+        of these, micro-batch B's with ``dispatcher=`` a twin of ``self.dispatcher`` (its own hooks,
+        the same buffers: ``overlap.tbo.dispatcher_for(layer, 1)``).
         """
         self._check_input(x_TH)
-        dispatcher = dispatcher or self.dispatcher
+        if dispatcher is None:
+            dispatcher = self.dispatcher
         with dispatcher.hooks.scope() as forward_hooks:  # the strategy's hooks end with this forward
             shared = self.overlap.attach(forward_hooks, self.shared_experts, x_TH)
             topk = self.router(x_TH)
