@@ -56,10 +56,11 @@ def select_experts(
             choice_TE = scores_TE
             group_scores_TG = choice_TE.view(num_tokens, cfg.n_group, cfg.experts_per_group).amax(dim=-1)
         kept_groups = torch.topk(group_scores_TG, cfg.topk_group, dim=-1, sorted=False).indices
-        group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
-        group_mask_TG.scatter_(1, kept_groups, True)
-        expert_mask_TE = group_mask_TG.repeat_interleave(cfg.experts_per_group, dim=1)
-        choice_TE = choice_TE.masked_fill(~expert_mask_TE, float("-inf"))
+        # Dropped groups' experts can never be chosen. A broadcast over the group's experts, not an
+        # expanded [T, E] mask: each small op is a kernel launch and host time at decode sizes.
+        dropped_TG = torch.ones_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_groups, False)
+        choice_TGX = choice_TE.view(num_tokens, cfg.n_group, cfg.experts_per_group)
+        choice_TE = choice_TGX.masked_fill(dropped_TG[:, :, None], float("-inf")).view(num_tokens, cfg.num_experts)
         topk_ids_TK = torch.topk(choice_TE, k, dim=-1, sorted=False).indices
 
     topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
