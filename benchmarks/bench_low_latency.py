@@ -32,6 +32,7 @@ CPU smoke: ``python benchmarks/bench_low_latency.py --out DIR --device cpu --pre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import statistics
@@ -157,13 +158,7 @@ def low_latency_rank(
                     common["ref_t_combine_us"] = time_fn(ref_combine, device, warmup, iters, graph=False)
                     del ref_dispatch, ref_combine
                 eager = time_layer(layer, x_TH, warmup, iters)
-                traffic = layer.last_traffic
-                common.update(
-                    dispatch_bytes_sent=traffic.dispatch_bytes_sent,
-                    dispatch_bytes_recv=traffic.dispatch_bytes_recv,
-                    combine_bytes_sent=traffic.combine_bytes_sent,
-                    combine_bytes_recv=traffic.combine_bytes_recv,
-                )
+                common.update(dataclasses.asdict(layer.last_traffic))  # the four byte counts
                 rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}})
                 if cuda:
                     rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})

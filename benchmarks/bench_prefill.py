@@ -31,6 +31,7 @@ Usage (GPU): ``python benchmarks/bench_prefill.py --out DIR [--plot DIR/prefill.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -197,13 +198,7 @@ def prefill_rank(
                         **floor,
                     }
                     eager = time_layer(layer, x_TH, warmup, iters)
-                    traffic = layer.last_traffic
-                    common.update(
-                        dispatch_bytes_sent=traffic.dispatch_bytes_sent,
-                        dispatch_bytes_recv=traffic.dispatch_bytes_recv,
-                        combine_bytes_sent=traffic.combine_bytes_sent,
-                        combine_bytes_recv=traffic.combine_bytes_recv,
-                    )
+                    common.update(dataclasses.asdict(layer.last_traffic))  # the four byte counts
                     host = host_phase_us(layer, x_TH, iters)
                     # Forwards issued back to back, as in a model (the host runs ahead of the GPU).
                     b2b = time_back_to_back(lambda layer=layer: layer(x_TH), device, iters)

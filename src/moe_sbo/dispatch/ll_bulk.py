@@ -36,15 +36,20 @@ LAYOUT_BLOCK_X = 256  # (slot, k) pairs per program of the receiver layout's pas
 
 
 @triton.jit
-def _sent_TP(ids_ptr, t, num_tokens, num_local_experts, TOP_K: tl.constexpr, K_P2: tl.constexpr, P_P2: tl.constexpr):
-    """int32 [BLOCK_T, P_P2]: 1 where token t has an expert on rank p."""
+def _load_ids(ids_ptr, t, num_tokens, TOP_K: tl.constexpr, K_P2: tl.constexpr):
+    """[BLOCK_T, K_P2] expert ids of tokens t; -1 past the last token and past K."""
     offs_k = tl.arange(0, K_P2)
-    offs_p = tl.arange(0, P_P2)
-    ids_TK = tl.load(
+    return tl.load(
         ids_ptr + t[:, None].to(tl.int64) * TOP_K + offs_k[None, :],
         mask=(t[:, None] < num_tokens) & (offs_k[None, :] < TOP_K),
         other=-1,
     )
+
+
+@triton.jit
+def _sent_TP(ids_TK, num_local_experts, P_P2: tl.constexpr):
+    """int32 [BLOCK_T, P_P2]: 1 where the token of row t has an expert on rank p."""
+    offs_p = tl.arange(0, P_P2)
     owner_TK = tl.where(ids_TK >= 0, ids_TK // num_local_experts, -1)
     return tl.max((owner_TK[:, :, None] == offs_p[None, None, :]).to(tl.int32), axis=1)
 
@@ -67,15 +72,10 @@ def _count_sends_kernel(
     # contiguous dimension.
     b = tl.program_id(0)
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, K_P2)
     offs_p = tl.arange(0, P_P2)
-    sent_TP = _sent_TP(ids_ptr, t, num_tokens, num_local_experts, TOP_K, K_P2, P_P2)
+    ids_TK = _load_ids(ids_ptr, t, num_tokens, TOP_K, K_P2)
+    sent_TP = _sent_TP(ids_TK, num_local_experts, P_P2)
     tl.store(counts_ptr + offs_p * stride_p + b, tl.sum(sent_TP, axis=0))
-    ids_TK = tl.load(
-        ids_ptr + t[:, None].to(tl.int64) * TOP_K + offs_k[None, :],
-        mask=(t[:, None] < num_tokens) & (offs_k[None, :] < TOP_K),
-        other=-1,
-    )
     bad_T = tl.max(((ids_TK < -1) | (ids_TK >= num_experts)).to(tl.int32), axis=1)
     tl.store(ids_ok_ptr + t, 1 - bad_T, mask=t < num_tokens)
 
@@ -111,7 +111,8 @@ def _place_sends_kernel(
     block_b = tl.minimum(b, num_blocks)
     before_P = tl.load(prefix_ptr + offs_p * (num_blocks + 1) + block_b, mask=offs_p < num_ranks, other=0)
     total_P = tl.load(prefix_ptr + offs_p * (num_blocks + 1) + num_blocks, mask=offs_p < num_ranks, other=0)
-    sent_TP = _sent_TP(ids_ptr, t, num_tokens, num_local_experts, TOP_K, K_P2, P_P2)
+    ids_TK = _load_ids(ids_ptr, t, num_tokens, TOP_K, K_P2)
+    sent_TP = _sent_TP(ids_TK, num_local_experts, P_P2)
     row_TP = before_P[None, :] + tl.cumsum(sent_TP, axis=0) - 1
     slot_TP = tl.where(sent_TP > 0, offs_p[None, :] * capacity + row_TP, num_slots)
     is_token = t < num_tokens
@@ -119,11 +120,6 @@ def _place_sends_kernel(
         slot_ptr + t[:, None].to(tl.int64) * num_ranks + offs_p[None, :],
         slot_TP.to(tl.int64),
         mask=is_token[:, None] & (offs_p[None, :] < num_ranks),
-    )
-    ids_TK = tl.load(
-        ids_ptr + t[:, None].to(tl.int64) * TOP_K + offs_k[None, :],
-        mask=is_token[:, None] & (offs_k[None, :] < TOP_K),
-        other=-1,
     )
     w_TK = tl.load(
         w_ptr + t[:, None].to(tl.int64) * TOP_K + offs_k[None, :],
