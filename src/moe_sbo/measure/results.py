@@ -8,6 +8,7 @@ every step and a failed step becomes an error row instead of ending the sweep.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import subprocess
 import sys
@@ -17,6 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+
+def source_digest(root: Path | None = None) -> str:
+    """The first 12 hex digits of a sha256 over the package's Python sources (paths and bytes).
+
+    It names the code a result ran on where git cannot: a copy of the tree without its history, or
+    with history older than the files (as on a remote GPU machine); equal digests, equal code.
+    """
+    root = root or Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def git_commit() -> str:
@@ -46,6 +60,7 @@ def result_meta(device: str, world_size: int) -> dict:
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": git_commit(),
+        "source_sha": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
