@@ -1,6 +1,6 @@
 """Foundation benchmark (issue 2): the expert-parallel MoE layer per phase, and the routed-expert GEMM.
 
-Two measurements, both written to ``OUT/foundation.json`` as ``{"meta", "rows"}`` (DESIGN.md §7):
+Two measurements, both written to ``OUT/foundation.json`` as ``{"meta", "rows"}`` result files:
 
 1. ``bench="moe_layer"``: for each EP size P (one process per GPU, NCCL), each dispatcher
    (``allgather``, ``alltoall``) and each token count per rank: median time of the router, dispatch,
@@ -148,7 +148,7 @@ def gemm_cases(preset: str, gemm_ep: int, max_tokens: int) -> list[tuple[str, in
 
     Each rank receives T·K (token, expert) rows on average whatever P is, so rows per expert = T·K/L.
     ``decode_deploy``: 128 tokens/GPU with 8 experts per GPU (EP32-like), the expert count real decode
-    deployments keep per GPU (DESIGN.md §6), rather than 64.
+    deployments keep per GPU (2-9 routed experts), rather than 64.
     """
     cfg = get_preset(preset)
     experts = cfg.experts_per_rank(gemm_ep)

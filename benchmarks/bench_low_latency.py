@@ -2,10 +2,10 @@
 graphs, beside raw NCCL on the same bytes and the ``allgather``/``alltoall`` dispatchers, in one run.
 
 Model: DeepSeek-V3 dims (H 7168, I 2048, top-8, one shared expert) with ``--experts-per-gpu`` routed
-experts per GPU (default 8, so E = 8 * EP: real decode deployments keep 2-9 per GPU, DESIGN.md §6;
+experts per GPU (default 8, so E = 8 * EP: real decode deployments keep 2-9 per GPU;
 every row says ``experts_per_gpu``), noaux_tc routing with the group counts adjusted to that E.
 
-Rows (``bench="low_latency"``) in ``OUT/low_latency.json`` (DESIGN.md §7), per EP size and tokens
+Rows (``bench="low_latency"``) in ``OUT/low_latency.json`` (result-file format), per EP size and tokens
 per rank (capacity = tokens unless ``--capacity``):
 
 - ``dispatcher="low_latency"``, ``graph=True``, once per ``dispatch_dtype`` (bfloat16, fp8 e4m3) and
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         targets=TARGETS,
         model_note=f"{args.preset} dims with {args.experts_per_gpu} routed experts per GPU (E = "
-        f"{args.experts_per_gpu} x EP), as real decode deployments keep (DESIGN.md §6), not all of "
+        f"{args.experts_per_gpu} x EP), as real decode deployments keep (2-9 per GPU), not all of "
         "the model's experts",
         timing="low_latency: CUDA-graph replays (dispatch, combine, layer: three graphs) and graph-replayed "
         "raw all_to_all_single of the same fixed blocks; baselines: eager, CUDA events from hooks; "

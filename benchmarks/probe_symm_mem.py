@@ -14,7 +14,7 @@ then times graph replays (median of ``--iters``, each lined up by a barrier) bes
   from every peer's buffer, then a second barrier (so the sender may reuse its buffer);
 - ``all_to_all_vdev`` (NVSHMEM backend only, ``--backend NVSHMEM``): the device-split all-to-all.
 
-Writes ``symm_mem_probe_<backend>.json`` with one row per variant (or its error), DESIGN.md §7 style.
+Writes ``symm_mem_probe_<backend>.json`` with one row per variant (or its error), in the result-file format.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ settle a few pages).
 ``--check`` makes any violation the exit status (1).
 Before the first case the ranks run ``--settle`` unmeasured forwards (a fresh process's allocator
 grows for a few thousand forwards whatever it runs; ``meta.settle`` records by how much).
-Rows are DESIGN.md §7 JSON (``bench="soak"``), rewritten after every case so a cut-off run keeps them.
+Rows are result-file JSON (``bench="soak"``), rewritten after every case so a cut-off run keeps them.
 
 Usage (repo root):
   CPU:  python benchmarks/soak.py --device cpu --ranks 2 --forwards 2000 --out benchmarks/results/soak_cpu.json

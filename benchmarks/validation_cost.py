@@ -18,7 +18,7 @@ Per dispatcher, on every rank, one layer at decode size (``--tokens`` per rank):
   failing on the offending rank and letting the launcher stop the others; see docs/RELIABILITY.md).
 
 ``low_latency`` replayed from a CUDA graph runs no Python, hence no check at all: its cost there is 0.
-Rows are DESIGN.md §7 JSON (``bench="validation_cost"``); times are medians, the slowest rank's.
+Rows are result-file JSON (``bench="validation_cost"``); times are medians, the slowest rank's.
 
 Usage (repo root):
   CPU:  python benchmarks/validation_cost.py --device cpu --ranks 2 --out benchmarks/results/validation_cost_cpu.json

@@ -1,5 +1,5 @@
 """Smoke test of ``benchmarks/bench_foundation.py``: its CPU mode (2 gloo ranks, ``tiny``, ``--quick``)
-runs in a subprocess, exits 0, and writes ``foundation.json`` with the DESIGN.md §7 fields and positive
+runs in a subprocess, exits 0, and writes ``foundation.json`` with the result-file fields (docs/BENCHMARKS.md) and positive
 times. It checks that the script works, not what it measures (benchmarks are not tests)."""
 
 from __future__ import annotations

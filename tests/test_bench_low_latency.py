@@ -1,6 +1,6 @@
 """Smoke test of ``benchmarks/bench_low_latency.py``: its CPU mode (2 gloo ranks, ``tiny`` at H = 128 so
 fp8 applies, ``--quick``) runs in a subprocess, exits 0, and writes ``low_latency.json`` with the
-DESIGN.md §7 fields, positive times and the fixed-block bytes. It checks that the script works, not
+result-file fields, positive times and the fixed-block bytes. It checks that the script works, not
 what it measures (benchmarks are not tests)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Smoke test of ``moe-sbo bench`` on 2 CPU ranks: every dispatcher x every mode gets a row with the
-DESIGN.md §7 fields, efficiency and speedup are computed against ``none``, and the timeline is drawn.
+result-file fields, efficiency and speedup are computed against ``none``, and the timeline is drawn.
 It checks that the benchmark works, not what it measures (CPU times are not GPU numbers)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The hook contract (DESIGN.md §3), with one regression test per defect of SGLang's mechanism."""
+"""The hook contract (``hooks.py``, ``dispatch/base.py``), with one regression test per defect of SGLang's mechanism."""
 
 from __future__ import annotations
 

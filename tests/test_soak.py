@@ -1,5 +1,5 @@
 """Smoke tests of ``benchmarks/soak.py`` and ``benchmarks/validation_cost.py`` in their CPU mode (2 gloo
-ranks, a few forwards, in a subprocess): each exits 0 and writes DESIGN.md §7 rows. The soak's own
+ranks, a few forwards, in a subprocess): each exits 0 and writes result-file rows. The soak's own
 flatness checks (``--check``) must pass even this short: no hook, Python object or output drift.
 (The 2,000-forward figures are in docs/RELIABILITY.md; benchmarks are not tests.)"""
 

@@ -77,7 +77,7 @@ class Hardware:
 #   (github.com/deepseek-ai/DeepEP, "Normal kernels" table) measures 153 GB/s dispatch / 158 GB/s combine
 #   intranode EP8 on H800 (nominal H800 NVLink is 400 GB/s bidirectional).
 # - H100/H200 SXM NVLink-4: 18 links x 50 GB/s = 900 GB/s bidirectional = 450 GB/s per direction
-#   (NVIDIA H100/H200 datasheets; DESIGN.md section 6).
+#   (NVIDIA H100/H200 datasheets).
 # - ConnectX-7 NDR 400 Gb/s = 50 GB/s per direction, one NIC per GPU (NVIDIA ConnectX-7 datasheet);
 #   DeepEP's README measures ~40-58 GB/s RDMA for internode dispatch/combine on it.
 # - Compute and memory: H800/H100 SXM 989 dense BF16 TFLOP/s, 1979 dense FP8, HBM3 3.35 TB/s; H200 SXM
@@ -136,7 +136,7 @@ HARDWARE: dict[str, Hardware] = {
     ),
 }
 
-# Share of datasheet peak a real shared-expert MLP reaches. From DESIGN.md section 6: DeepSeek-V3's
+# Share of datasheet peak a real shared-expert MLP reaches. From this project's H200 probe: DeepSeek-V3's
 # shared expert on 4096 tokens took 516 us on one H200, against a 365 us roofline (2*4096*3*7168*2048
 # FLOP at 989 TFLOP/s) -> 0.71. Used for memory bandwidth too, for want of a measurement.
 SHARED_EXPERT_EFFICIENCY = 0.7
