@@ -1,6 +1,7 @@
 """Smoke test of ``benchmarks/bench_foundation.py``: its CPU mode (2 gloo ranks, ``tiny``, ``--quick``)
-runs in a subprocess, exits 0, and writes ``foundation.json`` with the result-file fields (docs/BENCHMARKS.md) and positive
-times. It checks that the script works, not what it measures (benchmarks are not tests)."""
+runs in a subprocess, exits 0, and writes ``foundation.json`` with the result-file fields
+(docs/BENCHMARKS.md) and positive times. It checks that the script works, not what it measures
+(benchmarks are not tests)."""
 
 from __future__ import annotations
 

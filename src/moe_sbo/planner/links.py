@@ -67,7 +67,8 @@ def _row_time_us(row: dict) -> float | None:
 
 
 def calibrate(path: str | Path, ep: int | None = None) -> Calibration:
-    """Fit bandwidth and fixed latency to a result file ``{"meta": {...}, "rows": [...]}`` (docs/BENCHMARKS.md: result files).
+    """Fit bandwidth and fixed latency to a result file ``{"meta": {...}, "rows": [...]}``
+    (docs/BENCHMARKS.md, "Result files").
 
     With rows of >= 2 distinct ``bytes_sent`` that carry a time, a least-squares fit of
     t_us = latency_us + bytes / (GBps * 1e3) gives both (``algbw`` = bytes / t would fold the latency
