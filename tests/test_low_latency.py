@@ -320,3 +320,20 @@ def test_two_rounds_in_flight_and_a_third_is_refused(ranks2):
     for errors, message in ranks2.run(_rounds_rank):
         assert max(errors) < FLOAT32_TOL, errors
         assert "this dispatch's buffers were taken by a later one: 2 dispatches started after it" in message
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_buffer_bytes_is_what_the_buffers_take(fp8):
+    """The stated memory formula against the buffers a forward allocates (one rank, torch path)."""
+    cfg = get_preset("tiny").replace(hidden_size=256)
+    layer = _ll(cfg, 24, fp8=fp8)
+    with torch.inference_mode():
+        layer(torch.randn(5, cfg.hidden_size))
+    sets = layer.dispatcher.buffers(torch.device("cpu"), torch.float32, cfg.hidden_size, cfg.num_experts_per_tok)
+    allocated = sum(
+        t.numel() * t.element_size()
+        for b in sets
+        for t in (b.dispatch_send_SB, b.dispatch_recv_SB, b.combine_send_SH, b.combine_recv_SH)
+    )
+    expected = layer.dispatcher.buffer_bytes(torch.float32, cfg.hidden_size, cfg.num_experts_per_tok)
+    assert allocated == expected and len(sets) == 2

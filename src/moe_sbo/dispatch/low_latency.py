@@ -113,6 +113,12 @@ class LowLatencyDispatcher(Dispatcher):
     (2, as DeepEP: one per micro-batch of two-batch overlap); a round whose buffers a later round
     took raises instead of reading them.
 
+    Memory (``buffer_bytes``): each buffer set holds a dispatch send [S, B] and receive [S + 1, B]
+    buffer and a combine send [S, H] and receive [S + 1, H] buffer (activation dtype), S = P * C, so
+    ``num_buffers * (2S + 1) * (B + H * elem)`` bytes, allocated on the first forward; a forward then
+    allocates its expert rows [S * K, H] twice (inputs and outputs of the experts). DeepSeek-V3 at EP2
+    with C = 4096, bf16: B = 14400, 2 sets of 0.47 GB = 0.94 GB per rank.
+
     ``kernels``: ``"triton"`` runs the five fused kernels (``ll_kernels`` and ``reduce.gather_sum``;
     CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"torch"`` the reference chain of torch ops (any
     device); ``"auto"`` Triton on CUDA when it imports, torch otherwise. Both produce the same bytes on the wire and
@@ -257,6 +263,12 @@ class LowLatencyDispatcher(Dispatcher):
             )
 
     # ---- buffers -------------------------------------------------------------------------------------
+
+    def buffer_bytes(self, dtype: torch.dtype, hidden: int, top_k: int) -> int:
+        """Bytes of this dispatcher's buffer sets for activations of ``dtype`` and shape ``hidden``,
+        ``top_k`` (all ``num_buffers`` of them; the formula in the class docstring)."""
+        row_bytes = RowFormat.make(hidden, top_k, dtype, self.fp8).row_bytes
+        return self.num_buffers * (2 * self.num_slots + 1) * (row_bytes + hidden * dtype.itemsize)
 
     def buffers(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> list[Buffers]:
         """The buffer sets for this device, activation dtype and shape; allocated on first use only
