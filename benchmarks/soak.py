@@ -48,8 +48,8 @@ from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import line_up
+from moe_sbo.model.tbo import dispatcher_for
 from moe_sbo.overlap import OVERLAP_MODES
-from moe_sbo.overlap.tbo import dispatcher_for
 from moe_sbo.runtime import RankError, RankPool, resolve_device
 from moe_sbo.stages import run_interleaved
 from moe_sbo.streams import capture_graph

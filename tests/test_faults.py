@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
-from moe_sbo.overlap.tbo import dispatcher_for
+from moe_sbo.model.tbo import dispatcher_for
 from moe_sbo.runtime import LocalRanks, RankError
 from moe_sbo.stages import run_interleaved
 

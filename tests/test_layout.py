@@ -34,14 +34,15 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(name: str) -> set[str]:
-    """The ``moe_sbo`` modules ``name`` imports (a package stands for its ``__init__``)."""
+def _imports(name: str, type_checking: bool = False) -> set[str]:
+    """The ``moe_sbo`` modules ``name`` imports (a package stands for its ``__init__``); those under
+    ``if TYPE_CHECKING:`` too when ``type_checking``."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -98,6 +99,38 @@ def test_no_import_loops():
         if name not in state:
             walk(name, [name])
     assert not loops, "import loops:\n" + "\n".join(loops)
+
+
+def _rooms_of(name: str) -> str:
+    """A folder of the package is one room; a module at the root is a room of its own."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or MODULES[name].name == "__init__.py" else name
+
+
+def test_rooms_form_no_circle():
+    """Between rooms, type-only imports count too: every arrow points one way."""
+    arrows: dict[str, set[str]] = {}
+    for name in MODULES:
+        room = _rooms_of(name)
+        arrows.setdefault(room, set()).update(_rooms_of(t) for t in _imports(name, type_checking=True))
+    for room, targets in arrows.items():
+        targets.discard(room)
+    circles = [f"{a} <-> {b}" for a in sorted(arrows) for b in sorted(arrows[a]) if a < b and a in arrows.get(b, ())]
+    seen: dict[str, str] = {}
+
+    def walk(room: str, path: list[str]) -> None:
+        seen[room] = "open"
+        for nxt in sorted(arrows.get(room, ())):
+            if seen.get(nxt) == "open":
+                circles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in seen:
+                walk(nxt, path + [nxt])
+        seen[room] = "done"
+
+    for room in sorted(arrows):
+        if room not in seen:
+            walk(room, [room])
+    assert not circles, "rooms in a circle:\n" + "\n".join(sorted(set(circles)))
 
 
 def test_no_private_name_is_imported_from_another_module():

@@ -14,8 +14,8 @@ from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
 from moe_sbo.model.attention import AttentionConfig, Batch
 from moe_sbo.model.decoder import DecoderLayer
+from moe_sbo.model.tbo import dispatcher_for, split_batch, tbo_forward
 from moe_sbo.overlap import FIXED_MODES
-from moe_sbo.overlap.tbo import dispatcher_for, split_batch, tbo_forward
 from moe_sbo.stages import run_interleaved, run_to_end
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)

@@ -87,9 +87,9 @@ class MoELayer(nn.Module):
     def stages(self, x_TH: torch.Tensor, dispatcher: Dispatcher | None = None) -> Generator[None, None, torch.Tensor]:
         """The forward, pausing (``yield``) while each transfer is in flight; returns ``[T, H]``.
 
-        ``forward`` runs it straight through. Two-batch overlap (``overlap/tbo.py``) interleaves two
+        ``forward`` runs it straight through. Two-batch overlap (``model/tbo.py``) interleaves two
         of these, micro-batch B's with ``dispatcher=`` a twin of ``self.dispatcher`` (its own hooks,
-        the same buffers: ``overlap.tbo.dispatcher_for(layer, 1)``).
+        the same buffers: ``model.tbo.dispatcher_for(layer, 1)``).
         """
         self._check_input(x_TH)
         if dispatcher is None:

@@ -8,12 +8,13 @@ checkpoint read is checked against the experts the rank owns before anything is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .layer import MoELayer
+from .config import MoEConfig
+from .experts import RoutedExperts, SharedExperts
+from .routing import Router
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,19 @@ class MoEWeights:
     shared_down_proj_HJ: torch.Tensor | None = None
 
 
+class LayerParts(Protocol):
+    """The parts of an ``MoELayer`` that seeding and loading write (a structural type, so this module
+    needs nothing from the layer that uses it)."""
+
+    cfg: MoEConfig
+    router: Router
+    experts: RoutedExperts
+    shared_experts: SharedExperts | None
+
+    @property
+    def local_expert_ids(self) -> range: ...
+
+
 def seeded_normal(
     shape: tuple[int, ...], std: float, seed: int, tag: str, index: int, device: torch.device
 ) -> torch.Tensor:
@@ -45,7 +59,7 @@ def seeded_normal(
 
 
 @torch.no_grad()
-def seed_weights(layer: MoELayer, seed: int) -> None:
+def seed_weights(layer: LayerParts, seed: int) -> None:
     """Seeded random weights into ``layer``, one expert at a time (no second copy of all experts).
 
     Expert e gets the same values whichever rank owns it. The router bias is non-zero, as in trained
@@ -65,7 +79,7 @@ def seed_weights(layer: MoELayer, seed: int) -> None:
 
 
 @torch.no_grad()
-def load_weights(layer: MoELayer, weights: MoEWeights, expert_ids: range | None = None) -> None:
+def load_weights(layer: LayerParts, weights: MoEWeights, expert_ids: range | None = None) -> None:
     """Copy ``weights`` into ``layer`` (see ``MoELayer.load_weights``); shapes checked before any copy."""
     cfg = layer.cfg
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size

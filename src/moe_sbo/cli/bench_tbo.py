@@ -21,8 +21,8 @@ from ..layer import MoELayer
 from ..measure.timing import time_fn
 from ..model.attention import AttentionConfig, Batch
 from ..model.decoder import DecoderLayer
+from ..model.tbo import tbo_forward
 from ..overlap import make_overlap
-from ..overlap.tbo import tbo_forward
 from .bench_common import bench_config, cached, dispatcher_options, profile_spans, row_head
 
 

@@ -27,8 +27,8 @@ from ..layer import MoELayer
 from ..measure.results import result_meta
 from ..model.attention import AttentionConfig, Batch
 from ..model.decoder import DecoderLayer
+from ..model.tbo import tbo_forward
 from ..overlap import OVERLAP_MODES
-from ..overlap.tbo import tbo_forward
 from ..runtime import LocalRanks, default_world_size, resolve_device
 from .options import default_dtype_name, make_console
 

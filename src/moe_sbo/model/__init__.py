@@ -1,1 +1,2 @@
-"""The model around the MoE: attention with a KV cache and the decoder layer two-batch overlap runs on."""
+"""The model around the MoE: attention with a KV cache, the decoder layer, and two-batch overlap
+(``tbo.py``), which runs a decoder layer as two interleaved micro-batches."""

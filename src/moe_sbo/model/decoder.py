@@ -6,7 +6,7 @@ One forward::
              -> RMSNorm -> MoE (router, dispatch, experts, combine, + shared) -> + h
 
 Like ``MoELayer``, the forward is a generator of stages (``stages``) that pauses while the MoE's
-dispatch and combine are in flight, so ``overlap/tbo.py`` can run the attention of one micro-batch
+dispatch and combine are in flight, so ``model/tbo.py`` can run the attention of one micro-batch
 inside the other's transfers. Weights are random from ``seed`` (identical on every rank).
 """
 

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..dispatch import Dispatcher
-from ..model.attention import Batch, KVCache
 from ..stages import run_interleaved
+from .attention import Batch, KVCache
 
 if TYPE_CHECKING:
     from ..layer import MoELayer
-    from ..model.decoder import DecoderLayer
+    from .decoder import DecoderLayer
 
 log = logging.getLogger("moe_sbo.tbo")
 
