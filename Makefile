@@ -3,14 +3,18 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# torch comes first, from the index pip is configured with, or from TORCH_INDEX when set: the PyTorch
+# wheel index of your platform (its CPU build, or the CUDA version of your driver). pyproject.toml's
+# range then installs no second torch.
+TORCH_INDEX ?=
+TORCH_PIP_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: setup lint demo test clean
+.PHONY: setup lint demo test wheel-check clean
 
 $(BIN)/moe-sbo: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU wheel of torch first, so the range in pyproject.toml installs nothing more (no CUDA build).
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
@@ -27,5 +31,15 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -q
 
+# A wheel of moe-sbo builds, installs into a clean venv (torch first, as above) and runs there.
+wheel-check: setup
+	rm -rf build/wheel-check dist
+	$(BIN)/pip wheel -q --no-deps -w dist .
+	$(PY) -m venv build/wheel-check
+	build/wheel-check/bin/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	build/wheel-check/bin/pip install -q dist/moe_sbo-*.whl
+	cd build && wheel-check/bin/python -c "import moe_sbo.cli.main, moe_sbo.dispatch, moe_sbo.planner; print('moe_sbo', moe_sbo.__version__, 'from', moe_sbo.__file__)"
+	cd build && wheel-check/bin/moe-sbo plan > /dev/null && echo "wheel-check: moe-sbo plan ran from the wheel"
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build dist

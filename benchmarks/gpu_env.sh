@@ -1,13 +1,22 @@
 # Sourced by the run_gpu_*.sh scripts: the environment every GPU run shares, and the versions it ran on.
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-# NVLink multicast (NVLS) and symmetric-memory multicast stay off on the lent machines.
+# NVLink multicast (NVLS) and symmetric-memory multicast stay off (not every machine supports them).
 export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT_DIR="${OUT:-out}"
 mkdir -p "$OUT_DIR"
-# GPUs visible to this run, and the tag its result files carry (h200x1, h200x2, ...).
-GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-TAG="h200x${GPUS}"
+# The project's interpreter: PYTHON if set, else the repository's .venv, else the machine's python3.
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$PWD/.venv/bin/python" ]; then PYTHON="$PWD/.venv/bin/python"; else PYTHON=python3; fi
+fi
+export PYTHON
+# GPUs visible to this run, and the tag its result files carry: the GPU's own model and the count
+# ("NVIDIA H200" x 2 -> h200x2, "NVIDIA A100-SXM4-80GB" x 8 -> a100-sxm4-80gbx8).
+GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+TAG=$("$PYTHON" -c 'import re, torch
+name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+slug = re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-")
+print(f"{slug}x{torch.cuda.device_count()}")')
 nvidia-smi -L
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+"$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'

@@ -11,26 +11,26 @@ PARTS="${PARTS:-tests probe sbo tbo}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 ;;
-    probe) python3 benchmarks/probe_contention.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/probe_contention.log" ;;
+    tests) "$PYTHON" -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 ;;
+    probe) "$PYTHON" benchmarks/probe_contention.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/probe_contention.log" ;;
     sbo)
       if [ "$GPUS" -ge 2 ]; then DISP="all"; EXPERTS="256 32"; TOKENS="128 512 2048 4096 8192";
       else DISP="local low_latency"; EXPERTS="256 32"; TOKENS="128 512 4096"; fi
       # shellcheck disable=SC2086
-      python3 -m moe_sbo.cli bench --dispatcher $DISP --experts $EXPERTS --tokens $TOKENS \
+      "$PYTHON" -m moe_sbo.cli bench --dispatcher $DISP --experts $EXPERTS --tokens $TOKENS \
         --out "$OUT_DIR/sbo_$TAG.json" --timeline "$OUT_DIR/sbo_timeline_$TAG.png" --timeline-tokens 4096 \
         ${TRACE:+--trace "$OUT_DIR/sbo_trace_$TAG"} 2>&1 | tee "$OUT_DIR/sbo_$TAG.log" | tail -60
       if [ "$GPUS" -ge 2 ]; then
         # low_latency's default transport there is symmetric memory, whose dispatch transfer is the
         # packing kernel on the compute stream; the same decode sweep over NCCL shows what SBO gains with each.
         # shellcheck disable=SC2086
-        python3 -m moe_sbo.cli bench --dispatcher low_latency --transport nccl --experts $EXPERTS --tokens 128 512 \
+        "$PYTHON" -m moe_sbo.cli bench --dispatcher low_latency --transport nccl --experts $EXPERTS --tokens 128 512 \
           --out "$OUT_DIR/sbo_${TAG}_ll_nccl.json" 2>&1 | tail -30
       fi ;;
     tbo)
       if [ "$GPUS" -ge 2 ]; then DISP="alltoall low_latency"; else DISP="low_latency"; fi
       # shellcheck disable=SC2086
-      python3 -m moe_sbo.cli bench --tbo --dispatcher $DISP --experts 32 --overlap none combine_sm split \
+      "$PYTHON" -m moe_sbo.cli bench --tbo --dispatcher $DISP --experts 32 --overlap none combine_sm split \
         --prefill-tokens 4096 8192 --decode-seqs 32 64 128 256 --kv-len 2048 --delay 0 1 2 \
         --out "$OUT_DIR/tbo_$TAG.json" --timeline "$OUT_DIR/tbo_timeline_$TAG.png" \
         2>&1 | tee "$OUT_DIR/tbo_$TAG.log" | tail -50 ;;

@@ -9,10 +9,10 @@ PARTS="${PARTS:-tests bench}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) python3 -m pytest -q tests/test_gpu_low_latency.py 2>&1 | tee "$OUT_DIR/tests_gpu_low_latency_$TAG.log" | tail -25 ;;
+    tests) "$PYTHON" -m pytest -q tests/test_gpu_low_latency.py 2>&1 | tee "$OUT_DIR/tests_gpu_low_latency_$TAG.log" | tail -25 ;;
     bench)
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
-      python3 benchmarks/bench_prefill.py --out "$OUT_DIR" --plot "$OUT_DIR/prefill_$TAG.png" ${BENCH_ARGS:-} \
+      "$PYTHON" benchmarks/bench_prefill.py --out "$OUT_DIR" --plot "$OUT_DIR/prefill_$TAG.png" ${BENCH_ARGS:-} \
         2>&1 | tee "$OUT_DIR/bench_prefill_$TAG.log" | tail -60 ;;
     *) echo "unknown part $part (tests bench)"; exit 2 ;;
   esac

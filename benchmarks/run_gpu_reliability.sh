@@ -17,24 +17,24 @@ failed=""
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 || failed+=" tests" ;;
+    tests) "$PYTHON" -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 || failed+=" tests" ;;
     growth)
       mkdir -p "$OUT_DIR/growth"
-      python3 benchmarks/probe_host_growth.py --device cuda --ranks 1 "$GPUS" \
+      "$PYTHON" benchmarks/probe_host_growth.py --device cuda --ranks 1 "$GPUS" \
         --out "$OUT_DIR/growth/host_growth_$TAG.json" 2>&1 | grep -v Warning || failed+=" growth"
-      TORCH_FR_BUFFER_SIZE=0 python3 benchmarks/probe_host_growth.py --device cuda --ranks 1 "$GPUS" \
+      TORCH_FR_BUFFER_SIZE=0 "$PYTHON" benchmarks/probe_host_growth.py --device cuda --ranks 1 "$GPUS" \
         --kinds all_reduce all_to_all_single --out "$OUT_DIR/growth/host_growth_${TAG}_fr_off.json" 2>&1 | grep -v Warning \
         || failed+=" growth"
       for ranks in 1 "$GPUS"; do
         for kernels in torch triton; do
-          python3 benchmarks/soak.py --device cuda --ranks "$ranks" --dispatchers low_latency --overlaps none \
+          "$PYTHON" benchmarks/soak.py --device cuda --ranks "$ranks" --dispatchers low_latency --overlaps none \
             --kernels "$kernels" --transport nccl --forwards 5000 --settle 2000 --graph-replays 0 \
             --out "$OUT_DIR/growth/soak_${TAG}_ep${ranks}_${kernels}.json" 2>&1 | tail -3 || failed+=" growth"
         done
       done
       tar czf "$OUT_DIR/growth.tgz" -C "$OUT_DIR" growth && rm -r "$OUT_DIR/growth" ;;
     soak)
-      python3 benchmarks/soak.py --device cuda --dispatchers allgather alltoall low_latency --overlaps all \
+      "$PYTHON" benchmarks/soak.py --device cuda --dispatchers allgather alltoall low_latency --overlaps all \
         --forwards 10000 --check --out "$OUT_DIR/soak_$TAG.json" 2>&1 | tee "$OUT_DIR/soak_$TAG.log" | tail -40 \
         || failed+=" soak" ;;
     *) echo "unknown part $part (tests growth soak)"; exit 2 ;;
