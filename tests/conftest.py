@@ -32,7 +32,7 @@ def ranks4():
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA (run through the device tool)")
+    skip = pytest.mark.skip(reason="needs CUDA (GPU tests: pytest -m gpu on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,4 +1,5 @@
-"""GPU checks (NCCL, bf16, grouped GEMM); skipped without CUDA, run through the device tool."""
+"""GPU checks (NCCL, bf16, grouped GEMM); skipped without CUDA (on a GPU machine:
+``bash benchmarks/run_gpu_overlap.sh`` runs every GPU test)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ each kernel path (fused Triton, torch reference) and transport (NCCL; symmetric 
 and the fused kernels against the torch path on the same inputs.
 
 Every test runs one NCCL rank per visible GPU (world size 1 on a 1-GPU machine: the all-to-all is
-still NCCL's). Skipped without CUDA; run through the device tool.
+still NCCL's). Skipped without CUDA.
 """
 
 from __future__ import annotations
