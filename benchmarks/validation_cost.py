@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_sbo.cli.options import add_rank_args, default_dtype_name, default_ep_size, result_path
+from moe_sbo.cli.options import add_rank_args, default_dtype_name, resolve_ranks, result_path
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS, CombineInput, DispatchInput
 from moe_sbo.layer import MoELayer
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     device = resolve_device(args.device)
-    ranks = args.ranks or default_ep_size(device)
+    ranks = resolve_ranks(args.ranks, device)
     tokens = args.tokens or (128 if device == "cuda" else 16)
     dispatchers = sorted(DISPATCHERS) if args.dispatchers == ["all"] else args.dispatchers
     experts = _config(args.preset, args.experts_per_gpu, ranks).num_experts

@@ -97,6 +97,8 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
         (["--overlap", "sideways"], "--overlap must be among"),
         (["--dispatcher", "deepep"], "--dispatcher must be among"),
         (["--ranks", "3"], "divisible by the EP size"),
+        (["--ranks", "0"], "--ranks must be >= 1, got 0; leave it out for the default"),
+        (["--tbo", "--prefill-tokens", "--decode-seqs"], "must give at least one size with --tbo, got neither"),
         (["--tokens", "0"], "--tokens, --prefill-tokens and --decode-seqs must be >= 1"),
         (["--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
         (["--transport", "copy_engine"], "--transport copy_engine needs CUDA and >= 2 ranks"),

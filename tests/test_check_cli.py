@@ -10,7 +10,9 @@ import torch
 from hf_blocks import make_hf_model, write_broken_v3, write_checkpoint, write_published_v3
 from moe_sbo import runtime
 from moe_sbo.cli import check as check_cli
+from moe_sbo.cli import demo as demo_cli
 from moe_sbo.cli.main import main
+from moe_sbo.hf.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,8 @@ def test_check_passes_on_every_family(checkpoints, family, tmp_path, capsys):
     assert result["meta"]["layer"] == 1
     printed = capsys.readouterr().out
     assert "rank 1 read experts 8..15" in printed or "rank 1 read experts 4..7" in printed
+    n = len(rows)
+    assert printed.splitlines()[-1] == f"{n}/{n} dispatchers match transformers' module on every rank (rel L2 <= 1e-05)"
 
 
 def test_check_in_bfloat16_uses_the_bf16_tolerance(checkpoints, tmp_path, capsys):
@@ -108,6 +112,8 @@ def no_ranks(monkeypatch):
         raise AssertionError("a rank pool was started for bad input")
 
     monkeypatch.setattr(runtime, "LocalRanks", refuse)
+    monkeypatch.setattr(check_cli, "LocalRanks", refuse)  # the name the command calls
+    monkeypatch.setattr(demo_cli, "LocalRanks", refuse)
 
 
 P = "model.layers.1.mlp."
@@ -127,6 +133,9 @@ P = "model.layers.1.mlp."
         ("missing_scale", f"{P}shared_experts.up_proj.weight_scale_inv is missing"),
         ("bad_shape", f"model.safetensors: tensor {P}gate.weight must have shape (8, 160), got (8, 64)"),
         ("ranks", "divisible by the EP size, got 8 experts on 3 ranks"),
+        ("truncated", "model.safetensors must be a complete safetensors file, got an error reading it: "),
+        ("truncated_shard", "model-00002-of-00003.safetensors must be a complete safetensors file"),
+        ("garbage_shard", "model-00003-of-00003.safetensors must be a complete safetensors file"),
     ],
 )
 def test_check_bad_input_exits_2_before_any_rank(tmp_path, capsys, no_ranks, case, message):
@@ -143,6 +152,15 @@ def test_check_bad_input_exits_2_before_any_rank(tmp_path, capsys, no_ranks, cas
         path = write_broken_v3(tmp_path, fp8=True, drop=[f"{P}shared_experts.up_proj.weight_scale_inv"])
     elif case == "bad_shape":
         path = write_broken_v3(tmp_path, replace={f"{P}gate.weight": torch.zeros(8, 64)})
+    elif case == "truncated":  # single file: its header is read when the checkpoint is opened
+        path = write_broken_v3(tmp_path)
+        _truncate(path / "model.safetensors")
+    elif case.endswith("_shard"):  # a shard: read when the layer is checked, before any rank starts
+        path, _ = write_published_v3(tmp_path, fp8=False)
+        if case == "truncated_shard":
+            _truncate(path / "model-00002-of-00003.safetensors")
+        else:
+            (path / "model-00003-of-00003.safetensors").write_bytes(b"\xff" * 64)
     else:
         path, _ = write_published_v3(tmp_path, fp8=False)
         layer = {"dense": "0", "out_of_range": "7"}.get(case, layer)
@@ -151,6 +169,20 @@ def test_check_bad_input_exits_2_before_any_rank(tmp_path, capsys, no_ranks, cas
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("moe-sbo check: error: ")
     assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err  # one line
+
+
+def _truncate(path) -> None:
+    """Cut a file to half its size, as an interrupted download leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_truncated_file_names_the_fix(tmp_path):
+    path = write_broken_v3(tmp_path)
+    _truncate(path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"truncated or corrupt .*: download or save it again$"):
+        Checkpoint(path)
 
 
 def test_demo_checkpoint_bad_layer_exits_2(tmp_path, capsys, no_ranks):

@@ -1,28 +1,40 @@
-"""The CLI as a newcomer runs it: ``moe-sbo demo`` on CPU ranks, JSON rows, exit codes."""
+"""The CLI as a newcomer runs it: ``moe-sbo demo`` on CPU ranks, JSON rows, exit codes, what it prints."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 from moe_sbo.dispatch import DISPATCHERS
 
 
-def _moe_sbo(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "moe_sbo.cli", *args], capture_output=True, text=True, timeout=timeout)
+def _moe_sbo(*args, timeout=240, module="moe_sbo"):
+    """``python -m moe_sbo ARGS`` (the same as ``moe-sbo``) in a terminal 100 columns wide."""
+    env = {**os.environ, "COLUMNS": "100"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_demo_runs_every_dispatcher_and_matches(tmp_path):
     out = tmp_path / "demo.json"
-    proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--tokens", "9", "--iters", "1", "--json", str(out))
+    proc = _moe_sbo("demo", "--device", "cpu", "--tokens", "9", "--iters", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert {r["dispatcher"] for r in result["rows"]} == set(DISPATCHERS)
     assert all(r["ok"] and r["rel_err"] <= 1e-5 for r in result["rows"])
     assert all(r["bytes_sent"] > 0 for r in result["rows"] if r["dispatcher"] != "local")
-    assert result["meta"]["world_size"] == 2 and result["meta"]["torch"]
-    assert "alltoall" in proc.stdout and "dispatch µs" in proc.stdout
+    assert result["meta"]["world_size"] == 2 and result["meta"]["torch"]  # the default: 2 CPU ranks
+    lines = proc.stdout.splitlines()
+    assert "alltoall" in proc.stdout and "dispatch" in lines[2] and "|err| max/rel" in lines[2]
+    # One table row per dispatcher: nothing folded onto a second line at 100 columns.
+    assert sum(line.startswith(tuple(DISPATCHERS)) for line in lines) == len(DISPATCHERS)
+    assert max(len(line) for line in lines if str(out) not in line) <= 100, proc.stdout  # paths are not broken
+    assert "= none: bitwise equal to overlap none" in proc.stdout  # the legend of the derived columns
+    assert "CPU timings: gloo on" in proc.stdout and f"rows written to {out}" in proc.stdout
+    assert lines[-1] == "4/4 dispatcher x overlap runs match the single-rank reference; 4/4 equal overlap none bitwise"
 
 
 def test_demo_bad_input_exits_2_with_a_message():
@@ -56,6 +68,8 @@ def test_demo_overlap_all_checks_every_mode_against_none(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["overlap"] for r in rows] == ["none", "dispatch", "combine", "combine_sm", "split", "auto"]
     assert all(r["ok"] and r["same_as_none"] for r in rows)
+    assert proc.stdout.splitlines()[-1].startswith("6/6 dispatcher x overlap runs match")
+    assert max(len(line) for line in proc.stdout.splitlines() if str(out) not in line) <= 100, proc.stdout
     assert "overlap combine on cpu" in proc.stderr  # said once, by rank 0 only
     assert proc.stderr.count("overlap combine on cpu") == 1
     proc = _moe_sbo("demo", "--ranks", "2", "--device", "cpu", "--overlap", "sideways")

@@ -358,6 +358,7 @@ def test_cli_default_reproduces_the_seed_and_writes_json_and_png(tmp_path, capsy
     out = capsys.readouterr().out
     for figure in ("7 KB", "1.78 MB", "3.56 MB", "218 MB", "10.9 GB/s", "100 us"):
         assert figure in out
+    assert f"plan written to {json_path}\nplot written to {png_path}\n" in out  # where the files went
     assert "OFF" not in out
     doc = json.loads(json_path.read_text())
     for key in (

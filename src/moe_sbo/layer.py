@@ -44,7 +44,9 @@ class MoELayer(nn.Module):
     ``torch.distributed`` is not initialised). ``overlap``: where the shared experts run, one of
     ``moe_sbo.overlap.OVERLAP_MODES`` or a strategy from ``make_overlap``; ``sm_budget`` is the SMs
     ``combine_sm`` leaves the shared experts. Weights are random from ``seed`` (identical on every
-    rank for the same expert) until ``load_weights`` sets them.
+    rank for the same expert) until ``load_weights`` sets them. ``dtype`` of the weights and
+    activations: by default bfloat16 on CUDA, float32 on CPU (CPU bf16 GEMMs are slow, and CPU ranks
+    are for checking results, where float32 differs from a reference only by summation order).
     """
 
     def __init__(
@@ -53,7 +55,7 @@ class MoELayer(nn.Module):
         *,
         dispatcher: str = "local",
         group=None,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         seed: int = 0,
         overlap: str | Overlap = "none",
@@ -62,8 +64,10 @@ class MoELayer(nn.Module):
     ):
         super().__init__()
         self.cfg = cfg
-        self.dtype = dtype
         device = torch.device(device) if device is not None else torch.device("cpu")
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.dtype = dtype
         self.overlap = make_overlap(overlap, device, sm_budget=sm_budget) if isinstance(overlap, str) else overlap
         self.dispatcher = make_dispatcher(
             dispatcher, cfg.num_experts, EPGroup.from_torch(group), **(dispatcher_options or {})

@@ -56,11 +56,6 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
-def default_world_size(device: str) -> int:
-    """Ranks the demo starts by default: every GPU, or 4 CPU ranks."""
-    return torch.cuda.device_count() if device == "cuda" else 4
-
-
 def _join_group(device: str, local_rank: int, timeout_s: float, **init_kwargs: Any) -> torch.device:
     """Pick this rank's device, then join the process group (NCCL on GPUs, gloo on CPU)."""
     if device == "cuda":

@@ -3,8 +3,11 @@ token count (``bench_sbo.py``); with ``--tbo`` the decoder layer with and withou
 (``bench_tbo.py``). Each step runs on every rank of one pool; its rows land in the result file as soon
 as it ends.
 
-The hard part is failing early: every option is checked on the launching process before any rank
-starts, and a step that fails on one rank becomes an error row, not the end of the sweep.
+The hard part is failing early, and only when it must: every option is checked on the launching
+process before any rank starts, with a per-rank memory estimate (``memory.py``) against what the
+device has; options left out take per-device defaults (``DEVICE_DEFAULTS``: a quick tiny sweep on CPU
+ranks); a step that fails on one rank becomes an error row, not the end of the sweep, unless a rank
+was killed or ran out of memory: then the steps after it, no smaller, are skipped and the reason said.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
-import torch
+from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 
 from ..config import PRESETS, get_preset
@@ -22,18 +27,69 @@ from ..measure.results import ResultFile, result_meta
 from ..measure.trace import Span, plot_timeline, save_spans
 from ..model.attention import AttentionConfig
 from ..overlap import OVERLAP_MODES, make_overlap
-from ..runtime import RankPool, default_world_size, resolve_device
+from ..runtime import RankError, RankPool, resolve_device
 from .bench_common import bench_config
-from .bench_sbo import sbo_bench_rank, sbo_table, summarise, timeline_rank
-from .bench_tbo import summarise_tbo, tbo_bench_rank, tbo_table, tbo_timeline_rank
-from .options import default_dtype_name, make_console
+from .bench_sbo import sbo_bench_rank, sbo_legend, sbo_table, summarise, timeline_rank
+from .bench_tbo import TBO_LEGEND, summarise_tbo, tbo_bench_rank, tbo_table, tbo_timeline_rank
+from .memory import check_memory, estimate_rank_bytes
+from .options import (
+    RANKS_HELP,
+    HelpFormatter,
+    cpu_timing_note,
+    default_dtype_name,
+    in_ranks,
+    make_console,
+    print_notes,
+    resolve_ranks,
+)
 
-DEFAULT_TOKENS = (128, 512, 2048, 4096, 8192)
+# Defaults per device, (GPU, CPU), for options left out. The GPU ones measure; the CPU ones only show
+# that the sweep works, in well under two minutes on two cores (a DeepSeek-sized layer would not even
+# fit in a laptop's memory). Values given on the command line are kept as they are.
+DEVICE_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "preset": ("deepseek-v3", "tiny"),
+    "tokens": ([128, 512, 2048, 4096, 8192], [16, 64]),
+    "warmup": (5, 1),
+    "iters": (20, 3),
+    "prefill_tokens": ([4096, 8192], [128]),
+    "decode_seqs": ([32, 64, 128, 256], [4, 16]),
+    "kv_len": (2048, 64),
+    "heads": (128, 4),
+    "kv_heads": (8, 2),
+    "head_dim": (128, 16),
+}
+
+DESCRIPTION = """\
+Time the MoE layer on N ranks: every overlap mode x dispatcher x token count (single-batch overlap),
+or with --tbo a decoder layer (attention + MoE) without and with two-batch overlap. Rows go to --out
+(JSON) after every step; a step that fails on a rank becomes an error row, and after a rank is
+killed or runs out of memory the sweep stops. Each mode's efficiency and speedup are measured
+against overlap none.
+
+Defaults depend on the device: on GPUs a DeepSeek-V3 layer at realistic sizes; on CPU ranks the
+tiny preset at a few tokens, a smoke run of the whole sweep (CPU times are not GPU numbers). Before
+any rank starts, a per-rank memory estimate is printed and a run that cannot fit is refused."""
+
+
+def _device_default(key: str, what: str) -> str:
+    gpu, cpu = (" ".join(map(str, v)) if isinstance(v, list) else v for v in DEVICE_DEFAULTS[key])
+    return f"{what} (default: {gpu}; on CPU: {cpu})"
 
 
 def add_bench_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="overlap modes x dispatchers x token counts on N ranks (GPU)")
-    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p = subparsers.add_parser(
+        "bench",
+        help="time overlap modes x dispatchers x token counts on N ranks (GPUs; CPU: a smoke run)",
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        metavar="NAME",
+        help=_device_default("preset", f"model shapes, one of {', '.join(sorted(PRESETS))}"),
+    )
     p.add_argument(
         "--experts",
         type=int,
@@ -41,13 +97,18 @@ def add_bench_parser(subparsers) -> None:
         default=None,
         help="routed experts in total, one sweep each (default: the preset's; label: experts per GPU)",
     )
-    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), help="tokens per rank")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help=_device_default("tokens", "tokens per rank"))
     p.add_argument("--dispatcher", nargs="+", default=["all"], help=f"among {sorted(DISPATCHERS)}, or all")
     p.add_argument("--overlap", nargs="+", default=["all"], help=f"among {list(OVERLAP_MODES)}, or all")
-    p.add_argument("--ranks", type=int, default=None, help="EP size (default: every GPU; 2 on CPU)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--ranks", type=int, default=None, help=f"EP size: {RANKS_HELP}")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--sm-budget", type=int, default=None, help="SMs for the shared experts in combine_sm")
+    p.add_argument(
+        "--sm-budget",
+        type=int,
+        default=None,
+        help="SMs for the shared experts in combine_sm (default: all but the 32 left to communication)",
+    )
     p.add_argument(
         "--transport",
         default="auto",
@@ -55,23 +116,42 @@ def add_bench_parser(subparsers) -> None:
         help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL; copy_engine: "
         "peer copies, no SMs in flight)",
     )
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=None, help=_device_default("warmup", "untimed calls first"))
+    p.add_argument("--iters", type=int, default=None, help=_device_default("iters", "timed calls"))
     p.add_argument("--no-graph", action="store_true", help="no CUDA-graph rows")
     p.add_argument("--graph-max-tokens", type=int, default=512, help="largest tokens/rank timed as graph replays")
-    p.add_argument("--out", default=None, help="JSON file for {meta, rows}")
+    p.add_argument("--out", default=None, help="JSON file for {meta, rows} (default: none written)")
     p.add_argument("--timeline", default=None, metavar="PNG", help="draw one forward per mode at --timeline-tokens")
     p.add_argument("--timeline-tokens", type=int, default=None, help="default: largest of --tokens up to 4096")
     p.add_argument("--trace", default=None, metavar="PREFIX", help="also keep Chrome traces PREFIX.<mode>.json")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     tbo = p.add_argument_group("two-batch overlap (--tbo): a decoder layer, attention + MoE")
     tbo.add_argument("--tbo", action="store_true", help="bench the decoder layer without and with TBO")
-    tbo.add_argument("--prefill-tokens", type=int, nargs="*", default=[4096, 8192], help="prefill tokens per rank")
-    tbo.add_argument("--decode-seqs", type=int, nargs="*", default=[32, 64, 128, 256], help="decode sequences per rank")
-    tbo.add_argument("--kv-len", type=int, default=2048, help="cached tokens per decode sequence")
-    tbo.add_argument("--heads", type=int, default=128)
-    tbo.add_argument("--kv-heads", type=int, default=8, help="GQA key/value heads (8: about MLA's cache footprint)")
-    tbo.add_argument("--head-dim", type=int, default=128)
+    tbo.add_argument(
+        "--prefill-tokens",
+        type=int,
+        nargs="*",
+        default=None,
+        help=_device_default("prefill_tokens", "prefill tokens per rank"),
+    )
+    tbo.add_argument(
+        "--decode-seqs",
+        type=int,
+        nargs="*",
+        default=None,
+        help=_device_default("decode_seqs", "decode sequences per rank"),
+    )
+    tbo.add_argument(
+        "--kv-len", type=int, default=None, help=_device_default("kv_len", "cached tokens per decode sequence")
+    )
+    tbo.add_argument("--heads", type=int, default=None, help=_device_default("heads", "attention heads"))
+    tbo.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help=_device_default("kv_heads", "GQA key/value heads (8: about MLA's cache)"),
+    )
+    tbo.add_argument("--head-dim", type=int, default=None, help=_device_default("head_dim", "attention head dimension"))
     tbo.add_argument(
         "--delay",
         type=int,
@@ -81,9 +161,28 @@ def add_bench_parser(subparsers) -> None:
     )
 
 
+def resolve_defaults(args: argparse.Namespace, device: str) -> None:
+    """Fill the options left out (None) with ``DEVICE_DEFAULTS`` for ``device``; keep the others."""
+    for key, (gpu, cpu) in DEVICE_DEFAULTS.items():
+        if getattr(args, key) is None:
+            value = gpu if device == "cuda" else cpu
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+
+
+class Step(NamedTuple):
+    """One point of the sweep: a rank function, its arguments, and what makes its rows."""
+
+    label: str
+    fn: Any
+    args: tuple
+    summarise: Any
+    fields: dict  # the setup, for the error row if the step fails
+
+
 def run_bench(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    ranks = args.ranks or (default_world_size(device) if device == "cuda" else 2)
+    ranks = resolve_ranks(args.ranks, device)
+    resolve_defaults(args, device)
     dispatchers = _choose(args.dispatcher, sorted(DISPATCHERS), "--dispatcher")
     if ranks > 1 and args.dispatcher == ["all"]:
         dispatchers = [d for d in dispatchers if d != "local"]
@@ -96,23 +195,30 @@ def run_bench(args: argparse.Namespace) -> int:
     for n in experts_list:
         bench_config(args.preset, n).experts_per_rank(ranks)  # bad sizes raise before any rank starts
     sizes = [*args.tokens, *args.prefill_tokens, *args.decode_seqs]
-    if min(sizes) < 1 or args.iters < 1 or args.warmup < 0 or min(args.delay) < 0:
+    if not sizes or min(sizes) < 1 or args.iters < 1 or args.warmup < 0 or min(args.delay) < 0:
         raise ValueError(
             f"--tokens, --prefill-tokens and --decode-seqs must be >= 1, --iters >= 1, --warmup >= 0 "
             f"and --delay >= 0; got {sizes}, {args.iters}, {args.warmup}, {args.delay}"
         )
-    if device == "cuda" and ranks > torch.cuda.device_count():
-        raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {ranks}")
+    if args.tbo and not (args.prefill_tokens or args.decode_seqs):
+        raise ValueError(
+            "--prefill-tokens and --decode-seqs must give at least one size with --tbo, got neither; "
+            "leave one out for its default"
+        )
     make_overlap("combine_sm", device, sm_budget=args.sm_budget)  # checks the SM budget here, once
     if args.transport in ("symm_mem", "copy_engine") and (device != "cuda" or ranks < 2):
         raise ValueError(
             f"--transport {args.transport} needs CUDA and >= 2 ranks, got {device} with {ranks}; "
             "use --transport auto or nccl"
         )
-    if args.tbo:
+    attention = (
         AttentionConfig(get_preset(args.preset).hidden_size, args.heads, args.kv_heads, args.head_dim)  # checks heads
+        if args.tbo
+        else None
+    )
     dtype = args.dtype or default_dtype_name(device)
     console = make_console()
+    console.print(_memory_line(args, experts_list, ranks, dtype, attention, device), highlight=False)
     meta = result_meta(device=device, world_size=ranks)
     meta.update(
         preset=args.preset,
@@ -127,17 +233,10 @@ def run_bench(args: argparse.Namespace) -> int:
     pool = RankPool(ranks, device)
     started = time.perf_counter()
     try:
-        with Progress(console=console, transient=False) as progress:
-            task = progress.add_task("sweep", total=len(steps))
-            for label, fn, fn_args, summarise_fn in steps:
-                progress.update(task, description=label)
-                failure = results.add_step(
-                    lambda: summarise_fn(pool.run(fn, *fn_args)), {"bench": "tbo" if args.tbo else "sbo", "step": label}
-                )
-                if failure:
-                    console.print(f"[red]{label} failed[/]: {failure[-1500:]}")
-                progress.advance(task)
-        if args.timeline or args.trace:
+        stopped = run_steps(steps, pool, results, console, "tbo" if args.tbo else "sbo")
+        if stopped:
+            meta["stopped"] = stopped + ("; no timeline drawn" if args.timeline or args.trace else "")
+        elif args.timeline or args.trace:
             _timeline(args, pool, experts_list[0], dispatchers, modes, dtype, ranks, device, console)
     finally:
         pool.close()
@@ -145,25 +244,91 @@ def run_bench(args: argparse.Namespace) -> int:
     results.save()
     if args.tbo:
         console.print(tbo_table(results.rows))
+        print_notes(console, TBO_LEGEND, cpu_timing_note(device))
     else:
         console.print(sbo_table(results.rows))
-    if results.path:
-        console.print(f"rows written to {results.path}")
+        print_notes(console, sbo_legend(results.rows), cpu_timing_note(device))
+    if stopped:
+        console.print(f"[red]{escape(meta['stopped'])}[/]", highlight=False)
+    written = f"written to {results.path}" if results.path else "not written (no --out)"
+    # soft_wrap: a path is printed whole, never broken at the console's width.
+    console.print(f"{len(results.rows)} rows, {results.errors} errors; {written}", highlight=False, soft_wrap=True)
     return 1 if results.errors else 0
 
 
-def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[tuple]:
-    """(label, rank function, its arguments, summariser) for every point of the sweep."""
-    steps: list[tuple] = []
+def _memory_line(args, experts_list, ranks, dtype, attention, device) -> str:
+    """The per-rank memory estimate of the largest setup of the sweep; raises when it cannot fit."""
+    if args.tbo:
+        tokens = max([*args.prefill_tokens, *args.decode_seqs])
+        kv_tokens = max([*args.prefill_tokens, *(b * (args.kv_len + 1) for b in args.decode_seqs)])
+    else:
+        tokens, kv_tokens = max(args.tokens), 0
+    estimates = [
+        estimate_rank_bytes(bench_config(args.preset, n), ranks, dtype, tokens, attention, kv_tokens)
+        for n in experts_list
+    ]
+    return check_memory(max(estimates, key=lambda e: e.total_B), device, ranks)
+
+
+# Causes after which a sweep cannot go on: the next step, as large or larger, would fail the same way.
+OUT_OF_MEMORY = ("OutOfMemoryError", "out of memory", "can't allocate memory", "MemoryError")
+
+
+def fatal_cause(err: RankError) -> str | None:
+    """Why the sweep must stop after ``err``: a rank was killed (the kernel's OOM killer, most often)
+    or ran out of memory; None for a failure the next step may well not have."""
+    for failure in err.failures:
+        if failure.kind == "died":
+            return f"rank {failure.rank} died ({failure.cause}), most likely out of memory"
+        if any(marker in failure.cause or marker in failure.details for marker in OUT_OF_MEMORY):
+            return f"rank {failure.rank} ran out of memory ({failure.cause[:200]})"
+    return None
+
+
+def run_steps(steps: list[Step], pool, results: ResultFile, console: Console, bench: str) -> str | None:
+    """Run the sweep's steps in order, each one's rows (or error row) saved as it ends. After a step
+    that killed a rank or ran out of memory, stop: returns why, naming the steps skipped."""
+    with Progress(console=console, transient=False) as progress:
+        task = progress.add_task("sweep", total=len(steps))
+        for done, step in enumerate(steps, start=1):
+            progress.update(task, description=step.label)
+            fatal: list[str] = []
+
+            def run(step=step, fatal=fatal) -> list[dict]:
+                try:
+                    return step.summarise(pool.run(in_ranks(step.fn), *step.args))
+                except RankError as err:
+                    cause = fatal_cause(err)
+                    if cause:
+                        fatal.append(cause)
+                    raise
+
+            failure = results.add_step(run, {"bench": bench, "step": step.label, **step.fields})
+            if failure:
+                console.print(f"[red]{step.label} failed[/]: {escape(failure[-1500:])}", highlight=False)
+            progress.advance(task)
+            if fatal:
+                skipped = len(steps) - done
+                return (
+                    f"sweep stopped after step {step.label}: {fatal[0]}; {skipped} remaining "
+                    f"step{'s' if skipped != 1 else ''} skipped (use fewer --tokens or --experts, or more ranks)"
+                )
+    return None
+
+
+def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[Step]:
+    """Every point of the sweep, in order."""
+    steps: list[Step] = []
     if not args.tbo:
         for n, d, t in ((n, d, t) for n in experts_list for d in dispatchers for t in args.tokens):
             spec = _spec(args, n, d, modes, dtype)
             steps.append(
-                (
+                Step(
                     f"E={n} {d} T={t}",
                     sbo_bench_rank,
                     (spec, t),
                     lambda per_rank, spec=spec: summarise(per_rank, spec, ranks),
+                    {"num_experts": n, "experts_per_gpu": n // ranks, "dispatcher": d, "tokens_per_rank": t},
                 )
             )
         return steps
@@ -171,11 +336,12 @@ def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[tuple]:
     for n, d, (regime, size) in ((n, d, s) for n in experts_list for d in dispatchers for s in sizes):
         spec = _spec(args, n, d, modes, dtype)
         steps.append(
-            (
+            Step(
                 f"E={n} {d} {regime} {size}",
                 tbo_bench_rank,
                 (spec, regime, size),
                 lambda per_rank, spec=spec: summarise_tbo(per_rank, spec, ranks),
+                {"num_experts": n, "dispatcher": d, "regime": regime, "size": size},
             )
         )
     return steps
@@ -188,21 +354,26 @@ def _timeline(args, pool, num_experts, dispatchers, modes, dtype, ranks, device,
         regime, size = ("prefill", args.prefill_tokens[0]) if args.prefill_tokens else ("decode", args.decode_seqs[-1])
         for dispatcher in dispatchers:
             spec = _spec(args, num_experts, dispatcher, modes, dtype)
-            per_case = pool.run(tbo_timeline_rank, spec, regime, size, args.trace)[0]
+            per_case = pool.run(in_ranks(tbo_timeline_rank), spec, regime, size, args.trace)[0]
             spans.update({f"{dispatcher} / {case}": s for case, s in per_case.items()})
         title = f"{args.preset} decoder layer, EP{ranks}, {regime} {size}/rank, {device}"
     else:
         size = args.timeline_tokens or max([t for t in args.tokens if t <= 4096] or [min(args.tokens)])
         for dispatcher in dispatchers:
             spec = _spec(args, num_experts, dispatcher, modes, dtype)
-            per_mode = pool.run(timeline_rank, spec, size, args.trace)[0]
+            per_mode = pool.run(in_ranks(timeline_rank), spec, size, args.trace)[0]
             spans.update({f"{dispatcher} / {mode}": s for mode, s in per_mode.items()})
         title = f"{args.preset}, EP{ranks}, {size} tokens/rank, {device}"
     if args.timeline:
         spans = {k: [Span(**s) for s in v] for k, v in spans.items()}
-        save_spans(spans, Path(args.timeline).with_suffix(".spans.json"))
+        spans_path = Path(args.timeline).with_suffix(".spans.json")
+        save_spans(spans, spans_path)
         plot_timeline(spans, args.timeline, title=title)
-        console.print(f"timeline: {args.timeline}")
+        console.print(f"timeline: {args.timeline} (spans: {spans_path})", highlight=False, soft_wrap=True)
+    if args.trace:
+        console.print(
+            f"Chrome traces: {args.trace}.{'tbo.' if args.tbo else ''}<case>.json", highlight=False, soft_wrap=True
+        )
 
 
 def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:

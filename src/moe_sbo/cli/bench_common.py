@@ -7,9 +7,13 @@ its last one between calls, and only the last one, so sweeping setups does not a
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
+import os
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -68,6 +72,33 @@ def row_head(bench: str, spec: dict, ep: int) -> dict:
     }
 
 
+@contextlib.contextmanager
+def quiet_fds() -> Iterator[None]:
+    """Send file descriptors 1 and 2 to /dev/null for the block: what C/C++ code prints there (which
+    ``contextlib.redirect_stdout`` cannot catch) is dropped. Keep the block small: errors vanish too."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in (1, 2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        yield
+    finally:
+        _flush_c_stdio()  # C's buffered stdout must empty into /dev/null, not after the restore
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to ask (not POSIX): nothing buffered we know of
+        pass
+
+
 def profile_spans(run: Callable[[], object], device: torch.device, rank: int, trace_path: str | None) -> list[dict]:
     """Warm ``run`` up, profile one call on every rank; rank 0 returns its spans (and keeps the trace)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -76,10 +107,16 @@ def profile_spans(run: Callable[[], object], device: torch.device, rank: int, tr
     for _ in range(3):
         run()
     line_up(device)
-    with torch.profiler.profile(activities=activities) as prof:
+    prof = torch.profiler.profile(activities=activities)
+    with quiet_fds():  # the profiler's start and stop print USDT lines from C++, straight to fd 2
+        prof.start()
+    try:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
+    finally:
+        with quiet_fds():
+            prof.stop()
     if rank != 0:
         return []
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,6 +33,7 @@ from ..measure.timing import SPANS, line_up, time_fn, time_layer
 from ..overlap import AutoOverlap, make_overlap
 from ..overlap.sbo import bucket_of
 from .bench_common import bench_config, cached, dispatcher_options, profile_spans, row_head
+from .options import compact, make_table
 
 # Span of time_layer that is the shared experts only in mode none; in other modes it is the final add.
 PHASE_SPANS = tuple(name for name, _, _ in SPANS if name != "t_shared_us")
@@ -175,40 +176,41 @@ def timeline_rank(device: torch.device, spec: dict, tokens: int, trace_prefix: s
 
 
 def sbo_table(rows: list[dict]) -> Table:
-    """The SBO rows as a terminal table."""
-    table = Table(title="single-batch overlap (times: slowest rank, median µs)")
-    columns = [
-        ("E/GPU", "experts_per_gpu", "d"),
-        ("tokens", "tokens_per_rank", "d"),
-        ("dispatcher", "dispatcher", "s"),
-        ("overlap", "overlap", "s"),
-        ("graph", "graph", "s"),
-        ("layer", "t_layer_us", ".0f"),
-        ("dispatch", "t_dispatch_us", ".0f"),
-        ("routed", "t_routed_us", ".0f"),
-        ("combine", "t_combine_us", ".0f"),
-        ("shared alone", "t_shared_us", ".0f"),
-        ("comm alone", "t_comm_us", ".0f"),
-        ("ideal", "t_ideal_us", ".0f"),
-        ("× none", "speedup_vs_none", ".3f"),
-        ("efficiency", "efficiency", ".2f"),
-    ]
-    for title, _, _ in columns:
-        table.add_column(title, justify="left" if title in ("dispatcher", "overlap", "graph") else "right")
+    """The SBO rows as a table that fits 100 columns: ``t_ideal_us`` is left out (it is
+    ``t_none - min(shared, comm)``), and CUDA-graph rows are marked ``*`` after the mode."""
+    columns = [("E/GPU", "right"), ("tokens", "right"), ("dispatcher", "left"), ("overlap", "left")]
+    columns += [(title, "right") for title, _ in TIMES] + [("× none", "right"), ("efficiency", "right")]
+    table = make_table("single-batch overlap (µs: slowest rank, median)", columns)
     for row in rows:
+        head = (str(row.get("experts_per_gpu", "")), str(row.get("tokens_per_rank", "")), row.get("dispatcher", ""))
         if "error" in row:
-            table.add_row(
-                str(row.get("num_experts", "")),
-                str(row.get("tokens_per_rank", "")),
-                row["dispatcher"],
-                "[red]error[/]",
-                *[""] * (len(columns) - 4),
-            )
+            table.add_row(*head, "[red]error[/]", *[""] * (len(columns) - 4))
             continue
+        efficiency = row["efficiency"]
         table.add_row(
-            *(
-                "-" if row.get(key) is None else format(row[key], spec) if spec != "s" else str(row[key])
-                for _, key, spec in columns
-            )
+            *head,
+            row["overlap"] + ("*" if row["graph"] else ""),
+            *(compact(row[key]) for _, key in TIMES),
+            f"{row['speedup_vs_none']:.2f}",
+            "-" if efficiency is None else f"{efficiency:.2f}",
         )
     return table
+
+
+# (header, field) of the time columns; "shared" and "comm" are each alone, without the rest of the layer.
+TIMES = [
+    ("layer", "t_layer_us"),
+    ("dispatch", "t_dispatch_us"),
+    ("routed", "t_routed_us"),
+    ("combine", "t_combine_us"),
+    ("shared", "t_shared_us"),
+    ("comm", "t_comm_us"),
+]
+
+
+def sbo_legend(rows: list[dict]) -> str:
+    """The line under the table: what the derived columns mean."""
+    legend = "× none: t(none)/t; efficiency: (t(none) - t)/min(shared, comm); shared, comm: alone"
+    if any(row.get("graph") for row in rows):
+        legend += "; *: CUDA graph"
+    return legend

@@ -24,6 +24,7 @@ from ..model.decoder import DecoderLayer
 from ..model.tbo import tbo_forward
 from ..overlap import make_overlap
 from .bench_common import bench_config, cached, dispatcher_options, profile_spans, row_head
+from .options import compact, make_table
 
 
 def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int = 4096) -> list[int]:
@@ -141,11 +142,15 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
     return rows
 
 
+TBO_LEGEND = "× none: the same size's layer time without TBO and with overlap none / this row's"
+
+
 def tbo_table(rows: list[dict]) -> Table:
-    """The TBO rows as a terminal table."""
-    table = Table(title="decoder layer: two-batch overlap (slowest rank, median µs)")
-    for title in ("regime", "tokens", "seqs", "dispatcher", "overlap", "tbo (delay)", "graph", "layer µs", "× none"):
-        table.add_column(title, justify="right" if title in ("tokens", "seqs", "layer µs", "× none") else "left")
+    """The TBO rows as a table that fits 100 columns."""
+    columns = [("regime", "left"), ("tokens", "right"), ("seqs", "right"), ("dispatcher", "left")]
+    columns += [("overlap", "left"), ("tbo (delay)", "left"), ("graph", "left"), ("layer µs", "right")]
+    columns += [("× none", "right")]
+    table = make_table("decoder layer: two-batch overlap (slowest rank, median)", columns)
     for r in rows:
         if "error" in r:
             table.add_row(
@@ -168,8 +173,8 @@ def tbo_table(rows: list[dict]) -> Table:
             r["overlap"],
             f"yes ({r['delay']})" if r["tbo"] else "no",
             "yes" if r["graph"] else "no",
-            f"{r['t_layer_us']:.0f}",
-            f"{r['speedup_vs_none']:.3f}",
+            compact(r["t_layer_us"]),
+            f"{r['speedup_vs_none']:.2f}",
         )
     return table
 

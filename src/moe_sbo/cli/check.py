@@ -22,16 +22,35 @@ import json
 
 import torch
 import torch.distributed as dist
+from rich.markup import escape
 
 from ..dispatch import DISPATCHERS
 from ..hf.checkpoint import Checkpoint, LayerLoader
 from ..layer import MoELayer
 from ..measure.results import result_meta
-from ..runtime import LocalRanks, default_world_size, resolve_device
-from .options import make_console
+from ..runtime import LocalRanks, resolve_device
+from .options import (
+    RANKS_HELP,
+    HelpFormatter,
+    compact,
+    in_ranks,
+    make_console,
+    make_table,
+    print_notes,
+    resolve_ranks,
+    sci,
+)
 
 # Relative L2 error allowed against transformers' float32 module, per --dtype.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+DESCRIPTION = """\
+Load one MoE layer of a Hugging Face checkpoint (config.json + safetensors), each rank reading only
+its own experts, run every dispatcher on it, and compare each rank's output with transformers' own
+MoE block for the model (built in this process on the whole layer, in float32). Tolerance, relative
+L2 error per rank: 1e-5 with --dtype float32, 2e-2 with bfloat16. Exit code 0 only if every
+dispatcher on every rank is within it. The checkpoint is checked (config.json, layer, every tensor
+name, shape and FP8 scale) before any rank starts."""
 
 
 def add_check_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,7 +58,8 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "check",
         help="load one MoE layer of a checkpoint, run every dispatcher, compare with transformers",
-        description=__doc__.split("\n\n")[0],
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--checkpoint",
@@ -48,14 +68,16 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
         help="model directory: config.json + model.safetensors or model.safetensors.index.json",
     )
     parser.add_argument("--layer", type=int, default=None, help="decoder layer index (default: the first MoE layer)")
-    parser.add_argument("--ranks", type=int, default=None, help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
+    parser.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
     parser.add_argument(
         "--dispatcher",
         default="all",
         help=f"one of {sorted(DISPATCHERS)}, or all (the expert-parallel ones; local on 1 rank)",
     )
     parser.add_argument("--tokens", type=int, default=32, help="random tokens per rank")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible"
+    )
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -90,12 +112,8 @@ def check_inputs(seed: int, ranks: int, tokens: int, hidden_size: int, dtype: to
 
 def run_check(args: argparse.Namespace) -> int:
     """Run the check; print the table; write ``--json``. Returns 0 (all within tolerance) or 1."""
-    from rich.table import Table
-
     device = resolve_device(args.device)
-    ranks = args.ranks or default_world_size(device)
-    if ranks < 1:
-        raise ValueError(f"--ranks must be >= 1, got {ranks}")
+    ranks = resolve_ranks(args.ranks, device)
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     names = check_dispatchers(args.dispatcher, ranks)
@@ -110,11 +128,12 @@ def run_check(args: argparse.Namespace) -> int:
 
     console = make_console()
     console.print(
-        f"[bold]moe-sbo check[/]: {checkpoint.path} ({checkpoint.model_type}), layer {layer}, "
-        f"{cfg.num_experts} experts on {ranks} {device} ranks, {args.tokens} tokens/rank, {args.dtype}"
+        f"[bold]moe-sbo check[/]: {escape(str(checkpoint.path))} ({checkpoint.model_type}), layer {layer}",
+        soft_wrap=True,  # the path is printed whole
     )
+    console.print(f"  {cfg.num_experts} experts on {ranks} {device} ranks, {args.tokens} tokens/rank, {args.dtype}")
     with LocalRanks(ranks, device=device) as workers:
-        per_rank = workers.run(check_rank, str(checkpoint.path), layer, names, inputs, args.dtype)
+        per_rank = workers.run(in_ranks(check_rank), str(checkpoint.path), layer, names, inputs, args.dtype)
     references = reference_outputs(checkpoint, layer, inputs)
     rows = compare(per_rank, references, names, TOLERANCE[args.dtype], args.tokens)
 
@@ -125,26 +144,44 @@ def run_check(args: argparse.Namespace) -> int:
                 f"{read['tensors']} tensors, {read['bytes_read']:,} B from {len(read['files'])} "
                 f"of {len(set(checkpoint.weight_map.values()))} files"
             )
-    table = Table(title=f"each dispatcher vs transformers' module (rel L2 tolerance {TOLERANCE[args.dtype]:g})")
-    for col in ("dispatcher", "max |err|", "rel err", "ok", "read B/rank", "sent B/rank", "recv B/rank"):
-        table.add_column(col, justify="left" if col in ("dispatcher", "ok") else "right")
-    for r in rows:
-        table.add_row(
-            r["dispatcher"],
-            f"{r['max_abs_err']:.2e}",
-            f"{r['rel_err']:.2e}",
-            "[green]yes[/]" if r["ok"] else "[red]NO[/]",
-            f"{r['bytes_read']:,}",
-            f"{r['bytes_sent']:,}",
-            f"{r['bytes_recv']:,}",
-        )
-    console.print(table)
+    tolerance = TOLERANCE[args.dtype]
+    console.print(check_table(rows, tolerance))
+    print_notes(
+        console,
+        f"ok: rel L2 error <= {tolerance:g} on every rank; read: most bytes a rank read; "
+        "sent: mean bytes sent per rank",
+    )
     if args.json:
         meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path), "layer": layer}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        console.print(f"rows written to {args.json}")
+        console.print(f"rows written to {args.json}", highlight=False, soft_wrap=True)  # paths unbroken
+    console.print(verdict(rows, tolerance), highlight=False)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def check_table(rows: list[dict], tolerance: float):
+    """``compare``'s rows as a table that fits 100 columns."""
+    columns = [("dispatcher", "left"), ("|err| max/rel", "right"), ("ok", "left")]
+    columns += [("read B/rank", "right"), ("sent B/rank", "right")]
+    table = make_table(f"each dispatcher vs transformers' module (rel L2 tolerance {tolerance:g})", columns)
+    for r in rows:
+        table.add_row(
+            r["dispatcher"],
+            f"{sci(r['max_abs_err'])}/{sci(r['rel_err'])}",
+            "[green]yes[/]" if r["ok"] else "[red]NO[/]",
+            compact(r["bytes_read"]),
+            compact(r["bytes_sent"]),
+        )
+    return table
+
+
+def verdict(rows: list[dict], tolerance: float) -> str:
+    """The closing line: how many dispatchers match transformers, and which do not."""
+    ok = [r["dispatcher"] for r in rows if r["ok"]]
+    line = f"{len(ok)}/{len(rows)} dispatchers match transformers' module on every rank (rel L2 <= {tolerance:g})"
+    failed = [r["dispatcher"] for r in rows if not r["ok"]]
+    return line + (f"; beyond tolerance: {', '.join(failed)}" if failed else "")
 
 
 def check_rank(

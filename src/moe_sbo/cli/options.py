@@ -1,4 +1,5 @@
-"""Command-line options and defaults the subcommands and the ``benchmarks/`` drivers share.
+"""Command-line options and defaults the subcommands and the ``benchmarks/`` drivers share, and how
+they print: console width, tables, compact numbers, notes, logging.
 
 The hard part is checking before starting: every option is resolved and checked here, on the
 launching process, so a bad value is a usage error before any rank starts.
@@ -7,20 +8,150 @@ launching process, so a bad value is a usage error before any rank starts.
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
 from ..config import PRESETS
 from ..runtime import resolve_device
 
+# ---- help ----------------------------------------------------------------------------------------
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions kept as laid out; every option's default appended to its help, unless it has none
+    worth showing (None: the help says what happens; a flag) or the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        nothing = default is None or default is False or default == argparse.SUPPRESS  # not 0: 0 == False
+        if not action.option_strings or nothing or "default" in text:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"  # help strings are %-formatted
+
+
+# ---- printing ------------------------------------------------------------------------------------
+
+TABLE_WIDTH = 100  # every table must fit this many columns without folding a number
+
 
 def make_console() -> Console:
-    """A console that keeps wide tables readable when output is piped (rich assumes 80 columns)."""
-    return Console(width=None if sys.stdout.isatty() else 160)
+    """A console as wide as the terminal; piped, ``COLUMNS`` or 100 (rich would assume 80, and fold)."""
+    return Console(width=shutil.get_terminal_size((TABLE_WIDTH, 24)).columns)
+
+
+def make_table(title: str, columns: list[tuple[str, str]]) -> Table:
+    """A table compact enough for 100 columns: no frame, a rule under the header, one space between
+    columns. ``columns``: (header, justify); right-justified (numeric) columns never wrap, the others
+    may when the terminal is narrower than the table."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
+    for header, justify in columns:
+        table.add_column(header, justify=justify, no_wrap=justify == "right")  # type: ignore[arg-type]
+    return table
+
+
+def compact(value: float | None) -> str:
+    """``value`` in at most 6 characters: 812, 9999, 12.3k, 4.5M, 1.2G ("-" for None)."""
+    if value is None:
+        return "-"
+    if abs(value) < 9999.5:
+        return f"{value:.0f}"
+    for suffix in "kMGT":
+        value /= 1000
+        if abs(value) < 999.95:
+            return f"{value:.1f}{suffix}"
+    return f"{value:.0f}P"
+
+
+def sci(value: float) -> str:
+    """A small error in few characters: 1.1e-6 (Python writes 1.1e-06), 0 for exactly 0."""
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def cpu_timing_note(device: str) -> str | None:
+    """The line under a table of CPU times: they show the code runs, not how fast a GPU would."""
+    if device != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"CPU timings: gloo on {cores} cores, not a performance measurement"
+
+
+def print_notes(console: Console, *notes: str | None) -> None:
+    """Legend and notes under a table, dimmed, one line each (None: skipped)."""
+    for note in notes:
+        if note:
+            console.print(note, style="dim", highlight=False)
+
+
+# ---- logging -------------------------------------------------------------------------------------
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_handler: logging.Handler | None = None
+_level: int | None = None  # set by --log-level / -v; ranks are given it with each call (in_ranks)
+
+
+def log_level(verbose: int | None, level: str | None) -> int | None:
+    """``--log-level``, else ``-v`` (INFO) or ``-vv`` (DEBUG), else None: logging left as Python has it
+    (warnings printed bare)."""
+    if level is not None:
+        return getattr(logging, level)
+    if verbose:
+        return logging.INFO if verbose == 1 else logging.DEBUG
+    return None
+
+
+def configure_logging(level: int | None, prefix: str = "") -> None:
+    """Send the library's loggers (``moe_sbo.*``) at ``level`` and above to stderr; None undoes it."""
+    global _handler, _level
+    library = logging.getLogger("moe_sbo")
+    if _handler is not None:
+        library.removeHandler(_handler)
+        _handler = None
+    _level = level
+    library.setLevel(level if level is not None else logging.NOTSET)
+    if level is not None:
+        _handler = logging.StreamHandler()
+        _handler.setFormatter(logging.Formatter(f"{prefix}%(name)s: %(levelname)s: %(message)s"))
+        library.addHandler(_handler)
+
+
+@dataclass(frozen=True)
+class _Logged:
+    """A rank function run after configuring the rank's logging as the launcher's: ranks do not
+    inherit it (CPU ranks fork from a server started before the command line was read)."""
+
+    fn: Callable[..., Any]
+    level: int
+
+    def __call__(self, device: torch.device, *args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if _level != self.level:
+            configure_logging(self.level, prefix=f"rank {rank}: ")
+        return self.fn(device, *args, **kwargs)
+
+
+def in_ranks(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as ``LocalRanks.run`` should call it: with the log level set by ``--log-level``/``-v``."""
+    return fn if _level is None else _Logged(fn, _level)
+
+
+# ---- defaults and checks -------------------------------------------------------------------------
 
 
 def default_dtype_name(device: str) -> str:
@@ -29,14 +160,34 @@ def default_dtype_name(device: str) -> str:
 
 
 def default_ep_size(device: str) -> int:
-    """Ranks a benchmark starts unless told: every visible GPU, or 2 CPU ranks."""
+    """Ranks ``demo``, ``bench``, ``check`` and the benchmark drivers start unless told: every
+    visible GPU, or 2 CPU ranks."""
     return torch.cuda.device_count() if device == "cuda" else 2
+
+
+RANKS_HELP = "ranks to start (default: every GPU on CUDA, 2 on CPU)"
+
+
+def resolve_ranks(ranks: int | None, device: str) -> int:
+    """``--ranks`` checked (>= 1, at most the visible GPUs), or ``default_ep_size`` when not given."""
+    if ranks is None:
+        return default_ep_size(device)
+    if ranks < 1:
+        raise ValueError(
+            f"--ranks must be >= 1, got {ranks}; leave it out for the default (every GPU on CUDA, 2 on CPU)"
+        )
+    if device == "cuda" and ranks > torch.cuda.device_count():
+        raise ValueError(
+            f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {ranks}; "
+            "use fewer ranks, or --device cpu"
+        )
+    return ranks
 
 
 def add_rank_args(p: argparse.ArgumentParser, preset: str = "tiny") -> None:
     """The options a one-setup driver (soak, validation cost) shares: device, rank count, preset, dtype."""
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--ranks", type=int, default=None, help="ranks (default: every GPU, or 2 on CPU)")
+    p.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
     p.add_argument("--preset", default=preset, choices=sorted(PRESETS))
     p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
 
@@ -76,10 +227,7 @@ class Sweep:
         device = resolve_device(args.device)
         warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
         iters = args.iters if args.iters is not None else (3 if args.quick else args.default_iters)
-        ep_sizes = args.ranks or [default_ep_size(device)]
+        ep_sizes = [resolve_ranks(p, device) for p in args.ranks] if args.ranks else [default_ep_size(device)]
         if min(tokens) < 0 or warmup < 0 or iters < 1:
             raise ValueError(f"--tokens must be >= 0 and --iters >= 1, got {tokens} and {iters}")
-        for p in ep_sizes:
-            if device == "cuda" and p > torch.cuda.device_count():
-                raise ValueError(f"--ranks must be <= the {torch.cuda.device_count()} visible GPUs, got {p}")
         return cls(device, warmup, iters, ep_sizes)

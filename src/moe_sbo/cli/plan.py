@@ -8,7 +8,7 @@ The hard part is keeping user mistakes out of tracebacks: every bad input become
 in ``planner`` ("<name> must <rule>, got <value>; <fix>"); ``run_plan`` prints it and returns 2.
 
 Wiring: ``add_plan_parser(subparsers)`` adds the sub-command, ``run_plan(args)`` runs it;
-``python -m moe_sbo.plan_cli [flags]`` works on its own.
+``python -m moe_sbo.cli.plan [flags]`` works on its own.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ from pathlib import Path
 
 from .. import planner
 from ..config import PRESETS
+from .options import HelpFormatter, make_console, make_table
+
+DESCRIPTION = """\
+The communication-budget planner: bytes per token, per all-to-all and per decode step, the per-GPU
+bandwidth a time-per-output-token target needs, and which overlap (single- or two-batch) fits. With
+no options it reproduces the seed's DeepSeek-V3 decode example line by line, then shows what the
+byte model adds. Needs no GPU."""
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -28,8 +35,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan",
         help="communication budget: bytes, bandwidth and overlap feasibility (seed example by default)",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
     )
     add_plan_arguments(parser)
     parser.set_defaults(func=run_plan)
@@ -55,8 +62,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-us", type=float, default=d["moe_us"].default, help="MoE compute time per layer, t")
     parser.add_argument("--ep", type=int, default=d["ep"].default, help="expert-parallel size P")
     parser.add_argument("--hw", default=d["hw"].default, help=f"hardware: {', '.join(planner.HARDWARE)}")
-    parser.add_argument("--dispatch-dtype", default="fp8", choices=sorted(planner.ELEMENT_B))
-    parser.add_argument("--combine-dtype", default="bf16", choices=sorted(planner.ELEMENT_B))
+    parser.add_argument(
+        "--dispatch-dtype", default="fp8", choices=sorted(planner.ELEMENT_B), help="element type dispatch sends"
+    )
+    parser.add_argument(
+        "--combine-dtype", default="bf16", choices=sorted(planner.ELEMENT_B), help="element type combine sends"
+    )
     parser.add_argument(
         "--weight-dtype",
         default="bf16",
@@ -115,8 +126,10 @@ def run_plan(args: argparse.Namespace) -> int:
             if calibration is not None:
                 doc["calibration"] = vars(calibration)
             path.write_text(json.dumps(doc, indent=2) + "\n")
+            print(f"plan written to {path}")
         if args.plot:
             write_plot(plan, Path(args.plot))
+            print(f"plot written to {args.plot}")
     except ValueError as exc:
         print(f"moe-sbo plan: error: {exc}", file=sys.stderr)
         return 2
@@ -128,14 +141,6 @@ def run_plan(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def _console():
-    from rich.console import Console
-
-    console = Console()
-    # Pipes and test captures get 80 columns by default, which folds every formula; keep rows whole.
-    return console if console.is_terminal else Console(width=150)
-
-
 def _fmt(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "—"
@@ -143,9 +148,7 @@ def _fmt(value: float | None, digits: int = 4) -> str:
 
 
 def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = None) -> None:
-    from rich.table import Table
-
-    console = _console()
+    console = make_console()
     inp, model = plan.inputs, plan.bytes
 
     title = (
@@ -153,11 +156,9 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
         if inp.is_seed_example
         else f"Seed convention on your inputs ({inp.model.name})"
     )
-    table = Table(
-        title=title, caption="seed units: KB = 1024 B, MB = 1000 KB, GB = 1000 MB (the seed's own arithmetic)"
-    )
-    for column in ("figure", "formula", "seed", "exact (seed units)", "exact (SI)", "agreement"):
-        table.add_column(column, justify="left" if column in ("figure", "formula") else "right")
+    columns = [("figure", "left"), ("formula", "left"), ("seed", "right"), ("exact", "right")]
+    table = make_table(title, [*columns, ("exact SI", "right"), ("agreement", "right")])
+    table.caption = "seed, exact: seed units, KB = 1024 B, MB = 1000 KB, GB = 1000 MB (the seed's own arithmetic)"
     for fig in plan.seed:
         seed_cell = (
             f"{fig.seed_printed:g} {fig.seed_unit}"
@@ -180,10 +181,10 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
     console.print(table)
 
     fan = model.fanout
-    rows = Table(title=f"Byte model: {inp.model.name}, EP{inp.ep}, batch {inp.batch}, {plan.link.source}")
-    rows.add_column("quantity")
-    rows.add_column("value", justify="right")
-    rows.add_column("how")
+    rows = make_table(
+        f"Byte model: {inp.model.name}, EP{inp.ep}, batch {inp.batch}, {plan.link.source}",
+        [("quantity", "left"), ("value", "right"), ("how", "left")],
+    )
     d, c = model.dispatch_row, model.combine_row
     rows.add_row(
         "dispatch row",
@@ -215,17 +216,25 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
     rows.add_row("communication per step", f"{plan.comm_ms_per_step:.2f} ms", "if nothing overlapped")
     console.print(rows)
 
-    verdicts = Table(title=f"Overlap verdicts on {plan.hardware.name}")
-    for column in ("mode", "window us", "work us", "left us", "verdict", "why"):
-        verdicts.add_column(column, justify="right" if column.endswith("us") else "left")
+    verdicts = make_table(
+        f"Overlap verdicts on {plan.hardware.name}",
+        [
+            (c, "right" if c.endswith("us") else "left")
+            for c in ("mode", "window us", "work us", "left us", "verdict", "why")
+        ],
+    )
     for v in plan.verdicts:
         verdict = "n/a" if v.fits is None else ("fits" if v.fits else "does not fit")
         verdicts.add_row(v.mode, _fmt(v.window_us), _fmt(v.work_us), _fmt(v.left_us), verdict, v.explanation)
     console.print(verdicts)
 
-    schemes = Table(title=f"allgather vs alltoall, per GPU per layer, batch {inp.batch}: {plan.schemes.note}")
-    for column in ("EP", "remote ranks", "allgather MB", "alltoall MB", "ratio", "allgather us", "alltoall us"):
-        schemes.add_column(column, justify="right")
+    schemes = make_table(
+        f"allgather vs alltoall, per GPU per layer, batch {inp.batch}: {plan.schemes.note}",
+        [
+            (c, "right")
+            for c in ("EP", "remote ranks", "allgather MB", "alltoall MB", "ratio", "allgather us", "alltoall us")
+        ],
+    )
     for r in plan.schemes.rows:
         schemes.add_row(
             str(r.ep),
@@ -319,7 +328,9 @@ def write_plot(plan: planner.Plan, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_sbo.plan_cli", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m moe_sbo.cli.plan", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
     add_plan_arguments(parser)
     return run_plan(parser.parse_args(argv))
 

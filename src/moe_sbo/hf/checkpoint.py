@@ -214,8 +214,6 @@ class Checkpoint:
         Returns (files opened, tensors read, bytes read). Files are opened once each, in the order
         the pieces first need them; all checks run before the first byte of tensor data is read.
         """
-        from safetensors import safe_open
-
         opened: dict[str, tuple[object, set[str]]] = {}  # file -> (open file, its tensor names)
         with contextlib.ExitStack() as stack:
 
@@ -224,7 +222,7 @@ class Checkpoint:
                     path = self.path / p.file
                     if not path.is_file():
                         raise ValueError(f"{path} is missing; {self.map_source} places {p.name} there")
-                    f = stack.enter_context(safe_open(str(path), framework="pt"))
+                    f = stack.enter_context(_open(path))
                     opened[p.file] = (f, set(f.keys()))
                 return self._check_header(*opened[p.file], p)
 
@@ -297,9 +295,7 @@ def _weight_map(path: Path) -> tuple[dict[str, str], str]:
             ) from None
     single = path / SINGLE_FILE
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:  # the header only
+        with _open(single) as f:  # the header only
             return {name: SINGLE_FILE for name in f.keys()}, str(single)
     found = sorted(p.name for p in path.glob("*.safetensors"))
     raise ValueError(
@@ -307,6 +303,20 @@ def _weight_map(path: Path) -> tuple[dict[str, str], str]:
         + (f" (safetensors files without an index: {found[:4]})" if found else " (no safetensors files)")
         + "; save the model with save_pretrained, or download the index with the shards"
     )
+
+
+def _open(path: Path):
+    """``safe_open(path)``; a truncated or corrupt file (a download or save cut short) or one that
+    cannot be read is a ``ValueError`` naming it and the fix, not a traceback from the Rust reader."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(
+            f"{path} must be a complete safetensors file, got an error reading it: {err}; the file is "
+            "truncated or corrupt (a download or save cut short?): download or save it again"
+        ) from None
 
 
 def _load(f, p: _Piece) -> torch.Tensor:

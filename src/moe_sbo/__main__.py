@@ -1,0 +1,7 @@
+"""``python -m moe_sbo``: the same as the ``moe-sbo`` command."""
+
+import sys
+
+from .cli.main import main
+
+sys.exit(main())
