@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .layout import ExpertLayout
-from .ll_kernels import E4M3_MAX, GROUP_V, Destinations, KernelLayout, block_h_for_row, pair_keys, pow2
+from .ll_kernels import Destinations, KernelLayout, block_h_for_row, pair_keys, pow2, quantize_slice, store_fp8_slice
 from .ll_wire import RowFormat
 
 PACK_BLOCK_T = 128  # tokens per program of the send plan's passes
@@ -168,12 +168,7 @@ def _copy_rows_kernel(
     )
     x_row = x_ptr + t.to(tl.int64) * HIDDEN
     if FP8:
-        offs_q = tl.arange(0, BLOCK_H // GROUP_V)
-        q_mask = h0 + offs_q * GROUP_V < HIDDEN
-        h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
-        x_QV = tl.load(x_row + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
-        scale_Q = tl.maximum(tl.max(tl.abs(x_QV), axis=1), 1e-30) / E4M3_MAX
-        q_QV = tl.clamp(tl.math.div_rn(x_QV, scale_Q[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+        q_QV, scale_Q = quantize_slice(x_row, h0, HIDDEN, BLOCK_H)
     else:
         h = h0 + tl.arange(0, BLOCK_H)
         x_H = tl.load(x_row + h, mask=h < HIDDEN)
@@ -182,12 +177,7 @@ def _copy_rows_kernel(
         if slot < num_ranks * capacity:
             dst_row = anchor_ptr + tl.load(dst_ptr + p) * 16 + (slot - p * capacity).to(tl.int64) * ROW_BYTES
             if FP8:
-                tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_QV, q_QV, mask=q_mask[:, None])
-                tl.store(
-                    (dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q,
-                    scale_Q,
-                    mask=q_mask,
-                )
+                store_fp8_slice(dst_row, h0, q_QV, scale_Q, HIDDEN, SCALES_OFFSET, BLOCK_H)
             else:
                 tl.store(dst_row.to(x_ptr.dtype) + h, x_H, mask=h < HIDDEN)
 

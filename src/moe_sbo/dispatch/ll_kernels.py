@@ -97,6 +97,32 @@ class KernelLayout:
 
 
 @triton.jit
+def quantize_slice(x_row, h0, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Values ``[h0, h0 + BLOCK_H)`` of one row as e4m3 [Q, V] and their float32 scales [Q], as
+    ``ll_wire.quantize_fp8``: amax / 448 per group (floored so a zero group stays finite), an IEEE
+    division (Triton's "/" is approximate), clamp, round to nearest e4m3."""
+    offs_q = tl.arange(0, BLOCK_H // GROUP_V)
+    q_mask = h0 + offs_q * GROUP_V < HIDDEN
+    h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
+    x_QV = tl.load(x_row + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
+    scale_Q = tl.maximum(tl.max(tl.abs(x_QV), axis=1), 1e-30) / E4M3_MAX
+    q_QV = tl.clamp(tl.math.div_rn(x_QV, scale_Q[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    return q_QV, scale_Q
+
+
+@triton.jit
+def store_fp8_slice(
+    dst_row, h0, q_QV, scale_Q, HIDDEN: tl.constexpr, SCALES_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """``quantize_slice``'s values and scales into their places in the packed row at ``dst_row``."""
+    offs_q = tl.arange(0, BLOCK_H // GROUP_V)
+    q_mask = h0 + offs_q * GROUP_V < HIDDEN
+    h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
+    tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_QV, q_QV, mask=q_mask[:, None])
+    tl.store((dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q, scale_Q, mask=q_mask)
+
+
+@triton.jit
 def _pack_rows_kernel(
     x_ptr,
     ids_ptr,
@@ -179,14 +205,7 @@ def _pack_rows_kernel(
     if c < num_tokens:
         x_row = x_ptr + c.to(tl.int64) * HIDDEN
         if FP8:
-            offs_q = tl.arange(0, BLOCK_H // GROUP_V)
-            q_mask = h0 + offs_q * GROUP_V < HIDDEN
-            h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
-            x_QV = tl.load(x_row + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
-            # As quantize_fp8: amax / 448 per group (floored so a zero group stays finite), an IEEE
-            # division (Triton's "/" is approximate), clamp, round to nearest e4m3.
-            scale_Q = tl.maximum(tl.max(tl.abs(x_QV), axis=1), 1e-30) / E4M3_MAX
-            q_QV = tl.clamp(tl.math.div_rn(x_QV, scale_Q[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+            q_QV, scale_Q = quantize_slice(x_row, h0, HIDDEN, BLOCK_H)
         else:
             h = h0 + tl.arange(0, BLOCK_H)
             x_H = tl.load(x_row + h, mask=h < HIDDEN)
@@ -196,12 +215,7 @@ def _pack_rows_kernel(
                 block = anchor_ptr + tl.load(dst_ptr + p) * 16
                 dst_row = block + tl.sum(tl.where(is_p, before_P, 0)).to(tl.int64) * ROW_BYTES
                 if FP8:
-                    tl.store(dst_row.to(tl.pointer_type(tl.float8e4nv)) + h_QV, q_QV, mask=q_mask[:, None])
-                    tl.store(
-                        (dst_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q,
-                        scale_Q,
-                        mask=q_mask,
-                    )
+                    store_fp8_slice(dst_row, h0, q_QV, scale_Q, HIDDEN, SCALES_OFFSET, BLOCK_H)
                 else:
                     tl.store(dst_row.to(x_ptr.dtype) + h, x_H, mask=h < HIDDEN)
 
