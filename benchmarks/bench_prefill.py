@@ -222,11 +222,11 @@ def finish(rows: list[dict], per_rank: list[list[dict]]) -> list[dict]:
         first = rank_rows[0]
         row["bench"] = "prefill"
         row["wire"] = "nvlink"
-        for key in ("plan",):
-            if key in first:
-                row[key] = first[key]
-        for key in (*(k for k in first if k.startswith(("host_", "t_floor")) or k.endswith("_transfer_us")),):
-            row[key] = max(r[key] for r in rank_rows)
+        if "plan" in first:
+            row["plan"] = first["plan"]
+        for key in first:
+            if key.startswith(("host_", "t_floor")) or key.endswith("_transfer_us"):
+                row[key] = max(r[key] for r in rank_rows)
         for phase in ("dispatch", "combine"):
             if row.get(f"t_{phase}_transfer_us") and row.get(f"ref_t_{phase}_us"):
                 row[f"{phase}_transfer_overhead"] = row[f"t_{phase}_transfer_us"] / row[f"ref_t_{phase}_us"]

@@ -40,11 +40,6 @@ from . import env
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
 
 
-def default_collective_timeout_s() -> float:
-    """Seconds a rank waits inside one collective before it fails (``MOE_SBO_TIMEOUT_S``, default 60)."""
-    return env.collective_timeout_s()
-
-
 def resolve_device(device: str = "auto") -> str:
     """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cpu``/``cuda`` checked."""
     if device == "auto":
@@ -80,7 +75,7 @@ def init_from_torchrun(device: str = "auto") -> torch.device:
     if ranks is None:
         raise RuntimeError("RANK/WORLD_SIZE are not set: start this under torchrun, or use LocalRanks")
     rank, world, local_rank = ranks
-    return _join_group(resolve_device(device), local_rank, default_collective_timeout_s(), rank=rank, world_size=world)
+    return _join_group(resolve_device(device), local_rank, env.collective_timeout_s(), rank=rank, world_size=world)
 
 
 def _free_port() -> int:
@@ -262,7 +257,7 @@ class LocalRanks:
             )
         self.world_size = world_size
         self.collective_timeout_s = (
-            collective_timeout_s if collective_timeout_s is not None else default_collective_timeout_s()
+            collective_timeout_s if collective_timeout_s is not None else env.collective_timeout_s()
         )
         self.timeout_s = timeout_s if timeout_s is not None else 2 * self.collective_timeout_s + 60
         if failure_grace_s < 0:

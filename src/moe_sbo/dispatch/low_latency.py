@@ -288,6 +288,11 @@ class LowLatencyDispatcher(Dispatcher):
                 ]
         return self._buffers[key]
 
+    def _index_kernels(self):
+        """The fused kernels that plan sends and lay out received rows: two passes from
+        ``BULK_MIN_CAPACITY`` tokens per rank (``ll_bulk``), one pass below (``ll_kernels``)."""
+        return ll_bulk if self.capacity >= BULK_MIN_CAPACITY else ll_kernels
+
     def _check_round(self, generation: int) -> None:
         if self._rounds.launched - generation > self.num_buffers:
             raise RuntimeError(
@@ -320,7 +325,7 @@ class LowLatencyDispatcher(Dispatcher):
         fused = self.uses_triton(x_TH.device)
         if fused:
             slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
-            kernels = ll_bulk if self.capacity >= BULK_MIN_CAPACITY else ll_kernels
+            kernels = self._index_kernels()
             ids_ok_C = kernels.pack_rows(
                 x_TH.contiguous(),
                 ids_TK.contiguous(),
@@ -356,7 +361,7 @@ class LowLatencyDispatcher(Dispatcher):
         recv_SB = s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         if self.uses_triton(recv_SB.device):
-            kernels = ll_bulk if self.capacity >= BULK_MIN_CAPACITY else ll_kernels
+            kernels = self._index_kernels()
             fixed = kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
             expert_x_RH = ll_kernels.gather_rows(recv_SB, fixed, s.fmt)
         else:
