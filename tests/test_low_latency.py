@@ -337,3 +337,9 @@ def test_buffer_bytes_is_what_the_buffers_take(fp8):
     )
     expected = layer.dispatcher.buffer_bytes(torch.float32, cfg.hidden_size, cfg.num_experts_per_tok)
     assert allocated == expected and len(sets) == 2
+
+
+def test_copy_engine_refuses_cpu_tensors_before_any_transfer():
+    d = make_dispatcher("low_latency", 8, EPGroup(), transport="copy_engine", kernels="torch")
+    with torch.inference_mode(), pytest.raises(ValueError, match="transport='copy_engine' needs CUDA tensors"):
+        d.dispatch(torch.randn(2, 16), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2))

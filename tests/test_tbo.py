@@ -157,3 +157,12 @@ def test_tbo_with_every_sbo_mode_on_four_ranks(ranks4):
         for mode, r in results.items():
             assert torch.equal(r["tbo"], results["none"]["tbo"]), f"TBO + SBO {mode} differs from TBO alone"
             assert r["rel"] <= 1e-5 and r["leaked"] == 0
+
+
+def test_two_batch_overlap_needs_two_buffer_sets():
+    """micro-batch B's dispatcher shares A's buffers: one buffer set is refused before any transfer."""
+    cfg = get_preset("tiny")
+    layer = MoELayer(cfg, dispatcher="low_latency", dtype=torch.float32, dispatcher_options={"num_buffers": 1})
+    with pytest.raises(ValueError, match="needs 2 rounds in flight, but this one keeps 1; build it with num_buffers=2"):
+        dispatcher_for(layer, 1)
+    assert dispatcher_for(layer, 0) is layer.dispatcher

@@ -173,10 +173,21 @@ class Dispatcher:
         the round counter of ``low_latency``) is shared, so two rounds in flight use the scheme's
         own double buffering.
         """
+        rounds = self.max_rounds_in_flight()
+        if rounds is not None and rounds < 2:
+            raise ValueError(
+                f"a twin {self.name} dispatcher (two-batch overlap) needs 2 rounds in flight, but this one "
+                f"keeps {rounds}; build it with num_buffers=2 or more"
+            )
         twin = copy.copy(self)
         twin.hooks = HookRegistry()
         twin.last_traffic = Traffic()
         return twin
+
+    def max_rounds_in_flight(self) -> int | None:
+        """How many dispatches may be in flight (launched, not yet combined) at once; None: any number
+        (schemes that allocate per forward)."""
+        return None
 
     # ---- the public two-phase API -------------------------------------------------------------
 

@@ -288,6 +288,9 @@ class LowLatencyDispatcher(Dispatcher):
                 ]
         return self._buffers[key]
 
+    def max_rounds_in_flight(self) -> int:
+        return self.num_buffers
+
     def _index_kernels(self):
         """The fused kernels that plan sends and lay out received rows: two passes from
         ``BULK_MIN_CAPACITY`` tokens per rank (``ll_bulk``), one pass below (``ll_kernels``)."""
