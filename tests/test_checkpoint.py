@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from hf_blocks import make_hf_model, quantize_fp8_blocks, write_broken_v3, write_published_v3
 from moe_sbo.config import PRESETS
-from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader, dequantize_fp8_blocks
+from moe_sbo.fp8 import dequantize_fp8_blocks
+from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader
 from moe_sbo.hf.config import config_from_hf, moe_layer_indices
 from moe_sbo.hf.reference import reference_moe_block, weights_from_hf_moe
 from moe_sbo.layer import MoELayer

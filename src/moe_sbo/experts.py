@@ -5,6 +5,7 @@ Legend: see ``moe_sbo/__init__.py``.
 The hard part is the grouped GEMM: ``torch._grouped_mm`` takes cumulative row offsets on the device
 (so no host sync) but only runs for some dtype/device pairs (bf16 on sm90+ CUDA, and the CPU build
 since torch 2.9). Elsewhere a per-expert loop over host-side row counts computes the same thing.
+FP8 experts (DeepSeek's block-scaled e4m3 weights) run ``fp8_kernels.py``'s grouped GEMM instead.
 Weights use the Hugging Face layout: ``gate_up_proj [L, 2I, H]`` (gate rows first), ``down_proj [L, H, I]``.
 """
 
@@ -16,7 +17,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import env
+from .fp8 import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    dequantize_fp8_blocks,
+    grouped_linear_fp8,
+    quantize_fp8,
+    quantize_fp8_blocks,
+)
 from .profiling import annotate
+
+try:
+    from . import fp8_kernels
+except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and refuse CUDA
+    fp8_kernels = None  # type: ignore[assignment]
 
 
 @functools.cache
@@ -54,7 +69,15 @@ def grouped_linear(
 
 
 class RoutedExperts(nn.Module):
-    """The ``L`` routed experts this rank owns: SwiGLU MLPs applied to expert-grouped rows."""
+    """The ``L`` routed experts this rank owns: SwiGLU MLPs applied to expert-grouped rows.
+
+    ``fp8``: weights stored as e4m3 with one float32 scale per 128x128 block (``gate_up_proj_scale_inv``
+    [L, 2I/128, H/128], ``down_proj_scale_inv`` [L, H/128, I/128]; DeepSeek-V3's format), activations
+    quantised per token in 128-value groups, block-scaled GEMMs (``fp8_kernels.py``; H and I must be
+    multiples of 128). ``dtype`` is then the activation dtype of the input and output. ``kernels``
+    (fp8 only): ``"auto"`` runs the Triton kernels on CUDA and ``fp8.grouped_linear_fp8`` elsewhere;
+    ``"triton"`` forces the kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
+    """
 
     def __init__(
         self,
@@ -63,30 +86,122 @@ class RoutedExperts(nn.Module):
         intermediate_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        fp8: bool = False,
     ):
         super().__init__()
-        self.num_local_experts = num_local_experts
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
-        )
+        self.num_local_experts, self.dtype, self.fp8 = num_local_experts, dtype, bool(fp8)
+        shapes = {"gate_up_proj": (2 * intermediate_size, hidden_size), "down_proj": (hidden_size, intermediate_size)}
+        if self.fp8:
+            sizes = {"hidden_size": hidden_size, "moe_intermediate_size": intermediate_size}
+            bad = {name: size for name, size in sizes.items() if size % FP8_BLOCK}
+            if bad:
+                raise ValueError(
+                    f"FP8 experts need sizes that are multiples of {FP8_BLOCK} (one scale per {FP8_BLOCK}x{FP8_BLOCK} "
+                    f"block), got {bad}; use expert_dtype=None (the layer dtype) for this model"
+                )
+        weight_dtype = FP8_DTYPE if self.fp8 else dtype
+        for name, (out, inp) in shapes.items():
+            weight = torch.empty(num_local_experts, out, inp, dtype=weight_dtype, device=device)
+            self.register_parameter(name, nn.Parameter(weight, requires_grad=not self.fp8))
+            if self.fp8:
+                scale = torch.empty(num_local_experts, out // FP8_BLOCK, inp // FP8_BLOCK, device=device)
+                self.register_parameter(name + "_scale_inv", nn.Parameter(scale, requires_grad=False))
         self.use_grouped_mm: bool | None = None  # None: decide from the input; False forces the loop
+        self.kernels = "auto"
 
-    def forward(self, x_RH: torch.Tensor, num_rows_per_expert_L: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_RH: torch.Tensor, num_rows_per_expert_L: torch.Tensor, scales_RQ: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Expert outputs ``[R, H]`` for ``x_RH`` whose rows are grouped by local expert.
 
         ``num_rows_per_expert_L`` (int, any device) counts each local expert's rows, in order.
+        ``scales_RQ``: given when ``x_RH`` arrives already quantised (e4m3 rows and their float32
+        scales per 128 values, from fp8 dispatch); FP8 experts only.
         """
         with annotate("routed_experts"):
             offsets_L = num_rows_per_expert_L.to(device=x_RH.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            if self.fp8:
+                return self._forward_fp8(x_RH, scales_RQ, offsets_L)
+            if scales_RQ is not None:
+                raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
             use_grouped_mm = self.use_grouped_mm
             if use_grouped_mm is None:
                 use_grouped_mm = grouped_mm_supported(x_RH)
             gate_up_R2I = grouped_linear(x_RH, self.gate_up_proj, offsets_L, use_grouped_mm)
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
+
+    def _forward_fp8(self, x_RH: torch.Tensor, scales_RQ: torch.Tensor | None, offsets_L: torch.Tensor) -> torch.Tensor:
+        if self._uses_triton(x_RH.device):
+            assert fp8_kernels is not None
+            q_RH, scales_RQ = fp8_kernels.quantize_rows(x_RH, offsets_L) if scales_RQ is None else (x_RH, scales_RQ)
+            gate_up_R2I = fp8_kernels.grouped_gemm(
+                q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets_L, self.dtype
+            )
+            q_RI, act_scales_RQ = fp8_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
+            return fp8_kernels.grouped_gemm(
+                q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv, offsets_L, self.dtype
+            )
+        q_RH, scales_RQ = quantize_fp8(x_RH) if scales_RQ is None else (x_RH, scales_RQ)
+        gate_up_R2I = grouped_linear_fp8(
+            q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets_L, self.dtype
+        )
+        gate_RI, up_RI = gate_up_R2I.float().chunk(2, dim=-1)
+        q_RI, act_scales_RQ = quantize_fp8(F.silu(gate_RI) * up_RI)
+        return grouped_linear_fp8(q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv, offsets_L, self.dtype)
+
+    def _uses_triton(self, device: torch.device) -> bool:
+        if self.kernels == "torch":
+            return False
+        if device.type == "cuda":
+            if fp8_kernels is None:
+                raise RuntimeError("FP8 experts on CUDA need Triton; pip install triton")
+            if _capability(device) < (8, 9):
+                raise RuntimeError(
+                    f"FP8 experts need FP8 tensor cores (sm89 or newer), got sm{''.join(map(str, _capability(device)))}"
+                    "; use expert_dtype=None"
+                )
+            return True
+        if self.kernels == "triton":
+            if fp8_kernels is None or not env.triton_interpreting():
+                raise RuntimeError(
+                    "kernels='triton' needs CUDA tensors, or TRITON_INTERPRET=1 (Triton's CPU interpreter) "
+                    "with triton installed"
+                )
+            return True
+        return False
+
+    @torch.no_grad()
+    def set_expert(
+        self,
+        local: int,
+        gate_up_2IH: torch.Tensor,
+        down_HI: torch.Tensor,
+        gate_up_scale_inv: torch.Tensor | None = None,
+        down_scale_inv: torch.Tensor | None = None,
+    ) -> None:
+        """Expert ``local``'s weights, dense or e4m3 with block scales (``*_scale_inv`` given),
+        converted to this module's format: quantised into FP8 blocks, or dequantised, as needed."""
+        for name, weight, scale_inv in (
+            ("gate_up_proj", gate_up_2IH, gate_up_scale_inv),
+            ("down_proj", down_HI, down_scale_inv),
+        ):
+            if self.fp8:
+                if scale_inv is None:
+                    weight, scale_inv = quantize_fp8_blocks(weight)
+                getattr(self, name + "_scale_inv")[local].copy_(scale_inv)
+            elif scale_inv is not None:
+                weight = dequantize_fp8_blocks(weight, scale_inv)
+            getattr(self, name)[local].copy_(weight)
+
+    def dense_expert(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``local``'s (gate_up [2I, H], down [H, I]) weights, dequantised to float32 when FP8."""
+        if not self.fp8:
+            return self.gate_up_proj[local], self.down_proj[local]
+        return (
+            dequantize_fp8_blocks(self.gate_up_proj[local], self.gate_up_proj_scale_inv[local]),
+            dequantize_fp8_blocks(self.down_proj[local], self.down_proj_scale_inv[local]),
+        )
 
 
 class SharedExperts(nn.Module):

@@ -6,7 +6,7 @@ One forward::
 
     x [T, H] -> router -> topk ids/weights [T, K]
              -> dispatch (launch, wait)      rows for my L experts, grouped by expert [R, H]
-             -> routed experts (grouped GEMM)                                         [R, H]
+             -> routed experts (grouped GEMM; bf16 or block-scaled FP8 weights)        [R, H]
              -> combine (launch, wait)       weighted sum back on the tokens' rank    [T, H]
              -> + shared experts(x)                                                   [T, H]
 
@@ -34,6 +34,8 @@ from .routing import Router
 from .stages import run_to_end
 from .weights import MoEWeights, load_weights, seed_weights
 
+EXPERT_DTYPES = (None, "fp8")
+
 
 class MoELayer(nn.Module):
     """A DeepSeek-style MoE layer whose routed experts are split over ``group`` by ``dispatcher``.
@@ -47,6 +49,10 @@ class MoELayer(nn.Module):
     rank for the same expert) until ``load_weights`` sets them. ``dtype`` of the weights and
     activations: by default bfloat16 on CUDA, float32 on CPU (CPU bf16 GEMMs are slow, and CPU ranks
     are for checking results, where float32 differs from a reference only by summation order).
+    ``expert_dtype``: ``None`` (the routed experts' weights in ``dtype``) or ``"fp8"``: e4m3 weights
+    with one scale per 128x128 block, as DeepSeek-V3 ships them, in block-scaled FP8 GEMMs (half the
+    weight bytes; ``experts.py``). With ``low_latency``'s fp8 dispatch the rows then reach the experts
+    as they came off the wire, never dequantised.
     """
 
     def __init__(
@@ -61,8 +67,11 @@ class MoELayer(nn.Module):
         overlap: str | Overlap = "none",
         sm_budget: int | None = None,
         dispatcher_options: dict | None = None,
+        expert_dtype: str | None = None,
     ):
         super().__init__()
+        if expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {expert_dtype!r}")
         self.cfg = cfg
         device = torch.device(device) if device is not None else torch.device("cpu")
         if dtype is None:
@@ -74,8 +83,14 @@ class MoELayer(nn.Module):
         )
         self.router = Router(cfg, device=device)
         self.experts = RoutedExperts(
-            self.dispatcher.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype, device=device
+            self.dispatcher.num_local_experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            dtype=dtype,
+            device=device,
+            fp8=expert_dtype == "fp8",
         )
+        self.dispatcher.deliver_fp8 = self.experts.fp8 and self.dispatcher.sends_fp8
         self.shared_experts = (
             SharedExperts(cfg.hidden_size, cfg.shared_intermediate_size, dtype=dtype, device=device)
             if cfg.num_shared_experts
@@ -104,7 +119,7 @@ class MoELayer(nn.Module):
             pending = dispatcher.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
             yield  # dispatch in flight
             recv = dispatcher.dispatch_wait(pending)
-            expert_y_RH = self.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+            expert_y_RH = self.experts(recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ)
             pending = dispatcher.combine_launch(expert_y_RH, recv.handle)
             yield  # combine in flight
             routed_TH = dispatcher.combine_wait(pending)

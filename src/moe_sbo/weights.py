@@ -14,6 +14,7 @@ import torch
 
 from .config import MoEConfig
 from .experts import RoutedExperts, SharedExperts
+from .fp8 import FP8_BLOCK
 from .routing import Router
 
 
@@ -26,6 +27,9 @@ class MoEWeights:
     and ``shared_down_proj_HJ`` [H, J] with J = I * num_shared_experts, or None without shared experts.
     A per-rank checkpoint read (``hf/checkpoint.py``) gives the two routed-expert tensors with L rows,
     this rank's experts in order, instead of E; ``MoELayer.load_weights`` accepts either.
+    FP8 routed experts: the two tensors are float8 e4m3 and ``gate_up_proj_scale_inv`` [E, 2I/128,
+    H/128] and ``down_proj_scale_inv`` [E, H/128, I/128] hold one float32 scale per 128x128 block
+    (``fp8.py``); a layer with dense experts dequantises them, one with FP8 experts keeps them.
     """
 
     router_weight_EH: torch.Tensor
@@ -34,6 +38,8 @@ class MoEWeights:
     down_proj_EHI: torch.Tensor
     shared_gate_up_proj_2JH: torch.Tensor | None = None
     shared_down_proj_HJ: torch.Tensor | None = None
+    gate_up_proj_scale_inv: torch.Tensor | None = None
+    down_proj_scale_inv: torch.Tensor | None = None
 
 
 class LayerParts(Protocol):
@@ -69,9 +75,12 @@ def seed_weights(layer: LayerParts, seed: int) -> None:
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     layer.router.weight.copy_(seeded_normal((cfg.num_experts, h), h**-0.5, seed, "router", 0, device))
     layer.router.e_score_correction_bias.copy_(seeded_normal((cfg.num_experts,), 0.05, seed, "bias", 0, device))
-    for local, expert in enumerate(layer.local_expert_ids):
-        layer.experts.gate_up_proj[local].copy_(seeded_normal((2 * i, h), h**-0.5, seed, "gate_up", expert, device))
-        layer.experts.down_proj[local].copy_(seeded_normal((h, i), i**-0.5, seed, "down", expert, device))
+    for local, expert in enumerate(layer.local_expert_ids):  # FP8 experts quantise each one in 128x128 blocks
+        layer.experts.set_expert(
+            local,
+            seeded_normal((2 * i, h), h**-0.5, seed, "gate_up", expert, device),
+            seeded_normal((h, i), i**-0.5, seed, "down", expert, device),
+        )
     if layer.shared_experts is not None:
         j = cfg.shared_intermediate_size
         layer.shared_experts.gate_up_proj.copy_(seeded_normal((2 * j, h), h**-0.5, seed, "shared_gate_up", 0, device))
@@ -92,8 +101,21 @@ def load_weights(layer: LayerParts, weights: MoEWeights, expert_ids: range | Non
     if weights.e_score_correction_bias_E is not None:
         check_shape("e_score_correction_bias_E", weights.e_score_correction_bias_E, (e,))
         layer.router.e_score_correction_bias.copy_(weights.e_score_correction_bias_E)
-    layer.experts.gate_up_proj.copy_(weights.gate_up_proj_E2IH[mine])
-    layer.experts.down_proj.copy_(weights.down_proj_EHI[mine])
+    scales = weights.gate_up_proj_scale_inv, weights.down_proj_scale_inv
+    if (scales[0] is None) != (scales[1] is None):
+        raise ValueError("FP8 routed experts need both gate_up_proj_scale_inv and down_proj_scale_inv, got one")
+    if scales[0] is not None and scales[1] is not None:
+        blocks = -(-2 * i // FP8_BLOCK), -(-h // FP8_BLOCK), -(-i // FP8_BLOCK)
+        check_shape("gate_up_proj_scale_inv", scales[0], (held, blocks[0], blocks[1]))
+        check_shape("down_proj_scale_inv", scales[1], (held, blocks[1], blocks[2]))
+    for local, row in enumerate(range(held)[mine]):  # one expert at a time: a format change copies one matrix
+        layer.experts.set_expert(
+            local,
+            weights.gate_up_proj_E2IH[row],
+            weights.down_proj_EHI[row],
+            None if scales[0] is None else scales[0][row],
+            None if scales[1] is None else scales[1][row],
+        )
     if layer.shared_experts is not None:
         j = cfg.shared_intermediate_size
         if weights.shared_gate_up_proj_2JH is None or weights.shared_down_proj_HJ is None:
@@ -105,6 +127,22 @@ def load_weights(layer: LayerParts, weights: MoEWeights, expert_ids: range | Non
         check_shape("shared_down_proj_HJ", weights.shared_down_proj_HJ, (h, j))
         layer.shared_experts.gate_up_proj.copy_(weights.shared_gate_up_proj_2JH)
         layer.shared_experts.down_proj.copy_(weights.shared_down_proj_HJ)
+
+
+def layer_weights(layer: LayerParts) -> MoEWeights:
+    """The weights ``layer`` holds, as ``MoEWeights`` with this rank's L experts (views, not copies);
+    FP8 experts come with their block scales."""
+    experts, shared = layer.experts, layer.shared_experts
+    return MoEWeights(
+        router_weight_EH=layer.router.weight,
+        e_score_correction_bias_E=layer.router.e_score_correction_bias,
+        gate_up_proj_E2IH=experts.gate_up_proj,
+        down_proj_EHI=experts.down_proj,
+        shared_gate_up_proj_2JH=None if shared is None else shared.gate_up_proj,
+        shared_down_proj_HJ=None if shared is None else shared.down_proj,
+        gate_up_proj_scale_inv=experts.gate_up_proj_scale_inv if experts.fp8 else None,
+        down_proj_scale_inv=experts.down_proj_scale_inv if experts.fp8 else None,
+    )
 
 
 def expert_rows(held: int, num_experts: int, local: range, expert_ids: range | None) -> slice:

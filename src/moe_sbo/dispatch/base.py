@@ -80,12 +80,14 @@ class DispatchOutput:
     """Payload of ``post_dispatch``: rows for the local experts, grouped by expert.
 
     ``expert_x_RH`` [R, H]; ``num_rows_per_expert_L`` int64 [L] on the same device; ``handle`` for
-    combine.
+    combine. ``expert_scales_RQ``: None, or (when the dispatcher ``deliver_fp8``) float32 [R, H/128]
+    and ``expert_x_RH`` is e4m3, as it came off the wire (``moe_sbo/fp8.py``'s activation format).
     """
 
     expert_x_RH: torch.Tensor
     num_rows_per_expert_L: torch.Tensor
     handle: DispatchHandle
+    expert_scales_RQ: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ class Dispatcher:
 
     One instance per layer and EP group. ``hooks`` is this dispatcher's ``HookRegistry``;
     ``last_traffic`` the bytes of the last finished dispatch + combine (recorded by ``combine_wait``).
+    ``deliver_fp8``: when the scheme sends fp8 (``sends_fp8``), hand the rows to the experts as they
+    arrived, e4m3 with their scales, instead of dequantising them (set by a layer with FP8 experts).
     """
 
     name: ClassVar[str] = "base"
@@ -164,6 +168,12 @@ class Dispatcher:
         self.first_local_expert = ep.rank * self.num_local_experts
         self.hooks = HookRegistry()
         self.last_traffic = Traffic()
+        self.deliver_fp8 = False
+
+    @property
+    def sends_fp8(self) -> bool:
+        """Whether dispatch puts e4m3 activations on the wire (``deliver_fp8`` can then keep them)."""
+        return False
 
     def twin(self) -> Dispatcher:
         """A dispatcher for a second micro-batch: the same group and buffers, its own hooks.
@@ -302,8 +312,10 @@ class Dispatcher:
         local = ids_MK - first
         return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
 
-    def _output(self, expert_x_RH: torch.Tensor, handle: DispatchHandle) -> DispatchOutput:
-        return DispatchOutput(expert_x_RH, handle.layout.num_rows_per_expert_L, handle)
+    def _output(
+        self, expert_x_RH: torch.Tensor, handle: DispatchHandle, scales_RQ: torch.Tensor | None = None
+    ) -> DispatchOutput:
+        return DispatchOutput(expert_x_RH, handle.layout.num_rows_per_expert_L, handle, scales_RQ)
 
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
         """Per-rank checks before any collective (a bad rank raises instead of hanging the rest)."""

@@ -18,8 +18,9 @@ torch ops of the reference path there, and produces the same bytes and indices::
               expert_layout  grid S x K/128: stable counting sort of the S x K received (slot, k)
                              pairs by local expert (real pairs first), per-expert counts, on the
                              device.
-              gather_rows    grid R: copies (dequantises) real expert row i; rows past the real
-                             count return at once, so the padding tail costs a launch, not a copy.
+              gather_rows    grid R: copies (dequantises, or keeps e4m3 for FP8 experts) real
+                             expert row i; rows past the real count return at once, so the
+                             padding tail costs a launch, not a copy.
     combine   reduce_pairs   grid S x H/1024: each slot's weighted sum over its local experts'
                              outputs, written into its destination block (a slot with no local
                              pair returns at once: its sender never reads it).
@@ -44,8 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX
+from ..fp8_kernels import quantize_slice
 from .layout import ExpertLayout
-from .ll_wire import FP8_GROUP, FP8_MAX, RowFormat
+from .ll_wire import RowFormat
 from .reduce import block_h_for
 
 # The wire format's constants, as compile-time constants of the kernels.
@@ -97,24 +100,10 @@ class KernelLayout:
 
 
 @triton.jit
-def quantize_slice(x_row, h0, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Values ``[h0, h0 + BLOCK_H)`` of one row as e4m3 [Q, V] and their float32 scales [Q], as
-    ``ll_wire.quantize_fp8``: amax / 448 per group (floored so a zero group stays finite), an IEEE
-    division (Triton's "/" is approximate), clamp, round to nearest e4m3."""
-    offs_q = tl.arange(0, BLOCK_H // GROUP_V)
-    q_mask = h0 + offs_q * GROUP_V < HIDDEN
-    h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
-    x_QV = tl.load(x_row + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
-    scale_Q = tl.maximum(tl.max(tl.abs(x_QV), axis=1), 1e-30) / E4M3_MAX
-    q_QV = tl.clamp(tl.math.div_rn(x_QV, scale_Q[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-    return q_QV, scale_Q
-
-
-@triton.jit
 def store_fp8_slice(
     dst_row, h0, q_QV, scale_Q, HIDDEN: tl.constexpr, SCALES_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr
 ):
-    """``quantize_slice``'s values and scales into their places in the packed row at ``dst_row``."""
+    """``fp8_kernels.quantize_slice``'s values and scales into their places in the packed row at ``dst_row``."""
     offs_q = tl.arange(0, BLOCK_H // GROUP_V)
     q_mask = h0 + offs_q * GROUP_V < HIDDEN
     h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
@@ -383,10 +372,12 @@ def _gather_rows_kernel(
     row_ptr,
     num_real_ptr,
     out_ptr,
+    scales_ptr,
     HIDDEN: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     SCALES_OFFSET: tl.constexpr,
     FP8: tl.constexpr,
+    KEEP_FP8: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -394,7 +385,19 @@ def _gather_rows_kernel(
         src_row = recv_ptr + tl.load(row_ptr + i) * ROW_BYTES
         out_row = out_ptr + i.to(tl.int64) * HIDDEN
         for h0 in range(0, HIDDEN, BLOCK_H):
-            if FP8:
+            if KEEP_FP8:  # e4m3 bytes and their scales as they arrived, for FP8 experts
+                offs_q = tl.arange(0, BLOCK_H // GROUP_V)
+                q_mask = h0 + offs_q * GROUP_V < HIDDEN
+                h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
+                q_QV = tl.load(src_row.to(tl.pointer_type(tl.float8e4nv)) + h_QV, mask=q_mask[:, None])
+                tl.store(out_row + h_QV, q_QV, mask=q_mask[:, None])
+                scale_Q = tl.load(
+                    (src_row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + h0 // GROUP_V + offs_q, mask=q_mask
+                )
+                tl.store(
+                    scales_ptr + i.to(tl.int64) * (HIDDEN // GROUP_V) + h0 // GROUP_V + offs_q, scale_Q, mask=q_mask
+                )
+            elif FP8:
                 offs_q = tl.arange(0, BLOCK_H // GROUP_V)
                 q_mask = h0 + offs_q * GROUP_V < HIDDEN
                 h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
@@ -411,22 +414,30 @@ def _gather_rows_kernel(
                 tl.store(out_row + h, tl.load(src_row.to(out_ptr.dtype) + h, mask=h < HIDDEN), mask=h < HIDDEN)
 
 
-def gather_rows(recv_SB: torch.Tensor, fixed: KernelLayout, fmt: RowFormat) -> torch.Tensor:
-    """``[R, H]`` expert inputs in expert order; rows past the real count are left unwritten."""
+def gather_rows(
+    recv_SB: torch.Tensor, fixed: KernelLayout, fmt: RowFormat, keep_fp8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[R, H]`` expert inputs in expert order, and None; or, with ``keep_fp8`` and fp8 rows, the
+    e4m3 ``[R, H]`` values and their float32 ``[R, H/128]`` scales. Rows past the real count are left
+    unwritten."""
     num_rows = fixed.layout.row_R.shape[0]
-    out_RH = torch.empty(num_rows, fmt.hidden, dtype=fmt.dtype, device=recv_SB.device)
+    keep_fp8 = keep_fp8 and fmt.fp8
+    out_RH = torch.empty(num_rows, fmt.hidden, dtype=FP8_DTYPE if keep_fp8 else fmt.dtype, device=recv_SB.device)
+    scales_RQ = torch.empty(num_rows, fmt.hidden // FP8_GROUP, device=recv_SB.device) if keep_fp8 else None
     _gather_rows_kernel[(num_rows,)](
         recv_SB,
         fixed.layout.row_R,
         fixed.num_real_1,
         out_RH,
+        out_RH if scales_RQ is None else scales_RQ,
         HIDDEN=fmt.hidden,
         ROW_BYTES=fmt.row_bytes,
         SCALES_OFFSET=fmt.scales_offset,
         FP8=fmt.fp8,
+        KEEP_FP8=keep_fp8,
         BLOCK_H=block_h_for_row(fmt.hidden, fmt.fp8),
     )
-    return out_RH
+    return out_RH, scales_RQ
 
 
 # ---- combine -----------------------------------------------------------------------------------------

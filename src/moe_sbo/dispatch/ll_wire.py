@@ -1,5 +1,5 @@
-"""``low_latency``'s wire format: the packed dispatch row and fp8 e4m3 activations with one float32
-scale per 128 values (the constants every path, torch and Triton, takes from here).
+"""``low_latency``'s wire format: the packed dispatch row, whose fp8 part is ``moe_sbo/fp8.py``'s
+activation format (e4m3 with one float32 scale per token and 128 values).
 
 Legend: see ``moe_sbo/__init__.py``.
 
@@ -15,33 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_GROUP = 128  # values sharing one fp8 scale, as DeepEP's low-latency dispatch
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+from ..fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8, quantize_fp8
+
 ROW_ALIGN_BYTES = 16  # packed rows are a multiple of this many bytes
-
-
-def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x_TH`` [T, H] (H a multiple of 128) -> (``q_TH`` e4m3 [T, H], ``scales_TQ`` float32 [T, Q]).
-
-    One scale per token and 128 consecutive values: amax / 448, so x ~= q * scale with e4m3's 3
-    mantissa bits: relative error <= 2^-4 down to amax * 2^-6 / 448 (e4m3's smallest normal), below
-    that an absolute error <= scale * 2^-10.
-    """
-    num_tokens, hidden = x_TH.shape
-    x_TQV = x_TH.float().view(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
-    # The floor keeps an all-zero group finite (0 / 0 would be NaN); it is far below any real amax.
-    scales_TQ1 = x_TQV.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
-    # Clamp: amax / scale can round a hair above 448, and e4m3fn has no inf (it would become NaN).
-    q_TQV = (x_TQV / scales_TQ1).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q_TQV.view(num_tokens, hidden), scales_TQ1.view(num_tokens, hidden // FP8_GROUP)
-
-
-def dequantize_fp8(q_XH: torch.Tensor, scales_XQ: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``quantize_fp8``: ``[X, H]`` in ``dtype``."""
-    num_rows, hidden = q_XH.shape
-    x_XQV = q_XH.float().view(num_rows, hidden // FP8_GROUP, FP8_GROUP) * scales_XQ[:, :, None]
-    return x_XQV.view(num_rows, hidden).to(dtype)
 
 
 # ---- the packed row ----------------------------------------------------------------------------------
@@ -101,8 +77,12 @@ class RowFormat:
         """``[X, H]`` activations in ``dtype``: a view, or a dequantised copy for fp8."""
         if not self.fp8:
             return self._part(rows_XB, 0, self.hidden * self.dtype.itemsize, self.dtype)
+        return dequantize_fp8(*self.x_fp8(rows_XB), self.dtype)
+
+    def x_fp8(self, rows_XB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the rows' e4m3 ``[X, H]`` values and float32 ``[X, H/128]`` scales (fp8 rows only)."""
         scales_XQ = self._part(rows_XB, self.scales_offset, 4 * self.hidden // FP8_GROUP, torch.float32)
-        return dequantize_fp8(self._part(rows_XB, 0, self.hidden, FP8_DTYPE), scales_XQ, self.dtype)
+        return self._part(rows_XB, 0, self.hidden, FP8_DTYPE), scales_XQ
 
     def pack(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """uint8 ``[T + 1, B]``: token t in row t, and row T the padding row (x zero, ids -1)."""

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..fp8 import FP8_GROUP
 from ..hooks import HookFn
 from .base import (
     CombineInput,
@@ -69,7 +70,7 @@ from .ll_transport import (
     peers_reachable,
     start_exchange,
 )
-from .ll_wire import FP8_GROUP, RowFormat
+from .ll_wire import RowFormat
 from .reduce import gather_sum, interpreting_triton
 
 
@@ -108,7 +109,8 @@ class LowLatencyDispatcher(Dispatcher):
 
     ``max_tokens_per_rank`` (C): the most tokens any rank may pass to one dispatch; more raise
     ``ValueError`` before any collective. ``fp8``: send x as e4m3 with a float32 scale per token and
-    128 values (H must be a multiple of 128), dequantised on arrival; combine stays in the activation
+    128 values (H must be a multiple of 128), dequantised on arrival (or handed to FP8 experts as
+    they arrived: ``deliver_fp8``, set by ``MoELayer(expert_dtype="fp8")``); combine stays in the activation
     dtype. ``num_buffers``: buffer sets used in turn, so that many rounds may be in flight at once
     (2, as DeepEP: one per micro-batch of two-batch overlap); a round whose buffers a later round
     took raises instead of reading them.
@@ -191,6 +193,10 @@ class LowLatencyDispatcher(Dispatcher):
         self._rounds = RoundCounter()
 
     # ---- validation (before any collective, no host read of device data) -----------------------------
+
+    @property
+    def sends_fp8(self) -> bool:
+        return self.fp8
 
     def uses_triton(self, device: torch.device) -> bool:
         """Whether a forward on ``device`` runs the fused Triton kernels."""
@@ -366,14 +372,18 @@ class LowLatencyDispatcher(Dispatcher):
         if self.uses_triton(recv_SB.device):
             kernels = self._index_kernels()
             fixed = kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
-            expert_x_RH = ll_kernels.gather_rows(recv_SB, fixed, s.fmt)
+            expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
         else:
             local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
             fixed = group_slots_by_expert(
                 local_ids_SK, s.fmt.weights(recv_SB[: self.num_slots]), self.num_local_experts
             )
             # x of all S + 1 rows (the last is the zero padding slot), then one gather into expert order.
-            expert_x_RH = s.fmt.x(recv_SB)[fixed.layout.row_R]
+            if self.deliver_fp8 and s.fmt.fp8:
+                q_SH, scales_SQ = s.fmt.x_fp8(recv_SB)
+                expert_x_RH, scales_RQ = q_SH[fixed.layout.row_R], scales_SQ[fixed.layout.row_R]
+            else:
+                expert_x_RH, scales_RQ = s.fmt.x(recv_SB)[fixed.layout.row_R], None
         handle = LowLatencyHandle(
             num_tokens=s.num_tokens,
             hidden_size=s.fmt.hidden,
@@ -386,7 +396,7 @@ class LowLatencyDispatcher(Dispatcher):
             buffers=s.buffers,
             generation=s.generation,
         )
-        return self._output(expert_x_RH, handle)
+        return self._output(expert_x_RH, handle, scales_RQ)
 
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: LowLatencyHandle = inp.handle  # type: ignore[assignment]

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..config import MoEConfig
+from ..fp8 import dequantize_fp8_blocks
 from ..layer import MoELayer
 from ..weights import MoEWeights
 from .config import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
@@ -322,22 +323,6 @@ def _open(path: Path):
 def _load(f, p: _Piece) -> torch.Tensor:
     """Read ``p`` from open file ``f``: the whole tensor, or only its ``rows`` (a memory-mapped slice)."""
     return f.get_tensor(p.name) if p.rows is None else f.get_slice(p.name)[p.rows]
-
-
-def dequantize_fp8_blocks(
-    weight_OU: torch.Tensor, scale_inv_ou: torch.Tensor, block: tuple[int, int] = DEFAULT_FP8_BLOCK
-) -> torch.Tensor:
-    """FP8 block-quantised weight -> float32 ``weight * scale`` of its block, as DeepSeek-V3 stores them.
-
-    ``weight_OU`` [..., O, U] float8_e4m3fn; ``scale_inv_ou`` [..., ceil(O/b0), ceil(U/b1)] float32,
-    one factor per ``block`` = (b0, b1) tile (DeepSeek calls it ``scale_inv`` because quantisation
-    divided by it; lowercase ``ou``: tiles of O and U, not features). Edge tiles are cropped: O and U
-    need not be multiples of the block.
-    """
-    b_out, b_in = block
-    rows, cols = weight_OU.shape[-2:]
-    scale_OU = scale_inv_ou.float().repeat_interleave(b_out, dim=-2).repeat_interleave(b_in, dim=-1)
-    return weight_OU.float() * scale_OU[..., :rows, :cols]
 
 
 class _Assembler:

@@ -1,0 +1,108 @@
+"""FP8 e4m3 formats, in torch: activations with one scale per token and 128 values, weights with one
+scale per 128x128 block (DeepSeek-V3/R1's published format).
+
+Legend: see ``moe_sbo/__init__.py``; lowercase ``q`` and ``ou`` count groups and blocks, not values:
+``scales_XQ`` has one scale per 128 values of a row, ``scale_inv_ou`` one per 128x128 tile of a weight.
+
+Both are the scales FP8 tensor-core GEMMs consume (DeepGEMM, vLLM's block-FP8 ``fused_moe``): the
+product of two 128-value groups is exact in float32, so a GEMM multiplies each K-block's partial sum
+by one activation scale and one weight scale. ``low_latency``'s fp8 dispatch sends activations in
+this format; the routed experts (``fp8_gemm.py``) read them, and their weights, without dequantising.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_GROUP = 128  # activation values sharing one scale (per token), as DeepEP's low-latency dispatch
+FP8_BLOCK = 128  # weight tiles are FP8_BLOCK x FP8_BLOCK, as DeepSeek-V3's weight_block_size
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+
+
+def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_TH`` [T, H] (H a multiple of 128) -> (``q_TH`` e4m3 [T, H], ``scales_TQ`` float32 [T, Q]).
+
+    One scale per token and 128 consecutive values: amax / 448, so x ~= q * scale with e4m3's 3
+    mantissa bits: relative error <= 2^-4 down to amax * 2^-6 / 448 (e4m3's smallest normal), below
+    that an absolute error <= scale * 2^-10.
+    """
+    num_tokens, hidden = x_TH.shape
+    x_TQV = x_TH.float().view(num_tokens, hidden // FP8_GROUP, FP8_GROUP)
+    # The floor keeps an all-zero group finite (0 / 0 would be NaN); it is far below any real amax.
+    scales_TQ1 = x_TQV.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
+    # Clamp: amax / scale can round a hair above 448, and e4m3fn has no inf (it would become NaN).
+    q_TQV = (x_TQV / scales_TQ1).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q_TQV.view(num_tokens, hidden), scales_TQ1.view(num_tokens, hidden // FP8_GROUP)
+
+
+def dequantize_fp8(q_XH: torch.Tensor, scales_XQ: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize_fp8``: ``[X, H]`` in ``dtype``."""
+    num_rows, hidden = q_XH.shape
+    x_XQV = q_XH.float().view(num_rows, hidden // FP8_GROUP, FP8_GROUP) * scales_XQ[:, :, None]
+    return x_XQV.view(num_rows, hidden).to(dtype)
+
+
+def quantize_fp8_blocks(
+    weight_OU: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight ``[..., O, U]`` -> (e4m3 ``[..., O, U]``, float32 ``scale_inv_ou`` ``[..., ceil(O/b0), ceil(U/b1)]``).
+
+    One scale per ``block`` tile, tile amax / 448 (floored so an all-zero tile stays finite), so that
+    ``dequantize_fp8_blocks`` gives back the weight within e4m3's rounding (relative 2^-4 per value).
+    Edge tiles may be partial. Works one leading index at a time when given ``[E, O, U]``, so a float32
+    copy of one matrix, never of all experts, is made.
+    """
+    if weight_OU.dim() > 2:
+        pairs = [quantize_fp8_blocks(w, block) for w in weight_OU]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+    b_out, b_in = block
+    rows, cols = weight_OU.shape
+    tiles_o, tiles_u = -(-rows // b_out), -(-cols // b_in)
+    padded = weight_OU.new_zeros(tiles_o * b_out, tiles_u * b_in, dtype=torch.float32)
+    padded[:rows, :cols] = weight_OU
+    tiles = padded.view(tiles_o, b_out, tiles_u, b_in)
+    scale_inv_ou = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-30) / FP8_MAX
+    q = (tiles / scale_inv_ou[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view_as(padded)[:rows, :cols].contiguous(), scale_inv_ou
+
+
+def dequantize_fp8_blocks(
+    weight_OU: torch.Tensor, scale_inv_ou: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+) -> torch.Tensor:
+    """FP8 block-quantised weight -> float32 ``weight * scale`` of its block, as DeepSeek-V3 stores them.
+
+    ``weight_OU`` [..., O, U] float8_e4m3fn; ``scale_inv_ou`` [..., ceil(O/b0), ceil(U/b1)] float32,
+    one factor per ``block`` = (b0, b1) tile (DeepSeek calls it ``scale_inv`` because quantisation
+    divided by it). Edge tiles are cropped: O and U need not be multiples of the block.
+    """
+    b_out, b_in = block
+    rows, cols = weight_OU.shape[-2:]
+    scale_OU = scale_inv_ou.float().repeat_interleave(b_out, dim=-2).repeat_interleave(b_in, dim=-1)
+    return weight_OU.float() * scale_OU[..., :rows, :cols]
+
+
+def grouped_linear_fp8(
+    q_RK: torch.Tensor,
+    scales_RQ: torch.Tensor,
+    w_LNK: torch.Tensor,
+    w_scale_inv_LNQ: torch.Tensor,
+    offsets_L: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The torch path (and reference) of ``fp8_kernels.grouped_gemm``: e4m3 rows grouped by expert
+    times each expert's e4m3 block-scaled weight transposed -> ``[R, N]`` in ``out_dtype``.
+
+    Both operands are dequantised to float32, one expert at a time, and multiplied in float32: the
+    kernel's block-scaled sum, up to summation order. Needs the counts on the host (``offsets_L``
+    int cumulative row ends); rows past the last end are left unwritten.
+    """
+    out_RN = q_RK.new_empty(q_RK.shape[0], w_LNK.shape[1], dtype=out_dtype)
+    start = 0
+    for expert, end in enumerate(offsets_L.tolist()):
+        if end > start:
+            x_XK = dequantize_fp8(q_RK[start:end], scales_RQ[start:end], torch.float32)
+            w_NK = dequantize_fp8_blocks(w_LNK[expert], w_scale_inv_LNQ[expert])
+            out_RN[start:end] = (x_XK @ w_NK.T).to(out_dtype)
+        start = end
+    return out_RN
