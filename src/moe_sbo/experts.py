@@ -79,6 +79,11 @@ class RoutedExperts(nn.Module):
     ``"triton"`` forces the kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
     """
 
+    gate_up_proj: nn.Parameter  # [L, 2I, H]
+    down_proj: nn.Parameter  # [L, H, I]
+    gate_up_proj_scale_inv: nn.Parameter  # [L, 2I/128, H/128], FP8 only
+    down_proj_scale_inv: nn.Parameter  # [L, H/128, I/128], FP8 only
+
     def __init__(
         self,
         num_local_experts: int,

@@ -145,17 +145,23 @@ class GemmConfig:
     num_stages: int
 
 
-def gemm_config(rows_per_expert: float) -> GemmConfig:
-    """The tiles for ``rows_per_expert`` rows per expert on average (measured on H200, docs/BENCHMARKS.md).
+# Measured on H200 (docs/BENCHMARKS.md, ``bench_fp8_experts.py --sweep``): few rows per expert
+# (decode) are weight-read bound: small row tiles, many programs streaming weights; many rows
+# (prefill) are compute bound: 128 x 128 tiles, 8 warps (two consumer warp groups on Hopper).
+DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=4)
+MID_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4)
+PREFILL_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)
+GEMM_CONFIGS = (DECODE_CONFIG, MID_CONFIG, PREFILL_CONFIG)
 
-    Few rows (decode) are weight-read bound: small row tiles, many programs streaming weights. Many
-    rows (prefill) are compute bound: 128 x 128 tiles, 8 warps (two consumer warp groups on Hopper).
-    """
+
+def gemm_config(rows_per_expert: float) -> GemmConfig:
+    """The tiles for ``rows_per_expert`` rows per expert on average (the grid depends on rows only,
+    so a CUDA graph captured at one size keeps its config whatever the routing)."""
     if rows_per_expert <= 64:
-        return GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=4)
+        return DECODE_CONFIG
     if rows_per_expert <= 256:
-        return GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4)
-    return GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)
+        return MID_CONFIG
+    return PREFILL_CONFIG
 
 
 @triton.jit

@@ -1,0 +1,190 @@
+"""FP8 routed experts against bf16 on the same weights, one GPU, DeepSeek-V3 dims.
+
+Rows (``bench="fp8_experts"``) in ``OUT/fp8_experts.json``, per experts on the GPU (L, default 8 and
+32) and rows per expert (decode 16-512, prefill 512-4096), each for ``weight_dtype`` ``bf16``
+(``torch._grouped_mm``) and ``fp8`` (``fp8_kernels``: quantise, block-scaled grouped GEMM, SwiGLU and
+quantise, grouped GEMM): the whole routed-expert MLP (gate_up, SwiGLU, down), ``t_us`` the median
+of CUDA-graph replays (``triton.testing.do_bench``, L2 cleared between runs, so weights are read from
+HBM as in a model), ``t_eager_us`` the same forward issued eagerly; ``tflops`` (2 x rows x 3 x H x I
+per expert row), ``weight_gbps`` (weight bytes read / t), ``speedup_vs_bf16`` (bf16 t / fp8 t) and,
+on fp8 rows, ``rel_err_vs_bf16``: ||y_fp8 - y_bf16|| / ||y_bf16|| with the bf16 experts holding the
+dequantised FP8 weights (so the error is the activations' quantisation and the GEMMs' rounding).
+
+``--sweep`` adds rows (``bench="fp8_gemm_config"``) timing each GEMM alone for each tile config, the
+data behind ``fp8_kernels.gemm_config``.
+
+Usage (GPU): ``python benchmarks/bench_fp8_experts.py --out DIR [--sweep]``. CPU smoke (Triton
+interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out DIR --device cpu --quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moe_sbo import fp8_kernels
+from moe_sbo.experts import RoutedExperts
+from moe_sbo.measure.results import ResultFile, result_meta
+from moe_sbo.measure.timing import KernelTimer
+from moe_sbo.streams import capture_graph
+from moe_sbo.weights import seeded_normal
+
+SWEEP_CONFIGS = [
+    fp8_kernels.GemmConfig(block_m, block_n, group_m, warps, stages)
+    for block_m, block_n, group_m, warps, stages in [
+        (16, 128, 1, 4, 4),
+        (32, 128, 1, 4, 4),
+        (64, 64, 1, 4, 4),
+        (64, 128, 1, 4, 3),
+        (64, 128, 1, 4, 4),
+        (64, 128, 4, 4, 4),
+        (64, 256, 4, 8, 3),
+        (128, 64, 8, 4, 4),
+        (128, 128, 8, 8, 3),
+        (128, 128, 8, 8, 4),
+        (128, 256, 8, 8, 3),
+    ]
+]
+
+
+def make_experts(num_experts: int, hidden: int, inter: int, device: torch.device, dtype: torch.dtype):
+    """FP8 experts with seeded weights, and dense experts holding the same weights dequantised."""
+    fp8 = RoutedExperts(num_experts, hidden, inter, dtype=dtype, device=device, fp8=True)
+    dense = RoutedExperts(num_experts, hidden, inter, dtype=dtype, device=device)
+    for e in range(num_experts):
+        fp8.set_expert(
+            e,
+            seeded_normal((2 * inter, hidden), hidden**-0.5, 0, "gate_up", e, device),
+            seeded_normal((hidden, inter), inter**-0.5, 0, "down", e, device),
+        )
+        dense.set_expert(
+            e, fp8.gate_up_proj[e], fp8.down_proj[e], fp8.gate_up_proj_scale_inv[e], fp8.down_proj_scale_inv[e]
+        )
+    return fp8, dense
+
+
+def graph_time(fn: Callable[[], object], timer: KernelTimer, device: torch.device) -> float:
+    """Median µs of replays of a CUDA graph holding one ``fn()`` (eager ``fn`` off CUDA)."""
+    if device.type != "cuda":
+        return timer(fn)
+    graph, _ = capture_graph(fn)
+    return timer(graph.replay)
+
+
+def bench_case(fp8, dense, rows_per_expert: int, timer: KernelTimer, device: torch.device, dtype) -> list[dict]:
+    num_experts, hidden, inter = fp8.num_local_experts, fp8.gate_up_proj.shape[2], fp8.down_proj.shape[2]
+    counts_L = torch.full((num_experts,), rows_per_expert, dtype=torch.int64, device=device)
+    generator = torch.Generator(device=device).manual_seed(rows_per_expert)
+    x_RH = torch.randn(num_experts * rows_per_expert, hidden, generator=generator, device=device).to(dtype)
+    with torch.no_grad():
+        y_fp8 = fp8(x_RH, counts_L).float()
+        y_dense = dense(x_RH, counts_L).float()
+    rel_err = ((y_fp8 - y_dense).norm() / y_dense.norm()).item()
+    flops = 2 * num_experts * rows_per_expert * 3 * hidden * inter
+    out = []
+    for name, experts in (("bf16", dense), ("fp8", fp8)):
+        with torch.no_grad():
+            t_us = graph_time(lambda experts=experts: experts(x_RH, counts_L), timer, device)
+            t_eager_us = timer(lambda experts=experts: experts(x_RH, counts_L))
+        weight_bytes = num_experts * 3 * hidden * inter * (1 if name == "fp8" else 2)
+        out.append(
+            {
+                "bench": "fp8_experts",
+                "weight_dtype": name,
+                "experts": num_experts,
+                "rows_per_expert": rows_per_expert,
+                "phase": "decode" if rows_per_expert <= 256 else "prefill",
+                "t_us": t_us,
+                "t_eager_us": t_eager_us,
+                "tflops": flops / t_us / 1e6,
+                "weight_gbps": weight_bytes / t_us / 1e3,
+            }
+        )
+    out[1]["speedup_vs_bf16"] = out[0]["t_us"] / out[1]["t_us"]
+    out[1]["rel_err_vs_bf16"] = rel_err
+    return out
+
+
+def sweep_case(fp8, rows_per_expert: int, timer: KernelTimer, device: torch.device, dtype) -> list[dict]:
+    """Each GEMM alone under each tile config."""
+    num_experts, hidden, inter = fp8.num_local_experts, fp8.gate_up_proj.shape[2], fp8.down_proj.shape[2]
+    rows = num_experts * rows_per_expert
+    offsets_L = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * rows_per_expert
+    generator = torch.Generator(device=device).manual_seed(1)
+    q_x, s_x = fp8_kernels.quantize_rows(torch.randn(rows, hidden, generator=generator, device=device), offsets_L)
+    q_h, s_h = fp8_kernels.quantize_rows(torch.randn(rows, inter, generator=generator, device=device), offsets_L)
+    gemms = {
+        "gate_up": (q_x, s_x, fp8.gate_up_proj, fp8.gate_up_proj_scale_inv),
+        "down": (q_h, s_h, fp8.down_proj, fp8.down_proj_scale_inv),
+    }
+    out = []
+    for gemm, (q, s, w, ws) in gemms.items():
+        for config in SWEEP_CONFIGS:
+            row = {"bench": "fp8_gemm_config", "gemm": gemm, "experts": num_experts, "rows_per_expert": rows_per_expert}
+            row.update(vars(config))
+            try:
+                t_us = timer(
+                    lambda q=q, s=s, w=w, ws=ws, c=config: fp8_kernels.grouped_gemm(q, s, w, ws, offsets_L, dtype, c)
+                )
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            else:
+                n, k = w.shape[1], w.shape[2]
+                row.update(t_us=t_us, tflops=2 * rows * n * k / t_us / 1e6, weight_gbps=w.numel() / t_us / 1e3)
+            out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="short timings (CPU smoke)")
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--decode-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--prefill-rows", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--max-rows", type=int, default=65536, help="skip cases with more rows in all")
+    parser.add_argument("--hidden-size", type=int, default=7168)
+    parser.add_argument("--intermediate-size", type=int, default=2048)
+    parser.add_argument("--sweep", action="store_true", help="also time each GEMM per tile config")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = ResultFile(args.out / "fp8_experts.json", result_meta(device.type, 1))
+    timer = KernelTimer(device, args.quick)
+    results.meta["timer"] = timer.name
+    for num_experts in args.experts:
+        fp8, dense = make_experts(num_experts, args.hidden_size, args.intermediate_size, device, dtype)
+        for rows_per_expert in [*args.decode_rows, *args.prefill_rows]:
+            if num_experts * rows_per_expert > args.max_rows:
+                continue
+            new = bench_case(fp8, dense, rows_per_expert, timer, device, dtype)
+            if args.sweep:
+                new += sweep_case(fp8, rows_per_expert, timer, device, dtype)
+            results.rows.extend(new)
+            results.save()
+            for row in new:
+                if row["bench"] == "fp8_experts":
+                    extra = (
+                        f" speedup {row['speedup_vs_bf16']:.2f} err {row['rel_err_vs_bf16']:.2e}"
+                        if "speedup_vs_bf16" in row
+                        else ""
+                    )
+                    print(
+                        f"L={num_experts:3d} rows/expert={rows_per_expert:5d} {row['weight_dtype']:5s} "
+                        f"{row['t_us']:9.1f} us (eager {row['t_eager_us']:9.1f}) {row['tflops']:7.1f} TFLOP/s "
+                        f"{row['weight_gbps']:7.0f} GB/s{extra}",
+                        flush=True,
+                    )
+        del fp8, dense
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
