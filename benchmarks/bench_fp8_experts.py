@@ -10,6 +10,11 @@ per expert row), ``weight_gbps`` (weight bytes read / t), ``speedup_vs_bf16`` (b
 on fp8 rows, ``rel_err_vs_bf16``: ||y_fp8 - y_bf16|| / ||y_bf16|| with the bf16 experts holding the
 dequantised FP8 weights (so the error is the activations' quantisation and the GEMMs' rounding).
 
+Layer rows (``bench="fp8_layer"``): the whole MoE layer at decode on this GPU (EP1, ``low_latency``,
+``--layer-experts`` routed experts: one GPU's share at EP8 of DeepSeek-V3 by default), replayed from a
+CUDA graph, for ``experts`` bf16 or fp8 and ``dispatch`` bf16 or fp8 (fp8 dispatch hands e4m3 rows
+straight to FP8 experts), with ``speedup_vs_bf16`` against bf16 experts and bf16 dispatch.
+
 ``--sweep`` adds rows (``bench="fp8_gemm_config"``) timing each GEMM alone for each tile config, the
 data behind ``fp8_kernels.gemm_config``.
 
@@ -26,9 +31,11 @@ from pathlib import Path
 import torch
 
 from moe_sbo import fp8_kernels
+from moe_sbo.config import get_preset
 from moe_sbo.experts import RoutedExperts
+from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import KernelTimer
+from moe_sbo.measure.timing import KernelTimer, time_fn
 from moe_sbo.streams import capture_graph
 from moe_sbo.weights import seeded_normal
 
@@ -138,18 +145,68 @@ def sweep_case(fp8, rows_per_expert: int, timer: KernelTimer, device: torch.devi
     return out
 
 
+def layer_rows(num_experts: int, tokens_list: list[int], device: torch.device, quick: bool) -> list[dict]:
+    """The decode layer (EP1, low_latency) per experts x dispatch dtype, graph-replayed."""
+    cfg = get_preset("deepseek-v3").with_num_experts(num_experts)
+    out = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, cfg.hidden_size, device=device).to(
+            torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
+        base = None
+        for experts, dispatch in (("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")):
+            layer = MoELayer(
+                cfg,
+                dispatcher="low_latency",
+                dispatcher_options={"max_tokens_per_rank": tokens, "fp8": dispatch == "fp8"},
+                device=device,
+                expert_dtype="fp8" if experts == "fp8" else None,
+            )
+            with torch.no_grad():
+                t_us = time_fn(
+                    lambda layer=layer: layer(x),
+                    device,
+                    3 if quick else 20,
+                    5 if quick else 200,
+                    graph=device.type == "cuda",
+                )
+            base = base or t_us
+            out.append(
+                {
+                    "bench": "fp8_layer",
+                    "experts_dtype": experts,
+                    "dispatch_dtype": dispatch,
+                    "experts": num_experts,
+                    "tokens": tokens,
+                    "rows_per_expert": tokens * cfg.num_experts_per_tok / num_experts,
+                    "graph": device.type == "cuda",
+                    "t_layer_us": t_us,
+                    "speedup_vs_bf16": base / t_us,
+                }
+            )
+            print(
+                f"layer L={num_experts} tokens={tokens:4d} experts {experts} dispatch {dispatch}: {t_us:8.1f} us "
+                f"({base / t_us:.2f}x)",
+                flush=True,
+            )
+            del layer
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="short timings (CPU smoke)")
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--decode-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256])
-    parser.add_argument("--prefill-rows", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--decode-rows", type=int, nargs="*", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--prefill-rows", type=int, nargs="*", default=[512, 1024, 2048, 4096])
     parser.add_argument("--max-rows", type=int, default=65536, help="skip cases with more rows in all")
     parser.add_argument("--hidden-size", type=int, default=7168)
     parser.add_argument("--intermediate-size", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time each GEMM per tile config")
+    parser.add_argument("--layer-experts", type=int, default=32)
+    parser.add_argument("--layer-tokens", type=int, nargs="*", default=[32, 128, 512])
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -183,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         del fp8, dense
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.layer_tokens:
+        results.rows.extend(layer_rows(args.layer_experts, args.layer_tokens, device, args.quick))
+        results.save()
     return 0
 
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from moe_sbo import fp8_kernels
 from moe_sbo.config import get_preset
-from moe_sbo.fp8 import dequantize_fp8, grouped_linear_fp8, quantize_fp8, quantize_fp8_blocks
+from moe_sbo.experts import RoutedExperts
+from moe_sbo.fp8 import dequantize_fp8, grouped_linear_fp8, grouped_scaled_mm, quantize_fp8, quantize_fp8_blocks
 from moe_sbo.layer import MoELayer
 from moe_sbo.streams import capture_graph
 from moe_sbo.weights import layer_weights
@@ -66,6 +67,32 @@ def test_grouped_gemm_matches_torch_reference(config):
     ref = grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)
     real = int(offsets[-1])
     assert _rel(got[:real], ref[:real]) < 1e-5
+
+
+def test_scaled_mm_per_expert_matches_torch_reference():
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    counts = [256, 0, 1024, 130]
+    x = torch.randn(sum(counts), 2048, generator=generator, device="cuda")
+    w = torch.randn(len(counts), 1024, 2048, generator=generator, device="cuda") * 2048**-0.5
+    q, s = quantize_fp8(x)
+    wq, ws = quantize_fp8_blocks(w)
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    got = grouped_scaled_mm(q, s, wq, ws, counts, torch.bfloat16)
+    assert _rel(got, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 5e-3  # bf16 output rounding
+
+
+def test_prefill_runs_cublas_outside_graphs_and_triton_inside():
+    experts = RoutedExperts(4, 1024, 512, dtype=torch.bfloat16, device="cuda", fp8=True)
+    for e in range(4):
+        experts.set_expert(e, torch.randn(1024, 1024, device="cuda") / 32, torch.randn(1024, 512, device="cuda") / 23)
+    counts = torch.tensor([1500, 600, 1100, 900], device="cuda")
+    x = torch.randn(int(counts.sum()), 1024, device="cuda").bfloat16()
+    assert experts.fp8_path(x.device, x.shape[0]) == "scaled_mm"
+    with torch.no_grad():
+        eager = experts(x, counts)
+        graph, static_y = capture_graph(lambda: experts(x, counts))  # capture: the Triton GEMM
+        graph.replay()
+    assert _rel(static_y, eager) < 1e-2
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b"])

@@ -12,6 +12,7 @@ Weights use the Hugging Face layout: ``gate_up_proj [L, 2I, H]`` (gate rows firs
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,10 @@ from .fp8 import (
     FP8_DTYPE,
     dequantize_fp8_blocks,
     grouped_linear_fp8,
+    grouped_scaled_mm,
     quantize_fp8,
     quantize_fp8_blocks,
+    scaled_mm_blockwise_supported,
 )
 from .profiling import annotate
 
@@ -32,6 +35,12 @@ try:
     from . import fp8_kernels
 except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and refuse CUDA
     fp8_kernels = None  # type: ignore[assignment]
+
+FP8_KERNELS = ("auto", "triton", "scaled_mm", "torch")
+# From here (rows per expert, on average) "auto" runs cuBLAS's block-wise FP8 GEMMs, one per expert:
+# measured on H200 at DeepSeek-V3 dims, 1.5x the Triton kernel's rate at 2048 rows, while under 512
+# the host's per-call cost (tens of µs) makes it slower (docs/BENCHMARKS.md).
+SCALED_MM_MIN_ROWS_PER_EXPERT = 1024
 
 
 @functools.cache
@@ -73,10 +82,11 @@ class RoutedExperts(nn.Module):
 
     ``fp8``: weights stored as e4m3 with one float32 scale per 128x128 block (``gate_up_proj_scale_inv``
     [L, 2I/128, H/128], ``down_proj_scale_inv`` [L, H/128, I/128]; DeepSeek-V3's format), activations
-    quantised per token in 128-value groups, block-scaled GEMMs (``fp8_kernels.py``; H and I must be
-    multiples of 128). ``dtype`` is then the activation dtype of the input and output. ``kernels``
-    (fp8 only): ``"auto"`` runs the Triton kernels on CUDA and ``fp8.grouped_linear_fp8`` elsewhere;
-    ``"triton"`` forces the kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
+    quantised per token in 128-value groups, block-scaled GEMMs (H and I must be multiples of 128).
+    ``dtype`` is then the activation dtype of the input and output. ``kernels`` (fp8 only, see
+    ``fp8_path``): ``"auto"`` on CUDA runs ``fp8_kernels.py``'s Triton grouped GEMM, or at prefill
+    sizes outside graph capture cuBLAS's (``"scaled_mm"``), and ``fp8.grouped_linear_fp8`` off CUDA;
+    ``"triton"`` forces the Triton kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
     """
 
     gate_up_proj: nn.Parameter  # [L, 2I, H]
@@ -126,7 +136,7 @@ class RoutedExperts(nn.Module):
         with annotate("routed_experts"):
             offsets_L = num_rows_per_expert_L.to(device=x_RH.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             if self.fp8:
-                return self._forward_fp8(x_RH, scales_RQ, offsets_L)
+                return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L)
             if scales_RQ is not None:
                 raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
             use_grouped_mm = self.use_grouped_mm
@@ -136,45 +146,77 @@ class RoutedExperts(nn.Module):
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
 
-    def _forward_fp8(self, x_RH: torch.Tensor, scales_RQ: torch.Tensor | None, offsets_L: torch.Tensor) -> torch.Tensor:
-        if self._uses_triton(x_RH.device):
-            assert fp8_kernels is not None
-            q_RH, scales_RQ = fp8_kernels.quantize_rows(x_RH, offsets_L) if scales_RQ is None else (x_RH, scales_RQ)
-            gate_up_R2I = fp8_kernels.grouped_gemm(
+    def _forward_fp8(
+        self,
+        x_RH: torch.Tensor,
+        scales_RQ: torch.Tensor | None,
+        offsets_L: torch.Tensor,
+        num_rows_per_expert_L: torch.Tensor,
+    ) -> torch.Tensor:
+        path = self.fp8_path(x_RH.device, x_RH.shape[0])
+        if path == "torch":
+            q_RH, scales_RQ = quantize_fp8(x_RH) if scales_RQ is None else (x_RH, scales_RQ)
+            gate_up_R2I = grouped_linear_fp8(
                 q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets_L, self.dtype
             )
-            q_RI, act_scales_RQ = fp8_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
-            return fp8_kernels.grouped_gemm(
+            gate_RI, up_RI = gate_up_R2I.float().chunk(2, dim=-1)
+            q_RI, act_scales_RQ = quantize_fp8(F.silu(gate_RI) * up_RI)
+            return grouped_linear_fp8(
                 q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv, offsets_L, self.dtype
             )
-        q_RH, scales_RQ = quantize_fp8(x_RH) if scales_RQ is None else (x_RH, scales_RQ)
-        gate_up_R2I = grouped_linear_fp8(
-            q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets_L, self.dtype
-        )
-        gate_RI, up_RI = gate_up_R2I.float().chunk(2, dim=-1)
-        q_RI, act_scales_RQ = quantize_fp8(F.silu(gate_RI) * up_RI)
-        return grouped_linear_fp8(q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv, offsets_L, self.dtype)
+        assert fp8_kernels is not None
+        gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+        if path == "scaled_mm":
+            counts = num_rows_per_expert_L.tolist()  # the one host read of this path
 
-    def _uses_triton(self, device: torch.device) -> bool:
+            def gemm(q, s, w, ws):
+                return grouped_scaled_mm(q, s, w, ws, counts, self.dtype)
+        else:
+
+            def gemm(q, s, w, ws):
+                return fp8_kernels.grouped_gemm(q, s, w, ws, offsets_L, self.dtype)
+
+        q_RH, scales_RQ = fp8_kernels.quantize_rows(x_RH, offsets_L) if scales_RQ is None else (x_RH, scales_RQ)
+        gate_up_R2I = gemm(q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv)
+        q_RI, act_scales_RQ = fp8_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
+        return gemm(q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv)
+
+    def fp8_path(self, device: torch.device, num_rows: int) -> str:
+        """Which FP8 GEMMs a forward of ``num_rows`` rows on ``device`` runs: ``"triton"``
+        (``fp8_kernels``: device counts, no host sync, CUDA-graph capturable), ``"scaled_mm"`` (cuBLAS
+        per expert, sm90; reads the counts on the host; chosen by ``"auto"`` when not capturing a
+        graph and the rows per expert reach ``SCALED_MM_MIN_ROWS_PER_EXPERT``) or ``"torch"``."""
+        if self.kernels not in FP8_KERNELS:
+            raise ValueError(f"kernels must be one of {FP8_KERNELS}, got {self.kernels!r}")
         if self.kernels == "torch":
-            return False
-        if device.type == "cuda":
-            if fp8_kernels is None:
-                raise RuntimeError("FP8 experts on CUDA need Triton; pip install triton")
-            if _capability(device) < (8, 9):
-                raise RuntimeError(
-                    f"FP8 experts need FP8 tensor cores (sm89 or newer), got sm{''.join(map(str, _capability(device)))}"
-                    "; use expert_dtype=None"
-                )
-            return True
-        if self.kernels == "triton":
-            if fp8_kernels is None or not env.triton_interpreting():
-                raise RuntimeError(
-                    "kernels='triton' needs CUDA tensors, or TRITON_INTERPRET=1 (Triton's CPU interpreter) "
-                    "with triton installed"
-                )
-            return True
-        return False
+            return "torch"
+        if device.type != "cuda":
+            if self.kernels == "scaled_mm":
+                raise RuntimeError("kernels='scaled_mm' needs an sm90 CUDA device; use 'auto' or 'torch' on CPU")
+            if self.kernels == "triton":
+                if fp8_kernels is None or not env.triton_interpreting():
+                    raise RuntimeError(
+                        "kernels='triton' needs CUDA tensors, or TRITON_INTERPRET=1 (Triton's CPU interpreter) "
+                        "with triton installed"
+                    )
+                return "triton"
+            return "torch"
+        if fp8_kernels is None:
+            raise RuntimeError("FP8 experts on CUDA need Triton; pip install triton")
+        if _capability(device) < (8, 9):
+            raise RuntimeError(
+                f"FP8 experts need FP8 tensor cores (sm89 or newer), got sm{''.join(map(str, _capability(device)))}"
+                "; use expert_dtype=None"
+            )
+        blockwise = scaled_mm_blockwise_supported(device)
+        if self.kernels == "scaled_mm":
+            if not blockwise:
+                raise RuntimeError("kernels='scaled_mm' needs cuBLAS's block-wise FP8 (sm90); use 'auto' or 'triton'")
+            return "scaled_mm"
+        large = num_rows >= SCALED_MM_MIN_ROWS_PER_EXPERT * self.num_local_experts
+        if self.kernels == "auto" and blockwise and large and not torch.cuda.is_current_stream_capturing():
+            return "scaled_mm"
+        return "triton"
 
     @torch.no_grad()
     def set_expert(

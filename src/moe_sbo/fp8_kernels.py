@@ -145,13 +145,13 @@ class GemmConfig:
     num_stages: int
 
 
-# Measured on H200 (docs/BENCHMARKS.md, ``bench_fp8_experts.py --sweep``): few rows per expert
-# (decode) are weight-read bound: small row tiles, many programs streaming weights; many rows
-# (prefill) are compute bound: 128 x 128 tiles, 8 warps (two consumer warp groups on Hopper).
+# Measured on H200 (``bench_fp8_experts.py --sweep``, DeepSeek-V3 dims, 8 and 32 experts): up to 64
+# rows per expert the GEMMs are weight-read bound (64 x 128 tiles, many programs streaming weights:
+# ~3 TB/s); from 256 on compute bound (64 x 256 tiles, two warp groups); 128 x 128 in between.
 DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=4)
-MID_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4)
-PREFILL_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)
-GEMM_CONFIGS = (DECODE_CONFIG, MID_CONFIG, PREFILL_CONFIG)
+MID_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4)
+LARGE_CONFIG = GemmConfig(block_m=64, block_n=256, group_m=4, num_warps=8, num_stages=3)
+GEMM_CONFIGS = (DECODE_CONFIG, MID_CONFIG, LARGE_CONFIG)
 
 
 def gemm_config(rows_per_expert: float) -> GemmConfig:
@@ -159,9 +159,9 @@ def gemm_config(rows_per_expert: float) -> GemmConfig:
     so a CUDA graph captured at one size keeps its config whatever the routing)."""
     if rows_per_expert <= 64:
         return DECODE_CONFIG
-    if rows_per_expert <= 256:
+    if rows_per_expert <= 128:
         return MID_CONFIG
-    return PREFILL_CONFIG
+    return LARGE_CONFIG
 
 
 @triton.jit
