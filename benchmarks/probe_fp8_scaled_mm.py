@@ -25,7 +25,25 @@ def scaled_mm_grouped(q, s, wq, ws, counts, out_dtype):
     return out
 
 
+def alignment():
+    """Which row counts cuBLAS's block-wise FP8 GEMM takes, with the 1x128 scales laid out two ways."""
+    k, n = 2048, 1024
+    w = torch.randn(n, k, device="cuda") * k**-0.5
+    wq, ws = quantize_fp8_blocks(w)
+    for m in [7, 16, 128, 130, 132, 136, 144]:
+        q, s = quantize_fp8(torch.randn(m, k, device="cuda"))
+        padded = torch.zeros(k // 128, -(-m // 4) * 4, device="cuda")
+        padded[:, :m] = s.t()
+        for name, scales in (("contiguous-t", s.t().contiguous().t()), ("padded-ld", padded[:, :m].t())):
+            try:
+                torch._scaled_mm(q, wq.t(), scale_a=scales, scale_b=ws.t(), out_dtype=torch.bfloat16)
+                print(f"M={m:4d} {name}: ok", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"M={m:4d} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+
+
 def main():
+    alignment()
     torch.manual_seed(0)
     for num_experts, n, k in [(8, 4096, 7168), (8, 7168, 2048)]:
         w = torch.randn(num_experts, n, k, device="cuda") * k**-0.5
