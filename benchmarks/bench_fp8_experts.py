@@ -40,18 +40,22 @@ from moe_sbo.streams import capture_graph
 from moe_sbo.weights import seeded_normal
 
 SWEEP_CONFIGS = [
-    fp8_kernels.GemmConfig(block_m, block_n, group_m, warps, stages, scale_behind)
+    fp8_kernels.GemmConfig(block_m, block_n, group_m, warps, stages)
     for block_m, block_n, group_m, warps, stages in [
+        (16, 128, 1, 4, 4),
+        (32, 128, 1, 4, 4),
+        (64, 64, 1, 4, 4),
+        (64, 128, 1, 4, 3),
         (64, 128, 1, 4, 4),
         (64, 128, 4, 4, 4),
         (64, 256, 4, 8, 3),
+        (128, 64, 8, 4, 4),
         (128, 128, 8, 8, 3),
         (128, 128, 8, 8, 4),
         (128, 256, 8, 8, 3),
         (128, 256, 8, 8, 4),
         (256, 128, 8, 8, 3),
     ]
-    for scale_behind in (False, True)
 ]
 
 

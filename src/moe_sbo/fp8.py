@@ -108,6 +108,9 @@ def grouped_linear_fp8(
     return out_RN
 
 
+SCALED_MM_ROW_ALIGN = 4  # cuBLAS's block-wise FP8 GEMM refuses row counts that are not multiples of 4
+
+
 def scaled_mm_blockwise_supported(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs DeepSeek's block-wise recipe (1x128 activations, 128x128
     weights) here: cuBLAS implements it for sm90 (Hopper) only."""
@@ -124,23 +127,32 @@ def grouped_scaled_mm(
 ) -> torch.Tensor:
     """``grouped_linear_fp8`` by cuBLAS: one block-scaled ``torch._scaled_mm`` per expert (sm90).
 
-    ``counts``: each expert's rows, on the host (so the caller has read them from the device once).
+    ``counts``: each expert's rows, on the host (so the caller has read them from the device once);
+    ``q_RK`` needs at least 4 rows.
     At prefill sizes cuBLAS's FP8 kernels run ~1.5x the rate of the Triton grouped GEMM; per call
     the host spends tens of µs, so with few rows per expert the Triton kernel wins.
     """
-    out_RN = q_RK.new_empty(q_RK.shape[0], w_LNK.shape[1], dtype=out_dtype)
+    num_rows = q_RK.shape[0]
+    if num_rows < SCALED_MM_ROW_ALIGN:
+        raise ValueError(f"grouped_scaled_mm needs >= {SCALED_MM_ROW_ALIGN} rows, got {num_rows}; use grouped_gemm")
+    out_RN = q_RK.new_empty(num_rows, w_LNK.shape[1], dtype=out_dtype)
     start = 0
     for expert, count in enumerate(counts):
         if count:
             end = start + count
+            # cuBLAS takes row counts in multiples of 4: widen the window into the neighbours' rows
+            # (forwards, or backwards at the end) and keep only this expert's outputs.
+            width = -(-count // SCALED_MM_ROW_ALIGN) * SCALED_MM_ROW_ALIGN
+            first = min(start, num_rows - width)
             # cuBLAS reads the 1x128 scales "outer-dim-major": [rows, K/128] with stride (1, rows).
-            scales_XQ = scales_RQ[start:end].t().contiguous().t()
-            out_RN[start:end] = torch._scaled_mm(
-                q_RK[start:end],
+            scales_XQ = scales_RQ[first : first + width].t().contiguous().t()
+            out_XN = torch._scaled_mm(
+                q_RK[first : first + width],
                 w_LNK[expert].t(),
                 scale_a=scales_XQ,
                 scale_b=w_scale_inv_LNQ[expert].t(),
                 out_dtype=out_dtype,
             )
+            out_RN[start:end] = out_XN[start - first : start - first + count]
             start = end
     return out_RN

@@ -143,7 +143,6 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    scale_behind: bool = False  # scale each K step's partial sum one step late (see the kernel)
 
 
 # Measured on H200 (``bench_fp8_experts.py --sweep``, DeepSeek-V3 dims, 8 and 32 experts): up to 64
@@ -180,7 +179,6 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
-    SCALE_BEHIND: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = GROUP_V  # one activation scale and one weight scale per K step
     KQ: tl.constexpr = K // BLOCK_K
@@ -221,30 +219,12 @@ def _grouped_gemm_kernel(
     a_scales = a_scale_ptr + rows64 * KQ
     b_scales = b_scale_ptr + expert.to(tl.int64) * NQ * KQ + (offs_n // BLOCK_K) * KQ
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SCALE_BEHIND:
-        # Scale step k - 1's partial sum while step k's MMA is in flight (the tensor cores' result
-        # is awaited one step later), instead of waiting on each MMA before its scaling.
-        a = tl.load(a_tile, mask=m_mask[:, None], other=0.0)
-        b = tl.load(b_tile, mask=n_mask[None, :], other=0.0)
-        partial = tl.dot(a, b)
-        for kq in range(1, KQ):
-            a = tl.load(a_tile + kq * BLOCK_K, mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_tile + kq * BLOCK_K, mask=n_mask[None, :], other=0.0)
-            next_partial = tl.dot(a, b)
-            scale_a = tl.load(a_scales + kq - 1, mask=m_mask, other=0.0)
-            scale_b = tl.load(b_scales + kq - 1, mask=n_mask, other=0.0)
-            acc += partial * scale_a[:, None] * scale_b[None, :]
-            partial = next_partial
-        scale_a = tl.load(a_scales + KQ - 1, mask=m_mask, other=0.0)
-        scale_b = tl.load(b_scales + KQ - 1, mask=n_mask, other=0.0)
-        acc += partial * scale_a[:, None] * scale_b[None, :]
-    else:
-        for kq in range(KQ):
-            a = tl.load(a_tile + kq * BLOCK_K, mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_tile + kq * BLOCK_K, mask=n_mask[None, :], other=0.0)
-            scale_a = tl.load(a_scales + kq, mask=m_mask, other=0.0)
-            scale_b = tl.load(b_scales + kq, mask=n_mask, other=0.0)
-            acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
+    for kq in range(KQ):
+        a = tl.load(a_tile + kq * BLOCK_K, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_tile + kq * BLOCK_K, mask=n_mask[None, :], other=0.0)
+        scale_a = tl.load(a_scales + kq, mask=m_mask, other=0.0)
+        scale_b = tl.load(b_scales + kq, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
     c_tile = c_ptr + rows64[:, None] * N + offs_n[None, :]
     tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -287,7 +267,6 @@ def grouped_gemm(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         GROUP_M=config.group_m,
-        SCALE_BEHIND=config.scale_behind,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
