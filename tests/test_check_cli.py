@@ -1,4 +1,5 @@
-"""``moe-sbo check`` and ``moe-sbo demo --checkpoint`` on checkpoints written by transformers and by hand."""
+"""``moe-sbo check`` and ``moe-sbo demo --checkpoint`` on checkpoints written by transformers and by hand,
+with dense and FP8 (``--expert-dtype fp8``) routed experts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from moe_sbo import runtime
 from moe_sbo.cli import check as check_cli
 from moe_sbo.cli import demo as demo_cli
 from moe_sbo.cli.main import main
+from moe_sbo.config import PRESETS
 from moe_sbo.hf.checkpoint import Checkpoint
+from moe_sbo.layer import MoELayer
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +27,11 @@ def checkpoints(tmp_path_factory):
         make_hf_model(family, seed=5).save_pretrained(path, max_shard_size="40KB" if family == "deepseek_v3" else "1GB")
         out[family] = path
     out["deepseek_v3_fp8"], _ = write_published_v3(tmp_path_factory.mktemp("fp8"), fp8=True)
+    # Sizes FP8 experts accept (multiples of 128), stored as FP8 and dense.
+    for stored in ("fp8", "dense"):
+        out[f"deepseek_v3_{stored}_128"], _ = write_published_v3(
+            tmp_path_factory.mktemp(f"{stored}_128"), fp8=stored == "fp8", hidden=256, inter=128, experts=4
+        )
     return out
 
 
@@ -189,3 +197,83 @@ def test_demo_checkpoint_bad_layer_exits_2(tmp_path, capsys, no_ranks):
     path, _ = write_published_v3(tmp_path, fp8=False)
     assert main(["demo", "--checkpoint", str(path), "--layer", "0", "--ranks", "2", "--device", "cpu"]) == 2
     assert "got dense layer 0 (MoE iff layer >= first_k_dense_replace=1" in capsys.readouterr().err
+
+
+# ---- --expert-dtype fp8 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stored", ["deepseek_v3_fp8_128", "deepseek_v3_dense_128"])
+def test_check_with_fp8_experts_uses_the_fp8_tolerance(checkpoints, stored, tmp_path, capsys):
+    """FP8 experts, kept as stored or quantised on load, against transformers on the same e4m3
+    weights dequantised: within 6e-2, and not within float32's 1e-5 (the experts really are FP8)."""
+    code, result = _check(checkpoints[stored], "--expert-dtype", "fp8", tmp_path=tmp_path)
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    rows = result["rows"]
+    assert len(rows) == len(check_cli.check_dispatchers("all", 2))
+    assert all(r["ok"] and r["tolerance"] == 6e-2 and 1e-3 < r["rel_err"] <= 6e-2 for r in rows)
+    assert result["meta"]["expert_dtype"] == "fp8"
+    assert "routed experts fp8 (e4m3, 128x128 block scales)" in printed
+    assert "fp8 experts: the reference runs on the dequantised e4m3 weights" in printed
+    assert printed.splitlines()[-1].endswith("on every rank (rel L2 <= 0.06)")
+
+
+def test_check_expert_dtype_bf16_is_the_layer_dtype(checkpoints, tmp_path, capsys):
+    code, result = _check(
+        checkpoints["deepseek_v3_fp8_128"], "--expert-dtype", "bf16", "--dispatcher", "alltoall", tmp_path=tmp_path
+    )
+    assert code == 0, capsys.readouterr()
+    (row,) = result["rows"]
+    assert row["tolerance"] == 1e-5 and row["rel_err"] <= 1e-5 and result["meta"]["expert_dtype"] == "float32"
+
+
+def test_demo_runs_a_checkpoint_layer_with_fp8_experts(checkpoints, tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    args = ["--layer", "1", "--ranks", "2", "--device", "cpu", "--tokens", "8", "--iters", "1", "--json", str(out)]
+    code = main(["demo", "--checkpoint", str(checkpoints["deepseek_v3_fp8_128"]), "--expert-dtype", "fp8", *args])
+    assert code == 0, capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert result["meta"]["expert_dtype"] == "fp8"
+    assert {"local", "alltoall", "low_latency"} <= {r["dispatcher"] for r in result["rows"]}
+    assert all(r["ok"] for r in result["rows"])
+    assert ", fp8 experts" in capsys.readouterr().out
+
+
+def _demo_rank_with_fp8_experts(device):
+    """On each rank: the demo's random-weight path on a small FP8-sized preset (none of the shipped
+    ones is both: tiny's hidden size is 64), and whether every layer it built, the reference's too,
+    had FP8 experts."""
+    built = []
+
+    class RecordingLayer(MoELayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append((self.dispatcher.name, self.experts.fp8))
+
+    PRESETS["fp8-small"] = PRESETS["tiny"].replace(name="fp8-small", hidden_size=128, moe_intermediate_size=128)
+    demo_cli.MoELayer = RecordingLayer  # type: ignore[misc]
+    try:
+        names = ["alltoall", "low_latency"]
+        rows = demo_cli.run_demo_rank(device, "fp8-small", names, 8, 0, "float32", 1, expert_dtype="fp8")
+    finally:  # the rank processes serve later tests
+        del PRESETS["fp8-small"]
+        demo_cli.MoELayer = MoELayer  # type: ignore[misc]
+    return built, rows
+
+
+def test_demo_random_weights_with_fp8_experts(ranks2):
+    for built, rows in ranks2.run(_demo_rank_with_fp8_experts):
+        assert built == [("local", True), ("alltoall", True), ("low_latency", True)]
+        assert [r["dispatcher"] for r in rows] == ["alltoall", "low_latency"] and all(r["ok"] for r in rows)
+
+
+@pytest.mark.parametrize("command", ["check", "demo"])
+def test_fp8_experts_on_a_model_not_in_128_blocks_exit_2_before_any_rank(checkpoints, command, capsys, no_ranks):
+    """hidden_size 64 (the transformers-saved Qwen3 model; demo: the tiny preset)."""
+    source = ["--checkpoint", str(checkpoints["qwen3_moe"])] if command == "check" else ["--preset", "tiny"]
+    code = main([command, *source, "--expert-dtype", "fp8", "--ranks", "2", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"moe-sbo {command}: error: --expert-dtype fp8 needs hidden_size and ")
+    assert "multiples of 128 (one weight scale per 128x128 block), got {'hidden_size': 64, " in err
+    assert err.rstrip().endswith("leave out --expert-dtype (experts in --dtype) for this model")
+    assert err.count("\n") == 1 and "Traceback" not in err

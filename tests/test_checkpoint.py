@@ -1,4 +1,5 @@
-"""Checkpoints on disk: configs, tensor names, per-rank reads, FP8 block dequantisation, bad input."""
+"""Checkpoints on disk: configs, tensor names, per-rank reads, FP8 block dequantisation, FP8 experts
+read as stored, bad input."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from hf_blocks import make_hf_model, quantize_fp8_blocks, write_broken_v3, write_published_v3
+from hf_blocks import make_hf_model, quantize_fp8_blocks, write_broken_v3, write_checkpoint, write_published_v3
+from moe_sbo import fp8
 from moe_sbo.config import PRESETS
 from moe_sbo.fp8 import dequantize_fp8_blocks
+from moe_sbo.hf import checkpoint as checkpoint_module
 from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader
 from moe_sbo.hf.config import config_from_hf, moe_layer_indices
 from moe_sbo.hf.reference import reference_moe_block, weights_from_hf_moe
@@ -228,6 +231,148 @@ def test_fp8_checkpoint_dequantises_to_the_originals(tmp_path):
     scales = 4 * 3 * 2 + 3 * 2  # 2 tiles per expert weight ([96,160]: 1x2; [160,96]: 2x1), 4 experts + shared
     assert report_default.bytes_read == 8 * h * 2 + 8 * 4 + (4 * 3 + 3) * h * i + scales * 4
     assert torch.equal(default.gate_up_proj_E2IH, weights.gate_up_proj_E2IH[:4].bfloat16())
+
+
+# ---- FP8 routed experts kept in FP8 (fp8_experts=True) ------------------------------------------
+
+# Sizes FP8 experts accept (multiples of 128), kept small: 4 experts of [2 * 128, 256] and [256, 128].
+FP8_SIZES = dict(hidden=256, inter=128, experts=4)
+
+
+def _stored(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, as stored."""
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_fp8_read_copies_the_stored_bytes_and_scales(tmp_path, monkeypatch):
+    path, _ = write_published_v3(tmp_path, fp8=True, **FP8_SIZES)
+    stored = _stored(path)
+    widened = []  # shapes of every FP8 tensor dequantised: the shared experts' only
+
+    def dequantize(weight, scale_inv, block):
+        widened.append(tuple(weight.shape))
+        return dequantize_fp8_blocks(weight, scale_inv, block)
+
+    def no_quantize(*args):
+        raise AssertionError("FP8-stored 128x128 experts must be copied as stored, not requantised")
+
+    monkeypatch.setattr(checkpoint_module, "dequantize_fp8_blocks", dequantize)
+    monkeypatch.setattr(checkpoint_module, "quantize_fp8_blocks", no_quantize)
+    weights, report = Checkpoint(path).read_moe_weights(1, range(2, 4), dtype=torch.float32, fp8_experts=True)
+    i = FP8_SIZES["inter"]
+    assert weights.gate_up_proj_E2IH.dtype == weights.down_proj_EHI.dtype == torch.float8_e4m3fn
+    assert weights.gate_up_proj_scale_inv.shape == (2, 2, 2) and weights.down_proj_scale_inv.shape == (2, 2, 1)
+    for row, expert in enumerate(range(2, 4)):  # this rank's experts 2 and 3, gate rows first
+        name = f"{P}experts.{expert}."
+        for got, got_scale, proj in (
+            (weights.gate_up_proj_E2IH[row, :i], weights.gate_up_proj_scale_inv[row, : i // 128], "gate_proj"),
+            (weights.gate_up_proj_E2IH[row, i:], weights.gate_up_proj_scale_inv[row, i // 128 :], "up_proj"),
+            (weights.down_proj_EHI[row], weights.down_proj_scale_inv[row], "down_proj"),
+        ):
+            assert torch.equal(_bytes(got), _bytes(stored[name + proj + ".weight"])), (expert, proj)
+            assert torch.equal(got_scale, stored[name + proj + ".weight_scale_inv"]), (expert, proj)
+    # Shared experts stay dense (dequantised in float32, as without fp8_experts); the router as stored.
+    shared = f"{P}shared_experts.down_proj.weight"
+    assert torch.equal(
+        weights.shared_down_proj_HJ, dequantize_fp8_blocks(stored[shared], stored[shared + "_scale_inv"])
+    )
+    assert torch.equal(weights.router_weight_EH, stored[P + "gate.weight"].float())
+    assert sorted(widened) == sorted([(i, 256), (i, 256), (256, i)])
+    # bytes_read: the stored bytes of every tensor read (1 B per FP8 value, 4 B per scale), no more.
+    assert report.bytes_read == sum(stored[n].numel() * stored[n].element_size() for n in report.tensors)
+    assert report.files == ("model-00003-of-00003.safetensors", "model-00002-of-00003.safetensors")
+
+
+def test_fp8_layer_loaded_from_an_fp8_checkpoint_holds_the_stored_bytes(tmp_path):
+    path, _ = write_published_v3(tmp_path, fp8=True, **FP8_SIZES)
+    stored, checkpoint = _stored(path), Checkpoint(path)
+    load = LayerLoader(checkpoint, 1)
+    fp8_layer = load(MoELayer(checkpoint.moe_config, dtype=torch.float32, expert_dtype="fp8"))
+    dense_layer = load(MoELayer(checkpoint.moe_config, dtype=torch.float32))
+    assert len(load.reports) == 2  # one read per expert format: the FP8 one is not the dense one's
+    assert load.report(fp8_layer) is not load.report(dense_layer)
+    experts = fp8_layer.experts
+    for expert in range(FP8_SIZES["experts"]):
+        name = f"{P}experts.{expert}."
+        gate_up = torch.cat([stored[name + "gate_proj.weight"], stored[name + "up_proj.weight"]])
+        gate_up_scale = torch.cat(
+            [stored[name + "gate_proj.weight_scale_inv"], stored[name + "up_proj.weight_scale_inv"]]
+        )
+        assert torch.equal(_bytes(experts.gate_up_proj[expert]), _bytes(gate_up))
+        assert torch.equal(_bytes(experts.down_proj[expert]), _bytes(stored[name + "down_proj.weight"]))
+        assert torch.equal(experts.gate_up_proj_scale_inv[expert], gate_up_scale)
+        assert torch.equal(experts.down_proj_scale_inv[expert], stored[name + "down_proj.weight_scale_inv"])
+    # The dense layer holds the same weights dequantised: the outputs differ by activation rounding only
+    # (two e4m3 quantisations, ~2.6% RMS each).
+    x = torch.randn(32, checkpoint.moe_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y, ref = fp8_layer(x), dense_layer(x)
+    assert 1e-3 < ((y - ref).norm() / ref.norm()).item() <= 6e-2
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+def test_fp8_read_of_a_dense_checkpoint_quantises_each_expert(tmp_path, layout):
+    path, originals = write_published_v3(tmp_path, fp8=False, layout=layout, **FP8_SIZES)
+    weights, report = Checkpoint(path).read_moe_weights(1, range(1, 3), fp8_experts=True)
+    i = FP8_SIZES["inter"]
+    for row, expert in enumerate(range(1, 3)):
+        if layout == "stacked":
+            gate_up = originals[P + "experts.gate_up_proj"][expert]
+            down = originals[P + "experts.down_proj"][expert]
+        else:
+            name = f"{P}experts.{expert}."
+            gate_up = torch.cat([originals[name + "gate_proj.weight"], originals[name + "up_proj.weight"]])
+            down = originals[name + "down_proj.weight"]
+        for dense, q, scale_inv in (
+            (gate_up, weights.gate_up_proj_E2IH[row], weights.gate_up_proj_scale_inv[row]),
+            (down, weights.down_proj_EHI[row], weights.down_proj_scale_inv[row]),
+        ):
+            # What MoELayer(expert_dtype="fp8").load_weights makes of the dense weight, bit for bit
+            # (gate and up quantised apart tile the same: I is a multiple of 128)...
+            expected_q, expected_scale = fp8.quantize_fp8_blocks(dense)
+            assert torch.equal(_bytes(q), _bytes(expected_q)) and torch.equal(scale_inv, expected_scale)
+            # ...so within e4m3's rounding of the dense values: 2^-4 relative, or half a subnormal step.
+            got = dequantize_fp8_blocks(q, scale_inv)
+            assert bool(((got - dense).abs() <= dense.abs() / 16 + scale_inv.max() * 2**-10).all())
+    assert weights.shared_down_proj_HJ.dtype == torch.float32  # as stored: dense stays dense
+    h = FP8_SIZES["hidden"]
+    rows = 2 * 3 * h * i * 4  # 2 experts' float32 weights, as stored, whichever layout
+    assert report.bytes_read == 4 * h * 2 + 4 * 4 + rows + 3 * h * i * 4
+
+
+def test_fp8_read_requantises_other_block_sizes_at_128(tmp_path):
+    """A checkpoint with 64x64 blocks: each weight dequantised at 64, quantised again at 128."""
+    path, originals = write_published_v3(tmp_path / "dense", fp8=False, **FP8_SIZES)
+    tensors, config = _stored(path), json.loads((path / "config.json").read_text())
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(originals[name], block=64)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 64]}
+    blocks64 = write_checkpoint(tmp_path / "blocks64", config, tensors)
+    weights, _ = Checkpoint(blocks64).read_moe_weights(1, range(0, 2), fp8_experts=True)
+    name = f"{P}experts.1.down_proj.weight"
+    expected = fp8.quantize_fp8_blocks(dequantize_fp8_blocks(tensors[name], tensors[name + "_scale_inv"], (64, 64)))
+    assert torch.equal(_bytes(weights.down_proj_EHI[1]), _bytes(expected[0]))
+    assert torch.equal(weights.down_proj_scale_inv[1], expected[1])
+    assert weights.down_proj_scale_inv.shape == (2, 2, 1)  # 128x128 blocks, whatever the checkpoint's
+
+
+def test_fp8_read_needs_sizes_in_whole_blocks(tmp_path):
+    path, _ = write_published_v3(tmp_path, fp8=True)  # hidden 160, moe_intermediate_size 96
+    checkpoint = Checkpoint(path)
+    with pytest.raises(
+        ValueError,
+        match=r"config.json: FP8 experts need hidden_size and moe_intermediate_size that are multiples of 128 "
+        r".*got \{'hidden_size': 160, 'moe_intermediate_size': 96\}; read this model with fp8_experts=False",
+    ):
+        checkpoint.read_moe_weights(1, range(0, 4), fp8_experts=True)
+    checkpoint.read_moe_weights(1, range(0, 4))  # dense experts of the same model: fine
 
 
 # ---- bad input ---------------------------------------------------------------------------------

@@ -43,6 +43,11 @@ def test_demo_bad_input_exits_2_with_a_message():
     assert "divisible by the EP size, got 16 experts on 3 ranks" in proc.stderr
     proc = _moe_sbo("demo", "--dispatcher", "deepep", "--ranks", "2")
     assert proc.returncode == 2 and "--dispatcher must be one of" in proc.stderr
+    # FP8 experts need 128x128 blocks; the tiny preset's hidden size is 64: one line, before any rank.
+    proc = _moe_sbo("demo", "--expert-dtype", "fp8", "--device", "cpu")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("moe-sbo demo: error: --expert-dtype fp8 needs hidden_size and moe_intermediate_size")
+    assert "got {'hidden_size': 64, 'moe_intermediate_size': 32} for model tiny" in proc.stderr
 
 
 def test_demo_overlap_all_checks_every_mode_against_none(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -239,6 +240,10 @@ def test_required_bandwidth_monotone_in_batch(preset, batches, hw):
         (dict(hw="tpu-v5"), "hw must be one of"),
         (dict(micro_batches=3), "micro_batches must be 1 or 2"),
         (dict(dispatch_dtype="int4"), "dispatch_dtype must be fp8 or bf16"),
+        (dict(memory_ep=(8, 12)), "memory_ep must be EP sizes that divide the 256 routed experts"),
+        (dict(memory_ep=(0,)), "memory_ep must be EP sizes"),
+        (dict(memory_ep=()), "memory_ep must be EP sizes"),
+        (dict(shapes=planner.PRESET_SHAPES["qwen3-30b-a3b"]), "shapes must describe the planned model"),
     ],
 )
 def test_bad_inputs_raise_shaped_errors(changes, message):
@@ -266,6 +271,7 @@ def test_unknown_preset_and_missing_calibrate_file(tmp_path):
         ["--hw", "a100"],
         ["--model", "nope"],
         ["--calibrate", "/nonexistent/result.json"],
+        ["--memory-ep", "8", "7"],
     ],
 )
 def test_cli_bad_input_exits_2_without_traceback(argv, capsys):
@@ -312,6 +318,193 @@ def test_hf_config_json_builds_the_same_shapes(tmp_path):
     path.write_text(json.dumps({"hidden_size": 4096}))
     with pytest.raises(ValueError, match="model config must have moe_intermediate_size"):
         planner.load_model(str(path))
+
+
+# --------------------------------------------------------------------------------------- weight memory
+
+V3_CONFIG_JSON = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+}
+
+
+def small_moe(**changes) -> MoEConfig:
+    """H 320 and I 192 are not multiples of 128, so the fp8 scales count partial edge blocks."""
+    sizes = dict(
+        name="small",
+        hidden_size=320,
+        moe_intermediate_size=192,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        topk_method="greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        num_hidden_layers=5,
+        first_k_dense_replace=1,
+    )
+    return MoEConfig(**{**sizes, **changes})
+
+
+def test_fp8_expert_bytes_are_half_of_bf16_plus_block_scales():
+    cfg = small_moe()
+    # gate and up [192, 320]: ceil(192/128) x ceil(320/128) = 2 x 3 blocks; down [320, 192]: 3 x 2.
+    scales_B = 4 * (2 * 3 + 2 * 3 + 3 * 2)
+    bf16_B = 2 * 3 * 192 * 320
+    assert planner.expert_bytes(cfg, "bf16") == bf16_B == 368_640
+    assert planner.expert_bytes(cfg, "fp8") == bf16_B // 2 + scales_B == 184_392
+    memory = planner.weight_memory(cfg, [1])
+    experts = cfg.num_moe_layers * cfg.num_experts  # 4 MoE layers x 16
+    assert memory.routed_total_B == {"bf16": experts * bf16_B, "fp8": experts * (bf16_B // 2 + scales_B)}
+    assert memory.fp8_scales_B == experts * scales_B
+    assert memory.notes and "not a multiple of 128" in memory.notes[0]
+    # DeepSeek-V3 (aligned): 3 matrices of 16 x 56 blocks, 10752 B of scales per expert, 0.0244 % extra.
+    v3 = PRESETS["deepseek-v3"]
+    assert planner.expert_bytes(v3, "fp8") == 3 * 2048 * 7168 + 4 * 3 * 16 * 56
+    assert planner.expert_bytes(v3, "fp8") / planner.expert_bytes(v3, "bf16") == pytest.approx(0.5, rel=3e-4)
+    assert planner.weight_memory(v3, [8]).notes == ()
+    with pytest.raises(ValueError, match="expert dtype must be one of"):
+        planner.expert_matrix_bytes(128, 128, "int4")
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "qwen3-30b-a3b"])
+def test_weight_memory_divides_routed_experts_by_ep(preset):
+    cfg = PRESETS[preset]
+    eps = [ep for ep in (1, 2, 4, 8, 16, 32) if cfg.num_experts % ep == 0]
+    memory = planner.weight_memory(cfg, eps, planner.PRESET_SHAPES[preset])
+    assert [(r.expert_dtype, r.ep) for r in memory.rows] == [(d, ep) for d in ("bf16", "fp8") for ep in eps]
+    for row in memory.rows:
+        assert row.experts_per_gpu * row.ep == cfg.num_experts
+        assert row.routed_B * row.ep == memory.routed_total_B[row.expert_dtype]
+        assert row.other_B == memory.other_B == sum(part.bytes_B for part in memory.parts)
+        assert row.total_B == row.routed_B + row.other_B
+        assert row.left_B == memory.gpu_memory_B - row.total_B == 141e9 - row.total_B
+        assert row.fits == (row.left_B >= 0)
+    with pytest.raises(ValueError, match="ep_sizes must divide the 256 routed experts"):
+        planner.weight_memory(PRESETS["deepseek-v3"], [8, 3])
+
+
+def test_deepseek_v3_weight_memory_totals():
+    memory = planner.make_plan(seed_inputs()).weight_memory  # the preset: its published shapes
+    # The issue's figures: ~1.34 TB in bf16 (671B parameters x 2 B), ~0.69 TB in FP8.
+    assert 1.33e12 <= memory.model_total_B["bf16"] <= 1.35e12
+    assert 0.68e12 <= memory.model_total_B["fp8"] <= 0.70e12
+    router_fp32_extra_B = 58 * (256 * 7168 + 256) * 2  # the router is float32, the rest 2 B per value
+    params = (memory.model_total_B["bf16"] - router_fp32_extra_B) / 2
+    assert 670e9 <= params <= 672e9  # DeepSeek-V3: 671B without its 14B multi-token-prediction module
+    assert memory.routed_total_B["bf16"] == 58 * 256 * 3 * 7168 * 2048 * 2
+    assert memory.fp8_scales_B == 58 * 256 * 3 * 16 * 56 * 4
+    assert [p.name for p in memory.parts] == [
+        "attention",
+        "dense FFN",
+        "shared experts",
+        "router",
+        "embeddings",
+        "lm head",
+        "norms",
+    ]
+    assert memory.other_B == pytest.approx(34.45e9, rel=1e-3)
+    assert any("multi-token-prediction" in item for item in memory.not_counted)
+    rows = {(r.expert_dtype, r.ep): r for r in memory.rows}
+    assert rows["bf16", 8].routed_B == 58 * 32 * 3 * 7168 * 2048 * 2  # 163.5 GB: with the rest, over 141
+    assert not rows["bf16", 8].fits and rows["bf16", 16].fits
+    assert rows["fp8", 8].fits and rows["fp8", 8].total_B == pytest.approx(116.2e9, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "preset, published_params",
+    [("deepseek-v2-lite", 15.7e9), ("deepseek-v2", 236e9), ("deepseek-v3", 671e9), ("qwen3-30b-a3b", 30.5e9)],
+)
+def test_preset_shapes_give_the_published_parameter_counts(preset, published_params):
+    memory = planner.weight_memory(PRESETS[preset], [1], planner.PRESET_SHAPES[preset])
+    router = next(p for p in memory.parts if p.name == "router")
+    params = (memory.model_total_B["bf16"] - router.bytes_B / 2) / 2
+    assert params == pytest.approx(published_params, rel=0.005)
+
+
+def test_weight_memory_names_what_it_cannot_count(tmp_path):
+    moe_only = dict(V3_CONFIG_JSON)
+    for key in ("num_attention_heads", "kv_lora_rank", "intermediate_size", "vocab_size"):
+        del moe_only[key]
+    (tmp_path / "config.json").write_text(json.dumps(moe_only))
+    shapes = planner.load_shapes(str(tmp_path))
+    assert shapes is not None and shapes.attention is None and shapes.vocab_size is None
+    inp = planner.PlanInputs(model=planner.load_model(str(tmp_path)), shapes=shapes)
+    memory = planner.make_plan(inp).weight_memory
+    assert [p.name for p in memory.parts] == ["shared experts", "router", "norms"]
+    missing = " | ".join(memory.not_counted)
+    for part in ("attention of 61 layers", "FFN of the first 3 dense layer(s)", "embeddings and lm head"):
+        assert part in missing
+    assert "KV cache" in missing and "multi-token-prediction" in missing
+    # A changed preset is not given the preset's shapes: it says so instead.
+    changed = planner.make_plan(planner.PlanInputs(model=PRESETS["deepseek-v3"].replace(num_hidden_layers=30)))
+    assert changed.weight_memory.shapes_source.startswith("none")
+    assert any(item.startswith("attention of 30 layers") for item in changed.weight_memory.not_counted)
+
+
+def test_hf_config_shapes_match_the_presets(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(V3_CONFIG_JSON))
+    shapes = planner.load_shapes(str(tmp_path))
+    assert shapes == dataclasses.replace(planner.PRESET_SHAPES["deepseek-v3"], source=str(tmp_path / "config.json"))
+    qwen = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    }
+    assert planner.shapes_from_hf(qwen, "qwen") == dataclasses.replace(
+        planner.PRESET_SHAPES["qwen3-30b-a3b"], source="qwen"
+    )
+    lite = {k: v for k, v in V3_CONFIG_JSON.items() if k != "num_nextn_predict_layers"}
+    lite.update(hidden_size=2048, num_attention_heads=16, q_lora_rank=None, intermediate_size=10944, vocab_size=102400)
+    assert planner.shapes_from_hf(lite, "lite") == dataclasses.replace(
+        planner.PRESET_SHAPES["deepseek-v2-lite"], source="lite"
+    )
+
+
+def test_fp8_weight_block_is_the_fp8_modules():
+    from moe_sbo.fp8 import FP8_BLOCK
+
+    assert planner.FP8_WEIGHT_BLOCK == FP8_BLOCK
+
+
+@settings(max_examples=40, deadline=None)
+@given(moe_configs())
+def test_weight_memory_per_gpu_sums_to_the_model(drawn):
+    cfg, ep = drawn
+    memory = planner.weight_memory(cfg, [ep])
+    for row in memory.rows:
+        assert row.routed_B * ep == memory.routed_total_B[row.expert_dtype]
+    # fp8 is half of bf16 plus scales: at most one fp32 scale per value-block, at least one per matrix.
+    half_B = memory.routed_total_B["bf16"] // 2
+    assert memory.routed_total_B["fp8"] == half_B + memory.fp8_scales_B
+    assert memory.fp8_scales_B >= 3 * 4 * cfg.num_experts * cfg.num_moe_layers
 
 
 # ------------------------------------------------------------------------------------------- calibrate
@@ -374,6 +567,27 @@ def test_cli_default_reproduces_the_seed_and_writes_json_and_png(tmp_path, capsy
     assert doc["inputs"]["batch"] == 256 and doc["inputs"]["model"] == "deepseek-v3"
     assert doc["bytes_per_a2a"]["seed_exact"] == 1_835_008
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The weight-memory table, the model totals, and what it leaves out.
+    for text in ("Weight memory per GPU, deepseek-v3", "= 1.34 TB", "= 0.69 TB", "not counted:", "attention 22.8 GB"):
+        assert text in out
+    memory = doc["weight_memory"]
+    assert [(r["expert_dtype"], r["ep"]) for r in memory["rows"]] == [
+        (d, ep) for d in ("bf16", "fp8") for ep in (8, 16)
+    ]
+    assert memory["shapes"]["vocab_size"] == 129280 and doc["inputs"]["memory_ep_sizes"] == [8, 16]
+
+
+def test_cli_memory_ep_option(capsys):
+    assert plan_main(["--model", "qwen3-30b-a3b", "--memory-ep", "4", "32"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("Weight memory per GPU, qwen3-30b-a3b") :]
+    rows = [line.split() for line in table.splitlines() if line.startswith(("bf16 ", "fp8 "))]
+    assert [(r[0], r[3] if r[0] == "fp8" else r[1]) for r in rows] == [  # "fp8 + scales EP ..."
+        ("bf16", "4"),
+        ("bf16", "32"),
+        ("fp8", "4"),
+        ("fp8", "32"),
+    ]
 
 
 def test_cli_other_model_with_calibration(tmp_path, capsys):

@@ -5,8 +5,12 @@ layer per dispatcher and runs its own random tokens through them. The parent pro
 ``transformers``' own MoE block for the model (``hf.reference_moe_block``) on the whole layer, read
 from the same files, and runs the same tokens through it. Tolerance, relative L2 error
 ‖y − ref‖ / ‖ref‖ per rank: 1e-5 with ``--dtype float32`` (only summation order differs),
-2e-2 with ``--dtype bfloat16`` (activations and weights rounded; the reference stays float32).
-Exit code 0 only if every dispatcher on every rank is within it.
+2e-2 with ``--dtype bfloat16`` (activations and weights rounded; the reference stays float32),
+6e-2 with ``--expert-dtype fp8`` (whatever ``--dtype``). FP8 experts hold e4m3 weights with 128x128
+block scales (as stored, or quantised on load); the reference runs on those weights dequantised, so
+what differs is the experts' two activation quantisations (e4m3, one scale per token and 128 values,
+~2.6% RMS each): about 4% on the routed output. Exit code 0 only if every dispatcher on every rank
+is within it.
 
 The hard part is failing early: config.json, the layer index, the EP size and every tensor name,
 shape and FP8 scale of the layer (from the safetensors headers, no data) are checked in the parent
@@ -17,6 +21,7 @@ The reference holds the whole layer in float32 in the parent (DeepSeek-V3: about
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 
@@ -25,32 +30,46 @@ import torch.distributed as dist
 from rich.markup import escape
 
 from ..dispatch import DISPATCHERS
+from ..fp8 import dequantize_fp8_blocks
 from ..hf.checkpoint import Checkpoint, LayerLoader
 from ..layer import MoELayer
 from ..measure.results import result_meta
 from ..runtime import LocalRanks, resolve_device
+from ..weights import MoEWeights
 from .options import (
     RANKS_HELP,
     HelpFormatter,
+    add_expert_dtype_arg,
     compact,
     in_ranks,
     make_console,
     make_table,
     print_notes,
+    resolve_expert_dtype,
     resolve_ranks,
     sci,
 )
 
 # Relative L2 error allowed against transformers' float32 module, per --dtype.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+# With --expert-dtype fp8, whatever --dtype: the reference has the same (dequantised) weights, but
+# each of the expert MLP's two activation quantisations (e4m3, one scale per token and 128 values)
+# rounds by ~2.6% RMS, so the routed output differs by ~4%; 6e-2 leaves room for bf16 on top.
+FP8_TOLERANCE = 6e-2
+FP8_NOTE = (
+    "fp8 experts: the reference runs on the dequantised e4m3 weights; the experts' two e4m3 activation "
+    "quantisations (~2.6% RMS each) leave ~4% relative error"
+)
 
 DESCRIPTION = """\
 Load one MoE layer of a Hugging Face checkpoint (config.json + safetensors), each rank reading only
 its own experts, run every dispatcher on it, and compare each rank's output with transformers' own
 MoE block for the model (built in this process on the whole layer, in float32). Tolerance, relative
-L2 error per rank: 1e-5 with --dtype float32, 2e-2 with bfloat16. Exit code 0 only if every
-dispatcher on every rank is within it. The checkpoint is checked (config.json, layer, every tensor
-name, shape and FP8 scale) before any rank starts."""
+L2 error per rank: 1e-5 with --dtype float32, 2e-2 with bfloat16, 6e-2 with --expert-dtype fp8
+(e4m3 expert weights with 128x128 block scales; the reference runs on those weights dequantised, and
+the experts' two e4m3 activation quantisations, ~2.6% RMS each, leave ~4%). Exit code 0 only if
+every dispatcher on every rank is within it. The checkpoint is checked (config.json, layer, every
+tensor name, shape and FP8 scale) before any rank starts."""
 
 
 def add_check_parser(subparsers) -> argparse.ArgumentParser:
@@ -84,6 +103,7 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
         choices=sorted(TOLERANCE),
         help="our layer's dtype; the transformers reference runs in float32",
     )
+    add_expert_dtype_arg(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
     parser.set_defaults(func=run_check)
@@ -123,19 +143,27 @@ def run_check(args: argparse.Namespace) -> int:
     layer = checkpoint.validate_layer(args.layer)  # the index, then every name, shape, FP8 scale (headers only)
     cfg = checkpoint.moe_config
     cfg.experts_per_rank(ranks)  # raises before any rank starts if they do not divide
+    expert_dtype = resolve_expert_dtype(args.expert_dtype, cfg)  # sizes checked before any rank starts
     dtype = getattr(torch, args.dtype)
     inputs = check_inputs(args.seed, ranks, args.tokens, cfg.hidden_size, dtype)
+    tolerance = check_tolerance(args.dtype, expert_dtype)
 
     console = make_console()
     console.print(
         f"[bold]moe-sbo check[/]: {escape(str(checkpoint.path))} ({checkpoint.model_type}), layer {layer}",
         soft_wrap=True,  # the path is printed whole
     )
-    console.print(f"  {cfg.num_experts} experts on {ranks} {device} ranks, {args.tokens} tokens/rank, {args.dtype}")
+    experts = "fp8 (e4m3, 128x128 block scales)" if expert_dtype else args.dtype
+    console.print(
+        f"  {cfg.num_experts} experts on {ranks} {device} ranks, {args.tokens} tokens/rank, {args.dtype}, "
+        f"routed experts {experts}"
+    )
     with LocalRanks(ranks, device=device) as workers:
-        per_rank = workers.run(in_ranks(check_rank), str(checkpoint.path), layer, names, inputs, args.dtype)
-    references = reference_outputs(checkpoint, layer, inputs)
-    rows = compare(per_rank, references, names, TOLERANCE[args.dtype], args.tokens)
+        per_rank = workers.run(
+            in_ranks(check_rank), str(checkpoint.path), layer, names, inputs, args.dtype, expert_dtype=expert_dtype
+        )
+    references = reference_outputs(checkpoint, layer, inputs, fp8_experts=expert_dtype == "fp8")
+    rows = compare(per_rank, references, names, tolerance, args.tokens)
 
     for rank, result in enumerate(per_rank):
         for read in result["reads"]:
@@ -144,20 +172,31 @@ def run_check(args: argparse.Namespace) -> int:
                 f"{read['tensors']} tensors, {read['bytes_read']:,} B from {len(read['files'])} "
                 f"of {len(set(checkpoint.weight_map.values()))} files"
             )
-    tolerance = TOLERANCE[args.dtype]
     console.print(check_table(rows, tolerance))
     print_notes(
         console,
         f"ok: rel L2 error <= {tolerance:g} on every rank; read: most bytes a rank read; "
         "sent: mean bytes sent per rank",
+        FP8_NOTE if expert_dtype else None,
     )
     if args.json:
-        meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path), "layer": layer}
+        meta = {
+            **result_meta(device=device, world_size=ranks),
+            "checkpoint": str(checkpoint.path),
+            "layer": layer,
+            "expert_dtype": expert_dtype or args.dtype,
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         console.print(f"rows written to {args.json}", highlight=False, soft_wrap=True)  # paths unbroken
     console.print(verdict(rows, tolerance), highlight=False)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def check_tolerance(dtype_name: str, expert_dtype: str | None) -> float:
+    """The relative L2 error allowed against the reference: ``FP8_TOLERANCE`` for FP8 experts, else
+    ``TOLERANCE`` of ``--dtype``."""
+    return FP8_TOLERANCE if expert_dtype == "fp8" else TOLERANCE[dtype_name]
 
 
 def check_table(rows: list[dict], tolerance: float):
@@ -191,9 +230,11 @@ def check_rank(
     dispatchers: list[str],
     inputs: list[torch.Tensor],
     dtype_name: str,
+    expert_dtype: str | None = None,
 ) -> dict:
     """One rank's share (called on every rank by ``LocalRanks.run``): read this rank's experts, build
-    one layer per dispatcher, run this rank's tokens through each.
+    one layer per dispatcher (routed experts in ``expert_dtype``, as ``MoELayer`` takes it), run this
+    rank's tokens through each.
 
     Returns ``{"outputs": {dispatcher: y [T, H] float32 CPU}, "traffic": {dispatcher: (sent, recv)},
     "bytes_read": {dispatcher: int}, "reads": [ReadReport.as_dict()]}``. Every read happens before
@@ -201,8 +242,10 @@ def check_rank(
     """
     load = LayerLoader(Checkpoint(path), layer_index)
     dtype = getattr(torch, dtype_name)
+    cfg = load.checkpoint.moe_config
     layers = [
-        load(MoELayer(load.checkpoint.moe_config, dispatcher=name, dtype=dtype, device=device)) for name in dispatchers
+        load(MoELayer(cfg, dispatcher=name, dtype=dtype, device=device, expert_dtype=expert_dtype))
+        for name in dispatchers
     ]
     rank = dist.get_rank() if dist.is_initialized() else 0
     x_TH = inputs[rank].to(device)
@@ -221,13 +264,35 @@ def check_rank(
 
 
 @torch.no_grad()
-def reference_outputs(checkpoint: Checkpoint, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``transformers``' block for the model, every expert of ``layer`` in float32, on each rank's tokens."""
+def reference_outputs(
+    checkpoint: Checkpoint, layer: int, inputs: list[torch.Tensor], fp8_experts: bool = False
+) -> list[torch.Tensor]:
+    """``transformers``' block for the model, every expert of ``layer`` in float32, on each rank's tokens.
+
+    ``fp8_experts``: the routed experts are read as FP8 layers hold them (e4m3, 128x128 block scales:
+    as stored, or quantised) and dequantised, so the reference has exactly the weights our layers
+    compute with, and the comparison measures the FP8 experts' activation rounding alone.
+    """
     from ..hf.reference import reference_moe_block
 
-    weights, _ = checkpoint.read_moe_weights(layer, dtype=torch.float32)
-    block = reference_moe_block(checkpoint.hf_config, weights)
+    weights, _ = checkpoint.read_moe_weights(layer, dtype=torch.float32, fp8_experts=fp8_experts)
+    block = reference_moe_block(checkpoint.hf_config, dequantized_experts(weights) if fp8_experts else weights)
     return [block(x_TH.float()[None])[0] for x_TH in inputs]
+
+
+def dequantized_experts(weights: MoEWeights) -> MoEWeights:
+    """``weights`` with its FP8 routed experts dequantised to float32, one expert at a time (so the
+    block scales are expanded for one matrix, never for all experts at once)."""
+    scales = {"gate_up_proj_E2IH": weights.gate_up_proj_scale_inv, "down_proj_EHI": weights.down_proj_scale_inv}
+    dense = {}
+    for name, scale_inv in scales.items():
+        if scale_inv is None:
+            raise ValueError(f"{name} must come with its block scales to be dequantised, got none")
+        fp8_weight = getattr(weights, name)
+        dense[name] = torch.empty(fp8_weight.shape, dtype=torch.float32)
+        for expert in range(fp8_weight.shape[0]):
+            dense[name][expert] = dequantize_fp8_blocks(fp8_weight[expert], scale_inv[expert])
+    return dataclasses.replace(weights, **dense, gate_up_proj_scale_inv=None, down_proj_scale_inv=None)
 
 
 def compare(

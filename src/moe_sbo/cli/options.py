@@ -21,7 +21,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..config import PRESETS
+from ..config import PRESETS, MoEConfig
+from ..fp8 import FP8_BLOCK
 from ..runtime import resolve_device
 
 # ---- help ----------------------------------------------------------------------------------------
@@ -182,6 +183,37 @@ def resolve_ranks(ranks: int | None, device: str) -> int:
             "use fewer ranks, or --device cpu"
         )
     return ranks
+
+
+EXPERT_DTYPES = ("bf16", "fp8")  # --expert-dtype choices; bf16 is the layer's own dtype (expert_dtype=None)
+
+
+def add_expert_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """``--expert-dtype``: the routed experts' weight format, as ``MoELayer(expert_dtype=...)`` takes it."""
+    p.add_argument(
+        "--expert-dtype",
+        default=None,
+        choices=EXPERT_DTYPES,
+        help="routed experts' weights: fp8 = float8 e4m3 with one scale per 128x128 block (DeepSeek-V3's "
+        "format; hidden and moe intermediate sizes must be multiples of 128); bf16 (the default) = in "
+        "--dtype, like every other weight",
+    )
+
+
+def resolve_expert_dtype(choice: str | None, cfg: MoEConfig) -> str | None:
+    """``--expert-dtype`` as ``MoELayer``'s ``expert_dtype`` (None: the layer's dtype), checked against
+    ``cfg`` here: the layer would raise the same error on every rank, after they started."""
+    if choice != "fp8":
+        return None
+    sizes = {"hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size}
+    bad = {name: size for name, size in sizes.items() if size % FP8_BLOCK}
+    if bad:
+        raise ValueError(
+            f"--expert-dtype fp8 needs hidden_size and moe_intermediate_size that are multiples of {FP8_BLOCK} "
+            f"(one weight scale per {FP8_BLOCK}x{FP8_BLOCK} block), got {bad} for model {cfg.name}; "
+            "leave out --expert-dtype (experts in --dtype) for this model"
+        )
+    return "fp8"
 
 
 def add_rank_args(p: argparse.ArgumentParser, preset: str = "tiny") -> None:

@@ -2,7 +2,8 @@
 
 With no arguments it reproduces the seed's DeepSeek-V3 decode example line by line (figure, formula,
 seed value, exact value, agreement), then shows what the byte model adds: real row sizes, fan-out,
-transfer times on the chosen hardware, a verdict per overlap mode, and allgather vs alltoall per EP.
+transfer times on the chosen hardware, a verdict per overlap mode, and allgather vs alltoall per EP;
+last, the weight memory per GPU at the ``--memory-ep`` sizes, routed experts in bf16 and in fp8.
 
 The hard part is keeping user mistakes out of tracebacks: every bad input becomes a ``ValueError``
 in ``planner`` ("<name> must <rule>, got <value>; <fix>"); ``run_plan`` prints it and returns 2.
@@ -27,7 +28,7 @@ DESCRIPTION = """\
 The communication-budget planner: bytes per token, per all-to-all and per decode step, the per-GPU
 bandwidth a time-per-output-token target needs, and which overlap (single- or two-batch) fits. With
 no options it reproduces the seed's DeepSeek-V3 decode example line by line, then shows what the
-byte model adds. Needs no GPU."""
+byte model adds, and the weights each GPU holds at a few EP sizes. Needs no GPU."""
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -83,6 +84,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         choices=planner.FANOUT_MODELS,
         help="destination ranks per token: exact uniform model, router Monte-Carlo, or worst case",
     )
+    parser.add_argument(
+        "--memory-ep",
+        type=int,
+        nargs="+",
+        metavar="EP",
+        help=(
+            "EP sizes of the weight-memory table, routed experts / EP and the rest replicated (default: "
+            f"{' '.join(map(str, planner.DEFAULT_MEMORY_EP))}, those that divide the experts, else --ep)"
+        ),
+    )
     parser.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: batch vs a2a time and bandwidth")
     parser.add_argument(
@@ -107,6 +118,8 @@ def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
         micro_batches=args.micro_batches,
         weight_dtype=args.weight_dtype,
         fanout_model=args.fanout,
+        memory_ep=None if args.memory_ep is None else tuple(args.memory_ep),
+        shapes=planner.load_shapes(args.model),
     )
 
 
@@ -246,12 +259,59 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
             f"{r.alltoall_us:.0f}",
         )
     console.print(schemes)
+    print_weight_memory(console, plan.weight_memory)
     for note in plan.notes:
         console.print(f"note: {note}")
     if calibration is not None:
         console.print(
             f"calibrated: {calibration.GBps:.1f} GB/s, latency {calibration.latency_us:.1f} us ({calibration.method})"
         )
+
+
+def print_weight_memory(console, memory: planner.WeightMemory) -> None:
+    """The weight-memory table, the model's totals, and what is counted and what is not."""
+    gpu_GB = memory.gpu_memory_B / 1e9
+    table = make_table(
+        f"Weight memory per GPU, {memory.model}: routed experts / EP + other, replicated",
+        [
+            ("routed experts", "left"),
+            ("EP", "right"),
+            ("experts/GPU", "right"),
+            ("routed GB", "right"),
+            ("other GB", "right"),
+            ("total GB", "right"),
+            (f"fits one H200 ({gpu_GB:g} GB)", "left"),
+        ],
+    )
+    table.caption = "GB = 1e9 B; other = the parts listed below, whole on every GPU"
+    for row in memory.rows:
+        left_GB = row.left_B / 1e9
+        table.add_row(
+            row.expert_dtype + (" + scales" if row.expert_dtype == "fp8" else ""),
+            str(row.ep),
+            str(row.experts_per_gpu),
+            f"{row.routed_B / 1e9:.4g}",
+            f"{row.other_B / 1e9:.4g}",
+            f"{row.total_B / 1e9:.4g}",
+            f"yes, {left_GB:.4g} GB left" if row.fits else f"no, {-left_GB:.4g} GB over",
+        )
+    console.print(table)
+    totals = memory.model_total_B
+    console.print(
+        f"model total, {memory.num_layers} layers ({memory.moe_layers} MoE x {memory.num_experts} routed experts):\n"
+        f"  bf16 experts {totals['bf16'] / 1e9:9,.1f} GB = {totals['bf16'] / 1e12:.2f} TB\n"
+        f"  fp8 experts  {totals['fp8'] / 1e9:9,.1f} GB = {totals['fp8'] / 1e12:.2f} TB "
+        f"({memory.fp8_scales_B / 1e9:.3g} GB of it block scales)",
+        markup=False,
+    )
+    console.print(f"other, per GPU = whole model (shapes: {memory.shapes_source}):", markup=False)
+    for part in memory.parts:
+        console.print(f"  {part.name} {part.bytes_B / 1e9:.3g} GB: {part.how}", markup=False)
+    console.print("not counted:", markup=False)
+    for item in memory.not_counted:
+        console.print(f"  {item}", markup=False)
+    for note in memory.notes:
+        console.print(f"note: {note}", markup=False)
 
 
 # --------------------------------------------------------------------------------------------------

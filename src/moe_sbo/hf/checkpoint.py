@@ -16,7 +16,9 @@ DeepSeek-V2/V3/R1, Kimi-K2 and Qwen3-MoE files and ``transformers`` 5's ``save_p
 or, in place of the per-expert tensors, stacked ones as ``transformers`` 5 holds them in memory:
 ``P experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``P experts.down_proj`` [E, H, I].
 Any of these weights may be stored as float8 e4m3 beside a float32 ``{name}_scale_inv`` holding one
-scale per 128x128 block (DeepSeek-V3/R1's published format); they are dequantised on load.
+scale per 128x128 block (DeepSeek-V3/R1's published format); they are dequantised on load, unless
+the routed experts are read for FP8 experts (``fp8_experts=True``): those then keep their stored
+bytes and scales (dense-stored ones are quantised, one tensor read at a time).
 
 The hard part is reading little: a rank opens only the files holding its own experts (and the router
 and shared experts every rank needs) and reads from them only its tensors, or its rows of a stacked
@@ -37,16 +39,16 @@ from pathlib import Path
 import torch
 
 from ..config import MoEConfig
-from ..fp8 import dequantize_fp8_blocks
+from ..fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
 from ..layer import MoELayer
 from ..weights import MoEWeights
 from .config import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-FP8_DTYPE = "F8_E4M3"
+STORED_FP8 = "F8_E4M3"  # safetensors' name of float8 e4m3
 # safetensors dtype names of the float formats a weight may be stored in, and their sizes.
-STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, FP8_DTYPE: 1}
+STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, STORED_FP8: 1}
 DEFAULT_FP8_BLOCK = (128, 128)
 
 
@@ -139,7 +141,12 @@ class Checkpoint:
 
     @torch.no_grad()
     def read_moe_weights(
-        self, layer: int, expert_ids: range | None = None, dtype: torch.dtype | None = None
+        self,
+        layer: int,
+        expert_ids: range | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        fp8_experts: bool = False,
     ) -> tuple[MoEWeights, ReadReport]:
         """The weights of MoE layer ``layer``: router, shared experts, and routed experts ``expert_ids``.
 
@@ -147,11 +154,21 @@ class Checkpoint:
         per id, ``[L, 2I, H]`` and ``[L, H, I]``, as ``MoELayer.load_weights(expert_ids=...)`` takes them.
         ``dtype``: of the expert and shared weights (default: as stored, FP8 dequantised to bfloat16).
         The router weight and bias come back in float32, the precision routing is computed in.
+
+        ``fp8_experts``: the two routed-expert tensors come back as float8 e4m3 with one float32 scale
+        per 128x128 block in ``gate_up_proj_scale_inv`` [L, 2I/128, H/128] and ``down_proj_scale_inv``
+        [L, H/128, I/128], as ``MoELayer(expert_dtype="fp8")`` holds them (``dtype`` then applies to
+        the shared experts only). FP8-stored weights with 128x128 blocks are copied as stored, byte
+        for byte, never widened; other block sizes are dequantised and requantised at 128, and dense
+        weights quantised, one tensor read at a time. H and I must be multiples of 128.
+
         Only files holding the requested tensors are opened (``ReadReport``); bad names, shapes or
         missing FP8 scales raise ``ValueError`` naming the file and tensor, before any data is read.
         """
         layer = self.resolve_layer(layer)
         num_experts = self.moe_config.num_experts
+        if fp8_experts:
+            self._check_fp8_sizes()
         expert_ids = range(num_experts) if expert_ids is None else expert_ids
         if (
             not isinstance(expert_ids, range)
@@ -161,8 +178,23 @@ class Checkpoint:
             raise ValueError(f"expert_ids must be a contiguous range inside [0, {num_experts}), got {expert_ids!r}")
         pieces = self._pieces(layer, expert_ids)
         tensors: dict[str, torch.Tensor] = {}
-        files, names, nbytes = self._read(pieces, _Assembler(self.moe_config, len(expert_ids), dtype, tensors))
+        sink = _Assembler(self.moe_config, len(expert_ids), dtype, tensors, self.fp8_block, fp8_experts)
+        files, names, nbytes = self._read(pieces, sink)
         return _weights(tensors), ReadReport(layer, expert_ids, files, names, nbytes)
+
+    def _check_fp8_sizes(self) -> None:
+        """``ValueError`` unless the routed experts tile into whole 128x128 blocks: gate and up rows are
+        stacked into one tensor, so their scales are too, and a partial block of gate rows has no
+        row of its own in the stacked scales."""
+        cfg = self.moe_config
+        sizes = {"hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size}
+        bad = {name: size for name, size in sizes.items() if size % FP8_BLOCK}
+        if bad:
+            raise ValueError(
+                f"{self.path / 'config.json'}: FP8 experts need hidden_size and moe_intermediate_size that are "
+                f"multiples of {FP8_BLOCK} (one scale per {FP8_BLOCK}x{FP8_BLOCK} block), got {bad}; read this "
+                "model with fp8_experts=False (dense experts)"
+            )
 
     # ---- the plan: which tensors, where ---------------------------------------------------------
 
@@ -230,21 +262,20 @@ class Checkpoint:
             plan = []  # (piece, stored dtype, scale piece and its stored dtype, or None)
             for p in pieces:
                 stored = check(p)
-                scale = self._scale_piece(p) if stored == FP8_DTYPE else None
+                scale = self._scale_piece(p) if stored == STORED_FP8 else None
                 plan.append((p, stored, (scale, check(scale)) if scale is not None else None))
             if sink is None:
                 return tuple(opened), (), 0
             names, nbytes = [], 0
             for p, stored, scaled in plan:
-                tensor = _load(opened[p.file][0], p)
+                tensor, scale_inv = _load(opened[p.file][0], p), None
                 nbytes += tensor.numel() * STORED_BYTES[stored]
                 if scaled is not None:
                     scale, scale_stored = scaled
                     scale_inv = _load(opened[scale.file][0], scale)
                     nbytes += scale_inv.numel() * STORED_BYTES[scale_stored]
-                    tensor = dequantize_fp8_blocks(tensor, scale_inv, self.fp8_block)
                     names.append(scale.name)
-                sink.put(p, tensor, fp8=scaled is not None)
+                sink.put(p, tensor, scale_inv)
                 names.append(p.name)
             return tuple(opened), tuple(names), nbytes
 
@@ -326,9 +357,23 @@ def _load(f, p: _Piece) -> torch.Tensor:
 
 
 class _Assembler:
-    """Collects read tensors into the ``MoEWeights`` parts, allocating each part on first use."""
+    """Collects read tensors into the ``MoEWeights`` parts, allocating each part on first use.
 
-    def __init__(self, cfg: MoEConfig, num_local: int, dtype: torch.dtype | None, out: dict[str, torch.Tensor]):
+    ``fp8_experts``: the routed-expert parts ``gate_up`` and ``down`` are e4m3 with their 128x128
+    block scales in ``gate_up_scale`` and ``down_scale``; every other part is dense.
+    """
+
+    ROUTED = ("gate_up", "down")
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        num_local: int,
+        dtype: torch.dtype | None,
+        out: dict[str, torch.Tensor],
+        stored_block: tuple[int, int] = DEFAULT_FP8_BLOCK,
+        fp8_experts: bool = False,
+    ):
         h, i, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
         self.shapes = {
             "router": (cfg.num_experts, h),
@@ -338,16 +383,59 @@ class _Assembler:
             "shared_gate_up": (2 * s, h),
             "shared_down": (h, s),
         }
+        if fp8_experts:
+            for name in self.ROUTED:
+                *rows, out_features, in_features = self.shapes[name]
+                self.shapes[name + "_scale"] = (*rows, -(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
         self.dtype, self.out = dtype, out
+        self.stored_block, self.fp8_experts = stored_block, fp8_experts
 
-    def put(self, p: _Piece, tensor: torch.Tensor, fp8: bool) -> None:
-        if p.target not in self.out:
-            if p.target in ("router", "bias"):
-                dtype = torch.float32
+    def put(self, p: _Piece, tensor: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
+        """Place ``tensor`` (read as stored; ``scale_inv``: its block scales when stored as FP8)."""
+        if self.fp8_experts and p.target in self.ROUTED:
+            self._put_fp8(p, tensor, scale_inv)
+            return
+        if scale_inv is not None:
+            tensor = dequantize_fp8_blocks(tensor, scale_inv, self.stored_block)
+        if p.target in ("router", "bias"):
+            dtype = torch.float32
+        else:
+            dtype = self.dtype or (torch.bfloat16 if scale_inv is not None else tensor.dtype)
+        self._part(p.target, dtype)[p.index].copy_(tensor)
+
+    def _put_fp8(self, p: _Piece, tensor: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
+        """A routed-expert piece into the e4m3 part and its scales: one matrix at a time, so a stacked
+        tensor's rows are converted one expert at a time (a float32 copy of one matrix at most)."""
+        weight, scales = self._part(p.target, FP8_DTYPE), self._part(p.target + "_scale", torch.float32)
+        if tensor.dim() == 3:  # rows of a stacked [L, O, U] tensor, one expert each
+            matrices = [
+                ((*p.index, row), tensor[row], None if scale_inv is None else scale_inv[row])
+                for row in range(tensor.shape[0])
+            ]
+        else:  # one expert's [O, U] (all of down, or the gate or up rows of gate_up)
+            matrices = [(p.index, tensor, scale_inv)]
+        for index, matrix, matrix_scale in matrices:
+            if matrix_scale is not None and self.stored_block == (FP8_BLOCK, FP8_BLOCK):
+                q, q_scale = matrix, matrix_scale  # as stored: the bytes are copied, never widened
             else:
-                dtype = self.dtype or (torch.bfloat16 if fp8 else tensor.dtype)
-            self.out[p.target] = torch.empty(self.shapes[p.target], dtype=dtype)
-        self.out[p.target][p.index].copy_(tensor)
+                if matrix_scale is not None:  # another block size: back to float32, one matrix
+                    matrix = dequantize_fp8_blocks(matrix, matrix_scale, self.stored_block)
+                q, q_scale = quantize_fp8_blocks(matrix)
+            weight[index].copy_(q)
+            scales[_block_index(index)].copy_(q_scale)
+
+    def _part(self, target: str, dtype: torch.dtype) -> torch.Tensor:
+        if target not in self.out:
+            self.out[target] = torch.empty(self.shapes[target], dtype=dtype)
+        return self.out[target]
+
+
+def _block_index(index: tuple) -> tuple:
+    """A value index into a routed-expert tensor as an index into its block scales: expert rows stay,
+    slices of output features (gate or up rows, whole blocks) are counted in 128-row blocks."""
+    return tuple(
+        slice(item.start // FP8_BLOCK, item.stop // FP8_BLOCK) if isinstance(item, slice) else item for item in index
+    )
 
 
 def _weights(parts: dict[str, torch.Tensor]) -> MoEWeights:
@@ -358,31 +446,42 @@ def _weights(parts: dict[str, torch.Tensor]) -> MoEWeights:
         down_proj_EHI=parts["down"],
         shared_gate_up_proj_2JH=parts.get("shared_gate_up"),
         shared_down_proj_HJ=parts.get("shared_down"),
+        gate_up_proj_scale_inv=parts.get("gate_up_scale"),
+        down_proj_scale_inv=parts.get("down_scale"),
     )
 
 
 class LayerLoader:
     """Gives ``MoELayer``s the weights of one MoE layer of a checkpoint, each reading only its own
-    experts (``layer.local_expert_ids``); layers with the same experts and dtype share one read.
+    experts (``layer.local_expert_ids``); layers with the same experts, dtype and expert format
+    share one read.
 
     ``loader(layer)`` loads and returns ``layer``; ``loader.reports`` lists every read made.
-    Experts are read in the layer's dtype (FP8 dequantised in float32, then cast once).
+    Experts are read in the layer's dtype (FP8 dequantised in float32, then cast once); a layer
+    with FP8 experts (``expert_dtype="fp8"``) gets its routed experts in e4m3 with their block
+    scales, as stored (``read_moe_weights(fp8_experts=True)``), and its shared experts in its dtype.
     """
 
     def __init__(self, checkpoint: Checkpoint, layer_index: int):
         self.checkpoint, self.layer_index = checkpoint, layer_index
-        self._reads: dict[tuple[range, torch.dtype], tuple[MoEWeights, ReadReport]] = {}
+        self._reads: dict[tuple[range, torch.dtype, bool], tuple[MoEWeights, ReadReport]] = {}
 
     def __call__(self, layer: MoELayer) -> MoELayer:
-        experts, key = layer.local_expert_ids, (layer.local_expert_ids, layer.dtype)
+        experts, key = layer.local_expert_ids, self._key(layer)
         if key not in self._reads:
-            self._reads[key] = self.checkpoint.read_moe_weights(self.layer_index, experts, dtype=layer.dtype)
+            self._reads[key] = self.checkpoint.read_moe_weights(
+                self.layer_index, experts, dtype=layer.dtype, fp8_experts=layer.experts.fp8
+            )
         layer.load_weights(self._reads[key][0], expert_ids=experts)
         return layer
 
     def report(self, layer: MoELayer) -> ReadReport:
         """The read that gave ``layer`` its weights."""
-        return self._reads[(layer.local_expert_ids, layer.dtype)][1]
+        return self._reads[self._key(layer)][1]
+
+    @staticmethod
+    def _key(layer: MoELayer) -> tuple[range, torch.dtype, bool]:
+        return layer.local_expert_ids, layer.dtype, layer.experts.fp8
 
     @property
     def reports(self) -> list[ReadReport]:

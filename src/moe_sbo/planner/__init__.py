@@ -3,9 +3,11 @@
 It starts from the seed's back-of-envelope decode analysis for DeepSeek-V3 and keeps two things side by
 side: the seed's own figures, evaluated exactly in its convention (``seed``), and what a DeepEP-style
 all-to-all really moves per GPU (``bytes``). ``inputs`` holds the units, hardware table and
-``PlanInputs``; ``links`` the bandwidths a plan predicts with (datasheet or ``calibrate``d);
-``verdicts`` the overlap verdicts (none, SBO, TBO), the allgather/alltoall comparison and the ``Plan``.
-Each module imports only those listed before it: inputs, seed, links, bytes, verdicts.
+``PlanInputs`` (with the whole-model ``ModelShapes``); ``links`` the bandwidths a plan predicts with
+(datasheet or ``calibrate``d); ``memory`` the weight memory per GPU at given EP sizes, routed experts
+in bf16 and fp8; ``verdicts`` the overlap verdicts (none, SBO, TBO), the allgather/alltoall comparison
+and the ``Plan``. Each module imports only those listed before it: inputs, seed, links, bytes, memory,
+verdicts.
 Units: ``_B`` bytes, ``_us`` microseconds, ``_GBps`` 1e9 bytes/s.
 """
 
@@ -29,18 +31,39 @@ from .bytes import (
 )
 from .inputs import (
     B_PER_US_PER_GBPS,
+    DEFAULT_MEMORY_EP,
     ELEMENT_B,
     FANOUT_MODELS,
     HARDWARE,
+    PRESET_SHAPES,
     SEED_INPUTS,
     SHARED_EXPERT_EFFICIENCY,
+    GQAShapes,
     Hardware,
+    MLAShapes,
+    ModelShapes,
     PlanInputs,
     get_hardware,
     load_model,
+    load_shapes,
+    preset_shapes,
+    read_hf_config,
+    shapes_from_hf,
     validate_inputs,
 )
 from .links import Calibration, Link, calibrate, datasheet_link, transfer_time_us
+from .memory import (
+    EXPERT_DTYPES,
+    FP8_WEIGHT_BLOCK,
+    H200_MEMORY_GB,
+    ROUTER_B,
+    WeightMemory,
+    WeightMemoryRow,
+    WeightPart,
+    expert_bytes,
+    expert_matrix_bytes,
+    weight_memory,
+)
 from .seed import SEED_GB_B, SEED_KB_B, SEED_MB_B, SEED_PRINTED, SeedFigure, round_sig, seed_figures
 from .verdicts import (
     OverlapVerdict,
@@ -60,15 +83,24 @@ from .verdicts import (
 __all__ = [
     # inputs
     "B_PER_US_PER_GBPS",
+    "DEFAULT_MEMORY_EP",
     "ELEMENT_B",
     "FANOUT_MODELS",
     "HARDWARE",
+    "PRESET_SHAPES",
     "SEED_INPUTS",
     "SHARED_EXPERT_EFFICIENCY",
+    "GQAShapes",
     "Hardware",
+    "MLAShapes",
+    "ModelShapes",
     "PlanInputs",
     "get_hardware",
     "load_model",
+    "load_shapes",
+    "preset_shapes",
+    "read_hf_config",
+    "shapes_from_hf",
     "validate_inputs",
     # seed
     "SEED_GB_B",
@@ -101,6 +133,17 @@ __all__ = [
     "node_sizes",
     "resolve_fanout",
     "simulate_fanout",
+    # memory
+    "EXPERT_DTYPES",
+    "FP8_WEIGHT_BLOCK",
+    "H200_MEMORY_GB",
+    "ROUTER_B",
+    "WeightMemory",
+    "WeightMemoryRow",
+    "WeightPart",
+    "expert_bytes",
+    "expert_matrix_bytes",
+    "weight_memory",
     # verdicts
     "OverlapVerdict",
     "Plan",

@@ -6,6 +6,11 @@ What is hard: one ``layers`` input, two conventions. The seed counts an all-to-a
 ``model_layers``); an explicit ``layers`` sets both. Every input no plan can use is refused as the
 ``PlanInputs`` is built, with "<name> must <rule>, got <value>; <fix>" (the line the CLI prints).
 
+The weight-memory line needs sizes ``MoEConfig`` does not carry (attention, the dense layers' FFN,
+vocabulary): ``ModelShapes``, copied from the published ``config.json`` for presets (``PRESET_SHAPES``)
+or read from the user's file (``shapes_from_hf``); a size neither gives is ``None``, and the line then
+says which part it leaves out.
+
 The hardware table mixes measured and datasheet figures (sources beside ``HARDWARE``) with *estimates*
 (``latency_us``, ``SHARED_EXPERT_EFFICIENCY``); ``links.calibrate`` replaces the link figures by a fit.
 
@@ -44,6 +49,9 @@ ELEMENT_B = {"fp8": 1, "bf16": 2}
 
 # How the byte model counts destination ranks per token (see ``bytes.resolve_fanout``).
 FANOUT_MODELS = ("uniform", "router", "max")
+
+# EP sizes the weight-memory line shows by default: one 8-GPU node, and two.
+DEFAULT_MEMORY_EP = (8, 16)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -156,12 +164,8 @@ def get_hardware(name: str) -> Hardware:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_model(spec: str) -> MoEConfig:
-    """A preset name (``deepseek-v3``...) or a path to a Hugging Face ``config.json`` (or its folder)."""
-    from ..hf.config import config_from_hf  # lazy: the HF interop imports torch, a preset does not need it
-
-    if spec in PRESETS:
-        return PRESETS[spec]
+def read_hf_config(spec: str) -> tuple[dict[str, Any], Path]:
+    """The parsed Hugging Face ``config.json`` that ``spec`` (the file or its folder) names, and its path."""
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
@@ -171,12 +175,174 @@ def load_model(spec: str) -> MoEConfig:
             f"use one of {sorted(PRESETS)} or an existing file"
         )
     try:
-        hf = json.loads(path.read_text())
+        return json.loads(path.read_text()), path
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"model config must be valid JSON, got a parse error in {str(path)!r} ({exc}); pass the model's config.json"
         ) from None
+
+
+def load_model(spec: str) -> MoEConfig:
+    """A preset name (``deepseek-v3``...) or a path to a Hugging Face ``config.json`` (or its folder)."""
+    from ..hf.config import config_from_hf  # lazy: the HF interop imports torch, a preset does not need it
+
+    if spec in PRESETS:
+        return PRESETS[spec]
+    hf, path = read_hf_config(spec)
     return config_from_hf(hf, name=hf.get("_name_or_path") or path.parent.name or path.stem)
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole-model shapes: what the weight-memory line needs beyond MoEConfig
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLAShapes:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), sizes named as in their ``config.json``.
+
+    ``q_lora_rank`` None: queries come from one ``q_proj`` [n (d_nope + d_rope), H] (DeepSeek-V2-Lite).
+    """
+
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def params(self, hidden_size: int) -> int:
+        """Weights of one layer's attention: projections and the two latent RMSNorms (no biases)."""
+        n, qk_head = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            queries = hidden_size * n * qk_head
+        else:  # q_a_proj, q_a_layernorm, q_b_proj
+            queries = hidden_size * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * qk_head
+        # kv_a_proj_with_mqa (latent + the shared rope key), kv_a_layernorm, kv_b_proj (keys' nope part, values)
+        keys_values = (
+            hidden_size * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank
+            + self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        )
+        return queries + keys_values + n * self.v_head_dim * hidden_size  # + o_proj
+
+    def describe(self) -> str:
+        return f"MLA {self.num_heads} heads, q_lora_rank {self.q_lora_rank}, kv_lora_rank {self.kv_lora_rank}"
+
+
+@dataclass(frozen=True)
+class GQAShapes:
+    """Grouped-query attention (Qwen3-MoE): q, k, v, o projections without biases; ``qk_norm``: an
+    RMSNorm of ``head_dim`` on queries and one on keys, as Qwen3 has."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool
+
+    def params(self, hidden_size: int) -> int:
+        projections = 2 * hidden_size * self.head_dim * (self.num_heads + self.num_kv_heads)
+        return projections + (2 * self.head_dim if self.qk_norm else 0)
+
+    def describe(self) -> str:
+        return f"GQA {self.num_heads} heads / {self.num_kv_heads} kv heads x {self.head_dim}"
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The whole-model sizes ``MoEConfig`` does not carry; ``None`` where the source does not give one
+    (the weight-memory line then names that part as not counted).
+
+    ``dense_intermediate_size``: the FFN width of the ``first_k_dense_replace`` dense layers
+    (``intermediate_size`` in ``config.json``); ``mtp_layers``: multi-token-prediction modules
+    (``num_nextn_predict_layers``), which the checkpoint holds but plain decoding does not run;
+    ``hidden_size``: to check the shapes belong to the ``MoEConfig`` they are used with.
+    """
+
+    hidden_size: int
+    attention: MLAShapes | GQAShapes | None
+    dense_intermediate_size: int | None
+    vocab_size: int | None
+    tie_word_embeddings: bool
+    mtp_layers: int
+    source: str
+
+
+def _mla(num_heads: int, q_lora_rank: int | None) -> MLAShapes:
+    # Every published MLA model here has kv_lora_rank 512 and 128 + 64 query/key, 128 value head dims.
+    return MLAShapes(
+        num_heads, q_lora_rank, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+    )
+
+
+# Copied from the published config.json of each preset (the files named beside ``config.PRESETS``);
+# ``tiny`` is this project's own test shape, with no attention or vocabulary to copy.
+PRESET_SHAPES: dict[str, ModelShapes] = {
+    "deepseek-v2-lite": ModelShapes(
+        2048, _mla(16, None), 10944, 102400, False, 0, "deepseek-ai/DeepSeek-V2-Lite/config.json"
+    ),
+    "deepseek-v2": ModelShapes(5120, _mla(128, 1536), 12288, 102400, False, 0, "deepseek-ai/DeepSeek-V2/config.json"),
+    "deepseek-v3": ModelShapes(7168, _mla(128, 1536), 18432, 129280, False, 1, "deepseek-ai/DeepSeek-V3/config.json"),
+    "qwen3-30b-a3b": ModelShapes(
+        2048, GQAShapes(32, 4, 128, True), 6144, 151936, False, 0, "Qwen/Qwen3-30B-A3B/config.json"
+    ),
+    "kimi-k2": ModelShapes(7168, _mla(64, 1536), 18432, 163840, False, 0, "moonshotai/Kimi-K2-Instruct/config.json"),
+}
+
+
+def preset_shapes(model: MoEConfig) -> ModelShapes | None:
+    """The published shapes of ``model`` if it is a preset, unchanged (a changed copy may not match them)."""
+    if model.name in PRESET_SHAPES and PRESETS.get(model.name) == model:
+        return PRESET_SHAPES[model.name]
+    return None
+
+
+def shapes_from_hf(hf: dict[str, Any], source: str) -> ModelShapes:
+    """``ModelShapes`` from a parsed ``config.json``; a size the file lacks stays ``None``.
+
+    Attention is read as the family builds it, the same way ``hf.config.config_from_hf`` picks the
+    family: Qwen3-MoE (``model_type`` or ``architectures``) has GQA with q/k norms; anything else is
+    read DeepSeek-style, with MLA, and needs all of ``num_attention_heads``, ``kv_lora_rank``,
+    ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` (``q_lora_rank`` may be null).
+    """
+    if not hf.get("hidden_size"):
+        raise ValueError(
+            f"model config must have hidden_size, got a config without it in {source}; pass its config.json"
+        )
+    hidden = int(hf["hidden_size"])
+    heads = hf.get("num_attention_heads")
+    attention: MLAShapes | GQAShapes | None = None
+    if hf.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (hf.get("architectures") or []):
+        if heads:
+            kv_heads = hf.get("num_key_value_heads") or heads
+            attention = GQAShapes(int(heads), int(kv_heads), int(hf.get("head_dim") or hidden // heads), True)
+    else:
+        mla_keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if heads and all(hf.get(k) for k in mla_keys):
+            q_lora_rank = hf.get("q_lora_rank")
+            kv_lora_rank, qk_nope, qk_rope, v_head = (int(hf[k]) for k in mla_keys)
+            q_rank = None if q_lora_rank is None else int(q_lora_rank)
+            attention = MLAShapes(int(heads), q_rank, kv_lora_rank, qk_nope, qk_rope, v_head)
+    dense = hf.get("intermediate_size")
+    vocab = hf.get("vocab_size")
+    return ModelShapes(
+        hidden_size=hidden,
+        attention=attention,
+        dense_intermediate_size=None if dense is None else int(dense),
+        vocab_size=None if vocab is None else int(vocab),
+        # Every supported family defaults to separate embeddings and lm head.
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+        source=source,
+    )
+
+
+def load_shapes(spec: str) -> ModelShapes | None:
+    """``ModelShapes`` for ``--model``: a preset's published ones (None for ``tiny``) or its ``config.json``'s."""
+    if spec in PRESETS:
+        return PRESET_SHAPES.get(spec)
+    hf, path = read_hf_config(spec)
+    return shapes_from_hf(hf, source=str(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,6 +358,8 @@ class PlanInputs:
     (``num_hidden_layers``, 61 for V3, as the seed does) and the byte model counts the MoE layers only
     (``num_hidden_layers - first_k_dense_replace``, 58 for V3). ``attn_us`` / ``moe_us``: the seed's T
     and t, per layer, taken as given in every mode. ``micro_batches``: 1 (no TBO) or 2 (TBO).
+    ``memory_ep``: the EP sizes of the weight-memory line (``None``: see ``memory_ep_sizes``);
+    ``shapes``: the whole-model sizes it uses (``None``: see ``model_shapes``).
     """
 
     model: MoEConfig
@@ -207,9 +375,23 @@ class PlanInputs:
     micro_batches: int = 2
     weight_dtype: str = "bf16"
     fanout_model: str = "uniform"
+    memory_ep: tuple[int, ...] | None = None
+    shapes: ModelShapes | None = None
 
     def __post_init__(self) -> None:
         validate_inputs(self)
+
+    @property
+    def memory_ep_sizes(self) -> tuple[int, ...]:
+        """``memory_ep`` if given, else those of ``DEFAULT_MEMORY_EP`` that divide the experts, else ``ep``."""
+        if self.memory_ep is not None:
+            return self.memory_ep
+        return tuple(p for p in DEFAULT_MEMORY_EP if self.model.num_experts % p == 0) or (self.ep,)
+
+    @property
+    def model_shapes(self) -> ModelShapes | None:
+        """``shapes`` if given, else the preset's published shapes (``preset_shapes``), else None."""
+        return self.shapes if self.shapes is not None else preset_shapes(self.model)
 
     @property
     def seed_layers(self) -> int:
@@ -256,6 +438,18 @@ def validate_inputs(inp: PlanInputs) -> None:
     if inp.fanout_model not in FANOUT_MODELS:
         raise ValueError(
             f"fanout_model must be one of {list(FANOUT_MODELS)}, got {inp.fanout_model!r}; pass --fanout uniform"
+        )
+    if inp.memory_ep is not None and (
+        not inp.memory_ep or any(ep < 1 or inp.model.num_experts % ep for ep in inp.memory_ep)
+    ):
+        raise ValueError(
+            f"memory_ep must be EP sizes that divide the {inp.model.num_experts} routed experts of "
+            f"{inp.model.name}, got {list(inp.memory_ep)}; choose --memory-ep among {divisors(inp.model.num_experts)}"
+        )
+    if inp.shapes is not None and inp.shapes.hidden_size != inp.model.hidden_size:
+        raise ValueError(
+            f"shapes must describe the planned model, got hidden_size {inp.shapes.hidden_size} from "
+            f"{inp.shapes.source} for {inp.model.name}'s {inp.model.hidden_size}; load both from the same config"
         )
     if inp.micro_batches not in (1, 2):
         raise ValueError(

@@ -5,7 +5,8 @@ the work SBO hides behind a transfer -- the shared-expert MLP -- is an *estimate
 datasheet peak, scaled by ``SHARED_EXPERT_EFFICIENCY`` from this project's own H200 probe
 (``shared_expert_time_us``). Each verdict's explanation names the numbers it used, so an estimate is never
 read as a measurement. ``scheme_comparison`` sets allgather against alltoall on the same link; ``make_plan``
-and ``plan_to_json`` gather everything, with the seed's figures beside the byte model's.
+and ``plan_to_json`` gather everything, with the seed's figures beside the byte model's and the weight
+memory per GPU (``memory.weight_memory``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..config import MoEConfig, divisors
 from .bytes import ByteModel, a2a_time_us, byte_model, combine_row_bytes, dispatch_row_bytes, node_sizes, resolve_fanout
 from .inputs import B_PER_US_PER_GBPS, ELEMENT_B, SHARED_EXPERT_EFFICIENCY, Hardware, PlanInputs, get_hardware
 from .links import Calibration, Link, datasheet_link, transfer_time_us
+from .memory import WeightMemory, weight_memory
 from .seed import SeedFigure, seed_figures
 
 # --------------------------------------------------------------------------------------------------
@@ -217,6 +219,7 @@ class Plan:
     comm_ms_per_step: float
     verdicts: tuple[OverlapVerdict, ...]
     schemes: SchemeComparison
+    weight_memory: WeightMemory
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -249,6 +252,7 @@ def make_plan(inp: PlanInputs, calibration: Calibration | None = None) -> Plan:
         comm_ms_per_step=model.layers * (td + tc) / 1000,
         verdicts=tuple(overlap_verdicts(inp, model, link, hw)),
         schemes=scheme_comparison(inp, link),
+        weight_memory=weight_memory(inp.model, inp.memory_ep_sizes, inp.model_shapes),
         notes=tuple(notes),
     )
 
@@ -273,10 +277,16 @@ def plan_to_json(plan: Plan) -> dict:
             "model": model_value,
         }
 
+    shapes = inp.model_shapes
     td_mb = a2a_time_us(model.tokens_per_a2a, model.dispatch_row, model.fanout, plan.link)
     tc_mb = a2a_time_us(model.tokens_per_a2a, model.combine_row, model.fanout, plan.link)
-    inputs = {k: v for k, v in asdict(inp).items() if k != "model"}
-    inputs.update(model=inp.model.name, seed_layers=inp.seed_layers, model_layers=inp.model_layers)
+    inputs = {k: v for k, v in asdict(inp).items() if k not in ("model", "shapes")}
+    inputs.update(
+        model=inp.model.name,
+        seed_layers=inp.seed_layers,
+        model_layers=inp.model_layers,
+        memory_ep_sizes=list(inp.memory_ep_sizes),
+    )
     return {
         "meta": {
             "tool": "moe_sbo.planner",
@@ -326,6 +336,7 @@ def plan_to_json(plan: Plan) -> dict:
             "crossover_ep": plan.schemes.crossover_ep,
             "note": plan.schemes.note,
         },
+        "weight_memory": asdict(plan.weight_memory) | {"shapes": asdict(shapes) if shapes is not None else None},
         "notes": list(plan.notes),
     }
 
