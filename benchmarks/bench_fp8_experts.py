@@ -7,8 +7,8 @@ quantise, grouped GEMM): the whole routed-expert MLP (gate_up, SwiGLU, down), ``
 of CUDA-graph replays (``triton.testing.do_bench``, L2 cleared between runs, so weights are read from
 HBM as in a model; a graph runs the Triton GEMMs), ``t_eager_us`` the same forward issued eagerly
 (from 2048 rows per expert the eager FP8 forward runs cuBLAS's block-wise GEMMs: ``eager_path``);
-``tflops`` (2 x rows x 3 x H x I per expert row), ``weight_gbps`` (weight bytes read / t), ``speedup_vs_bf16`` (bf16 t / fp8 t),
-``speedup_eager_vs_bf16`` (the same for the eager times) and,
+``tflops`` (2 x rows x 3 x H x I per expert row), ``weight_gbps`` (weight bytes read / t),
+``speedup_vs_bf16`` (bf16 t / fp8 t), ``speedup_eager_vs_bf16`` (the same for the eager times) and,
 on fp8 rows, ``rel_err_vs_bf16``: ||y_fp8 - y_bf16|| / ||y_bf16|| with the bf16 experts holding the
 dequantised FP8 weights (so the error is the activations' quantisation and the GEMMs' rounding).
 
