@@ -28,6 +28,7 @@ from .fp8 import (
     quantize_fp8,
     quantize_fp8_blocks,
     scaled_mm_blockwise_supported,
+    sizes_off_blocks,
 )
 from .profiling import annotate
 
@@ -107,8 +108,7 @@ class RoutedExperts(nn.Module):
         self.num_local_experts, self.dtype, self.fp8 = num_local_experts, dtype, bool(fp8)
         shapes = {"gate_up_proj": (2 * intermediate_size, hidden_size), "down_proj": (hidden_size, intermediate_size)}
         if self.fp8:
-            sizes = {"hidden_size": hidden_size, "moe_intermediate_size": intermediate_size}
-            bad = {name: size for name, size in sizes.items() if size % FP8_BLOCK}
+            bad = sizes_off_blocks(hidden_size, intermediate_size)
             if bad:
                 raise ValueError(
                     f"FP8 experts need sizes that are multiples of {FP8_BLOCK} (one scale per {FP8_BLOCK}x{FP8_BLOCK} "

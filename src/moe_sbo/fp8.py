@@ -20,6 +20,13 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 
 
+def sizes_off_blocks(hidden_size: int, moe_intermediate_size: int) -> dict[str, int]:
+    """The expert sizes that are not multiples of ``FP8_BLOCK`` (FP8 experts need none: gate and up
+    rows are stacked, so a partial block of gate rows would have no scale row of its own)."""
+    sizes = {"hidden_size": hidden_size, "moe_intermediate_size": moe_intermediate_size}
+    return {name: size for name, size in sizes.items() if size % FP8_BLOCK}
+
+
 def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x_TH`` [T, H] (H a multiple of 128) -> (``q_TH`` e4m3 [T, H], ``scales_TQ`` float32 [T, Q]).
 

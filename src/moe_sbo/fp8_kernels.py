@@ -104,12 +104,17 @@ def _silu_mul_quantize_kernel(h_ptr, q_ptr, s_ptr, last_ptr, INTER: tl.constexpr
         _store_quantized(q_ptr + r64 * INTER, s_ptr + r64 * (INTER // GROUP_V), h0, q_QV, scale_Q, INTER, BLOCK_H)
 
 
+def _empty_quantized(num_rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``[X, width]`` values and their float32 ``[X, width/128]`` scales, uninitialised."""
+    q = torch.empty(num_rows, width, dtype=FP8_DTYPE, device=device)
+    return q, torch.empty(num_rows, width // FP8_GROUP, dtype=torch.float32, device=device)
+
+
 def quantize_rows(x_RH: torch.Tensor, offsets_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x_RH`` -> (e4m3 ``[R, H]``, float32 scales ``[R, H/128]``); rows at or past ``offsets_L[-1]``
     are left unwritten (they belong to no expert)."""
     num_rows, hidden = x_RH.shape
-    q_RH = torch.empty(num_rows, hidden, dtype=FP8_DTYPE, device=x_RH.device)
-    scales_RQ = torch.empty(num_rows, hidden // FP8_GROUP, dtype=torch.float32, device=x_RH.device)
+    q_RH, scales_RQ = _empty_quantized(num_rows, hidden, x_RH.device)
     if num_rows:
         block_h = block_h_for_quantize(hidden)
         _quantize_rows_kernel[(num_rows, triton.cdiv(hidden, block_h))](
@@ -121,8 +126,7 @@ def quantize_rows(x_RH: torch.Tensor, offsets_L: torch.Tensor) -> tuple[torch.Te
 def silu_mul_quantize(gate_up_R2I: torch.Tensor, offsets_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU of ``gate_up_R2I`` (gate columns first) quantised: (e4m3 ``[R, I]``, scales ``[R, I/128]``)."""
     num_rows, inter = gate_up_R2I.shape[0], gate_up_R2I.shape[1] // 2
-    q_RI = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=gate_up_R2I.device)
-    scales_RQ = torch.empty(num_rows, inter // FP8_GROUP, dtype=torch.float32, device=gate_up_R2I.device)
+    q_RI, scales_RQ = _empty_quantized(num_rows, inter, gate_up_R2I.device)
     if num_rows:
         block_h = block_h_for_quantize(inter)
         _silu_mul_quantize_kernel[(num_rows, triton.cdiv(inter, block_h))](

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import PRESETS, MoEConfig
-from ..fp8 import FP8_BLOCK
+from ..fp8 import FP8_BLOCK, sizes_off_blocks
 from ..runtime import resolve_device
 
 # ---- help ----------------------------------------------------------------------------------------
@@ -205,8 +205,7 @@ def resolve_expert_dtype(choice: str | None, cfg: MoEConfig) -> str | None:
     ``cfg`` here: the layer would raise the same error on every rank, after they started."""
     if choice != "fp8":
         return None
-    sizes = {"hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size}
-    bad = {name: size for name, size in sizes.items() if size % FP8_BLOCK}
+    bad = sizes_off_blocks(cfg.hidden_size, cfg.moe_intermediate_size)
     if bad:
         raise ValueError(
             f"--expert-dtype fp8 needs hidden_size and moe_intermediate_size that are multiples of {FP8_BLOCK} "

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..config import MoEConfig
-from ..fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
+from ..fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks, sizes_off_blocks
 from ..layer import MoELayer
 from ..weights import MoEWeights
 from .config import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
@@ -186,9 +186,7 @@ class Checkpoint:
         """``ValueError`` unless the routed experts tile into whole 128x128 blocks: gate and up rows are
         stacked into one tensor, so their scales are too, and a partial block of gate rows has no
         row of its own in the stacked scales."""
-        cfg = self.moe_config
-        sizes = {"hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size}
-        bad = {name: size for name, size in sizes.items() if size % FP8_BLOCK}
+        bad = sizes_off_blocks(self.moe_config.hidden_size, self.moe_config.moe_intermediate_size)
         if bad:
             raise ValueError(
                 f"{self.path / 'config.json'}: FP8 experts need hidden_size and moe_intermediate_size that are "
