@@ -11,6 +11,8 @@ quantisers' e4m3 values are compared modulo that bug, and the GEMM is fed the to
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,7 +71,10 @@ def test_weight_blocks_round_trip_with_partial_edge_tiles():
     assert ((back - w).abs() <= 2.0**-4 * w.abs() + 2.0**-9 * tile_amax / 448).all()
 
 
-@pytest.mark.parametrize("config", [None, *fp8_kernels.GEMM_CONFIGS])
+@pytest.mark.parametrize(
+    "config",
+    [None, *fp8_kernels.GEMM_CONFIGS, *(dataclasses.replace(c, k_unroll=2) for c in fp8_kernels.GEMM_CONFIGS)],
+)
 def test_grouped_gemm_kernel_matches_torch_reference(config):
     generator = torch.Generator().manual_seed(2)
     counts = torch.tensor([3, 0, 70, 1, 0, 9])

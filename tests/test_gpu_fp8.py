@@ -4,6 +4,8 @@ experts; skipped without CUDA (``bash benchmarks/run_gpu_fp8.sh`` runs them)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,10 @@ def test_silu_mul_quantize_matches_torch():
     assert ((got - ref).abs() <= 2.0**-3 * ref.abs() + 1e-6 * s.repeat_interleave(128, 1)).all()
 
 
-@pytest.mark.parametrize("config", [None, *fp8_kernels.GEMM_CONFIGS])
+@pytest.mark.parametrize(
+    "config",
+    [None, *fp8_kernels.GEMM_CONFIGS, *(dataclasses.replace(c, k_unroll=2) for c in fp8_kernels.GEMM_CONFIGS)],
+)
 def test_grouped_gemm_matches_torch_reference(config):
     generator = torch.Generator(device="cuda").manual_seed(0)
     counts, offsets = _counts("cuda", 1, 0, 300, 64, 129, 0, 7, 512)

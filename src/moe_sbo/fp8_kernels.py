@@ -147,6 +147,7 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    k_unroll: int = 1  # K steps whose MMAs are issued before their scaling (2 needs K/128 even)
 
 
 # Measured on H200 (``bench_fp8_experts.py --sweep``, DeepSeek-V3 dims, 8 and 32 experts): up to 64
@@ -169,6 +170,17 @@ def gemm_config(rows_per_expert: float) -> GemmConfig:
 
 
 @triton.jit
+def _add_scaled(acc, partial, kq, a_scales, b_scales, b_scale_tile, m_mask, n_mask, ONE_B_SCALE: tl.constexpr):
+    """``acc`` plus K step ``kq``'s partial sum times its rows' activation scales and its columns'
+    weight scales (one scalar when the tile lies in one weight block)."""
+    scale_a = tl.load(a_scales + kq, mask=m_mask, other=0.0)
+    if ONE_B_SCALE:
+        return acc + partial * (scale_a * tl.load(b_scale_tile + kq))[:, None]
+    scale_b = tl.load(b_scales + kq, mask=n_mask, other=0.0)
+    return acc + partial * scale_a[:, None] * scale_b[None, :]
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -183,6 +195,7 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
+    K_UNROLL: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = GROUP_V  # one activation scale and one weight scale per K step
     KQ: tl.constexpr = K // BLOCK_K
@@ -223,12 +236,22 @@ def _grouped_gemm_kernel(
     a_scales = a_scale_ptr + rows64 * KQ
     b_scales = b_scale_ptr + expert.to(tl.int64) * NQ * KQ + (offs_n // BLOCK_K) * KQ
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kq in range(KQ):
+    # A tile at most one weight block wide has one weight scale per K step: a scalar, so each step
+    # costs one multiply-add per accumulator element instead of an outer product of scales.
+    ONE_B_SCALE: tl.constexpr = BLOCK_N <= BLOCK_K
+    b_scale_tile = b_scale_ptr + expert.to(tl.int64) * NQ * KQ + (pid_n * BLOCK_N // BLOCK_K) * KQ
+    for kq in range(0, KQ, K_UNROLL):
         a = tl.load(a_tile + kq * BLOCK_K, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_tile + kq * BLOCK_K, mask=n_mask[None, :], other=0.0)
-        scale_a = tl.load(a_scales + kq, mask=m_mask, other=0.0)
-        scale_b = tl.load(b_scales + kq, mask=n_mask, other=0.0)
-        acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
+        partial = tl.dot(a, b)
+        if K_UNROLL == 2:  # two MMAs in flight before either is scaled
+            a = tl.load(a_tile + (kq + 1) * BLOCK_K, mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_tile + (kq + 1) * BLOCK_K, mask=n_mask[None, :], other=0.0)
+            partial_next = tl.dot(a, b)
+            acc = _add_scaled(acc, partial, kq, a_scales, b_scales, b_scale_tile, m_mask, n_mask, ONE_B_SCALE)
+            acc = _add_scaled(acc, partial_next, kq + 1, a_scales, b_scales, b_scale_tile, m_mask, n_mask, ONE_B_SCALE)
+        else:
+            acc = _add_scaled(acc, partial, kq, a_scales, b_scales, b_scale_tile, m_mask, n_mask, ONE_B_SCALE)
     c_tile = c_ptr + rows64[:, None] * N + offs_n[None, :]
     tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -271,6 +294,7 @@ def grouped_gemm(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         GROUP_M=config.group_m,
+        K_UNROLL=config.k_unroll if (k // FP8_BLOCK) % config.k_unroll == 0 else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
