@@ -42,7 +42,7 @@ from moe_sbo.streams import capture_graph
 from moe_sbo.weights import seeded_normal
 
 SWEEP_CONFIGS = [
-    fp8_kernels.GemmConfig(block_m, block_n, group_m, warps, stages, k_unroll)
+    fp8_kernels.GemmConfig(block_m, block_n, group_m, warps, stages)
     for block_m, block_n, group_m, warps, stages in [
         (16, 128, 1, 4, 4),
         (32, 128, 1, 4, 4),
@@ -57,7 +57,6 @@ SWEEP_CONFIGS = [
         (128, 256, 8, 8, 3),
         (256, 128, 8, 8, 3),
     ]
-    for k_unroll in (1, 2)
 ]
 
 

@@ -147,37 +147,20 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    k_unroll: int = 1  # K steps whose MMAs are issued before their scaling (2 needs K/128 even)
 
 
-# Measured on H200 (``bench_fp8_experts.py --sweep``, DeepSeek-V3 dims, 8 and 32 experts): up to 64
-# rows per expert the GEMMs are weight-read bound (64 x 128 tiles, many programs streaming weights:
-# ~3 TB/s); from 256 on compute bound (64 x 256 tiles, two warp groups); 128 x 128 in between.
-DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=4)
-MID_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4)
-LARGE_CONFIG = GemmConfig(block_m=64, block_n=256, group_m=4, num_warps=8, num_stages=3)
-GEMM_CONFIGS = (DECODE_CONFIG, MID_CONFIG, LARGE_CONFIG)
+# Measured on H200 (``bench_fp8_experts.py --sweep``, DeepSeek-V3 dims): 64 x 128 tiles win up to
+# 256 rows per expert (weight-read bound, then one weight scale per step keeps the scaling cheap);
+# from there 128 x 128 tiles with two warp groups (~790 TFLOP/s on gate_up at 2048 rows).
+DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4)
+LARGE_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)
+GEMM_CONFIGS = (DECODE_CONFIG, LARGE_CONFIG)
 
 
 def gemm_config(rows_per_expert: float) -> GemmConfig:
     """The tiles for ``rows_per_expert`` rows per expert on average (the grid depends on rows only,
     so a CUDA graph captured at one size keeps its config whatever the routing)."""
-    if rows_per_expert <= 64:
-        return DECODE_CONFIG
-    if rows_per_expert <= 128:
-        return MID_CONFIG
-    return LARGE_CONFIG
-
-
-@triton.jit
-def _add_scaled(acc, partial, kq, a_scales, b_scales, b_scale_tile, m_mask, n_mask, ONE_B_SCALE: tl.constexpr):
-    """``acc`` plus K step ``kq``'s partial sum times its rows' activation scales and its columns'
-    weight scales (one scalar when the tile lies in one weight block)."""
-    scale_a = tl.load(a_scales + kq, mask=m_mask, other=0.0)
-    if ONE_B_SCALE:
-        return acc + partial * (scale_a * tl.load(b_scale_tile + kq))[:, None]
-    scale_b = tl.load(b_scales + kq, mask=n_mask, other=0.0)
-    return acc + partial * scale_a[:, None] * scale_b[None, :]
+    return DECODE_CONFIG if rows_per_expert <= 256 else LARGE_CONFIG
 
 
 @triton.jit
@@ -195,7 +178,6 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
-    K_UNROLL: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = GROUP_V  # one activation scale and one weight scale per K step
     KQ: tl.constexpr = K // BLOCK_K
@@ -240,18 +222,15 @@ def _grouped_gemm_kernel(
     # costs one multiply-add per accumulator element instead of an outer product of scales.
     ONE_B_SCALE: tl.constexpr = BLOCK_N <= BLOCK_K
     b_scale_tile = b_scale_ptr + expert.to(tl.int64) * NQ * KQ + (pid_n * BLOCK_N // BLOCK_K) * KQ
-    for kq in range(0, KQ, K_UNROLL):
+    for kq in range(KQ):
         a = tl.load(a_tile + kq * BLOCK_K, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_tile + kq * BLOCK_K, mask=n_mask[None, :], other=0.0)
-        partial = tl.dot(a, b)
-        if K_UNROLL == 2:  # two MMAs in flight before either is scaled
-            a = tl.load(a_tile + (kq + 1) * BLOCK_K, mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_tile + (kq + 1) * BLOCK_K, mask=n_mask[None, :], other=0.0)
-            partial_next = tl.dot(a, b)
-            acc = _add_scaled(acc, partial, kq, a_scales, b_scales, b_scale_tile, m_mask, n_mask, ONE_B_SCALE)
-            acc = _add_scaled(acc, partial_next, kq + 1, a_scales, b_scales, b_scale_tile, m_mask, n_mask, ONE_B_SCALE)
+        scale_a = tl.load(a_scales + kq, mask=m_mask, other=0.0)
+        if ONE_B_SCALE:
+            acc += tl.dot(a, b) * (scale_a * tl.load(b_scale_tile + kq))[:, None]
         else:
-            acc = _add_scaled(acc, partial, kq, a_scales, b_scales, b_scale_tile, m_mask, n_mask, ONE_B_SCALE)
+            scale_b = tl.load(b_scales + kq, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
     c_tile = c_ptr + rows64[:, None] * N + offs_n[None, :]
     tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -294,7 +273,6 @@ def grouped_gemm(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         GROUP_M=config.group_m,
-        K_UNROLL=config.k_unroll if (k // FP8_BLOCK) % config.k_unroll == 0 else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
