@@ -136,8 +136,8 @@ def grouped_scaled_mm(
 
     ``counts``: each expert's rows, on the host (so the caller has read them from the device once);
     ``q_RK`` needs at least 4 rows.
-    At prefill sizes cuBLAS's FP8 kernels run ~1.5x the rate of the Triton grouped GEMM; per call
-    the host spends tens of µs, so with few rows per expert the Triton kernel wins.
+    At prefill sizes cuBLAS's FP8 kernels outrun the Triton grouped GEMM (1000+ TFLOP/s on H200);
+    each call costs host time, so with few rows per expert the Triton kernel wins.
     """
     num_rows = q_RK.shape[0]
     if num_rows < SCALED_MM_ROW_ALIGN:
