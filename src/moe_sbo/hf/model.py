@@ -1,0 +1,292 @@
+"""A whole ``transformers`` causal LM with moe-sbo's expert-parallel MoE layers: load, then generate.
+
+Legend: see ``moe_sbo/__init__.py``; here B is a rank's batch of prompts and S their (padded) length.
+
+``load_model(DIR, group=...)`` builds the model of a Hugging Face checkpoint (DeepSeek-V2/V3,
+Qwen3-MoE) on every rank of the expert-parallel group, the way SGLang deploys DP attention with EP
+MoE: attention, dense layers, embeddings and head are whole on every rank, each rank runs its own
+requests through them, and every sparse MoE block is replaced by an ``ExpertParallelMoE`` holding an
+``MoELayer`` whose routed experts are split over the group (dispatcher, overlap and expert dtype are
+options). The result is an ordinary ``transformers`` model: ``model.generate`` works on it.
+
+The hard parts:
+
+- **Reading little.** The model is built on the meta device (no weights allocated), each MoE layer
+  reads only this rank's experts (``LayerLoader``), and the rest is read tensor by tensor from the
+  safetensors files and assigned in place, so no rank ever holds another rank's experts or a second
+  copy of anything. FP8-stored dense weights are dequantised one tensor at a time; FP8 experts stay
+  FP8 with ``expert_dtype="fp8"``.
+- **Ranks in step.** Every MoE call is a collective, so every rank must make the same number of
+  them, in the same order, whatever its prompts. ``generate`` therefore runs exactly
+  ``max_new_tokens`` forwards on every rank (a prompt that reaches its end-of-sequence token is
+  finished, and its later tokens are dropped from the result, as ``transformers`` would pad them),
+  and a rank with no prompts makes the same MoE calls with 0 tokens.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..fp8 import dequantize_fp8_blocks
+from ..layer import MoELayer
+from .checkpoint import Checkpoint, LayerLoader
+from .config import model_family, moe_layer_indices
+
+WHOLE_MODEL_FAMILIES = ("deepseek_v2", "deepseek_v3", "qwen3_moe")  # transformers ships their classes
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class ExpertParallelMoE(nn.Module):
+    """Stands in for a ``transformers`` sparse MoE block: ``[B, S, H] -> [B, S, H]`` through ``moe``.
+
+    ``calls`` counts forwards (a rank with no work replays the same number, ``idle_forward``)."""
+
+    def __init__(self, moe: MoELayer):
+        super().__init__()
+        self.moe = moe
+        self.calls = 0
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        shape = hidden_states.shape
+        return self.moe(hidden_states.reshape(-1, shape[-1])).reshape(shape)
+
+
+def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
+    """The model's expert-parallel blocks, in the order its forward calls them (layer order)."""
+    return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, ExpertParallelMoE)]
+
+
+@torch.no_grad()
+def load_model(
+    path: str | Path,
+    *,
+    group=None,
+    dispatcher: str = "alltoall",
+    dispatcher_options: dict | None = None,
+    overlap: str = "none",
+    expert_dtype: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """The causal LM of checkpoint ``path`` with every sparse MoE block expert-parallel over ``group``.
+
+    Call it on every rank of ``group`` (``None``: the default group, or one rank). ``dtype`` of
+    everything but FP8 experts (default: bfloat16 on CUDA, float32 on CPU). Raises ``ValueError``
+    before any collective for a family ``transformers`` has no model class for, or a checkpoint
+    whose tensors do not cover the model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = Checkpoint(path)
+    family = model_family(checkpoint.hf_config)
+    if family not in WHOLE_MODEL_FAMILIES:
+        raise ValueError(
+            f"whole models must be one of {WHOLE_MODEL_FAMILIES}, got {family} ({checkpoint.path}); "
+            "load its MoE layers alone with moe_sbo.hf.checkpoint.LayerLoader"
+        )
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = AutoConfig.from_pretrained(checkpoint.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+
+    moe_indices = moe_layer_indices(checkpoint.hf_config)
+    for index in moe_indices:  # each reads this rank's experts only
+        moe = MoELayer(
+            checkpoint.moe_config,
+            dispatcher=dispatcher,
+            dispatcher_options=dispatcher_options,
+            group=group,
+            overlap=overlap,
+            dtype=dtype,
+            device=device,
+            expert_dtype=expert_dtype,
+        )
+        model.model.layers[index].mlp = ExpertParallelMoE(LayerLoader(checkpoint, index)(moe))
+
+    state = _read_dense(checkpoint, set(moe_indices), config.num_hidden_layers, dtype, device)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if ".mlp.moe." not in k]
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{checkpoint.path} must hold every weight of its {type(model).__name__}, got "
+            f"{len(missing)} missing (first: {missing[:3]}) and {len(result.unexpected_keys)} unexpected "
+            f"(first: {result.unexpected_keys[:3]}); the files do not match config.json"
+        )
+    _rebuild_computed_buffers(model, device)
+    return model.eval()
+
+
+def _read_dense(
+    checkpoint: Checkpoint, moe_indices: set[int], num_layers: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint but the MoE blocks' (read by ``LayerLoader``) and layers past
+    ``num_layers`` (DeepSeek-V3's multi-token-prediction layer: generation does not run it), one at a
+    time, FP8 ones dequantised, in ``dtype`` on ``device``."""
+    from safetensors import safe_open
+
+    def wanted(name: str) -> bool:
+        match = _LAYER_KEY.match(name)
+        if match is None:
+            return not name.endswith("_scale_inv")
+        layer = int(match.group(1))
+        in_moe_block = layer in moe_indices and name.startswith(f"model.layers.{layer}.mlp.")
+        return layer < num_layers and not in_moe_block and not name.endswith("_scale_inv")
+
+    names_by_file: dict[str, list[str]] = {}
+    for name, file in checkpoint.weight_map.items():
+        if wanted(name):
+            names_by_file.setdefault(file, []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for file, names in names_by_file.items():
+        with safe_open(str(checkpoint.path / file), framework="pt") as f:
+            for name in names:
+                tensor = f.get_tensor(name)
+                if tensor.dtype == torch.float8_e4m3fn:
+                    scale_file = checkpoint.weight_map[name + "_scale_inv"]
+                    with safe_open(str(checkpoint.path / scale_file), framework="pt") as g:
+                        tensor = dequantize_fp8_blocks(tensor, g.get_tensor(name + "_scale_inv"), checkpoint.fp8_block)
+                state[name] = tensor.to(device=device, dtype=dtype)
+    return state
+
+
+def _rebuild_computed_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers computed from the config, not stored (rotary frequencies), rebuilt on ``device``:
+    on the meta device they were never computed."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if not type(module).__name__.endswith("RotaryEmbedding"):
+                raise ValueError(f"{name} ({type(module).__name__}) has buffers no checkpoint holds; cannot build it")
+            parent_name, _, attr = name.rpartition(".")
+            with torch.device(device):
+                rebuilt = type(module)(config=module.config)
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, rebuilt)
+
+
+# ---- generation ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """One rank's result: ``token_ids`` per prompt (the new tokens, cut after end-of-sequence),
+    ``prefill_s`` (prompt to first token), ``step_s`` (each later token's time), and ``forwards``."""
+
+    token_ids: list[list[int]]
+    prefill_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+    forwards: int = 0
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first."""
+        return sum(self.step_s) / len(self.step_s) if self.step_s else 0.0
+
+
+class _StepClock:
+    """A ``transformers`` streamer that only stamps the time of each new token (``put`` is called
+    with the prompt, then once per generated token); ``on_step`` runs after each new token."""
+
+    def __init__(self, device: torch.device, on_step: Callable[[], None] | None):
+        self.device, self.on_step, self.stamps = device, on_step, []
+
+    def put(self, value) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) > 1 and self.on_step is not None:
+            self.on_step()
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int = 0,
+    on_step: Callable[[], None] | None = None,
+) -> Generation:
+    """Greedy generation of ``max_new_tokens`` for this rank's ``prompts`` (token ids; may be empty),
+    in step with the other ranks: exactly ``max_new_tokens`` forwards on every rank.
+
+    Prompts are left-padded into one batch, as ``transformers`` batches them; ``eos_token_id``
+    (default: the model's) ends a prompt's output, which is then cut after it, as ``transformers``
+    ``generate`` returns it.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    blocks = moe_blocks(model)
+    device = next(model.parameters()).device
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    if not prompts:
+        return _idle(blocks, model, max_new_tokens, device, on_step)
+    if any(not p for p in prompts):
+        raise ValueError("every prompt must have at least one token id; drop empty prompts")
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    clock = _StepClock(device, on_step)
+    calls_before = [b.calls for b in blocks]
+    # No end-of-sequence stop inside generate: every rank runs all max_new_tokens forwards (the
+    # tokens after a prompt's end are dropped below); the model's own config keeps its other settings.
+    saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            pad_token_id=pad_token_id,
+            streamer=clock,
+        )
+    finally:
+        model.generation_config.eos_token_id = saved_eos
+    new = out[:, width:].tolist()
+    token_ids = [_cut_after_eos(row, eos) for row in new]
+    forwards = blocks[0].calls - calls_before[0] if blocks else max_new_tokens
+    if forwards != max_new_tokens:  # transformers changed how many forwards generate makes
+        raise RuntimeError(f"generate made {forwards} forwards for {max_new_tokens} new tokens; ranks would fall out of step")
+    stamps = clock.stamps
+    return Generation(token_ids, stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])], forwards)
+
+
+def _idle(
+    blocks: list[ExpertParallelMoE],
+    model: nn.Module,
+    steps: int,
+    device: torch.device,
+    on_step: Callable[[], None] | None,
+) -> Generation:
+    """A rank without prompts: the MoE calls of ``steps`` forwards, each with 0 tokens."""
+    empty = torch.empty(1, 0, model.config.hidden_size, dtype=blocks[0].moe.dtype if blocks else None, device=device)
+    for _ in range(steps):
+        for block in blocks:
+            block(empty)
+        if on_step is not None:
+            on_step()
+    return Generation([], forwards=steps)
+
+
+def _cut_after_eos(row: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(row):
+        if token in eos:
+            return row[: i + 1]
+    return row
