@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hf_blocks import make_hf_model
 
+from hf_blocks import make_hf_model
 from moe_sbo.hf.model import ExpertParallelMoE, generate, load_model
 
 FAMILIES = ["deepseek_v3", "deepseek_v2", "qwen3_moe"]
@@ -112,3 +112,100 @@ def test_bad_input_is_refused(checkpoints, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="missing"):
         load_model(broken, dispatcher="local")
+
+
+# ---- moe-sbo generate ---------------------------------------------------------------------------------
+
+
+def _save_word_tokenizer(path, words: list[str]) -> dict[str, int]:
+    """A word-level tokenizer (word i -> id i + 2) saved beside the model, as a Hub model ships one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[EOS]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(path)
+    return vocab
+
+
+def test_cli_generates_prompt_ids_as_transformers(checkpoints, tmp_path):
+    from moe_sbo.cli.main import main
+
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--checkpoint", checkpoints["qwen3_moe"], "--ranks", "2", "--max-new-tokens", str(NEW_TOKENS)]
+    argv += ["--prompt-ids", "1,5,9,3", "--prompt-ids", "2,2", "--prompt-ids", "7", "--json", str(out)]
+    assert main(argv) == 0
+    import json
+
+    result = json.loads(out.read_text())
+    prompts = [[1, 5, 9, 3], [2, 2], [7]]
+    # Prompt i ran on rank i mod 2, batched with that rank's other prompts.
+    expected = reference_ids(checkpoints["qwen3_moe"], [prompts[0], prompts[2]]) + reference_ids(
+        checkpoints["qwen3_moe"], [prompts[1]]
+    )
+    got = {row["prompt"]: row["token_ids"] for row in result["rows"]}
+    assert [got[0], got[2], got[1]] == expected
+    assert [r["forwards"] for r in result["ranks"]] == [NEW_TOKENS, NEW_TOKENS]
+    assert all(r["tpot_s"] > 0 and r["prefill_s"] > 0 for r in result["ranks"])
+
+
+def test_cli_text_prompts_go_through_the_checkpoints_tokenizer(checkpoints, tmp_path, capsys):
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from moe_sbo.cli.main import main
+
+    path = tmp_path / "with_tokenizer"
+    shutil.copytree(checkpoints["deepseek_v3"], path)
+    vocab = _save_word_tokenizer(path, ["the", "experts", "are", "parallel", "tokens"])
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--checkpoint", str(path), "--ranks", "2", "--max-new-tokens", str(NEW_TOKENS)]
+    argv += ["--json", str(out)]
+    assert main([*argv, "--prompt", "the experts are"]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["prompt_ids"] == [vocab[w] for w in "the experts are".split()]
+    assert row["token_ids"] == reference_ids(str(path), [row["prompt_ids"]])[0]
+    text = AutoTokenizer.from_pretrained(path).decode(row["token_ids"], skip_special_tokens=True)
+    assert f"prompt 0: {text}" in capsys.readouterr().out  # the new tokens printed as text
+
+
+def test_cli_refuses_bad_prompts_before_any_rank_starts(checkpoints, capsys):
+    from moe_sbo.cli.main import main
+
+    base = ["generate", "--checkpoint", checkpoints["deepseek_v2"], "--ranks", "2"]
+    assert main([*base, "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and "--prompt-ids" in err
+    assert main([*base, "--prompt-ids", "1,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main([*base, "--prompt-ids", "1,999999999"]) == 2
+    assert "vocab_size" in capsys.readouterr().err
+    assert main([*base, "--prompt-ids", "1", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_under_torchrun(checkpoints, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "gen.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moe_sbo"]
+    cmd += ["generate", "--checkpoint", checkpoints["deepseek_v3"], "--device", "cpu", "--max-new-tokens", "4"]
+    cmd += ["--prompt-ids", "1,5,9,3", "--prompt-ids", "4,4,4,4,4,4", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    for row in result["rows"]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoints["deepseek_v3"]).eval()
+        ids = torch.tensor([row["prompt_ids"]])
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
+        eos = model.generation_config.eos_token_id
+        assert row["token_ids"] == (ref[: ref.index(eos) + 1] if eos in ref else ref)

@@ -1,6 +1,7 @@
 """``moe-sbo``: the command line, one module per subcommand: ``demo`` (dispatchers vs one rank),
 ``bench`` (overlap modes on GPUs or CPU ranks), ``check`` (a real checkpoint's MoE layer vs
-``transformers``), ``plan`` (communication budget).
+``transformers``), ``generate`` (a whole model with expert-parallel MoE layers), ``plan``
+(communication budget).
 
 Every subcommand checks its options before any rank starts; a bad value exits 2 with a message
 naming it, a failing rank exits 1 with that rank's traceback. ``--help`` texts are the parsers' own
@@ -14,7 +15,7 @@ import sys
 
 from .. import __version__
 from ..runtime import RankError
-from . import bench, check, demo, plan
+from . import bench, check, demo, generate, plan
 from .options import LOG_LEVELS, HelpFormatter, configure_logging, log_level
 
 DESCRIPTION = """\
@@ -24,6 +25,7 @@ subcommands:
   demo    run every dispatcher on local ranks and compare it with a single-rank layer
   bench   time overlap modes x dispatchers x token counts (GPUs; CPU ranks: a quick smoke run)
   check   run one MoE layer of a Hugging Face checkpoint against transformers' own module
+  generate  generate with a Hugging Face MoE model whose MoE layers are expert parallel
   plan    communication budget: bytes, bandwidth and which overlap fits (no GPU needed)
 """
 
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_demo_parser(subparsers)
     bench.add_bench_parser(subparsers)
     check.add_check_parser(subparsers)
+    generate.add_generate_parser(subparsers)
     plan.add_plan_parser(subparsers)
     return parser
 
@@ -67,7 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(log_level(args.verbose, args.log_level))
-    run = {"demo": demo.run_demo, "plan": plan.run_plan, "bench": bench.run_bench, "check": check.run_check}
+    run = {
+        "demo": demo.run_demo,
+        "plan": plan.run_plan,
+        "bench": bench.run_bench,
+        "check": check.run_check,
+        "generate": generate.run_generate,
+    }
     try:
         return run[args.command](args)
     except ValueError as err:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ class ExpertParallelMoE(nn.Module):
         return self.moe(hidden_states.reshape(-1, shape[-1])).reshape(shape)
 
 
-def moe_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
+def moe_blocks(model: Any) -> list[ExpertParallelMoE]:
     """The model's expert-parallel blocks, in the order its forward calls them (layer order)."""
     return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, ExpertParallelMoE)]
 
@@ -198,7 +199,8 @@ class _StepClock:
     with the prompt, then once per generated token); ``on_step`` runs after each new token."""
 
     def __init__(self, device: torch.device, on_step: Callable[[], None] | None):
-        self.device, self.on_step, self.stamps = device, on_step, []
+        self.device, self.on_step = device, on_step
+        self.stamps: list[float] = []
 
     def put(self, value) -> None:
         if self.device.type == "cuda":
@@ -213,7 +215,7 @@ class _StepClock:
 
 @torch.no_grad()
 def generate(
-    model: nn.Module,
+    model: Any,
     prompts: list[list[int]],
     max_new_tokens: int,
     *,
@@ -226,7 +228,7 @@ def generate(
 
     Prompts are left-padded into one batch, as ``transformers`` batches them; ``eos_token_id``
     (default: the model's) ends a prompt's output, which is then cut after it, as ``transformers``
-    ``generate`` returns it.
+    ``generate`` returns it. ``model``: from ``load_model`` (a ``transformers`` causal LM).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -263,14 +265,16 @@ def generate(
     token_ids = [_cut_after_eos(row, eos) for row in new]
     forwards = blocks[0].calls - calls_before[0] if blocks else max_new_tokens
     if forwards != max_new_tokens:  # transformers changed how many forwards generate makes
-        raise RuntimeError(f"generate made {forwards} forwards for {max_new_tokens} new tokens; ranks would fall out of step")
+        raise RuntimeError(
+            f"generate made {forwards} forwards for {max_new_tokens} new tokens; ranks would fall out of step"
+        )
     stamps = clock.stamps
     return Generation(token_ids, stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])], forwards)
 
 
 def _idle(
     blocks: list[ExpertParallelMoE],
-    model: nn.Module,
+    model: Any,
     steps: int,
     device: torch.device,
     on_step: Callable[[], None] | None,

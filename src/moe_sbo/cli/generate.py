@@ -1,0 +1,264 @@
+"""``moe-sbo generate``: a Hugging Face MoE model served with expert-parallel MoE layers, greedy.
+
+Every rank loads the whole model but only its own experts (``hf/model.py``), takes its share of the
+prompts (one prompt: every rank runs it; several: prompt i goes to rank i mod N, so a rank may have
+none) and generates in step with the others. Prints the new tokens per prompt (text when the
+checkpoint has a tokenizer) and per rank the prefill time, the time per output token (TPOT) and
+tokens/s; ``--json`` writes them. Runs on ``LocalRanks`` (``--ranks``), or on the ranks ``torchrun``
+started (``torchrun --nproc-per-node N -m moe_sbo generate ...``; rank 0 prints).
+
+The hard part is failing before any rank starts: the checkpoint's family, the prompts (ids in the
+vocabulary, a tokenizer when text is given) and the options are checked here first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from ..dispatch import DISPATCHERS
+from ..hf.checkpoint import Checkpoint
+from ..hf.config import model_family
+from ..hf.model import WHOLE_MODEL_FAMILIES, generate, load_model
+from ..measure.results import result_meta
+from ..overlap import OVERLAP_MODES
+from ..runtime import LocalRanks, init_from_torchrun, resolve_device
+from .options import (
+    RANKS_HELP,
+    HelpFormatter,
+    add_expert_dtype_arg,
+    in_ranks,
+    make_console,
+    make_table,
+    print_notes,
+    resolve_expert_dtype,
+    resolve_ranks,
+)
+
+DESCRIPTION = """\
+Generate with a Hugging Face MoE model (DeepSeek-V2/V3, Qwen3-MoE) whose MoE layers are expert
+parallel: each rank holds the attention and dense layers whole and only its share of the routed
+experts, runs its own prompts, and moves tokens to the experts' ranks with the dispatcher chosen.
+Greedy decoding; every rank runs --max-new-tokens forwards (ranks stay in step). Prints the new tokens
+per prompt and per rank the prefill time, time per output token (TPOT) and tokens/s. Under torchrun
+(torchrun --nproc-per-node N -m moe_sbo generate ...) it runs on torchrun's ranks; rank 0 prints."""
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``generate`` to an ``argparse`` subparsers object (``func=run_generate``)."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate with a Hugging Face MoE model whose MoE layers are expert parallel",
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="DIR", help="model directory (config.json + safetensors)"
+    )
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument(
+        "--prompt", action="append", metavar="TEXT", help="a prompt (repeat for more); needs a tokenizer"
+    )
+    prompts.add_argument("--prompts-file", metavar="FILE", help="one prompt per line; needs a tokenizer")
+    prompts.add_argument(
+        "--prompt-ids", action="append", metavar="IDS", help="a prompt as token ids, e.g. 1,2,3 (repeat for more)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
+    parser.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
+    parser.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible"
+    )
+    parser.add_argument(
+        "--dispatcher", default="alltoall", choices=sorted(DISPATCHERS), help="how tokens reach the experts"
+    )
+    parser.add_argument("--overlap", default="none", choices=list(OVERLAP_MODES), help="where the shared experts run")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA, float32 on CPU"
+    )
+    add_expert_dtype_arg(parser)
+    parser.add_argument("--json", metavar="PATH", help="write prompts, new tokens and timings as JSON")
+    parser.set_defaults(func=run_generate)
+    return parser
+
+
+def parse_prompt_ids(texts: list[str], vocab_size: int) -> list[list[int]]:
+    """``--prompt-ids`` values -> id lists, each id checked against the vocabulary."""
+    prompts = []
+    for text in texts:
+        try:
+            ids = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}; e.g. 1,2,3") from None
+        if not ids or any(not 0 <= i < vocab_size for i in ids):
+            raise ValueError(
+                f"--prompt-ids must be non-empty ids in [0, {vocab_size}) (the model's vocab_size), got {text!r}"
+            )
+        prompts.append(ids)
+    return prompts
+
+
+def share_prompts(prompts: list[list[int]], ranks: int) -> list[list[tuple[int, list[int]]]]:
+    """Each rank's (prompt index, ids): one prompt goes to every rank, several round-robin."""
+    if len(prompts) == 1:
+        return [[(0, prompts[0])] for _ in range(ranks)]
+    return [[(i, p) for i, p in enumerate(prompts) if i % ranks == rank] for rank in range(ranks)]
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Check everything, run the ranks, print and write the results. Returns 0."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    checkpoint = Checkpoint(args.checkpoint)
+    family = model_family(checkpoint.hf_config)
+    if family not in WHOLE_MODEL_FAMILIES:
+        raise ValueError(f"--checkpoint must be one of the families {WHOLE_MODEL_FAMILIES}, got {family}")
+    expert_dtype = resolve_expert_dtype(args.expert_dtype, checkpoint.moe_config)
+    tokenizer = _tokenizer(checkpoint.path) if args.prompt_ids is None else None
+    prompts = _prompts(args, tokenizer, int(checkpoint.hf_config.get("vocab_size", 0)))
+    torchrun = env.torchrun_rank()
+    device = resolve_device(args.device)
+    ranks = torchrun[1] if torchrun is not None else resolve_ranks(args.ranks, device)
+    shares = share_prompts(prompts, ranks)
+    options = {
+        "path": str(checkpoint.path),
+        "dispatcher": args.dispatcher,
+        "overlap": args.overlap,
+        "expert_dtype": expert_dtype,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "dispatcher_options": _dispatcher_options(args.dispatcher, shares),
+    }
+    if torchrun is not None:
+        torch_device = init_from_torchrun(device)
+        mine = generate_rank(torch_device, shares, **options)
+        gathered: list = [None] * ranks if dist.get_rank() == 0 else []
+        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return 0
+        per_rank = gathered
+    else:
+        with LocalRanks(ranks, device=device) as workers:
+            per_rank = workers.run(in_ranks(generate_rank), shares, **options)
+    _report(args, checkpoint, prompts, per_rank, tokenizer, device, ranks)
+    return 0
+
+
+def generate_rank(
+    device, shares, *, path, dispatcher, overlap, expert_dtype, dtype, max_new_tokens, dispatcher_options
+):
+    """One rank's share (``LocalRanks.run`` or torchrun): load, generate, return plain data."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = load_model(
+        path,
+        dispatcher=dispatcher,
+        dispatcher_options=dispatcher_options,
+        overlap=overlap,
+        expert_dtype=expert_dtype,
+        dtype=getattr(torch, dtype) if dtype else None,
+        device=device,
+    )
+    mine = shares[rank]
+    result = generate(model, [ids for _, ids in mine], max_new_tokens, on_step=_progress(rank, max_new_tokens))
+    new_tokens = sum(len(ids) for ids in result.token_ids)
+    total_s = result.prefill_s + sum(result.step_s)
+    return {
+        "rank": rank,
+        "prompts": [index for index, _ in mine],
+        "token_ids": result.token_ids,
+        "prefill_s": result.prefill_s,
+        "tpot_s": result.tpot_s,
+        "tokens_per_s": new_tokens / total_s if total_s else 0.0,
+        "forwards": result.forwards,
+    }
+
+
+def _progress(rank: int, steps: int):
+    """Rank 0 draws a progress bar over the decode steps (on stderr); other ranks draw nothing."""
+    if rank != 0:
+        return None
+    from rich.console import Console
+    from rich.progress import Progress
+
+    progress = Progress(console=Console(stderr=True), transient=True)
+    task = progress.add_task("generating", total=steps)
+    progress.start()
+
+    def step() -> None:
+        progress.advance(task)
+        if progress.finished:
+            progress.stop()
+
+    return step
+
+
+def _dispatcher_options(dispatcher: str, shares: list[list[tuple[int, list[int]]]]) -> dict | None:
+    """``low_latency`` needs a capacity: the most tokens one rank's forward carries (its prefill)."""
+    if dispatcher != "low_latency":
+        return None
+    prefill = [len(share) * max((len(ids) for _, ids in share), default=0) for share in shares]
+    return {"max_tokens_per_rank": max(1, *prefill)}
+
+
+def _tokenizer(path: Path):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[int]]:
+    if args.prompt_ids is not None:
+        return parse_prompt_ids(args.prompt_ids, vocab_size)
+    if tokenizer is None:
+        raise ValueError(
+            f"{args.checkpoint} has no tokenizer, so text prompts cannot be encoded; pass token ids with "
+            "--prompt-ids 1,2,3 instead"
+        )
+    texts = args.prompt if args.prompt is not None else Path(args.prompts_file).read_text().splitlines()
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError("the prompts must hold at least one non-empty line")
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: int) -> None:
+    console = make_console()
+    console.print(
+        f"[bold]moe-sbo generate[/]: {checkpoint.path} ({checkpoint.model_type}) on {ranks} {device} ranks, "
+        f"{args.dispatcher}, overlap {args.overlap}, {args.max_new_tokens} new tokens",
+        soft_wrap=True,
+    )
+    outputs: dict[int, list[int]] = {}
+    for result in per_rank:
+        for index, ids in zip(result["prompts"], result["token_ids"]):
+            outputs.setdefault(index, ids)  # a prompt given once runs on every rank: same tokens
+    for index, ids in sorted(outputs.items()):
+        shown = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ",".join(map(str, ids))
+        console.print(f"[bold]prompt {index}[/]: {shown}", highlight=False, soft_wrap=True)
+    table = make_table(
+        "per rank",
+        [("rank", "right"), ("prompts", "right"), ("prefill ms", "right"), ("TPOT ms", "right"), ("tok/s", "right")],
+    )
+    for r in per_rank:
+        table.add_row(
+            str(r["rank"]),
+            str(len(r["prompts"])),
+            f"{r['prefill_s'] * 1e3:.1f}",
+            f"{r['tpot_s'] * 1e3:.2f}",
+            f"{r['tokens_per_s']:.1f}",
+        )
+    console.print(table)
+    print_notes(console, "TPOT: mean time per output token after the first; tok/s: a rank's new tokens / its time")
+    if args.json:
+        meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path)}
+        meta.update(dispatcher=args.dispatcher, overlap=args.overlap, max_new_tokens=args.max_new_tokens)
+        rows = [{"prompt": i, "prompt_ids": prompts[i], "token_ids": ids} for i, ids in sorted(outputs.items())]
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ranks": per_rank}, indent=1))
+        console.print(f"written to {args.json}", highlight=False, soft_wrap=True)
