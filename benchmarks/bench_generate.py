@@ -11,7 +11,8 @@ routed experts (top-8, one shared), a ``--vocab`` word vocabulary. Rows (``OUT/g
   the batch split over the ranks (DP attention), ``--dispatcher`` for the MoE layers, eager.
 
 Each row: ``prefill_ms`` (prompt to first token), ``tpot_ms`` (mean time per later token),
-``tokens_per_s`` (new tokens of the whole batch / the slowest rank's time), ``load_rss_growth_mb``
+``tokens_per_s`` (new tokens of the whole batch / the slowest rank's time; each implementation first
+runs the same generation once, untimed, so cuDNN's per-length attention plans are built), ``load_rss_growth_mb``
 (the host memory a rank's load added, peak), ``same_tokens`` (moe-sbo's new tokens equal
 ``transformers``' for the first ``--compare-tokens``; bf16 on different kernels may drift later).
 
@@ -87,7 +88,9 @@ def transformers_row(path: Path, prompts, args, device: str) -> dict:
     model = model.to(device).eval()
     grown = peak_rss_mb() - before
     experts_implementation = getattr(model.config, "_experts_implementation", None)
-    generate(model, prompts[:1], 2)  # warm-up: kernels, allocator
+    # Warm-up: the same generation once. cuDNN builds an attention plan per sequence length (~10 ms
+    # of host time each, measured), which a server pays once; the timed run then reuses them.
+    generate(model, prompts, args.new_tokens)
     result = generate(model, prompts, args.new_tokens)
     del model
     row = _row("transformers", 1, result.token_ids, result.prefill_s, result.tpot_s, args, grown)
@@ -102,7 +105,7 @@ def ep_rank(device, path, shares, new_tokens, dispatcher):
     model = load_model(path, dispatcher=dispatcher, device=device)
     grown = peak_rss_mb() - before
     mine = shares[dist.get_rank()]
-    generate(model, mine[:1] or [], 2)  # warm-up (an empty rank joins with 0-token calls)
+    generate(model, mine, new_tokens)  # warm-up, as for transformers (an empty rank joins with 0-token calls)
     result = generate(model, mine, new_tokens)
     return result.token_ids, result.prefill_s, result.tpot_s, grown
 
