@@ -26,7 +26,7 @@ from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile
 from moe_sbo.runtime import RankError, RankFailure
 
-COMMANDS = ("demo", "bench", "check", "plan")
+COMMANDS = ("demo", "bench", "check", "generate", "plan")
 
 
 def _run(*args, timeout=240):
