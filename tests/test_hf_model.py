@@ -170,6 +170,8 @@ def test_cli_text_prompts_go_through_the_checkpoints_tokenizer(checkpoints, tmp_
     assert row["token_ids"] == reference_ids(str(path), [row["prompt_ids"]])[0]
     text = AutoTokenizer.from_pretrained(path).decode(row["token_ids"], skip_special_tokens=True)
     assert f"prompt 0: {text}" in capsys.readouterr().out  # the new tokens printed as text
+    assert main([*argv, "--prompts-file", str(tmp_path / "missing.txt")]) == 2
+    assert "--prompts-file must be a readable text file" in capsys.readouterr().err
 
 
 def test_cli_refuses_bad_prompts_before_any_rank_starts(checkpoints, capsys):

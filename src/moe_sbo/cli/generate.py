@@ -221,7 +221,13 @@ def _prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[
             f"{args.checkpoint} has no tokenizer, so text prompts cannot be encoded; pass token ids with "
             "--prompt-ids 1,2,3 instead"
         )
-    texts = args.prompt if args.prompt is not None else Path(args.prompts_file).read_text().splitlines()
+    if args.prompt is not None:
+        texts = args.prompt
+    else:
+        try:
+            texts = Path(args.prompts_file).read_text().splitlines()
+        except OSError as err:
+            raise ValueError(f"--prompts-file must be a readable text file, got {args.prompts_file}: {err}") from None
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise ValueError("the prompts must hold at least one non-empty line")
