@@ -19,6 +19,7 @@ from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader
 from moe_sbo.hf.config import config_from_hf, moe_layer_indices
 from moe_sbo.hf.reference import reference_moe_block, weights_from_hf_moe
 from moe_sbo.layer import MoELayer
+from moe_sbo.weights import layer_weights
 
 FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe")
 P = "model.layers.1.mlp."
@@ -489,3 +490,22 @@ def test_load_weights_refuses_another_ranks_experts(tmp_path):
         layer.load_weights(weights)
     with pytest.raises(ValueError, match="expert_ids must be a contiguous range inside"):
         checkpoint.read_moe_weights(1, range(6, 10))
+
+
+def test_layer_loader_reads_experts_straight_into_the_layer(tmp_path):
+    path, _ = write_published_v3(tmp_path, fp8=False)
+    checkpoint = Checkpoint(path)
+    layer = MoELayer(checkpoint.moe_config, dispatcher="local", seed=None)  # uninitialised until loaded
+    gate_up = layer.experts.gate_up_proj
+    LayerLoader(checkpoint, 1)(layer)
+    weights, _ = checkpoint.read_moe_weights(1, dtype=layer.dtype)
+    assert layer.experts.gate_up_proj is gate_up  # filled in place: no second copy of the experts
+    assert torch.equal(gate_up, weights.gate_up_proj_E2IH) and torch.equal(
+        layer.experts.down_proj, weights.down_proj_EHI
+    )
+    # ``into`` is returned as given, and must have the read's shape and dtype.
+    into = layer_weights(layer)
+    got, _ = checkpoint.read_moe_weights(1, dtype=layer.dtype, into=into)
+    assert got.gate_up_proj_E2IH is into.gate_up_proj_E2IH
+    with pytest.raises(ValueError, match="the tensor to read gate_up into must be"):
+        checkpoint.read_moe_weights(1, dtype=torch.float64, into=into)

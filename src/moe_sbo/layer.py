@@ -46,7 +46,8 @@ class MoELayer(nn.Module):
     ``torch.distributed`` is not initialised). ``overlap``: where the shared experts run, one of
     ``moe_sbo.overlap.OVERLAP_MODES`` or a strategy from ``make_overlap``; ``sm_budget`` is the SMs
     ``combine_sm`` leaves the shared experts. Weights are random from ``seed`` (identical on every
-    rank for the same expert) until ``load_weights`` sets them. ``dtype`` of the weights and
+    rank for the same expert) until ``load_weights`` sets them; ``seed=None`` leaves them
+    uninitialised, for a load that follows. ``dtype`` of the weights and
     activations: by default bfloat16 on CUDA, float32 on CPU (CPU bf16 GEMMs are slow, and CPU ranks
     are for checking results, where float32 differs from a reference only by summation order).
     ``expert_dtype``: ``None`` (the routed experts' weights in ``dtype``) or ``"fp8"``: e4m3 weights
@@ -63,7 +64,7 @@ class MoELayer(nn.Module):
         group=None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        seed: int = 0,
+        seed: int | None = 0,
         overlap: str | Overlap = "none",
         sm_budget: int | None = None,
         dispatcher_options: dict | None = None,
@@ -97,7 +98,8 @@ class MoELayer(nn.Module):
             else None
         )
         self.last_traffic = Traffic()  # of the last forward (of both micro-batches after a TBO forward)
-        self.reset_parameters(seed)
+        if seed is not None:  # None: left uninitialised for load_weights (no time spent on random weights)
+            self.reset_parameters(seed)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         """``x_TH`` [T, H] in the layer's dtype and device -> ``[T, H]``. T may differ per rank, or be 0."""

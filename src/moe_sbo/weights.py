@@ -108,6 +108,8 @@ def load_weights(layer: LayerParts, weights: MoEWeights, expert_ids: range | Non
         blocks = -(-2 * i // FP8_BLOCK), -(-h // FP8_BLOCK), -(-i // FP8_BLOCK)
         check_shape("gate_up_proj_scale_inv", scales[0], (held, blocks[0], blocks[1]))
         check_shape("down_proj_scale_inv", scales[1], (held, blocks[1], blocks[2]))
+    if weights.gate_up_proj_E2IH is layer.experts.gate_up_proj and weights.down_proj_EHI is layer.experts.down_proj:
+        mine = slice(0, 0)  # read straight into this layer (LayerLoader): nothing to copy
     for local, row in enumerate(range(held)[mine]):  # one expert at a time: a format change copies one matrix
         layer.experts.set_expert(
             local,

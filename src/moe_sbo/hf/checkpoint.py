@@ -41,7 +41,7 @@ import torch
 from ..config import MoEConfig
 from ..fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks, sizes_off_blocks
 from ..layer import MoELayer
-from ..weights import MoEWeights
+from ..weights import MoEWeights, layer_weights
 from .config import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -147,6 +147,7 @@ class Checkpoint:
         dtype: torch.dtype | None = None,
         *,
         fp8_experts: bool = False,
+        into: MoEWeights | None = None,
     ) -> tuple[MoEWeights, ReadReport]:
         """The weights of MoE layer ``layer``: router, shared experts, and routed experts ``expert_ids``.
 
@@ -161,6 +162,10 @@ class Checkpoint:
         the shared experts only). FP8-stored weights with 128x128 blocks are copied as stored, byte
         for byte, never widened; other block sizes are dequantised and requantised at 128, and dense
         weights quantised, one tensor read at a time. H and I must be multiples of 128.
+
+        ``into``: tensors to read the routed experts straight into (``weights.layer_weights(layer)``
+        of a layer with these experts), so a rank never holds its experts twice; they must have the
+        shapes and dtypes the read returns.
 
         Only files holding the requested tensors are opened (``ReadReport``); bad names, shapes or
         missing FP8 scales raise ``ValueError`` naming the file and tensor, before any data is read.
@@ -178,6 +183,14 @@ class Checkpoint:
             raise ValueError(f"expert_ids must be a contiguous range inside [0, {num_experts}), got {expert_ids!r}")
         pieces = self._pieces(layer, expert_ids)
         tensors: dict[str, torch.Tensor] = {}
+        if into is not None:
+            targets = {
+                "gate_up": into.gate_up_proj_E2IH,
+                "down": into.down_proj_EHI,
+                "gate_up_scale": into.gate_up_proj_scale_inv,
+                "down_scale": into.down_proj_scale_inv,
+            }
+            tensors.update({name: t for name, t in targets.items() if t is not None})
         sink = _Assembler(self.moe_config, len(expert_ids), dtype, tensors, self.fp8_block, fp8_experts)
         files, names, nbytes = self._read(pieces, sink)
         return _weights(tensors), ReadReport(layer, expert_ids, files, names, nbytes)
@@ -266,16 +279,22 @@ class Checkpoint:
                 return tuple(opened), (), 0
             names, nbytes = [], 0
             for p, stored, scaled in plan:
-                tensor, scale_inv = _load(opened[p.file][0], p), None
+                tensor, scale_inv = self._load_alone(p), None
                 nbytes += tensor.numel() * STORED_BYTES[stored]
                 if scaled is not None:
                     scale, scale_stored = scaled
-                    scale_inv = _load(opened[scale.file][0], scale)
+                    scale_inv = self._load_alone(scale)
                     nbytes += scale_inv.numel() * STORED_BYTES[scale_stored]
                     names.append(scale.name)
                 sink.put(p, tensor, scale_inv)
                 names.append(p.name)
             return tuple(opened), tuple(names), nbytes
+
+    def _load_alone(self, p: _Piece) -> torch.Tensor:
+        """``p`` read through its own short-lived mapping of the file: the pages it touched are
+        unmapped when it returns, so the host holds the copy, not the copy plus the file's pages."""
+        with _open(self.path / p.file) as f:
+            return _load(f, p)
 
     def _check_header(self, f, names: set[str], p: _Piece) -> str:
         """The stored dtype of ``p`` after checking it exists with the expected shape in its file."""
@@ -425,7 +444,13 @@ class _Assembler:
     def _part(self, target: str, dtype: torch.dtype) -> torch.Tensor:
         if target not in self.out:
             self.out[target] = torch.empty(self.shapes[target], dtype=dtype)
-        return self.out[target]
+        part = self.out[target]
+        if tuple(part.shape) != self.shapes[target] or part.dtype != dtype:  # a given ``into`` tensor
+            raise ValueError(
+                f"the tensor to read {target} into must be {self.shapes[target]} {dtype}, got "
+                f"{tuple(part.shape)} {part.dtype}; pass the weights of a layer with these experts and dtype"
+            )
+        return part
 
 
 def _block_index(index: tuple) -> tuple:
@@ -466,9 +491,13 @@ class LayerLoader:
 
     def __call__(self, layer: MoELayer) -> MoELayer:
         experts, key = layer.local_expert_ids, self._key(layer)
-        if key not in self._reads:
+        if key not in self._reads:  # the first such layer is read into directly: one copy of its experts
             self._reads[key] = self.checkpoint.read_moe_weights(
-                self.layer_index, experts, dtype=layer.dtype, fp8_experts=layer.experts.fp8
+                self.layer_index,
+                experts,
+                dtype=layer.dtype,
+                fp8_experts=layer.experts.fp8,
+                into=layer_weights(layer),  # on a GPU too: the host holds one read piece at a time
             )
         layer.load_weights(self._reads[key][0], expert_ids=experts)
         return layer

@@ -110,6 +110,7 @@ def load_model(
             dtype=dtype,
             device=device,
             expert_dtype=expert_dtype,
+            seed=None,  # the checkpoint sets every weight
         )
         model.model.layers[index].mlp = ExpertParallelMoE(LayerLoader(checkpoint, index)(moe))
 
@@ -134,7 +135,8 @@ def _read_dense(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint but the MoE blocks' (read by ``LayerLoader``) and layers past
     ``num_layers`` (DeepSeek-V3's multi-token-prediction layer: generation does not run it), one at a
-    time, FP8 ones dequantised, in ``dtype`` on ``device``."""
+    time, FP8 ones dequantised, in ``dtype`` on ``device``. Peak host memory: what the rank keeps
+    plus one tensor (measured: ``benchmarks/measure_load_memory.py``)."""
     from safetensors import safe_open
 
     def wanted(name: str) -> bool:
@@ -145,20 +147,17 @@ def _read_dense(
         in_moe_block = layer in moe_indices and name.startswith(f"model.layers.{layer}.mlp.")
         return layer < num_layers and not in_moe_block and not name.endswith("_scale_inv")
 
-    names_by_file: dict[str, list[str]] = {}
-    for name, file in checkpoint.weight_map.items():
-        if wanted(name):
-            names_by_file.setdefault(file, []).append(name)
+    def read(name: str) -> torch.Tensor:
+        # One mapping per tensor: its pages are released when it is read (see Checkpoint._load_alone).
+        with safe_open(str(checkpoint.path / checkpoint.weight_map[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
     state: dict[str, torch.Tensor] = {}
-    for file, names in names_by_file.items():
-        with safe_open(str(checkpoint.path / file), framework="pt") as f:
-            for name in names:
-                tensor = f.get_tensor(name)
-                if tensor.dtype == torch.float8_e4m3fn:
-                    scale_file = checkpoint.weight_map[name + "_scale_inv"]
-                    with safe_open(str(checkpoint.path / scale_file), framework="pt") as g:
-                        tensor = dequantize_fp8_blocks(tensor, g.get_tensor(name + "_scale_inv"), checkpoint.fp8_block)
-                state[name] = tensor.to(device=device, dtype=dtype)
+    for name in filter(wanted, checkpoint.weight_map):
+        tensor = read(name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor = dequantize_fp8_blocks(tensor, read(name + "_scale_inv"), checkpoint.fp8_block)
+        state[name] = tensor.to(device=device, dtype=dtype)
     return state
 
 
