@@ -35,9 +35,30 @@ Y     any other count a function defines locally (say what in its docstring)
 ====  =========================================================================================
 """
 
-from .config import PRESETS, MoEConfig, get_preset
-from .layer import MoELayer
-from .weights import MoEWeights
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import PRESETS, MoEConfig, get_preset
+    from .layer import MoELayer
+    from .weights import MoEWeights
 
 __all__ = ["PRESETS", "MoEConfig", "MoELayer", "MoEWeights", "get_preset"]
 __version__ = "0.1.0"
+# Imported on first use, not with the package: ``moe-sbo`` must be able to catch a Ctrl-C that
+# arrives while torch is still being imported (the command line imports torch inside ``main``).
+_EXPORTS = {
+    "PRESETS": "config",
+    "MoEConfig": "config",
+    "get_preset": "config",
+    "MoELayer": "layer",
+    "MoEWeights": "weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

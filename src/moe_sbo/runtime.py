@@ -19,14 +19,16 @@ default 60 s) and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.reduction import ForkingPickler
@@ -37,6 +39,7 @@ import torch.distributed as dist
 
 from . import env
 
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
 
 
@@ -109,6 +112,10 @@ def _worker(
     cannot be pickled, is reported as this rank's failure instead of killing it or vanishing in the
     queue's feeder thread.
     """
+    # The launcher owns interruption: a Ctrl-C reaches every process of the terminal's group, and a
+    # rank that raised KeyboardInterrupt mid-collective would only turn it into a rank failure; the
+    # launcher stops the ranks itself (``LocalRanks.stop``).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if device == "cpu":
             torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
@@ -222,7 +229,41 @@ def _context(device: str) -> mp.context.SpawnContext | mp.context.ForkServerCont
     ctx = mp.get_context("forkserver")
     # The preload list only counts before the server's first start (the first LocalRanks of a process).
     ctx.set_forkserver_preload(["torch", "torch.distributed", "moe_sbo.runtime", "moe_sbo.layer"])
+    _start_forkserver_ignoring_sigint()
     return ctx
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the body runs, then delivered to the handlers in place
+    before (so Ctrl-C still raises, only after every rank started has a pid the launcher can stop)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in DEFERRED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])
+
+
+def _start_forkserver_ignoring_sigint() -> None:
+    """Start the fork server with SIGINT ignored, which it and every rank it forks inherit: a Ctrl-C
+    reaches the terminal's whole process group, and the launcher alone must handle it (it stops the
+    ranks); otherwise the server, still importing torch, or a rank mid-start prints a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread; start it as multiprocessing would
+    from multiprocessing import forkserver
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class LocalRanks:
@@ -270,7 +311,11 @@ class LocalRanks:
         self._results: Queue[Any] | None = None
         self._call = 0
         self._closed = False
-        self._start()
+        try:
+            self._start()
+        except BaseException:  # an interrupt during start-up too: no rank outlives a failed constructor
+            self.stop()
+            raise
 
     @property
     def pids(self) -> list[int]:
@@ -333,8 +378,9 @@ class LocalRanks:
             )
             for r in range(self.world_size)
         ]
-        for proc in self._procs:
-            proc.start()
+        with _signals_deferred():  # an interrupt here would leave a rank forked but unknown to us
+            for proc in self._procs:
+                proc.start()
         self._collect(0, "start-up")
 
     def _collect(self, call: int, what: str) -> list[Any]:
@@ -404,10 +450,11 @@ class LocalRanks:
 
     def _stop(self) -> None:
         """Stop every rank now (they may be blocked in a collective, so no polite shutdown)."""
-        for proc in self._procs:
+        started = [proc for proc in self._procs if proc.pid is not None]  # interrupted start-ups leave some unstarted
+        for proc in started:
             if proc.is_alive():
                 proc.terminate()
-        for proc in self._procs:
+        for proc in started:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
@@ -432,11 +479,19 @@ class LocalRanks:
             proc.join(timeout=10)
         self._stop()
 
+    def stop(self) -> None:
+        """Stop every rank now, busy or not, and close (on an interrupt: no polite shutdown to wait for)."""
+        self._closed = True
+        self._stop()
+
     def __enter__(self) -> LocalRanks:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):  # KeyboardInterrupt, SystemExit
+            self.stop()
+        else:
+            self.close()
 
 
 class RankPool:
@@ -457,4 +512,10 @@ class RankPool:
     def close(self) -> None:
         if self.ranks is not None:
             self.ranks.close()
+            self.ranks = None
+
+    def stop(self) -> None:
+        """Stop the ranks now (``LocalRanks.stop``)."""
+        if self.ranks is not None:
+            self.ranks.stop()
             self.ranks = None

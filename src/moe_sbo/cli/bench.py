@@ -238,6 +238,9 @@ def run_bench(args: argparse.Namespace) -> int:
             meta["stopped"] = stopped + ("; no timeline drawn" if args.timeline or args.trace else "")
         elif args.timeline or args.trace:
             _timeline(args, pool, experts_list[0], dispatchers, modes, dtype, ranks, device, console)
+    except BaseException:
+        pool.stop()  # an interrupt or a failure: stop the ranks now, not politely
+        raise
     finally:
         pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)

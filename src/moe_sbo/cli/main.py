@@ -11,12 +11,15 @@ plain-text descriptions (``DESCRIPTION`` here, one per subcommand module), not t
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import signal
 import sys
 
 from .. import __version__
-from ..runtime import RankError
-from . import bench, check, demo, generate, plan
-from .options import LOG_LEVELS, HelpFormatter, configure_logging, log_level
+
+# The subcommands (and torch) are imported inside ``main``, where a Ctrl-C is caught: at the prompt a
+# user may interrupt while torch is still importing, and must get one line, not a traceback.
 
 DESCRIPTION = """\
 Expert-parallel MoE layers with communication/computation overlap, on local ranks.
@@ -36,6 +39,9 @@ Options of one subcommand: moe-sbo COMMAND --help."""
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``moe-sbo`` parser: global options, then one subparser per subcommand."""
+    from . import bench, check, demo, generate, plan
+    from .options import LOG_LEVELS, HelpFormatter
+
     parser = argparse.ArgumentParser(
         prog="moe-sbo",
         usage="%(prog)s [-h] [--version] [-v] [--log-level LEVEL] COMMAND ...",  # COMMAND: its list is hidden
@@ -67,9 +73,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+class Terminated(BaseException):
+    """SIGTERM as an exception, so it unwinds like Ctrl-C: the ranks are stopped on the way out."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(log_level(args.verbose, args.log_level))
+    """``moe-sbo``: parse, run the subcommand; its exit status (0 ok, 1 a rank failed, 2 bad input,
+    130 / 143 interrupted by SIGINT / SIGTERM)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    command = next((a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-")), "")
+    try:
+        from .options import configure_logging, log_level
+
+        args = build_parser().parse_args(argv)
+        command = args.command
+        configure_logging(log_level(args.verbose, args.log_level))
+        return _run(args)
+    except KeyboardInterrupt:
+        return _interrupted(command, signal.SIGINT)
+    except Terminated:
+        return _interrupted(command, signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def entry() -> int:
+    """The ``moe-sbo`` executable: ``main``, then an exit that a late Ctrl-C or SIGTERM cannot turn
+    into a traceback (the ranks are already stopped; what is left is the interpreter's own exit)."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if code in INTERRUPTED_CODES:
+        # The ranks are stopped; skip the interpreter's finalisation, which under load was seen to
+        # end the process by the signal itself (status -2) after the line above was printed. The
+        # collection first runs the finalisers that unlink the stopped ranks' queue semaphores.
+        gc.collect()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _interrupted(command: str, signum: signal.Signals) -> int:
+    """One line, no traceback; the shell's status for a signal: 128 + its number (130, 143)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
+    print(f"moe-sbo{' ' + command if command else ''}: interrupted ({signum.name})", file=sys.stderr)
+    return 128 + signum
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..runtime import RankError
+    from . import bench, check, demo, generate, plan
+
     run = {
         "demo": demo.run_demo,
         "plan": plan.run_plan,
@@ -88,4 +150,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

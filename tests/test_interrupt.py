@@ -1,0 +1,123 @@
+"""Ctrl-C and SIGTERM end every ``moe-sbo`` command within seconds: one line, exit status 130 / 143,
+no traceback, and no process of ours left (ranks, fork server), whether the signal comes while
+torch imports, while ranks start, or in the middle of a run; sent to the whole process group (a
+terminal's Ctrl-C) or to the command alone (``timeout``, ``kill``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_blocks import make_hf_model
+
+EXIT_BOUND_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_model")
+    make_hf_model("qwen3_moe", seed=1).save_pretrained(path)
+    return str(path)
+
+
+def _live_in_group(pgid: int) -> list[str]:
+    """Processes of process group ``pgid`` that have not exited (zombies, already ended, excluded)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            live.append(stat.parent.name)
+    return live
+
+
+def _importing_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _interrupt(argv: list[str], delay_s: float, signum: int, whole_group: bool) -> tuple[int, str, float, list]:
+    """Run ``moe-sbo argv``, send ``signum`` ``delay_s`` after it started (0: as soon as it maps
+    libtorch, i.e. mid-import), and return (exit status, stderr, seconds to exit, live leftovers)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_sbo", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+    if delay_s:
+        time.sleep(delay_s)
+    else:
+        while not _importing_torch(proc.pid) and proc.poll() is None:
+            time.sleep(0.01)
+    assert proc.poll() is None, "the command ended before the signal; make it longer"
+    sent = time.monotonic()
+    (os.killpg if whole_group else os.kill)(proc.pid, signum)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    took = time.monotonic() - sent
+    deadline = time.monotonic() + 2
+    while _live_in_group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _live_in_group(proc.pid)
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, err, took, left
+
+
+CASES = [
+    # (when, signal, to the whole group): while torch imports (0), while the ranks start, mid-generation
+    (0, signal.SIGINT, True),
+    (1.2, signal.SIGINT, True),
+    (1.2, signal.SIGTERM, False),
+    (6.0, signal.SIGINT, True),
+    (6.0, signal.SIGINT, False),
+    (6.0, signal.SIGTERM, False),
+]
+
+
+@pytest.mark.parametrize("delay_s, signum, whole_group", CASES)
+def test_generate_ends_cleanly_on_a_signal(tiny_model, delay_s, signum, whole_group):
+    argv = [
+        "generate",
+        "--checkpoint",
+        tiny_model,
+        "--ranks",
+        "2",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "20000",
+    ]
+    code, err, took, left = _interrupt(argv, delay_s, signum, whole_group)
+    assert code == 128 + signum, err
+    assert err.strip() == f"moe-sbo generate: interrupted ({signal.Signals(signum).name})", err
+    assert took <= EXIT_BOUND_S and not left, (took, left)
+
+
+def test_demo_ends_cleanly_on_ctrl_c_while_its_ranks_start():
+    code, err, took, left = _interrupt(["demo", "--overlap", "all"], 1.4, signal.SIGINT, True)
+    assert code == 130 and "Traceback" not in err and err.strip().endswith("interrupted (SIGINT)"), err
+    assert took <= EXIT_BOUND_S and not left, (took, left)
+
+
+def test_bench_ends_cleanly_on_ctrl_c_mid_sweep():
+    argv = ["bench", "--device", "cpu", "--iters", "2000"]  # long enough for the signal to land mid-sweep
+    code, err, took, left = _interrupt(argv, 4.0, signal.SIGINT, True)
+    assert code == 130 and err.strip().endswith("moe-sbo bench: interrupted (SIGINT)"), err
+    assert "Traceback" not in err and took <= EXIT_BOUND_S and not left, (took, left)
