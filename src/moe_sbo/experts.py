@@ -39,8 +39,9 @@ except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and ref
 
 FP8_KERNELS = ("auto", "triton", "scaled_mm", "torch")
 # From here (rows per expert, on average) "auto" runs cuBLAS's block-wise FP8 GEMMs, one per expert:
-# measured on H200 at DeepSeek-V3 dims, cuBLAS's GEMMs run 1.25-1.6x the Triton kernel's rate from
-# 2048 rows on, while with fewer rows the calls' host cost (16 calls: ~0.4 ms) is not hidden (docs/BENCHMARKS.md).
+# measured on H200 at DeepSeek-V3 dims, from 2048 rows they compute at 800-1040 TFLOP/s against the
+# Triton kernel's ~710-790, while with fewer rows the calls' host cost (16 calls: ~0.4 ms) is not
+# hidden (docs/BENCHMARKS.md).
 SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 
 
