@@ -343,3 +343,40 @@ def test_copy_engine_refuses_cpu_tensors_before_any_transfer():
     d = make_dispatcher("low_latency", 8, EPGroup(), transport="copy_engine", kernels="torch")
     with torch.inference_mode(), pytest.raises(ValueError, match="transport='copy_engine' needs CUDA tensors"):
         d.dispatch(torch.randn(2, 16), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2))
+
+
+def _mismatch_rank(device, options_per_rank, dtype_per_rank):
+    rank = dist.get_rank()
+    cfg = get_preset("tiny").replace(hidden_size=128)
+    dtype = getattr(torch, dtype_per_rank[rank])
+    options = dict(options_per_rank[rank])
+    layer = _ll(cfg, options.pop("capacity"), dtype=dtype, **options)
+    x = torch.randn(5, cfg.hidden_size).to(dtype)
+    try:
+        with torch.no_grad():
+            layer(x)
+        message = "no error"
+    except ValueError as err:
+        message = str(err)
+    # The group still works afterwards: the same ranks run a layer built alike.
+    with torch.no_grad():
+        _ll(cfg, 8, dtype=torch.float32)(x.float())
+    return message
+
+
+@pytest.mark.parametrize(
+    "options, dtypes, expected",
+    [
+        ([{"capacity": 8}, {"capacity": 16}], ["float32", "float32"], "max_tokens_per_rank [8, 16]"),
+        ([{"capacity": 8, "fp8": True}, {"capacity": 8}], ["float32", "float32"], "fp8 [1, 0]"),
+        ([{"capacity": 8, "num_buffers": 1}, {"capacity": 8}], ["float32", "float32"], "num_buffers [1, 2]"),
+        (
+            [{"capacity": 8}, {"capacity": 8}],
+            ["float32", "bfloat16"],
+            "activation dtype ['torch.float32', 'torch.bfloat16']",
+        ),
+    ],
+)
+def test_ranks_built_differently_are_refused_on_every_rank_before_any_transfer(ranks2, options, dtypes, expected):
+    for message in ranks2.run(_mismatch_rank, options, dtypes):
+        assert "must be built alike on every rank" in message and expected in message, message

@@ -101,6 +101,7 @@ KERNELS = ("auto", "triton", "torch")
 # (``ll_bulk``: work linear in the tokens) instead of one (``ll_kernels``: quadratic, fewer launches).
 BULK_MIN_CAPACITY = 512
 TRANSPORTS = ("auto", "nccl", "symm_mem", "copy_engine")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @register_dispatcher
@@ -286,6 +287,7 @@ class LowLatencyDispatcher(Dispatcher):
                 # Normal tensors even when first used under inference_mode: inference tensors could
                 # not be written by a later forward under plain no_grad.
                 transport = self.transport_for(device)
+                self._check_built_alike(device, dtype, hidden, top_k, transport)
                 self._buffers[key] = [
                     allocate_buffers(
                         device, dtype, fmt, self.ep, self.capacity, transport=transport, collective=self._collective
@@ -293,6 +295,43 @@ class LowLatencyDispatcher(Dispatcher):
                     for _ in range(self.num_buffers)
                 ]
         return self._buffers[key]
+
+    def _check_built_alike(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int, transport: str):
+        """Every rank's buffers must have the same layout: a rank with another capacity would send
+        blocks of another size (gloo aborts the process, NCCL hangs, symmetric-memory stores land
+        in the wrong rows). Compared once, before the first transfer, with one fixed-size all-gather;
+        a difference raises the same ``ValueError`` on every rank."""
+        if not self._collective or self.ep.size == 1:
+            return
+        setup = {
+            "max_tokens_per_rank": self.capacity,
+            "num_buffers": self.num_buffers,
+            "fp8": int(self.fp8),
+            "num_experts": self.num_experts,
+            "hidden size": hidden,
+            "top-k": top_k,
+            "activation dtype": _DTYPE_CODES.get(dtype, -1),
+            "transport": TRANSPORTS.index(transport),
+        }
+        mine = torch.tensor(list(setup.values()), dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(self.ep.size)]
+        dist.all_gather(gathered, mine, group=self.ep.group)
+        per_rank = torch.stack(gathered).cpu().tolist()
+        names = {
+            "activation dtype": {c: str(d) for d, c in _DTYPE_CODES.items()},
+            "transport": dict(enumerate(TRANSPORTS)),
+        }
+        differing = [
+            f"{name} {[names.get(name, {}).get(row[j], row[j]) for row in per_rank]}"
+            for j, name in enumerate(setup)
+            if any(row[j] != per_rank[0][j] for row in per_rank)
+        ]
+        if differing:
+            raise ValueError(
+                f"low_latency dispatchers must be built alike on every rank of the EP group, got per rank: "
+                f"{'; '.join(differing)}; build every rank's layer with the same dispatcher_options, and give "
+                "every rank inputs of the same dtype and hidden size"
+            )
 
     def max_rounds_in_flight(self) -> int:
         return self.num_buffers
