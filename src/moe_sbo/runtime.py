@@ -228,9 +228,27 @@ def _context(device: str) -> mp.context.SpawnContext | mp.context.ForkServerCont
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # The preload list only counts before the server's first start (the first LocalRanks of a process).
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "moe_sbo.runtime", "moe_sbo.layer"])
-    _start_forkserver_ignoring_sigint()
+    # forkserver_signals first: the server and its ranks ignore SIGINT (the launcher handles it).
+    preload = ["moe_sbo.forkserver_signals", "torch", "torch.distributed", "moe_sbo.runtime", "moe_sbo.layer"]
+    ctx.set_forkserver_preload(preload)
+    _start_forkserver(ctx)
     return ctx
+
+
+def _start_forkserver(ctx: mp.context.ForkServerContext) -> None:
+    """Start the fork server with SIGINT ignored for the instant of its fork and exec, so that its
+    interpreter starts ignoring it too (the preloaded ``forkserver_signals`` keeps it so); a Ctrl-C
+    in those few milliseconds is lost to the launcher, not turned into the server's traceback."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # signal dispositions can only be changed from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -249,21 +267,6 @@ def _signals_deferred() -> Iterator[None]:
             signal.signal(sig, handler)
         if held:
             signal.raise_signal(held[0])
-
-
-def _start_forkserver_ignoring_sigint() -> None:
-    """Start the fork server with SIGINT ignored, which it and every rank it forks inherit: a Ctrl-C
-    reaches the terminal's whole process group, and the launcher alone must handle it (it stops the
-    ranks); otherwise the server, still importing torch, or a rank mid-start prints a traceback."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread; start it as multiprocessing would
-    from multiprocessing import forkserver
-
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class LocalRanks:

@@ -15,6 +15,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 
 from .. import __version__
 
@@ -112,8 +113,12 @@ def entry() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if code in INTERRUPTED_CODES:
         # The ranks are stopped; skip the interpreter's finalisation, which under load was seen to
-        # end the process by the signal itself (status -2) after the line above was printed. The
-        # collection first runs the finalisers that unlink the stopped ranks' queue semaphores.
+        # end the process by the signal itself (status -2) after the line above was printed. First
+        # the closed queues' feeder threads finish, and a collection runs the finalisers that unlink
+        # the queues' semaphores (else multiprocessing's resource tracker warns about them).
+        for thread in threading.enumerate():
+            if thread.name == "QueueFeederThread":
+                thread.join(timeout=1.0)
         gc.collect()
         sys.stdout.flush()
         sys.stderr.flush()
