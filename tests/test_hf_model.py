@@ -47,19 +47,32 @@ def reference_ids(path: str, prompts: list[list[int]]) -> list[list[int]]:
     return rows
 
 
-def _generate_rank(device, path, prompts_per_rank, dispatcher, options):
+def _generate_rank(device, path, prompts_per_rank, dispatcher, options, eos_token_id=None):
     model = load_model(path, dispatcher=dispatcher, dispatcher_options=options)
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-    result = generate(model, prompts_per_rank[dist.get_rank()], NEW_TOKENS)
+    result = generate(model, prompts_per_rank[dist.get_rank()], NEW_TOKENS, eos_token_id=eos_token_id)
     local = [b.moe.experts.gate_up_proj.shape[0] for b in blocks]
     return result.token_ids, result.forwards, [b.calls for b in blocks], local
 
 
 def _check(results, path, prompts_per_rank, world):
+    steps = {forwards for _, forwards, _, _ in results}
+    assert len(steps) == 1 and 1 <= steps.pop() <= NEW_TOKENS  # every rank the same forwards, empty ones too
     for rank, (token_ids, forwards, calls, local) in enumerate(results):
         assert token_ids == reference_ids(path, prompts_per_rank[rank]), f"rank {rank}"
-        assert forwards == NEW_TOKENS and all(c == NEW_TOKENS for c in calls)  # in step, empty rank too
+        assert all(c == forwards for c in calls)
         assert all(n == 16 // world for n in local)  # each rank holds only its share of the 16 experts
+
+
+def test_generation_stops_on_every_rank_once_every_prompt_has_ended(ranks4, checkpoints):
+    # Each prompt's first new token, taken as end-of-sequence: every prompt ends at step 1, so
+    # every rank (the empty one too) makes exactly one forward.
+    path = checkpoints["deepseek_v3"]
+    firsts = sorted({ids[0] for prompts in PROMPTS_EP4 for ids in reference_ids(path, prompts)})
+    results = ranks4.run(_generate_rank, path, PROMPTS_EP4, "alltoall", None, firsts)
+    for rank, (token_ids, forwards, calls, _) in enumerate(results):
+        assert forwards == 1 and all(c == 1 for c in calls), (rank, forwards, calls)
+        assert all(len(ids) == 1 and ids[0] in firsts for ids in token_ids)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -146,7 +159,7 @@ def test_cli_generates_prompt_ids_as_transformers(checkpoints, tmp_path):
     )
     got = {row["prompt"]: row["token_ids"] for row in result["rows"]}
     assert [got[0], got[2], got[1]] == expected
-    assert [r["forwards"] for r in result["ranks"]] == [NEW_TOKENS, NEW_TOKENS]
+    assert len({r["forwards"] for r in result["ranks"]}) == 1  # both ranks in step
     assert all(r["tpot_s"] > 0 and r["prefill_s"] > 0 for r in result["ranks"])
 
 

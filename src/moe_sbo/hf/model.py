@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..fp8 import dequantize_fp8_blocks
@@ -222,12 +223,14 @@ def generate(
     pad_token_id: int = 0,
     on_step: Callable[[], None] | None = None,
 ) -> Generation:
-    """Greedy generation of ``max_new_tokens`` for this rank's ``prompts`` (token ids; may be empty),
-    in step with the other ranks: exactly ``max_new_tokens`` forwards on every rank.
+    """Greedy generation of up to ``max_new_tokens`` for this rank's ``prompts`` (token ids; may be
+    empty), in step with the other ranks: every rank makes the same number of forwards.
 
     Prompts are left-padded into one batch, as ``transformers`` batches them; ``eos_token_id``
     (default: the model's) ends a prompt's output, which is then cut after it, as ``transformers``
-    ``generate`` returns it. ``model``: from ``load_model`` (a ``transformers`` causal LM).
+    ``generate`` returns it. Generation stops when every prompt on every rank has ended (one
+    one-element all-reduce per step decides it) or after ``max_new_tokens``. ``model``: from
+    ``load_model`` (a ``transformers`` causal LM).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -236,8 +239,9 @@ def generate(
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    agree = _StepAgreement(blocks, device)
     if not prompts:
-        return _idle(blocks, model, max_new_tokens, device, on_step)
+        return _idle(blocks, model, max_new_tokens, device, on_step, agree)
     if any(not p for p in prompts):
         raise ValueError("every prompt must have at least one token id; drop empty prompts")
     width = max(len(p) for p in prompts)
@@ -245,8 +249,8 @@ def generate(
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     clock = _StepClock(device, on_step)
     calls_before = [b.calls for b in blocks]
-    # No end-of-sequence stop inside generate: every rank runs all max_new_tokens forwards (the
-    # tokens after a prompt's end are dropped below); the model's own config keeps its other settings.
+    # transformers' own end-of-sequence stop is per rank; ours waits for every rank (_AllEnded), so
+    # the model's eos is lifted for the call and a prompt's tokens after its end are dropped below.
     saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     try:
         out = model.generate(
@@ -257,35 +261,78 @@ def generate(
             do_sample=False,
             pad_token_id=pad_token_id,
             streamer=clock,
+            stopping_criteria=[_AllEnded(agree, eos, width)],
         )
     finally:
         model.generation_config.eos_token_id = saved_eos
     new = out[:, width:].tolist()
     token_ids = [_cut_after_eos(row, eos) for row in new]
-    forwards = blocks[0].calls - calls_before[0] if blocks else max_new_tokens
-    if forwards != max_new_tokens:  # transformers changed how many forwards generate makes
+    forwards = blocks[0].calls - calls_before[0] if blocks else len(new[0])
+    if forwards != len(new[0]) or forwards != agree.steps:  # transformers changed how generate steps
         raise RuntimeError(
-            f"generate made {forwards} forwards for {max_new_tokens} new tokens; ranks would fall out of step"
+            f"generate made {forwards} forwards for {len(new[0])} new tokens and {agree.steps} stop checks; "
+            "ranks would fall out of step"
         )
     stamps = clock.stamps
     return Generation(token_ids, stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])], forwards)
 
 
+class _StepAgreement:
+    """After each forward, whether any rank of the MoE layers' group still has a prompt running:
+    one one-element all-reduce (MAX) per step on every rank, busy or idle, in the same order as the
+    MoE calls, so it can never cross them. One rank (or no group) decides alone."""
+
+    def __init__(self, blocks: list[ExpertParallelMoE], device: torch.device):
+        ep = blocks[0].moe.dispatcher.ep if blocks else None
+        # ``ep.group`` None means the default group; a one-rank group needs no agreement.
+        self.group: Any = ep.group if ep is not None and ep.size > 1 else None
+        self.collective = ep is not None and ep.size > 1
+        self.device, self.steps = device, 0
+
+    def anyone_running(self, running_here: bool) -> bool:
+        self.steps += 1
+        if not self.collective:
+            return running_here
+        flag = torch.tensor([int(running_here)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+
+class _AllEnded:
+    """A ``transformers`` stopping criterion: stop every row once every prompt on every rank has
+    produced an end-of-sequence token (``_StepAgreement``)."""
+
+    def __init__(self, agree: _StepAgreement, eos: set[int], prompt_width: int):
+        self.agree, self.eos, self.width = agree, eos, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        new = input_ids[:, self.width :]
+        ended = torch.zeros(new.shape[0], dtype=torch.bool, device=new.device)
+        for token in self.eos:
+            ended |= (new == token).any(dim=1)
+        stop = not self.agree.anyone_running(not bool(ended.all()))
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
 def _idle(
     blocks: list[ExpertParallelMoE],
     model: Any,
-    steps: int,
+    max_steps: int,
     device: torch.device,
     on_step: Callable[[], None] | None,
+    agree: _StepAgreement,
 ) -> Generation:
-    """A rank without prompts: the MoE calls of ``steps`` forwards, each with 0 tokens."""
+    """A rank without prompts: each forward's MoE calls with 0 tokens and its stop check, until
+    every rank has ended or ``max_steps``."""
     empty = torch.empty(1, 0, model.config.hidden_size, dtype=blocks[0].moe.dtype if blocks else None, device=device)
-    for _ in range(steps):
+    for _ in range(max_steps):
         for block in blocks:
             block(empty)
         if on_step is not None:
             on_step()
-    return Generation([], forwards=steps)
+        if not agree.anyone_running(False):
+            break
+    return Generation([], forwards=agree.steps)
 
 
 def _cut_after_eos(row: list[int], eos: set[int]) -> list[int]:
