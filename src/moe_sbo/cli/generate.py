@@ -44,9 +44,10 @@ DESCRIPTION = """\
 Generate with a Hugging Face MoE model (DeepSeek-V2/V3, Qwen3-MoE) whose MoE layers are expert
 parallel: each rank holds the attention and dense layers whole and only its share of the routed
 experts, runs its own prompts, and moves tokens to the experts' ranks with the dispatcher chosen.
-Greedy decoding; every rank runs --max-new-tokens forwards (ranks stay in step). Prints the new tokens
-per prompt and per rank the prefill time, time per output token (TPOT) and tokens/s. Under torchrun
-(torchrun --nproc-per-node N -m moe_sbo generate ...) it runs on torchrun's ranks; rank 0 prints."""
+Greedy decoding, ranks in step: it stops when every prompt on every rank has ended, or after
+--max-new-tokens. Prints the new tokens per prompt and per rank the prefill time, time per output
+token (TPOT) and tokens/s. Under torchrun (torchrun --nproc-per-node N -m moe_sbo generate ...) it
+runs on torchrun's ranks; rank 0 prints."""
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:

@@ -17,10 +17,11 @@ The hard parts:
   copy of anything. FP8-stored dense weights are dequantised one tensor at a time; FP8 experts stay
   FP8 with ``expert_dtype="fp8"``.
 - **Ranks in step.** Every MoE call is a collective, so every rank must make the same number of
-  them, in the same order, whatever its prompts. ``generate`` therefore runs exactly
-  ``max_new_tokens`` forwards on every rank (a prompt that reaches its end-of-sequence token is
-  finished, and its later tokens are dropped from the result, as ``transformers`` would pad them),
-  and a rank with no prompts makes the same MoE calls with 0 tokens.
+  them, in the same order, whatever its prompts. ``generate`` therefore stops every rank at the same
+  step: after each forward one all-reduce says whether any prompt on any rank is still running (a
+  prompt that reached its end-of-sequence token is finished, and its later tokens are dropped from
+  the result, as ``transformers`` would pad them), and a rank with no prompts makes the same MoE
+  calls with 0 tokens and the same all-reduce.
 """
 
 from __future__ import annotations
