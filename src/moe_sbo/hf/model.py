@@ -230,8 +230,8 @@ def generate(
     Prompts are left-padded into one batch, as ``transformers`` batches them; ``eos_token_id``
     (default: the model's) ends a prompt's output, which is then cut after it, as ``transformers``
     ``generate`` returns it. Generation stops when every prompt on every rank has ended (one
-    one-element all-reduce per step decides it) or after ``max_new_tokens``. ``model``: from
-    ``load_model`` (a ``transformers`` causal LM).
+    one-element all-reduce per step decides it) or after ``max_new_tokens``, which must be the same
+    on every rank. ``model``: from ``load_model`` (a ``transformers`` causal LM).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
