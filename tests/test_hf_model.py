@@ -224,3 +224,17 @@ def test_cli_under_torchrun(checkpoints, tmp_path):
             ref = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
         eos = model.generation_config.eos_token_id
         assert row["token_ids"] == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+
+
+def _mismatched_rank(device, path):
+    model = load_model(path, dispatcher="alltoall")
+    try:
+        generate(model, [[1, 2, 3]], [4, 6][dist.get_rank()])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_different_max_new_tokens_per_rank_is_refused_on_every_rank(ranks2, checkpoints):
+    for message in ranks2.run(_mismatched_rank, checkpoints["qwen3_moe"]):
+        assert "max_new_tokens must be the same on every rank, got values from 4 to 6" in message

@@ -241,6 +241,7 @@ def generate(
         eos_token_id = model.generation_config.eos_token_id
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     agree = _StepAgreement(blocks, device)
+    agree.same_everywhere("max_new_tokens", max_new_tokens)  # before any MoE call: a mismatch would hang
     if not prompts:
         return _idle(blocks, model, max_new_tokens, device, on_step, agree)
     if any(not p for p in prompts):
@@ -289,6 +290,19 @@ class _StepAgreement:
         self.group: Any = ep.group if ep is not None and ep.size > 1 else None
         self.collective = ep is not None and ep.size > 1
         self.device, self.steps = device, 0
+
+    def same_everywhere(self, name: str, value: int) -> None:
+        """``ValueError`` on every rank unless ``value`` is the same on all of them (one all-reduce)."""
+        if not self.collective:
+            return
+        extremes = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        largest, smallest = extremes[0].item(), -extremes[1].item()
+        if largest != smallest:
+            raise ValueError(
+                f"{name} must be the same on every rank, got values from {smallest} to {largest}; "
+                "pass every rank the same value (ranks must make the same number of forwards)"
+            )
 
     def anyone_running(self, running_here: bool) -> bool:
         self.steps += 1
