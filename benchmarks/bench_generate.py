@@ -35,9 +35,29 @@ from moe_sbo.measure.results import result_meta
 from moe_sbo.runtime import LocalRanks
 
 
+def deepseek_v3_config(dims: dict, *, vocab: int, layers: int, experts: int, **extra):
+    """A ``DeepseekV3Config`` of ``dims`` (hidden, attention and expert sizes) with DeepSeek-V3's
+    routing (top-8 of ``experts``, 8 groups, 4 kept, one shared expert) and the first layer dense."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **dims,
+        vocab_size=vocab,
+        num_hidden_layers=layers,
+        first_k_dense_replace=1,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        num_key_value_heads=dims["num_attention_heads"],
+        **extra,
+    )
+
+
 def write_checkpoint(path: Path, args, device: str) -> None:
     """A random DeepSeek-V3-shaped model saved by ``transformers`` (bf16 safetensors)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
     dims = (
         dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
@@ -46,17 +66,11 @@ def write_checkpoint(path: Path, args, device: str) -> None:
         else dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
                   q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
     )  # fmt: skip
-    config = DeepseekV3Config(
-        **dims,
-        vocab_size=args.vocab,
-        num_hidden_layers=args.layers,
-        first_k_dense_replace=1,
-        n_routed_experts=args.experts,
-        n_shared_experts=1,
-        num_experts_per_tok=8,
-        n_group=8,
-        topk_group=4,
-        num_key_value_heads=dims["num_attention_heads"],
+    config = deepseek_v3_config(
+        dims,
+        vocab=args.vocab,
+        layers=args.layers,
+        experts=args.experts,
         max_position_embeddings=4096,
         eos_token_id=1,
         bos_token_id=0,

@@ -19,33 +19,26 @@ from pathlib import Path
 
 import torch
 
+from bench_generate import deepseek_v3_config
 from moe_sbo.hf.model import load_model
 from moe_sbo.runtime import LocalRanks
 
 
 def write_checkpoint(path: Path, experts: int, layers: int) -> None:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
+    dims = dict(
         hidden_size=1024,
         intermediate_size=2048,
         moe_intermediate_size=512,
         num_attention_heads=8,
-        num_key_value_heads=8,
         q_lora_rank=256,
         kv_lora_rank=128,
         qk_rope_head_dim=32,
         qk_nope_head_dim=64,
         v_head_dim=64,
-        vocab_size=8000,
-        num_hidden_layers=layers,
-        first_k_dense_replace=1,
-        n_routed_experts=experts,
-        n_shared_experts=1,
-        num_experts_per_tok=8,
-        n_group=8,
-        topk_group=4,
     )
+    config = deepseek_v3_config(dims, vocab=8000, layers=layers, experts=experts)
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(config).save_pretrained(path)
 

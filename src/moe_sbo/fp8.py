@@ -12,6 +12,8 @@ this format; the routed experts (``fp8_gemm.py``) read them, and their weights, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_GROUP = 128  # activation values sharing one scale (per token), as DeepEP's low-latency dispatch
@@ -118,6 +120,7 @@ def grouped_linear_fp8(
 SCALED_MM_ROW_ALIGN = 4  # cuBLAS's block-wise FP8 GEMM refuses row counts that are not multiples of 4
 
 
+@functools.cache  # asked on every FP8 forward: the device query once per device
 def scaled_mm_blockwise_supported(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs DeepSeek's block-wise recipe (1x128 activations, 128x128
     weights) here: cuBLAS implements it for sm90 (Hopper) only."""
