@@ -116,8 +116,10 @@ def low_latency_rank(
     warmup: int,
     iters: int,
     seed: int,
+    index_graphs: tuple[bool, ...] = (True,),
 ) -> list[dict]:
-    """One rank's ``low_latency`` rows, per (kernels, transport) path: graph-replayed phases (CUDA), the
+    """One rank's ``low_latency`` rows, per (kernels, transport) path and ``index_graphs`` setting:
+    graph-replayed phases (CUDA, once per path: a caller's capture bypasses ``index_graphs``), the
     eager layer's phases, and raw ``all_to_all_single`` on the same fixed blocks beside both."""
     rank = dist.get_rank()
     cuda = device.type == "cuda"
@@ -128,7 +130,7 @@ def low_latency_rank(
             cap = capacity or max(tokens, 1)
             generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
             x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
-            for fp8, (kernels, transport) in itertools.product(fp8_modes, paths):
+            for fp8, (kernels, transport), graphs in itertools.product(fp8_modes, paths, index_graphs):
                 layer = MoELayer(
                     cfg,
                     dispatcher="low_latency",
@@ -140,6 +142,7 @@ def low_latency_rank(
                         "fp8": fp8,
                         "kernels": kernels,
                         "transport": transport,
+                        "index_graphs": graphs,
                     },
                 )
                 fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, fp8)
@@ -149,6 +152,7 @@ def low_latency_rank(
                     "capacity": cap,
                     "transport": transport,
                     "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
+                    "index_graphs": graphs and layer.dispatcher.uses_triton(device),
                     "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
                 }
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
@@ -160,7 +164,7 @@ def low_latency_rank(
                 eager = time_layer(layer, x_TH, warmup, iters)
                 common.update(dataclasses.asdict(layer.last_traffic))  # the four byte counts
                 rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}})
-                if cuda:
+                if cuda and graphs == index_graphs[0]:
                     rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
                 del layer
                 if cuda:
@@ -249,7 +253,7 @@ def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list
             "graph": first["graph"],
             "dispatch_dtype": first["dispatch_dtype"],
         }
-        for key in ("capacity", "kernels", "transport"):
+        for key in ("capacity", "kernels", "transport", "index_graphs"):
             if key in first:
                 row[key] = first[key]
         for key in (
@@ -310,6 +314,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["nccl", "symm_mem"],
         choices=["nccl", "symm_mem"],
         help="low_latency transports (symm_mem: fused kernels, >= 2 GPUs; skipped otherwise)",
+    )
+    p.add_argument(
+        "--index-graphs",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="low_latency's index_graphs option, each setting its own eager rows (replayed rows once per path)",
     )
     p.add_argument("--baselines", nargs="*", default=["allgather", "alltoall"], choices=["allgather", "alltoall"])
     return p.parse_args(argv)
@@ -377,7 +388,17 @@ def main(argv: list[str] | None = None) -> int:
             (
                 "low_latency",
                 low_latency_rank,
-                (cfg, args.tokens, args.capacity, fp8_modes, paths, warmup, iters, args.seed),
+                (
+                    cfg,
+                    args.tokens,
+                    args.capacity,
+                    fp8_modes,
+                    paths,
+                    warmup,
+                    iters,
+                    args.seed,
+                    tuple(choice == "on" for choice in args.index_graphs),
+                ),
             )
         ]
         jobs += [(name, baseline_rank, (cfg, name, args.tokens, warmup, iters, args.seed)) for name in args.baselines]
@@ -442,7 +463,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
             str(r["ep"]),
             str(r["tokens_per_rank"]),
             r["dispatcher"],
-            f"{r['kernels']}/{r['transport']}" if "kernels" in r else "",
+            f"{r['kernels']}/{r['transport']}{'' if r.get('index_graphs', True) else '/no-ig'}"
+            if "kernels" in r
+            else "",
             r["dispatch_dtype"],
             "y" if r["graph"] else "n",
             mark(r["t_dispatch_us"], "t_dispatch_us", TARGETS["t_dispatch_us"]),

@@ -148,8 +148,10 @@ def prefill_rank(
     warmup: int,
     iters: int,
     seed: int,
+    direct_launches: bool = True,
 ) -> list[dict]:
-    """One rank's low_latency rows at prefill sizes, every path, eager and replayed."""
+    """One rank's low_latency rows at prefill sizes, every path, eager and replayed; with
+    ``direct_launches`` also the first transport's eager rows with ``index_graphs=False``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -168,11 +170,13 @@ def prefill_rank(
                     "ref_t_combine_us": time_fn(ref_combine, device, warmup, iters, graph=False),
                 }
                 del ref_dispatch, ref_combine
-            plans = [("two_pass", t) for t in transports]
+            plans = [("two_pass", t, True) for t in transports]
             if tokens <= one_pass_max:
-                plans.append(("one_pass", transports[0]))
+                plans.append(("one_pass", transports[0], True))
+            if direct_launches:
+                plans.append(("two_pass", transports[0], False))
             floor: dict[str, float] = {}
-            for plan, transport in plans:
+            for plan, transport, index_graphs in plans:
                 previous = low_latency.BULK_MIN_CAPACITY
                 low_latency.BULK_MIN_CAPACITY = 1 if plan == "two_pass" else tokens + 1
                 try:
@@ -182,7 +186,11 @@ def prefill_rank(
                         dtype=dtype,
                         device=device,
                         seed=seed,
-                        dispatcher_options={"max_tokens_per_rank": tokens, "transport": transport},
+                        dispatcher_options={
+                            "max_tokens_per_rank": tokens,
+                            "transport": transport,
+                            "index_graphs": index_graphs,
+                        },
                     )
                     if not floor:
                         floor = floor_us(layer, x_TH, warmup, iters)
@@ -193,6 +201,7 @@ def prefill_rank(
                         "transport": transport,
                         "plan": plan,
                         "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
+                        "index_graphs": index_graphs and layer.dispatcher.uses_triton(device),
                         "dispatch_dtype": str(dtype).removeprefix("torch."),
                         **refs,
                         **floor,
@@ -204,7 +213,7 @@ def prefill_rank(
                     b2b = time_back_to_back(lambda layer=layer: layer(x_TH), device, iters)
                     eager_row = {**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}, **host}
                     rows.append({**eager_row, "t_layer_b2b_us": b2b})
-                    if cuda:
+                    if cuda and index_graphs:  # a caller's capture bypasses index_graphs: once per path
                         graphs = {**time_graphs(layer, x_TH, warmup, iters), **transfer_us(layer, x_TH, warmup, iters)}
                         rows.append({**common, "graph": True, **graphs})
                 finally:
@@ -222,8 +231,9 @@ def finish(rows: list[dict], per_rank: list[list[dict]]) -> list[dict]:
         first = rank_rows[0]
         row["bench"] = "prefill"
         row["wire"] = "nvlink"
-        if "plan" in first:
-            row["plan"] = first["plan"]
+        for key in ("plan", "index_graphs"):
+            if key in first:
+                row[key] = first[key]
         for key in first:
             if key.startswith(("host_", "t_floor")) or key.endswith("_transfer_us"):
                 row[key] = max(r[key] for r in rank_rows)
@@ -310,6 +320,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=4096,
         help="also run the one-pass (decode) kernels up to this many tokens, for comparison",
     )
+    p.add_argument(
+        "--no-direct-launches",
+        dest="direct_launches",
+        action="store_false",
+        help="skip the eager rows with index_graphs=False (the kernels launched on every forward)",
+    )
     p.add_argument("--baselines", nargs="*", default=["alltoall"], choices=["allgather", "alltoall"])
     p.add_argument("--plot", default=None, help="PNG: GB/s against tokens per path")
     return p.parse_args(argv)
@@ -347,7 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         transports = [t for t in args.transports if t == "nccl" or (device == "cuda" and p > 1)]
         pool = RankPool(p, device)
         jobs: list[tuple[str, Callable, tuple]] = [
-            ("low_latency", prefill_rank, (cfg, args.tokens, transports, args.one_pass_max, warmup, iters, args.seed))
+            (
+                "low_latency",
+                prefill_rank,
+                (cfg, args.tokens, transports, args.one_pass_max, warmup, iters, args.seed, args.direct_launches),
+            )
         ]
         jobs += [(name, baseline_rank, (cfg, name, args.tokens, warmup, iters, args.seed)) for name in args.baselines]
         try:
@@ -371,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(
             f"{row['dispatcher']:11s} {row.get('transport') or '':11s} {row.get('plan') or '':8s} "
+            f"{'' if row.get('index_graphs', True) else 'no-ig':5s} "
             f"{'graph' if row['graph'] else 'eager'} T={row['tokens_per_rank']:6d} "
             f"dispatch {row['t_dispatch_us']:8.0f} ({row.get('dispatch_overhead') or 0:.2f}x wire) "
             f"combine {row['t_combine_us']:8.0f} ({row.get('combine_overhead') or 0:.2f}x) "

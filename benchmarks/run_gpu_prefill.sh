@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine, from the repo root:  bash benchmarks/run_gpu_prefill.sh
-# PARTS picks sections (default: tests bench): "tests" runs the low_latency GPU tests (every path,
-# the two-pass kernels included), "bench" the prefill benchmark over every visible GPU, writing
-# "${OUT:-out}/prefill.json", its plot and logs. Extra benchmark flags go in BENCH_ARGS.
+# PARTS picks sections (default: tests bench decode): "tests" runs the low_latency GPU tests (every
+# path, the two-pass kernels and the index graphs included) and the overlap GPU tests, "bench" the
+# prefill benchmark over every visible GPU, writing "${OUT:-out}/prefill.json", its plot and logs,
+# "decode" the 128-token low_latency rows with index_graphs on and off ("${OUT:-out}/low_latency.json").
+# Extra prefill benchmark flags go in BENCH_ARGS.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-PARTS="${PARTS:-tests bench}"
+PARTS="${PARTS:-tests bench decode}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) "$PYTHON" -m pytest -q tests/test_gpu_low_latency.py 2>&1 | tee "$OUT_DIR/tests_gpu_low_latency_$TAG.log" | tail -25 ;;
+    tests) "$PYTHON" -m pytest -q tests/test_gpu_low_latency.py tests/test_gpu_overlap.py 2>&1 \
+      | tee "$OUT_DIR/tests_gpu_low_latency_$TAG.log" | tail -25 ;;
     bench)
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
       "$PYTHON" benchmarks/bench_prefill.py --out "$OUT_DIR" --plot "$OUT_DIR/prefill_$TAG.png" ${BENCH_ARGS:-} \
         2>&1 | tee "$OUT_DIR/bench_prefill_$TAG.log" | tail -60 ;;
-    *) echo "unknown part $part (tests bench)"; exit 2 ;;
+    decode)
+      "$PYTHON" benchmarks/bench_low_latency.py --out "$OUT_DIR" --tokens 128 --fp8 off --kernels triton \
+        --transports symm_mem nccl --index-graphs on off --baselines 2>&1 | tee "$OUT_DIR/bench_decode_$TAG.log" | tail -20 ;;
+    *) echo "unknown part $part (tests bench decode)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
 done

@@ -74,7 +74,10 @@ def _sync_free_rank(device, capacity, kernels, transport):
     generator = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(capacity, cfg.hidden_size, generator=generator, device=device).bfloat16()
     with torch.inference_mode():
-        layer(x)  # warm-up: allocates the buffers once, outside the checked region
+        for _ in range(layer.dispatcher.num_buffers):
+            # warm-up, outside the checked region: allocates the buffers and captures each buffer
+            # set's index graphs (a capture synchronises the device once)
+            layer(x)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # any implicit device-to-host sync now raises
         try:
@@ -230,3 +233,59 @@ def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport, capacity):
         for r in ranks.run(_fused_vs_torch_rank, fp8, transport, capacity):
             assert r["ids"] and r["payload"] and r["layout"] and r["x"] and r["finite"], r
             assert r["combine_rel"] <= 4e-3, r  # bf16 outputs: the same float32 sums in another order
+
+
+def _index_graphs_rank(device, transport, capacity):
+    """Eager forwards with the index work replayed from graphs (``index_graphs``, the default) and
+    with the kernels launched each time: bitwise-equal outputs over token counts that shrink and
+    grow, each buffer set's graphs captured on its first forward and replayed after."""
+    cfg = _config("tiny")
+    rank = dist.get_rank()
+    layers = {
+        flag: MoELayer(
+            cfg,
+            dispatcher="low_latency",
+            device=device,
+            seed=1,
+            dispatcher_options={
+                "max_tokens_per_rank": capacity,
+                "kernels": "triton",
+                "transport": transport,
+                "index_graphs": flag,
+            },
+        )
+        for flag in (True, False)
+    }
+    generator = torch.Generator(device=device).manual_seed(200 + rank)
+    counts = [capacity, capacity // 3 + rank, 1, capacity, 0, capacity // 2, 7 + rank, capacity]
+    equal = []
+    with torch.inference_mode():
+        for n in counts:
+            x = torch.randn(n, cfg.hidden_size, generator=generator, device=device).bfloat16()
+            equal.append(torch.equal(layers[True](x), layers[False](x)))
+    rounds = next(iter(layers[True].dispatcher._graphs.values()))
+    captured = all(
+        r.pack is not None and r.pack.captured and r.layout is not None and r.layout.captured for r in rounds
+    )
+    return equal, captured
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "nccl",
+        pytest.param(
+            "symm_mem",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
+        ),
+        pytest.param(
+            "copy_engine",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
+        ),
+    ],
+)
+@pytest.mark.parametrize("capacity", [128, 640])  # 640: the two-pass kernels (ll_bulk) run
+def test_index_graphs_replay_equals_direct_launches(transport, capacity):
+    with _ranks() as ranks:
+        for equal, captured in ranks.run(_index_graphs_rank, transport, capacity):
+            assert captured and all(equal), equal

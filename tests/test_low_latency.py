@@ -96,7 +96,9 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match=r"dispatcher options must be among \[\] for 'alltoall'"):
         make_dispatcher("alltoall", 16, EPGroup(), max_tokens_per_rank=8)
     with pytest.raises(
-        ValueError, match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers', 'kernels', 'transport'\].*'capacity'"
+        ValueError,
+        match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers', 'kernels', 'transport', 'index_graphs'\]"
+        r".*'capacity'",
     ):
         make_dispatcher("low_latency", 16, EPGroup(), capacity=8)
     with pytest.raises(ValueError, match="max_tokens_per_rank must be an int >= 1, got 0"):
@@ -316,27 +318,76 @@ def _rounds_rank(device):
     return errors, "no error"
 
 
+def _staged_rank(device):
+    """The fused kernels through ``index_graphs``' staging against the same kernels launched per
+    forward: token counts that shrink and grow across the two buffer sets (the -1 tail of the staged
+    ids is rewritten only when T shrinks), two rounds in flight, and the local reference."""
+    cfg = get_preset("tiny")
+    rank = dist.get_rank()
+    ref = MoELayer(cfg, dtype=torch.float32, seed=11)
+    staged, direct = (_ll(cfg, 8, kernels="triton", index_graphs=flag) for flag in (True, False))
+    generator = torch.Generator().manual_seed(100 + rank)
+    counts = ([8, 5, 2, 7, 0, 8], [3, 8, 6, 1, 4, 0])[rank]
+    results = []
+    with torch.inference_mode():
+        for first, second in zip(counts[::2], counts[1::2]):
+            xs = [torch.randn(n, cfg.hidden_size, generator=generator) for n in (first, second)]
+            topks = [ref.router(x) for x in xs]
+            ys = {}
+            for name, layer in (("staged", staged), ("direct", direct)):
+                d = layer.dispatcher
+                pendings = [d.dispatch_launch(x, t.topk_ids_TK, t.topk_weights_TK) for x, t in zip(xs, topks)]
+                recvs = [d.dispatch_wait(p) for p in pendings]
+                outs = [layer.experts(r.expert_x_RH, r.num_rows_per_expert_L) for r in recvs]
+                ys[name] = [d.combine(y, r.handle) for y, r in zip(outs, recvs)]
+            for i, x in enumerate(xs):
+                expected = _routed(ref, x, topks[i].topk_ids_TK, topks[i].topk_weights_TK)[0]
+                results.append(
+                    (
+                        torch.equal(ys["staged"][i], ys["direct"][i]),
+                        (ys["staged"][i] - expected).abs().max().item() if x.shape[0] else 0.0,
+                        tuple(ys["staged"][i].shape) == tuple(x.shape),
+                    )
+                )
+        staging = [g.staging for g in next(iter(staged.dispatcher._graphs.values()))]
+    return results, all(s is not None for s in staging)
+
+
+def test_index_graphs_staging_equals_direct_launches(ranks2):
+    for results, both_sets_staged in ranks2.run(_staged_rank):
+        assert both_sets_staged
+        for equal, error, shaped in results:
+            assert equal and shaped and error < FLOAT32_TOL, results
+
+
 def test_two_rounds_in_flight_and_a_third_is_refused(ranks2):
     for errors, message in ranks2.run(_rounds_rank):
         assert max(errors) < FLOAT32_TOL, errors
         assert "this dispatch's buffers were taken by a later one: 2 dispatches started after it" in message
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_buffer_bytes_is_what_the_buffers_take(fp8):
-    """The stated memory formula against the buffers a forward allocates (one rank, torch path)."""
+def test_buffer_bytes_is_what_the_buffers_take(fp8, kernels):
+    """The stated memory formula against the buffers two forwards allocate (one rank; the fused
+    kernels' path adds each buffer set's staging for the index graphs)."""
     cfg = get_preset("tiny").replace(hidden_size=256)
-    layer = _ll(cfg, 24, fp8=fp8)
+    layer = _ll(cfg, 24, fp8=fp8, kernels=kernels)
     with torch.inference_mode():
-        layer(torch.randn(5, cfg.hidden_size))
-    sets = layer.dispatcher.buffers(torch.device("cpu"), torch.float32, cfg.hidden_size, cfg.num_experts_per_tok)
-    allocated = sum(
-        t.numel() * t.element_size()
-        for b in sets
+        for _ in range(2):  # one per buffer set
+            layer(torch.randn(5, cfg.hidden_size))
+    d = layer.dispatcher
+    key = (torch.device("cpu"), torch.float32, cfg.hidden_size, cfg.num_experts_per_tok)
+    buffers = [
+        t
+        for b in d.buffers(*key)
         for t in (b.dispatch_send_SB, b.dispatch_recv_SB, b.combine_send_SH, b.combine_recv_SH)
-    )
-    expected = layer.dispatcher.buffer_bytes(torch.float32, cfg.hidden_size, cfg.num_experts_per_tok)
-    assert allocated == expected and len(sets) == 2
+    ]
+    staging = [s for s in (g.staging for g in d._graphs[key]) if s is not None]
+    assert len(staging) == (2 if kernels == "triton" else 0)
+    staged = [t for s in staging for t in (s.x_CH, s.ids_CK, s.weights_CK, s.slot_CP)]
+    allocated = sum(t.numel() * t.element_size() for t in buffers + staged)
+    assert allocated == d.buffer_bytes(*key[1:], device="cpu")
 
 
 def test_copy_engine_refuses_cpu_tensors_before_any_transfer():

@@ -60,6 +60,7 @@ from .base import (
     Traffic,
     register_dispatcher,
 )
+from .ll_graphs import PieceGraph, RoundGraphs, Staging, capturing
 from .ll_reference import group_slots_by_expert, plan_send, reduce_pairs
 from .ll_transport import (
     Buffers,
@@ -91,6 +92,7 @@ class _InFlightDispatch:
     fmt: RowFormat
     slot_TP: torch.Tensor
     buffers: Buffers
+    graphs: RoundGraphs | None  # the round's index graphs, when the staged path runs
     generation: int
     num_tokens: int
     traffic: Traffic
@@ -118,9 +120,11 @@ class LowLatencyDispatcher(Dispatcher):
 
     Memory (``buffer_bytes``): each buffer set holds a dispatch send [S, B] and receive [S + 1, B]
     buffer and a combine send [S, H] and receive [S + 1, H] buffer (activation dtype), S = P * C, so
-    ``num_buffers * (2S + 1) * (B + H * elem)`` bytes, allocated on the first forward; a forward then
-    allocates its expert rows [S * K, H] twice (inputs and outputs of the experts). DeepSeek-V3 at EP2
-    with C = 4096, bf16: B = 14400, 2 sets of 0.47 GB = 0.94 GB per rank.
+    ``num_buffers * (2S + 1) * (B + H * elem)`` bytes, allocated on the first forward, plus with
+    ``index_graphs`` the staging of each set, ``num_buffers * C * (H * elem + 8K + 8P)`` bytes, and
+    its graphs' index tensors (about ``num_buffers * 24 * S * K`` bytes); a forward then allocates
+    its expert rows [S * K, H] twice (inputs and outputs of the experts). DeepSeek-V3 at EP2 with
+    C = 4096, bf16: B = 14400, 2 sets of 0.47 GB + 2 x 59 MB of staging = 1.06 GB per rank.
 
     ``kernels``: ``"triton"`` runs the five fused kernels (``ll_kernels`` and ``reduce.gather_sum``;
     CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"torch"`` the reference chain of torch ops (any
@@ -137,6 +141,12 @@ class LowLatencyDispatcher(Dispatcher):
     bytes, no SMs, so compute on other streams keeps every SM) and a barrier (CUDA, either kernels);
     ``"auto"`` (default) ``symm_mem`` where it can run (CUDA, fused kernels, EP > 1 within one node
     whose GPUs reach each other: the faster one on 2x H200, docs/BENCHMARKS.md), ``nccl`` elsewhere.
+
+    ``index_graphs`` (default True, fused kernels only): the send plan and the receiver layout (about
+    ten launches each) run from fixed staging buffers as CUDA graphs captured on each buffer set's
+    first eager forward and replayed after, so an eager phase costs the host a few calls at any T
+    (``ll_graphs.py``). Under a caller's own graph capture the kernels run directly; on CPU the
+    staged path runs without capture. False: launch the kernels on every forward.
 
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
@@ -160,6 +170,7 @@ class LowLatencyDispatcher(Dispatcher):
         num_buffers: int = 2,
         kernels: str = "auto",
         transport: str = "auto",
+        index_graphs: bool = True,
     ):
         super().__init__(num_experts, ep)
         for option, value in (("max_tokens_per_rank", max_tokens_per_rank), ("num_buffers", num_buffers)):
@@ -184,12 +195,14 @@ class LowLatencyDispatcher(Dispatcher):
         self.num_buffers = num_buffers
         self.kernels = kernels
         self.transport = transport
+        self.index_graphs = bool(index_graphs)
         self.num_slots = ep.size * max_tokens_per_rank
         # One rank uses the real communicator when there is one (a graph then captures what it would
         # at EP > 1); without a process group, or with a one-rank EP group inside a larger job, it
         # copies locally.
         self._collective = ep.size > 1 or (dist.is_initialized() and dist.get_world_size(ep.group) == 1)
         self._buffers: dict[tuple, list[Buffers]] = {}
+        self._graphs: dict[tuple, list[RoundGraphs]] = {}  # per buffer set, as _buffers (ll_graphs.py)
         # Shared with twin() dispatchers (two-batch overlap): they take turns on the same buffer sets.
         self._rounds = RoundCounter()
 
@@ -271,11 +284,15 @@ class LowLatencyDispatcher(Dispatcher):
 
     # ---- buffers -------------------------------------------------------------------------------------
 
-    def buffer_bytes(self, dtype: torch.dtype, hidden: int, top_k: int) -> int:
+    def buffer_bytes(self, dtype: torch.dtype, hidden: int, top_k: int, device: torch.device | str = "cuda") -> int:
         """Bytes of this dispatcher's buffer sets for activations of ``dtype`` and shape ``hidden``,
-        ``top_k`` (all ``num_buffers`` of them; the formula in the class docstring)."""
+        ``top_k`` on ``device`` (all ``num_buffers`` of them, staging included where the forward
+        stages: the formula in the class docstring; the graphs' small index tensors not counted)."""
         row_bytes = RowFormat.make(hidden, top_k, dtype, self.fp8).row_bytes
-        return self.num_buffers * (2 * self.num_slots + 1) * (row_bytes + hidden * dtype.itemsize)
+        sets = (2 * self.num_slots + 1) * (row_bytes + hidden * dtype.itemsize)
+        if self.index_graphs and self.uses_triton(torch.device(device)):
+            sets += Staging.bytes(self.capacity, hidden, top_k, self.ep.size, dtype.itemsize)
+        return self.num_buffers * sets
 
     def buffers(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> list[Buffers]:
         """The buffer sets for this device, activation dtype and shape; allocated on first use only
@@ -294,7 +311,13 @@ class LowLatencyDispatcher(Dispatcher):
                     )
                     for _ in range(self.num_buffers)
                 ]
+                self._graphs[key] = [RoundGraphs() for _ in range(self.num_buffers)]
         return self._buffers[key]
+
+    def staged(self, device: torch.device) -> bool:
+        """Whether a forward on ``device`` runs the index work through ``index_graphs``' staging
+        (replayed graphs on CUDA); not under a caller's own capture, which records the kernels."""
+        return self.index_graphs and self.uses_triton(device) and not capturing(device)
 
     def _check_built_alike(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int, transport: str):
         """Every rank's buffers must have the same layout: a rank with another capacity would send
@@ -369,38 +392,75 @@ class LowLatencyDispatcher(Dispatcher):
         fmt = RowFormat.make(hidden, ids_TK.shape[1], x_TH.dtype, self.fp8)
         generation = self._rounds.launched
         self._rounds.launched += 1
-        bufs = self.buffers(x_TH.device, x_TH.dtype, hidden, ids_TK.shape[1])[generation % self.num_buffers]
+        key = (x_TH.device, x_TH.dtype, hidden, ids_TK.shape[1])
+        bufs = self.buffers(*key)[generation % self.num_buffers]
         fused = self.uses_triton(x_TH.device)
-        if fused:
-            slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
-            kernels = self._index_kernels()
-            ids_ok_C = kernels.pack_rows(
-                x_TH.contiguous(),
-                ids_TK.contiguous(),
-                inp.topk_weights_TK.float().contiguous(),
-                bufs.dispatch_dst,
-                slot_TP,
-                fmt,
-                self.num_local_experts,
-                self.capacity,
-            )
-            if x_TH.device.type == "cuda":
-                torch._assert_async(ids_ok_C.amin(), f"topk_ids must lie in [-1, {self.num_experts})")
+        graphs = self._graphs[key][generation % self.num_buffers] if self.staged(x_TH.device) else None
+        if graphs is not None:
+            slot_TP, works = self._pack_staged(graphs, inp, bufs, fmt)
         else:
-            plan = plan_send(ids_TK, self.num_local_experts, self.ep.size, self.capacity)
-            rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
-            torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
-            slot_TP = plan.slot_TP
-        works = self._exchange(
+            if fused:
+                slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
+                self._pack(
+                    x_TH.contiguous(), ids_TK.contiguous(), inp.topk_weights_TK.float().contiguous(), bufs, slot_TP, fmt
+                )
+            else:
+                plan = plan_send(ids_TK, self.num_local_experts, self.ep.size, self.capacity)
+                rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
+                torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
+                slot_TP = plan.slot_TP
+            works = self._start_dispatch_transfer(bufs, fused)
+        block_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
+        traffic = Traffic(dispatch_bytes_sent=block_bytes, dispatch_bytes_recv=block_bytes)
+        return Pending(
+            works=works, state=_InFlightDispatch(fmt, slot_TP, bufs, graphs, generation, num_tokens, traffic)
+        )
+
+    def _start_dispatch_transfer(self, bufs: Buffers, fused: bool) -> list:
+        return self._exchange(
             bufs.dispatch_recv_SB[: self.num_slots],
             bufs.dispatch_send_SB,
             fused,
             bufs.dispatch_barrier,
             bufs.dispatch_peer_blocks,
         )
-        block_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
-        traffic = Traffic(dispatch_bytes_sent=block_bytes, dispatch_bytes_recv=block_bytes)
-        return Pending(works=works, state=_InFlightDispatch(fmt, slot_TP, bufs, generation, num_tokens, traffic))
+
+    def _pack(self, x_TH, ids_TK, weights_TK, bufs: Buffers, slot_TP: torch.Tensor, fmt: RowFormat) -> None:
+        """The fused send plan and row copy into the round's blocks, and the id check."""
+        ids_ok_C = self._index_kernels().pack_rows(
+            x_TH, ids_TK, weights_TK, bufs.dispatch_dst, slot_TP, fmt, self.num_local_experts, self.capacity
+        )
+        if x_TH.device.type == "cuda":
+            torch._assert_async(ids_ok_C.amin(), f"topk_ids must lie in [-1, {self.num_experts})")
+
+    def _pack_staged(
+        self, graphs: RoundGraphs, inp: DispatchInput, bufs: Buffers, fmt: RowFormat
+    ) -> tuple[torch.Tensor, list]:
+        """``_pack`` through the round's staging and its ``pack`` graph -> (``slot_TP``, a view of the
+        round's ``slot_CP`` valid until the round's buffers are reused; the works to wait on).
+
+        With symmetric memory the transfer's start (nothing for ``symm_mem``, the peer copies for
+        ``copy_engine``) is captured in the ``pack`` graph and its end (the barrier) in the
+        ``layout`` graph, so the works returned are none; an NCCL collective stays outside."""
+        x_TH = inp.x_TH
+        if graphs.staging is None:
+            graphs.staging = Staging.allocate(
+                self.capacity, fmt.hidden, fmt.top_k, self.ep.size, fmt.dtype, x_TH.device
+            )
+        st = graphs.staging
+        in_graph = bufs.dispatch_barrier is not None
+        if graphs.pack is None:
+
+            def pack() -> None:
+                self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
+                if in_graph:
+                    graphs.transfer_end = self._start_dispatch_transfer(bufs, fused=True)
+
+            graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda")
+        st.stage(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)
+        graphs.pack()
+        works = [] if in_graph else self._start_dispatch_transfer(bufs, fused=True)
+        return st.slot_CP[: x_TH.shape[0]], works
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
@@ -410,7 +470,23 @@ class LowLatencyDispatcher(Dispatcher):
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         if self.uses_triton(recv_SB.device):
             kernels = self._index_kernels()
-            fixed = kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
+
+            def layout() -> Any:
+                return kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
+
+            if s.graphs is not None:
+                if s.graphs.layout is None:
+                    graphs = s.graphs
+
+                    def end_and_layout() -> Any:
+                        for work in graphs.transfer_end:  # the barrier, when the pack graph started it
+                            work.wait()
+                        return layout()
+
+                    s.graphs.layout = PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda")
+                fixed = s.graphs.layout()
+            else:
+                fixed = layout()
             expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
         else:
             local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)

@@ -1,0 +1,130 @@
+"""Piecewise CUDA graphs for ``low_latency``'s eager forwards: its index work, captured once per
+buffer set and replayed, so an eager phase costs the host a handful of calls at any size.
+
+Legend: see ``moe_sbo/__init__.py``; here C is the capacity (``max_tokens_per_rank``).
+
+Why: an eager forward is what prefill runs, and there the dispatcher's host time is on the critical
+path. The send plan (``pack_rows``: a count pass, a prefix sum, a place pass, the row copy, the id
+check) and the receiver layout (``expert_layout``: allocations, two passes, a prefix sum) are about
+ten launches each; on an H200 host a Triton launch costs 20-30 µs and a small torch op 5-25 µs, so
+the host spent ~470 µs in ``dispatch_launch`` and ~350 µs in ``dispatch_wait`` at 4096 tokens while
+the GPU needed less. Replaying a captured graph of the same kernels is one call.
+
+What is graphed, and what is not:
+
+- ``pack``: the send plan and row copy, from fixed staging buffers (x [C, H], ids [C, K] with -1 past
+  the real T tokens, weights [C, K]) into the round's send or peer buffers, and with symmetric memory
+  the transfer's start (``copy_engine``'s peer copies); ``slot_CP`` [C, P] is kept per buffer set for
+  combine. One graph serves every T <= C: padding tokens (ids -1) go nowhere, so the kernels do the
+  work of T tokens plus a skip per pad row.
+- ``layout``: with symmetric memory the transfer's end (the barrier), then the receiver's
+  expert-major layout of the round's receive buffer (a fixed address).
+- Not graphed: an NCCL transfer (one collective call each way), and the three kernels whose inputs
+  or outputs are the caller's tensors (``gather_rows`` allocates the expert rows, ``reduce_pairs``
+  reads the experts' output, ``gather_sum`` allocates y), one launch each. Keeping them out keeps
+  every tensor the caller holds its own (no later replay overwrites it), at no extra memory; combine
+  is then three calls (two launches and the transfer) and needs no graph.
+
+The hard part is that a graph bakes in addresses and sizes. Every graphed input lives in buffers that
+belong to one buffer set (round), allocated once, and every shape is fixed by C; the graph of round n
+is replayed only by round n + num_buffers, after the dispatcher's own round check guarantees round n
+was combined. A graph is captured on its piece's first call, right after that call ran eagerly (which
+compiled the kernels); capture synchronises the device once. Nothing in a graph is a collective, so
+ranks capture independently. Under a caller's own capture (a whole forward in a CUDA graph) the
+dispatcher runs the kernels directly instead, and on CPU (the Triton interpreter) the same staged
+path runs without capture, which is what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Staging:
+    """One buffer set's fixed inputs and outputs of the ``pack`` graph (C tokens, P ranks).
+
+    ``padded_from``: a list of one int, the first row of ``ids_CK`` known to hold -1 (host state, so
+    the -1 tail is only rewritten when T shrinks)."""
+
+    x_CH: torch.Tensor
+    ids_CK: torch.Tensor
+    weights_CK: torch.Tensor
+    slot_CP: torch.Tensor
+    padded_from: list[int]
+
+    @classmethod
+    def allocate(cls, capacity: int, hidden: int, top_k: int, num_ranks: int, dtype: torch.dtype, device) -> Staging:
+        with torch.inference_mode(False):  # written by later forwards under plain no_grad too
+            return cls(
+                x_CH=torch.zeros(capacity, hidden, dtype=dtype, device=device),
+                ids_CK=torch.full((capacity, top_k), -1, dtype=torch.int32, device=device),
+                weights_CK=torch.zeros(capacity, top_k, dtype=torch.float32, device=device),
+                slot_CP=torch.zeros(capacity, num_ranks, dtype=torch.int64, device=device),
+                padded_from=[0],
+            )
+
+    def stage(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+        """Copy one forward's T tokens in; rows T..C-1 get ids -1 (three or four copies, no sync)."""
+        num_tokens = x_TH.shape[0]
+        self.x_CH[:num_tokens].copy_(x_TH)
+        self.ids_CK[:num_tokens].copy_(ids_TK)
+        self.weights_CK[:num_tokens].copy_(weights_TK)
+        if num_tokens < self.padded_from[0]:
+            self.ids_CK[num_tokens : self.padded_from[0]].fill_(-1)
+        self.padded_from[0] = num_tokens
+
+    @staticmethod
+    def bytes(capacity: int, hidden: int, top_k: int, num_ranks: int, elem: int) -> int:
+        return capacity * (hidden * elem + top_k * (4 + 4) + num_ranks * 8)
+
+
+class PieceGraph:
+    """A piece of index work: ``fn`` queues kernels on the current stream (no host read, no
+    collective) and returns its outputs. The first call runs it eagerly and then captures it
+    (``capture``: CUDA only); every later call replays the capture and returns the captured outputs,
+    which each replay overwrites. Without ``capture`` every call runs ``fn``."""
+
+    def __init__(self, fn: Callable[[], Any], capture: bool):
+        self._fn = fn
+        self._capture = capture
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._outputs: Any = None
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def __call__(self) -> Any:
+        if self._graph is not None:
+            self._graph.replay()
+            return self._outputs
+        outputs = self._fn()
+        if self._capture:
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: NCCL's watchdog thread keeps querying its events during the capture.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._outputs = self._fn()
+            self._graph = graph
+        return outputs
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the caller is capturing a CUDA graph on ``device`` (then run kernels, not graphs)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class RoundGraphs:
+    """One buffer set's pieces (built on first use): the ``pack`` graph and the ``staging`` it
+    reads, and the ``layout`` graph. ``transfer_end``: the works the ``layout`` graph waits on first
+    when ``pack`` started a symmetric-memory transfer (its barrier), else empty."""
+
+    staging: Staging | None = None
+    pack: PieceGraph | None = None
+    layout: PieceGraph | None = None
+    transfer_end: list = field(default_factory=list)
