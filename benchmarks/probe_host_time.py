@@ -115,6 +115,8 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
         recv = bufs.dispatch_recv_SB[: d.num_slots]
         fixed = kernels.expert_layout(recv, fmt, d.ep.rank, d.num_local_experts)
         inp = DispatchInput(x, ids, weights)
+        key = (device, x.dtype, cfg.hidden_size, cfg.num_experts_per_tok)
+        staged = d._graphs[key][0]  # index_graphs: set 0's staging and graphs, captured by the forward above
         cases = {
             "triton empty kernel (5 args, 2 constexpr)": lambda: _empty_kernel[(1,)](small, small, 1, 2, 3, N=4, M=8),
             "torch.empty": lambda: torch.empty(tokens, 2, dtype=torch.int64, device=device),
@@ -129,6 +131,11 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
             "expert_layout": lambda: kernels.expert_layout(recv, fmt, d.ep.rank, d.num_local_experts),
             "gather_rows": lambda: ll_kernels.gather_rows(bufs.dispatch_recv_SB, fixed, fmt),
             "router": lambda: layer.router(x),
+            "index_graphs: stage x, ids, weights": lambda: staged.staging.stage(x, ids, weights),
+            "index_graphs: pack replay": staged.pack,
+            "index_graphs: layout replay (+ barrier)": staged.layout,
+            "symm_mem barrier": lambda: bufs.dispatch_barrier.barrier(channel=0),
+            "CUDAGraph.replay, empty graph": _empty_graph(device),
         }
         for name, fn in cases.items():
             times = []
@@ -140,6 +147,15 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
             out.append(f"{name:45s} {statistics.median(times):8.1f} µs")
         torch.cuda.synchronize()
     return f"-- host µs per call, {tokens} tokens, {transport}, EP{dist.get_world_size()}\n" + "\n".join(out)
+
+
+def _empty_graph(device: torch.device):
+    """The replay of a graph holding one tiny kernel: the floor of a graph replay's host cost."""
+    graph, t = torch.cuda.CUDAGraph(), torch.zeros(1, device=device)
+    t.add_(1)
+    with torch.cuda.graph(graph):
+        t.add_(1)
+    return graph.replay
 
 
 def main() -> None:

@@ -8,6 +8,9 @@ and ``tests/test_overlap.py`` through every overlap mode.)
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -358,6 +361,25 @@ def test_index_graphs_staging_equals_direct_launches(ranks2):
         assert both_sets_staged
         for equal, error, shaped in results:
             assert equal and shaped and error < FLOAT32_TOL, results
+
+
+def test_a_deleted_layer_frees_its_buffers_without_garbage_collection():
+    """The index graphs keep no reference to their dispatcher, so dropping a layer frees its buffer
+    sets at once (symmetric memory must not wait for a collection, which may come mid-capture)."""
+    cfg = get_preset("tiny").replace(hidden_size=256)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        layer = _ll(cfg, 8, kernels="triton")
+        with torch.inference_mode():
+            for n in (5, 3):  # both buffer sets staged
+                layer(torch.randn(n, cfg.hidden_size))
+        dispatcher = weakref.ref(layer.dispatcher)
+        del layer
+        assert dispatcher() is None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def test_two_rounds_in_flight_and_a_third_is_refused(ranks2):

@@ -37,6 +37,7 @@ path runs without capture, which is what the CPU tests exercise.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,9 +86,11 @@ class Staging:
 
 class PieceGraph:
     """A piece of index work: ``fn`` queues kernels on the current stream (no host read, no
-    collective) and returns its outputs. The first call runs it eagerly and then captures it
-    (``capture``: CUDA only); every later call replays the capture and returns the captured outputs,
-    which each replay overwrites. Without ``capture`` every call runs ``fn``."""
+    collective) and returns its outputs; it should not hold the dispatcher (a reference cycle would
+    keep a deleted layer's buffers alive until the next garbage collection). The first call runs it
+    eagerly and then captures it (``capture``: CUDA only); every later call replays the capture and
+    returns the captured outputs, which each replay overwrites. Without ``capture`` every call runs
+    ``fn``."""
 
     def __init__(self, fn: Callable[[], Any], capture: bool):
         self._fn = fn
@@ -106,9 +109,18 @@ class PieceGraph:
         outputs = self._fn()
         if self._capture:
             graph = torch.cuda.CUDAGraph()
-            # thread_local: NCCL's watchdog thread keeps querying its events during the capture.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._outputs = self._fn()
+            # No garbage collection while capturing: a collected tensor's free (a symmetric-memory
+            # unmap above all) is not permitted on a capturing thread and aborts the process.
+            collecting = gc.isenabled()
+            gc.collect()
+            gc.disable()
+            try:
+                # thread_local: NCCL's watchdog thread keeps querying its events during the capture.
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._outputs = self._fn()
+            finally:
+                if collecting:
+                    gc.enable()
             self._graph = graph
         return outputs
 

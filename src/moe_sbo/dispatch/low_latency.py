@@ -41,6 +41,8 @@ device-side assert on CUDA (loud and fatal, never a silent drop), a plain check 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -403,35 +405,51 @@ class LowLatencyDispatcher(Dispatcher):
                 slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
                 self._pack(
                     x_TH.contiguous(), ids_TK.contiguous(), inp.topk_weights_TK.float().contiguous(), bufs, slot_TP, fmt
-                )
+                )()
             else:
                 plan = plan_send(ids_TK, self.num_local_experts, self.ep.size, self.capacity)
                 rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
                 torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
                 slot_TP = plan.slot_TP
-            works = self._start_dispatch_transfer(bufs, fused)
+            works = self._start_dispatch_transfer(bufs, fused)()
         block_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
         traffic = Traffic(dispatch_bytes_sent=block_bytes, dispatch_bytes_recv=block_bytes)
         return Pending(
             works=works, state=_InFlightDispatch(fmt, slot_TP, bufs, graphs, generation, num_tokens, traffic)
         )
 
-    def _start_dispatch_transfer(self, bufs: Buffers, fused: bool) -> list:
-        return self._exchange(
+    def _start_dispatch_transfer(self, bufs: Buffers, fused: bool) -> Callable[[], list]:
+        """The start of the round's dispatch transfer, as a call that holds no reference to ``self``
+        (the ``pack`` graph keeps it)."""
+        return functools.partial(
+            start_exchange,
             bufs.dispatch_recv_SB[: self.num_slots],
             bufs.dispatch_send_SB,
-            fused,
-            bufs.dispatch_barrier,
-            bufs.dispatch_peer_blocks,
+            fused=fused,
+            barrier=bufs.dispatch_barrier,
+            collective=self._collective,
+            group=self.ep.group,
+            peer_blocks=bufs.dispatch_peer_blocks,
         )
 
-    def _pack(self, x_TH, ids_TK, weights_TK, bufs: Buffers, slot_TP: torch.Tensor, fmt: RowFormat) -> None:
-        """The fused send plan and row copy into the round's blocks, and the id check."""
-        ids_ok_C = self._index_kernels().pack_rows(
-            x_TH, ids_TK, weights_TK, bufs.dispatch_dst, slot_TP, fmt, self.num_local_experts, self.capacity
+    def _pack(
+        self, x_TH, ids_TK, weights_TK, bufs: Buffers, slot_TP: torch.Tensor, fmt: RowFormat
+    ) -> Callable[[], None]:
+        """The fused send plan and row copy into the round's blocks, and the id check, as a call
+        that holds no reference to ``self`` (the ``pack`` graph keeps it)."""
+        return functools.partial(
+            _pack_checked,
+            self._index_kernels(),
+            x_TH,
+            ids_TK,
+            weights_TK,
+            bufs.dispatch_dst,
+            slot_TP,
+            fmt,
+            self.num_local_experts,
+            self.capacity,
+            self.num_experts,
         )
-        if x_TH.device.type == "cuda":
-            torch._assert_async(ids_ok_C.amin(), f"topk_ids must lie in [-1, {self.num_experts})")
 
     def _pack_staged(
         self, graphs: RoundGraphs, inp: DispatchInput, bufs: Buffers, fmt: RowFormat
@@ -449,17 +467,21 @@ class LowLatencyDispatcher(Dispatcher):
             )
         st = graphs.staging
         in_graph = bufs.dispatch_barrier is not None
+        start_transfer = self._start_dispatch_transfer(bufs, fused=True)
         if graphs.pack is None:
+            pack_rows = self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
+
+            transfer_end = graphs.transfer_end  # the list, not graphs: no reference cycle
 
             def pack() -> None:
-                self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
+                pack_rows()
                 if in_graph:
-                    graphs.transfer_end = self._start_dispatch_transfer(bufs, fused=True)
+                    transfer_end[:] = start_transfer()
 
             graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda")
         st.stage(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)
         graphs.pack()
-        works = [] if in_graph else self._start_dispatch_transfer(bufs, fused=True)
+        works = [] if in_graph else start_transfer()
         return st.slot_CP[: x_TH.shape[0]], works
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
@@ -469,17 +491,21 @@ class LowLatencyDispatcher(Dispatcher):
         recv_SB = s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         if self.uses_triton(recv_SB.device):
-            kernels = self._index_kernels()
-
-            def layout() -> Any:
-                return kernels.expert_layout(recv_SB[: self.num_slots], s.fmt, self.ep.rank, self.num_local_experts)
+            # Plain values only: the ``layout`` graph keeps this call (and must not keep ``self``).
+            layout = functools.partial(
+                self._index_kernels().expert_layout,
+                recv_SB[: self.num_slots],
+                s.fmt,
+                self.ep.rank,
+                self.num_local_experts,
+            )
 
             if s.graphs is not None:
                 if s.graphs.layout is None:
-                    graphs = s.graphs
+                    transfer_end = s.graphs.transfer_end
 
                     def end_and_layout() -> Any:
-                        for work in graphs.transfer_end:  # the barrier, when the pack graph started it
+                        for work in transfer_end:  # the barrier, when the pack graph started it
                             work.wait()
                         return layout()
 
@@ -549,6 +575,24 @@ class LowLatencyDispatcher(Dispatcher):
         return gather_sum(
             recv_SH[: self.num_slots], handle.slot_TP, out_dtype=handle.dtype, kernels="triton" if fused else "torch"
         )
+
+
+def _pack_checked(
+    kernels,
+    x_TH,
+    ids_TK,
+    weights_TK,
+    dst,
+    slot_TP,
+    fmt: RowFormat,
+    num_local_experts: int,
+    capacity: int,
+    num_experts: int,
+) -> None:
+    """``kernels.pack_rows``, then a device-side assert that every id was in range (CUDA)."""
+    ids_ok_C = kernels.pack_rows(x_TH, ids_TK, weights_TK, dst, slot_TP, fmt, num_local_experts, capacity)
+    if x_TH.device.type == "cuda":
+        torch._assert_async(ids_ok_C.amin(), f"topk_ids must lie in [-1, {num_experts})")
 
 
 def mask_padding_tokens(num_tokens: torch.Tensor) -> HookFn:
