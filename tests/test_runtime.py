@@ -1,9 +1,14 @@
 """Launching ranks: failures end the whole call fast, naming the failing rank and its cause; the pool
-starts again after a failed call; nothing outlives the launcher; torchrun jobs work."""
+starts again after a failed call; nothing outlives the launcher; torchrun jobs work; the wait bound
+(``MOE_SBO_TIMEOUT_S``) is parsed, defaults sanely and reaches every rank's process group and, on
+GPUs, NCCL's error handling."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -11,9 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from moe_sbo.runtime import LocalRanks, RankError, resolve_device
+from moe_sbo import env, runtime
+from moe_sbo.runtime import LocalRanks, RankError, init_from_torchrun, resolve_device
 
 
 def _fail_on_rank_1(device):
@@ -94,6 +101,9 @@ def _exit_then_barrier(device, victim, how):
     if dist.get_rank() == victim:
         if how == "exit":
             os._exit(17)
+        if how == "sigabrt":
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+            os.kill(os.getpid(), signal.SIGABRT)
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     return "passed the barrier"
@@ -142,17 +152,128 @@ def test_a_killed_rank_is_detected_and_named(fresh_ranks, how, cause):
     assert ranks.run(_rank) == [0, 1]
 
 
+def _bound_seen_by_the_rank(device):
+    return env.collective_timeout_s()
+
+
 def test_collective_timeout_reaches_the_ranks_from_the_environment(monkeypatch, fresh_ranks):
     monkeypatch.setenv("MOE_SBO_TIMEOUT_S", "2")
     ranks = fresh_ranks(2, collective_timeout_s=None)
     assert ranks.collective_timeout_s == 2.0
-    # Rank 1 is alive but late: rank 0's barrier gives up after 2 s, and rank 1 is then stopped.
+    # Rank 1 is alive but late: rank 0's barrier gives up after 2 s, and rank 1 is then stopped and
+    # named as the cause (the rank that timed out is only the first failure).
     err, elapsed = _timed(lambda: ranks.run(_sleep_then_barrier, 1, 60))
     assert 2.0 <= elapsed < 2.0 + FAIL_FAST_BOUND_S
     assert err.first.rank == 0 and "timed out" in err.first.cause.lower() and err.stopped_ranks == (1,)
+    assert err.stalled_ranks == (1,) and str(err).startswith("_sleep_then_barrier: ranks [1] stalled: ranks [0] gave")
+    assert err.phases == ("", "")  # no dispatcher phase in a bare barrier
     monkeypatch.setenv("MOE_SBO_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="MOE_SBO_TIMEOUT_S must be a number of seconds > 0, got 'soon'"):
+    with pytest.raises(ValueError, match="MOE_SBO_TIMEOUT_S must be a finite number of seconds > 0, got 'soon'"):
         LocalRanks(2)
+
+
+def test_an_explicit_bound_is_what_the_ranks_read(fresh_ranks):
+    """``collective_timeout_s=`` lands in each rank's ``MOE_SBO_TIMEOUT_S``: its symmetric-memory
+    barriers read the bound there, and must agree with its process group's timeout."""
+    ranks = fresh_ranks(2, collective_timeout_s=3.25)
+    assert ranks.run(_bound_seen_by_the_rank) == [3.25, 3.25]
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigabrt"])
+def test_a_rank_that_dies_is_the_cause_not_the_ranks_waiting_for_it(fresh_ranks, how):
+    """A death is never read as a stall of the others: not a SIGKILL, and not a SIGABRT before the
+    bound could have run out (SIGABRT is also how NCCL's watchdog ends a rank whose wait expired)."""
+    ranks = fresh_ranks(2)
+    err, _ = _timed(lambda: ranks.run(_exit_then_barrier, 1, how))
+    assert err.first.rank == 1 and err.first.kind == "died" and how.upper() in err.first.cause
+    assert err.stalled_ranks == (), str(err)[:2000]
+    # Rank 0 fails on the closed connection, or is stopped if it has not yet.
+    assert re.match(r"_exit_then_barrier failed on ranks \[(0, )?1\]: first rank 1 died", str(err)), str(err)[:2000]
+
+
+# ---- the wait bound: parsing, and where it goes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "inf", "nan", ""])
+def test_the_wait_bound_refuses_what_is_not_a_positive_number_of_seconds(monkeypatch, value):
+    monkeypatch.setenv("MOE_SBO_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"MOE_SBO_TIMEOUT_S must be a finite number of seconds > 0, got {value!r}"):
+        env.collective_timeout_s()
+
+
+def test_the_wait_bound_defaults_to_25_s_and_takes_fractions(monkeypatch):
+    monkeypatch.delenv("MOE_SBO_TIMEOUT_S", raising=False)
+    assert env.collective_timeout_s() == env.DEFAULT_TIMEOUT_S == 25.0
+    monkeypatch.setenv("MOE_SBO_TIMEOUT_S", "0.75")
+    assert env.collective_timeout_s() == 0.75
+    env.set_collective_timeout_s(1 / 3)  # exactly, not rounded for display
+    assert env.collective_timeout_s() == 1 / 3
+    with pytest.raises(ValueError, match="the wait bound must be a finite number of seconds > 0, got 0"):
+        env.set_collective_timeout_s(0)
+
+
+def test_nccl_error_handling_tears_down_within_the_bound_and_keeps_the_users_choice(monkeypatch):
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
+        monkeypatch.delenv(name, raising=False)
+    # 1: the watchdog aborts the communicator, then ends the process; the monitor's backstop follows
+    # the bound (never under 10 s, so a busy driver is not taken for a hung watchdog).
+    assert env.nccl_error_handling(25) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "25",
+    }
+    assert env.nccl_error_handling(2.5)["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "10"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's own choice stays
+    assert env.configure_nccl_error_handling(30) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30",
+    }
+    assert os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "30"
+
+
+@pytest.fixture()
+def fake_group(monkeypatch):
+    """``dist.init_process_group`` replaced: records its arguments and the environment at that moment."""
+    calls = []
+
+    def init_process_group(backend, **kwargs):
+        names = ("MOE_SBO_TIMEOUT_S", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+        calls.append({"backend": backend, **kwargs, "env": {n: os.environ.get(n) for n in names}})
+
+    monkeypatch.setattr(runtime.dist, "init_process_group", init_process_group)
+    for name in ("MOE_SBO_TIMEOUT_S", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    return calls
+
+
+def test_torchrun_ranks_join_with_the_wait_bound(fake_group, monkeypatch):
+    monkeypatch.setenv("MOE_SBO_TIMEOUT_S", "12")
+    assert init_from_torchrun("cpu") == torch.device("cpu")
+    (call,) = fake_group
+    assert call["backend"] == "gloo" and call["rank"] == 1 and call["world_size"] == 2
+    assert call["timeout"] == datetime.timedelta(seconds=12)
+    assert call["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] is None  # gloo: NCCL's settings untouched
+
+
+def test_nccl_ranks_join_with_the_wait_bound_and_teardown_on_timeout(fake_group, monkeypatch):
+    # A GPU machine as far as the launcher can tell (the process group itself is the fake above).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setenv("MOE_SBO_TIMEOUT_S", "8")
+    assert init_from_torchrun("cuda") == torch.device("cuda", 1)
+    (call,) = fake_group
+    assert call["backend"] == "nccl" and call["device_id"] == torch.device("cuda", 1)
+    assert call["timeout"] == datetime.timedelta(seconds=8)
+    # Set before the group is made, which is when PyTorch reads them.
+    assert call["env"] == {
+        "MOE_SBO_TIMEOUT_S": "8.0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "10",
+    }
 
 
 def test_call_deadline_stops_ranks_that_never_answer(fresh_ranks):

@@ -7,19 +7,58 @@ transport's choice has to read the same on every rank, so each reader here docum
 
 from __future__ import annotations
 
+import math
 import os
+
+# The wait bound's default: a dead or stalled peer is reported by every survivor within it plus the
+# second or so that detecting and reporting takes (NCCL's watchdog polls, a trapped kernel surfaces at
+# the next sync), so 25 s keeps the report under 30 s.
+DEFAULT_TIMEOUT_S = 25.0
 
 
 def collective_timeout_s() -> float:
-    """``MOE_SBO_TIMEOUT_S`` (default 60): seconds a rank waits inside one collective before it fails."""
-    value = os.environ.get("MOE_SBO_TIMEOUT_S", "60")
+    """``MOE_SBO_TIMEOUT_S`` (default 25): the wait bound, seconds a rank waits for its peers in one
+    collective (the process group's timeout) or one symmetric-memory barrier before it fails."""
+    value = os.environ.get("MOE_SBO_TIMEOUT_S", f"{DEFAULT_TIMEOUT_S:g}")
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"MOE_SBO_TIMEOUT_S must be a number of seconds > 0, got {value!r}")
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"MOE_SBO_TIMEOUT_S must be a finite number of seconds > 0, got {value!r}")
     return seconds
+
+
+def set_collective_timeout_s(seconds: float) -> None:
+    """Make ``seconds`` this process's wait bound: a launcher hands its ranks the bound it was given
+    (``LocalRanks(collective_timeout_s=)``), and every reader in the rank then sees the same value."""
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"the wait bound must be a finite number of seconds > 0, got {seconds!r}")
+    os.environ["MOE_SBO_TIMEOUT_S"] = repr(float(seconds))
+
+
+def nccl_error_handling(timeout_s: float) -> dict[str, str]:
+    """PyTorch's NCCL settings that turn a collective waiting past ``timeout_s`` into a bounded failure.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (tear down): the watchdog thread logs the timed-out collective,
+    aborts the communicator, then ends the process (PyTorch's own default, 3, ends it without the
+    abort; torchrun sets 1 too). ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: if the watchdog itself hangs (in
+    the abort, say), its monitor ends the process after this long (PyTorch's default is 480 s). Blocking
+    wait (``TORCH_NCCL_BLOCKING_WAIT``) stays off: it would make the host wait for every collective.
+    """
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(10, math.ceil(timeout_s))),
+    }
+
+
+def configure_nccl_error_handling(timeout_s: float) -> dict[str, str]:
+    """Set ``nccl_error_handling(timeout_s)`` in this process's environment before its NCCL process group
+    is made (PyTorch reads them then). A variable the user set keeps the user's value. Returns what is
+    in force."""
+    for name, value in nccl_error_handling(timeout_s).items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in nccl_error_handling(timeout_s)}
 
 
 def triton_interpreting() -> bool:

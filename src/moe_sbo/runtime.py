@@ -13,8 +13,16 @@ imported torch once, so a restart costs a fraction of a second, not a torch impo
 ``LocalRanks`` keeps its worker processes (and their process group) alive between calls: tests and
 the demo pay the start-up (forming the group) once, not per check.
 
-Environment variables are read here and nowhere else: ``MOE_SBO_TIMEOUT_S`` (collective timeout,
-default 60 s) and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+A rank that is alive but stuck (a stalled peer) is ended by the wait bound instead: every wait on a
+peer is bounded by ``MOE_SBO_TIMEOUT_S`` (default 25 s; ``env.py``): the process group's timeout, the
+symmetric-memory barriers (``dispatch/ll_transport.py``), and on GPUs NCCL's watchdog, set to abort
+the communicator and end the process when a collective outlives the bound. The ranks that gave up
+waiting fail; the launcher then names the ranks still running as stalled. Each rank writes the
+dispatcher phase it is in into memory the launcher shares (``profiling.record_phases_into``), so the
+report says where every rank was, even one that is blocked or dead.
+
+Environment variables are read in ``env.py``: ``MOE_SBO_TIMEOUT_S`` and torchrun's ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` (``MASTER_ADDR``, ``MASTER_PORT``: by torch.distributed).
 """
 
 from __future__ import annotations
@@ -23,13 +31,14 @@ import contextlib
 import datetime
 import multiprocessing as mp
 import queue
+import re
 import signal
 import socket
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.queues import Queue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -37,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import env
+from . import env, profiling
 
 DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
@@ -55,8 +64,12 @@ def resolve_device(device: str = "auto") -> str:
 
 
 def _join_group(device: str, local_rank: int, timeout_s: float, **init_kwargs: Any) -> torch.device:
-    """Pick this rank's device, then join the process group (NCCL on GPUs, gloo on CPU)."""
+    """Pick this rank's device, then join the process group (NCCL on GPUs, gloo on CPU) with every
+    wait on a peer bounded by ``timeout_s``: the group's timeout; this process's ``MOE_SBO_TIMEOUT_S``,
+    which the symmetric-memory barriers read; NCCL's error handling (``env.nccl_error_handling``)."""
+    env.set_collective_timeout_s(timeout_s)
     if device == "cuda":
+        env.configure_nccl_error_handling(timeout_s)  # before the group: PyTorch reads them when it is made
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         torch_device = torch.device("cuda", torch.cuda.current_device())
         init_kwargs["device_id"] = torch_device  # binds the NCCL communicator to this GPU eagerly
@@ -71,8 +84,11 @@ def _join_group(device: str, local_rank: int, timeout_s: float, **init_kwargs: A
 def init_from_torchrun(device: str = "auto") -> torch.device:
     """Join the job torchrun started (reads its environment); returns this rank's device.
 
-    A rank that raises exits non-zero and torchrun stops the others; a rank that is alive but never
-    reaches a collective makes the others fail after ``MOE_SBO_TIMEOUT_S``.
+    A rank that raises exits non-zero and torchrun stops the others. A rank that is alive but never
+    reaches a collective, or whose process died, makes the others fail after ``MOE_SBO_TIMEOUT_S``: on
+    GPUs NCCL's watchdog logs the collective that timed out, aborts the communicator and ends the
+    process; a symmetric-memory barrier traps, and the next synchronising call raises; on CPU gloo
+    raises. Each then exits non-zero, and torchrun stops the rest.
     """
     ranks = env.torchrun_rank()
     if ranks is None:
@@ -95,27 +111,38 @@ def _dumps(obj: Any) -> bytes:
     return bytes(ForkingPickler.dumps(obj))
 
 
-def _failure(exc: BaseException) -> tuple[str, str]:
-    """(one-line cause, full traceback) of the exception being handled."""
-    lines = traceback.format_exception_only(type(exc), exc)
-    cause = lines[-1].strip() if lines else type(exc).__name__
-    return cause[:500], traceback.format_exc()
+def _failure(exc: BaseException) -> tuple[str, str, str]:
+    """(cause: the exception's type and message, full traceback, dispatcher phase) of the exception
+    being handled. The whole message: a CUDA error says what failed on its first line and advice on
+    the next ones."""
+    cause = "".join(traceback.format_exception_only(type(exc), exc)).strip() or type(exc).__name__
+    return cause[:500], traceback.format_exc(), profiling.current_phase()
 
 
 def _worker(
-    rank: int, world_size: int, init_method: str, device: str, timeout_s: float, tasks: mp.Queue, results: mp.Queue
+    rank: int,
+    world_size: int,
+    init_method: str,
+    device: str,
+    timeout_s: float,
+    tasks: mp.Queue,
+    results: mp.Queue,
+    phase_slots: Any = None,
 ) -> None:
     """One rank: join the group, then run pickled tasks until ``None`` or the launcher is gone.
 
     Tasks are ``(call, pickled (fn, args, kwargs))``; answers ``(call, rank, ok, payload, failed_at)``.
     Both are (un)pickled inside the ``try``, so a function this rank cannot import, or a value that
     cannot be pickled, is reported as this rank's failure instead of killing it or vanishing in the
-    queue's feeder thread.
+    queue's feeder thread. ``phase_slots``: the launcher's shared bytes, two per rank, where this
+    rank marks its dispatcher phase.
     """
     # The launcher owns interruption: a Ctrl-C reaches every process of the terminal's group, and a
     # rank that raised KeyboardInterrupt mid-collective would only turn it into a rank failure; the
     # launcher stops the ranks itself (``LocalRanks.stop``).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if phase_slots is not None:
+        profiling.record_phases_into(memoryview(phase_slots).cast("B")[2 * rank : 2 * rank + 2])
     try:
         if device == "cpu":
             torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
@@ -135,7 +162,9 @@ def _worker(
         if task is None:
             break
         call, payload = task
-        answer: tuple[int, int, bool, bytes | tuple[str, str], float | None]  # (call, rank, ok, payload, failed_at)
+        profiling.clear_phase()
+        # (call, rank, ok, payload, failed_at)
+        answer: tuple[int, int, bool, bytes | tuple[str, str, str], float | None]
         try:
             fn, args, kwargs = ForkingPickler.loads(payload)  # here: a module this rank cannot import is its error
             answer = (call, rank, True, _dumps(fn(torch_device, *args, **kwargs)), None)
@@ -150,15 +179,35 @@ def _worker(
 
 @dataclass(frozen=True)
 class RankFailure:
-    """How one rank failed a call: ``kind`` is ``raised`` (``cause`` is the exception's last line,
-    ``details`` its traceback) or ``died`` (the process ended: ``cause`` gives its exit code or signal).
-    ``failed_at``: wall-clock time the rank raised, or the launcher saw it dead."""
+    """How one rank failed a call: ``kind`` is ``raised`` (``cause`` is the exception's type and
+    message, ``details`` its traceback) or ``died`` (the process ended: ``cause`` gives its exit code or signal).
+    ``failed_at``: wall-clock time the rank raised, or the launcher saw it dead. ``phase``: the
+    dispatcher phase it was in (``profiling.describe_phase``: ``in dispatch_wait``, ``after
+    combine_wait``; empty outside any)."""
 
     rank: int
     kind: str
     cause: str
     details: str
     failed_at: float
+    phase: str = ""
+
+    @property
+    def gave_up_waiting(self) -> bool:
+        """Whether this looks like a bounded wait on a peer that ran out (the peer is at fault): a
+        timeout (gloo, NCCL), a symmetric-memory barrier's trap, or a death by SIGABRT (how NCCL's
+        watchdog ends a process whose collective outlived the bound)."""
+        if self.kind == "died":
+            return "SIGABRT" in self.cause
+        return bool(WAIT_EXPIRED.search(self.cause))
+
+
+# What a rank's error says when its bounded wait for a peer ran out: gloo's and NCCL's timeouts; a
+# symmetric-memory barrier's trap (its own line, or the CUDA error the next synchronising call raises).
+WAIT_EXPIRED = re.compile(
+    r"timed out|timeout|failed to (send|receive) signal|unspecified launch failure|illegal instruction",
+    re.IGNORECASE,
+)
 
 
 class RankError(RuntimeError):
@@ -167,13 +216,26 @@ class RankError(RuntimeError):
     ``failures``: first failure first (a dead rank before ranks that raised: a peer's death makes the
     others fail on a closed connection, not the other way round; then by when each rank raised).
     ``stopped_ranks``: ranks the launcher stopped because they were still running after the grace
-    period (or the call's deadline), most likely waiting in a collective.
+    period (or the call's deadline), most likely waiting in a collective. ``stalled_ranks``: of
+    those, the ones the others gave up waiting for (every failure was an expired wait: the ranks
+    still running are the cause). ``phases``: each rank's dispatcher phase when the call ended
+    (``profiling.describe_phase``; empty when unknown).
     """
 
-    def __init__(self, message: str, failures: tuple[RankFailure, ...] = (), stopped_ranks: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        message: str,
+        failures: tuple[RankFailure, ...] = (),
+        stopped_ranks: tuple[int, ...] = (),
+        *,
+        stalled_ranks: tuple[int, ...] = (),
+        phases: tuple[str, ...] = (),
+    ):
         super().__init__(message)
         self.failures = failures
         self.stopped_ranks = stopped_ranks
+        self.stalled_ranks = stalled_ranks
+        self.phases = phases
 
     @property
     def first(self) -> RankFailure | None:
@@ -194,19 +256,36 @@ def _exit_cause(exitcode: int | None) -> str:
 
 
 def _error_message(
-    what: str, failures: tuple[RankFailure, ...], stopped: tuple[int, ...], elapsed_s: float, grace_s: float
+    what: str,
+    failures: tuple[RankFailure, ...],
+    stopped: tuple[int, ...],
+    stalled: tuple[int, ...],
+    phases: tuple[str, ...],
+    elapsed_s: float,
+    grace_s: float,
+    bound_s: float,
 ) -> str:
     first = failures[0]
     verb = "died" if first.kind == "died" else "raised"
-    lines = [
-        f"{what} failed on ranks {sorted(f.rank for f in failures)}: first rank {first.rank} {verb}: {first.cause}"
-    ]
-    if stopped:
-        lines.append(
-            f"ranks {list(stopped)} were still running {grace_s:g} s after that failure (most likely "
-            f"waiting in a collective for rank {first.rank}) and were stopped; the call ended "
-            f"{elapsed_s:.1f} s after it began, and the ranks start again at the next call"
-        )
+    failed = sorted(f.rank for f in failures)
+    if stalled:
+        lines = [
+            f"{what}: ranks {list(stalled)} stalled: ranks {failed} gave up waiting for them (wait bound "
+            f"{bound_s:g} s, MOE_SBO_TIMEOUT_S); first rank {first.rank} {verb}: {first.cause}",
+            f"ranks {list(stalled)} were still running {grace_s:g} s later and were stopped; the call ended "
+            f"{elapsed_s:.1f} s after it began, and the ranks start again at the next call",
+        ]
+    else:
+        lines = [f"{what} failed on ranks {failed}: first rank {first.rank} {verb}: {first.cause}"]
+        if stopped:
+            lines.append(
+                f"ranks {list(stopped)} were still running {grace_s:g} s after that failure (most likely "
+                f"waiting in a collective for rank {first.rank}) and were stopped; the call ended "
+                f"{elapsed_s:.1f} s after it began, and the ranks start again at the next call"
+            )
+    where = [f"rank {rank} {phase}" for rank, phase in enumerate(phases) if phase]
+    if where:
+        lines.append("dispatcher phases when the call ended: " + ", ".join(where))
     for failure in failures:
         lines.append(f"--- rank {failure.rank} ({failure.kind}) ---\n{failure.details or failure.cause}")
     return "\n".join(lines)
@@ -276,10 +355,12 @@ class LocalRanks:
     name: a module-level function) and returns the results in rank order, or raises ``RankError``.
 
     ``timeout_s``: the most one call may take before every rank is stopped (default: twice the
-    collective timeout plus a minute). ``collective_timeout_s``: each rank's collective timeout
-    (default ``MOE_SBO_TIMEOUT_S``); with fail-fast it only matters for a rank that is alive but never
-    reaches the collective. ``failure_grace_s``: how long the other ranks may still answer after the
-    first failure before they are stopped.
+    collective timeout plus a minute). ``collective_timeout_s``: each rank's wait bound (default
+    ``MOE_SBO_TIMEOUT_S``), set in each rank's environment so its collectives, symmetric-memory
+    barriers and NCCL watchdog all use it; with fail-fast it only matters for a rank that is alive but
+    never arrives (stalled), or where the launcher cannot see a death (torchrun).
+    ``failure_grace_s``: how long the other ranks may still answer after the first failure before they
+    are stopped.
     """
 
     def __init__(
@@ -312,6 +393,7 @@ class LocalRanks:
         self._procs: list = []
         self._tasks: list = []
         self._results: Queue[Any] | None = None
+        self._phase_slots: Any = None  # two shared bytes per rank: its dispatcher phase (profiling)
         self._call = 0
         self._closed = False
         try:
@@ -364,6 +446,7 @@ class LocalRanks:
         self.starts += 1
         self._results = self._ctx.Queue()  # fresh queues: a stopped rank may have left one half-written
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._phase_slots = self._ctx.RawArray("B", 2 * self.world_size)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = [
             self._ctx.Process(
@@ -376,6 +459,7 @@ class LocalRanks:
                     self.collective_timeout_s,
                     self._tasks[r],
                     self._results,
+                    self._phase_slots,
                 ),
                 daemon=True,
             )
@@ -388,6 +472,7 @@ class LocalRanks:
 
     def _collect(self, call: int, what: str) -> list[Any]:
         started = time.monotonic()
+        started_wall = time.time()  # failures carry wall-clock times (a rank's clock is the host's)
         deadline = started + self.timeout_s
         values: dict[int, Any] = {}
         failures: dict[int, RankFailure] = {}
@@ -407,6 +492,7 @@ class LocalRanks:
             return [values[r] for r in range(self.world_size)]
 
         pending = tuple(r for r in range(self.world_size) if r not in values and r not in failures)
+        phases = self._phases()  # before the stop: where each rank is while it still waits
         self._stop()  # a failed call may leave half a collective in the group: start afresh next time
         elapsed_s = time.monotonic() - started
         if not failures:
@@ -416,9 +502,29 @@ class LocalRanks:
                 f"every rank was stopped",
                 (),
                 pending,
+                phases=phases,
             )
+        for rank, failure in failures.items():  # a dead rank could not say where it was; its slot can
+            if failure.kind == "died" and not failure.phase:
+                failures[rank] = replace(failure, phase=phases[rank])
         ordered = tuple(sorted(failures.values(), key=lambda f: (f.kind != "died", f.failed_at)))
-        raise RankError(_error_message(what, ordered, pending, elapsed_s, self.failure_grace_s), ordered, pending)
+        # A wait cannot run out before the bound has passed since the call began: an earlier "timeout"
+        # or SIGABRT is this rank's own failure, and the ranks still running are waiting for it.
+        expired = [
+            f.gave_up_waiting and f.failed_at - started_wall >= 0.99 * self.collective_timeout_s for f in ordered
+        ]
+        stalled = pending if all(expired) else ()
+        message = _error_message(
+            what, ordered, pending, stalled, phases, elapsed_s, self.failure_grace_s, self.collective_timeout_s
+        )
+        raise RankError(message, ordered, pending, stalled_ranks=stalled, phases=phases)
+
+    def _phases(self) -> tuple[str, ...]:
+        """Each rank's dispatcher phase, read from the memory it shares with the launcher."""
+        if self._phase_slots is None:
+            return ("",) * self.world_size
+        slots = bytes(self._phase_slots)
+        return tuple(profiling.describe_phase(slots[2 * r : 2 * r + 2]) for r in range(self.world_size))
 
     def _answers(self) -> list[tuple]:
         """Answers that arrive within ``POLL_S``, and every one queued behind them."""
@@ -441,8 +547,8 @@ class LocalRanks:
         if answer_call != call:
             return
         if not ok:
-            cause, details = payload
-            failures[rank] = RankFailure(rank, "raised", cause, details, failed_at)
+            cause, details, phase = payload
+            failures[rank] = RankFailure(rank, "raised", cause, details, failed_at, phase)
             return
         try:
             values[rank] = ForkingPickler.loads(payload)

@@ -218,7 +218,7 @@ class Dispatcher:
             # collective (if it has one) so they raise at once instead of waiting in it.
             self._announce_rejected_input()
             raise
-        with annotate("dispatch"):
+        with annotate("dispatch", phase="dispatch_launch"):
             pending = self._launch_dispatch(inp)
         self.hooks.run("dispatch_in_flight", self, pending)
         return pending
@@ -231,7 +231,7 @@ class Dispatcher:
         builds the expert-major layout on the device; then runs the ``post_dispatch`` hooks. Not
         CUDA-graph safe (variable sizes).
         """
-        with annotate("dispatch"):
+        with annotate("dispatch", phase="dispatch_wait"):
             out = self._wait_dispatch(pending)
         return self.hooks.run("post_dispatch", self, out)
 
@@ -248,7 +248,7 @@ class Dispatcher:
         """
         inp = self.hooks.run("pre_combine", self, CombineInput(expert_y_RH, handle))
         self._check_combine_input(inp)
-        with annotate("combine"):
+        with annotate("combine", phase="combine_launch"):
             pending = self._launch_combine(inp)
         pending.handle = inp.handle
         self.hooks.run("combine_in_flight", self, pending)
@@ -259,7 +259,7 @@ class Dispatcher:
 
         Sync: the current stream (CUDA) or the host (CPU) waits for the transfer.
         """
-        with annotate("combine"):
+        with annotate("combine", phase="combine_wait"):
             y_TH = self._wait_combine(pending)
         self.last_traffic = pending.dispatch_handle.traffic + pending.traffic
         return self.hooks.run("post_combine", self, y_TH)

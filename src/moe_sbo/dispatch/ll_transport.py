@@ -8,6 +8,14 @@ buffer and one ``all_to_all_single`` moves it; with symmetric memory (``symm_mem
 write straight into the peer's receive buffer over NVLink and the phase ends with a barrier, after
 which every peer's writes to this rank are visible; one rank without a collective writes its own
 receive buffer. The receive buffers keep one extra row of zeros (index S) that padding rows read.
+
+Every wait is bounded. The NCCL transfer by the process group's timeout; the symmetric-memory
+barrier by ``timeout_ms`` (the wait bound, ``MOE_SBO_TIMEOUT_S``), timed on the GPU's global timer
+(wall-clock nanoseconds, not clock cycles). A barrier that outlives it does not go on with stale
+rows: PyTorch's kernel prints ``[FATAL] ... barrier: rank r failed to receive signal from rank p on
+channel c ...`` and traps, which poisons the CUDA context, so the next synchronising call on that
+rank raises (``CUDA error: unspecified launch failure``) and the process must end. The channel names
+the phase: ``DISPATCH_CHANNEL`` or ``COMBINE_CHANNEL``.
 """
 
 from __future__ import annotations
@@ -30,6 +38,35 @@ except ImportError:  # pragma: no cover - depends on the environment
     ll_bulk = None  # type: ignore[assignment]
 
 
+# The symmetric-memory barrier's channel per phase. PyTorch's timeout message prints the channel, so it
+# says which phase waited; distinct channels also keep the phases apart where buffers share a signal pad.
+DISPATCH_CHANNEL = 0
+COMBINE_CHANNEL = 1
+
+
+def barrier_timeout_ms() -> int:
+    """The symmetric-memory barriers' bound in milliseconds: the wait bound (0 would mean forever)."""
+    return max(1, round(env.collective_timeout_s() * 1000))
+
+
+@dataclass(frozen=True)
+class SymmBarrier:
+    """The "work" of a symmetric-memory phase: its data already went out inside the kernel, so
+    waiting is a barrier with every peer (after it, their writes to this rank are visible).
+
+    One per buffer set and phase, made with the buffers: ``handle`` the phase's symmetric-memory
+    handle, ``channel`` the phase's channel, ``timeout_ms`` the bound (fixed when made; a CUDA graph
+    that captured the barrier keeps it too). Sync: ``wait`` queues the barrier kernel on the current
+    stream; the host goes on."""
+
+    handle: Any = field(compare=False)
+    channel: int
+    timeout_ms: int
+
+    def wait(self) -> None:
+        self.handle.barrier(channel=self.channel, timeout_ms=self.timeout_ms)
+
+
 @dataclass(frozen=True)
 class Buffers:
     """One set of communication buffers, allocated once and reused by every forward that uses it.
@@ -37,9 +74,9 @@ class Buffers:
     The receive buffers have one extra, never-written row of zeros (index S): the padding slot that
     padding rows gather from. ``*_dst``: where the fused kernels write the block for rank p (the
     send buffer for NCCL, the receive buffer with no collective, the peer's symmetric receive
-    buffer for ``symm_mem``); ``*_barrier``: the symmetric-memory handle whose barrier completes the
-    phase (``symm_mem`` and ``copy_engine``); ``*_peer_blocks``: where ``copy_engine`` copies each
-    block of the send buffer to (the peers' symmetric receive buffers).
+    buffer for ``symm_mem``); ``*_barrier``: the ``SymmBarrier`` that completes the phase
+    (``symm_mem`` and ``copy_engine``; None otherwise); ``*_peer_blocks``: where ``copy_engine``
+    copies each block of the send buffer to (the peers' symmetric receive buffers).
     """
 
     dispatch_send_SB: torch.Tensor
@@ -48,8 +85,8 @@ class Buffers:
     combine_recv_SH: torch.Tensor  # [S + 1, H]
     dispatch_dst: Any  # ll_kernels.Destinations, or None without Triton
     combine_dst: Any
-    dispatch_barrier: object = field(default=None, compare=False)
-    combine_barrier: object = field(default=None, compare=False)
+    dispatch_barrier: SymmBarrier | None = field(default=None, compare=False)
+    combine_barrier: SymmBarrier | None = field(default=None, compare=False)
     # copy_engine only: per peer p, this rank's block in p's receive buffer ([C, B] / [C, H] views).
     dispatch_peer_blocks: list[torch.Tensor] | None = field(default=None, compare=False)
     combine_peer_blocks: list[torch.Tensor] | None = field(default=None, compare=False)
@@ -60,17 +97,6 @@ class RoundCounter:
     """Dispatches launched so far by a dispatcher and its twins; round n uses buffer set n % num_buffers."""
 
     launched: int = 0
-
-
-class SymmBarrier:
-    """The "work" of a symmetric-memory phase: its data already went out inside the kernel, so
-    waiting is a barrier with every peer (after it, their writes to this rank are visible)."""
-
-    def __init__(self, handle) -> None:
-        self.handle = handle
-
-    def wait(self) -> None:
-        self.handle.barrier(channel=0)
 
 
 @functools.cache  # asked on every forward; the answer is fixed for the process
@@ -102,7 +128,7 @@ def allocate_buffers(
     s, rank, hidden = ep.size * capacity, ep.rank, fmt.hidden
     dispatch_send = torch.zeros(s, fmt.row_bytes, dtype=torch.uint8, device=device)
     combine_send = torch.zeros(s, hidden, dtype=dtype, device=device)
-    handles: tuple[Any, Any] = (None, None)
+    barriers: tuple[SymmBarrier | None, SymmBarrier | None] = (None, None)
     peer_blocks: tuple[Any, Any] = (None, None)
     if transport in ("symm_mem", "copy_engine"):
         import torch.distributed._symmetric_memory as symm_mem
@@ -115,6 +141,11 @@ def allocate_buffers(
             rendezvous.append(symm_mem.rendezvous(recv, group))
             recvs.append(recv)
         handles = (rendezvous[0], rendezvous[1])
+        timeout_ms = barrier_timeout_ms()
+        barriers = (
+            SymmBarrier(handles[0], DISPATCH_CHANNEL, timeout_ms),
+            SymmBarrier(handles[1], COMBINE_CHANNEL, timeout_ms),
+        )
         # This rank's block in each peer's receive buffer.
         peer = [
             [h.get_buffer(p, (s + 1, cols), dt).data_ptr() for p in range(ep.size)]
@@ -148,7 +179,7 @@ def allocate_buffers(
         combine_recv,
         ll_kernels.Destinations.make(dispatch_recv, dispatch_dst) if fused else None,
         ll_kernels.Destinations.make(combine_recv, combine_dst) if fused else None,
-        *handles,
+        *barriers,
         *peer_blocks,
     )
 
@@ -158,7 +189,7 @@ def start_exchange(
     send: torch.Tensor,
     *,
     fused: bool,
-    barrier: Any,
+    barrier: SymmBarrier | None,
     collective: bool,
     group: Any,
     peer_blocks: list[torch.Tensor] | None = None,
@@ -172,9 +203,10 @@ def start_exchange(
         capacity = peer_blocks[0].shape[0]
         for p, block in enumerate(peer_blocks):
             block.copy_(send[p * capacity : (p + 1) * capacity])
-        return [SymmBarrier(barrier)]
+        assert barrier is not None, "copy_engine ends each phase with a symmetric-memory barrier"
+        return [barrier]
     if fused and barrier is not None:  # symm_mem: the kernel wrote into the peers' buffers
-        return [SymmBarrier(barrier)]
+        return [barrier]
     if not collective:
         if not fused:
             recv.copy_(send)
