@@ -134,7 +134,7 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
             "index_graphs: stage x, ids, weights": lambda: staged.staging.stage(x, ids, weights),
             "index_graphs: pack replay": staged.pack,
             "index_graphs: layout replay (+ barrier)": staged.layout,
-            "symm_mem barrier": lambda: bufs.dispatch_barrier.barrier(channel=0),
+            "symm_mem barrier": bufs.dispatch_barrier.wait,
             "CUDAGraph.replay, empty graph": _empty_graph(device),
         }
         for name, fn in cases.items():

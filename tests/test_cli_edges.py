@@ -125,6 +125,10 @@ def test_bench_on_cpu_without_sizes_is_a_quick_tiny_sweep(tmp_path, capsys):
     assert result["meta"]["preset"] == "tiny" and result["meta"]["iters"] == 3 and result["meta"]["world_size"] == 2
     assert {r["tokens_per_rank"] for r in result["rows"]} == {16, 64}
     assert result["meta"]["wall_s"] < 60
+    # The wire: named in the meta and in every row; the physical references ride along.
+    assert result["meta"]["wire"] == "nvlink" and all(r["wire"] == "nvlink" for r in result["rows"])
+    assert all(r["t_wire_us"] > 0 and r["t_floor_us"] > 0 for r in result["rows"])
+    assert result["meta"]["wire_all_to_all_GBps"] > 0
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert lines[0].startswith("memory per rank, estimated: ") and "MemAvailable / 2 ranks" in lines[0]
@@ -132,6 +136,27 @@ def test_bench_on_cpu_without_sizes_is_a_quick_tiny_sweep(tmp_path, capsys):
     assert "× none: t(none)/t; efficiency:" in printed and "CPU timings: gloo on" in printed
     assert lines[-1] == f"4 rows, 0 errors; written to {out}"  # the path whole, however long
     assert max(len(line) for line in lines[:-1]) <= 100
+
+
+def test_bench_refuses_the_emulated_wire_on_cpu_in_one_line(capsys, no_ranks):
+    assert main(["bench", "--wire", "emulated-internode", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "moe-sbo bench: error: --wire emulated-internode needs CUDA GPUs (it routes NCCL through host memory), "
+        "got --device cpu; run on GPUs or leave out --wire\n"
+    )
+
+
+def test_emulated_wire_takes_nccl_and_refuses_transports_that_bypass_it():
+    args = build_parser().parse_args(["bench", "--wire", "emulated-internode"])
+    assert "transport nccl" in bench.resolve_wire(args, "cuda", 2) and args.transport == "nccl"
+    for transport in ("symm_mem", "copy_engine"):
+        args = build_parser().parse_args(["bench", "--wire", "emulated-internode", "--transport", transport])
+        with pytest.raises(ValueError, match=f"--transport {transport} writes the peer's memory over NVLink"):
+            bench.resolve_wire(args, "cuda", 2)
+    with pytest.raises(ValueError, match="needs >= 2 ranks, got 1"):
+        bench.resolve_wire(build_parser().parse_args(["bench", "--wire", "emulated-internode"]), "cuda", 1)
+    assert bench.resolve_wire(build_parser().parse_args(["bench"]), "cpu", 2) is None  # nvlink: nothing to set
 
 
 def test_bench_refuses_what_cannot_fit_before_any_rank(tmp_path, monkeypatch, capsys, no_ranks):

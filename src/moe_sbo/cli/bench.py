@@ -13,6 +13,7 @@ was killed or ran out of memory: then the steps after it, no smaller, are skippe
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -58,6 +59,13 @@ DEVICE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "kv_heads": (8, 2),
     "head_dim": (128, 16),
 }
+
+# Links a sweep can run over (``--wire``). What emulated-internode changes, for NCCL only: peer-to-peer
+# (NVLink, PCIe) off, so NCCL moves data through its shared-memory transport, i.e. host memory.
+# NCCL_SHM_DISABLE stays unset: it would push the traffic to the network transport (sockets or an
+# HCA's loopback) instead, a different wire from the host-memory one this emulates.
+WIRES = ("nvlink", "emulated-internode")
+EMULATED_INTERNODE_ENV = {"NCCL_P2P_DISABLE": "1"}
 
 DESCRIPTION = """\
 Time the MoE layer on N ranks: every overlap mode x dispatcher x token count (single-batch overlap),
@@ -115,6 +123,16 @@ def add_bench_parser(subparsers) -> None:
         choices=["auto", "nccl", "symm_mem", "copy_engine"],
         help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL; copy_engine: "
         "peer copies, no SMs in flight)",
+    )
+    p.add_argument(
+        "--wire",
+        default="nvlink",
+        choices=WIRES,
+        help="the link between the ranks: nvlink (the GPUs' own), or emulated-internode: NCCL with "
+        "NCCL_P2P_DISABLE=1, so its traffic goes through host memory (~46 GB/s all-to-all on 2x H200, an "
+        "inter-node-class wire on one host); CUDA and >= 2 ranks only. low_latency then uses --transport "
+        "nccl: symm_mem and copy_engine write the peer's memory over NVLink, outside NCCL, so they cannot "
+        "emulate the slower wire (auto becomes nccl; asking for them is refused)",
     )
     p.add_argument("--warmup", type=int, default=None, help=_device_default("warmup", "untimed calls first"))
     p.add_argument("--iters", type=int, default=None, help=_device_default("iters", "timed calls"))
@@ -182,6 +200,7 @@ class Step(NamedTuple):
 def run_bench(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     ranks = resolve_ranks(args.ranks, device)
+    note = resolve_wire(args, device, ranks)
     resolve_defaults(args, device)
     dispatchers = _choose(args.dispatcher, sorted(DISPATCHERS), "--dispatcher")
     if ranks > 1 and args.dispatcher == ["all"]:
@@ -218,8 +237,12 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     dtype = args.dtype or default_dtype_name(device)
     console = make_console()
+    if note:
+        console.print(note, highlight=False)
     console.print(_memory_line(args, experts_list, ranks, dtype, attention, device), highlight=False)
-    meta = result_meta(device=device, world_size=ranks)
+    if args.wire == "emulated-internode":
+        os.environ.update(EMULATED_INTERNODE_ENV)  # before any rank starts: spawned ranks inherit it
+    meta = result_meta(device=device, world_size=ranks, wire=args.wire)
     meta.update(
         preset=args.preset,
         warmup=args.warmup,
@@ -244,6 +267,7 @@ def run_bench(args: argparse.Namespace) -> int:
     finally:
         pool.close()
     meta["wall_s"] = round(time.perf_counter() - started, 1)
+    meta.update(measured_wire(results.rows))
     results.save()
     if args.tbo:
         console.print(tbo_table(results.rows))
@@ -257,6 +281,44 @@ def run_bench(args: argparse.Namespace) -> int:
     # soft_wrap: a path is printed whole, never broken at the console's width.
     console.print(f"{len(results.rows)} rows, {results.errors} errors; {written}", highlight=False, soft_wrap=True)
     return 1 if results.errors else 0
+
+
+def resolve_wire(args: argparse.Namespace, device: str, ranks: int) -> str | None:
+    """Check ``--wire`` before any rank starts; under the emulated wire, ``--transport auto`` becomes
+    ``nccl`` (returns the line saying so). Raises ``ValueError`` for what cannot emulate it."""
+    if args.wire != "emulated-internode":
+        return None
+    if device != "cuda":
+        raise ValueError(
+            f"--wire emulated-internode needs CUDA GPUs (it routes NCCL through host memory), got --device "
+            f"{device}; run on GPUs or leave out --wire"
+        )
+    if ranks < 2:
+        raise ValueError(f"--wire emulated-internode needs >= 2 ranks, got {ranks}; use --ranks 2 or more")
+    if args.transport in ("symm_mem", "copy_engine"):
+        raise ValueError(
+            f"--transport {args.transport} writes the peer's memory over NVLink, outside NCCL, so it cannot "
+            f"run on --wire emulated-internode, got both; use --transport nccl (or auto)"
+        )
+    if args.transport == "auto":
+        args.transport = "nccl"
+        return "--wire emulated-internode: low_latency uses --transport nccl (symm_mem would bypass the wire)"
+    return None
+
+
+def measured_wire(rows: list[dict]) -> dict:
+    """The raw all-to-all bandwidth the run measured on its wire: bytes / time of the largest raw
+    ``all_to_all_single`` reference among the rows (the closest to the link's bandwidth); {} without."""
+    refs = [
+        (row[f"{phase}_bytes_sent"], row[f"ref_t_{phase}_us"])
+        for row in rows
+        for phase in ("dispatch", "combine")
+        if row.get(f"ref_t_{phase}_us") and row.get(f"{phase}_bytes_sent")
+    ]
+    if not refs:
+        return {}
+    size, t_us = max(refs)
+    return {"wire_all_to_all_GBps": round(size / t_us / 1e3, 2), "wire_all_to_all_bytes": size}
 
 
 def _memory_line(args, experts_list, ranks, dtype, attention, device) -> str:
@@ -331,7 +393,13 @@ def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[Step]:
                     sbo_bench_rank,
                     (spec, t),
                     lambda per_rank, spec=spec: summarise(per_rank, spec, ranks),
-                    {"num_experts": n, "experts_per_gpu": n // ranks, "dispatcher": d, "tokens_per_rank": t},
+                    {
+                        "num_experts": n,
+                        "experts_per_gpu": n // ranks,
+                        "dispatcher": d,
+                        "tokens_per_rank": t,
+                        "wire": args.wire,
+                    },
                 )
             )
         return steps
@@ -344,7 +412,7 @@ def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[Step]:
                 tbo_bench_rank,
                 (spec, regime, size),
                 lambda per_rank, spec=spec: summarise_tbo(per_rank, spec, ranks),
-                {"num_experts": n, "dispatcher": d, "regime": regime, "size": size},
+                {"num_experts": n, "dispatcher": d, "regime": regime, "size": size, "wire": args.wire},
             )
         )
     return steps
@@ -398,6 +466,7 @@ def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:
         "kv_len": args.kv_len,
         "delays": list(dict.fromkeys(args.delay)),
         "transport": args.transport,
+        "wire": args.wire,
     }
 
 

@@ -56,7 +56,7 @@ def dispatcher_options(spec: dict, tokens: int) -> dict:
 
 
 def row_head(bench: str, spec: dict, ep: int) -> dict:
-    """The fields every SBO and TBO row opens with: the setup it measured."""
+    """The fields every SBO and TBO row opens with: the setup it measured, the wire included."""
     cfg = bench_config(spec["preset"], spec["num_experts"])
     # transport: what --transport asked of a dispatcher that takes one (low_latency), else None.
     transport = spec["transport"] if "transport" in dispatcher_option_names(spec["dispatcher"]) else None
@@ -69,6 +69,18 @@ def row_head(bench: str, spec: dict, ep: int) -> dict:
         "dispatcher": spec["dispatcher"],
         "transport": transport,
         "dtype": spec["dtype"],
+        "wire": spec["wire"],
+    }
+
+
+def resolved_path(dispatcher, device: torch.device) -> dict:
+    """What a dispatcher with a choice of path ran (low_latency: Triton or torch kernels, the transport
+    ``auto`` became), for the rows: a result must say which code moved its bytes. {} for the others."""
+    if not hasattr(dispatcher, "uses_triton"):
+        return {}
+    return {
+        "kernels": "triton" if dispatcher.uses_triton(device) else "torch",
+        "transport_used": dispatcher.transport_for(device),
     }
 
 

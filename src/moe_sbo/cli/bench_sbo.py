@@ -5,6 +5,12 @@ For each (expert count, dispatcher, tokens per rank), on every rank of the EP gr
 
 - ``t_shared_us``: the shared experts alone on the same tokens;
 - ``t_comm_us``: dispatch + combine alone (the routed experts skipped: outputs = inputs);
+- ``t_floor_route_us``, ``t_floor_routed_us``, ``t_floor_shared_us`` (``t_floor_us`` their sum): the
+  router, the routed experts on the rows one dispatch brought and the shared experts, each timed
+  alone (CUDA-graph replays on GPUs): the compute a perfect dispatcher and perfect overlap would leave;
+- ``ref_t_dispatch_us``, ``ref_t_combine_us`` (``t_wire_us`` their sum), with two ranks or more: a raw
+  ``all_to_all_single`` of each phase's bytes (``dispatch_bytes_sent``, ``combine_bytes_sent``) on the
+  same wire, the physical reference ``--wire`` is about;
 - per overlap mode: the layer's median time and its phases (CUDA events recorded by dispatcher hooks,
   no sync inside a forward), and for decode sizes (<= ``--graph-max-tokens``) with a dispatcher that
   can be captured, the median of CUDA-graph replays as a second row (``graph: true``).
@@ -29,10 +35,10 @@ import torch.distributed as dist
 from rich.table import Table
 
 from ..layer import MoELayer
-from ..measure.timing import SPANS, line_up, time_fn, time_layer
+from ..measure.timing import SPANS, line_up, time_all_to_all, time_fn, time_layer
 from ..overlap import AutoOverlap, make_overlap
 from ..overlap.sbo import bucket_of
-from .bench_common import bench_config, cached, dispatcher_options, profile_spans, row_head
+from .bench_common import bench_config, cached, dispatcher_options, profile_spans, resolved_path, row_head
 from .options import compact, make_table
 
 # Span of time_layer that is the shared experts only in mode none; in other modes it is the final add.
@@ -88,9 +94,10 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
             layer.dispatcher.combine(recv.expert_x_RH, recv.handle)
 
         shared = layer.shared_experts
-        base: dict[str, float] = {"rank": rank, "tokens": tokens}
+        base: dict = {"rank": rank, "tokens": tokens, **resolved_path(layer.dispatcher, device)}
         base["t_shared_us"] = time_fn(lambda: shared(x_TH), device, warmup, iters, False) if shared else 0.0
         base["t_comm_us"] = time_fn(comm_alone, device, warmup, iters, False)
+        base.update(floor_and_wire(layer, x_TH, warmup, iters, spec["seed"]))
         if graph:
             base["t_shared_graph_us"] = time_fn(lambda: shared(x_TH), device, warmup, iters, True) if shared else 0.0
             base["t_comm_graph_us"] = time_fn(comm_alone, device, warmup, iters, True)
@@ -123,6 +130,34 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
     return rows
 
 
+def floor_and_wire(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int, seed: int) -> dict[str, float]:
+    """The compute floor (router, routed experts on one dispatch's rows, shared experts, each alone)
+    and, with peers, raw ``all_to_all_single`` of each phase's bytes: one rank's share of a row."""
+    device = x_TH.device
+    graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
+    topk = layer.router(x_TH)
+    recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+    experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
+    shared = layer.shared_experts
+    out = {
+        "t_floor_route_us": time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph),
+        "t_floor_routed_us": time_fn(lambda: layer.experts(experts_x, counts, scales), device, warmup, iters, graph),
+        "t_floor_shared_us": time_fn(lambda: shared(x_TH), device, warmup, iters, graph) if shared else 0.0,
+    }
+    layer.dispatcher.combine(layer.experts(experts_x, counts, scales), recv.handle)  # close the round it opened
+    traffic = layer.dispatcher.last_traffic
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        # Every rank sends the largest rank's bytes: all_to_all_single needs one size on all of them.
+        sizes = torch.tensor([traffic.dispatch_bytes_sent, traffic.combine_bytes_sent], device=device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+        for phase, size in zip(("dispatch", "combine"), sizes.tolist()):
+            out[f"{phase}_bytes_sent"] = float(getattr(traffic, f"{phase}_bytes_sent"))
+            chunk = max(1, -(-int(size) // ((world - 1) * x_TH.element_size())))
+            out[f"ref_t_{phase}_us"] = time_all_to_all(chunk, x_TH.dtype, device, warmup, iters, seed)
+    return out
+
+
 def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
     """Slowest rank's times per row, then efficiency and speedup against the group's ``none`` row."""
     rows = []
@@ -130,15 +165,21 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         first = rank_rows[0]
         row = {
             **row_head("sbo", spec, ep),
+            **{k: first[k] for k in ("kernels", "transport_used") if k in first},
             "tokens_per_rank": first["tokens"],
             "overlap": first["overlap"],
             "tbo": False,
             "graph": first["graph"],
         }
         for key in first:
-            if key.startswith("t_") and not key.endswith("_graph_us"):
+            if key.startswith(("t_", "ref_t_")) and not key.endswith("_graph_us"):
                 values = [r[key] for r in rank_rows if r[key] is not None]
                 row[key] = max(values) if values else None
+            elif key.endswith("_bytes_sent"):
+                row[key] = round(statistics.mean(r[key] for r in rank_rows))
+        row["t_floor_us"] = row["t_floor_route_us"] + row["t_floor_routed_us"] + row["t_floor_shared_us"]
+        if "ref_t_dispatch_us" in row:
+            row["t_wire_us"] = row["ref_t_dispatch_us"] + row["ref_t_combine_us"]
         row["t_layer_us_per_rank"] = [round(r["t_layer_us"], 1) for r in rank_rows]
         row["bytes_sent"] = round(statistics.mean(r["bytes_sent"] for r in rank_rows))
         row["bytes_recv"] = round(statistics.mean(r["bytes_recv"] for r in rank_rows))

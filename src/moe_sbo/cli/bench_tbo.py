@@ -23,7 +23,7 @@ from ..model.attention import AttentionConfig, Batch
 from ..model.decoder import DecoderLayer
 from ..model.tbo import tbo_forward
 from ..overlap import make_overlap
-from .bench_common import bench_config, cached, dispatcher_options, profile_spans, row_head
+from .bench_common import bench_config, cached, dispatcher_options, profile_spans, resolved_path, row_head
 from .options import compact, make_table
 
 
@@ -101,6 +101,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
                 rows.append(
                     {
                         "rank": rank,
+                        **resolved_path(layer.moe.dispatcher, device),
                         "regime": regime,
                         "size": size,
                         "tokens": batch.num_tokens,
@@ -123,6 +124,7 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
         rows.append(
             {
                 **row_head("tbo", spec, ep),
+                **{k: first[k] for k in ("kernels", "transport_used") if k in first},
                 "regime": first["regime"],
                 "tokens_per_rank": first["tokens"],
                 "sequences_per_rank": first["sequences"],

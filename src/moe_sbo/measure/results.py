@@ -54,10 +54,12 @@ def git_commit() -> str:
         return "unknown"
 
 
-def result_meta(device: str, world_size: int) -> dict:
+def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
+    """What every result file's ``meta`` records; ``wire`` (``nvlink``, ``emulated-internode``), for
+    the benchmarks that choose one, names the link the ranks' transfers crossed."""
     cuda = device == "cuda" and torch.cuda.is_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
-    return {
+    meta = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": git_commit(),
         "source_sha": source_digest(),
@@ -69,6 +71,9 @@ def result_meta(device: str, world_size: int) -> dict:
         "torch": torch.__version__,
         "nccl": nccl,
     }
+    if wire is not None:
+        meta["wire"] = wire
+    return meta
 
 
 def write_results(path, meta: dict, rows: list[dict]) -> None:

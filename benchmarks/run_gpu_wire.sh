@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one command for 2x H200, from the repo root:  bash benchmarks/run_gpu_wire.sh
+# The rows the simulator is validated on (docs/SIMULATION.md), on both wires: nvlink and
+# emulated-internode (NCCL with NCCL_P2P_DISABLE=1, traffic through host memory). Per wire:
+# - SBO: moe-sbo bench, every overlap mode (auto included), low_latency over NCCL (the emulated wire
+#   cannot carry symm_mem or copy_engine), 32 routed experts per GPU, prefill 1024 4096 16384 and
+#   decode 16 128 512 tokens/rank (decode sizes also as CUDA-graph replays); every row carries
+#   t_floor_us (router + routed + shared experts, each alone) and t_wire_us (raw all_to_all_single
+#   of the same bytes), the meta the wire and its measured all-to-all bandwidth;
+# - TBO: moe-sbo bench --tbo, overlap none and combine_sm, without and with TBO (delay 0), prefill
+#   1024 4096 16384 tokens/rank and decode 16 128 512 sequences (kv 2048, graphs).
+# Writes sbo_wire_<wire>_<tag>.json, tbo_wire_<wire>_<tag>.json and their logs under "${OUT:-out}".
+# WIRES picks the wires (default: both). Expected wall time on 2x H200: about 4 minutes (estimated from
+# the EP2 files: sbo_h200x2.json took 78 s for 30 steps up to 8192 tokens, tbo_h200x2.json 63 s for 12;
+# here 6 SBO + 6 TBO steps per wire, 16384 tokens the largest, the emulated wire ~5x slower per byte).
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+if [ "$GPUS" -lt 2 ]; then echo "run_gpu_wire.sh needs >= 2 GPUs, found $GPUS"; exit 2; fi
+WIRES="${WIRES:-nvlink emulated-internode}"
+COMMON=(--ranks 2 --dispatcher low_latency --transport nccl --experts 64)
+for wire in $WIRES; do
+  start=$SECONDS
+  "$PYTHON" -m moe_sbo.cli bench --wire "$wire" "${COMMON[@]}" --tokens 16 128 512 1024 4096 16384 \
+    --graph-max-tokens 512 --out "$OUT_DIR/sbo_wire_${wire}_$TAG.json" \
+    2>&1 | tee "$OUT_DIR/sbo_wire_${wire}_$TAG.log" | tail -45
+  "$PYTHON" -m moe_sbo.cli bench --tbo --wire "$wire" "${COMMON[@]}" --overlap none combine_sm --delay 0 \
+    --prefill-tokens 1024 4096 16384 --decode-seqs 16 128 512 --kv-len 2048 \
+    --out "$OUT_DIR/tbo_wire_${wire}_$TAG.json" 2>&1 | tee "$OUT_DIR/tbo_wire_${wire}_$TAG.log" | tail -30
+  echo "== $wire: $((SECONDS - start)) s"
+done
+# Then, on any machine: copy the JSON files into benchmarks/results and run
+#   moe-sbo plan --simulate --validation-rows

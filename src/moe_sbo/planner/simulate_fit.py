@@ -1,0 +1,421 @@
+"""The simulator's calibration: per-stage costs fitted to this project's own result files.
+
+Every number the simulator predicts with comes from ``{"meta", "rows"}`` files read at run time
+(``simulate_rows.load_rows``), except the named constants below, which stand where no file measured the thing:
+
+- grouped GEMM: a smooth roofline per expert weight dtype, ``max(weight read, rows x FLOPs)`` with a
+  fitted knee, from the GEMM-only rows (``grouped_gemm``, ``fp8_experts``), and per dispatcher the
+  ratio of the layer's routed span to it (routing imbalance, padded rows);
+- router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
+  that timed them alone (``t_floor_*``, CUDA-graph ``t_shared_us``);
+- wire: ``latency + bytes / bandwidth`` per link class, least squares in relative error over the raw
+  NCCL ``all_to_all_single`` references (``ref_t_dispatch_us``, ``ref_t_combine_us``) on that wire;
+- dispatcher kernels: each phase's CUDA-graph time minus the wire's, vs tokens, per dispatcher path;
+- eager host overhead: a layer measured eagerly minus its CUDA-graph schedule, vs tokens, per path
+  (``simulate_report.calibrate_simulator``, which needs the simulator);
+- contention: the SM-budget slowdown and the overlap efficiency of a transfer launched before a GEMM,
+  from the contention probe (``contention_*.json``).
+
+What is hard is **honest validation**: the fits are functions of the rows they are given, so the
+validator refits them without the rows it predicts (``keep``: a predicate on a row's ``group``).
+Units: ``_us`` microseconds, ``_B`` bytes, ``_GBps`` 1e9 bytes/s; T = tokens per rank.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from ..config import MoEConfig, get_preset
+from .simulate_rows import DEFAULT_PRESET, DispatchPath, ResultRow, dtype_name
+
+# ---- assumptions: named constants where no result file measures the thing -------------------------
+
+# RDMA between nodes: ConnectX-7 400 Gb/s per GPU = 50 GB/s per direction (DeepEP reports 40-58 GB/s
+# internode); latency an estimate (the planner's cx7 entry). No result file measures RDMA yet.
+RDMA_GBPS = 50.0
+RDMA_LATENCY_US = 20.0
+# NCCL with NCCL_P2P_DISABLE=1 on 2x H200 (traffic through host memory), issue 16's figure; used
+# only until rows with wire "emulated-internode" and raw references exist (then it is fitted).
+EMULATED_INTERNODE_GBPS = 46.0
+# Fallbacks when no contention probe is among the files: no SM-budget slowdown, no overlap loss.
+NO_CONTENTION_SLOWDOWN = 1.0
+NO_CONTENTION_EFFICIENCY = 1.0
+# Transports whose transfer runs on SMs (NCCL kernels, symmetric-memory stores); copy engines do not.
+SM_TRANSPORTS = ("nccl", "symm_mem", "rdma")
+# Knees tried for the grouped GEMM's smooth roofline (w^p + c^p)^(1/p); inf is a hard max.
+KNEES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, math.inf)
+
+
+# ---- fit primitives -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Curve:
+    """y vs x, piecewise linear through the median y at each measured x (``knots``). Outside them, by
+    default the end segment's line, rising with x (flat where the segment falls: GPU work does not
+    shrink with more tokens); with ``trend`` the end segment's line either way (host overhead does
+    shrink as the GPU work that hides it grows); never below 0."""
+
+    knots: tuple[tuple[float, float], ...]
+    trend: bool = False
+
+    def __call__(self, x: float) -> float:
+        pts = self.knots
+        if len(pts) == 1:
+            return pts[0][1]
+        if x <= pts[0][0]:
+            (x0, y0), (x1, y1) = pts[0], pts[1]
+        elif x >= pts[-1][0]:
+            (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        else:
+            (x0, y0), (x1, y1) = next(seg for seg in zip(pts, pts[1:]) if seg[0][0] <= x <= seg[1][0])
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        slope = (y1 - y0) / (x1 - x0)
+        slope = slope if self.trend else max(0.0, slope)
+        return max(0.0, (y0 if x <= x0 else y1) + slope * (x - (x0 if x <= x0 else x1)))
+
+    def covers(self, x: float) -> bool:
+        return self.knots[0][0] <= x <= self.knots[-1][0]
+
+
+def first_fit(table: dict, keys: Iterable, x: float) -> Curve | None:
+    """The first of ``keys`` in ``table`` whose curve spans ``x``, else the first there at all: a fit is
+    used inside its measured range before another's, however specific, is stretched beyond its own."""
+    found = [table[k] for k in keys if k in table]
+    return next((c for c in found if c.covers(x)), found[0] if found else None)
+
+
+def curve(
+    points: Iterable[tuple[float, float]],
+    pick: Callable[[list[float]], float] = statistics.median,
+    trend: bool = False,
+) -> Curve | None:
+    """The ``Curve`` through ``pick`` (the median, or ``min`` for a GPU time that eager timings of the
+    same work can only lengthen) of the y measured at each x; ``trend``: see ``Curve``."""
+    by_x: dict[float, list[float]] = defaultdict(list)
+    for x, y in points:
+        if math.isfinite(x) and math.isfinite(y):
+            by_x[float(x)].append(float(y))
+    if not by_x:
+        return None
+    return Curve(tuple((x, pick(ys)) for x, ys in sorted(by_x.items())), trend)
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """One all-to-all on a link class: ``latency_us + bytes / (GBps * 1e3)`` per rank."""
+
+    latency_us: float
+    GBps: float
+    samples: int
+    source: str
+
+    def time_us(self, bytes_B: float) -> float:
+        return 0.0 if bytes_B <= 0 else self.latency_us + bytes_B / (self.GBps * 1e3)
+
+
+def fit_link(points: Sequence[tuple[float, float]], source: str) -> LinkFit | None:
+    """Least squares of ``t = a + b * bytes`` weighted by 1/t^2 (relative error, so the small
+    messages that set the latency count as much as the large ones that set the bandwidth)."""
+    pts = [(b, t) for b, t in points if b > 0 and t > 0]
+    if len({b for b, _ in pts}) < 2:
+        return None
+    w = [1.0 / t**2 for _, t in pts]
+    sw = sum(w)
+    mx = sum(wi * b for wi, (b, _) in zip(w, pts)) / sw
+    my = sum(wi * t for wi, (_, t) in zip(w, pts)) / sw
+    sxx = sum(wi * (b - mx) ** 2 for wi, (b, _) in zip(w, pts))
+    slope = sum(wi * (b - mx) * (t - my) for wi, (b, t) in zip(w, pts)) / sxx
+    if slope <= 0:
+        return None
+    return LinkFit(max(0.0, my - slope * mx), 1.0 / (slope * 1e3), len(pts), source)
+
+
+@dataclass(frozen=True)
+class GemmFit:
+    """The grouped GEMM of routed experts (gate_up, SiLU-mul, down) as a smooth roofline:
+    ``(w^p + c^p)^(1/p)`` with w = L experts' weight bytes / ``weight_GBps`` and c = the rows' FLOPs /
+    ``TFLOPs``; ``knee`` p (inf: a hard max)."""
+
+    weight_GBps: float
+    TFLOPs: float
+    knee: float
+    samples: int
+
+    def time_us(self, experts: int, rows_per_expert: float, hidden: int, inter: int, weight_B: float) -> float:
+        if experts <= 0:
+            return 0.0
+        w = experts * 3 * hidden * inter * weight_B / (self.weight_GBps * 1e3)
+        c = experts * rows_per_expert * 6 * hidden * inter / (self.TFLOPs * 1e6)
+        return smooth_max(w, c, self.knee)
+
+
+def smooth_max(a: float, b: float, p: float) -> float:
+    if math.isinf(p):
+        return max(a, b)
+    top = max(a, b)
+    return 0.0 if top <= 0 else top * ((a / top) ** p + (b / top) ** p) ** (1 / p)
+
+
+WEIGHT_B = {"bf16": 2.0, "fp8": 1.0}  # bytes per weight element (fp8 block scales: 0.006 %, left out)
+
+
+def fit_gemm(samples: Sequence[tuple[int, float, int, int, float, float]]) -> GemmFit | None:
+    """``samples``: (experts, rows per expert, H, I, weight bytes per element, µs). The rate of each
+    bound is the median over the samples that bound clearly dominates (the other term < 1/4 of it),
+    starting from the best rate seen; then the knee that minimises the squared log error."""
+    if len(samples) < 2:
+        return None
+
+    def bytes_(s):
+        return s[0] * 3 * s[2] * s[3] * s[4]
+
+    def flops(s):
+        return s[0] * s[1] * 6 * s[2] * s[3]
+
+    gbps = max(bytes_(s) / (s[5] * 1e3) for s in samples)
+    tflops = max(flops(s) / (s[5] * 1e6) for s in samples)
+    for _ in range(4):  # classify by the current rates, re-estimate each rate on its side
+        w_us = {i: bytes_(s) / (gbps * 1e3) for i, s in enumerate(samples)}
+        c_us = {i: flops(s) / (tflops * 1e6) for i, s in enumerate(samples)}
+        w_bound = [s for i, s in enumerate(samples) if c_us[i] < 0.25 * w_us[i]]
+        c_bound = [s for i, s in enumerate(samples) if w_us[i] < 0.25 * c_us[i]]
+        if w_bound:
+            gbps = statistics.median(bytes_(s) / (s[5] * 1e3) for s in w_bound)
+        if c_bound:
+            tflops = statistics.median(flops(s) / (s[5] * 1e6) for s in c_bound)
+
+    def error(p: float) -> float:
+        fit = GemmFit(gbps, tflops, p, len(samples))
+        return sum(math.log(fit.time_us(s[0], s[1], s[2], s[3], s[4]) / s[5]) ** 2 for s in samples)
+
+    return GemmFit(gbps, tflops, min(KNEES, key=error), len(samples))
+
+
+# ---- the calibration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Contention:
+    """What sharing the SMs costs: ``sm_budget_slowdown`` of a GEMM planned for the SMs ``combine_sm``
+    leaves it, and ``overlap_efficiency`` of a transfer on SMs launched before a GEMM (1: the
+    transfer fully hidden; the GEMM is stretched by (1 - efficiency) x the time they overlap)."""
+
+    sm_budget_slowdown: float
+    overlap_efficiency: float
+    source: str
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Everything the simulator predicts with (see the module docstring), and where it came from."""
+
+    gemm: dict[str, GemmFit]  # by expert weight dtype
+    routed_factor: dict[DispatchPath, float]  # layer's routed span / GEMM model, per path (and wildcards)
+    route_gpu: Curve
+    shared_gpu: Curve
+    kernel: dict[tuple[DispatchPath, str], Curve]  # (path, "dispatch" | "combine") -> GPU work besides the wire
+    kernel_eager: dict[tuple[DispatchPath, str], Curve]  # the same from eager spans, for paths never replayed
+    host: dict[DispatchPath, Curve]  # path -> host time an eager forward adds to its GPU schedule
+    links: dict[str, LinkFit]
+    contention: Contention
+    attention_us: dict[str, float] = field(default_factory=dict)  # regime -> fixed cost on the roofline
+    files: tuple[str, ...] = ()
+
+    def link(self, wire: str) -> LinkFit:
+        if wire in self.links:
+            return self.links[wire]
+        raise ValueError(f"wire must be one of {sorted(self.links)}, got {wire!r}")
+
+    def kernel_us(self, path: DispatchPath, phase: str, tokens: float) -> float:
+        """GPU work of a phase besides its transfer: from CUDA-graph phases of this dispatcher; else,
+        for a dispatcher never replayed (host-synchronous ones), its eager spans, host time included;
+        else the fused low_latency kernels' (a layout pass is a layout pass)."""
+        own, last = path.own_keys(), path.last_resort_keys()
+        for table, ways in ((self.kernel, own), (self.kernel_eager, own), (self.kernel, last)):
+            found = first_fit(table, ((p, phase) for p in ways), tokens)
+            if found is not None:
+                return max(0.0, found(tokens))
+        return 0.0
+
+    def host_us(self, path: DispatchPath, tokens: float) -> float:
+        found = first_fit(self.host, path.own_keys(), tokens)
+        return 0.0 if found is None else max(0.0, found(tokens))
+
+    def routed_scale(self, path: DispatchPath) -> float:
+        return next((self.routed_factor[p] for p in path.own_keys() if p in self.routed_factor), 1.0)
+
+    def routed_gpu_us(self, cfg: MoEConfig, experts: int, rows: float, expert_dtype: str, path: DispatchPath) -> float:
+        fit = self.gemm.get(expert_dtype) or self.gemm["bf16"]
+        per_expert = rows / experts if experts else 0.0
+        t = fit.time_us(experts, per_expert, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B[expert_dtype])
+        return t * self.routed_scale(path)
+
+
+def _positive(row: ResultRow, key: str) -> float | None:
+    value = row.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def _phase_bytes(row: ResultRow, phase: str) -> float:
+    value = row.get(f"{phase}_bytes_sent")
+    if value is None:  # rows with only the total: dispatch and combine rows are ~the same size
+        value = (row.get("bytes_sent") or 0) / 2
+    return float(value)
+
+
+def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
+    v3 = get_preset(DEFAULT_PRESET)
+    by_dtype: dict[str, list] = defaultdict(list)
+    for r in rows:
+        if r.get("bench") == "fp8_experts" and _positive(r, "t_us"):
+            dtype = dtype_name(r.get("weight_dtype"))
+            by_dtype[dtype].append(
+                (
+                    int(r.get("experts")),
+                    float(r.get("rows_per_expert")),
+                    v3.hidden_size,
+                    v3.moe_intermediate_size,
+                    WEIGHT_B[dtype],
+                    float(r.get("t_us")),
+                )
+            )
+        elif r.get("bench") == "grouped_gemm" and _positive(r, "t_routed_us"):
+            cfg = r.cfg
+            by_dtype["bf16"].append(
+                (
+                    int(r.get("experts_per_gpu")),
+                    float(r.get("rows_per_expert")),
+                    cfg.hidden_size,
+                    cfg.moe_intermediate_size,
+                    2.0,
+                    float(r.get("t_routed_us")),
+                )
+            )
+    return by_dtype
+
+
+def _contention(rows: Sequence[ResultRow]) -> Contention:
+    from ..overlap.sbo import DEFAULT_COMM_SMS
+
+    probe = [r for r in rows if r.get("bench") == "contention"]
+    alone = {int(r.get("sm_budget")): float(r.get("t_us")) for r in probe if r.get("case") == "gemm_alone_sm_budget"}
+    first = [
+        float(r.get("efficiency"))
+        for r in probe
+        if r.get("case") == "gemm_beside_copy" and r.get("order") == "copy_first" and "ctas" in str(r.get("transport"))
+    ]
+    if not alone or not first:
+        return Contention(NO_CONTENTION_SLOWDOWN, NO_CONTENTION_EFFICIENCY, "no contention probe among the files")
+    sms = int(probe[0].meta.get("sms", max(alone)))
+    budget_curve = curve((b, t) for b, t in alone.items())
+    assert budget_curve is not None
+    slowdown = budget_curve(sms - DEFAULT_COMM_SMS) / budget_curve(sms)
+    source = f"{probe[0].file}: GEMM on {sms - DEFAULT_COMM_SMS}/{sms} SMs, copy launched first ({len(first)} rows)"
+    return Contention(slowdown, statistics.median(first), source)
+
+
+def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lambda group: True) -> StageCosts:
+    """Fit every stage cost to ``rows`` whose ``group`` ``keep`` accepts (attention is fitted later,
+    by the simulator: ``simulate_report.calibrate_simulator``). Raises ``ValueError`` when a stage the
+    simulator cannot do without has no rows."""
+    rows = [r for r in rows if keep(r.group)]
+    gemm = {d: f for d, s in _gemm_samples(rows).items() if (f := fit_gemm(s)) is not None}
+    if "bf16" not in gemm:
+        raise ValueError("results must hold grouped-GEMM rows (fp8_experts_*.json or foundation_*.json), got none")
+
+    moe = [r for r in rows if r.get("bench") not in ("tbo", "fp8_experts", "grouped_gemm", "contention")]
+    # Some files timed these floors eagerly (host time included): the GPU time is the least measured.
+    route = curve([(r.tokens, float(r.get("t_floor_route_us"))) for r in moe if _positive(r, "t_floor_route_us")], min)
+    shared = curve(
+        [(r.tokens, float(r.get("t_floor_shared_us"))) for r in moe if _positive(r, "t_floor_shared_us")]
+        + [(r.tokens, float(r.get("t_shared_us"))) for r in moe if r.graph and _positive(r, "t_shared_us")],
+        min,
+    )
+    if route is None or shared is None:
+        raise ValueError("results must time the router and shared experts alone (t_floor_* rows), got none")
+
+    links = _links(rows)
+    kernel = _kernels(moe, links, graph=True)
+    kernel_eager = _kernels(moe, links, graph=False)
+    routed_factor = _routed_factors(moe, gemm)
+    stages = StageCosts(gemm, routed_factor, route, shared, kernel, kernel_eager, {}, links, _contention(rows))
+    files = tuple(sorted({r.file for r in rows}))
+    return replace(stages, files=files)
+
+
+def _kernels(moe: Sequence[ResultRow], links: dict[str, LinkFit], graph: bool) -> dict[tuple[DispatchPath, str], Curve]:
+    """Each phase's span minus its wire time vs tokens, per path: from CUDA-graph rows (``graph``) or
+    from eager ``none`` rows. A graph row that timed only dispatch + combine together (``t_comm_us``,
+    ``bench`` rows) is split by the dispatch's median share of the rows that timed both."""
+    kernel: dict[tuple[DispatchPath, str], Curve] = {}
+    usable = [r for r in moe if r.graph == graph and r.get("overlap", "none") == "none" and not r.get("tbo")]
+
+    def wire(r: ResultRow, phase: str) -> float:
+        return links[r.wire].time_us(_phase_bytes(r, phase)) if r.ep > 1 and r.wire in links else 0.0
+
+    both = [r for r in usable if _positive(r, "t_dispatch_us") and _positive(r, "t_combine_us")]
+    shares = [r.get("t_dispatch_us") / (r.get("t_dispatch_us") + r.get("t_combine_us")) for r in both]
+    share = statistics.median(shares) if shares else 0.5
+    by_path: dict[tuple[DispatchPath, str], list] = defaultdict(list)
+    for r in usable:
+        if r in both:
+            times = {"dispatch": float(r.get("t_dispatch_us")), "combine": float(r.get("t_combine_us"))}
+        elif graph and _positive(r, "t_comm_us") and r.get("t_dispatch_us") is None:
+            comm = float(r.get("t_comm_us"))
+            times = {"dispatch": comm * share, "combine": comm * (1 - share)}
+        else:
+            continue
+        for phase, t in times.items():
+            for p in r.path.own_keys():
+                by_path[(p, phase)].append((r.tokens, max(0.0, t - wire(r, phase))))
+    kernel.update({key: c for key, pts in by_path.items() if (c := curve(pts)) is not None})
+    return kernel
+
+
+def _links(rows: Sequence[ResultRow]) -> dict[str, LinkFit]:
+    points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in rows:
+        if r.ep < 2:
+            continue
+        for phase in ("dispatch", "combine"):
+            t = _positive(r, f"ref_t_{phase}_us")
+            if t is not None:
+                points[r.wire].append((_phase_bytes(r, phase), t))
+    links = {w: f for w, pts in points.items() if (f := fit_link(pts, f"raw all_to_all_single on {w}")) is not None}
+    if "nvlink" not in links:
+        raise ValueError("results must hold raw NCCL references (ref_t_*_us) over NVLink, got none")
+    nvlink = links["nvlink"]
+    links.setdefault(
+        "emulated-internode",
+        LinkFit(nvlink.latency_us, EMULATED_INTERNODE_GBPS, 0, "assumed: issue 16's 46 GB/s, NVLink's latency"),
+    )
+    links["rdma"] = LinkFit(RDMA_LATENCY_US, RDMA_GBPS, 0, "assumed: 400 Gb/s NIC per GPU")
+    return links
+
+
+def _routed_factors(moe: Sequence[ResultRow], gemm: dict[str, GemmFit]) -> dict[DispatchPath, float]:
+    """Per path, the median of (routed span, or floor) / GEMM model over rows whose GEMM takes >= 1 ms
+    (shorter spans are host-bound in eager rows)."""
+    ratios: dict[DispatchPath, list[float]] = defaultdict(list)
+    for r in moe:
+        t = _positive(r, "t_floor_routed_us") or (_positive(r, "t_routed_us") if r.get("overlap") == "none" else None)
+        if t is None:
+            continue
+        cfg, dtype = r.cfg, dtype_name(r.get("experts_dtype"))
+        experts = r.experts_per_gpu
+        model = (gemm.get(dtype) or gemm["bf16"]).time_us(
+            experts,
+            r.tokens * cfg.num_experts_per_tok / experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            WEIGHT_B[dtype],
+        )
+        if model >= 1000.0:
+            for p in r.path.own_keys():
+                ratios[p].append(t / model)
+    return {p: statistics.median(v) for p, v in ratios.items()}

@@ -1,0 +1,187 @@
+"""The result files the simulator calibrates from, as rows that know their setup.
+
+A row (``ResultRow``) resolves what the fits need: its model, EP size, tokens, wire, and its
+``DispatchPath`` (dispatcher, kernels, transport, dispatch element type, EP > 1, and the code
+version that ran). Rows that measured one setup share a ``group`` (every overlap mode and TBO delay
+of it, with its one-off floors and references), the unit the validation holds out.
+
+What is hard is **old rows**: fields were added as the benchmarks grew, so a missing field is read
+as what the code did when it was missing (``UNRECORDED_KERNELS``, ``DEFAULT_TRANSPORT``), never
+guessed from the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache, cached_property
+from pathlib import Path
+
+from ..config import PRESETS, MoEConfig, get_preset
+
+# Rows of benchmarks that fix their model (fp8_experts, grouped_gemm) carry no dims: DeepSeek-V3's.
+DEFAULT_PRESET = "deepseek-v3"
+# A low_latency row without ``kernels`` predates the field: its path (torch or Triton) is not known,
+# so its costs are kept apart ("unrecorded"); one without ``transport`` predates that option, when
+# NCCL carried the blocks. The fused Triton kernels are the default path and the last resort.
+UNRECORDED_KERNELS = "unrecorded"
+DEFAULT_KERNELS = "triton"
+DEFAULT_TRANSPORT = "nccl"
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """One row of a result file with what the fits need resolved: its file, its hold-out ``group``
+    (every row measured under one setup, all overlap modes and TBO delays together), its path."""
+
+    file: str
+    group: str
+    row: dict
+    meta: dict
+
+    def get(self, key: str, default=None):
+        value = self.row.get(key, default)
+        return default if value is None else value
+
+    @property
+    def ep(self) -> int:
+        return int(self.get("ep", self.meta.get("world_size", 1)))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.get("tokens_per_rank", self.get("tokens", 0)))
+
+    @property
+    def graph(self) -> bool:
+        return bool(self.get("graph", False))
+
+    @property
+    def wire(self) -> str:
+        return str(self.get("wire", self.meta.get("wire", "nvlink" if self.ep > 1 else "none")))
+
+    @cached_property
+    def cfg(self) -> MoEConfig:
+        preset = self.get("preset", self.meta.get("preset", DEFAULT_PRESET))
+        cfg = get_preset(preset if preset in PRESETS else DEFAULT_PRESET)
+        experts = self.get("num_experts")
+        if experts is None and self.get("experts_per_gpu") is not None:
+            experts = int(self.get("experts_per_gpu")) * self.ep
+        return cfg.with_num_experts(int(experts)) if experts and experts != cfg.num_experts else cfg
+
+    @property
+    def experts_per_gpu(self) -> int:
+        return int(self.get("experts_per_gpu", self.get("experts", self.cfg.num_experts // self.ep)))
+
+    @cached_property
+    def path(self) -> DispatchPath:
+        return path_of(self.row, self.ep, str(self.meta.get("source_sha") or self.meta.get("commit") or "unknown"))
+
+
+@dataclass(frozen=True)
+class DispatchPath:
+    """How a layer moves its rows: dispatcher, kernels, transport, dispatch element type, whether
+    peers exist (``multi``: EP > 1) and the code that ran (``version``: a result file's
+    ``meta.source_sha``, else ``meta.commit``; dispatcher costs change with the code). ``None``
+    fields are wildcards in a lookup."""
+
+    dispatcher: str | None
+    kernels: str | None = None
+    transport: str | None = None
+    dispatch_dtype: str | None = None
+    multi: bool | None = None
+    version: str | None = None
+
+    @cache  # noqa: B019 - a handful of frozen paths, kept for the process
+    def own_keys(self) -> tuple[DispatchPath, ...]:
+        """This path, then ever more general ones of its dispatcher: within its code version first,
+        then across versions. A sample is filed under every one of them."""
+        k, t, dt, m = self.kernels, self.transport, self.dispatch_dtype, self.multi
+        shapes = [(k, t, dt, m), (k, t, None, m), (k, None, None, m), (None, None, None, m), (None, None, None, None)]
+        ways = [DispatchPath(self.dispatcher, *shape, version) for version in (self.version, None) for shape in shapes]
+        return tuple(dict.fromkeys(ways))
+
+    @cache  # noqa: B019
+    def last_resort_keys(self) -> tuple[DispatchPath, ...]:
+        """The fused low_latency kernels: the one dispatcher timed phase by phase under CUDA graphs,
+        whose layout passes stand in for GPU work no other row separates from host time."""
+        ways = [
+            DispatchPath("low_latency", DEFAULT_KERNELS, None, None, multi, version)
+            for version in (self.version, None)
+            for multi in (self.multi, None)
+        ]
+        return tuple(dict.fromkeys(ways))
+
+
+def dtype_name(value) -> str:
+    """``bf16`` or ``fp8``, however a row spells its element type (``bfloat16``, ``float8``...)."""
+    text = str(value or "bf16")
+    return "fp8" if "8" in text else "bf16"
+
+
+def path_of(row: dict, ep: int, version: str | None = None) -> DispatchPath:
+    dispatcher = str(row.get("dispatcher") or "local")
+    if dispatcher != "low_latency":
+        return DispatchPath(dispatcher, None, None, dtype_name(row.get("dispatch_dtype")), ep > 1, version)
+    kernels = str(row.get("kernels") or UNRECORDED_KERNELS)
+    if row.get("plan") == "one_pass":  # the quadratic first version of the bulk kernels: its own costs
+        kernels += "+one_pass"
+    return DispatchPath(
+        dispatcher,
+        kernels,
+        str(row.get("transport_used") or row.get("transport") or DEFAULT_TRANSPORT) if ep > 1 else "none",
+        dtype_name(row.get("dispatch_dtype")),
+        ep > 1,
+        version,
+    )
+
+
+def _group_of(file: str, row: dict, meta: dict) -> str:
+    """Rows that share a setup (and so its one-off measurements: floors, references) share a group."""
+    keys = (
+        *("bench", "dispatcher", "kernels", "plan", "transport", "dispatch_dtype", "experts_dtype", "weight_dtype"),
+        *(
+            "experts_per_gpu",
+            "experts",
+            "regime",
+            "tokens_per_rank",
+            "tokens",
+            "rows_per_expert",
+            "graph",
+            "ep",
+            "wire",
+        ),
+    )
+    parts = [f"{k}={row[k]}" for k in keys if row.get(k) is not None]
+    if row.get("bench") in ("sbo", "tbo", "fp8_layer"):  # every mode (and TBO delay) of one setup together
+        parts = [p for p in parts if not p.startswith("graph=")]
+    return file + ":" + ",".join(parts)
+
+
+def load_rows(results: str | Path) -> list[ResultRow]:
+    """Every row of every ``*.json`` result file in ``results`` (a folder or one file); rows with an
+    ``error`` are skipped. Raises ``ValueError`` when nothing usable is there."""
+    root = Path(results)
+    files = sorted(root.glob("*.json")) if root.is_dir() else [root]
+    if not root.exists():
+        raise ValueError(
+            f"--results must be a folder of result files or one file, got {str(root)!r}, which does not "
+            "exist; pass the repository's benchmarks/results (or your own run's folder)"
+        )
+    rows = []
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            continue
+        meta: dict = data["meta"] if isinstance(data.get("meta"), dict) else {}
+        for row in data["rows"]:
+            if isinstance(row, dict) and "error" not in row:
+                rows.append(ResultRow(path.name, _group_of(path.name, row, meta), row, meta))
+    if not rows:
+        raise ValueError(
+            f"--results must hold result files ({{'meta', 'rows'}}), got none with rows in {str(root)!r}; "
+            "pass benchmarks/results"
+        )
+    return rows

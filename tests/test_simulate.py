@@ -1,0 +1,281 @@
+"""The simulator (``moe-sbo plan --simulate``): calibration from a result file written here, a layer
+predicted by hand on a toy calibration, physics it must not break, validation, the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from moe_sbo import planner
+from moe_sbo.config import get_preset
+from moe_sbo.overlap.sbo import FIXED_MODES
+from moe_sbo.planner.simulate_fit import Contention
+
+REPO_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+HIDDEN, INTER = 7168, 2048  # DeepSeek-V3's expert dims, the ones fp8_experts rows are measured at
+GBPS, TFLOPS = 3000.0, 600.0  # the synthetic GPU: weight stream and GEMM rate
+WIRE_LAT, WIRE_GBPS = 10.0, 100.0  # the synthetic wire
+
+
+def gemm_us(experts: int, rows: float) -> float:
+    """The synthetic grouped GEMM: a hard roofline, bf16 weights."""
+    return max(experts * 3 * HIDDEN * INTER * 2 / (GBPS * 1e3), experts * rows * 6 * HIDDEN * INTER / (TFLOPS * 1e6))
+
+
+def route_us(t: float) -> float:
+    return 50 + 0.05 * t
+
+
+def shared_us(t: float) -> float:
+    return 20 + 0.1 * t
+
+
+def wire_us(nbytes: float) -> float:
+    return WIRE_LAT + nbytes / (WIRE_GBPS * 1e3)
+
+
+def kernel_us(t: float) -> float:
+    return 5 + 0.01 * t
+
+
+ROW_B = 1000  # bytes per token and phase in the synthetic rows
+
+
+def synthetic_rows() -> list[dict]:
+    """GEMM-only rows, and EP2 low_latency layers timed as CUDA graphs, from the functions above."""
+    rows = [
+        {"bench": "fp8_experts", "weight_dtype": "bf16", "experts": e, "rows_per_expert": n, "t_us": gemm_us(e, n)}
+        for e in (8, 32)
+        for n in (16, 64, 1024, 4096)
+    ]
+    for t in (128, 1024, 4096):
+        routed = gemm_us(16, t * 8 / 16)  # 16 experts per GPU, top-8
+        d = c = t * ROW_B
+        row = {
+            "bench": "prefill",
+            "preset": "deepseek-v3",
+            "ep": 2,
+            "num_experts": 32,
+            "experts_per_gpu": 16,
+            "tokens_per_rank": t,
+            "dispatcher": "low_latency",
+            "kernels": "triton",
+            "transport": "nccl",
+            "dispatch_dtype": "bfloat16",
+            "overlap": "none",
+            "graph": True,
+            "wire": "nvlink",
+            "t_floor_route_us": route_us(t),
+            "t_floor_shared_us": shared_us(t),
+            "t_floor_routed_us": routed,
+            "ref_t_dispatch_us": wire_us(d),
+            "ref_t_combine_us": wire_us(c),
+            "dispatch_bytes_sent": d,
+            "combine_bytes_sent": c,
+            "t_dispatch_us": wire_us(d) + kernel_us(t),
+            "t_combine_us": wire_us(c) + kernel_us(t),
+        }
+        row["t_layer_us"] = route_us(t) + row["t_dispatch_us"] + routed + row["t_combine_us"] + shared_us(t)
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "synthetic_h200x2.json").write_text(json.dumps({"meta": {"world_size": 2}, "rows": synthetic_rows()}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def real_costs() -> planner.StageCosts:
+    return planner.calibrate_simulator(planner.load_rows(REPO_RESULTS))
+
+
+# ---- calibration ----------------------------------------------------------------------------------
+
+
+def test_calibration_recovers_the_synthetic_costs(results):
+    cal = planner.calibrate_simulator(planner.load_rows(results))
+    gemm = cal.gemm["bf16"]
+    assert gemm.weight_GBps == pytest.approx(GBPS) and gemm.TFLOPs == pytest.approx(TFLOPS)
+    assert gemm.knee == float("inf")  # a hard max fits the hard roofline exactly
+    link = cal.links["nvlink"]
+    assert link.latency_us == pytest.approx(WIRE_LAT) and link.GBps == pytest.approx(WIRE_GBPS)
+    assert cal.route_gpu(1024) == pytest.approx(route_us(1024)) and cal.shared_gpu(4096) == pytest.approx(
+        shared_us(4096)
+    )
+    path = planner.DispatchPath("low_latency", "triton", "nccl", "bf16", True)
+    assert cal.kernel_us(path, "dispatch", 1024) == pytest.approx(kernel_us(1024))
+    assert cal.kernel_us(path, "combine", 2048) == pytest.approx(kernel_us(2048))  # between the knots
+    assert cal.links["rdma"].GBps == planner.RDMA_GBPS  # no RDMA rows: the stated assumption
+    assert cal.contention == Contention(1.0, 1.0, "no contention probe among the files")
+
+
+def test_calibration_refuses_files_without_what_it_needs(tmp_path):
+    with pytest.raises(ValueError, match="--results must be a folder of result files"):
+        planner.load_rows(tmp_path / "missing")
+    (tmp_path / "empty.json").write_text(json.dumps({"meta": {}, "rows": []}))
+    with pytest.raises(ValueError, match="got none with rows"):
+        planner.load_rows(tmp_path)
+    no_gemm = [r for r in synthetic_rows() if r["bench"] != "fp8_experts"]
+    (tmp_path / "empty.json").write_text(json.dumps({"meta": {}, "rows": no_gemm}))
+    with pytest.raises(ValueError, match="grouped-GEMM rows"):
+        planner.calibrate_simulator(planner.load_rows(tmp_path))
+
+
+def test_calibration_is_a_function_of_the_rows_kept(results):
+    rows = planner.load_rows(results)
+    held = next(r.group for r in rows if r.tokens == 4096)
+    cal = planner.calibrate_simulator(rows, keep=lambda g: g != held)
+    # Without the 4096-token setup the wire is fitted on the other two: still the same line, by design.
+    assert cal.links["nvlink"].samples == 4
+    assert cal.route_gpu.knots[-1][0] == 1024  # its floor is gone too
+
+
+# ---- one layer, by hand -----------------------------------------------------------------------------
+
+
+def test_prediction_equals_the_hand_sum_on_the_synthetic_calibration(results):
+    rows = planner.load_rows(results)
+    cal = planner.calibrate_simulator(rows)
+    for row in rows:
+        setup = planner.setup_of(row)
+        if setup is None:
+            continue
+        t = row.tokens
+        by_hand = route_us(t) + 2 * (wire_us(t * ROW_B) + kernel_us(t)) + gemm_us(16, t / 2) + shared_us(t)
+        assert planner.predict(setup, cal).t_layer_us == pytest.approx(by_hand, rel=1e-9)
+        assert by_hand == pytest.approx(row.get("t_layer_us"))
+
+
+def test_dispatch_mode_hides_the_shared_experts_behind_the_transfer(results):
+    cal = planner.calibrate_simulator(planner.load_rows(results))
+    setup = planner.setup_of(next(r for r in planner.load_rows(results) if r.tokens == 4096))
+    none = planner.predict(setup, cal).t_layer_us
+    hidden = min(shared_us(4096), wire_us(4096 * ROW_B))  # overlap efficiency 1 without a probe
+    assert planner.predict(replace(setup, overlap="dispatch"), cal).t_layer_us == pytest.approx(none - hidden)
+    # combine launches the shared experts before the combine: its transfer waits, nothing is hidden.
+    assert planner.predict(replace(setup, overlap="combine"), cal).t_layer_us == pytest.approx(none)
+    auto = planner.predict(replace(setup, overlap="auto"), cal)
+    assert auto.t_layer_us == min(planner.predict(replace(setup, overlap=m), cal).t_layer_us for m in FIXED_MODES)
+
+
+# ---- physics ----------------------------------------------------------------------------------------
+
+V3 = get_preset("deepseek-v3")
+CASES = [
+    (ep, regime, tokens)
+    for ep in (8, 32, 128)
+    for regime, tokens in (("decode", 32), ("decode", 256), ("prefill", 4096))
+]
+
+
+@pytest.mark.parametrize(("ep", "regime", "tokens"), CASES)
+def test_more_bandwidth_never_predicts_slower(real_costs, ep, regime, tokens):
+    faster = {w: replace(link, GBps=link.GBps * 2) for w, link in real_costs.links.items()}
+    fast = replace(real_costs, links=faster)
+    base = planner.scaleout_setup(V3, ep, regime, tokens)
+    for mode in FIXED_MODES:
+        for tbo in (False, True):
+            setup = replace(base, overlap=mode, tbo=tbo)
+            assert planner.predict(setup, fast).t_layer_us <= planner.predict(setup, real_costs).t_layer_us + 1e-6
+
+
+@pytest.mark.parametrize("tokens", [1, 128, 4096])
+def test_two_batch_overlap_of_a_compute_only_layer_gains_nothing(real_costs, tokens):
+    """EP1 moves nothing: TBO has no transfer to hide and reads the weights twice."""
+    for regime in ("prefill", "decode"):
+        base = replace(planner.scaleout_setup(V3, 1, regime, tokens), wire="nvlink")
+        for mode in FIXED_MODES:
+            none = planner.predict(replace(base, overlap=mode), real_costs).t_layer_us
+            assert planner.predict(replace(base, overlap=mode, tbo=True), real_costs).t_layer_us >= none - 1e-6
+
+
+@pytest.mark.parametrize("ep", [8, 32, 128])
+def test_more_tokens_never_faster_and_rdma_bytes_bounded(real_costs, ep):
+    times = [planner.predict(planner.scaleout_setup(V3, ep, "decode", t), real_costs).t_layer_us for t in (16, 64, 256)]
+    assert times == sorted(times)
+    # Node-limited routing: a token's experts sit in at most topk_group groups, so on at most that many
+    # nodes while a group fits in a node (EP <= 64 for DeepSeek-V3's 8 groups of 32 experts).
+    nodes = planner.remote_nodes_per_token(V3, ep, 8)
+    assert nodes <= (V3.topk_group if ep <= 64 else 2 * V3.topk_group)
+    assert nodes == 0 if ep <= 8 else nodes > 0
+
+
+def test_scaleout_refuses_an_ep_that_does_not_divide_the_experts():
+    with pytest.raises(ValueError, match="--simulate-ep must divide the 256 routed experts"):
+        planner.scaleout_setup(V3, 3, "decode", 32)
+
+
+# ---- validation -------------------------------------------------------------------------------------
+
+
+def test_validation_holds_out_each_setup(results):
+    rows = planner.load_rows(results)
+    checked = planner.validate(rows, folds=0)  # leave one setup out
+    assert len(checked) == 3 and {c.metric for c in checked} == {"layer"}
+    # Every fit here is a straight line through three points: two predict the third exactly (the
+    # middle one by interpolation, the ends by extending the end segment), GEMM aside.
+    assert all(abs(c.error) < 1e-6 for c in checked), [(c.label, c.error) for c in checked]
+
+
+def test_validation_of_the_repository_results_reports_every_row(real_costs):
+    rows = planner.load_rows(REPO_RESULTS)
+    checked = planner.validate(rows)
+    layer_rows = sum(planner.setup_of(r) is not None for r in rows)
+    assert sum(c.metric == "layer" for c in checked) == layer_rows > 800
+    summary = planner.validation_summary(checked)
+    assert summary[-1][0] == "all" and summary[-1][2] == str(len(checked))
+
+
+# ---- command line -----------------------------------------------------------------------------------
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "100"}
+    return subprocess.run(
+        [sys.executable, "-m", "moe_sbo", "plan", *args], capture_output=True, text=True, timeout=240, env=env
+    )
+
+
+def test_cli_simulate_writes_json(results, tmp_path):
+    out = tmp_path / "sim.json"
+    proc = _plan("--simulate", "--results", str(results), "--simulate-ep", "8", "16", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"calibration", "validation", "scaleout", "sglang", "meta"}
+    assert len(doc["scaleout"]) == 2 * (1 + 3)  # EP8, EP16 x (prefill 4096; decode 32, 128, 256)
+    assert {r["regime"] for r in doc["scaleout"]} == {"prefill", "decode"}
+    assert all({"t_modes_us", "tbo_gain", "sbo_gain", "sglang"} <= set(r) for r in doc["scaleout"])
+    assert len(doc["validation"]) == 3 and all("error" in r for r in doc["validation"])
+    assert "Predicted deepseek-v3" in proc.stdout and "SGLang's published figures" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 100
+
+
+def test_cli_simulate_on_the_repository_results_draws_the_timeline(tmp_path):
+    png = tmp_path / "timeline.png"
+    proc = _plan("--simulate", "--results", str(REPO_RESULTS), "--timeline", str(png))
+    assert proc.returncode == 0, proc.stderr
+    assert png.stat().st_size > 10_000
+    assert "Rows off by more than 15%" in proc.stdout and "measurements' own spread" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--simulate-ep", "3"], "--simulate-ep must divide the 256 routed experts of deepseek-v3"),
+        (["--results", "/nonexistent/results"], "--results must be a folder of result files or one file"),
+        (["--simulate-decode", "0"], "--simulate-prefill and --simulate-decode must be >= 1"),
+    ],
+)
+def test_cli_simulate_bad_input_exits_2_in_one_line(results, argv, message):
+    proc = _plan("--simulate", "--results", str(results), *argv)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
