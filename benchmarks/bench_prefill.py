@@ -266,7 +266,8 @@ def plot(rows: list[dict], path: Path) -> None:
             continue
         name = row["dispatcher"]
         if row["dispatcher"] == "low_latency":
-            name = f"{row['transport']} {row.get('plan', '')} {'graph' if row['graph'] else 'eager'}"
+            direct = "" if row.get("index_graphs", True) else " direct"
+            name = f"{row['transport']} {row.get('plan', '')} {'graph' if row['graph'] else 'eager'}{direct}"
         lines.setdefault(name, []).append(row)
     for ax, phase in zip(axes, ("dispatch", "combine")):
         for name, group in sorted(lines.items()):
