@@ -60,6 +60,17 @@ PATHS = [
     ),
 ]
 
+# Every transport of the fused kernels; symmetric memory needs a peer.
+FUSED_TRANSPORTS = [
+    "nccl",
+    *(
+        pytest.param(
+            t, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs")
+        )
+        for t in ("symm_mem", "copy_engine")
+    ),
+]
+
 
 def _sync_free_rank(device, capacity, kernels, transport):
     cfg = _config("tiny")
@@ -213,20 +224,7 @@ def _fused_vs_torch_rank(device, fp8, transport, capacity):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize(
-    "transport",
-    [
-        "nccl",
-        pytest.param(
-            "symm_mem",
-            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
-        ),
-        pytest.param(
-            "copy_engine",
-            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
 @pytest.mark.parametrize("capacity", [128, 640])  # 640: the two-pass kernels (ll_bulk) run
 def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport, capacity):
     with _ranks() as ranks:
@@ -270,20 +268,7 @@ def _index_graphs_rank(device, transport, capacity):
     return equal, captured
 
 
-@pytest.mark.parametrize(
-    "transport",
-    [
-        "nccl",
-        pytest.param(
-            "symm_mem",
-            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
-        ),
-        pytest.param(
-            "copy_engine",
-            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
 @pytest.mark.parametrize("capacity", [128, 640])  # 640: the two-pass kernels (ll_bulk) run
 def test_index_graphs_replay_equals_direct_launches(transport, capacity):
     with _ranks() as ranks:
