@@ -432,6 +432,13 @@ class LowLatencyDispatcher(Dispatcher):
             peer_blocks=bufs.dispatch_peer_blocks,
         )
 
+    def _layout(self, recv_SB: torch.Tensor, fmt: RowFormat) -> Callable[[], Any]:
+        """The receiver's expert-major layout of ``recv_SB``, as a call that holds no reference to
+        ``self`` (the ``layout`` graph keeps it)."""
+        return functools.partial(
+            self._index_kernels().expert_layout, recv_SB[: self.num_slots], fmt, self.ep.rank, self.num_local_experts
+        )
+
     def _pack(
         self, x_TH, ids_TK, weights_TK, bufs: Buffers, slot_TP: torch.Tensor, fmt: RowFormat
     ) -> Callable[[], None]:
@@ -467,10 +474,9 @@ class LowLatencyDispatcher(Dispatcher):
             )
         st = graphs.staging
         in_graph = bufs.dispatch_barrier is not None
-        start_transfer = self._start_dispatch_transfer(bufs, fused=True)
         if graphs.pack is None:
             pack_rows = self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
-
+            start_transfer = self._start_dispatch_transfer(bufs, fused=True)
             transfer_end = graphs.transfer_end  # the list, not graphs: no reference cycle
 
             def pack() -> None:
@@ -481,7 +487,7 @@ class LowLatencyDispatcher(Dispatcher):
             graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda")
         st.stage(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)
         graphs.pack()
-        works = [] if in_graph else start_transfer()
+        works = [] if in_graph else self._start_dispatch_transfer(bufs, fused=True)()
         return st.slot_CP[: x_TH.shape[0]], works
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
@@ -491,18 +497,11 @@ class LowLatencyDispatcher(Dispatcher):
         recv_SB = s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         if self.uses_triton(recv_SB.device):
-            # Plain values only: the ``layout`` graph keeps this call (and must not keep ``self``).
-            layout = functools.partial(
-                self._index_kernels().expert_layout,
-                recv_SB[: self.num_slots],
-                s.fmt,
-                self.ep.rank,
-                self.num_local_experts,
-            )
-
-            if s.graphs is not None:
+            if s.graphs is None:
+                fixed = self._layout(recv_SB, s.fmt)()
+            else:
                 if s.graphs.layout is None:
-                    transfer_end = s.graphs.transfer_end
+                    layout, transfer_end = self._layout(recv_SB, s.fmt), s.graphs.transfer_end
 
                     def end_and_layout() -> Any:
                         for work in transfer_end:  # the barrier, when the pack graph started it
@@ -511,8 +510,6 @@ class LowLatencyDispatcher(Dispatcher):
 
                     s.graphs.layout = PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda")
                 fixed = s.graphs.layout()
-            else:
-                fixed = layout()
             expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
         else:
             local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
