@@ -15,7 +15,7 @@ import pytest
 from moe_sbo import planner
 from moe_sbo.config import get_preset
 from moe_sbo.overlap.sbo import FIXED_MODES
-from moe_sbo.planner.simulate_fit import Contention
+from moe_sbo.planner.simulate_fit import EMULATED_INTERNODE_GBPS, Contention
 
 REPO_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 HIDDEN, INTER = 7168, 2048  # DeepSeek-V3's expert dims, the ones fp8_experts rows are measured at
@@ -140,6 +140,39 @@ def test_calibration_is_a_function_of_the_rows_kept(results):
     assert cal.route_gpu.knots[-1][0] == 1024  # its floor is gone too
 
 
+def test_a_wire_without_references_takes_its_files_measured_bandwidth(tmp_path):
+    rows = synthetic_rows()
+    emulated = [{**r, "wire": "emulated-internode", "ref_t_dispatch_us": None, "ref_t_combine_us": None} for r in rows]
+    (tmp_path / "nvlink.json").write_text(json.dumps({"meta": {"world_size": 2}, "rows": rows}))
+    meta = {"world_size": 2, "wire": "emulated-internode", "wire_all_to_all_GBps": 12.5}
+    (tmp_path / "emulated.json").write_text(json.dumps({"meta": meta, "rows": emulated}))
+    link = planner.calibrate_simulator(planner.load_rows(tmp_path)).links["emulated-internode"]
+    assert link.GBps == 12.5 and link.latency_us == pytest.approx(WIRE_LAT) and "measured" in link.source
+    (tmp_path / "emulated.json").unlink()  # no file on that wire: the stated assumption
+    link = planner.calibrate_simulator(planner.load_rows(tmp_path)).links["emulated-internode"]
+    assert link.GBps == EMULATED_INTERNODE_GBPS and link.samples == 0
+
+
+def test_the_routed_factor_adds_rows_not_weight_reads():
+    fit = planner.GemmFit(weight_GBps=GBPS, TFLOPs=TFLOPS, knee=3.0, samples=0)
+    w, c = fit.parts_us(16, 4096, HIDDEN, INTER, 2.0)
+    t = fit.time_us(16, 4096 * 1.3, HIDDEN, INTER, 2.0)
+    assert fit.rows_factor(t, w, c) == pytest.approx(1.3)  # the inverse of the roofline in the rows
+    path = planner.DispatchPath("low_latency", "triton", "nccl", "bf16", True)
+    costs = replace(_toy_costs(fit), routed_factor={path: 1.3})
+    v3 = get_preset("deepseek-v3")
+    # Weight-bound (decode): the factor barely moves it; FLOP-bound (prefill): about x1.3.
+    decode = costs.routed_gpu_us(v3, 16, 16 * 8, "bf16", path) / fit.time_us(16, 8, HIDDEN, INTER, 2.0)
+    prefill = costs.routed_gpu_us(v3, 16, 16384 * 8, "bf16", path) / fit.time_us(16, 8192, HIDDEN, INTER, 2.0)
+    assert decode < 1.001 and prefill == pytest.approx(1.3, rel=0.01)
+
+
+def _toy_costs(fit: planner.GemmFit) -> planner.StageCosts:
+    flat = planner.Curve(((1.0, 0.0),))
+    links = {"nvlink": planner.LinkFit(WIRE_LAT, WIRE_GBPS, 0, "toy")}
+    return planner.StageCosts({"bf16": fit}, {}, flat, flat, {}, {}, {}, links, Contention(1.0, 1.0, "toy"))
+
+
 # ---- one layer, by hand -----------------------------------------------------------------------------
 
 
@@ -234,6 +267,21 @@ def test_validation_of_the_repository_results_reports_every_row(real_costs):
     assert sum(c.metric == "layer" for c in checked) == layer_rows > 800
     summary = planner.validation_summary(checked)
     assert summary[-1][0] == "all" and summary[-1][2] == str(len(checked))
+
+
+def test_validation_covers_both_wires_of_the_repository_results():
+    """The emulated inter-node wire's rows are validated, on a wire fitted from their own references."""
+    rows = planner.load_rows(REPO_RESULTS)
+    emulated = [r for r in rows if r.wire == "emulated-internode" and planner.setup_of(r) is not None]
+    if not emulated:
+        pytest.skip("no emulated-internode rows among the repository's results")
+    link = planner.calibrate_simulator(rows).links["emulated-internode"]
+    assert link.source.startswith("raw all_to_all_single") and link.samples > 0
+    measured = [r.meta["wire_all_to_all_GBps"] for r in emulated if "wire_all_to_all_GBps" in r.meta]
+    assert measured and link.GBps == pytest.approx(measured[0], rel=0.15)
+    labels = [c.label for c in planner.validate(rows) if c.file == emulated[0].file]
+    assert len(labels) == sum(r.file == emulated[0].file for r in emulated)
+    assert all(label.endswith("emulated-internode") for label in labels)
 
 
 # ---- command line -----------------------------------------------------------------------------------

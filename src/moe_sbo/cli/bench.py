@@ -129,10 +129,11 @@ def add_bench_parser(subparsers) -> None:
         default="nvlink",
         choices=WIRES,
         help="the link between the ranks: nvlink (the GPUs' own), or emulated-internode: NCCL with "
-        "NCCL_P2P_DISABLE=1, so its traffic goes through host memory (~46 GB/s all-to-all on 2x H200, an "
-        "inter-node-class wire on one host); CUDA and >= 2 ranks only. low_latency then uses --transport "
-        "nccl: symm_mem and copy_engine write the peer's memory over NVLink, outside NCCL, so they cannot "
-        "emulate the slower wire (auto becomes nccl; asking for them is refused)",
+        "NCCL_P2P_DISABLE=1, so its traffic goes through host memory (24 GB/s all-to-all measured at "
+        "236 MB on 2x H200, an inter-node-class wire on one host); CUDA and >= 2 ranks only. "
+        "low_latency then uses --transport nccl: symm_mem and copy_engine write the peer's memory over "
+        "NVLink, outside NCCL, so they cannot emulate the slower wire (auto becomes nccl; asking for "
+        "them is refused)",
     )
     p.add_argument("--warmup", type=int, default=None, help=_device_default("warmup", "untimed calls first"))
     p.add_argument("--iters", type=int, default=None, help=_device_default("iters", "timed calls"))

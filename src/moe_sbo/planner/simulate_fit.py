@@ -4,12 +4,14 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
 (``simulate_rows.load_rows``), except the named constants below, which stand where no file measured the thing:
 
 - grouped GEMM: a smooth roofline per expert weight dtype, ``max(weight read, rows x FLOPs)`` with a
-  fitted knee, from the GEMM-only rows (``grouped_gemm``, ``fp8_experts``), and per dispatcher the
-  ratio of the layer's routed span to it (routing imbalance, padded rows);
+  fitted knee, from the GEMM-only rows (``grouped_gemm``, ``fp8_experts``), and per dispatcher path a
+  factor on the rows the layer's GEMM runs (routing imbalance, padded rows: more FLOPs, the same
+  weight stream), fitted where the layer's routed span is FLOP-bound;
 - router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
   that timed them alone (``t_floor_*``, CUDA-graph ``t_shared_us``);
 - wire: ``latency + bytes / bandwidth`` per link class, least squares in relative error over the raw
   NCCL ``all_to_all_single`` references (``ref_t_dispatch_us``, ``ref_t_combine_us``) on that wire;
+  a wire without references takes its files' measured ``meta.wire_all_to_all_GBps``;
 - dispatcher kernels: each phase's CUDA-graph time minus the wire's, vs tokens, per dispatcher path;
 - eager host overhead: a layer measured eagerly minus its CUDA-graph schedule, vs tokens, per path
   (``simulate_report.calibrate_simulator``, which needs the simulator);
@@ -38,9 +40,11 @@ from .simulate_rows import DEFAULT_PRESET, DispatchPath, ResultRow, dtype_name
 # internode); latency an estimate (the planner's cx7 entry). No result file measures RDMA yet.
 RDMA_GBPS = 50.0
 RDMA_LATENCY_US = 20.0
-# NCCL with NCCL_P2P_DISABLE=1 on 2x H200 (traffic through host memory), issue 16's figure; used
-# only until rows with wire "emulated-internode" and raw references exist (then it is fitted).
-EMULATED_INTERNODE_GBPS = 46.0
+# NCCL with NCCL_P2P_DISABLE=1 on 2x H200 (traffic through host memory): the all-to-all bandwidth
+# measured at 236 MB per rank (sbo_wire_emulated-internode_h200x2.json, meta wire_all_to_all_GBps).
+# Used only where the files given hold neither raw references on that wire (then it is fitted) nor
+# a file meta's wire_all_to_all_GBps for it (then that measurement is used).
+EMULATED_INTERNODE_GBPS = 24.1
 # Fallbacks when no contention probe is among the files: no SM-budget slowdown, no overlap loss.
 NO_CONTENTION_SLOWDOWN = 1.0
 NO_CONTENTION_EFFICIENCY = 1.0
@@ -146,12 +150,28 @@ class GemmFit:
     knee: float
     samples: int
 
+    def parts_us(
+        self, experts: int, rows_per_expert: float, hidden: int, inter: int, weight_B: float
+    ) -> tuple[float, float]:
+        """(weight stream, FLOPs) in µs: the roofline's two bounds."""
+        w = experts * 3 * hidden * inter * weight_B / (self.weight_GBps * 1e3)
+        c = experts * rows_per_expert * 6 * hidden * inter / (self.TFLOPs * 1e6)
+        return w, c
+
     def time_us(self, experts: int, rows_per_expert: float, hidden: int, inter: int, weight_B: float) -> float:
         if experts <= 0:
             return 0.0
-        w = experts * 3 * hidden * inter * weight_B / (self.weight_GBps * 1e3)
-        c = experts * rows_per_expert * 6 * hidden * inter / (self.TFLOPs * 1e6)
+        w, c = self.parts_us(experts, rows_per_expert, hidden, inter, weight_B)
         return smooth_max(w, c, self.knee)
+
+    def rows_factor(self, t_us: float, weights_us: float, flops_us: float) -> float:
+        """The factor f on the rows for which ``smooth_max(weights, f x flops)`` is ``t_us`` (inverse of
+        ``time_us`` in the rows; 1 where ``t_us`` does not exceed the weight stream)."""
+        if t_us <= weights_us or flops_us <= 0:
+            return 1.0
+        if math.isinf(self.knee):
+            return t_us / flops_us
+        return (t_us**self.knee - weights_us**self.knee) ** (1 / self.knee) / flops_us
 
 
 def smooth_max(a: float, b: float, p: float) -> float:
@@ -215,7 +235,7 @@ class StageCosts:
     """Everything the simulator predicts with (see the module docstring), and where it came from."""
 
     gemm: dict[str, GemmFit]  # by expert weight dtype
-    routed_factor: dict[DispatchPath, float]  # layer's routed span / GEMM model, per path (and wildcards)
+    routed_factor: dict[DispatchPath, float]  # factor on the GEMM's rows in the layer, per path (and wildcards)
     route_gpu: Curve
     shared_gpu: Curve
     kernel: dict[tuple[DispatchPath, str], Curve]  # (path, "dispatch" | "combine") -> GPU work besides the wire
@@ -250,10 +270,12 @@ class StageCosts:
         return next((self.routed_factor[p] for p in path.own_keys() if p in self.routed_factor), 1.0)
 
     def routed_gpu_us(self, cfg: MoEConfig, experts: int, rows: float, expert_dtype: str, path: DispatchPath) -> float:
+        """The layer's grouped GEMM: the roofline over the path's factor x the real rows (padding and
+        imbalance add rows, so FLOPs; the weights are streamed once whatever the rows)."""
         fit = self.gemm.get(expert_dtype) or self.gemm["bf16"]
         per_expert = rows / experts if experts else 0.0
-        t = fit.time_us(experts, per_expert, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B[expert_dtype])
-        return t * self.routed_scale(path)
+        scaled = per_expert * self.routed_scale(path)
+        return fit.time_us(experts, scaled, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B[expert_dtype])
 
 
 def _positive(row: ResultRow, key: str) -> float | None:
@@ -390,32 +412,42 @@ def _links(rows: Sequence[ResultRow]) -> dict[str, LinkFit]:
     if "nvlink" not in links:
         raise ValueError("results must hold raw NCCL references (ref_t_*_us) over NVLink, got none")
     nvlink = links["nvlink"]
+    # A wire without raw references: the all-to-all bandwidth its files measured (meta), else the constant.
+    measured: dict[str, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        gbps = r.meta.get("wire_all_to_all_GBps")
+        if r.ep > 1 and isinstance(gbps, (int, float)) and gbps > 0:
+            measured[r.wire][r.file] = float(gbps)
+    for wire, by_file in measured.items():
+        if wire not in links:
+            source = f"measured all-to-all bandwidth of {len(by_file)} file(s) (meta), NVLink's latency"
+            links[wire] = LinkFit(nvlink.latency_us, statistics.median(by_file.values()), 0, source)
     links.setdefault(
         "emulated-internode",
-        LinkFit(nvlink.latency_us, EMULATED_INTERNODE_GBPS, 0, "assumed: issue 16's 46 GB/s, NVLink's latency"),
+        LinkFit(
+            nvlink.latency_us, EMULATED_INTERNODE_GBPS, 0, "assumed: 24.1 GB/s measured on 2x H200, NVLink's latency"
+        ),
     )
     links["rdma"] = LinkFit(RDMA_LATENCY_US, RDMA_GBPS, 0, "assumed: 400 Gb/s NIC per GPU")
     return links
 
 
 def _routed_factors(moe: Sequence[ResultRow], gemm: dict[str, GemmFit]) -> dict[DispatchPath, float]:
-    """Per path, the median of (routed span, or floor) / GEMM model over rows whose GEMM takes >= 1 ms
-    (shorter spans are host-bound in eager rows)."""
+    """Per path, the median factor on the rows the layer's grouped GEMM runs (capacity padding, routing
+    imbalance): the ``f`` for which the roofline over f x the real rows meets the routed span (or
+    floor), over rows whose GEMM takes >= 1 ms (shorter spans are host-bound in eager rows) and is
+    FLOP-bound (the weight stream does not change with the rows)."""
     ratios: dict[DispatchPath, list[float]] = defaultdict(list)
     for r in moe:
         t = _positive(r, "t_floor_routed_us") or (_positive(r, "t_routed_us") if r.get("overlap") == "none" else None)
         if t is None:
             continue
         cfg, dtype = r.cfg, dtype_name(r.get("experts_dtype"))
-        experts = r.experts_per_gpu
-        model = (gemm.get(dtype) or gemm["bf16"]).time_us(
-            experts,
-            r.tokens * cfg.num_experts_per_tok / experts,
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            WEIGHT_B[dtype],
-        )
-        if model >= 1000.0:
+        fit = gemm.get(dtype) or gemm["bf16"]
+        experts, hidden, inter = r.experts_per_gpu, cfg.hidden_size, cfg.moe_intermediate_size
+        rows_per_expert = r.tokens * cfg.num_experts_per_tok / experts
+        weights, flops = fit.parts_us(experts, rows_per_expert, hidden, inter, WEIGHT_B[dtype])
+        if flops >= weights and fit.time_us(experts, rows_per_expert, hidden, inter, WEIGHT_B[dtype]) >= 1000.0:
             for p in r.path.own_keys():
-                ratios[p].append(t / model)
+                ratios[p].append(fit.rows_factor(t, weights, flops))
     return {p: statistics.median(v) for p, v in ratios.items()}
