@@ -161,6 +161,13 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
         assert row["bench"] == "tbo" and row["t_layer_us"] > 0 and row["experts_per_gpu"] == 8
         if row["overlap"] == "none" and not row["tbo"]:
             assert row["speedup_vs_none"] == 1.0
+        # A fixed-capacity dispatcher is sized for what one forward sends: the whole batch without
+        # TBO, the larger micro-batch with it (96 prefill tokens split 48 + 48; 4 sequences 2 + 2).
+        if row["dispatcher"] == "low_latency":
+            tokens = row["tokens_per_rank"]
+            assert row["capacity"] == (tokens // 2 if row["tbo"] else tokens), row
+        else:
+            assert row["capacity"] is None
     spans = load_spans(png.with_suffix(".spans.json"))
     assert {"alltoall / no TBO", "alltoall / TBO", "alltoall / TBO + SBO split"} <= set(spans)
     assert "attention" in {s.kind for s in spans["alltoall / TBO"]}

@@ -21,7 +21,7 @@ from ..layer import MoELayer
 from ..measure.timing import time_fn
 from ..model.attention import AttentionConfig, Batch
 from ..model.decoder import DecoderLayer
-from ..model.tbo import tbo_forward
+from ..model.tbo import split_batch, tbo_forward
 from ..overlap import make_overlap
 from .bench_common import bench_config, cached, dispatcher_options, profile_spans, resolved_path, row_head
 from .options import compact, make_table
@@ -82,20 +82,28 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
         layer = _decoder(device, spec, size)
         cache = layer.make_cache(size, spec["kv_len"] + 1)
         graph = device.type == "cuda" and spec["graph"] and layer.moe.dispatcher.graph_capturable
+    # With TBO a fixed-capacity dispatcher is sized for the larger micro-batch, as a deployment sizes
+    # it: its blocks are capacity-sized on the NCCL wire, so a whole-batch capacity would send each
+    # half the whole batch's bytes. (Same seed: the same weights as ``layer``.)
+    split = split_batch(batch)
+    half = max(split.a.stop - split.a.start, split.b.stop - split.b.start)
+    tbo_layer = _decoder(device, spec, half)
+    fixed_capacity = "max_tokens_per_rank" in dispatcher_options(spec, half)
     dtype = getattr(torch, spec["dtype"])
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 31 + rank)
     x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, generator=generator, device=device).to(dtype)
     rows = []
     with torch.inference_mode():
         for mode in spec["modes"]:
-            layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
+            for moe in {id(m): m for m in (layer.moe, tbo_layer.moe)}.values():
+                moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
             # Without TBO once, then with TBO at every stage delay asked for (delay None: no TBO).
             for delay in (None, *spec["delays"]):
 
                 def step(delay=delay):
                     if delay is None:
                         return layer(x_TH, batch, cache)
-                    return tbo_forward(layer, x_TH, batch, cache, delay=delay)
+                    return tbo_forward(tbo_layer, x_TH, batch, cache, delay=delay)
 
                 t = time_fn(step, device, spec["warmup"], spec["iters"], graph)
                 rows.append(
@@ -109,11 +117,13 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
                         "overlap": mode,
                         "tbo": delay is not None,
                         "delay": delay,
+                        "capacity": (batch.num_tokens if delay is None else half) if fixed_capacity else None,
                         "graph": graph,
                         "t_layer_us": t,
                     }
                 )
-        layer.moe.overlap = make_overlap("none", device)
+        for moe in (layer.moe, tbo_layer.moe):
+            moe.overlap = make_overlap("none", device)
     return rows
 
 
@@ -133,6 +143,7 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
                 "overlap": first["overlap"],
                 "tbo": first["tbo"],
                 "delay": first["delay"],
+                "capacity": first["capacity"],
                 "graph": first["graph"],
                 "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
                 "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows],
