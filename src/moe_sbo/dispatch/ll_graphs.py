@@ -26,11 +26,12 @@ What is graphed, and what is not:
   is then three calls (two launches and the transfer) and needs no graph.
 
 The hard part is that a graph bakes in addresses and sizes. Every graphed input lives in buffers that
-belong to one buffer set (round), allocated once, and every shape is fixed by C; the graph of round n
-is replayed only by round n + num_buffers, after the dispatcher's own round check guarantees round n
-was combined. A graph is captured on its piece's first call, right after that call ran eagerly (which
-compiled the kernels); capture synchronises the device once. Nothing in a graph is a collective, so
-ranks capture independently. Under a caller's own capture (a whole forward in a CUDA graph) the
+belong to one buffer set (round), allocated once, and every shape is fixed by C; the graphs of round n
+are replayed next by round n + num_buffers, which reuses round n's buffers as it does without graphs
+(the dispatcher's round check refuses to combine a round whose buffers were taken). A graph is
+captured on its piece's first call, right after that call ran eagerly (which compiled the kernels);
+capture synchronises the device once. The barrier in a graph waits on the device; nothing in a graph
+talks to the peers from the host, so ranks capture independently. Under a caller's own capture (a whole forward in a CUDA graph) the
 dispatcher runs the kernels directly instead, and on CPU (the Triton interpreter) the same staged
 path runs without capture, which is what the CPU tests exercise.
 """
