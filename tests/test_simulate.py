@@ -327,3 +327,27 @@ def test_cli_simulate_on_the_repository_results_draws_the_timeline(tmp_path):
 def test_cli_simulate_bad_input_exits_2_in_one_line(results, argv, message):
     proc = _plan("--simulate", "--results", str(results), *argv)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_a_tbo_row_that_records_its_capacity_is_simulated_with_it():
+    """``bench --tbo`` rows record each forward's dispatcher capacity (one micro-batch's under TBO);
+    older rows do not, and then the whole batch's capacity stands in."""
+    meta = {"world_size": 2}
+    row = {
+        "bench": "tbo",
+        "dispatcher": "low_latency",
+        "ep": 2,
+        "tokens_per_rank": 4096,
+        "regime": "prefill",
+        "tbo": True,
+        "delay": 0,
+        "overlap": "none",
+        "t_layer_us": 1.0,
+        "preset": "deepseek-v3",
+        "experts_per_gpu": 32,
+        "num_experts": 64,
+    }
+    old = planner.ResultRow("tbo.json", "g", row, meta)
+    new = planner.ResultRow("tbo.json", "g", {**row, "capacity": 2048}, meta)
+    assert planner.setup_of(old).capacity == 4096
+    assert planner.setup_of(new).capacity == 2048

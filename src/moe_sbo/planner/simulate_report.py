@@ -108,7 +108,8 @@ def setup_of(r: ResultRow) -> Setup | None:
         sequences=int(r.get("sequences_per_rank", r.tokens)),
         kv_len=int(r.get("kv_len", 0)),
         attention=_attention(r.get("attention")),
-        capacity=r.tokens if regime == "prefill" else int(r.get("sequences_per_rank", r.tokens)),
+        # Rows that record it: the capacity each forward's dispatcher had (TBO rows: one micro-batch's).
+        capacity=int(r.get("capacity", r.tokens if regime == "prefill" else r.get("sequences_per_rank", r.tokens))),
     )
 
 
