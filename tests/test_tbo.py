@@ -166,3 +166,68 @@ def test_two_batch_overlap_needs_two_buffer_sets():
     with pytest.raises(ValueError, match="needs 2 rounds in flight, but this one keeps 1; build it with num_buffers=2"):
         dispatcher_for(layer, 1)
     assert dispatcher_for(layer, 0) is layer.dispatcher
+
+
+# ---- auto: TBO on or off per bucket, the same on every rank ------------------------------------------
+
+
+def _auto_rank(device, slow):
+    """``AutoTbo`` over 2 gloo ranks with different local batches and one agreed token count.
+
+    ``slow``: where a 40 ms sleep makes a candidate slower, on some ranks only: ``"tbo_rank1"`` (micro-
+    batch B's dispatcher sleeps on rank 1: TBO loses on rank 1 alone, and the slowest rank decides),
+    ``"plain"`` (the layer without TBO sleeps on every rank: TBO wins everywhere)."""
+    import time as clock
+
+    from moe_sbo.model.tbo_auto import AutoTbo
+
+    rank = dist.get_rank()
+    torch.manual_seed(200 + rank)
+    lengths = [[40, 24], [30, 34, 20]][rank]  # different T per rank; the agreed count is the larger
+    batch = Batch.prefill(lengths)
+    x = torch.randn(batch.num_tokens, 64)
+    layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dispatcher="alltoall", dtype=torch.float32, seed=3), seed=3)
+    sleep = lambda *args: clock.sleep(0.04)  # noqa: E731
+    if slow == "tbo_rank1" and rank == 1:
+        dispatcher_for(layer.moe, 1).hooks.register("pre_dispatch", sleep)
+    if slow == "plain":
+        # Only the layer without TBO sends all of this rank's tokens in one dispatch.
+        layer.moe.dispatcher.hooks.register(
+            "pre_dispatch", lambda d, inp: clock.sleep(0.04) if inp.x_TH.shape[0] == batch.num_tokens else None
+        )
+    auto = AutoTbo(trials=2, warmup=1)
+    outputs = []
+    with torch.no_grad():
+        plain = layer(x, batch, layer.make_cache(len(lengths), 128))
+        for _ in range(10):  # 2 x (1 warm-up + 2 trials) explore, then the choice runs
+            outputs.append(auto.forward(layer, x, batch, layer.make_cache(len(lengths), 128), agreed_tokens=84))
+    rel = max(((y - plain).norm() / plain.norm()).item() for y in outputs)
+    return auto.choices, rel, {c: len(v) for c, v in auto.timings_us[128].items()}
+
+
+@pytest.mark.parametrize("slow, tbo_wins", [("tbo_rank1", False), ("plain", True)])
+def test_auto_tbo_keeps_one_choice_on_every_rank(ranks2, slow, tbo_wins):
+    results = ranks2.run(_auto_rank, slow)
+    for choices, rel, counts in results:
+        assert choices == {128: tbo_wins}, results  # 84 agreed tokens: bucket 128, the same on both ranks
+        assert rel <= 1e-5 and counts == {False: 2, True: 2}
+
+
+def _decide_rank(device):
+    """Rank 0 measured TBO faster, rank 1 slower: both must keep what the slowest rank says."""
+    from moe_sbo.model.tbo_auto import AutoTbo
+
+    layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dispatcher="alltoall", dtype=torch.float32, seed=3), seed=3)
+    samples = [{False: [10.0], True: [5.0]}, {False: [10.0], True: [20.0]}][dist.get_rank()]
+    return AutoTbo()._decide(samples, layer, device)
+
+
+def test_auto_tbo_decides_by_the_slowest_rank(ranks2):
+    assert ranks2.run(_decide_rank) == [False, False]
+
+
+def test_auto_tbo_refuses_bad_settings():
+    from moe_sbo.model.tbo_auto import AutoTbo
+
+    with pytest.raises(ValueError, match="trials must be >= 1"):
+        AutoTbo(trials=0)

@@ -1,0 +1,120 @@
+"""``auto`` two-batch overlap: per token-count bucket, time a decoder layer with and without TBO on
+real forwards, then keep the faster, the same choice on every rank.
+
+TBO pays only where a transfer is long beside the compute: published decode runs lose with it at
+small batches and gain at large ones, and on two GPUs of one host it lost at every size measured
+(docs/SIMULATION.md section 5). So the choice is made per bucket (the next power of two of the
+tokens, as SBO's ``auto``), from timings of the forwards themselves.
+
+The hard part is agreement. With TBO a rank makes two MoE calls per layer, without it one, so ranks
+that chose differently would wait in collectives that never match. Two rules keep them together:
+
+- the caller passes ``agreed_tokens``, a token count every rank agrees on (the largest batch over
+  the ranks, which a data-parallel-attention scheduler gathers every step anyway); its bucket, and
+  so the candidate an exploring forward runs (by the bucket's call count), is the same everywhere;
+- the decision, taken once per bucket when both candidates have their trials, compares each
+  candidate's slowest rank (one all-reduce of two medians over the EP group), so every rank keeps
+  the same one. A layer runs at its slowest rank's pace, so that is also the right comparison.
+
+Exploring forwards read their timing at once (a device sync on CUDA, only while exploring). Inside
+a CUDA-graph capture nothing is timed: the bucket's choice runs, or no TBO before there is one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..overlap.sbo import bucket_of
+from .attention import Batch, KVCache
+from .tbo import tbo_forward
+
+if TYPE_CHECKING:
+    from .decoder import DecoderLayer
+
+CANDIDATES = (False, True)  # without TBO first: a bucket's first forwards run the plain layer
+
+
+@dataclass
+class AutoTbo:
+    """Per ``agreed_tokens`` bucket: explore both candidates (``warmup`` untimed rounds, then
+    ``trials`` timed ones each, alternating), then keep the one whose slowest rank was faster
+    (ties: no TBO). ``choices`` (bucket -> use TBO) can also be given up front."""
+
+    trials: int = 3
+    warmup: int = 1
+    choices: dict[int, bool] = field(default_factory=dict)
+    timings_us: dict[int, dict[bool, list[float]]] = field(default_factory=dict)
+    _calls: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.trials < 1 or self.warmup < 0:
+            raise ValueError(f"trials must be >= 1 and warmup >= 0, got trials={self.trials}, warmup={self.warmup}")
+
+    def forward(
+        self,
+        layer: DecoderLayer,
+        x_TH: torch.Tensor,
+        batch: Batch,
+        cache: KVCache,
+        *,
+        agreed_tokens: int,
+        delay: int | None = None,
+    ) -> torch.Tensor:
+        """``layer`` on ``x_TH`` [T, H] with or without two-batch overlap -> ``[T, H]``.
+
+        ``agreed_tokens``: the same on every rank of the layer's EP group (e.g. the largest T over
+        the ranks); a rank passing another value can hang the others. ``delay``: TBO's stage delay.
+        """
+        if agreed_tokens < 0:
+            raise ValueError(f"agreed_tokens must be >= 0, got {agreed_tokens}")
+        bucket = bucket_of(agreed_tokens)
+
+        def run(use_tbo: bool) -> torch.Tensor:
+            if use_tbo:
+                return tbo_forward(layer, x_TH, batch, cache, delay=delay)
+            return layer(x_TH, batch, cache)
+
+        capturing = x_TH.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if bucket in self.choices or capturing:
+            return run(self.choices.get(bucket, False))
+        call = self._calls.get(bucket, 0)
+        self._calls[bucket] = call + 1
+        use_tbo = CANDIDATES[call % len(CANDIDATES)]
+        y_TH, elapsed_us = _timed(lambda: run(use_tbo), x_TH.device)
+        if call >= self.warmup * len(CANDIDATES):
+            samples = self.timings_us.setdefault(bucket, {c: [] for c in CANDIDATES})
+            samples[use_tbo].append(elapsed_us)
+            if all(len(samples[c]) >= self.trials for c in CANDIDATES):
+                self.choices[bucket] = self._decide(samples, layer, x_TH.device)
+        return y_TH
+
+    def _decide(self, samples: dict[bool, list[float]], layer: DecoderLayer, device: torch.device) -> bool:
+        """Whether TBO wins: each candidate's median on its slowest rank (one all-reduce)."""
+        medians = torch.tensor([statistics.median(samples[c]) for c in CANDIDATES], dtype=torch.float64)
+        group = layer.moe.dispatcher.ep
+        if group.size > 1:
+            medians = medians.to(device)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group.group)
+        without, with_tbo = medians.tolist()
+        return with_tbo < without
+
+
+def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
+    """``fn()`` and its µs: CUDA events read at once (a sync: exploration only), else the host clock."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return out, start.elapsed_time(end) * 1e3
+    t0 = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t0) * 1e6
