@@ -7,7 +7,8 @@
 #   decode 16 128 512 tokens/rank (decode sizes also as CUDA-graph replays); every row carries
 #   t_floor_us (router + routed + shared experts, each alone) and t_wire_us (raw all_to_all_single
 #   of the same bytes), the meta the wire and its measured all-to-all bandwidth;
-# - TBO: moe-sbo bench --tbo, overlap none and combine_sm, without and with TBO (delay 0), prefill
+# - TBO: moe-sbo bench --tbo, overlap none and combine_sm, without and with TBO (delay 0) and as AutoTbo
+#   chooses (--auto-tbo), prefill
 #   1024 4096 16384 tokens/rank and decode 16 128 512 sequences (kv 2048, graphs).
 # Writes sbo_wire_<wire>_<tag>.json, tbo_wire_<wire>_<tag>.json and their logs under "${OUT:-out}".
 # WIRES picks the wires (default: both). Expected wall time on 2x H200: about 4 minutes (estimated from
@@ -23,7 +24,7 @@ for wire in $WIRES; do
   "$PYTHON" -m moe_sbo.cli bench --wire "$wire" "${COMMON[@]}" --tokens 16 128 512 1024 4096 16384 \
     --graph-max-tokens 512 --out "$OUT_DIR/sbo_wire_${wire}_$TAG.json" \
     2>&1 | tee "$OUT_DIR/sbo_wire_${wire}_$TAG.log" | tail -45
-  "$PYTHON" -m moe_sbo.cli bench --tbo --wire "$wire" "${COMMON[@]}" --overlap none combine_sm --delay 0 \
+  "$PYTHON" -m moe_sbo.cli bench --tbo --wire "$wire" "${COMMON[@]}" --overlap none combine_sm --delay 0 --auto-tbo \
     --prefill-tokens 1024 4096 16384 --decode-seqs 16 128 512 --kv-len 2048 \
     --out "$OUT_DIR/tbo_wire_${wire}_$TAG.json" 2>&1 | tee "$OUT_DIR/tbo_wire_${wire}_$TAG.log" | tail -30
   echo "== $wire: $((SECONDS - start)) s"

@@ -142,6 +142,7 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
             "--delay",
             "0",
             "2",
+            "--auto-tbo",
             "--warmup",
             "0",
             "--iters",
@@ -154,12 +155,15 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
     )
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
-    # 2 dispatchers x 2 sizes x 2 modes x (no TBO + 2 delays)
-    assert len(rows) == 2 * 2 * 2 * 3
-    assert {(r["tbo"], r["delay"]) for r in rows} == {(False, None), (True, 0), (True, 2)}
+    # 2 dispatchers x 2 sizes x 2 modes x (no TBO + 2 delays + AutoTbo's choice)
+    assert len(rows) == 2 * 2 * 2 * 4
+    fixed = [r for r in rows if r["tbo_policy"] == "fixed"]
+    assert {(r["tbo"], r["delay"]) for r in fixed} == {(False, None), (True, 0), (True, 2)}
+    auto = [r for r in rows if r["tbo_policy"] == "auto"]
+    assert len(auto) == 2 * 2 * 2 and all(r["delay"] == (0 if r["tbo"] else None) for r in auto)
     for row in rows:
         assert row["bench"] == "tbo" and row["t_layer_us"] > 0 and row["experts_per_gpu"] == 8
-        if row["overlap"] == "none" and not row["tbo"]:
+        if row["overlap"] == "none" and not row["tbo"] and row["tbo_policy"] == "fixed":
             assert row["speedup_vs_none"] == 1.0
         # A fixed-capacity dispatcher is sized for what one forward sends: the whole batch without
         # TBO, the larger micro-batch with it (96 prefill tokens split 48 + 48; 4 sequences 2 + 2).

@@ -219,7 +219,7 @@ def _decide_rank(device):
 
     layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dispatcher="alltoall", dtype=torch.float32, seed=3), seed=3)
     samples = [{False: [10.0], True: [5.0]}, {False: [10.0], True: [20.0]}][dist.get_rank()]
-    return AutoTbo()._decide(samples, layer, device)
+    return AutoTbo()._decide(samples, layer.moe.dispatcher.ep, device)
 
 
 def test_auto_tbo_decides_by_the_slowest_rank(ranks2):

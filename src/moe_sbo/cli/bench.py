@@ -178,6 +178,12 @@ def add_bench_parser(subparsers) -> None:
         default=[0, 1],
         help="stages micro-batch A runs before B starts; one TBO row per value",
     )
+    tbo.add_argument(
+        "--auto-tbo",
+        action="store_true",
+        help="also a row per overlap mode where TBO is on or off as moe_sbo.model.tbo_auto.AutoTbo "
+        "chooses after timing both (with the first --delay); its choice is in the row",
+    )
 
 
 def resolve_defaults(args: argparse.Namespace, device: str) -> None:
@@ -466,6 +472,7 @@ def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:
         "head_dim": args.head_dim,
         "kv_len": args.kv_len,
         "delays": list(dict.fromkeys(args.delay)),
+        "auto_tbo": args.auto_tbo,
         "transport": args.transport,
         "wire": args.wire,
     }

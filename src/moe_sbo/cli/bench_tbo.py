@@ -11,7 +11,9 @@ replays when the dispatcher can be captured. Times are the slowest rank's median
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,9 @@ from ..measure.timing import time_fn
 from ..model.attention import AttentionConfig, Batch
 from ..model.decoder import DecoderLayer
 from ..model.tbo import split_batch, tbo_forward
+from ..model.tbo_auto import AutoTbo
 from ..overlap import make_overlap
+from ..overlap.sbo import bucket_of
 from .bench_common import bench_config, cached, dispatcher_options, profile_spans, resolved_path, row_head
 from .options import compact, make_table
 
@@ -97,14 +101,30 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
         for mode in spec["modes"]:
             for moe in {id(m): m for m in (layer.moe, tbo_layer.moe)}.values():
                 moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
-            # Without TBO once, then with TBO at every stage delay asked for (delay None: no TBO).
-            for delay in (None, *spec["delays"]):
 
-                def step(delay=delay):
-                    if delay is None:
-                        return layer(x_TH, batch, cache)
-                    return tbo_forward(tbo_layer, x_TH, batch, cache, delay=delay)
+            # Without TBO once, then with TBO at every stage delay asked for (delay None: no TBO), then
+            # (--auto-tbo) as AutoTbo chooses, once it has timed both: the first delay, each candidate
+            # on the layer its fixed row uses.
+            def forward(use_tbo: bool, delay: int | None = spec["delays"][0]) -> torch.Tensor:
+                if not use_tbo:
+                    return layer(x_TH, batch, cache)
+                return tbo_forward(tbo_layer, x_TH, batch, cache, delay=delay)
 
+            auto = AutoTbo() if spec.get("auto_tbo") else None
+            for delay in (None, *spec["delays"], *(("auto",) if auto else ())):
+                step: Callable[[], torch.Tensor]
+                if delay == "auto":
+                    assert auto is not None
+                    # Every rank runs `size` tokens: an agreed count. Explore first, untimed.
+                    step = functools.partial(
+                        auto.run, forward, agreed_tokens=batch.num_tokens, ep=layer.moe.dispatcher.ep, device=device
+                    )
+                    while not auto.decided(batch.num_tokens):
+                        step()
+                    chosen = spec["delays"][0] if auto.choices[bucket_of(batch.num_tokens)] else None
+                else:
+                    step = functools.partial(forward, delay is not None, delay)
+                    chosen = delay
                 t = time_fn(step, device, spec["warmup"], spec["iters"], graph)
                 rows.append(
                     {
@@ -115,9 +135,10 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
                         "tokens": batch.num_tokens,
                         "sequences": len(batch.lengths),
                         "overlap": mode,
-                        "tbo": delay is not None,
-                        "delay": delay,
-                        "capacity": (batch.num_tokens if delay is None else half) if fixed_capacity else None,
+                        "tbo": chosen is not None,
+                        "delay": chosen,
+                        "tbo_policy": "auto" if delay == "auto" else "fixed",
+                        "capacity": (batch.num_tokens if chosen is None else half) if fixed_capacity else None,
                         "graph": graph,
                         "t_layer_us": t,
                     }
@@ -143,13 +164,14 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
                 "overlap": first["overlap"],
                 "tbo": first["tbo"],
                 "delay": first["delay"],
+                "tbo_policy": first["tbo_policy"],
                 "capacity": first["capacity"],
                 "graph": first["graph"],
                 "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
                 "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows],
             }
         )
-    baseline = next(r for r in rows if r["overlap"] == "none" and not r["tbo"])
+    baseline = next(r for r in rows if r["overlap"] == "none" and not r["tbo"] and r["tbo_policy"] == "fixed")
     for row in rows:
         row["speedup_vs_none"] = baseline["t_layer_us"] / row["t_layer_us"]
     return rows
@@ -184,7 +206,7 @@ def tbo_table(rows: list[dict]) -> Table:
             str(r["sequences_per_rank"]),
             r["dispatcher"],
             r["overlap"],
-            f"yes ({r['delay']})" if r["tbo"] else "no",
+            ("auto: " if r.get("tbo_policy") == "auto" else "") + (f"yes ({r['delay']})" if r["tbo"] else "no"),
             "yes" if r["graph"] else "no",
             compact(r["t_layer_us"]),
             f"{r['speedup_vs_none']:.2f}",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ..dispatch import EPGroup
 from ..overlap.sbo import bucket_of
 from .attention import Batch, KVCache
 from .tbo import tbo_forward
@@ -72,33 +73,44 @@ class AutoTbo:
         ``agreed_tokens``: the same on every rank of the layer's EP group (e.g. the largest T over
         the ranks); a rank passing another value can hang the others. ``delay``: TBO's stage delay.
         """
-        if agreed_tokens < 0:
-            raise ValueError(f"agreed_tokens must be >= 0, got {agreed_tokens}")
-        bucket = bucket_of(agreed_tokens)
 
         def run(use_tbo: bool) -> torch.Tensor:
             if use_tbo:
                 return tbo_forward(layer, x_TH, batch, cache, delay=delay)
             return layer(x_TH, batch, cache)
 
-        capturing = x_TH.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return self.run(run, agreed_tokens=agreed_tokens, ep=layer.moe.dispatcher.ep, device=x_TH.device)
+
+    def run(
+        self, forward: Callable[[bool], torch.Tensor], *, agreed_tokens: int, ep: EPGroup, device: torch.device
+    ) -> torch.Tensor:
+        """``forward(use_tbo)`` with the bucket's choice, or exploring: what ``forward`` does for
+        ``AutoTbo.forward``, for callers that run the two candidates their own way (the benchmark
+        gives each its own layer). ``ep``: the group whose ranks must agree."""
+        if agreed_tokens < 0:
+            raise ValueError(f"agreed_tokens must be >= 0, got {agreed_tokens}")
+        bucket = bucket_of(agreed_tokens)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if bucket in self.choices or capturing:
-            return run(self.choices.get(bucket, False))
+            return forward(self.choices.get(bucket, False))
         call = self._calls.get(bucket, 0)
         self._calls[bucket] = call + 1
         use_tbo = CANDIDATES[call % len(CANDIDATES)]
-        y_TH, elapsed_us = _timed(lambda: run(use_tbo), x_TH.device)
+        y_TH, elapsed_us = _timed(lambda: forward(use_tbo), device)
         if call >= self.warmup * len(CANDIDATES):
             samples = self.timings_us.setdefault(bucket, {c: [] for c in CANDIDATES})
             samples[use_tbo].append(elapsed_us)
             if all(len(samples[c]) >= self.trials for c in CANDIDATES):
-                self.choices[bucket] = self._decide(samples, layer, x_TH.device)
+                self.choices[bucket] = self._decide(samples, ep, device)
         return y_TH
 
-    def _decide(self, samples: dict[bool, list[float]], layer: DecoderLayer, device: torch.device) -> bool:
+    def decided(self, agreed_tokens: int) -> bool:
+        """Whether the bucket of ``agreed_tokens`` has its choice (exploration is over)."""
+        return bucket_of(agreed_tokens) in self.choices
+
+    def _decide(self, samples: dict[bool, list[float]], group: EPGroup, device: torch.device) -> bool:
         """Whether TBO wins: each candidate's median on its slowest rank (one all-reduce)."""
         medians = torch.tensor([statistics.median(samples[c]) for c in CANDIDATES], dtype=torch.float64)
-        group = layer.moe.dispatcher.ep
         if group.size > 1:
             medians = medians.to(device)
             dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group.group)
