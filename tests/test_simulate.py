@@ -260,6 +260,27 @@ def test_validation_holds_out_each_setup(results):
     assert all(abs(c.error) < 1e-6 for c in checked), [(c.label, c.error) for c in checked]
 
 
+def test_direct_launches_are_a_path_and_a_setup_of_their_own(tmp_path):
+    """``index_graphs: false`` (the fused kernels launched directly: more host time per eager
+    forward) gets its own path, so its own host-time curve, and its own hold-out group; a row that
+    records the default (``true``) and one without the field stay where they were."""
+    base = {**synthetic_rows()[-1], "graph": False}
+    rows = [base, {**base, "index_graphs": True}, {**base, "index_graphs": False}]
+    unrecorded, graphs, direct = planner.load_rows(_write(tmp_path / "index_graphs_h200x2.json", rows))
+    assert unrecorded.path == graphs.path and unrecorded.group == graphs.group
+    assert direct.path.kernels == "triton+direct" and direct.path != graphs.path
+    assert direct.group != graphs.group
+    assert graphs.path not in direct.path.own_keys()  # its samples never reach the index-graph curve
+    assert direct.path.own_keys()[-1] == graphs.path.own_keys()[-1]  # the dispatcher-wide fallback
+    torch = {**base, "kernels": "torch", "index_graphs": False}  # only the fused kernels have index graphs
+    assert planner.load_rows(_write(tmp_path / "torch.json", [torch]))[0].path.kernels == "torch"
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text(json.dumps({"meta": {"world_size": 2}, "rows": rows}))
+    return path
+
+
 def test_validation_of_the_repository_results_reports_every_row(real_costs):
     rows = planner.load_rows(REPO_RESULTS)
     checked = planner.validate(rows)

@@ -27,6 +27,11 @@ DEFAULT_PRESET = "deepseek-v3"
 UNRECORDED_KERNELS = "unrecorded"
 DEFAULT_KERNELS = "triton"
 DEFAULT_TRANSPORT = "nccl"
+# A low_latency row with ``index_graphs: false`` launched the fused kernels directly instead of
+# replaying their index graphs: the same GPU work, more host time in an eager forward, so its own path
+# (``triton+direct``) and its own setup. Rows with ``index_graphs: true`` or without the field (the
+# default) are unchanged.
+DIRECT_LAUNCH = "+direct"
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,8 @@ def path_of(row: dict, ep: int, version: str | None = None) -> DispatchPath:
     kernels = str(row.get("kernels") or UNRECORDED_KERNELS)
     if row.get("plan") == "one_pass":  # the quadratic first version of the bulk kernels: its own costs
         kernels += "+one_pass"
+    if kernels.startswith(DEFAULT_KERNELS) and row.get("index_graphs") is False:
+        kernels += DIRECT_LAUNCH  # the fused kernels launched directly: more host time per eager forward
     return DispatchPath(
         dispatcher,
         kernels,
@@ -152,6 +159,8 @@ def _group_of(file: str, row: dict, meta: dict) -> str:
         ),
     )
     parts = [f"{k}={row[k]}" for k in keys if row.get(k) is not None]
+    if row.get("index_graphs") is False:  # direct launches: a setup of their own (the default adds nothing)
+        parts.append("index_graphs=False")
     if row.get("bench") in ("sbo", "tbo", "fp8_layer"):  # every mode (and TBO delay) of one setup together
         parts = [p for p in parts if not p.startswith("graph=")]
     return file + ":" + ",".join(parts)
