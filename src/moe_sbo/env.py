@@ -56,9 +56,7 @@ def configure_nccl_error_handling(timeout_s: float) -> dict[str, str]:
     """Set ``nccl_error_handling(timeout_s)`` in this process's environment before its NCCL process group
     is made (PyTorch reads them then). A variable the user set keeps the user's value. Returns what is
     in force."""
-    for name, value in nccl_error_handling(timeout_s).items():
-        os.environ.setdefault(name, value)
-    return {name: os.environ[name] for name in nccl_error_handling(timeout_s)}
+    return {name: os.environ.setdefault(name, value) for name, value in nccl_error_handling(timeout_s).items()}
 
 
 def triton_interpreting() -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -84,6 +85,27 @@ def record_event(device: torch.device, timing: bool = False) -> torch.cuda.Event
     event = torch.cuda.Event(enable_timing=timing)
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def clock(device: torch.device) -> torch.cuda.Event | float:
+    """Now, for ``elapsed_us``: a timing event on the current stream (CUDA), else
+    ``time.perf_counter()`` seconds."""
+    if device.type == "cuda":
+        return cast(torch.cuda.Event, record_event(device, timing=True))
+    return time.perf_counter()
+
+
+def elapsed_us(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+    """µs between two ``clock`` readings; on CUDA it waits for ``end`` (a host sync)."""
+    if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+    if isinstance(start, float) and isinstance(end, float):
+        return (end - start) * 1e6
+    raise TypeError(
+        f"a timed span must run between two CUDA events or two perf_counter floats, got "
+        f"{type(start).__name__} and {type(end).__name__}"
+    )
 
 
 def check_sm_budget(device: torch.device, sm_budget: int | None) -> None:

@@ -46,18 +46,18 @@ from typing import Any
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass
 class Staging:
     """One buffer set's fixed inputs and outputs of the ``pack`` graph (C tokens, P ranks).
 
-    ``padded_from``: a list of one int, the first row of ``ids_CK`` known to hold -1 (host state, so
-    the -1 tail is only rewritten when T shrinks)."""
+    ``padded_from``: the first row of ``ids_CK`` known to hold -1 (host state, so the -1 tail is
+    only rewritten when T shrinks)."""
 
     x_CH: torch.Tensor
     ids_CK: torch.Tensor
     weights_CK: torch.Tensor
     slot_CP: torch.Tensor
-    padded_from: list[int]
+    padded_from: int = 0
 
     @classmethod
     def allocate(cls, capacity: int, hidden: int, top_k: int, num_ranks: int, dtype: torch.dtype, device) -> Staging:
@@ -67,7 +67,6 @@ class Staging:
                 ids_CK=torch.full((capacity, top_k), -1, dtype=torch.int32, device=device),
                 weights_CK=torch.zeros(capacity, top_k, dtype=torch.float32, device=device),
                 slot_CP=torch.zeros(capacity, num_ranks, dtype=torch.int64, device=device),
-                padded_from=[0],
             )
 
     def stage(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
@@ -76,9 +75,9 @@ class Staging:
         self.x_CH[:num_tokens].copy_(x_TH)
         self.ids_CK[:num_tokens].copy_(ids_TK)
         self.weights_CK[:num_tokens].copy_(weights_TK)
-        if num_tokens < self.padded_from[0]:
-            self.ids_CK[num_tokens : self.padded_from[0]].fill_(-1)
-        self.padded_from[0] = num_tokens
+        if num_tokens < self.padded_from:
+            self.ids_CK[num_tokens : self.padded_from].fill_(-1)
+        self.padded_from = num_tokens
 
     @staticmethod
     def bytes(capacity: int, hidden: int, top_k: int, num_ranks: int, elem: int) -> int:

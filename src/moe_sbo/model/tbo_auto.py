@@ -23,7 +23,6 @@ a CUDA-graph capture nothing is timed: the bucket's choice runs, or no TBO befor
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from ..dispatch import EPGroup
 from ..overlap.sbo import bucket_of
+from ..streams import clock, elapsed_us
 from .attention import Batch, KVCache
 from .tbo import tbo_forward
 
@@ -119,14 +119,7 @@ class AutoTbo:
 
 
 def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
-    """``fn()`` and its µs: CUDA events read at once (a sync: exploration only), else the host clock."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        end.synchronize()
-        return out, start.elapsed_time(end) * 1e3
-    t0 = time.perf_counter()
+    """``fn()`` and its µs (on CUDA read at once: a sync, exploration only)."""
+    start = clock(device)
     out = fn()
-    return out, (time.perf_counter() - t0) * 1e6
+    return out, elapsed_us(start, clock(device))

@@ -34,17 +34,15 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from ..experts import SharedExperts
 from ..hooks import HookScope
-from ..streams import SideStream, check_sm_budget, record_event, side_stream, sm_count
+from ..streams import SideStream, check_sm_budget, clock, elapsed_us, record_event, side_stream, sm_count
 from ..streams import sm_budget as sm_budget_ctx
 
 log = logging.getLogger("moe_sbo.overlap")
@@ -248,40 +246,24 @@ class AutoOverlap:
         call = self._calls.get(bucket, 0)
         self._calls[bucket] = call + 1
         mode = self.candidates[call % len(self.candidates)]
-        start = self._clock()
+        start = clock(self.ctx.device)
         out = ATTACH[mode](hooks, shared, x_TH, self.ctx)
         timed = call >= self.warmup * len(self.candidates)
 
         def stop() -> None:
             if timed:
-                self._open[bucket] = (mode, start, self._clock())
+                self._open[bucket] = (mode, start, clock(self.ctx.device))
 
         out.on_result = stop
         return out
-
-    def _clock(self) -> torch.cuda.Event | float:
-        """Now: a timing event on the current stream (CUDA), else ``time.perf_counter()`` seconds."""
-        if self.ctx.device.type == "cuda":
-            return cast(torch.cuda.Event, record_event(self.ctx.device, timing=True))  # None only off CUDA
-        return time.perf_counter()
 
     def _close(self, bucket: int) -> None:
         """Book the last timed forward of ``bucket``; decide once every candidate has its trials."""
         if bucket not in self._open:
             return
         mode, start, end = self._open.pop(bucket)
-        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):  # CUDA: timing events
-            end.synchronize()
-            elapsed_us = start.elapsed_time(end) * 1e3
-        elif isinstance(start, float) and isinstance(end, float):  # CPU: perf_counter seconds
-            elapsed_us = (end - start) * 1e6
-        else:
-            raise TypeError(
-                f"a timed forward must span two CUDA events or two perf_counter floats, got "
-                f"{type(start).__name__} and {type(end).__name__} for bucket {bucket}"
-            )
         samples = self.timings_us.setdefault(bucket, {m: [] for m in self.candidates})
-        samples[mode].append(elapsed_us)
+        samples[mode].append(elapsed_us(start, end))
         if all(len(samples[m]) >= self.trials for m in self.candidates):
             medians = {m: statistics.median(samples[m]) for m in self.candidates}
             # ties go to the earlier candidate, and "none" comes first
