@@ -106,6 +106,8 @@ def test_options_are_checked():
         make_dispatcher("low_latency", 16, EPGroup(), capacity=8)
     with pytest.raises(ValueError, match="max_tokens_per_rank must be an int >= 1, got 0"):
         make_dispatcher("low_latency", 16, EPGroup(), max_tokens_per_rank=0)
+    with pytest.raises(ValueError, match="index_graphs must be True or False, got 'false'"):
+        make_dispatcher("low_latency", 16, EPGroup(), index_graphs="false")
 
 
 def test_single_rank_ids_minus_one_and_bad_ids():

@@ -178,6 +178,8 @@ class LowLatencyDispatcher(Dispatcher):
         for option, value in (("max_tokens_per_rank", max_tokens_per_rank), ("num_buffers", num_buffers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{option} must be an int >= 1, got {value!r}")
+        if not isinstance(index_graphs, bool):
+            raise ValueError(f"index_graphs must be True or False, got {index_graphs!r}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         if transport not in TRANSPORTS:
@@ -197,7 +199,7 @@ class LowLatencyDispatcher(Dispatcher):
         self.num_buffers = num_buffers
         self.kernels = kernels
         self.transport = transport
-        self.index_graphs = bool(index_graphs)
+        self.index_graphs = index_graphs
         self.num_slots = ep.size * max_tokens_per_rank
         # One rank uses the real communicator when there is one (a graph then captures what it would
         # at EP > 1); without a process group, or with a one-rank EP group inside a larger job, it
