@@ -7,17 +7,24 @@ routed experts (top-8, one shared), a ``--vocab`` word vocabulary. Rows (``OUT/g
 
 - ``impl="transformers"``: ``DeepseekV3ForCausalLM.from_pretrained`` on GPU 0, bf16, its default
   experts implementation, greedy ``generate`` of the whole batch;
-- ``impl="moe-sbo"``: ``moe_sbo.hf.model.load_model`` on every rank (each reads its experts only),
-  the batch split over the ranks (DP attention), ``--dispatcher`` for the MoE layers, eager.
+- ``impl="moe-sbo"``, one row per ``--ranks`` x ``--decode``: ``moe_sbo.hf.model.load_model`` on every
+  rank (each reads its experts only), the batch split over the ranks (DP attention), ``--dispatcher``
+  for prefill; ``decode``: ``transformers`` (``model.generate``), ``static`` (fixed-shape steps through
+  a ``low_latency`` decode dispatcher, eager) or ``cuda_graph`` (those steps replayed from a graph).
 
-Each row: ``prefill_ms`` (prompt to first token), ``tpot_ms`` (mean time per later token),
-``tokens_per_s`` (new tokens of the whole batch / the slowest rank's time; each implementation first
-runs the same generation once, untimed, so cuDNN's per-length attention plans are built), ``load_rss_growth_mb``
-(the host memory a rank's load added, peak), ``same_tokens`` (moe-sbo's new tokens equal
-``transformers``' for the first ``--compare-tokens``; bf16 on different kernels may drift later).
+Each row: ``prefill_ms`` (prompt to first token), ``tpot_ms`` (mean time per later token; the
+slowest rank's), ``tokens_per_s`` (new tokens of the whole batch / the slowest rank's time; each
+implementation first runs the same generation once, untimed, so cuDNN's per-length attention plans
+are built and graphs are captured), ``t_weights_us`` (the decode floor: reading every weight a rank
+holds but the embedding once, timed in the same run as a sum over a buffer of that many bytes on the
+same GPU; a small batch's step reads them all), ``layer_tpot_us`` (TPOT / layers) beside
+``planner_layer_share_us`` (``moe-sbo plan``'s per-layer share of DeepSeek-V3's 20 ms TPOT),
+``load_rss_growth_mb`` (the host memory a rank's load added, peak), ``same_tokens`` (moe-sbo's new
+tokens equal ``transformers``' for the first ``--compare-tokens``; bf16 on different kernels may drift
+later, docs/MODELS.md).
 
 Usage (GPU): ``python benchmarks/bench_generate.py --out DIR``; CPU smoke:
-``python benchmarks/bench_generate.py --out DIR --device cpu --tiny``.
+``python benchmarks/bench_generate.py --out DIR --device cpu --tiny --decode transformers static``.
 """
 
 from __future__ import annotations
@@ -30,9 +37,14 @@ from pathlib import Path
 
 import torch
 
-from moe_sbo.hf.model import generate, load_model
+from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model
 from moe_sbo.measure.results import result_meta
+from moe_sbo.planner.inputs import SEED_INPUTS
+from moe_sbo.planner.inputs import load_model as load_plan_model
 from moe_sbo.runtime import LocalRanks
+
+# moe-sbo plan's per-layer share of a token's time for DeepSeek-V3: 20 ms TPOT over its 61 layers.
+PLANNER_LAYER_SHARE_US = SEED_INPUTS["tpot_ms"] * 1e3 / load_plan_model(SEED_INPUTS["model"]).num_hidden_layers
 
 
 def deepseek_v3_config(dims: dict, *, vocab: int, layers: int, experts: int, **extra):
@@ -94,6 +106,27 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def weight_read_us(model, device: str) -> float:
+    """Microseconds to read as many bytes as ``model``'s weights but its embedding table, once (a
+    sum over one buffer of that size, best of 5; 0 off CUDA)."""
+    if device != "cuda":
+        return 0.0
+    embedding = model.get_input_embeddings().weight
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or tied)
+    buffer = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        buffer.sum(dtype=torch.float32)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del buffer
+    return min(times[1:])
+
+
 def transformers_row(path: Path, prompts, args, device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -106,22 +139,34 @@ def transformers_row(path: Path, prompts, args, device: str) -> dict:
     # of host time each, measured), which a server pays once; the timed run then reuses them.
     generate(model, prompts, args.new_tokens)
     result = generate(model, prompts, args.new_tokens)
+    floor_us = weight_read_us(model, device)
     del model
     row = _row("transformers", 1, result.token_ids, result.prefill_s, result.tpot_s, args, grown)
-    row["experts_implementation"] = experts_implementation
+    row.update(experts_implementation=experts_implementation, decode="transformers", t_weights_us=floor_us)
     return row
 
 
-def ep_rank(device, path, shares, new_tokens, dispatcher):
+def ep_rank(device, path, shares, new_tokens, dispatcher, decodes):
+    """One rank: load once, then per decode loop a warm-up generation and a timed one."""
     import torch.distributed as dist
 
     before = peak_rss_mb()
-    model = load_model(path, dispatcher=dispatcher, device=device)
+    most = max(1, *(len(s) for s in shares))
+    model = load_model(
+        path,
+        dispatcher=dispatcher,
+        device=device,
+        decode_dispatcher="low_latency",
+        decode_dispatcher_options={"max_tokens_per_rank": most},
+    )
     grown = peak_rss_mb() - before
     mine = shares[dist.get_rank()]
-    generate(model, mine, new_tokens)  # warm-up, as for transformers (an empty rank joins with 0-token calls)
-    result = generate(model, mine, new_tokens)
-    return result.token_ids, result.prefill_s, result.tpot_s, grown
+    results = {}
+    for decode in decodes:
+        generate(model, mine, new_tokens, decode=decode)  # warm-up (an empty rank joins with 0-token calls)
+        result = generate(model, mine, new_tokens, decode=decode)
+        results[decode] = (result.token_ids, result.prefill_s, result.tpot_s)
+    return results, grown, weight_read_us(model, str(torch.device(device).type))
 
 
 def _row(impl, ranks, token_ids, prefill_s, tpot_s, args, grown_mb) -> dict:
@@ -138,9 +183,41 @@ def _row(impl, ranks, token_ids, prefill_s, tpot_s, args, grown_mb) -> dict:
         "prefill_ms": prefill_s * 1e3,
         "tpot_ms": tpot_s * 1e3,
         "tokens_per_s": args.batch * args.new_tokens / total_s,
+        "layer_tpot_us": tpot_s * 1e6 / args.layers,
+        "planner_layer_share_us": PLANNER_LAYER_SHARE_US,
         "load_rss_growth_mb": grown_mb,
         "token_ids": token_ids,
     }
+
+
+def moe_sbo_rows(path: Path, prompts, args, baseline: dict) -> list[dict]:
+    rows = []
+    for ranks in args.ranks:
+        shares = [prompts[r::ranks] for r in range(ranks)]
+        dispatcher = args.dispatcher if ranks > 1 else "local"
+        with LocalRanks(ranks, device=args.device) as workers:
+            per_rank = workers.run(ep_rank, str(path), shares, args.new_tokens, dispatcher, args.decode)
+        for decode in args.decode:
+            token_ids: list[list[int]] = [[] for _ in prompts]
+            for r, (results, _, _) in enumerate(per_rank):
+                for j, row_ids in enumerate(results[decode][0]):
+                    token_ids[r + j * ranks] = row_ids
+            prefill = max(results[decode][1] for results, _, _ in per_rank)
+            tpot = max(results[decode][2] for results, _, _ in per_rank)
+            row = _row("moe-sbo", ranks, token_ids, prefill, tpot, args, max(g for _, g, _ in per_rank))
+            n = args.compare_tokens
+            row.update(
+                dispatcher=dispatcher,
+                decode=decode,
+                decode_dispatcher="low_latency" if decode != "transformers" else dispatcher,
+                t_weights_us=max(f for *_, f in per_rank),
+                same_tokens=all(a[:n] == b[:n] for a, b in zip(token_ids, baseline["token_ids"])),
+                tpot_speedup=baseline["tpot_ms"] / row["tpot_ms"],
+                prefill_speedup=baseline["prefill_ms"] / row["prefill_ms"],
+            )
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "token_ids"}, flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,40 +231,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--dispatcher", default="alltoall")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 1], help="moe-sbo rows at each EP size")
+    parser.add_argument("--dispatcher", default="alltoall", help="prefill's dispatcher at EP > 1 (EP1: local)")
+    parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
     parser.add_argument("--compare-tokens", type=int, default=8)
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="where to write it (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.device != "cuda" and "cuda_graph" in args.decode:
+        parser.error("--decode cuda_graph needs --device cuda")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    meta = {**result_meta(args.device, args.ranks), "timer": "host clock, CUDA synchronised per token"}
+    meta = {**result_meta(args.device, max(args.ranks)), "timer": "host clock, CUDA synchronised per token"}
     with tempfile.TemporaryDirectory(dir=args.checkpoint_dir) as tmp:
         path = Path(tmp) / "model"
         write_checkpoint(path, args, args.device)
         meta["checkpoint_gb"] = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
         prompts = prompts_for(args)
-        rows.append(transformers_row(path, prompts, args, args.device))
-        print({k: v for k, v in rows[-1].items() if k != "token_ids"}, flush=True)
+        baseline = transformers_row(path, prompts, args, args.device)
+        print({k: v for k, v in baseline.items() if k != "token_ids"}, flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        shares = [prompts[r :: args.ranks] for r in range(args.ranks)]
-        with LocalRanks(args.ranks, device=args.device) as ranks:
-            per_rank = ranks.run(ep_rank, str(path), shares, args.new_tokens, args.dispatcher)
-    token_ids: list[list[int]] = [[] for _ in prompts]
-    for r, (ids, _, _, _) in enumerate(per_rank):
-        for j, row_ids in enumerate(ids):
-            token_ids[r + j * args.ranks] = row_ids
-    prefill = max(p for _, p, _, _ in per_rank)
-    tpot = max(t for _, _, t, _ in per_rank)
-    row = _row("moe-sbo", args.ranks, token_ids, prefill, tpot, args, max(g for *_, g in per_rank))
-    row["dispatcher"] = args.dispatcher
-    n = args.compare_tokens
-    row["same_tokens"] = all(a[:n] == b[:n] for a, b in zip(token_ids, rows[0]["token_ids"]))
-    row["tpot_speedup"] = rows[0]["tpot_ms"] / row["tpot_ms"]
-    row["prefill_speedup"] = rows[0]["prefill_ms"] / row["prefill_ms"]
-    rows.append(row)
-    print({k: v for k, v in row.items() if k != "token_ids"}, flush=True)
+        rows = [baseline, *moe_sbo_rows(path, prompts, args, baseline)]
     (args.out / "generate.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 

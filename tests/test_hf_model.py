@@ -47,10 +47,19 @@ def reference_ids(path: str, prompts: list[list[int]]) -> list[list[int]]:
     return rows
 
 
-def _generate_rank(device, path, prompts_per_rank, dispatcher, options, eos_token_id=None):
-    model = load_model(path, dispatcher=dispatcher, dispatcher_options=options)
+def _generate_rank(device, path, prompts_per_rank, dispatcher, options, eos_token_id=None, decode="transformers"):
+    # The static loop decodes with a second dispatcher: low_latency with the fused kernels (Triton's
+    # interpreter on CPU), as CUDA-graph decode does on GPU; prefill keeps ``dispatcher``.
+    decode_options = {"max_tokens_per_rank": 4, "kernels": "triton"}
+    model = load_model(
+        path,
+        dispatcher=dispatcher,
+        dispatcher_options=options,
+        decode_dispatcher="low_latency" if decode == "static" else None,
+        decode_dispatcher_options=decode_options if decode == "static" else None,
+    )
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-    result = generate(model, prompts_per_rank[dist.get_rank()], NEW_TOKENS, eos_token_id=eos_token_id)
+    result = generate(model, prompts_per_rank[dist.get_rank()], NEW_TOKENS, eos_token_id=eos_token_id, decode=decode)
     local = [b.moe.experts.gate_up_proj.shape[0] for b in blocks]
     return result.token_ids, result.forwards, [b.calls for b in blocks], local
 
@@ -85,6 +94,51 @@ def test_ep2_generates_what_transformers_generates(ranks2, checkpoints, family):
 def test_ep4_with_an_empty_rank_generates_what_transformers_generates(ranks4, checkpoints, family):
     results = ranks4.run(_generate_rank, checkpoints[family], PROMPTS_EP4, "alltoall", None)
     _check(results, checkpoints[family], PROMPTS_EP4, 4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_decode_loop_generates_what_transformers_generates(ranks4, checkpoints, family):
+    # The fixed-shape loop CUDA graphs replay (static cache, 4-D mask, decode dispatcher): every
+    # family, skewed prompt counts and lengths, and an empty rank that joins through its masked row.
+    results = ranks4.run(_generate_rank, checkpoints[family], PROMPTS_EP4, "alltoall", None, None, "static")
+    _check(results, checkpoints[family], PROMPTS_EP4, 4)
+
+
+def test_static_decode_loop_stops_on_every_rank_once_every_prompt_has_ended(ranks2, checkpoints):
+    path = checkpoints["deepseek_v3"]
+    firsts = sorted({ids[1] for prompts in PROMPTS_EP2 for ids in reference_ids(path, prompts)})
+    results = ranks2.run(_generate_rank, path, PROMPTS_EP2, "alltoall", None, firsts, "static")
+    for rank, (token_ids, forwards, calls, _) in enumerate(results):
+        assert forwards <= 2 and all(c == forwards for c in calls), (rank, forwards, calls)
+        assert all(ids[-1] in firsts for ids in token_ids)  # cut after its end-of-sequence token
+
+
+def _over_capacity_rank(device, path):
+    model = load_model(path, dispatcher="alltoall", decode_dispatcher="low_latency",
+                       decode_dispatcher_options={"max_tokens_per_rank": 2, "kernels": "torch"})  # fmt: skip
+    prompts = [[[1, 2]], [[3], [4], [5]]][dist.get_rank()]
+    try:
+        generate(model, prompts, 4, decode="static")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_more_prompts_than_the_decode_capacity_are_refused_on_every_rank(ranks2, checkpoints):
+    for message in ranks2.run(_over_capacity_rank, checkpoints["deepseek_v3"]):
+        assert "a rank has 3 prompts" in message and "max_tokens_per_rank = 2" in message
+
+
+def test_cuda_graph_decode_is_refused_off_cuda_and_without_a_capturable_dispatcher(checkpoints):
+    model = load_model(checkpoints["deepseek_v3"], dispatcher="local")
+    with pytest.raises(ValueError, match="needs a graph-capturable decode dispatcher; this model decodes with 'local'"):
+        generate(model, [[1, 2]], 2, decode="cuda_graph")
+    options = {"max_tokens_per_rank": 2, "kernels": "torch"}
+    model = load_model(checkpoints["deepseek_v3"], decode_dispatcher="low_latency", decode_dispatcher_options=options)
+    with pytest.raises(ValueError, match="captures CUDA graphs; the model is on cpu"):
+        generate(model, [[1, 2]], 2, decode="cuda_graph")
+    with pytest.raises(ValueError, match="decode must be one of"):
+        generate(model, [[1, 2]], 2, decode="graph")
 
 
 def test_low_latency_dispatcher_generates_the_same(ranks2, checkpoints):
@@ -200,6 +254,8 @@ def test_cli_refuses_bad_prompts_before_any_rank_starts(checkpoints, capsys):
     assert "vocab_size" in capsys.readouterr().err
     assert main([*base, "--prompt-ids", "1", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+    assert main([*base, "--prompt-ids", "1", "--device", "cpu", "--decode", "cuda_graph"]) == 2
+    assert "--decode cuda_graph needs CUDA" in capsys.readouterr().err
 
 
 def test_cli_under_torchrun(checkpoints, tmp_path):

@@ -24,7 +24,7 @@ from .. import env
 from ..dispatch import DISPATCHERS
 from ..hf.checkpoint import Checkpoint
 from ..hf.config import model_family
-from ..hf.model import WHOLE_MODEL_FAMILIES, generate, load_model
+from ..hf.model import DECODE_LOOPS, WHOLE_MODEL_FAMILIES, generate, load_model
 from ..measure.results import result_meta
 from ..overlap import OVERLAP_MODES
 from ..runtime import LocalRanks, init_from_torchrun, resolve_device
@@ -45,9 +45,10 @@ Generate with a Hugging Face MoE model (DeepSeek-V2/V3, Qwen3-MoE) whose MoE lay
 parallel: each rank holds the attention and dense layers whole and only its share of the routed
 experts, runs its own prompts, and moves tokens to the experts' ranks with the dispatcher chosen.
 Greedy decoding, ranks in step: it stops when every prompt on every rank has ended, or after
---max-new-tokens. Prints the new tokens per prompt and per rank the prefill time, time per output
-token (TPOT) and tokens/s. Under torchrun (torchrun --nproc-per-node N -m moe_sbo generate ...) it
-runs on torchrun's ranks; rank 0 prints."""
+--max-new-tokens; on CUDA each decode step is replayed from a CUDA graph (--decode). Prints the
+new tokens per prompt and per rank the prefill time, time per output token (TPOT) and tokens/s.
+Under torchrun (torchrun --nproc-per-node N -m moe_sbo generate ...) it runs on torchrun's ranks;
+rank 0 prints."""
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,6 +79,14 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
         "--dispatcher", default="alltoall", choices=sorted(DISPATCHERS), help="how tokens reach the experts"
     )
     parser.add_argument("--overlap", default="none", choices=list(OVERLAP_MODES), help="where the shared experts run")
+    parser.add_argument(
+        "--decode",
+        default="auto",
+        choices=["auto", *DECODE_LOOPS],
+        help="the decode loop: cuda_graph (each step replayed from a CUDA graph; the MoE layers decode "
+        "through low_latency), static (the same fixed-shape steps, eager), transformers (model.generate); "
+        "auto: cuda_graph on CUDA, static on CPU",
+    )
     parser.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA, float32 on CPU"
     )
@@ -133,6 +142,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "dispatcher_options": _dispatcher_options(args.dispatcher, shares),
+        "decode": resolve_decode(args.decode, device),
     }
     if torchrun is not None:
         torch_device = init_from_torchrun(device)
@@ -149,11 +159,23 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def resolve_decode(decode: str, device: str) -> str:
+    """``--decode auto`` -> ``cuda_graph`` on CUDA, ``static`` elsewhere; ``cuda_graph`` off CUDA is refused."""
+    if decode == "auto":
+        return "cuda_graph" if device == "cuda" else "static"
+    if decode == "cuda_graph" and device != "cuda":
+        raise ValueError(f"--decode cuda_graph needs CUDA, the device is {device}; use --decode static")
+    return decode
+
+
 def generate_rank(
-    device, shares, *, path, dispatcher, overlap, expert_dtype, dtype, max_new_tokens, dispatcher_options
+    device, shares, *, path, dispatcher, overlap, expert_dtype, dtype, max_new_tokens, dispatcher_options, decode
 ):
     """One rank's share (``LocalRanks.run`` or torchrun): load, generate, return plain data."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    # Fixed-shape decode steps move a rank's prompts (one token each) through low_latency, sized to
+    # the most prompts any rank decodes; prefill keeps --dispatcher.
+    most_prompts = max(1, *(len(share) for share in shares))
     model = load_model(
         path,
         dispatcher=dispatcher,
@@ -162,9 +184,12 @@ def generate_rank(
         expert_dtype=expert_dtype,
         dtype=getattr(torch, dtype) if dtype else None,
         device=device,
+        decode_dispatcher=None if decode == "transformers" else "low_latency",
+        decode_dispatcher_options=None if decode == "transformers" else {"max_tokens_per_rank": most_prompts},
     )
     mine = shares[rank]
-    result = generate(model, [ids for _, ids in mine], max_new_tokens, on_step=_progress(rank, max_new_tokens))
+    prompts = [ids for _, ids in mine]
+    result = generate(model, prompts, max_new_tokens, on_step=_progress(rank, max_new_tokens), decode=decode)
     new_tokens = sum(len(ids) for ids in result.token_ids)
     total_s = result.prefill_s + sum(result.step_s)
     return {
@@ -239,7 +264,8 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
     console = make_console()
     console.print(
         f"[bold]moe-sbo generate[/]: {checkpoint.path} ({checkpoint.model_type}) on {ranks} {device} ranks, "
-        f"{args.dispatcher}, overlap {args.overlap}, {args.max_new_tokens} new tokens",
+        f"{args.dispatcher}, overlap {args.overlap}, decode {resolve_decode(args.decode, device)}, "
+        f"{args.max_new_tokens} new tokens",
         soft_wrap=True,
     )
     outputs: dict[int, list[int]] = {}
@@ -266,6 +292,7 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
     if args.json:
         meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path)}
         meta.update(dispatcher=args.dispatcher, overlap=args.overlap, max_new_tokens=args.max_new_tokens)
+        meta["decode"] = resolve_decode(args.decode, device)
         rows = [{"prompt": i, "prompt_ids": prompts[i], "token_ids": ids} for i, ids in sorted(outputs.items())]
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ranks": per_rank}, indent=1))
         console.print(f"written to {args.json}", highlight=False, soft_wrap=True)

@@ -37,10 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..dispatch import Dispatcher, make_dispatcher
 from ..fp8 import dequantize_fp8_blocks
 from ..layer import MoELayer
+from ..stages import run_to_end
 from .checkpoint import Checkpoint, LayerLoader
 from .config import model_family, moe_layer_indices
+from .static_decode import IdleDecoder, StaticDecoder
 
 WHOLE_MODEL_FAMILIES = ("deepseek_v2", "deepseek_v3", "qwen3_moe")  # transformers ships their classes
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -49,17 +52,30 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 class ExpertParallelMoE(nn.Module):
     """Stands in for a ``transformers`` sparse MoE block: ``[B, S, H] -> [B, S, H]`` through ``moe``.
 
-    ``calls`` counts forwards (a rank with no work replays the same number, ``idle_forward``)."""
+    ``decode_dispatcher``: None, or a second dispatcher over the same experts that forwards use
+    while ``decoding`` is set (``static_decode.decode_dispatchers``): prefill moves thousands of
+    tokens with the main one, decode steps a few per rank with one a CUDA graph can capture.
+    ``calls`` counts forwards (a rank with no work makes the same number, ``_idle``)."""
 
-    def __init__(self, moe: MoELayer):
+    def __init__(self, moe: MoELayer, decode_dispatcher: Dispatcher | None = None):
         super().__init__()
         self.moe = moe
+        self.decode_dispatcher = decode_dispatcher
+        self.decoding = False
         self.calls = 0
+
+    @property
+    def dispatcher_now(self) -> Dispatcher:
+        """The dispatcher the next forward uses."""
+        if self.decoding and self.decode_dispatcher is not None:
+            return self.decode_dispatcher
+        return self.moe.dispatcher
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         shape = hidden_states.shape
-        return self.moe(hidden_states.reshape(-1, shape[-1])).reshape(shape)
+        x_TH = hidden_states.reshape(-1, shape[-1])
+        return run_to_end(self.moe.stages(x_TH, dispatcher=self.dispatcher_now)).reshape(shape)
 
 
 def moe_blocks(model: Any) -> list[ExpertParallelMoE]:
@@ -78,13 +94,18 @@ def load_model(
     expert_dtype: str | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    decode_dispatcher: str | None = None,
+    decode_dispatcher_options: dict | None = None,
 ) -> nn.Module:
     """The causal LM of checkpoint ``path`` with every sparse MoE block expert-parallel over ``group``.
 
     Call it on every rank of ``group`` (``None``: the default group, or one rank). ``dtype`` of
-    everything but FP8 experts (default: bfloat16 on CUDA, float32 on CPU). Raises ``ValueError``
-    before any collective for a family ``transformers`` has no model class for, or a checkpoint
-    whose tensors do not cover the model.
+    everything but FP8 experts (default: bfloat16 on CUDA, float32 on CPU). ``decode_dispatcher``
+    (with its options): a second dispatcher for ``generate``'s static and CUDA-graph decode steps,
+    e.g. ``"low_latency"`` with ``{"max_tokens_per_rank": 8}`` (the most prompts a rank decodes),
+    while prefill uses ``dispatcher``; None: decode steps use ``dispatcher`` too. Raises
+    ``ValueError`` before any collective for a family ``transformers`` has no model class for, or a
+    checkpoint whose tensors do not cover the model.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -114,7 +135,13 @@ def load_model(
             expert_dtype=expert_dtype,
             seed=None,  # the checkpoint sets every weight
         )
-        model.model.layers[index].mlp = ExpertParallelMoE(LayerLoader(checkpoint, index)(moe))
+        decode = None
+        if decode_dispatcher is not None:
+            decode = make_dispatcher(
+                decode_dispatcher, moe.cfg.num_experts, moe.dispatcher.ep, **(decode_dispatcher_options or {})
+            )
+            decode.deliver_fp8 = moe.experts.fp8 and decode.sends_fp8
+        model.model.layers[index].mlp = ExpertParallelMoE(LayerLoader(checkpoint, index)(moe), decode)
 
     state = _read_dense(checkpoint, set(moe_indices), config.num_hidden_layers, dtype, device)
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -214,6 +241,9 @@ class _StepClock:
         pass
 
 
+DECODE_LOOPS = ("transformers", "static", "cuda_graph")
+
+
 @torch.no_grad()
 def generate(
     model: Any,
@@ -223,6 +253,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int = 0,
     on_step: Callable[[], None] | None = None,
+    decode: str = "transformers",
 ) -> Generation:
     """Greedy generation of up to ``max_new_tokens`` for this rank's ``prompts`` (token ids; may be
     empty), in step with the other ranks: every rank makes the same number of forwards.
@@ -232,27 +263,62 @@ def generate(
     ``generate`` returns it. Generation stops when every prompt on every rank has ended (one
     one-element all-reduce per step decides it) or after ``max_new_tokens``, which must be the same
     on every rank. ``model``: from ``load_model`` (a ``transformers`` causal LM).
+
+    ``decode``: ``"transformers"``: ``model.generate`` (a growing cache, eager); ``"static"``: our
+    own loop over a preallocated cache with fixed-shape steps through the blocks' decode
+    dispatchers (``static_decode.py``), eager; ``"cuda_graph"``: the same steps, captured once per
+    rank and replayed (CUDA, and a graph-capturable decode dispatcher such as ``low_latency``). Every
+    rank must pass the same value. The three give the same greedy tokens (on CPU in float32, the
+    same as ``transformers``; the graph replays exactly the static loop's kernels).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if decode not in DECODE_LOOPS:
+        raise ValueError(f"decode must be one of {DECODE_LOOPS}, got {decode!r}")
     blocks = moe_blocks(model)
     device = next(model.parameters()).device
+    if decode == "cuda_graph":
+        _check_graphable(blocks, device)
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    agree = _StepAgreement(blocks, device)
-    agree.same_everywhere("max_new_tokens", max_new_tokens)  # before any MoE call: a mismatch would hang
-    if not prompts:
-        return _idle(blocks, model, max_new_tokens, device, on_step, agree)
     if any(not p for p in prompts):
         raise ValueError("every prompt must have at least one token id; drop empty prompts")
+    agree = _StepAgreement(blocks, device)
+    # Before any MoE call: a mismatch would hang.
+    agree.same_everywhere("max_new_tokens", max_new_tokens)
+    agree.same_everywhere("decode", DECODE_LOOPS.index(decode))
+    if decode != "transformers":
+        _check_decode_capacity(blocks, len(prompts), agree)
+    if not prompts:
+        return _idle(blocks, model, max_new_tokens, device, on_step, agree, decode)
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     clock = _StepClock(device, on_step)
     calls_before = [b.calls for b in blocks]
+    if decode == "transformers":
+        new = _transformers_generate(model, input_ids, attention_mask, max_new_tokens, pad_token_id, clock, agree, eos)
+    else:
+        new = _static_generate(model, blocks, input_ids, attention_mask, max_new_tokens, clock, agree, eos, decode)
+    token_ids = [_cut_after_eos(row, eos) for row in new]
+    forwards = blocks[0].calls - calls_before[0] if blocks else len(new[0])
+    if decode == "cuda_graph":
+        forwards = len(new[0])  # replays make no Python calls; the count of tokens is the count of steps
+    if forwards != len(new[0]) or forwards != agree.steps:  # transformers changed how generate steps
+        raise RuntimeError(
+            f"generate made {forwards} forwards for {len(new[0])} new tokens and {agree.steps} stop checks; "
+            "ranks would fall out of step"
+        )
+    stamps = clock.stamps
+    return Generation(token_ids, stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])], forwards)
+
+
+def _transformers_generate(model, input_ids, attention_mask, max_new_tokens, pad_token_id, clock, agree, eos):
+    """``model.generate``, with every rank stopping at the same step; the new ids [B][steps]."""
     # transformers' own end-of-sequence stop is per rank; ours waits for every rank (_AllEnded), so
-    # the model's eos is lifted for the call and a prompt's tokens after its end are dropped below.
+    # the model's eos is lifted for the call and a prompt's tokens after its end are dropped later.
+    width = input_ids.shape[1]
     saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     try:
         out = model.generate(
@@ -267,16 +333,57 @@ def generate(
         )
     finally:
         model.generation_config.eos_token_id = saved_eos
-    new = out[:, width:].tolist()
-    token_ids = [_cut_after_eos(row, eos) for row in new]
-    forwards = blocks[0].calls - calls_before[0] if blocks else len(new[0])
-    if forwards != len(new[0]) or forwards != agree.steps:  # transformers changed how generate steps
-        raise RuntimeError(
-            f"generate made {forwards} forwards for {len(new[0])} new tokens and {agree.steps} stop checks; "
-            "ranks would fall out of step"
+    return out[:, width:].tolist()
+
+
+def _static_generate(model, blocks, input_ids, attention_mask, max_new_tokens, clock, agree, eos, decode):
+    """``StaticDecoder``'s prefill and steps (replayed from a graph under ``cuda_graph``), with the
+    same stop agreement after every forward as ``transformers`` mode; the new ids [B][steps]."""
+    decoder = StaticDecoder(model, blocks, input_ids, attention_mask, max_new_tokens, cuda_graph=decode == "cuda_graph")
+    clock.put(input_ids)
+    eos_E = torch.tensor(sorted(eos), dtype=torch.long, device=input_ids.device)
+    ended_B = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    tokens = []
+    for step in range(max_new_tokens):
+        next_B1 = decoder.prefill() if step == 0 else decoder.step()
+        tokens.append(next_B1.clone())
+        clock.put(next_B1)
+        ended_B |= torch.isin(next_B1[:, 0], eos_E)
+        if not agree.anyone_running(not bool(ended_B.all())):
+            break
+    return torch.cat(tokens, dim=1).tolist()
+
+
+def _check_graphable(blocks: list[ExpertParallelMoE], device: torch.device) -> None:
+    """``ValueError`` (before any collective) unless CUDA-graph decode can run here."""
+    for block in blocks:
+        dispatcher = block.decode_dispatcher or block.moe.dispatcher
+        if not dispatcher.graph_capturable:
+            raise ValueError(
+                f"decode='cuda_graph' needs a graph-capturable decode dispatcher; this model decodes with "
+                f"{dispatcher.name!r}. Load it with load_model(..., decode_dispatcher='low_latency', "
+                "decode_dispatcher_options={'max_tokens_per_rank': N}) (N >= prompts per rank)"
+            )
+    if device.type != "cuda":
+        raise ValueError(
+            f"decode='cuda_graph' captures CUDA graphs; the model is on {device}. Use decode='static' "
+            "(the same steps, eager) off CUDA"
         )
-    stamps = clock.stamps
-    return Generation(token_ids, stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])], forwards)
+
+
+def _check_decode_capacity(blocks: list[ExpertParallelMoE], batch: int, agree: _StepAgreement) -> None:
+    """``ValueError`` on every rank when any rank has more prompts than a fixed-capacity decode
+    dispatcher takes per forward (one all-reduce, so no rank is left waiting in a transfer)."""
+    largest = agree.largest(batch)
+    for block in blocks:
+        dispatcher = block.decode_dispatcher or block.moe.dispatcher
+        capacity = getattr(dispatcher, "capacity", None)
+        if capacity is not None and largest > capacity:
+            raise ValueError(
+                f"a rank has {largest} prompts, but the decode dispatcher {dispatcher.name!r} takes at most "
+                f"max_tokens_per_rank = {capacity} tokens per forward; raise max_tokens_per_rank to {largest} "
+                "or give each rank fewer prompts"
+            )
 
 
 class _StepAgreement:
@@ -303,6 +410,14 @@ class _StepAgreement:
                 f"{name} must be the same on every rank, got values from {smallest} to {largest}; "
                 "pass every rank the same value (ranks must make the same number of forwards)"
             )
+
+    def largest(self, value: int) -> int:
+        """The largest ``value`` over the ranks (one all-reduce)."""
+        if not self.collective:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return int(tensor.item())
 
     def anyone_running(self, running_here: bool) -> bool:
         self.steps += 1
@@ -336,13 +451,19 @@ def _idle(
     device: torch.device,
     on_step: Callable[[], None] | None,
     agree: _StepAgreement,
+    decode: str,
 ) -> Generation:
-    """A rank without prompts: each forward's MoE calls with 0 tokens and its stop check, until
-    every rank has ended or ``max_steps``."""
-    empty = torch.empty(1, 0, model.config.hidden_size, dtype=blocks[0].moe.dtype if blocks else None, device=device)
-    for _ in range(max_steps):
-        for block in blocks:
-            block(empty)
+    """A rank without prompts: each forward's MoE calls with 0 tokens (with ``IdleDecoder`` for the
+    static and graph loops' steps) and its stop check, until every rank has ended or ``max_steps``."""
+    dtype = blocks[0].moe.dtype if blocks else torch.get_default_dtype()
+    empty = torch.empty(1, 0, model.config.hidden_size, dtype=dtype, device=device)
+    idle = IdleDecoder(blocks, model.config.hidden_size, dtype, device, cuda_graph=decode == "cuda_graph")
+    for step in range(max_steps):
+        if decode == "transformers" or step == 0:
+            for block in blocks:
+                block(empty)
+        else:
+            idle.step()
         if on_step is not None:
             on_step()
         if not agree.anyone_running(False):

@@ -1,0 +1,190 @@
+"""Greedy decoding with fixed shapes: a preallocated KV cache and one step that a CUDA graph replays.
+
+Legend: see ``moe_sbo/__init__.py``; here B is a rank's batch of prompts, S their (left-padded)
+length and L = S + the most new tokens (the cache length).
+
+``transformers`` ``generate`` grows its cache and rebuilds masks and positions on the host every
+step, so a decode step of a small batch is host-bound (docs/BENCHMARKS.md: 4.6 ms per layer of
+Python and eager launches against a 0.3 ms budget). ``StaticDecoder`` keeps every tensor a step
+touches at a fixed address and shape:
+
+- the cache: ``transformers``' ``StaticCache`` of L positions, which writes each step's keys at its
+  own device-side position counter;
+- ``valid_BL``: which cache slots hold a real token of the row (the prompt's, then one per step);
+  the step marks slot ``S + step`` and turns it into the additive [B, 1, 1, L] mask it hands the
+  model (``transformers`` takes a 4-D mask as given, so no mask is built on the host);
+- ``position_B1``: the row's number of real tokens minus one, as ``generate`` computes it from a
+  left-padded attention mask;
+- ``next_B1``: the greedy token, which is also the next step's input.
+
+So one step is a pure function of those buffers, and with ``cuda_graph=True`` it is captured once
+(after an eager warm-up step) and replayed: one host call per token. The MoE blocks then must use
+a capturable dispatcher (``low_latency``): ``load_model(decode_dispatcher=...)`` gives them one for
+decode steps while prefill keeps the main one. A rank without prompts makes the same MoE calls
+through ``IdleDecoder``, with one masked-out row, captured the same way, so its buffer sets and
+barriers stay in step with the busy ranks' replays.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..dispatch.low_latency import mask_padding_tokens
+
+
+class StaticDecoder:
+    """One rank's greedy decoding of a fixed batch: ``prefill`` once, then ``step`` per new token.
+
+    ``model``: a ``transformers`` causal LM (from ``load_model``); ``blocks``: its expert-parallel
+    MoE blocks, switched to their decode dispatcher for the steps; ``max_new_tokens`` sizes the cache.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        blocks: list,
+        input_ids_BS: torch.Tensor,
+        attention_mask_BS: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        cuda_graph: bool = False,
+    ):
+        from transformers import StaticCache
+
+        self.model, self.blocks, self.cuda_graph = model, blocks, cuda_graph
+        batch, width = input_ids_BS.shape
+        device = input_ids_BS.device
+        self.width, self.steps = width, 0
+        self.max_len = width + max_new_tokens
+        self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
+        self.valid_BL = torch.zeros(batch, self.max_len, dtype=torch.bool, device=device)
+        self.valid_BL[:, :width] = attention_mask_BS.bool()
+        self.slot_1 = torch.tensor([width], device=device)  # the cache slot the next step writes
+        self.position_B1 = attention_mask_BS.long().sum(-1, keepdim=True) - 1
+        self.next_B1 = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.input_ids_BS = input_ids_BS
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._dtype = next(model.parameters()).dtype
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x keeps the old name, deprecated)
+        cache_kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        self._cache_arg = {cache_kwarg: self.cache}
+
+    def _mask(self, allowed_BQL: torch.Tensor) -> torch.Tensor:
+        """The additive mask [B, 1, Q, L] the model's attention adds: 0 where allowed, the dtype's
+        lowest elsewhere (never -inf, so a padded query row with nothing allowed stays finite)."""
+        low = torch.finfo(self._dtype).min
+        return torch.zeros(allowed_BQL.shape, dtype=self._dtype, device=allowed_BQL.device).masked_fill_(
+            ~allowed_BQL, low
+        )[:, None]
+
+    def prefill(self) -> torch.Tensor:
+        """Runs the prompts (eager; prefill sizes vary), fills the cache; returns the first new tokens [B, 1]."""
+        batch, width = self.input_ids_BS.shape
+        device = self.input_ids_BS.device
+        causal_SL = torch.arange(self.max_len, device=device)[None, :] <= torch.arange(width, device=device)[:, None]
+        allowed_BSL = causal_SL[None] & self.valid_BL[:, None, :]
+        positions_BS = (self.valid_BL[:, :width].long().cumsum(-1) - 1).clamp_(min=0)
+        logits = self.model(
+            input_ids=self.input_ids_BS,
+            attention_mask=self._mask(allowed_BSL),
+            position_ids=positions_BS,
+            use_cache=True,
+            logits_to_keep=1,
+            **self._cache_arg,
+        ).logits
+        self.next_B1.copy_(logits[:, -1:].argmax(-1))
+        return self.next_B1
+
+    def _step(self) -> None:
+        """One token for every row, from the buffers to the buffers (what a graph captures)."""
+        self.valid_BL.index_fill_(1, self.slot_1, True)
+        self.position_B1.add_(1)
+        with decode_dispatchers(self.blocks):
+            logits = self.model(
+                input_ids=self.next_B1,
+                attention_mask=self._mask(self.valid_BL[:, None, :]),
+                position_ids=self.position_B1,
+                use_cache=True,
+                **self._cache_arg,
+            ).logits
+        self.next_B1.copy_(logits[:, -1:].argmax(-1))
+        self.slot_1.add_(1)
+
+    def step(self) -> torch.Tensor:
+        """The next token of every row [B, 1] (a view of a fixed buffer: copy it to keep it)."""
+        if self.steps + 1 >= self.max_len - self.width + 1:
+            raise RuntimeError(f"the cache holds {self.max_len - self.width} new tokens; this decoder is full")
+        self.steps += 1
+        replay(self, self._step)
+        return self.next_B1
+
+
+class IdleDecoder:
+    """A rank without prompts: each step calls every MoE block once, as a busy rank's step does,
+    through the blocks' decode dispatchers: a fixed-capacity (graph-capturable) one gets one row
+    whose routing is masked out (nothing is sent or received for it; a graph needs a row to
+    capture), another 0 rows. Captured and replayed like ``StaticDecoder`` under ``cuda_graph``."""
+
+    def __init__(self, blocks: list, hidden: int, dtype: torch.dtype, device: torch.device, *, cuda_graph: bool):
+        self.blocks, self.cuda_graph = blocks, cuda_graph
+        self.x_11H = torch.zeros(1, 1, hidden, dtype=dtype, device=device)
+        self.no_tokens = torch.zeros((), dtype=torch.int64, device=device)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self.steps = 0
+
+    def _step(self) -> None:
+        with decode_dispatchers(self.blocks):
+            for block in self.blocks:
+                dispatcher = block.dispatcher_now
+                if not dispatcher.graph_capturable:  # a variable-size dispatcher takes 0 rows as they are
+                    block(self.x_11H[:, :0])
+                    continue
+                with dispatcher.hooks.scope() as hooks:
+                    hooks.register("pre_dispatch", mask_padding_tokens(self.no_tokens))
+                    block(self.x_11H)
+
+    def step(self) -> None:
+        self.steps += 1
+        replay(self, self._step)
+
+
+def replay(decoder: Any, step: Callable[[], None]) -> None:
+    """Runs ``step`` eagerly, or, under ``decoder.cuda_graph``, eagerly once (warm-up: lazy buffers,
+    Triton compiles), then captures it into ``decoder._graph`` and replays it from then on."""
+    if not decoder.cuda_graph:
+        step()
+        return
+    if decoder._graph is not None:
+        decoder._graph.replay()
+        return
+    if decoder.steps == 1:  # warm-up on a side stream, as torch.cuda.graphs recommends before capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    decoder._graph = graph
+    graph.replay()
+
+
+class decode_dispatchers:
+    """Within: each block forwards through its decode dispatcher (``ExpertParallelMoE.decoding``)."""
+
+    def __init__(self, blocks: list):
+        self.blocks = blocks
+
+    def __enter__(self) -> None:
+        for block in self.blocks:
+            block.decoding = True
+
+    def __exit__(self, *exc: object) -> None:
+        for block in self.blocks:
+            block.decoding = False
