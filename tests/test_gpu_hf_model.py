@@ -119,7 +119,7 @@ def _graph_rank(device, path, prompts_per_rank):
         path, dispatcher="alltoall", device=device, decode_dispatcher="low_latency", decode_dispatcher_options=options
     )
     runs = {}
-    for decode in ("static", "cuda_graph", "cuda_graph"):  # the second graph run: a fresh capture again
+    for decode in ("static", "cuda_graph", "cuda_graph"):  # the second graph run replays the kept graph
         runs.setdefault(decode, []).append(generate(model, prompts, NEW_TOKENS, eos_token_id=[], decode=decode))
     same_as_reference = []
     if ref is not None:

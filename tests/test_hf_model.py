@@ -113,6 +113,28 @@ def test_static_decode_loop_stops_on_every_rank_once_every_prompt_has_ended(rank
         assert all(ids[-1] in firsts for ids in token_ids)  # cut after its end-of-sequence token
 
 
+def _repeated_rank(device, path):
+    # Three generations on one model: the decoder is kept when every rank's batch fits it, and
+    # rebuilt on every rank when one rank's does not (rank 0's batch grows in the third).
+    options = {"max_tokens_per_rank": 4, "kernels": "triton"}
+    model = load_model(path, dispatcher="alltoall", decode_dispatcher="low_latency", decode_dispatcher_options=options)
+    batches = [PROMPTS_EP2[dist.get_rank()], PROMPTS_EP2[dist.get_rank()][::-1]]
+    batches.append(PROMPTS_EP4[1] if dist.get_rank() == 0 else PROMPTS_EP2[1])
+    out, decoders = [], []
+    for prompts in batches:
+        out.append(generate(model, prompts, NEW_TOKENS, decode="static").token_ids)
+        decoders.append(model.moe_sbo_decoder)
+    return out, [decoders[1] is decoders[0], decoders[2] is decoders[1]], batches
+
+
+def test_static_decoder_is_kept_for_batches_that_fit_and_rebuilt_on_every_rank_otherwise(ranks2, checkpoints):
+    path = checkpoints["deepseek_v3"]
+    for out, kept, batches in ranks2.run(_repeated_rank, path):
+        assert kept == [True, False]
+        for token_ids, prompts in zip(out, batches):
+            assert token_ids == reference_ids(path, prompts)
+
+
 def _over_capacity_rank(device, path):
     model = load_model(path, dispatcher="alltoall", decode_dispatcher="low_latency",
                        decode_dispatcher_options={"max_tokens_per_rank": 2, "kernels": "torch"})  # fmt: skip

@@ -339,19 +339,37 @@ def _transformers_generate(model, input_ids, attention_mask, max_new_tokens, pad
 def _static_generate(model, blocks, input_ids, attention_mask, max_new_tokens, clock, agree, eos, decode):
     """``StaticDecoder``'s prefill and steps (replayed from a graph under ``cuda_graph``), with the
     same stop agreement after every forward as ``transformers`` mode; the new ids [B][steps]."""
-    decoder = StaticDecoder(model, blocks, input_ids, attention_mask, max_new_tokens, cuda_graph=decode == "cuda_graph")
+    batch, width = input_ids.shape
+    cuda_graph = decode == "cuda_graph"
+    decoder = _reusable_decoder(
+        model, agree, lambda d: isinstance(d, StaticDecoder) and d.fits(batch, width, max_new_tokens, cuda_graph)
+    )
+    if decoder is None:
+        decoder = StaticDecoder(model, blocks, batch, width + max_new_tokens, input_ids.device, cuda_graph=cuda_graph)
+        model.moe_sbo_decoder = decoder
     clock.put(input_ids)
     eos_E = torch.tensor(sorted(eos), dtype=torch.long, device=input_ids.device)
-    ended_B = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    ended_B = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     tokens = []
     for step in range(max_new_tokens):
-        next_B1 = decoder.prefill() if step == 0 else decoder.step()
+        next_B1 = decoder.prefill(input_ids, attention_mask) if step == 0 else decoder.step()
         tokens.append(next_B1.clone())
         clock.put(next_B1)
         ended_B |= torch.isin(next_B1[:, 0], eos_E)
         if not agree.anyone_running(not bool(ended_B.all())):
             break
     return torch.cat(tokens, dim=1).tolist()
+
+
+def _reusable_decoder(model: Any, agree: _StepAgreement, fits: Callable[[Any], bool]) -> Any:
+    """The decoder the model kept from its last generation when it ``fits`` on this rank and on
+    every other (one all-reduce: if any rank must build a new one, every rank does, so their first
+    steps warm up and capture together and their decode buffers stay in step); else None."""
+    kept = getattr(model, "moe_sbo_decoder", None)
+    if agree.anyone(kept is None or not fits(kept)):
+        model.moe_sbo_decoder = None  # frees its graph and cache before the next one is built
+        return None
+    return kept
 
 
 def _check_graphable(blocks: list[ExpertParallelMoE], device: torch.device) -> None:
@@ -419,13 +437,14 @@ class _StepAgreement:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return int(tensor.item())
 
+    def anyone(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (one all-reduce)."""
+        return bool(self.largest(int(flag)))
+
     def anyone_running(self, running_here: bool) -> bool:
+        """``anyone``, counted as one step's stop check."""
         self.steps += 1
-        if not self.collective:
-            return running_here
-        flag = torch.tensor([int(running_here)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return self.anyone(running_here)
 
 
 class _AllEnded:
@@ -457,9 +476,15 @@ def _idle(
     static and graph loops' steps) and its stop check, until every rank has ended or ``max_steps``."""
     dtype = blocks[0].moe.dtype if blocks else torch.get_default_dtype()
     empty = torch.empty(1, 0, model.config.hidden_size, dtype=dtype, device=device)
-    idle = IdleDecoder(blocks, model.config.hidden_size, dtype, device, cuda_graph=decode == "cuda_graph")
+    idle = None
+    if decode != "transformers":  # as a busy rank's decoder: kept, or built on every rank at once
+        cuda_graph = decode == "cuda_graph"
+        idle = _reusable_decoder(model, agree, lambda d: isinstance(d, IdleDecoder) and d.cuda_graph == cuda_graph)
+        if idle is None:
+            idle = IdleDecoder(blocks, model.config.hidden_size, dtype, device, cuda_graph=cuda_graph)
+            model.moe_sbo_decoder = idle
     for step in range(max_steps):
-        if decode == "transformers" or step == 0:
+        if idle is None or step == 0:
             for block in blocks:
                 block(empty)
         else:

@@ -18,7 +18,9 @@ touches at a fixed address and shape:
 - ``next_B1``: the greedy token, which is also the next step's input.
 
 So one step is a pure function of those buffers, and with ``cuda_graph=True`` it is captured once
-(after an eager warm-up step) and replayed: one host call per token. The MoE blocks then must use
+(after an eager warm-up step) and replayed: one host call per token. ``generate`` keeps a model's
+decoder for the next batch of the same size (its prefill rewrites the buffers in place), so a server
+loop captures once per batch size, not once per request. The MoE blocks then must use
 a capturable dispatcher (``low_latency``): ``load_model(decode_dispatcher=...)`` gives them one for
 decode steps while prefill keeps the main one. A rank without prompts makes the same MoE calls
 through ``IdleDecoder``, with one masked-out row, captured the same way, so its buffer sets and
@@ -37,41 +39,35 @@ from ..dispatch.low_latency import mask_padding_tokens
 
 
 class StaticDecoder:
-    """One rank's greedy decoding of a fixed batch: ``prefill`` once, then ``step`` per new token.
+    """One rank's greedy decoding of a batch of B prompts: ``prefill`` a batch, then ``step`` per new token.
 
     ``model``: a ``transformers`` causal LM (from ``load_model``); ``blocks``: its expert-parallel
-    MoE blocks, switched to their decode dispatcher for the steps; ``max_new_tokens`` sizes the cache.
+    MoE blocks, switched to their decode dispatcher for the steps; ``max_len`` (L) sizes the cache
+    (prompt width + new tokens). A decoder serves any later batch of B prompts that fits in L
+    (``fits``): ``prefill`` rewrites its buffers in place, so a captured step replays as it is.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        blocks: list,
-        input_ids_BS: torch.Tensor,
-        attention_mask_BS: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        cuda_graph: bool = False,
-    ):
+    def __init__(self, model: Any, blocks: list, batch: int, max_len: int, device: torch.device, *, cuda_graph: bool):
         from transformers import StaticCache
 
         self.model, self.blocks, self.cuda_graph = model, blocks, cuda_graph
-        batch, width = input_ids_BS.shape
-        device = input_ids_BS.device
-        self.width, self.steps = width, 0
-        self.max_len = width + max_new_tokens
-        self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
-        self.valid_BL = torch.zeros(batch, self.max_len, dtype=torch.bool, device=device)
-        self.valid_BL[:, :width] = attention_mask_BS.bool()
-        self.slot_1 = torch.tensor([width], device=device)  # the cache slot the next step writes
-        self.position_B1 = attention_mask_BS.long().sum(-1, keepdim=True) - 1
+        self.batch, self.max_len = batch, max_len
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.valid_BL = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.slot_1 = torch.zeros(1, dtype=torch.long, device=device)  # the cache slot the next step writes
+        self.position_B1 = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.next_B1 = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.input_ids_BS = input_ids_BS
+        self.slot = 0  # the same slot on the host, to refuse a step past the cache
+        self.steps = 0  # steps made, over every batch (the first one warms up, the second captures)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._dtype = next(model.parameters()).dtype
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x keeps the old name, deprecated)
         cache_kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self._cache_arg = {cache_kwarg: self.cache}
+
+    def fits(self, batch: int, width: int, max_new_tokens: int, cuda_graph: bool) -> bool:
+        """Whether a batch of ``batch`` prompts padded to ``width`` can decode here."""
+        return (batch, cuda_graph) == (self.batch, self.cuda_graph) and width + max_new_tokens <= self.max_len
 
     def _mask(self, allowed_BQL: torch.Tensor) -> torch.Tensor:
         """The additive mask [B, 1, Q, L] the model's attention adds: 0 where allowed, the dtype's
@@ -81,15 +77,21 @@ class StaticDecoder:
             ~allowed_BQL, low
         )[:, None]
 
-    def prefill(self) -> torch.Tensor:
-        """Runs the prompts (eager; prefill sizes vary), fills the cache; returns the first new tokens [B, 1]."""
-        batch, width = self.input_ids_BS.shape
-        device = self.input_ids_BS.device
+    def prefill(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor) -> torch.Tensor:
+        """Runs the left-padded prompts [B, S] (eager; prefill sizes vary) into an emptied cache;
+        returns the first new tokens [B, 1] (a fixed buffer: copy it to keep it)."""
+        width = input_ids_BS.shape[1]
+        device = input_ids_BS.device
+        self.cache.reset()
+        self.valid_BL.zero_()
+        self.valid_BL[:, :width] = attention_mask_BS.bool()
+        self.slot, self.slot_1[0] = width, width
+        self.position_B1.copy_(attention_mask_BS.long().sum(-1, keepdim=True) - 1)
         causal_SL = torch.arange(self.max_len, device=device)[None, :] <= torch.arange(width, device=device)[:, None]
         allowed_BSL = causal_SL[None] & self.valid_BL[:, None, :]
         positions_BS = (self.valid_BL[:, :width].long().cumsum(-1) - 1).clamp_(min=0)
         logits = self.model(
-            input_ids=self.input_ids_BS,
+            input_ids=input_ids_BS,
             attention_mask=self._mask(allowed_BSL),
             position_ids=positions_BS,
             use_cache=True,
@@ -115,9 +117,10 @@ class StaticDecoder:
         self.slot_1.add_(1)
 
     def step(self) -> torch.Tensor:
-        """The next token of every row [B, 1] (a view of a fixed buffer: copy it to keep it)."""
-        if self.steps + 1 >= self.max_len - self.width + 1:
-            raise RuntimeError(f"the cache holds {self.max_len - self.width} new tokens; this decoder is full")
+        """The next token of every row [B, 1] (a fixed buffer: copy it to keep it)."""
+        if self.slot >= self.max_len:
+            raise RuntimeError(f"the cache holds {self.max_len} positions and all are used; prefill a new batch")
+        self.slot += 1
         self.steps += 1
         replay(self, self._step)
         return self.next_B1
