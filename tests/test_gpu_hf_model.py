@@ -114,7 +114,7 @@ def test_bf16_logits_and_greedy_ids_match_transformers(checkpoint):
 def _graph_rank(device, path, prompts_per_rank):
     prompts = prompts_per_rank[dist.get_rank()]
     ref = _reference(path, prompts) if prompts else None
-    options = {"max_tokens_per_rank": 4}
+    options = {"max_tokens_per_rank": 5}
     model = load_model(
         path, dispatcher="alltoall", device=device, decode_dispatcher="low_latency", decode_dispatcher_options=options
     )
