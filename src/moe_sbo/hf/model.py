@@ -233,6 +233,10 @@ class _StepClock:
     def put(self, value) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.stamp()
+
+    def stamp(self) -> None:
+        """A token is done now (the caller knows it without a device sync)."""
         self.stamps.append(time.perf_counter())
         if len(self.stamps) > 1 and self.on_step is not None:
             self.on_step()
@@ -337,8 +341,8 @@ def _transformers_generate(model, input_ids, attention_mask, max_new_tokens, pad
 
 
 def _static_generate(model, blocks, input_ids, attention_mask, max_new_tokens, clock, agree, eos, decode):
-    """``StaticDecoder``'s prefill and steps (replayed from a graph under ``cuda_graph``), with the
-    same stop agreement after every forward as ``transformers`` mode; the new ids [B][steps]."""
+    """``StaticDecoder``'s prefill and steps (replayed from a graph under ``cuda_graph``), each
+    followed by the stop agreement (``_run_steps``); the new ids [B][steps]."""
     batch, width = input_ids.shape
     cuda_graph = decode == "cuda_graph"
     decoder = _reusable_decoder(
@@ -350,15 +354,38 @@ def _static_generate(model, blocks, input_ids, attention_mask, max_new_tokens, c
     clock.put(input_ids)
     eos_E = torch.tensor(sorted(eos), dtype=torch.long, device=input_ids.device)
     ended_B = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-    tokens = []
-    for step in range(max_new_tokens):
+    tokens: list[torch.Tensor] = []
+
+    def run_step(step: int) -> torch.Tensor:
         next_B1 = decoder.prefill(input_ids, attention_mask) if step == 0 else decoder.step()
         tokens.append(next_B1.clone())
-        clock.put(next_B1)
-        ended_B |= torch.isin(next_B1[:, 0], eos_E)
-        if not agree.anyone_running(not bool(ended_B.all())):
-            break
+        ended_B.logical_or_(torch.isin(next_B1[:, 0], eos_E))
+        return ~ended_B.all()
+
+    _run_steps(run_step, agree, max_new_tokens, clock)
     return torch.cat(tokens, dim=1).tolist()
+
+
+def _run_steps(run_step: Callable[[int], torch.Tensor], agree: _StepAgreement, max_steps: int, clock) -> None:
+    """Runs ``run_step(0)``, ``run_step(1)``, ... (each returns whether a prompt here is still
+    running, a bool tensor on the device), each followed by the stop check of every rank, whose
+    answer the host reads one step later: step i + 1 is enqueued before the host waits for step
+    i's check, so the GPU never idles between steps for a host round trip. When step i's check
+    says every prompt on every rank has ended, step i + 1, already enqueued, is the last (one more
+    forward than needed, on every rank alike; its tokens come after every prompt's end and are
+    cut). A token is stamped on ``clock`` when its check is read."""
+    checks = []
+    for step in range(max_steps):
+        checks.append(agree.start_anyone(run_step(step)))
+        if step and not _read_and_stamp(checks[step - 1], clock):
+            break
+    _read_and_stamp(checks[-1], clock)
+
+
+def _read_and_stamp(check: Callable[[], bool], clock) -> bool:
+    running = check()
+    clock.stamp()
+    return running
 
 
 def _reusable_decoder(model: Any, agree: _StepAgreement, fits: Callable[[Any], bool]) -> Any:
@@ -441,6 +468,27 @@ class _StepAgreement:
         """Whether ``flag`` is set on any rank (one all-reduce)."""
         return bool(self.largest(int(flag)))
 
+    def start_anyone(self, running: torch.Tensor) -> Callable[[], bool]:
+        """``anyone_running`` of a bool tensor on the device, without waiting: the all-reduce is
+        enqueued on the current stream and its answer copied to pinned host memory; the returned
+        call waits for it (CUDA; on CPU the answer is ready on return)."""
+        self.steps += 1
+        flag = running.reshape(1).to(torch.int32)
+        if self.collective:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.device.type != "cuda":
+            return lambda: bool(flag[0])
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def answer() -> bool:
+            done.synchronize()
+            return bool(host[0])
+
+        return answer
+
     def anyone_running(self, running_here: bool) -> bool:
         """``anyone``, counted as one step's stop check."""
         self.steps += 1
@@ -483,12 +531,22 @@ def _idle(
         if idle is None:
             idle = IdleDecoder(blocks, model.config.hidden_size, dtype, device, cuda_graph=cuda_graph)
             model.moe_sbo_decoder = idle
-    for step in range(max_steps):
-        if idle is None or step == 0:
-            for block in blocks:
-                block(empty)
-        else:
-            idle.step()
+    if idle is not None:  # the busy ranks' steps and stop checks, in the same order (_run_steps)
+        nobody = torch.zeros((), dtype=torch.bool, device=device)
+
+        def run_step(step: int) -> torch.Tensor:
+            if step == 0:
+                for block in blocks:
+                    block(empty)
+            else:
+                idle.step()
+            return nobody
+
+        _run_steps(run_step, agree, max_steps, _StepClock(device, on_step))
+        return Generation([], forwards=agree.steps)
+    for _ in range(max_steps):
+        for block in blocks:
+            block(empty)
         if on_step is not None:
             on_step()
         if not agree.anyone_running(False):
