@@ -7,10 +7,12 @@ routed experts (top-8, one shared), a ``--vocab`` word vocabulary. Rows (``OUT/g
 
 - ``impl="transformers"``: ``DeepseekV3ForCausalLM.from_pretrained`` on GPU 0, bf16, its default
   experts implementation, greedy ``generate`` of the whole batch;
-- ``impl="moe-sbo"``, one row per ``--ranks`` x ``--decode``: ``moe_sbo.hf.model.load_model`` on every
-  rank (each reads its experts only), the batch split over the ranks (DP attention), ``--dispatcher``
-  for prefill; ``decode``: ``transformers`` (``model.generate``), ``static`` (fixed-shape steps through
-  a ``low_latency`` decode dispatcher, eager) or ``cuda_graph`` (those steps replayed from a graph).
+- ``impl="moe-sbo"``, one row per ``--ranks`` x ``--dispatcher`` x ``--decode``:
+  ``moe_sbo.hf.model.load_model`` on every rank (each reads its experts only), the batch split over
+  the ranks (DP attention), the dispatcher for prefill (``low_latency`` sized to a rank's prompt
+  tokens; EP1: ``local``); ``decode``: ``transformers`` (``model.generate``), ``static`` (fixed-shape
+  steps through a ``low_latency`` decode dispatcher, eager) or ``cuda_graph`` (those steps replayed
+  from a graph).
 
 Each row: ``prefill_ms`` (prompt to first token), ``tpot_ms`` (mean time per later token; the
 slowest rank's), ``tokens_per_s`` (new tokens of the whole batch / the slowest rank's time; each
@@ -152,9 +154,11 @@ def ep_rank(device, path, shares, new_tokens, dispatcher, decodes):
 
     before = peak_rss_mb()
     most = max(1, *(len(s) for s in shares))
+    prefill_tokens = max(len(s) * max((len(p) for p in s), default=0) for s in shares)
     model = load_model(
         path,
         dispatcher=dispatcher,
+        dispatcher_options={"max_tokens_per_rank": prefill_tokens} if dispatcher == "low_latency" else None,
         device=device,
         decode_dispatcher="low_latency",
         decode_dispatcher_options={"max_tokens_per_rank": most},
@@ -192,9 +196,9 @@ def _row(impl, ranks, token_ids, prefill_s, tpot_s, args, grown_mb) -> dict:
 
 def moe_sbo_rows(path: Path, prompts, args, baseline: dict) -> list[dict]:
     rows = []
-    for ranks in args.ranks:
+    runs = [(ranks, d) for ranks in args.ranks for d in (args.dispatcher if ranks > 1 else ["local"])]
+    for ranks, dispatcher in runs:
         shares = [prompts[r::ranks] for r in range(ranks)]
-        dispatcher = args.dispatcher if ranks > 1 else "local"
         with LocalRanks(ranks, device=args.device) as workers:
             per_rank = workers.run(ep_rank, str(path), shares, args.new_tokens, dispatcher, args.decode)
         for decode in args.decode:
@@ -232,7 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 1], help="moe-sbo rows at each EP size")
-    parser.add_argument("--dispatcher", default="alltoall", help="prefill's dispatcher at EP > 1 (EP1: local)")
+    parser.add_argument(
+        "--dispatcher",
+        nargs="+",
+        default=["alltoall", "low_latency"],
+        help="prefill dispatchers at EP > 1 (EP1: local)",
+    )
     parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
     parser.add_argument("--compare-tokens", type=int, default=8)
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="where to write it (default: a temp dir)")

@@ -1,4 +1,5 @@
-"""Grouped GEMM (``torch._grouped_mm``) and its per-expert fallback against a per-token reference."""
+"""Grouped GEMMs (``torch._grouped_mm``, ``gemv_kernels``' Triton kernel for few rows per expert) and the
+per-expert fallback against a per-token reference."""
 
 from __future__ import annotations
 
@@ -33,6 +34,24 @@ def test_routed_experts_match_per_token_reference(use_grouped_mm, counts):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [40, 0, 0, 2], [0, 17, 0, 16]])
+def test_gemv_kernel_matches_per_token_reference_and_skips_padding(counts):
+    # Sizes off the kernel's blocks (H 40, I 24: N 48 and 40, K 40 and 24), an expert with more
+    # rows than one tl.dot block (40 > 16), empty experts, and padding rows after the last offset,
+    # which the kernel must leave as they are (NaN here).
+    experts = RoutedExperts(4, 40, 24)
+    experts.kernels = "triton"
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+        real = sum(counts)
+        x = torch.cat([torch.randn(real, 40), torch.full((5, 40), float("nan"))])
+        got = experts(x, torch.tensor(counts))
+        expected = _reference(x[:real], counts, experts.gate_up_proj, experts.down_proj)
+    assert experts.dense_path(x) == "gemv"
+    torch.testing.assert_close(got[:real], expected, rtol=1e-5, atol=1e-4)
+
+
 def test_shared_experts_are_a_swiglu_mlp():
     shared = SharedExperts(32, 24)
     with torch.no_grad():
@@ -52,8 +71,11 @@ def test_grouped_mm_on_gpu_matches_fallback_in_bf16():
         experts.down_proj.normal_(std=128**-0.5)
         counts = torch.tensor([64, 0, 17, 128, 3, 0, 40, 1], device="cuda")
         x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+        gemv = experts(x, counts)  # "auto" at 253 rows: gemv_kernels
+        experts.kernels = "torch"
         fast = experts(x, counts)
         experts.use_grouped_mm = False
         slow = experts(x, counts)
-    rel = ((fast.float() - slow.float()).norm() / slow.float().norm()).item()
-    assert rel < 1e-2  # bf16 GEMMs with different tilings
+    for got in (gemv, fast):
+        rel = ((got.float() - slow.float()).norm() / slow.float().norm()).item()
+        assert rel < 1e-2  # bf16 GEMMs with different tilings

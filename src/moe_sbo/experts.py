@@ -33,9 +33,10 @@ from .fp8 import (
 from .profiling import annotate
 
 try:
-    from . import fp8_kernels
+    from . import fp8_kernels, gemv_kernels
 except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and refuse CUDA
     fp8_kernels = None  # type: ignore[assignment]
+    gemv_kernels = None  # type: ignore[assignment]
 
 FP8_KERNELS = ("auto", "triton", "scaled_mm", "torch")
 # From here (rows per expert, on average) "auto" runs cuBLAS's block-wise FP8 GEMMs, one per expert:
@@ -43,6 +44,10 @@ FP8_KERNELS = ("auto", "triton", "scaled_mm", "torch")
 # Triton kernel's ~710-790, while with fewer rows the calls' host cost (16 calls: ~0.4 ms) is not
 # hidden (docs/BENCHMARKS.md).
 SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
+# Up to here (rows in all, padding included) "auto" runs dense experts on CUDA with ``gemv_kernels``'
+# grouped GEMM, which reads each expert's weights once and skips experts without rows; above it,
+# ``torch._grouped_mm`` (decode batches against prefill ones: docs/BENCHMARKS.md).
+GEMV_MAX_ROWS = 256
 
 
 @functools.cache
@@ -85,10 +90,12 @@ class RoutedExperts(nn.Module):
     ``fp8``: weights stored as e4m3 with one float32 scale per 128x128 block (``gate_up_proj_scale_inv``
     [L, 2I/128, H/128], ``down_proj_scale_inv`` [L, H/128, I/128]; DeepSeek-V3's format), activations
     quantised per token in 128-value groups, block-scaled GEMMs (H and I must be multiples of 128).
-    ``dtype`` is then the activation dtype of the input and output. ``kernels`` (fp8 only, see
-    ``fp8_path``): ``"auto"`` on CUDA runs ``fp8_kernels.py``'s Triton grouped GEMM, or at prefill
+    ``dtype`` is then the activation dtype of the input and output. ``kernels``: for FP8 (see
+    ``fp8_path``) ``"auto"`` on CUDA runs ``fp8_kernels.py``'s Triton grouped GEMM, or at prefill
     sizes outside graph capture cuBLAS's (``"scaled_mm"``), and ``fp8.grouped_linear_fp8`` off CUDA;
-    ``"triton"`` forces the Triton kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
+    for dense weights (see ``dense_path``) ``"auto"`` runs ``gemv_kernels.py`` on CUDA at decode sizes
+    and ``torch._grouped_mm`` otherwise. ``"triton"`` forces the Triton kernels (on CPU under
+    ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
     """
 
     gate_up_proj: nn.Parameter  # [L, 2I, H]
@@ -140,12 +147,29 @@ class RoutedExperts(nn.Module):
                 return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L)
             if scales_RQ is not None:
                 raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
+            if self.dense_path(x_RH) == "gemv":
+                gate_up_R2I = gemv_kernels.grouped_gemv(x_RH, self.gate_up_proj, offsets_L)
+                gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
+                return gemv_kernels.grouped_gemv(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
             use_grouped_mm = self.use_grouped_mm
             if use_grouped_mm is None:
                 use_grouped_mm = grouped_mm_supported(x_RH)
             gate_up_R2I = grouped_linear(x_RH, self.gate_up_proj, offsets_L, use_grouped_mm)
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
+
+    def dense_path(self, x_RH: torch.Tensor) -> str:
+        """Which GEMMs dense (not FP8) experts run for rows like ``x_RH``: ``"gemv"`` (``gemv_kernels``;
+        ``kernels="triton"`` always, on CPU under ``TRITON_INTERPRET=1``; ``"auto"`` on CUDA up to
+        ``GEMV_MAX_ROWS`` rows) or ``"grouped_mm"`` (``torch._grouped_mm``, or a per-expert loop
+        where it does not run)."""
+        if gemv_kernels is None or self.kernels not in ("auto", "triton"):
+            return "grouped_mm"
+        if self.kernels == "triton":
+            if x_RH.device.type != "cuda" and not env.triton_interpreting():
+                raise RuntimeError("kernels='triton' needs CUDA tensors, or TRITON_INTERPRET=1 with triton installed")
+            return "gemv"
+        return "gemv" if x_RH.device.type == "cuda" and x_RH.shape[0] <= GEMV_MAX_ROWS else "grouped_mm"
 
     def _forward_fp8(
         self,
