@@ -15,11 +15,13 @@ routed experts (top-8, one shared), a ``--vocab`` word vocabulary. Rows (``OUT/g
   from a graph).
 
 Each row: ``prefill_ms`` (prompt to first token), ``tpot_ms`` (mean time per later token; the
-slowest rank's), ``tokens_per_s`` (new tokens of the whole batch / the slowest rank's time; each
-implementation first runs the same generation once, untimed, so cuDNN's per-length attention plans
-are built and graphs are captured), ``t_weights_us`` (the decode floor: reading every weight a rank
-holds but the embedding once, timed in the same run as a sum over a buffer of that many bytes on the
-same GPU; a small batch's step reads them all), ``layer_tpot_us`` (TPOT / layers) beside
+slowest rank's), each the median of ``--repeats`` timed generations (all of them in ``*_ms_runs``;
+host-bound eager decoding varies by ~20 % from one machine to the next), ``tokens_per_s`` (new tokens
+of the whole batch / the slowest rank's time; each implementation first runs the same generation
+once, untimed, so cuDNN's per-length attention plans are built and graphs are captured),
+``t_weights_us`` (the decode floor: reading every weight a rank holds but the embedding once, timed
+in the same run as a sum over a buffer of that many bytes on the same GPU; a small batch's step
+reads them all), ``layer_tpot_us`` (TPOT / layers) beside
 ``planner_layer_share_us`` (``moe-sbo plan``'s per-layer share of DeepSeek-V3's 20 ms TPOT),
 ``load_rss_growth_mb`` (the host memory a rank's load added, peak), ``same_tokens`` (moe-sbo's new
 tokens equal ``transformers``' for the first ``--compare-tokens``; bf16 on different kernels may drift
@@ -36,6 +38,7 @@ import json
 import resource
 import tempfile
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -140,15 +143,17 @@ def transformers_row(path: Path, prompts, args, device: str) -> dict:
     # Warm-up: the same generation once. cuDNN builds an attention plan per sequence length (~10 ms
     # of host time each, measured), which a server pays once; the timed run then reuses them.
     generate(model, prompts, args.new_tokens)
-    result = generate(model, prompts, args.new_tokens)
+    timed = [generate(model, prompts, args.new_tokens) for _ in range(args.repeats)]
     floor_us = weight_read_us(model, device)
     del model
-    row = _row("transformers", 1, result.token_ids, result.prefill_s, result.tpot_s, args, grown)
+    prefills, tpots = [r.prefill_s for r in timed], [r.tpot_s for r in timed]
+    row = _row("transformers", 1, timed[0].token_ids, median(prefills), median(tpots), args, grown)
     row.update(experts_implementation=experts_implementation, decode="transformers", t_weights_us=floor_us)
+    row.update(prefill_ms_runs=[p * 1e3 for p in prefills], tpot_ms_runs=[t * 1e3 for t in tpots])
     return row
 
 
-def ep_rank(device, path, shares, new_tokens, dispatcher, decodes):
+def ep_rank(device, path, shares, new_tokens, dispatcher, decodes, repeats):
     """One rank: load once, then per decode loop a warm-up generation and a timed one."""
     import torch.distributed as dist
 
@@ -168,8 +173,8 @@ def ep_rank(device, path, shares, new_tokens, dispatcher, decodes):
     results = {}
     for decode in decodes:
         generate(model, mine, new_tokens, decode=decode)  # warm-up (an empty rank joins with 0-token calls)
-        result = generate(model, mine, new_tokens, decode=decode)
-        results[decode] = (result.token_ids, result.prefill_s, result.tpot_s)
+        timed = [generate(model, mine, new_tokens, decode=decode) for _ in range(repeats)]
+        results[decode] = (timed[0].token_ids, [r.prefill_s for r in timed], [r.tpot_s for r in timed])
     return results, grown, weight_read_us(model, str(torch.device(device).type))
 
 
@@ -200,15 +205,18 @@ def moe_sbo_rows(path: Path, prompts, args, baseline: dict) -> list[dict]:
     for ranks, dispatcher in runs:
         shares = [prompts[r::ranks] for r in range(ranks)]
         with LocalRanks(ranks, device=args.device) as workers:
-            per_rank = workers.run(ep_rank, str(path), shares, args.new_tokens, dispatcher, args.decode)
+            per_rank = workers.run(ep_rank, str(path), shares, args.new_tokens, dispatcher, args.decode, args.repeats)
         for decode in args.decode:
             token_ids: list[list[int]] = [[] for _ in prompts]
             for r, (results, _, _) in enumerate(per_rank):
                 for j, row_ids in enumerate(results[decode][0]):
                     token_ids[r + j * ranks] = row_ids
-            prefill = max(results[decode][1] for results, _, _ in per_rank)
-            tpot = max(results[decode][2] for results, _, _ in per_rank)
-            row = _row("moe-sbo", ranks, token_ids, prefill, tpot, args, max(g for _, g, _ in per_rank))
+            # Each repeat's time is its slowest rank's; the row gives the median repeat.
+            prefills = [max(vals) for vals in zip(*(results[decode][1] for results, _, _ in per_rank))]
+            tpots = [max(vals) for vals in zip(*(results[decode][2] for results, _, _ in per_rank))]
+            grown = max(g for _, g, _ in per_rank)
+            row = _row("moe-sbo", ranks, token_ids, median(prefills), median(tpots), args, grown)
+            row.update(prefill_ms_runs=[p * 1e3 for p in prefills], tpot_ms_runs=[t * 1e3 for t in tpots])
             n = args.compare_tokens
             row.update(
                 dispatcher=dispatcher,
@@ -244,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
     parser.add_argument("--compare-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations per row (the row: their median)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="where to write it (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.device != "cuda" and "cuda_graph" in args.decode:

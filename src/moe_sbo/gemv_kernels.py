@@ -41,6 +41,7 @@ def _grouped_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EXACT_FP32: tl.constexpr,
 ):
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,7 +61,10 @@ def _grouped_gemv_kernel(
             k_ok = ks < K
             x_MK = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_NK = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(x_MK, tl.trans(w_NK))
+            if EXACT_FP32:  # float32 inputs multiply in full precision, not TF32
+                acc += tl.dot(x_MK, tl.trans(w_NK), input_precision="ieee")
+            else:
+                acc += tl.dot(x_MK, tl.trans(w_NK))
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_or + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -97,6 +101,7 @@ def grouped_gemv(x_RK: torch.Tensor, w_LNK: torch.Tensor, offsets_L: torch.Tenso
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
+        EXACT_FP32=x_RK.dtype == torch.float32,
         num_warps=4,
         num_stages=3,
     )
