@@ -274,3 +274,46 @@ def test_index_graphs_replay_equals_direct_launches(transport, capacity):
     with _ranks() as ranks:
         for equal, captured in ranks.run(_index_graphs_rank, transport, capacity):
             assert captured and all(equal), equal
+
+
+def _misuse_rank(device, transport):
+    """On this rank's GPU: a batch over capacity on rank 1, then dispatchers built with different
+    capacities on the two ranks; after each refusal, a forward built alike must still run."""
+    cfg = _config("tiny")
+    rank = dist.get_rank()
+
+    def layer(capacity: int) -> MoELayer:
+        options = {"max_tokens_per_rank": capacity, "kernels": "triton", "transport": transport}
+        return MoELayer(cfg, dispatcher="low_latency", device=device, seed=3, dispatcher_options=options)
+
+    def refusal(fn) -> str:
+        try:
+            fn()
+        except ValueError as err:
+            return str(err)
+        return "no error"
+
+    x = torch.randn(9, cfg.hidden_size, device=device).bfloat16()
+    reference = MoELayer(cfg, device=device, seed=3)
+    with torch.inference_mode():
+        ll = layer(8)
+        over = refusal(lambda: ll(x)) if rank == 1 else "no error"
+        dist.barrier()  # had rank 1 started a transfer, this would pair with it and fail or hang
+        after_over = (ll(x[:8]).float() - reference(x[:8]).float()).norm() / reference(x[:8]).float().norm()
+        mismatched = refusal(lambda: layer(8 if rank == 0 else 16)(x[:4]))
+        alike = (layer(8)(x[:4]).float() - reference(x[:4]).float()).norm() / reference(x[:4]).float().norm()
+    return over, mismatched, after_over.item(), alike.item()
+
+
+@pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
+def test_capacity_misuse_is_refused_before_any_transfer_and_the_gpus_keep_working(transport):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    with _ranks() as ranks:
+        results = ranks.run(_misuse_rank, transport)
+    (over0, mismatched0, after0, alike0), (over1, mismatched1, after1, alike1) = results
+    assert over0 == "no error"
+    assert "tokens per rank must be <= max_tokens_per_rank = 8" in over1 and "got T = 9" in over1
+    for message in (mismatched0, mismatched1):
+        assert "must be built alike on every rank" in message and "max_tokens_per_rank [8, 16]" in message
+    assert max(after0, after1, alike0, alike1) < 2e-2  # bf16 against the local reference
