@@ -19,6 +19,21 @@ from hf_blocks import make_hf_model
 EXIT_BOUND_S = 5.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sigint_as_in_a_terminal():
+    """The commands must get SIGINT's default disposition, as a terminal's foreground job does. A
+    shell that starts pytest in the background (``pytest &`` without job control) makes it ignore
+    SIGINT, and an ignored signal stays ignored across exec; a handled one is reset to the default."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny_model")

@@ -223,26 +223,49 @@ class Generation:
 
 
 class _StepClock:
-    """A ``transformers`` streamer that only stamps the time of each new token (``put`` is called
-    with the prompt, then once per generated token); ``on_step`` runs after each new token."""
+    """The time of each new token. As a ``transformers`` streamer, ``put`` is called with the prompt,
+    then once per generated token, and stamps the host's clock after a device sync. The static
+    loops call ``start`` once, then ``token`` with each token's CUDA event (recorded when its step
+    and stop check are done), so a token's time is when the device finished it, not when the host,
+    a step ahead, looked. ``on_step`` runs after each new token; ``times()``: start, then each token."""
 
     def __init__(self, device: torch.device, on_step: Callable[[], None] | None):
         self.device, self.on_step = device, on_step
         self.stamps: list[float] = []
+        self._start: torch.cuda.Event | None = None
+        self._events: list[torch.cuda.Event] = []
 
     def put(self, value) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stamp()
-
-    def stamp(self) -> None:
-        """A token is done now (the caller knows it without a device sync)."""
         self.stamps.append(time.perf_counter())
         if len(self.stamps) > 1 and self.on_step is not None:
             self.on_step()
 
     def end(self) -> None:
         pass
+
+    def start(self) -> None:
+        """The static loops' start: a synced host stamp and, on CUDA, the event tokens are timed from."""
+        self.put(None)
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def token(self, done: torch.cuda.Event | None) -> None:
+        """A token is done: at ``done`` on the device, or now (no event: off CUDA)."""
+        if done is not None and self._start is not None:
+            self._events.append(done)
+            if self.on_step is not None:
+                self.on_step()
+        else:
+            self.put(None)
+
+    def times(self) -> list[float]:
+        if not self._events:
+            return self.stamps
+        assert self._start is not None
+        return [self.stamps[0]] + [self.stamps[0] + self._start.elapsed_time(e) / 1e3 for e in self._events]
 
 
 DECODE_LOOPS = ("transformers", "static", "cuda_graph")
@@ -265,7 +288,8 @@ def generate(
     Prompts are left-padded into one batch, as ``transformers`` batches them; ``eos_token_id``
     (default: the model's) ends a prompt's output, which is then cut after it, as ``transformers``
     ``generate`` returns it. Generation stops when every prompt on every rank has ended (one
-    one-element all-reduce per step decides it) or after ``max_new_tokens``, which must be the same
+    one-element all-reduce per step decides it; the static loops read it a step late, so they may
+    make one forward more, on every rank alike) or after ``max_new_tokens``, which must be the same
     on every rank. ``model``: from ``load_model`` (a ``transformers`` causal LM).
 
     ``decode``: ``"transformers"``: ``model.generate`` (a growing cache, eager); ``"static"``: our
@@ -314,7 +338,7 @@ def generate(
             f"generate made {forwards} forwards for {len(new[0])} new tokens and {agree.steps} stop checks; "
             "ranks would fall out of step"
         )
-    stamps = clock.stamps
+    stamps = clock.times()
     return Generation(token_ids, stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])], forwards)
 
 
@@ -351,7 +375,7 @@ def _static_generate(model, blocks, input_ids, attention_mask, max_new_tokens, c
     if decoder is None:
         decoder = StaticDecoder(model, blocks, batch, width + max_new_tokens, input_ids.device, cuda_graph=cuda_graph)
         model.moe_sbo_decoder = decoder
-    clock.put(input_ids)
+    clock.start()
     eos_E = torch.tensor(sorted(eos), dtype=torch.long, device=input_ids.device)
     ended_B = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     tokens: list[torch.Tensor] = []
@@ -367,25 +391,33 @@ def _static_generate(model, blocks, input_ids, attention_mask, max_new_tokens, c
 
 
 def _run_steps(run_step: Callable[[int], torch.Tensor], agree: _StepAgreement, max_steps: int, clock) -> None:
-    """Runs ``run_step(0)``, ``run_step(1)``, ... (each returns whether a prompt here is still
-    running, a bool tensor on the device), each followed by the stop check of every rank, whose
-    answer the host reads one step later: step i + 1 is enqueued before the host waits for step
-    i's check, so the GPU never idles between steps for a host round trip. When step i's check
-    says every prompt on every rank has ended, step i + 1, already enqueued, is the last (one more
-    forward than needed, on every rank alike; its tokens come after every prompt's end and are
-    cut). A token is stamped on ``clock`` when its check is read."""
-    checks = []
+    """Runs ``run_step(0)`` (the prefill), ``run_step(1)``, ... (each returns whether a prompt here
+    is still running, a bool tensor on the device), each followed by the stop check of every rank.
+    The prefill's check is read at once; each later one a step late: step i + 1 is enqueued before
+    the host waits for step i's check, so the GPU does not idle between steps for a host round
+    trip. When step i's check says every prompt on every rank has ended, step i + 1, already
+    enqueued, is the last (one more forward than needed, on every rank alike; its tokens come after
+    every prompt's end and are cut). Each token goes to ``clock`` with its check's event."""
+    checks: list[_StepCheck] = []
     for step in range(max_steps):
         checks.append(agree.start_anyone(run_step(step)))
-        if step and not _read_and_stamp(checks[step - 1], clock):
+        if step == 1:
+            continue
+        check = checks[0] if step == 0 else checks[step - 1]
+        clock.token(check.done)
+        if not check.answer():
             break
-    _read_and_stamp(checks[-1], clock)
+    if len(checks) > 1:
+        clock.token(checks[-1].done)
+        checks[-1].answer()
 
 
-def _read_and_stamp(check: Callable[[], bool], clock) -> bool:
-    running = check()
-    clock.stamp()
-    return running
+@dataclass
+class _StepCheck:
+    """A stop check in flight: ``answer()`` waits for it; ``done``: its CUDA event (None off CUDA)."""
+
+    answer: Callable[[], bool]
+    done: torch.cuda.Event | None = None
 
 
 def _reusable_decoder(model: Any, agree: _StepAgreement, fits: Callable[[Any], bool]) -> Any:
@@ -468,26 +500,26 @@ class _StepAgreement:
         """Whether ``flag`` is set on any rank (one all-reduce)."""
         return bool(self.largest(int(flag)))
 
-    def start_anyone(self, running: torch.Tensor) -> Callable[[], bool]:
+    def start_anyone(self, running: torch.Tensor) -> _StepCheck:
         """``anyone_running`` of a bool tensor on the device, without waiting: the all-reduce is
-        enqueued on the current stream and its answer copied to pinned host memory; the returned
-        call waits for it (CUDA; on CPU the answer is ready on return)."""
+        enqueued on the current stream and its answer copied to pinned host memory; the check's
+        ``answer()`` waits for it (CUDA; on CPU the answer is ready on return)."""
         self.steps += 1
         flag = running.reshape(1).to(torch.int32)
         if self.collective:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.device.type != "cuda":
-            return lambda: bool(flag[0])
+            return _StepCheck(lambda: bool(flag[0]))
         host = torch.empty(1, dtype=torch.int32, pin_memory=True)
         host.copy_(flag, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
         done.record()
 
         def answer() -> bool:
             done.synchronize()
             return bool(host[0])
 
-        return answer
+        return _StepCheck(answer, done)
 
     def anyone_running(self, running_here: bool) -> bool:
         """``anyone``, counted as one step's stop check."""
@@ -542,7 +574,9 @@ def _idle(
                 idle.step()
             return nobody
 
-        _run_steps(run_step, agree, max_steps, _StepClock(device, on_step))
+        clock = _StepClock(device, on_step)
+        clock.start()
+        _run_steps(run_step, agree, max_steps, clock)
         return Generation([], forwards=agree.steps)
     for _ in range(max_steps):
         for block in blocks:

@@ -4,8 +4,8 @@ Legend: see ``moe_sbo/__init__.py``; here B is a rank's batch of prompts, S thei
 length and L = S + the most new tokens (the cache length).
 
 ``transformers`` ``generate`` grows its cache and rebuilds masks and positions on the host every
-step, so a decode step of a small batch is host-bound (docs/BENCHMARKS.md: 4.6 ms per layer of
-Python and eager launches against a 0.3 ms budget). ``StaticDecoder`` keeps every tensor a step
+step, so a decode step of a small batch is host-bound: Python layers and small launches, several
+times the device's work (docs/BENCHMARKS.md, whole-model generation). ``StaticDecoder`` keeps every tensor a step
 touches at a fixed address and shape:
 
 - the cache: ``transformers``' ``StaticCache`` of L positions, which writes each step's keys at its
@@ -30,7 +30,8 @@ barriers stay in step with the busy ranks' replays.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -122,7 +123,7 @@ class StaticDecoder:
             raise RuntimeError(f"the cache holds {self.max_len} positions and all are used; prefill a new batch")
         self.slot += 1
         self.steps += 1
-        replay(self, self._step)
+        run_or_replay(self, self._step)
         return self.next_B1
 
 
@@ -152,10 +153,10 @@ class IdleDecoder:
 
     def step(self) -> None:
         self.steps += 1
-        replay(self, self._step)
+        run_or_replay(self, self._step)
 
 
-def replay(decoder: Any, step: Callable[[], None]) -> None:
+def run_or_replay(decoder: Any, step: Callable[[], None]) -> None:
     """Runs ``step`` eagerly, or, under ``decoder.cuda_graph``, eagerly once (warm-up: lazy buffers,
     Triton compiles), then captures it into ``decoder._graph`` and replays it from then on."""
     if not decoder.cuda_graph:
@@ -178,16 +179,13 @@ def replay(decoder: Any, step: Callable[[], None]) -> None:
     graph.replay()
 
 
-class decode_dispatchers:
+@contextmanager
+def decode_dispatchers(blocks: list) -> Iterator[None]:
     """Within: each block forwards through its decode dispatcher (``ExpertParallelMoE.decoding``)."""
-
-    def __init__(self, blocks: list):
-        self.blocks = blocks
-
-    def __enter__(self) -> None:
-        for block in self.blocks:
-            block.decoding = True
-
-    def __exit__(self, *exc: object) -> None:
-        for block in self.blocks:
+    for block in blocks:
+        block.decoding = True
+    try:
+        yield
+    finally:
+        for block in blocks:
             block.decoding = False
