@@ -138,6 +138,62 @@ def test_static_decoder_is_kept_for_batches_that_fit_and_rebuilt_on_every_rank_o
             assert token_ids == reference_ids(path, prompts)
 
 
+def test_stop_checks_are_read_at_once_after_prefill_then_one_step_late():
+    # The static loops' schedule (hf/model.py _run_steps): the host enqueues step i + 1 before it
+    # waits for step i's stop check, so the check that says every prompt has ended (step 3's here)
+    # leaves exactly one step more (4), and every check is read, in order.
+    from moe_sbo.hf.model import _run_steps, _StepCheck
+
+    log: list[str] = []
+    running = [True, True, True, False, True, True]
+
+    class Agree:
+        def start_anyone(self, still: bool) -> _StepCheck:
+            index = sum(entry.startswith("check") for entry in log)
+            log.append(f"check{index}")
+            return _StepCheck(lambda: log.append(f"read{index}") or still)
+
+    class Clock:
+        def token(self, done) -> None:
+            log.append("token")
+
+    def run_step(step: int) -> bool:
+        log.append(f"step{step}")
+        return running[step]
+
+    _run_steps(run_step, Agree(), len(running), Clock())
+    assert log == [
+        "step0", "check0", "token", "read0",
+        "step1", "check1",
+        "step2", "check2", "token", "read1",
+        "step3", "check3", "token", "read2",
+        "step4", "check4", "token", "read3",
+        "token", "read4",
+    ]  # fmt: skip
+
+
+def test_step_clock_times_tokens_by_their_device_events():
+    # On CUDA a token's time is its check's event, timed from the start event: when the device
+    # finished it, not when the host (a step ahead) read it. Events stand in here.
+    from moe_sbo.hf.model import _StepClock
+
+    class Event:
+        def __init__(self, ms: float):
+            self.ms = ms
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.ms - self.ms
+
+    steps = []
+    clock = _StepClock(torch.device("cpu"), lambda: steps.append(1))
+    clock.put(None)
+    clock._start = Event(100.0)  # as start() records it on CUDA
+    for ms in (105.0, 107.5, 110.0):
+        clock.token(Event(ms))
+    start, *tokens = clock.times()
+    assert tokens == pytest.approx([start + 0.005, start + 0.0075, start + 0.010]) and len(steps) == 3
+
+
 def _over_capacity_rank(device, path):
     model = load_model(path, dispatcher="alltoall", decode_dispatcher="low_latency",
                        decode_dispatcher_options={"max_tokens_per_rank": 2, "kernels": "torch"})  # fmt: skip
