@@ -10,9 +10,9 @@ routed experts (top-8, one shared), a ``--vocab`` word vocabulary. Rows (``OUT/g
 - ``impl="moe-sbo"``, one row per ``--ranks`` x ``--dispatcher`` x ``--decode``:
   ``moe_sbo.hf.model.load_model`` on every rank (each reads its experts only), the batch split over
   the ranks (DP attention), the dispatcher for prefill (``low_latency`` sized to a rank's prompt
-  tokens; EP1: ``local``); ``decode``: ``transformers`` (``model.generate``), ``static`` (fixed-shape
-  steps through a ``low_latency`` decode dispatcher, eager) or ``cuda_graph`` (those steps replayed
-  from a graph).
+  tokens; EP1: ``local``), the MoE layers' ``--overlap`` mode (default ``none``); ``decode``:
+  ``transformers`` (``model.generate``), ``static`` (fixed-shape steps through a ``low_latency``
+  decode dispatcher, eager) or ``cuda_graph`` (those steps replayed from a graph).
 
 Each row: ``prefill_ms`` (prompt to first token), ``tpot_ms`` (mean time per later token; the
 slowest rank's), each the median of ``--repeats`` timed generations (all of them in ``*_ms_runs``;
@@ -44,6 +44,7 @@ import torch
 
 from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model
 from moe_sbo.measure.results import result_meta
+from moe_sbo.overlap import OVERLAP_MODES
 from moe_sbo.planner.inputs import SEED_INPUTS
 from moe_sbo.planner.inputs import load_model as load_plan_model
 from moe_sbo.runtime import LocalRanks
@@ -153,7 +154,7 @@ def transformers_row(path: Path, prompts, args, device: str) -> dict:
     return row
 
 
-def ep_rank(device, path, shares, new_tokens, dispatcher, decodes, repeats):
+def ep_rank(device, path, shares, new_tokens, dispatcher, decodes, repeats, overlap="none"):
     """One rank: load once, then per decode loop a warm-up generation and a timed one."""
     import torch.distributed as dist
 
@@ -164,6 +165,7 @@ def ep_rank(device, path, shares, new_tokens, dispatcher, decodes, repeats):
         path,
         dispatcher=dispatcher,
         dispatcher_options={"max_tokens_per_rank": prefill_tokens} if dispatcher == "low_latency" else None,
+        overlap=overlap,
         device=device,
         decode_dispatcher="low_latency",
         decode_dispatcher_options={"max_tokens_per_rank": most},
@@ -205,7 +207,9 @@ def moe_sbo_rows(path: Path, prompts, args, baseline: dict) -> list[dict]:
     for ranks, dispatcher in runs:
         shares = [prompts[r::ranks] for r in range(ranks)]
         with LocalRanks(ranks, device=args.device) as workers:
-            per_rank = workers.run(ep_rank, str(path), shares, args.new_tokens, dispatcher, args.decode, args.repeats)
+            per_rank = workers.run(
+                ep_rank, str(path), shares, args.new_tokens, dispatcher, args.decode, args.repeats, args.overlap
+            )
         for decode in args.decode:
             token_ids: list[list[int]] = [[] for _ in prompts]
             for r, (results, _, _) in enumerate(per_rank):
@@ -220,6 +224,7 @@ def moe_sbo_rows(path: Path, prompts, args, baseline: dict) -> list[dict]:
             n = args.compare_tokens
             row.update(
                 dispatcher=dispatcher,
+                overlap=args.overlap,
                 decode=decode,
                 decode_dispatcher="low_latency" if decode != "transformers" else dispatcher,
                 t_weights_us=max(f for *_, f in per_rank),
@@ -251,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         help="prefill dispatchers at EP > 1 (EP1: local)",
     )
     parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
+    parser.add_argument("--overlap", default="none", choices=list(OVERLAP_MODES), help="the MoE layers' overlap mode")
     parser.add_argument("--compare-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per row (the row: their median)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="where to write it (default: a temp dir)")
