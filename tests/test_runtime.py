@@ -213,21 +213,31 @@ def test_the_wait_bound_defaults_to_25_s_and_takes_fractions(monkeypatch):
 
 
 def test_nccl_error_handling_tears_down_within_the_bound_and_keeps_the_users_choice(monkeypatch):
-    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
+    for name in NCCL_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     # 1: the watchdog aborts the communicator, then ends the process; the monitor's backstop follows
-    # the bound (never under 10 s, so a busy driver is not taken for a hung watchdog).
+    # the bound (never under 10 s, so a busy driver is not taken for a hung watchdog); the wait for
+    # the debug dump before the end is 2 s, not PyTorch's 15.
     assert env.nccl_error_handling(25) == {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "25",
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
     }
     assert env.nccl_error_handling(2.5)["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "10"
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's own choice stays
     assert env.configure_nccl_error_handling(30) == {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30",
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
     }
     assert os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "30"
+
+
+NCCL_SETTINGS = (
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
+)
 
 
 @pytest.fixture()
@@ -236,11 +246,11 @@ def fake_group(monkeypatch):
     calls = []
 
     def init_process_group(backend, **kwargs):
-        names = ("MOE_SBO_TIMEOUT_S", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+        names = ("MOE_SBO_TIMEOUT_S", *NCCL_SETTINGS)
         calls.append({"backend": backend, **kwargs, "env": {n: os.environ.get(n) for n in names}})
 
     monkeypatch.setattr(runtime.dist, "init_process_group", init_process_group)
-    for name in ("MOE_SBO_TIMEOUT_S", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
+    for name in ("MOE_SBO_TIMEOUT_S", *NCCL_SETTINGS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -273,6 +283,7 @@ def test_nccl_ranks_join_with_the_wait_bound_and_teardown_on_timeout(fake_group,
         "MOE_SBO_TIMEOUT_S": "8.0",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "10",
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
     }
 
 
