@@ -45,8 +45,8 @@ def nccl_error_handling(timeout_s: float) -> dict[str, str]:
     abort; torchrun sets 1 too). ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: if the watchdog itself hangs (in
     the abort, say), its monitor ends the process after this long (PyTorch's default is 480 s).
     ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``: how long the process, once the watchdog has reported,
-    waits for its debug-info dump before it is torn down; PyTorch's default of 15 s is what the
-    survivors' 13-17 s between report and exit measured on GPUs (docs/RELIABILITY.md §9), 2 s here.
+    waits for its debug-info dump before it is torn down: PyTorch's default of 15 s matches the
+    survivors' 13-17 s between report and exit measured on GPUs (docs/RELIABILITY.md §9); 2 s here.
     Blocking wait (``TORCH_NCCL_BLOCKING_WAIT``) stays off: it would make the host wait for every
     collective.
     """
