@@ -8,7 +8,9 @@
 #           path over NCCL (rows under growth/, packed into growth.tgz)
 #   soak    every EP dispatcher x every overlap mode, 10,000 eager forwards and 10,000 CUDA-graph replays
 #           where capturable, low_latency on its default path (symmetric memory from 2 GPUs); --check:
-#           a case that is not flat fails the part
+#           a case that is not flat fails the part (~9 min)
+#   soak-transports  the same for low_latency on its other transports, nccl and copy_engine (~9 min;
+#           a part of its own so that each stays within a 10-minute command)
 # Every part runs; the exit status is 1 when any part failed (the tests, a probe, or a soak case).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -37,7 +39,13 @@ for part in $PARTS; do
       "$PYTHON" benchmarks/soak.py --device cuda --dispatchers allgather alltoall low_latency --overlaps all \
         --forwards 10000 --check --out "$OUT_DIR/soak_$TAG.json" 2>&1 | tee "$OUT_DIR/soak_$TAG.log" | tail -40 \
         || failed+=" soak" ;;
-    *) echo "unknown part $part (tests growth soak)"; exit 2 ;;
+    soak-transports)
+      for transport in nccl copy_engine; do
+        "$PYTHON" benchmarks/soak.py --device cuda --dispatchers low_latency --transport "$transport" --overlaps all \
+          --forwards 10000 --check --out "$OUT_DIR/soak_${TAG}_low_latency_${transport}.json" 2>&1 \
+          | tee "$OUT_DIR/soak_${TAG}_low_latency_${transport}.log" | tail -20 || failed+=" soak-$transport"
+      done ;;
+    *) echo "unknown part $part (tests growth soak soak-transports)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
 done

@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--transport",
         default="auto",
-        choices=["auto", "nccl", "symm_mem"],
-        help="low_latency: its transport (rows say which ran)",
+        choices=["auto", "nccl", "symm_mem", "copy_engine"],
+        help="low_latency: its transport (rows say which ran; symm_mem and copy_engine need CUDA)",
     )
     parser.add_argument("--tbo", action="store_true", help="also soak two-batch overlap (micro-batches 0 and 1)")
     parser.add_argument(
