@@ -4,7 +4,8 @@ one GPU, DeepSeek-V3 dims, and the weight-read floor measured in the same run.
 Rows (``bench="gemv"``, ``OUT/gemv.json``) per experts on the GPU (L, default 16: EP2's share of 32)
 and rows in all (R, padding included: ``low_latency`` hands the experts P x C x K rows), routing
 uniform over the L experts (seeded): ``t_gemv_us`` and ``t_grouped_mm_us`` for the whole routed MLP
-(gate_up, SwiGLU, down; ``triton.testing.do_bench`` median, L2 cleared), ``experts_with_rows``,
+(gate_up, SwiGLU, down; ``measure.timing.KernelTimer``: ``triton.testing.do_bench`` median, L2
+cleared), ``experts_with_rows``,
 ``t_floor_us`` (the touched experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB
 buffer reads HBM at in the same run) and each time's ratio to it, ``rel_err`` (||gemv - grouped_mm|| /
 ||grouped_mm||). The data behind ``experts.GEMV_MAX_ROWS``.
@@ -19,16 +20,12 @@ import json
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 from moe_sbo.experts import RoutedExperts
 from moe_sbo.measure.results import result_meta
+from moe_sbo.measure.timing import KernelTimer, memory_read_us
 
-
-def read_gbps() -> float:
-    buffer = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
-    ms = do_bench(lambda: buffer.sum(dtype=torch.float32), warmup=5, rep=50)
-    return buffer.numel() * 2 / (ms * 1e-3) / 1e9
+READ_PROBE_BYTES = 1 << 31  # the buffer the read rate is measured on: 2 GB, far past L2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=2048)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    gbps = read_gbps()
+    device = torch.device("cuda")
+    gbps = READ_PROBE_BYTES / memory_read_us(READ_PROBE_BYTES, device) / 1e3
+    timer = KernelTimer(device, quick=False)
     rows = []
     for num_experts in args.experts:
         experts = RoutedExperts(num_experts, args.hidden, args.intermediate, dtype=torch.bfloat16, device="cuda")
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 with torch.no_grad():
                     outs[kernels] = forward()
-                    times[kernels] = do_bench(forward, warmup=5, rep=50) * 1e3
+                    times[kernels] = timer(forward)
             touched = int((counts > 0).sum())
             floor_us = touched * expert_bytes / (gbps * 1e9) * 1e6
             ref = outs["torch"].float()

@@ -42,8 +42,9 @@ from statistics import median
 
 import torch
 
-from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model
+from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model, prefill_tokens
 from moe_sbo.measure.results import result_meta
+from moe_sbo.measure.timing import memory_read_us
 from moe_sbo.overlap import OVERLAP_MODES
 from moe_sbo.planner.inputs import SEED_INPUTS
 from moe_sbo.planner.inputs import load_model as load_plan_model
@@ -113,24 +114,14 @@ def peak_rss_mb() -> float:
 
 
 def weight_read_us(model, device: str) -> float:
-    """Microseconds to read as many bytes as ``model``'s weights but its embedding table, once (a
-    sum over one buffer of that size, best of 5; 0 off CUDA)."""
+    """Microseconds to read as many bytes as ``model``'s weights but its embedding table, once
+    (``memory_read_us``; 0 off CUDA)."""
     if device != "cuda":
         return 0.0
     embedding = model.get_input_embeddings().weight
     tied = getattr(model.config, "tie_word_embeddings", False)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or tied)
-    buffer = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        buffer.sum(dtype=torch.float32)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del buffer
-    return min(times[1:])
+    return memory_read_us(nbytes, torch.device(device))
 
 
 def transformers_row(path: Path, prompts, args, device: str) -> dict:
@@ -160,11 +151,11 @@ def ep_rank(device, path, shares, new_tokens, dispatcher, decodes, repeats, over
 
     before = peak_rss_mb()
     most = max(1, *(len(s) for s in shares))
-    prefill_tokens = max(len(s) * max((len(p) for p in s), default=0) for s in shares)
+    capacity = max(prefill_tokens(s) for s in shares)
     model = load_model(
         path,
         dispatcher=dispatcher,
-        dispatcher_options={"max_tokens_per_rank": prefill_tokens} if dispatcher == "low_latency" else None,
+        dispatcher_options={"max_tokens_per_rank": capacity} if dispatcher == "low_latency" else None,
         overlap=overlap,
         device=device,
         decode_dispatcher="low_latency",

@@ -49,7 +49,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ import torch
 
 from moe_sbo import env
 from moe_sbo.measure.results import result_meta, write_results
+from moe_sbo.runtime import free_port
 
 # (dispatcher, transport): every way a GPU user can move tokens between ranks.
 PATHS = (
@@ -249,9 +249,7 @@ class Job:
 
     @classmethod
     def start(cls, case: Case, bound_s: float) -> Job:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         fd, name = tempfile.mkstemp(prefix="moe_sbo_phases_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         os.write(fd, bytes(2 * WORLD))
         os.close(fd)

@@ -97,7 +97,8 @@ def init_from_torchrun(device: str = "auto") -> torch.device:
     return _join_group(resolve_device(device), local_rank, env.collective_timeout_s(), rank=rank, world_size=world)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no socket holds now (for a process group's rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -438,7 +439,7 @@ class LocalRanks:
                 self._start_once()
                 return
             except RankError as err:
-                # _free_port releases the port before rank 0 binds it again: another process may win.
+                # free_port releases the port before rank 0 binds it again: another process may win.
                 if attempt or "address already in use" not in str(err).lower():
                     raise
 
@@ -447,7 +448,7 @@ class LocalRanks:
         self._results = self._ctx.Queue()  # fresh queues: a stopped rank may have left one half-written
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._phase_slots = self._ctx.RawArray("B", 2 * self.world_size)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._procs = [
             self._ctx.Process(
                 target=_worker,

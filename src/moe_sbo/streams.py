@@ -138,6 +138,12 @@ def sm_budget(device: torch.device, sms: int | None) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(previous_library)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the caller is capturing a CUDA graph on ``device``'s current stream (then nothing may
+    synchronise, and work that would replay its own graphs runs its kernels instead)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def capture_graph(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
     """``fn`` captured in a CUDA graph -> (graph, the static output of the captured call).
 

@@ -38,6 +38,7 @@ from ..layer import MoELayer
 from ..measure.timing import SPANS, line_up, time_all_to_all, time_fn, time_layer
 from ..overlap import AutoOverlap, make_overlap
 from ..overlap.sbo import bucket_of
+from ..routing import TopkOutput
 from .bench_common import bench_config, cached, dispatcher_options, profile_spans, resolved_path, row_head
 from .options import compact, make_table
 
@@ -97,9 +98,9 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
         base: dict = {"rank": rank, "tokens": tokens, **resolved_path(layer.dispatcher, device)}
         base["t_shared_us"] = time_fn(lambda: shared(x_TH), device, warmup, iters, False) if shared else 0.0
         base["t_comm_us"] = time_fn(comm_alone, device, warmup, iters, False)
-        base.update(floor_and_wire(layer, x_TH, warmup, iters, spec["seed"]))
+        base.update(floor_and_wire(layer, x_TH, topk, warmup, iters, spec["seed"]))
         if graph:
-            base["t_shared_graph_us"] = time_fn(lambda: shared(x_TH), device, warmup, iters, True) if shared else 0.0
+            base["t_shared_graph_us"] = base["t_floor_shared_us"]  # timed from a graph there too (CUDA)
             base["t_comm_graph_us"] = time_fn(comm_alone, device, warmup, iters, True)
         for mode in spec["modes"]:
             layer.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
@@ -130,12 +131,14 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
     return rows
 
 
-def floor_and_wire(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int, seed: int) -> dict[str, float]:
-    """The compute floor (router, routed experts on one dispatch's rows, shared experts, each alone)
-    and, with peers, raw ``all_to_all_single`` of each phase's bytes: one rank's share of a row."""
+def floor_and_wire(
+    layer: MoELayer, x_TH: torch.Tensor, topk: TopkOutput, warmup: int, iters: int, seed: int
+) -> dict[str, float]:
+    """The compute floor (router, routed experts on one dispatch's rows of ``topk``, shared experts,
+    each alone) and, with peers, raw ``all_to_all_single`` of each phase's bytes: one rank's share of
+    a row."""
     device = x_TH.device
     graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
-    topk = layer.router(x_TH)
     recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
     experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
     shared = layer.shared_experts

@@ -24,7 +24,7 @@ from .. import env
 from ..dispatch import DISPATCHERS
 from ..hf.checkpoint import Checkpoint
 from ..hf.config import model_family
-from ..hf.model import DECODE_LOOPS, WHOLE_MODEL_FAMILIES, generate, load_model
+from ..hf.model import DECODE_LOOPS, WHOLE_MODEL_FAMILIES, generate, load_model, prefill_tokens
 from ..measure.results import result_meta
 from ..overlap import OVERLAP_MODES
 from ..runtime import LocalRanks, init_from_torchrun, resolve_device
@@ -132,6 +132,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args, tokenizer, int(checkpoint.hf_config.get("vocab_size", 0)))
     torchrun = env.torchrun_rank()
     device = resolve_device(args.device)
+    args.decode = resolve_decode(args.decode, device)  # what ran, as the report and --json say
     ranks = torchrun[1] if torchrun is not None else resolve_ranks(args.ranks, device)
     shares = share_prompts(prompts, ranks)
     options = {
@@ -142,7 +143,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "dispatcher_options": _dispatcher_options(args.dispatcher, shares),
-        "decode": resolve_decode(args.decode, device),
+        "decode": args.decode,
     }
     if torchrun is not None:
         torch_device = init_from_torchrun(device)
@@ -226,7 +227,7 @@ def _dispatcher_options(dispatcher: str, shares: list[list[tuple[int, list[int]]
     """``low_latency`` needs a capacity: the most tokens one rank's forward carries (its prefill)."""
     if dispatcher != "low_latency":
         return None
-    prefill = [len(share) * max((len(ids) for _, ids in share), default=0) for share in shares]
+    prefill = [prefill_tokens([ids for _, ids in share]) for share in shares]
     return {"max_tokens_per_rank": max(1, *prefill)}
 
 
@@ -264,7 +265,7 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
     console = make_console()
     console.print(
         f"[bold]moe-sbo generate[/]: {checkpoint.path} ({checkpoint.model_type}) on {ranks} {device} ranks, "
-        f"{args.dispatcher}, overlap {args.overlap}, decode {resolve_decode(args.decode, device)}, "
+        f"{args.dispatcher}, overlap {args.overlap}, decode {args.decode}, "
         f"{args.max_new_tokens} new tokens",
         soft_wrap=True,
     )
@@ -292,7 +293,7 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
     if args.json:
         meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path)}
         meta.update(dispatcher=args.dispatcher, overlap=args.overlap, max_new_tokens=args.max_new_tokens)
-        meta["decode"] = resolve_decode(args.decode, device)
+        meta["decode"] = args.decode
         rows = [{"prompt": i, "prompt_ids": prompts[i], "token_ids": ids} for i, ids in sorted(outputs.items())]
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ranks": per_rank}, indent=1))
         console.print(f"written to {args.json}", highlight=False, soft_wrap=True)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,18 +125,12 @@ class PieceGraph:
         return outputs
 
 
-def capturing(device: torch.device) -> bool:
-    """Whether the caller is capturing a CUDA graph on ``device`` (then run kernels, not graphs)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 @dataclass
 class RoundGraphs:
     """One buffer set's pieces (built on first use): the ``pack`` graph and the ``staging`` it
-    reads, and the ``layout`` graph. ``transfer_end``: the works the ``layout`` graph waits on first
-    when ``pack`` started a symmetric-memory transfer (its barrier), else empty."""
+    reads, and the ``layout`` graph (which first waits on the set's barrier when ``pack`` started a
+    symmetric-memory transfer)."""
 
     staging: Staging | None = None
     pack: PieceGraph | None = None
     layout: PieceGraph | None = None
-    transfer_end: list = field(default_factory=list)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ..fp8 import FP8_GROUP
 from ..hooks import HookFn
+from ..streams import capturing
 from .base import (
     CombineInput,
     Dispatcher,
@@ -62,7 +63,7 @@ from .base import (
     Traffic,
     register_dispatcher,
 )
-from .ll_graphs import PieceGraph, RoundGraphs, Staging, capturing
+from .ll_graphs import PieceGraph, RoundGraphs, Staging
 from .ll_reference import group_slots_by_expert, plan_send, reduce_pairs
 from .ll_transport import (
     Buffers,
@@ -479,12 +480,11 @@ class LowLatencyDispatcher(Dispatcher):
         if graphs.pack is None:
             pack_rows = self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
             start_transfer = self._start_dispatch_transfer(bufs, fused=True)
-            transfer_end = graphs.transfer_end  # the list, not graphs: no reference cycle
 
             def pack() -> None:
                 pack_rows()
                 if in_graph:
-                    transfer_end[:] = start_transfer()
+                    start_transfer()  # its one work is the set's barrier, which ``layout`` waits on
 
             graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda")
         st.stage(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)
@@ -503,11 +503,11 @@ class LowLatencyDispatcher(Dispatcher):
                 fixed = self._layout(recv_SB, s.fmt)()
             else:
                 if s.graphs.layout is None:
-                    layout, transfer_end = self._layout(recv_SB, s.fmt), s.graphs.transfer_end
+                    layout, barrier = self._layout(recv_SB, s.fmt), s.buffers.dispatch_barrier
 
                     def end_and_layout() -> Any:
-                        for work in transfer_end:  # the barrier, when the pack graph started it
-                            work.wait()
+                        if barrier is not None:  # the pack graph started a symmetric-memory transfer
+                            barrier.wait()
                         return layout()
 
                     s.graphs.layout = PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda")

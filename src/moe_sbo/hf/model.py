@@ -52,30 +52,25 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 class ExpertParallelMoE(nn.Module):
     """Stands in for a ``transformers`` sparse MoE block: ``[B, S, H] -> [B, S, H]`` through ``moe``.
 
-    ``decode_dispatcher``: None, or a second dispatcher over the same experts that forwards use
-    while ``decoding`` is set (``static_decode.decode_dispatchers``): prefill moves thousands of
-    tokens with the main one, decode steps a few per rank with one a CUDA graph can capture.
-    ``calls`` counts forwards (a rank with no work makes the same number, ``_idle``)."""
+    ``decode_dispatcher``: the dispatcher forwards use while ``decoding`` is set
+    (``static_decode.decode_dispatchers``), over the same experts: prefill moves thousands of
+    tokens with the main one, decode steps a few per rank with one a CUDA graph can capture
+    (default: the main one). ``calls`` counts forwards (a rank with no work makes the same number,
+    ``_idle``)."""
 
     def __init__(self, moe: MoELayer, decode_dispatcher: Dispatcher | None = None):
         super().__init__()
         self.moe = moe
-        self.decode_dispatcher = decode_dispatcher
+        self.decode_dispatcher = decode_dispatcher or moe.dispatcher
         self.decoding = False
         self.calls = 0
-
-    @property
-    def dispatcher_now(self) -> Dispatcher:
-        """The dispatcher the next forward uses."""
-        if self.decoding and self.decode_dispatcher is not None:
-            return self.decode_dispatcher
-        return self.moe.dispatcher
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
-        return run_to_end(self.moe.stages(x_TH, dispatcher=self.dispatcher_now)).reshape(shape)
+        dispatcher = self.decode_dispatcher if self.decoding else self.moe.dispatcher
+        return run_to_end(self.moe.stages(x_TH, dispatcher=dispatcher)).reshape(shape)
 
 
 def moe_blocks(model: Any) -> list[ExpertParallelMoE]:
@@ -426,6 +421,8 @@ def _reusable_decoder(model: Any, agree: _StepAgreement, fits: Callable[[Any], b
     steps warm up and capture together and their decode buffers stay in step); else None."""
     kept = getattr(model, "moe_sbo_decoder", None)
     if agree.anyone(kept is None or not fits(kept)):
+        if kept is not None:
+            kept.run_step.release()
         model.moe_sbo_decoder = None  # frees its graph and cache before the next one is built
         return None
     return kept
@@ -434,7 +431,7 @@ def _reusable_decoder(model: Any, agree: _StepAgreement, fits: Callable[[Any], b
 def _check_graphable(blocks: list[ExpertParallelMoE], device: torch.device) -> None:
     """``ValueError`` (before any collective) unless CUDA-graph decode can run here."""
     for block in blocks:
-        dispatcher = block.decode_dispatcher or block.moe.dispatcher
+        dispatcher = block.decode_dispatcher
         if not dispatcher.graph_capturable:
             raise ValueError(
                 f"decode='cuda_graph' needs a graph-capturable decode dispatcher; this model decodes with "
@@ -453,7 +450,7 @@ def _check_decode_capacity(blocks: list[ExpertParallelMoE], batch: int, agree: _
     dispatcher takes per forward (one all-reduce, so no rank is left waiting in a transfer)."""
     largest = agree.largest(batch)
     for block in blocks:
-        dispatcher = block.decode_dispatcher or block.moe.dispatcher
+        dispatcher = block.decode_dispatcher
         capacity = getattr(dispatcher, "capacity", None)
         if capacity is not None and largest > capacity:
             raise ValueError(
@@ -474,6 +471,9 @@ class _StepAgreement:
         self.group: Any = ep.group if ep is not None and ep.size > 1 else None
         self.collective = ep is not None and ep.size > 1
         self.device, self.steps = device, 0
+        # Where ``start_anyone``'s answers land on the host, in turn: at most two checks are unread
+        # at once (``_run_steps`` reads each one step late), so a slot is read before it is reused.
+        self._answers = torch.zeros(2, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
 
     def same_everywhere(self, name: str, value: int) -> None:
         """``ValueError`` on every rank unless ``value`` is the same on all of them (one all-reduce)."""
@@ -508,9 +508,9 @@ class _StepAgreement:
         flag = running.reshape(1).to(torch.int32)
         if self.collective:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.device.type != "cuda":
+        if self._answers is None:
             return _StepCheck(lambda: bool(flag[0]))
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host = self._answers[self.steps % 2 : self.steps % 2 + 1]
         host.copy_(flag, non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
         done.record()
@@ -559,7 +559,9 @@ def _idle(
     idle = None
     if decode != "transformers":  # as a busy rank's decoder: kept, or built on every rank at once
         cuda_graph = decode == "cuda_graph"
-        idle = _reusable_decoder(model, agree, lambda d: isinstance(d, IdleDecoder) and d.cuda_graph == cuda_graph)
+        idle = _reusable_decoder(
+            model, agree, lambda d: isinstance(d, IdleDecoder) and d.run_step.cuda_graph == cuda_graph
+        )
         if idle is None:
             idle = IdleDecoder(blocks, model.config.hidden_size, dtype, device, cuda_graph=cuda_graph)
             model.moe_sbo_decoder = idle
@@ -586,6 +588,12 @@ def _idle(
         if not agree.anyone_running(False):
             break
     return Generation([], forwards=agree.steps)
+
+
+def prefill_tokens(prompts: list[list[int]]) -> int:
+    """Tokens one rank's prefill carries through each MoE layer: its prompts, left-padded to the
+    longest (as ``generate`` batches them); what a fixed-capacity prefill dispatcher must hold."""
+    return len(prompts) * max((len(p) for p in prompts), default=0)
 
 
 def _cut_after_eos(row: list[int], eos: set[int]) -> list[int]:

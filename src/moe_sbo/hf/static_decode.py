@@ -17,12 +17,12 @@ touches at a fixed address and shape:
   left-padded attention mask;
 - ``next_B1``: the greedy token, which is also the next step's input.
 
-So one step is a pure function of those buffers, and with ``cuda_graph=True`` it is captured once
-(after an eager warm-up step) and replayed: one host call per token. ``generate`` keeps a model's
-decoder for the next batch of the same size (its prefill rewrites the buffers in place), so a server
-loop captures once per batch size, not once per request. The MoE blocks then must use
-a capturable dispatcher (``low_latency``): ``load_model(decode_dispatcher=...)`` gives them one for
-decode steps while prefill keeps the main one. A rank without prompts makes the same MoE calls
+So one step is a pure function of those buffers, and with ``cuda_graph=True`` the first step runs
+eagerly and is captured right after, and every later step replays it: one host call per token.
+``generate`` keeps a model's decoder for the next batch of the same size (its prefill rewrites the
+buffers in place), so a server loop captures once per batch size, not once per request. The MoE
+blocks then must use a capturable dispatcher (``low_latency``): ``load_model(decode_dispatcher=...)``
+gives them one for decode steps while prefill keeps the main one. A rank without prompts makes the same MoE calls
 through ``IdleDecoder``, with one masked-out row, captured the same way, so its buffer sets and
 barriers stay in step with the busy ranks' replays.
 """
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..dispatch.low_latency import mask_padding_tokens
+from ..streams import capture_graph
 
 
 class StaticDecoder:
@@ -51,7 +52,7 @@ class StaticDecoder:
     def __init__(self, model: Any, blocks: list, batch: int, max_len: int, device: torch.device, *, cuda_graph: bool):
         from transformers import StaticCache
 
-        self.model, self.blocks, self.cuda_graph = model, blocks, cuda_graph
+        self.model, self.blocks, self.run_step = model, blocks, GraphedStep(cuda_graph)
         self.batch, self.max_len = batch, max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.valid_BL = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
@@ -59,8 +60,6 @@ class StaticDecoder:
         self.position_B1 = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.next_B1 = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = 0  # the same slot on the host, to refuse a step past the cache
-        self.steps = 0  # steps made, over every batch (the first one warms up, the second captures)
-        self._graph: torch.cuda.CUDAGraph | None = None
         self._dtype = next(model.parameters()).dtype
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x keeps the old name, deprecated)
         cache_kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
@@ -68,7 +67,8 @@ class StaticDecoder:
 
     def fits(self, batch: int, width: int, max_new_tokens: int, cuda_graph: bool) -> bool:
         """Whether a batch of ``batch`` prompts padded to ``width`` can decode here."""
-        return (batch, cuda_graph) == (self.batch, self.cuda_graph) and width + max_new_tokens <= self.max_len
+        same_loop = (batch, cuda_graph) == (self.batch, self.run_step.cuda_graph)
+        return same_loop and width + max_new_tokens <= self.max_len
 
     def _mask(self, allowed_BQL: torch.Tensor) -> torch.Tensor:
         """The additive mask [B, 1, Q, L] the model's attention adds: 0 where allowed, the dtype's
@@ -122,8 +122,7 @@ class StaticDecoder:
         if self.slot >= self.max_len:
             raise RuntimeError(f"the cache holds {self.max_len} positions and all are used; prefill a new batch")
         self.slot += 1
-        self.steps += 1
-        run_or_replay(self, self._step)
+        self.run_step(self._step)
         return self.next_B1
 
 
@@ -134,16 +133,14 @@ class IdleDecoder:
     capture), another 0 rows. Captured and replayed like ``StaticDecoder`` under ``cuda_graph``."""
 
     def __init__(self, blocks: list, hidden: int, dtype: torch.dtype, device: torch.device, *, cuda_graph: bool):
-        self.blocks, self.cuda_graph = blocks, cuda_graph
+        self.blocks, self.run_step = blocks, GraphedStep(cuda_graph)
         self.x_11H = torch.zeros(1, 1, hidden, dtype=dtype, device=device)
         self.no_tokens = torch.zeros((), dtype=torch.int64, device=device)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self.steps = 0
 
     def _step(self) -> None:
         with decode_dispatchers(self.blocks):
             for block in self.blocks:
-                dispatcher = block.dispatcher_now
+                dispatcher = block.decode_dispatcher
                 if not dispatcher.graph_capturable:  # a variable-size dispatcher takes 0 rows as they are
                     block(self.x_11H[:, :0])
                     continue
@@ -152,31 +149,31 @@ class IdleDecoder:
                     block(self.x_11H)
 
     def step(self) -> None:
-        self.steps += 1
-        run_or_replay(self, self._step)
+        self.run_step(self._step)
 
 
-def run_or_replay(decoder: Any, step: Callable[[], None]) -> None:
-    """Runs ``step`` eagerly, or, under ``decoder.cuda_graph``, eagerly once (warm-up: lazy buffers,
-    Triton compiles), then captures it into ``decoder._graph`` and replays it from then on."""
-    if not decoder.cuda_graph:
-        step()
-        return
-    if decoder._graph is not None:
-        decoder._graph.replay()
-        return
-    if decoder.steps == 1:  # warm-up on a side stream, as torch.cuda.graphs recommends before capture
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+class GraphedStep:
+    """Runs a decoder's step eagerly, or, with ``cuda_graph``, captures it on its first call
+    (``streams.capture_graph``: that call's one warm-up run on a side stream is the step itself, so
+    lazy buffers and Triton compiles happen outside the graph) and replays the graph on every
+    later call."""
+
+    def __init__(self, cuda_graph: bool):
+        self.cuda_graph = cuda_graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, step: Callable[[], None]) -> None:
+        if not self.cuda_graph:
             step()
-        torch.cuda.current_stream().wait_stream(side)
-        return
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    decoder._graph = graph
-    graph.replay()
+        elif self.graph is None:
+            self.graph, _ = capture_graph(step, warmup=1)
+        else:
+            self.graph.replay()
+
+    def release(self) -> None:
+        """Drops the graph now: it holds its step (``capture_graph`` keeps it alive), whose decoder
+        holds this, a cycle that would otherwise wait for the garbage collector."""
+        self.graph = None
 
 
 @contextmanager

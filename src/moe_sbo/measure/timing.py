@@ -120,6 +120,14 @@ class KernelTimer:
         return statistics.median(stamps.span_us("start", "end"))
 
 
+def memory_read_us(nbytes: int, device: torch.device) -> float:
+    """Median µs to read ``nbytes`` of device memory once: a float32-accumulating sum over a bf16
+    buffer of that size (``KernelTimer``). The floor of anything that streams that many bytes, e.g.
+    a decode step reading its weights."""
+    buffer = torch.empty(max(1, nbytes // 2), dtype=torch.bfloat16, device=device).normal_()
+    return KernelTimer(device, quick=device.type != "cuda")(lambda: buffer.sum(dtype=torch.float32))
+
+
 def time_layer(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> dict[str, float]:
     """Median µs of every span in ``SPANS`` over ``iters`` forwards, stamped from dispatcher hooks."""
     stamps = Stamps(x_TH.device, iters, STAMPS)

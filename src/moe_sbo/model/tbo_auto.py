@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..dispatch import EPGroup
 from ..overlap.sbo import bucket_of
-from ..streams import clock, elapsed_us
+from ..streams import capturing, clock, elapsed_us
 from .attention import Batch, KVCache
 from .tbo import tbo_forward
 
@@ -90,8 +90,7 @@ class AutoTbo:
         if agreed_tokens < 0:
             raise ValueError(f"agreed_tokens must be >= 0, got {agreed_tokens}")
         bucket = bucket_of(agreed_tokens)
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if bucket in self.choices or capturing:
+        if bucket in self.choices or capturing(device):
             return forward(self.choices.get(bucket, False))
         call = self._calls.get(bucket, 0)
         self._calls[bucket] = call + 1

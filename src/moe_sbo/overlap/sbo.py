@@ -42,7 +42,16 @@ import torch.distributed as dist
 
 from ..experts import SharedExperts
 from ..hooks import HookScope
-from ..streams import SideStream, check_sm_budget, clock, elapsed_us, record_event, side_stream, sm_count
+from ..streams import (
+    SideStream,
+    capturing,
+    check_sm_budget,
+    clock,
+    elapsed_us,
+    record_event,
+    side_stream,
+    sm_count,
+)
 from ..streams import sm_budget as sm_budget_ctx
 
 log = logging.getLogger("moe_sbo.overlap")
@@ -237,8 +246,7 @@ class AutoOverlap:
         if shared is None:
             return SharedOutput(launched_at="no_shared_experts")
         bucket = bucket_of(x_TH.shape[0])
-        capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if bucket in self.choices or capturing:  # (reading timings would sync: never inside a capture)
+        if bucket in self.choices or capturing(self.ctx.device):  # (reading timings would sync: never inside a capture)
             return ATTACH[self.choices.get(bucket, "none")](hooks, shared, x_TH, self.ctx)
         self._close(bucket)
         if bucket in self.choices:  # that forward's timing completed the exploration

@@ -70,7 +70,6 @@ from .memory import (
 )
 from .seed import SEED_GB_B, SEED_KB_B, SEED_MB_B, SEED_PRINTED, SeedFigure, round_sig, seed_figures
 from .simulate import (
-    BYTE_SCHEMES,
     AttentionShape,
     Op,
     Prediction,
@@ -185,7 +184,6 @@ __all__ = [
     "expert_matrix_bytes",
     "weight_memory",
     # simulator: model, calibration, validation and scale-out
-    "BYTE_SCHEMES",
     "AttentionShape",
     "Op",
     "Prediction",

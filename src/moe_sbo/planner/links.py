@@ -48,7 +48,8 @@ class Calibration:
         return Link(self.GBps, self.GBps, hw.gpus_per_node, self.latency_us, f"calibrated: {self.path} ({self.method})")
 
 
-def _positive(row: dict, key: str) -> float | None:
+def positive_field(row: dict, key: str) -> float | None:
+    """``row[key]`` as a float when it is a finite number > 0 (not a bool), else None."""
     value = row.get(key)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
         return float(value)
@@ -57,10 +58,10 @@ def _positive(row: dict, key: str) -> float | None:
 
 def _row_time_us(row: dict) -> float | None:
     """The time the row's ``bytes_sent`` took: t_comm_us, else dispatch + combine, else either one."""
-    t_comm = _positive(row, "t_comm_us")
+    t_comm = positive_field(row, "t_comm_us")
     if t_comm is not None:
         return t_comm
-    t_dispatch, t_combine = _positive(row, "t_dispatch_us"), _positive(row, "t_combine_us")
+    t_dispatch, t_combine = positive_field(row, "t_dispatch_us"), positive_field(row, "t_combine_us")
     if t_dispatch is not None and t_combine is not None:
         return t_dispatch + t_combine
     return t_dispatch if t_dispatch is not None else t_combine
@@ -99,7 +100,7 @@ def calibrate(path: str | Path, ep: int | None = None) -> Calibration:
 
     pairs: list[tuple[float, float]] = []  # (bytes_sent, time in µs) of every row that has both
     for row in rows:
-        bytes_sent, time_us = _positive(row, "bytes_sent"), _row_time_us(row)
+        bytes_sent, time_us = positive_field(row, "bytes_sent"), _row_time_us(row)
         if bytes_sent is not None and time_us is not None:
             pairs.append((bytes_sent, time_us))
     if len({b for b, _ in pairs}) >= 2:
@@ -117,7 +118,7 @@ def calibrate(path: str | Path, ep: int | None = None) -> Calibration:
                 path=str(path),
             )
     for key in ("algbw_GBps", "ref_algbw_GBps"):
-        values = [v for v in (_positive(row, key) for row in rows) if v is not None]
+        values = [v for v in (positive_field(row, key) for row in rows) if v is not None]
         if values:
             return Calibration(statistics.median(values), 0.0, len(values), f"median {key}, latency 0", str(path))
     if pairs:

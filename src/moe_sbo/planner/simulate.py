@@ -44,7 +44,6 @@ from .simulate_fit import SM_TRANSPORTS, WEIGHT_B, StageCosts, smooth_max
 from .simulate_rows import DispatchPath
 
 COMPUTE, WIRE = "compute", "wire"
-BYTE_SCHEMES = ("measured", "blocks", "alltoall", "allgather", "node_dedup", "per_rank")
 # Share of the shared experts' FLOPs in the gate/up projection (gate and up [2I, H] vs down [H, I]).
 SPLIT_FIRST_SHARE = 2 / 3
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..config import MoEConfig, get_preset
+from .links import positive_field
 from .simulate_rows import DEFAULT_PRESET, DispatchPath, ResultRow, dtype_name
 
 # ---- assumptions: named constants where no result file measures the thing -------------------------
@@ -279,8 +280,7 @@ class StageCosts:
 
 
 def _positive(row: ResultRow, key: str) -> float | None:
-    value = row.get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    return positive_field(row.row, key)
 
 
 def _phase_bytes(row: ResultRow, phase: str) -> float:
@@ -380,12 +380,16 @@ def _kernels(moe: Sequence[ResultRow], links: dict[str, LinkFit], graph: bool) -
     def wire(r: ResultRow, phase: str) -> float:
         return links[r.wire].time_us(_phase_bytes(r, phase)) if r.ep > 1 and r.wire in links else 0.0
 
-    both = [r for r in usable if _positive(r, "t_dispatch_us") and _positive(r, "t_combine_us")]
-    shares = [r.get("t_dispatch_us") / (r.get("t_dispatch_us") + r.get("t_combine_us")) for r in both]
+    def timed_both(r: ResultRow) -> bool:
+        return _positive(r, "t_dispatch_us") is not None and _positive(r, "t_combine_us") is not None
+
+    shares = [
+        r.get("t_dispatch_us") / (r.get("t_dispatch_us") + r.get("t_combine_us")) for r in usable if timed_both(r)
+    ]
     share = statistics.median(shares) if shares else 0.5
     by_path: dict[tuple[DispatchPath, str], list] = defaultdict(list)
     for r in usable:
-        if r in both:
+        if timed_both(r):
             times = {"dispatch": float(r.get("t_dispatch_us")), "combine": float(r.get("t_combine_us"))}
         elif graph and _positive(r, "t_comm_us") and r.get("t_dispatch_us") is None:
             comm = float(r.get("t_comm_us"))
@@ -393,8 +397,9 @@ def _kernels(moe: Sequence[ResultRow], links: dict[str, LinkFit], graph: bool) -
         else:
             continue
         for phase, t in times.items():
+            kernel_us = max(0.0, t - wire(r, phase))
             for p in r.path.own_keys():
-                by_path[(p, phase)].append((r.tokens, max(0.0, t - wire(r, phase))))
+                by_path[(p, phase)].append((r.tokens, kernel_us))
     kernel.update({key: c for key, pts in by_path.items() if (c := curve(pts)) is not None})
     return kernel
 

@@ -24,7 +24,7 @@ from .simulate import (
     predict,
 )
 from .simulate_fit import StageCosts, curve, fit_stage_costs
-from .simulate_rows import DEFAULT_KERNELS, DispatchPath, ResultRow, path_of
+from .simulate_rows import DEFAULT_KERNELS, DispatchPath, ResultRow, dtype_name, path_of
 
 # Where the model may be off: the bar for the EP1/EP2 rows.
 VALIDATION_TOLERANCE = 0.15
@@ -72,7 +72,7 @@ def setup_of(r: ResultRow) -> Setup | None:
         return None
     cfg: MoEConfig = r.cfg
     ep = r.ep
-    experts_dtype = "fp8" if "8" in str(r.get("experts_dtype", "bf16")) else "bf16"
+    experts_dtype = dtype_name(r.get("experts_dtype"))
     if bench == "fp8_layer":  # EP1 low_latency layer over ``experts`` routed experts, on the default path
         cfg = cfg.with_num_experts(int(r.get("experts")))
         row = {"dispatcher": "low_latency", "kernels": DEFAULT_KERNELS, "dispatch_dtype": r.get("dispatch_dtype")}
@@ -181,8 +181,7 @@ def validate(rows: Sequence[ResultRow], folds: int = VALIDATION_FOLDS) -> list[C
             if not setup.graph and r.get("t_layer_b2b_us"):
                 b2b = back_to_back_us(setup, cal)
                 checked.append(Checked(r.file, r.group, label, "b2b", float(r.get("t_layer_b2b_us")), b2b))
-    order = {id(r.row): i for i, r in enumerate(rows)}
-    return sorted(checked, key=lambda c: (c.file, c.group, c.metric, c.label)) if order else checked
+    return sorted(checked, key=lambda c: (c.file, c.group, c.metric, c.label))
 
 
 def validation_summary(checked: Sequence[Checked]) -> list[tuple[str, ...]]:
