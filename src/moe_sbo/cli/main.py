@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from .. import __version__
+from .. import __version__, env
 
 # The subcommands (and torch) are imported inside ``main``, where a Ctrl-C is caught: at the prompt a
 # user may interrupt while torch is still importing, and must get one line, not a traceback.
@@ -111,11 +111,14 @@ def entry() -> int:
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if code in INTERRUPTED_CODES:
-        # The ranks are stopped; skip the interpreter's finalisation, which under load was seen to
-        # end the process by the signal itself (status -2) after the line above was printed. First
-        # the closed queues' feeder threads finish, and a collection runs the finalisers that unlink
-        # the queues' semaphores (else multiprocessing's resource tracker warns about them).
+    if code in INTERRUPTED_CODES or env.torchrun_rank() is not None:
+        # Skip the interpreter's finalisation once the work is done. Interrupted, the ranks are
+        # stopped, and under load that finalisation was seen to end the process by the signal itself
+        # (status -2) after the line above was printed. As a torchrun rank, its C++ teardown was seen
+        # to abort a gloo rank ("terminate called without an active exception", SIGABRT) after its
+        # results were written, about one run in ten, with or without the process group destroyed.
+        # First the closed queues' feeder threads finish, and a collection runs the finalisers that
+        # unlink the queues' semaphores (else multiprocessing's resource tracker warns about them).
         for thread in threading.enumerate():
             if thread.name == "QueueFeederThread":
                 thread.join(timeout=1.0)
