@@ -33,8 +33,10 @@ def profiles(model, prompts, steps: int, decode: str) -> str:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             result = generate(model, prompts, tokens, decode=decode)
         table = prof.key_averages()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         out.append(f"== {name}: prefill {result.prefill_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.2f} ms")
-        out.append(table.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        out.append(f"device: {len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.2f} ms in all")
+        out.append(table.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90))
         out.append(table.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))
     return "\n".join(out)
 

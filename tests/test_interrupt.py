@@ -136,3 +136,16 @@ def test_bench_ends_cleanly_on_ctrl_c_mid_sweep():
     code, err, took, left = _interrupt(argv, 4.0, signal.SIGINT, True)
     assert code == 130 and err.strip().endswith("moe-sbo bench: interrupted (SIGINT)"), err
     assert "Traceback" not in err and took <= EXIT_BOUND_S and not left, (took, left)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("delay_s, signum", [(3.0, signal.SIGINT), (12.0, signal.SIGINT), (12.0, signal.SIGTERM)])
+def test_generate_on_gpu_ranks_ends_cleanly_on_a_signal(tiny_model, delay_s, signum):
+    """On two GPU ranks: while CUDA and NCCL start (3 s), and mid-decode from CUDA graphs (12 s)."""
+    argv = ["generate", "--checkpoint", tiny_model, "--device", "cuda", "--ranks", "2"]
+    argv += ["--prompt-ids", "1,2,3", "--max-new-tokens", "200000"]
+    code, err, took, left = _interrupt(argv, delay_s, signum, whole_group=True)
+    assert code == 128 + signum, err
+    assert err.strip() == f"moe-sbo generate: interrupted ({signal.Signals(signum).name})", err
+    assert took <= EXIT_BOUND_S and not left, (took, left)
