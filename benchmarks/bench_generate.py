@@ -12,7 +12,9 @@ routed experts (top-8, one shared), a ``--vocab`` word vocabulary. Rows (``OUT/g
   the ranks (DP attention), the dispatcher for prefill (``low_latency`` sized to a rank's prompt
   tokens; EP1: ``local``), the MoE layers' ``--overlap`` mode (default ``none``); ``decode``:
   ``transformers`` (``model.generate``), ``static`` (fixed-shape steps through a ``low_latency``
-  decode dispatcher, eager) or ``cuda_graph`` (those steps replayed from a graph).
+  decode dispatcher, eager) or ``cuda_graph`` (those steps replayed from a graph); ``mla``:
+  ``absorbed`` (decode attention in the latent space, ``moe_sbo.hf.mla``, the default) or
+  ``transformers`` (its own step, which expands the whole cache every step), per ``--mla``.
 
 Each row: ``prefill_ms`` (prompt to first token), ``tpot_ms`` (mean time per later token; the
 slowest rank's), each the median of ``--repeats`` timed generations (all of them in ``*_ms_runs``;
@@ -145,7 +147,7 @@ def transformers_row(path: Path, prompts, args, device: str) -> dict:
     return row
 
 
-def ep_rank(device, path, shares, new_tokens, dispatcher, decodes, repeats, overlap="none"):
+def ep_rank(device, path, shares, new_tokens, dispatcher, decodes, repeats, overlap="none", absorb_mla=True):
     """One rank: load once, then per decode loop a warm-up generation and a timed one."""
     import torch.distributed as dist
 
@@ -160,6 +162,7 @@ def ep_rank(device, path, shares, new_tokens, dispatcher, decodes, repeats, over
         device=device,
         decode_dispatcher="low_latency",
         decode_dispatcher_options={"max_tokens_per_rank": most},
+        absorb_mla=absorb_mla,
     )
     grown = peak_rss_mb() - before
     mine = shares[dist.get_rank()]
@@ -194,12 +197,25 @@ def _row(impl, ranks, token_ids, prefill_s, tpot_s, args, grown_mb) -> dict:
 
 def moe_sbo_rows(path: Path, prompts, args, baseline: dict) -> list[dict]:
     rows = []
-    runs = [(ranks, d) for ranks in args.ranks for d in (args.dispatcher if ranks > 1 else ["local"])]
-    for ranks, dispatcher in runs:
+    runs = [
+        (ranks, d, mla)
+        for ranks in args.ranks
+        for d in (args.dispatcher if ranks > 1 else ["local"])
+        for mla in args.mla
+    ]
+    for ranks, dispatcher, mla in runs:
         shares = [prompts[r::ranks] for r in range(ranks)]
         with LocalRanks(ranks, device=args.device) as workers:
             per_rank = workers.run(
-                ep_rank, str(path), shares, args.new_tokens, dispatcher, args.decode, args.repeats, args.overlap
+                ep_rank,
+                str(path),
+                shares,
+                args.new_tokens,
+                dispatcher,
+                args.decode,
+                args.repeats,
+                args.overlap,
+                mla == "absorbed",
             )
         for decode in args.decode:
             token_ids: list[list[int]] = [[] for _ in prompts]
@@ -216,6 +232,7 @@ def moe_sbo_rows(path: Path, prompts, args, baseline: dict) -> list[dict]:
             row.update(
                 dispatcher=dispatcher,
                 overlap=args.overlap,
+                mla=mla,
                 decode=decode,
                 decode_dispatcher="low_latency" if decode != "transformers" else dispatcher,
                 t_weights_us=max(f for *_, f in per_rank),
@@ -247,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         help="prefill dispatchers at EP > 1 (EP1: local)",
     )
     parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
+    parser.add_argument(
+        "--mla",
+        nargs="+",
+        default=["absorbed"],
+        choices=["absorbed", "transformers"],
+        help="MLA decode step: latent-space attention (load_model's absorb_mla) or transformers' own",
+    )
     parser.add_argument("--overlap", default="none", choices=list(OVERLAP_MODES), help="the MoE layers' overlap mode")
     parser.add_argument("--compare-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per row (the row: their median)")
@@ -255,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cuda" and "cuda_graph" in args.decode:
         parser.error("--decode cuda_graph needs --device cuda")
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {**result_meta(args.device, max(args.ranks)), "timer": "host clock, CUDA synchronised per token"}
+    timer = "transformers decode: host clock, CUDA synchronised per token; static and cuda_graph: CUDA events"
+    meta = {**result_meta(args.device, max(args.ranks)), "timer": timer}
     with tempfile.TemporaryDirectory(dir=args.checkpoint_dir) as tmp:
         path = Path(tmp) / "model"
         write_checkpoint(path, args, args.device)

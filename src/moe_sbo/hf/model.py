@@ -43,6 +43,7 @@ from ..layer import MoELayer
 from ..stages import run_to_end
 from .checkpoint import Checkpoint, LayerLoader
 from .config import model_family, moe_layer_indices
+from .mla import absorb_mla_decode
 from .static_decode import IdleDecoder, StaticDecoder
 
 WHOLE_MODEL_FAMILIES = ("deepseek_v2", "deepseek_v3", "qwen3_moe")  # transformers ships their classes
@@ -91,6 +92,7 @@ def load_model(
     device: torch.device | str = "cpu",
     decode_dispatcher: str | None = None,
     decode_dispatcher_options: dict | None = None,
+    absorb_mla: bool = True,
 ) -> nn.Module:
     """The causal LM of checkpoint ``path`` with every sparse MoE block expert-parallel over ``group``.
 
@@ -98,7 +100,9 @@ def load_model(
     everything but FP8 experts (default: bfloat16 on CUDA, float32 on CPU). ``decode_dispatcher``
     (with its options): a second dispatcher for ``generate``'s static and CUDA-graph decode steps,
     e.g. ``"low_latency"`` with ``{"max_tokens_per_rank": 8}`` (the most prompts a rank decodes),
-    while prefill uses ``dispatcher``; None: decode steps use ``dispatcher`` too. Raises
+    while prefill uses ``dispatcher``; None: decode steps use ``dispatcher`` too. ``absorb_mla``:
+    DeepSeek-V2/V3 attention decodes in the latent space (``mla.absorb_mla_decode``: the same
+    logits, without expanding the whole cache every step); False keeps ``transformers``' step. Raises
     ``ValueError`` before any collective for a family ``transformers`` has no model class for, or a
     checkpoint whose tensors do not cover the model.
     """
@@ -151,6 +155,8 @@ def load_model(
             f"(first: {result.unexpected_keys[:3]}); the files do not match config.json"
         )
     _rebuild_computed_buffers(model, device)
+    if absorb_mla:
+        absorb_mla_decode(model)
     return model.eval()
 
 
