@@ -221,14 +221,12 @@ def test_nccl_error_handling_tears_down_within_the_bound_and_keeps_the_users_cho
     assert env.nccl_error_handling(25) == {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "25",
-        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
     }
     assert env.nccl_error_handling(2.5)["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "10"
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's own choice stays
     assert env.configure_nccl_error_handling(30) == {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30",
-        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
     }
     assert os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "30"
 
@@ -236,7 +234,6 @@ def test_nccl_error_handling_tears_down_within_the_bound_and_keeps_the_users_cho
 NCCL_SETTINGS = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
-    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
 )
 
 
@@ -283,7 +280,6 @@ def test_nccl_ranks_join_with_the_wait_bound_and_teardown_on_timeout(fake_group,
         "MOE_SBO_TIMEOUT_S": "8.0",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "10",
-        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
     }
 
 

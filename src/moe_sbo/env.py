@@ -44,16 +44,16 @@ def nccl_error_handling(timeout_s: float) -> dict[str, str]:
     aborts the communicator, then ends the process (PyTorch's own default, 3, ends it without the
     abort; torchrun sets 1 too). ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: if the watchdog itself hangs (in
     the abort, say), its monitor ends the process after this long (PyTorch's default is 480 s).
-    ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``: how long the process, once the watchdog has reported,
-    waits for its debug-info dump before it is torn down: PyTorch's default of 15 s matches the
-    survivors' 13-17 s between report and exit measured on GPUs (docs/RELIABILITY.md §9); 2 s here.
+    ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (the wait for the debug-info dump after a report, 15 s)
+    is left to PyTorch: shortened to 2 s, NCCL's heartbeat monitor ended a *stalled* rank ~2 s after
+    its peer's report, before the survivors' own errors, so the launcher could no longer name the
+    stalled rank as the cause (measured on GPUs, docs/RELIABILITY.md §9).
     Blocking wait (``TORCH_NCCL_BLOCKING_WAIT``) stays off: it would make the host wait for every
     collective.
     """
     return {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(10, math.ceil(timeout_s))),
-        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
     }
 
 
