@@ -3,7 +3,9 @@
 # PARTS picks sections (default: tests bench decode): "tests" runs the low_latency GPU tests (every
 # path, the two-pass kernels and the index graphs included) and the overlap GPU tests, "bench" the
 # prefill benchmark over every visible GPU, writing "${OUT:-out}/prefill.json", its plot and logs,
-# "decode" the 128-token low_latency rows with index_graphs on and off ("${OUT:-out}/low_latency.json").
+# "decode" the 128-token low_latency rows with index_graphs on and off ("${OUT:-out}/low_latency.json"),
+# "router" the fused routing kernel's GPU tests, then torch against Triton selection, host and graph
+# time per token count ("${OUT:-out}/router.json"; not in the default PARTS).
 # Extra prefill benchmark flags go in BENCH_ARGS.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -20,7 +22,10 @@ for part in $PARTS; do
     decode)
       "$PYTHON" benchmarks/bench_low_latency.py --out "$OUT_DIR" --tokens 128 --fp8 off --kernels triton \
         --transports symm_mem nccl --index-graphs on off --baselines 2>&1 | tee "$OUT_DIR/bench_decode_$TAG.log" | tail -20 ;;
-    *) echo "unknown part $part (tests bench decode)"; exit 2 ;;
+    router)
+      "$PYTHON" -m pytest -q tests/test_routing_kernels.py -m gpu 2>&1 | tail -5
+      "$PYTHON" benchmarks/bench_router.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench_router_$TAG.log" | tail -25 ;;
+    *) echo "unknown part $part (tests bench decode router)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
 done

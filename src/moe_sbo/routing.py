@@ -71,14 +71,24 @@ def select_experts(
     return TopkOutput(topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK)
 
 
+ROUTER_KERNELS = ("torch", "triton")
+
+
 class Router(nn.Module):
-    """Gate ``weight [E, H]`` (float32) and, for ``noaux_tc``, ``e_score_correction_bias [E]``."""
+    """Gate ``weight [E, H]`` (float32) and, for ``noaux_tc``, ``e_score_correction_bias [E]``.
+
+    ``kernel``: ``"torch"`` selects the experts with ``select_experts`` (a dozen small ops);
+    ``"triton"`` with ``routing_kernels.select_experts_fused`` (one launch, the same experts and
+    weights; on CPU under ``TRITON_INTERPRET=1``). Settable after construction (``router.kernel``)."""
 
     e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
 
-    def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None):
+    def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None, kernel: str = "torch"):
         super().__init__()
+        if kernel not in ROUTER_KERNELS:
+            raise ValueError(f"the router kernel must be one of {ROUTER_KERNELS}, got {kernel!r}")
         self.cfg = cfg
+        self.kernel = kernel
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32, device=device))
         self.register_buffer(
             "e_score_correction_bias",
@@ -89,4 +99,9 @@ class Router(nn.Module):
         with annotate("router"):
             logits_TE = F.linear(x_TH.float(), self.weight)
             bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
+            if self.kernel == "triton":
+                from .routing_kernels import select_experts_fused  # Triton: imported when asked for
+
+                ids_TK, weights_TK = select_experts_fused(logits_TE, self.cfg, bias_E)
+                return TopkOutput(topk_ids_TK=ids_TK, topk_weights_TK=weights_TK)
             return select_experts(logits_TE, self.cfg, bias_E)

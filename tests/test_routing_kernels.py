@@ -1,0 +1,97 @@
+"""The fused routing kernel (``routing_kernels.py``, Triton's interpreter on CPU) against the torch
+router (``routing.select_experts``, itself held to the Hugging Face gates in ``test_hf_parity``): the
+same set of experts per token and the same weights (float32, 1e-6), for every preset's routing, with
+token counts that are not a power of two, zero tokens, NaN logits and a kept router bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_sbo.config import PRESETS, get_preset
+from moe_sbo.layer import MoELayer
+from moe_sbo.routing import Router, select_experts
+from moe_sbo.routing_kernels import select_experts_fused
+
+
+def _by_id(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = ids_TK.argsort(dim=-1)
+    return ids_TK.gather(1, order), weights_TK.gather(1, order)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_fused_selection_equals_the_torch_router(preset, tokens):
+    cfg = get_preset(preset)
+    generator = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, cfg.num_experts, generator=generator) * 3
+    bias = torch.randn(cfg.num_experts, generator=generator) * 0.3 if cfg.topk_method == "noaux_tc" else None
+    want = select_experts(logits, cfg, bias)
+    ids, weights = select_experts_fused(logits, cfg, bias)
+    want_ids, want_weights = _by_id(want.topk_ids_TK, want.topk_weights_TK)
+    got_ids, got_weights = _by_id(ids, weights)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-6, atol=1e-7)
+    # Descending by the choice score (the biased one for noaux_tc), as documented.
+    choice = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
+    if bias is not None:
+        choice = choice + bias
+    ranked = choice.gather(1, ids)
+    assert bool((ranked[:, :-1] >= ranked[:, 1:]).all())
+
+
+def test_zero_tokens_and_nan_logits():
+    cfg = get_preset("deepseek-v3")
+    ids, weights = select_experts_fused(torch.empty(0, cfg.num_experts), cfg)
+    assert ids.shape == (0, cfg.num_experts_per_tok) and weights.shape == ids.shape
+    logits = torch.randn(3, cfg.num_experts)
+    logits[1, 5] = float("nan")
+    logits[2] = float("nan")
+    ids, weights = select_experts_fused(logits, cfg, torch.zeros(cfg.num_experts))
+    assert bool(((ids >= 0) & (ids < cfg.num_experts)).all())  # real experts, whatever the logits
+    assert all(len(set(row)) == cfg.num_experts_per_tok for row in ids.tolist())  # no expert twice
+    assert not weights[0].isnan().any() and weights[2].isnan().all()
+    want = select_experts(logits[:1], cfg).topk_weights_TK[0]
+    torch.testing.assert_close(weights[0], want.sort(descending=True).values)
+
+
+def test_a_router_with_the_triton_kernel_gives_the_layer_the_same_output():
+    layer = MoELayer(get_preset("tiny"), dispatcher="local", seed=3)
+    x = torch.randn(29, layer.cfg.hidden_size)
+    want = layer(x)
+    layer.router.kernel = "triton"
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_router_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel"):
+        Router(get_preset("tiny"), kernel="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b"])
+def test_fused_selection_on_cuda_equals_the_torch_router_and_replays_from_a_graph(preset):
+    from moe_sbo.streams import capture_graph
+
+    cfg = get_preset(preset)
+    router = Router(cfg, device="cuda")
+    with torch.no_grad():
+        router.weight.normal_(0, 0.02)
+        router.e_score_correction_bias.normal_(0, 0.05)
+    x = torch.randn(4096, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = router(x)
+        router.kernel = "triton"
+        got = router(x)
+        out: list = []
+        graph, _ = capture_graph(lambda: out.append(router(x)))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        again = router(x)
+    ids, weights = _by_id(got.topk_ids_TK, got.topk_weights_TK)
+    want_ids, want_weights = _by_id(want.topk_ids_TK, want.topk_weights_TK)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[-1].topk_ids_TK, again.topk_ids_TK)
+    assert torch.equal(out[-1].topk_weights_TK, again.topk_weights_TK)
