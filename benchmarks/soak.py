@@ -4,7 +4,10 @@ Per (dispatcher, overlap mode) every rank builds one layer, runs ``--warmup`` fo
 ``--forwards`` more on the same input, and reports (the row holds the worst rank):
 
 - host memory: resident set size (``/proc/self/statm``) after warm-up and after the soak, and at 11
-  checkpoints (after the first forward, then every tenth; ``rss_kib_checkpoints_rank0``); the garbage
+  checkpoints (after the first forward, then every tenth; ``rss_kib_checkpoints_rank0``; its
+  file-backed part, mostly library code paged in as it first runs, ``rss_file_kib_*``), and at the
+  same checkpoints the C heap's bytes in use and held (glibc ``mallinfo2``, ``malloc_in_use_kib_*``,
+  ``malloc_held_kib_*``: a native leak grows the first, fragmentation the second only); the garbage
   collector's object count at the same checkpoints (a list that grows per forward shows up here first:
   without a leak it never rises, and is usually exactly equal);
 - device memory (CUDA): ``torch.cuda.memory_allocated`` before/after and the peak during the soak;
@@ -32,6 +35,7 @@ Usage (repo root):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -60,11 +64,72 @@ CHECKPOINTS = 10
 def host_rss_kib() -> int:
     """This process's resident set size in KiB (``/proc``; elsewhere the peak RSS, the best available)."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+        return _statm_kib()[0]
     except OSError:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak // 1024 if sys.platform == "darwin" else peak
+
+
+def _statm_kib() -> tuple[int, int]:
+    """(resident, resident and file-backed) in KiB from ``/proc/self/statm``. File-backed pages are
+    mostly the code of the libraries the process runs: they grow as code runs that had not run yet,
+    and are no allocation of the process's."""
+    with open("/proc/self/statm") as f:
+        fields = f.read().split()
+    page_kib = os.sysconf("SC_PAGE_SIZE") // 1024
+    return int(fields[1]) * page_kib, int(fields[2]) * page_kib
+
+
+def rss_file_kib() -> int:
+    """The file-backed part of ``host_rss_kib`` (-1 without ``/proc``)."""
+    try:
+        return _statm_kib()[1]
+    except OSError:
+        return -1
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _mallinfo2():
+    """glibc's ``mallinfo2`` (2.33+), or None (another C library, an older glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        function = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _Mallinfo2
+    return function
+
+
+MALLINFO2 = _mallinfo2()
+
+
+def malloc_kib() -> tuple[int, int]:
+    """The C heap in KiB (glibc's ``mallinfo2``, over every arena): (in use: ``uordblks`` +
+    ``hblkhd``, what it has handed out and not had back; held: ``arena`` + ``hblkhd``, what it has
+    taken from the system). (-1, -1) where unavailable. A native leak grows "in use"; fragmentation
+    grows "held" but not "in use"; RSS that grows with neither is memory outside the C heap
+    (Python's own object arenas, a library's own mappings)."""
+    if MALLINFO2 is None:
+        return -1, -1
+    info = MALLINFO2()
+    return (info.uordblks + info.hblkhd) // 1024, (info.arena + info.hblkhd) // 1024
 
 
 def _hook_count(layer: MoELayer, tbo: bool) -> int:
@@ -125,7 +190,8 @@ def _soak(run, y_first: torch.Tensor, count: int) -> dict:
     every tenth of the calls, at the same point of this loop, so without a leak the object count
     stays where it was, give or take a transient object.
     """
-    rss_kib, objects, differing, max_abs_diff = [], [], 0, 0.0
+    rss_kib, file_kib, in_use_kib, held_kib, objects = [], [], [], [], []
+    differing, max_abs_diff = 0, 0.0
     every = max(count // CHECKPOINTS, 1)
     start = time.perf_counter()
     for i in range(count):
@@ -137,12 +203,19 @@ def _soak(run, y_first: torch.Tensor, count: int) -> dict:
             gc.collect()
             objects.append(len(gc.get_objects()))
             rss_kib.append(host_rss_kib())
+            file_kib.append(rss_file_kib())
+            in_use, held = malloc_kib()
+            in_use_kib.append(in_use)
+            held_kib.append(held)
     return {
         "forwards": count,
         "t_forward_us": (time.perf_counter() - start) / max(count, 1) * 1e6,
         "outputs_differing": differing,
         "max_abs_diff": max_abs_diff,
         "rss_kib_checkpoints": rss_kib,
+        "rss_file_kib_checkpoints": file_kib,
+        "malloc_in_use_kib_checkpoints": in_use_kib,
+        "malloc_held_kib_checkpoints": held_kib,
         "py_objects_checkpoints": objects,
     }
 
@@ -237,6 +310,12 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         row["rss_kib_before"] = [r["rss_kib_before"] for r in variant]
         row["rss_kib_after"] = [r["rss_kib_after"] for r in variant]
         row["rss_kib_checkpoints_rank0"] = variant[0]["rss_kib_checkpoints"]
+        row["rss_file_kib_checkpoints_rank0"] = variant[0]["rss_file_kib_checkpoints"]
+        row["malloc_in_use_kib_checkpoints_rank0"] = variant[0]["malloc_in_use_kib_checkpoints"]
+        row["malloc_held_kib_checkpoints_rank0"] = variant[0]["malloc_held_kib_checkpoints"]
+        row["malloc_in_use_growth_kib"] = max(
+            r["malloc_in_use_kib_checkpoints"][-1] - r["malloc_in_use_kib_checkpoints"][0] for r in variant
+        )
         row["py_objects_checkpoints_rank0"] = variant[0]["py_objects_checkpoints"]
         row["py_objects_growth"] = max(_rise_at_end(r["py_objects_checkpoints"]) for r in variant)
         row["hooks_growth"] = max(r["hooks_after"] - r["hooks_before"] for r in variant)

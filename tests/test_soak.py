@@ -68,6 +68,10 @@ def test_soak_smoke(tmp_path):
         # Objects: a transient one or two may come and go; a leak of one per forward would be ~27 here.
         assert row["hooks_growth"] == 0 and row["hooks_after"] == 0 and row["py_objects_growth"] <= 8
         assert row["outputs_differing"] == 0 and len(row["rss_kib_checkpoints_rank0"]) == 11
+        # Where the growth would be: file-backed pages and glibc's heap (in use, held), per checkpoint.
+        for memory in ("rss_file_kib", "malloc_in_use_kib", "malloc_held_kib"):
+            checkpoints = row[f"{memory}_checkpoints_rank0"]
+            assert len(checkpoints) == 11 and all(kib > 0 for kib in checkpoints), (memory, checkpoints)
         # low_latency's rows name the path "auto" resolved to: on CPU the torch ops over the process group.
         assert (row["kernels"], row["transport"]) == ("torch", "nccl")
 
