@@ -28,7 +28,6 @@ CPU smoke: ``python benchmarks/bench_foundation.py --out DIR --device cpu --pres
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ from moe_sbo.config import PRESETS, get_preset
 from moe_sbo.experts import RoutedExperts, grouped_mm_supported
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import SPANS, KernelTimer, time_all_to_all, time_layer
+from moe_sbo.measure.timing import SPANS, KernelTimer, time_layer, time_raw_all_to_all
 from moe_sbo.runtime import RankPool
 
 DISPATCHERS = ("allgather", "alltoall")
@@ -81,18 +80,11 @@ def layer_bench_rank(
                 "combine_bytes_recv": traffic.combine_bytes_recv,
             }
             if world > 1:
-                # Raw NCCL (gloo on CPU) on the same bytes: every rank agrees on the mean per-rank bytes
-                # of each phase and sends them in equal chunks to the other P-1 ranks (the chunk to
-                # itself is a local copy, excluded from the bytes as the dispatchers exclude it).
-                sent = torch.tensor(
-                    [traffic.dispatch_bytes_sent, traffic.combine_bytes_sent], dtype=torch.int64, device=device
-                )
-                dist.all_reduce(sent)
-                elem = torch.finfo(dtype).bits // 8
-                chunks = [max(1, math.ceil(int(b) / world / ((world - 1) * elem))) for b in sent.tolist()]
-                row["ref_t_dispatch_us"] = time_all_to_all(chunks[0], dtype, device, warmup, iters, seed)
-                row["ref_t_combine_us"] = time_all_to_all(chunks[1], dtype, device, warmup, iters, seed + 1)
-                row["ref_bytes"] = sum(chunks) * (world - 1) * elem
+                # Raw NCCL (gloo on CPU) on the same bytes, the mean over ranks of each phase.
+                sent = (traffic.dispatch_bytes_sent, traffic.combine_bytes_sent)
+                times, chunks = time_raw_all_to_all(sent, dtype, device, warmup, iters, seed, rule="mean")
+                row["ref_t_dispatch_us"], row["ref_t_combine_us"] = times
+                row["ref_bytes"] = sum(chunks) * (world - 1) * dtype.itemsize
             rows.append(row)
         del layer
     if device.type == "cuda":

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import math
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ from moe_sbo.config import PRESETS, MoEConfig, get_preset
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import Stamps, line_up, time_all_to_all, time_fn, time_layer
+from moe_sbo.measure.timing import Stamps, line_up, time_fn, time_layer, time_raw_all_to_all
 from moe_sbo.runtime import RankPool
 from moe_sbo.streams import capture_graph
 
@@ -218,14 +217,10 @@ def baseline_rank(
                 "combine_bytes_recv": traffic.combine_bytes_recv,
             }
             if world > 1:
-                # Ranks agree on the mean bytes of each phase, sent in equal chunks to the P - 1 others.
-                sent = torch.tensor(
-                    [traffic.dispatch_bytes_sent, traffic.combine_bytes_sent], dtype=torch.int64, device=device
-                )
-                dist.all_reduce(sent)
-                chunks = [max(1, math.ceil(int(b) / world / ((world - 1) * dtype.itemsize))) for b in sent.tolist()]
-                row["ref_t_dispatch_us"] = time_all_to_all(chunks[0], dtype, device, warmup, iters, seed)
-                row["ref_t_combine_us"] = time_all_to_all(chunks[1], dtype, device, warmup, iters, seed + 1)
+                # Raw NCCL on the same bytes, the mean over ranks of each phase.
+                sent = (traffic.dispatch_bytes_sent, traffic.combine_bytes_sent)
+                times, _ = time_raw_all_to_all(sent, dtype, device, warmup, iters, seed, rule="mean")
+                row["ref_t_dispatch_us"], row["ref_t_combine_us"] = times
             rows.append(row)
         del layer
     if device.type == "cuda":

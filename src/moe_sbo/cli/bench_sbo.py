@@ -35,7 +35,7 @@ import torch.distributed as dist
 from rich.table import Table
 
 from ..layer import MoELayer
-from ..measure.timing import SPANS, line_up, time_all_to_all, time_fn, time_layer
+from ..measure.timing import SPANS, line_up, time_fn, time_layer, time_raw_all_to_all
 from ..overlap import AutoOverlap, make_overlap
 from ..overlap.sbo import bucket_of
 from ..routing import TopkOutput
@@ -151,13 +151,12 @@ def floor_and_wire(
     traffic = layer.dispatcher.last_traffic
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
-        # Every rank sends the largest rank's bytes: all_to_all_single needs one size on all of them.
-        sizes = torch.tensor([traffic.dispatch_bytes_sent, traffic.combine_bytes_sent], device=device)
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-        for phase, size in zip(("dispatch", "combine"), sizes.tolist()):
+        # The largest rank's bytes: the transfer the layer waits for.
+        sent = (traffic.dispatch_bytes_sent, traffic.combine_bytes_sent)
+        times, _ = time_raw_all_to_all(sent, x_TH.dtype, device, warmup, iters, seed, rule="max")
+        for phase, t_us in zip(("dispatch", "combine"), times):
             out[f"{phase}_bytes_sent"] = float(getattr(traffic, f"{phase}_bytes_sent"))
-            chunk = max(1, -(-int(size) // ((world - 1) * x_TH.element_size())))
-            out[f"ref_t_{phase}_us"] = time_all_to_all(chunk, x_TH.dtype, device, warmup, iters, seed)
+            out[f"ref_t_{phase}_us"] = t_us
     return out
 
 

@@ -9,9 +9,10 @@ another rank's communication.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -157,6 +158,37 @@ def time_all_to_all(
     send = torch.randn(world * chunk_elems, generator=generator, device=device).to(dtype)
     recv = torch.empty_like(send)
     return time_fn(lambda: dist.all_to_all_single(recv, send), device, warmup, iters, graph=False)
+
+
+def time_raw_all_to_all(
+    bytes_sent: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    seed: int,
+    *,
+    rule: str,
+) -> tuple[list[float], list[int]]:
+    """Raw ``all_to_all_single`` on the bytes of each phase -> (median µs per phase, elements each
+    rank sent to each peer). A collective: call it on every rank, with this rank's ``bytes_sent``
+    per phase (e.g. dispatch and combine).
+
+    ``all_to_all_single`` needs one size on every rank, so the ranks first agree on one per phase:
+    ``rule="mean"``, the mean over ranks (a dispatcher's bandwidth beside NCCL's on the same bytes),
+    or ``"max"``, the largest rank's (the transfer a layer waits for: its physical floor). Each rank
+    sends it in equal chunks to the P - 1 others; the chunk to itself is a local copy, excluded from
+    the bytes as the dispatchers exclude it.
+    """
+    if rule not in ("mean", "max"):
+        raise ValueError(f"rule must be 'mean' or 'max', got {rule!r}")
+    world = dist.get_world_size()
+    sizes = torch.tensor(list(bytes_sent), dtype=torch.int64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX if rule == "max" else dist.ReduceOp.SUM)
+    per_rank = [b if rule == "max" else b / world for b in sizes.tolist()]
+    chunks = [max(1, math.ceil(b / ((world - 1) * dtype.itemsize))) for b in per_rank]
+    times = [time_all_to_all(c, dtype, device, warmup, iters, seed + i) for i, c in enumerate(chunks)]
+    return times, chunks
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, graph: bool) -> float:

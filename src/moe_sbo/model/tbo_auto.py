@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import EPGroup
-from ..overlap.sbo import bucket_of
+from ..overlap.sbo import BucketTrials, bucket_of
 from ..streams import capturing, clock, elapsed_us
 from .attention import Batch, KVCache
 from .tbo import tbo_forward
@@ -51,12 +51,14 @@ class AutoTbo:
     trials: int = 3
     warmup: int = 1
     choices: dict[int, bool] = field(default_factory=dict)
-    timings_us: dict[int, dict[bool, list[float]]] = field(default_factory=dict)
-    _calls: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.trials < 1 or self.warmup < 0:
-            raise ValueError(f"trials must be >= 1 and warmup >= 0, got trials={self.trials}, warmup={self.warmup}")
+        self.exploration = BucketTrials(CANDIDATES, self.trials, self.warmup)
+
+    @property
+    def timings_us(self) -> dict[int, dict[bool, list[float]]]:
+        """Bucket -> with TBO or not -> the µs of its timed forwards."""
+        return self.exploration.timings_us
 
     def forward(
         self,
@@ -92,15 +94,11 @@ class AutoTbo:
         bucket = bucket_of(agreed_tokens)
         if bucket in self.choices or capturing(device):
             return forward(self.choices.get(bucket, False))
-        call = self._calls.get(bucket, 0)
-        self._calls[bucket] = call + 1
-        use_tbo = CANDIDATES[call % len(CANDIDATES)]
+        use_tbo, timed = self.exploration.next(bucket)
         y_TH, elapsed_us = _timed(lambda: forward(use_tbo), device)
-        if call >= self.warmup * len(CANDIDATES):
-            samples = self.timings_us.setdefault(bucket, {c: [] for c in CANDIDATES})
-            samples[use_tbo].append(elapsed_us)
-            if all(len(samples[c]) >= self.trials for c in CANDIDATES):
-                self.choices[bucket] = self._decide(samples, ep, device)
+        samples = self.exploration.book(bucket, use_tbo, elapsed_us) if timed else None
+        if samples is not None:
+            self.choices[bucket] = self._decide(samples, ep, device)
         return y_TH
 
     def decided(self, agreed_tokens: int) -> bool:

@@ -36,6 +36,7 @@ import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from ..streams import (
 from ..streams import sm_budget as sm_budget_ctx
 
 log = logging.getLogger("moe_sbo.overlap")
+C = TypeVar("C")  # an auto strategy's candidate: an overlap mode, or TBO on/off
 
 FIXED_MODES: tuple[str, ...] = ("none", "dispatch", "combine", "combine_sm", "split")
 OVERLAP_MODES: tuple[str, ...] = (*FIXED_MODES, "auto")
@@ -212,6 +214,36 @@ def bucket_of(num_tokens: int) -> int:
 
 
 @dataclass
+class BucketTrials(Generic[C]):
+    """The exploration behind an ``auto`` choice, per token-count bucket: the bucket's forwards cycle
+    through ``candidates``, the first ``warmup`` rounds untimed, then timed until every candidate has
+    ``trials`` samples (``timings_us``: bucket -> candidate -> µs). Used by SBO's ``AutoOverlap``
+    and TBO's ``AutoTbo``, which decide from the samples each their own way."""
+
+    candidates: tuple[C, ...]
+    trials: int = 3
+    warmup: int = 1
+    timings_us: dict[int, dict[C, list[float]]] = field(default_factory=dict)
+    _calls: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.trials < 1 or self.warmup < 0:
+            raise ValueError(f"trials must be >= 1 and warmup >= 0, got trials={self.trials}, warmup={self.warmup}")
+
+    def next(self, bucket: int) -> tuple[C, bool]:
+        """The candidate this forward of ``bucket`` runs, and whether its time is to be booked."""
+        call = self._calls.get(bucket, 0)
+        self._calls[bucket] = call + 1
+        return self.candidates[call % len(self.candidates)], call >= self.warmup * len(self.candidates)
+
+    def book(self, bucket: int, candidate: C, elapsed_us: float) -> dict[C, list[float]] | None:
+        """Book one timed forward; the bucket's samples once every candidate has its trials, else None."""
+        samples = self.timings_us.setdefault(bucket, {c: [] for c in self.candidates})
+        samples[candidate].append(elapsed_us)
+        return samples if all(len(samples[c]) >= self.trials for c in self.candidates) else None
+
+
+@dataclass
 class AutoOverlap:
     """Per token-count bucket, time every candidate mode on real forwards, then keep the fastest.
 
@@ -229,8 +261,6 @@ class AutoOverlap:
     trials: int = 3
     warmup: int = 1
     choices: dict[int, str] = field(default_factory=dict)
-    timings_us: dict[int, dict[str, list[float]]] = field(default_factory=dict)
-    _calls: dict[int, int] = field(default_factory=dict)
     _open: dict[int, tuple[str, torch.cuda.Event | float, torch.cuda.Event | float]] = field(default_factory=dict)
 
     name = "auto"
@@ -241,6 +271,12 @@ class AutoOverlap:
         unknown = set(self.candidates) - set(FIXED_MODES)
         if unknown:
             raise ValueError(f"auto candidates must be among {FIXED_MODES}, got {sorted(unknown)}")
+        self.exploration = BucketTrials(self.candidates, self.trials, self.warmup)
+
+    @property
+    def timings_us(self) -> dict[int, dict[str, list[float]]]:
+        """Bucket -> mode -> the µs of its timed forwards."""
+        return self.exploration.timings_us
 
     def attach(self, hooks: HookScope, shared: SharedExperts | None, x_TH: torch.Tensor) -> SharedOutput:
         if shared is None:
@@ -251,12 +287,9 @@ class AutoOverlap:
         self._close(bucket)
         if bucket in self.choices:  # that forward's timing completed the exploration
             return ATTACH[self.choices[bucket]](hooks, shared, x_TH, self.ctx)
-        call = self._calls.get(bucket, 0)
-        self._calls[bucket] = call + 1
-        mode = self.candidates[call % len(self.candidates)]
+        mode, timed = self.exploration.next(bucket)
         start = clock(self.ctx.device)
         out = ATTACH[mode](hooks, shared, x_TH, self.ctx)
-        timed = call >= self.warmup * len(self.candidates)
 
         def stop() -> None:
             if timed:
@@ -270,9 +303,8 @@ class AutoOverlap:
         if bucket not in self._open:
             return
         mode, start, end = self._open.pop(bucket)
-        samples = self.timings_us.setdefault(bucket, {m: [] for m in self.candidates})
-        samples[mode].append(elapsed_us(start, end))
-        if all(len(samples[m]) >= self.trials for m in self.candidates):
+        samples = self.exploration.book(bucket, mode, elapsed_us(start, end))
+        if samples is not None:
             medians = {m: statistics.median(samples[m]) for m in self.candidates}
             # ties go to the earlier candidate, and "none" comes first
             self.choices[bucket] = min(self.candidates, key=lambda m: medians[m])
