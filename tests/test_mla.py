@@ -61,6 +61,7 @@ def test_absorbed_decode_steps_give_transformers_logits(family, q_lora_rank, rop
     reference = _model(family, q_lora_rank, rope_interleave)
     absorbed = copy.deepcopy(reference)
     assert mla.absorb_mla_decode(absorbed) == reference.config.num_hidden_layers
+    assert mla.absorb_mla_decode(absorbed) == reference.config.num_hidden_layers  # once is enough
     calls = []
     latent_attention = mla.latent_attention
     monkeypatch.setattr(mla, "latent_attention", lambda *a: calls.append(a[2].shape) or latent_attention(*a))

@@ -54,6 +54,9 @@ def absorb_mla_decode(model: nn.Module) -> int:
     for module in model.modules():
         if not hasattr(module, "kv_b_proj") or type(module.kv_b_proj) is not nn.Linear:
             continue
+        if getattr(module.forward, "func", None) is _attention_forward:  # installed already
+            count += 1
+            continue
         rope = _rope_of(module, family)
         module.forward = functools.partial(_attention_forward, module, module.forward, rope)
         count += 1
