@@ -7,7 +7,9 @@ Per (dispatcher, overlap mode) every rank builds one layer, runs ``--warmup`` fo
   checkpoints (after the first forward, then every tenth; ``rss_kib_checkpoints_rank0``; its
   file-backed part, mostly library code paged in as it first runs, ``rss_file_kib_*``), and at the
   same checkpoints the C heap's bytes in use and held (glibc ``mallinfo2``, ``malloc_in_use_kib_*``,
-  ``malloc_held_kib_*``: a native leak grows the first, fragmentation the second only); the garbage
+  ``malloc_held_kib_*``: a native leak grows the first, fragmentation the second only), and the
+  three mappings whose resident pages grew most from the first checkpoint to the last
+  (``rss_growth_by_mapping_rank0``: ``[heap]``, a library, ``[anon]`` of a size); the garbage
   collector's object count at the same checkpoints (a list that grows per forward shows up here first:
   without a leak it never rises, and is usually exactly equal);
 - device memory (CUDA): ``torch.cuda.memory_allocated`` before/after and the peak during the soak;
@@ -120,6 +122,49 @@ def _mallinfo2():
 MALLINFO2 = _mallinfo2()
 
 
+def rss_by_mapping() -> dict[tuple[str, str], tuple[int, int]]:
+    """Resident KiB of each mapping of this process (``/proc/self/smaps``): (start address, name) ->
+    (size KiB, resident KiB); {} without ``/proc``. The heap is keyed by name alone (it grows at
+    its end)."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    key, size = ("", ""), 0
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:  # line by line: reading it whole would itself grow the heap being measured
+                if line.startswith("Rss:"):
+                    out[key] = (size, int(line.split()[1]))
+                elif not line.split(maxsplit=1)[0].endswith(":"):  # a header: range perms offset dev inode [name]
+                    fields = line.split()
+                    start, end = (int(v, 16) for v in fields[0].split("-"))
+                    name = fields[5] if len(fields) > 5 else "[anon]"
+                    key, size = (("", name) if name == "[heap]" else (hex(start), name)), (end - start) // 1024
+    except OSError:
+        return {}
+    return out
+
+
+def top_growth(before: dict, after: dict, most: int = 3) -> list[dict]:
+    """The mappings whose resident KiB grew most between two ``rss_by_mapping`` readings."""
+    grown = []
+    for key, (size, rss) in after.items():
+        growth = rss - before.get(key, (0, 0))[1]
+        if growth > 0:
+            grown.append({"mapping": key[1], "size_kib": size, "growth_kib": growth})
+    return sorted(grown, key=lambda g: -g["growth_kib"])[:most]
+
+
+def malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: give free heap pages back to the system (the top of the heap, and
+    whole free pages inside it), so that RSS counts the pages in use, not the allocator's slack.
+    False where unavailable. It cannot release memory in use: a leak survives it."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
 def malloc_kib() -> tuple[int, int]:
     """The C heap in KiB (glibc's ``mallinfo2``, over every arena): (in use: ``uordblks`` +
     ``hblkhd``, what it has handed out and not had back; held: ``arena`` + ``hblkhd``, what it has
@@ -183,17 +228,19 @@ class _Watch:
         return out
 
 
-def _soak(run, y_first: torch.Tensor, count: int) -> dict:
+def _soak(run, y_first: torch.Tensor, count: int, trim: bool = False) -> dict:
     """``count`` calls of ``run()``, each output compared with ``y_first``.
 
     Host RSS and the garbage collector's object count are read after the first call and then after
     every tenth of the calls, at the same point of this loop, so without a leak the object count
-    stays where it was, give or take a transient object.
+    stays where it was, give or take a transient object. ``trim``: at each checkpoint, after those
+    readings, ``malloc_trim`` and the RSS once more (``rss_trimmed_kib_checkpoints``).
     """
-    rss_kib, file_kib, in_use_kib, held_kib, objects = [], [], [], [], []
+    rss_kib, file_kib, in_use_kib, held_kib, objects, trimmed_kib = [], [], [], [], [], []
     differing, max_abs_diff = 0, 0.0
     every = max(count // CHECKPOINTS, 1)
     start = time.perf_counter()
+    mappings_first: dict = {}
     for i in range(count):
         y = run()
         if not torch.equal(y, y_first):
@@ -207,7 +254,12 @@ def _soak(run, y_first: torch.Tensor, count: int) -> dict:
             in_use, held = malloc_kib()
             in_use_kib.append(in_use)
             held_kib.append(held)
+            if trim and malloc_trim():
+                trimmed_kib.append(host_rss_kib())
+            if i == 0:
+                mappings_first = rss_by_mapping()
     return {
+        "rss_growth_by_mapping": top_growth(mappings_first, rss_by_mapping()),
         "forwards": count,
         "t_forward_us": (time.perf_counter() - start) / max(count, 1) * 1e6,
         "outputs_differing": differing,
@@ -216,6 +268,7 @@ def _soak(run, y_first: torch.Tensor, count: int) -> dict:
         "rss_file_kib_checkpoints": file_kib,
         "malloc_in_use_kib_checkpoints": in_use_kib,
         "malloc_held_kib_checkpoints": held_kib,
+        "rss_trimmed_kib_checkpoints": trimmed_kib,
         "py_objects_checkpoints": objects,
     }
 
@@ -256,7 +309,7 @@ def soak_rank(device: torch.device, spec: dict) -> list[dict]:
         for _ in range(spec["warmup"]):
             _forward(layer, x_TH, spec["tbo"])
         watch = _Watch(layer, device, spec["tbo"])
-        soaked = _soak(lambda: _forward(layer, x_TH, spec["tbo"]), y_first, spec["forwards"])
+        soaked = _soak(lambda: _forward(layer, x_TH, spec["tbo"]), y_first, spec["forwards"], spec["trim"])
         rows.append({"graph": False, **path, **watch.report(soaked)})
 
         capturable = getattr(type(layer.dispatcher), "graph_capturable", False)
@@ -272,7 +325,7 @@ def soak_rank(device: torch.device, spec: dict) -> list[dict]:
                 return y_static
 
             watch = _Watch(layer, device, False)
-            row = watch.report(_soak(replay, y_graph_first, spec["graph_replays"]))
+            row = watch.report(_soak(replay, y_graph_first, spec["graph_replays"], spec["trim"]))
             # The replays compute what the eager forward did (same kernels, same input).
             row["graph_vs_eager_max_abs_diff"] = (y_graph_first.float() - y_first.float()).abs().max().item()
             rows.append({"graph": True, **path, **row})
@@ -311,11 +364,17 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         row["rss_kib_after"] = [r["rss_kib_after"] for r in variant]
         row["rss_kib_checkpoints_rank0"] = variant[0]["rss_kib_checkpoints"]
         row["rss_file_kib_checkpoints_rank0"] = variant[0]["rss_file_kib_checkpoints"]
+        row["rss_growth_by_mapping_rank0"] = variant[0]["rss_growth_by_mapping"]
         row["malloc_in_use_kib_checkpoints_rank0"] = variant[0]["malloc_in_use_kib_checkpoints"]
         row["malloc_held_kib_checkpoints_rank0"] = variant[0]["malloc_held_kib_checkpoints"]
         row["malloc_in_use_growth_kib"] = max(
             r["malloc_in_use_kib_checkpoints"][-1] - r["malloc_in_use_kib_checkpoints"][0] for r in variant
         )
+        if all(r["rss_trimmed_kib_checkpoints"] for r in variant):
+            row["rss_trimmed_kib_checkpoints_rank0"] = variant[0]["rss_trimmed_kib_checkpoints"]
+            row["rss_trimmed_growth_kib"] = max(
+                r["rss_trimmed_kib_checkpoints"][-1] - r["rss_trimmed_kib_checkpoints"][0] for r in variant
+            )
         row["py_objects_checkpoints_rank0"] = variant[0]["py_objects_checkpoints"]
         row["py_objects_growth"] = max(_rise_at_end(r["py_objects_checkpoints"]) for r in variant)
         row["hooks_growth"] = max(r["hooks_after"] - r["hooks_before"] for r in variant)
@@ -385,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-tolerance-kib", type=int, default=1024)
     parser.add_argument(
+        "--trim",
+        action="store_true",
+        help="at each checkpoint also read the RSS after glibc's malloc_trim (rss_trimmed_*): the pages "
+        "in use without the allocator's free slack (this changes the later raw readings too)",
+    )
+    parser.add_argument(
         "--objects-tolerance", type=int, default=8, help="Python objects the count may end above its lowest checkpoint"
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when any case is not flat or not stable")
@@ -429,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             "forwards": forwards,
             "seed": args.seed,
             "graph_replays": forwards if args.graph_replays is None else args.graph_replays,
+            "trim": args.trim,
         }
         for name in dispatchers
         for mode in overlaps

@@ -72,6 +72,7 @@ def test_soak_smoke(tmp_path):
         for memory in ("rss_file_kib", "malloc_in_use_kib", "malloc_held_kib"):
             checkpoints = row[f"{memory}_checkpoints_rank0"]
             assert len(checkpoints) == 11 and all(kib > 0 for kib in checkpoints), (memory, checkpoints)
+        assert all(g["growth_kib"] > 0 and g["size_kib"] > 0 for g in row["rss_growth_by_mapping_rank0"])
         # low_latency's rows name the path "auto" resolved to: on CPU the torch ops over the process group.
         assert (row["kernels"], row["transport"]) == ("torch", "nccl")
 
