@@ -277,20 +277,22 @@ def _save_word_tokenizer(path, words: list[str]) -> dict[str, int]:
     return vocab
 
 
-def test_cli_generates_prompt_ids_as_transformers(checkpoints, tmp_path):
+@pytest.mark.parametrize("family, mla", [("qwen3_moe", "absorbed"), ("deepseek_v3", "transformers")])
+def test_cli_generates_prompt_ids_as_transformers(checkpoints, tmp_path, family, mla):
     from moe_sbo.cli.main import main
 
     out = tmp_path / "gen.json"
-    argv = ["generate", "--checkpoint", checkpoints["qwen3_moe"], "--ranks", "2", "--max-new-tokens", str(NEW_TOKENS)]
-    argv += ["--prompt-ids", "1,5,9,3", "--prompt-ids", "2,2", "--prompt-ids", "7", "--json", str(out)]
+    argv = ["generate", "--checkpoint", checkpoints[family], "--ranks", "2", "--max-new-tokens", str(NEW_TOKENS)]
+    argv += ["--prompt-ids", "1,5,9,3", "--prompt-ids", "2,2", "--prompt-ids", "7", "--json", str(out), "--mla", mla]
     assert main(argv) == 0
     import json
 
     result = json.loads(out.read_text())
+    assert result["meta"]["mla"] == mla
     prompts = [[1, 5, 9, 3], [2, 2], [7]]
     # Prompt i ran on rank i mod 2, batched with that rank's other prompts.
-    expected = reference_ids(checkpoints["qwen3_moe"], [prompts[0], prompts[2]]) + reference_ids(
-        checkpoints["qwen3_moe"], [prompts[1]]
+    expected = reference_ids(checkpoints[family], [prompts[0], prompts[2]]) + reference_ids(
+        checkpoints[family], [prompts[1]]
     )
     got = {row["prompt"]: row["token_ids"] for row in result["rows"]}
     assert [got[0], got[2], got[1]] == expected

@@ -88,6 +88,13 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
         "auto: cuda_graph on CUDA, static on CPU",
     )
     parser.add_argument(
+        "--mla",
+        default="absorbed",
+        choices=["absorbed", "transformers"],
+        help="DeepSeek-V2/V3 decode attention: absorbed (in the latent space, reading the cache once) or "
+        "transformers' own step (expands the whole cache every step); other families ignore it",
+    )
+    parser.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA, float32 on CPU"
     )
     add_expert_dtype_arg(parser)
@@ -144,6 +151,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "dispatcher_options": _dispatcher_options(args.dispatcher, shares),
         "decode": args.decode,
+        "absorb_mla": args.mla == "absorbed",
     }
     if torchrun is not None:
         torch_device = init_from_torchrun(device)
@@ -170,7 +178,18 @@ def resolve_decode(decode: str, device: str) -> str:
 
 
 def generate_rank(
-    device, shares, *, path, dispatcher, overlap, expert_dtype, dtype, max_new_tokens, dispatcher_options, decode
+    device,
+    shares,
+    *,
+    path,
+    dispatcher,
+    overlap,
+    expert_dtype,
+    dtype,
+    max_new_tokens,
+    dispatcher_options,
+    decode,
+    absorb_mla=True,
 ):
     """One rank's share (``LocalRanks.run`` or torchrun): load, generate, return plain data."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -187,6 +206,7 @@ def generate_rank(
         device=device,
         decode_dispatcher=None if decode == "transformers" else "low_latency",
         decode_dispatcher_options=None if decode == "transformers" else {"max_tokens_per_rank": most_prompts},
+        absorb_mla=absorb_mla,
     )
     mine = shares[rank]
     prompts = [ids for _, ids in mine]
@@ -293,7 +313,7 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
     if args.json:
         meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path)}
         meta.update(dispatcher=args.dispatcher, overlap=args.overlap, max_new_tokens=args.max_new_tokens)
-        meta["decode"] = args.decode
+        meta.update(decode=args.decode, mla=args.mla)
         rows = [{"prompt": i, "prompt_ids": prompts[i], "token_ids": ids} for i, ids in sorted(outputs.items())]
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ranks": per_rank}, indent=1))
         console.print(f"written to {args.json}", highlight=False, soft_wrap=True)
