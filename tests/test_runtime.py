@@ -156,6 +156,17 @@ def _bound_seen_by_the_rank(device):
     return env.collective_timeout_s()
 
 
+def _variable(device, name):
+    return os.environ.get(name)
+
+
+def test_environ_is_set_in_the_ranks_only(fresh_ranks):
+    """What ``bench --wire`` relies on: NCCL settings reach the ranks before they join, not the launcher."""
+    ranks = fresh_ranks(2, environ={"MOE_SBO_TEST_VARIABLE": "on"})
+    assert ranks.run(_variable, "MOE_SBO_TEST_VARIABLE") == ["on", "on"]
+    assert "MOE_SBO_TEST_VARIABLE" not in os.environ
+
+
 def test_collective_timeout_reaches_the_ranks_from_the_environment(monkeypatch, fresh_ranks):
     monkeypatch.setenv("MOE_SBO_TIMEOUT_S", "2")
     ranks = fresh_ranks(2, collective_timeout_s=None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import multiprocessing as mp
+import os
 import queue
 import re
 import signal
@@ -129,6 +130,7 @@ def _worker(
     tasks: mp.Queue,
     results: mp.Queue,
     phase_slots: Any = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
     """One rank: join the group, then run pickled tasks until ``None`` or the launcher is gone.
 
@@ -136,12 +138,14 @@ def _worker(
     Both are (un)pickled inside the ``try``, so a function this rank cannot import, or a value that
     cannot be pickled, is reported as this rank's failure instead of killing it or vanishing in the
     queue's feeder thread. ``phase_slots``: the launcher's shared bytes, two per rank, where this
-    rank marks its dispatcher phase.
+    rank marks its dispatcher phase. ``environ``: set in this rank's environment before it joins
+    (settings such as NCCL's, read when the communicator is made).
     """
     # The launcher owns interruption: a Ctrl-C reaches every process of the terminal's group, and a
     # rank that raised KeyboardInterrupt mid-collective would only turn it into a rank failure; the
     # launcher stops the ranks itself (``LocalRanks.stop``).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(environ or {})
     if phase_slots is not None:
         profiling.record_phases_into(memoryview(phase_slots).cast("B")[2 * rank : 2 * rank + 2])
     try:
@@ -361,7 +365,8 @@ class LocalRanks:
     barriers and NCCL watchdog all use it; with fail-fast it only matters for a rank that is alive but
     never arrives (stalled), or where the launcher cannot see a death (torchrun).
     ``failure_grace_s``: how long the other ranks may still answer after the first failure before they
-    are stopped.
+    are stopped. ``environ``: variables set in every rank's environment (not the launcher's) before
+    the ranks join, e.g. ``{"NCCL_P2P_DISABLE": "1"}``.
     """
 
     def __init__(
@@ -372,6 +377,7 @@ class LocalRanks:
         *,
         collective_timeout_s: float | None = None,
         failure_grace_s: float = 1.0,
+        environ: dict[str, str] | None = None,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -389,6 +395,7 @@ class LocalRanks:
         if failure_grace_s < 0:
             raise ValueError(f"failure_grace_s must be >= 0, got {failure_grace_s}")
         self.failure_grace_s = failure_grace_s
+        self.environ = dict(environ or {})
         self.starts = 0  # how many times the ranks were started (1 + restarts after failed calls)
         self._ctx = _context(self.device)
         self._procs: list = []
@@ -461,6 +468,7 @@ class LocalRanks:
                     self._tasks[r],
                     self._results,
                     self._phase_slots,
+                    self.environ,
                 ),
                 daemon=True,
             )
@@ -610,13 +618,13 @@ class RankPool:
     After a failed call the ranks start again at the next one, as ``LocalRanks`` does.
     """
 
-    def __init__(self, world_size: int, device: str, timeout_s: float = 900):
-        self.world_size, self.device, self.timeout_s = world_size, device, timeout_s
+    def __init__(self, world_size: int, device: str, timeout_s: float = 900, environ: dict[str, str] | None = None):
+        self.world_size, self.device, self.timeout_s, self.environ = world_size, device, timeout_s, environ
         self.ranks: LocalRanks | None = None
 
     def run(self, fn: Callable, *args) -> list:
         if self.ranks is None:
-            self.ranks = LocalRanks(self.world_size, device=self.device, timeout_s=self.timeout_s)
+            self.ranks = LocalRanks(self.world_size, device=self.device, timeout_s=self.timeout_s, environ=self.environ)
         return self.ranks.run(fn, *args)
 
     def close(self) -> None:

@@ -13,7 +13,6 @@ was killed or ran out of memory: then the steps after it, no smaller, are skippe
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -247,8 +246,6 @@ def run_bench(args: argparse.Namespace) -> int:
     if note:
         console.print(note, highlight=False)
     console.print(_memory_line(args, experts_list, ranks, dtype, attention, device), highlight=False)
-    if args.wire == "emulated-internode":
-        os.environ.update(EMULATED_INTERNODE_ENV)  # before any rank starts: spawned ranks inherit it
     meta = result_meta(device=device, world_size=ranks, wire=args.wire)
     meta.update(
         preset=args.preset,
@@ -260,7 +257,8 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     results = ResultFile(Path(args.out) if args.out else None, meta)
     steps = _steps(args, experts_list, dispatchers, modes, dtype, ranks)
-    pool = RankPool(ranks, device)
+    # The wire's NCCL settings go to the ranks' environment only, before they make their communicator.
+    pool = RankPool(ranks, device, environ=EMULATED_INTERNODE_ENV if args.wire == "emulated-internode" else None)
     started = time.perf_counter()
     try:
         stopped = run_steps(steps, pool, results, console, "tbo" if args.tbo else "sbo")
@@ -325,7 +323,8 @@ def measured_wire(rows: list[dict]) -> dict:
     if not refs:
         return {}
     size, t_us = max(refs)
-    return {"wire_all_to_all_GBps": round(size / t_us / 1e3, 2), "wire_all_to_all_bytes": size}
+    # Three significant digits: two decimals would round a slow wire (gloo on a busy CPU) to 0 GB/s.
+    return {"wire_all_to_all_GBps": float(f"{size / t_us / 1e3:.3g}"), "wire_all_to_all_bytes": size}
 
 
 def _memory_line(args, experts_list, ranks, dtype, attention, device) -> str:
