@@ -11,6 +11,10 @@
 #           a case that is not flat fails the part (~9 min)
 #   soak-transports  the same for low_latency on its other transports, nccl and copy_engine (~9 min;
 #           a part of its own so that each stays within a 10-minute command)
+#   soak-rest  the cases a cut run left: low_latency on symmetric memory (every mode, eager and graph),
+#           alltoall auto, low_latency on copy_engine auto (~6 min)
+#   soak-rss   where eager NCCL host RSS goes: allgather and alltoall, none and dispatch, 10,000 eager
+#           forwards each, with the heap (mallinfo2) and per-mapping (smaps) fields and --trim (~3 min)
 # Every part runs; the exit status is 1 when any part failed (the tests, a probe, or a soak case).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -45,7 +49,18 @@ for part in $PARTS; do
           --forwards 10000 --check --out "$OUT_DIR/soak_${TAG}_low_latency_${transport}.json" 2>&1 \
           | tee "$OUT_DIR/soak_${TAG}_low_latency_${transport}.log" | tail -20 || failed+=" soak-$transport"
       done ;;
-    *) echo "unknown part $part (tests growth soak soak-transports)"; exit 2 ;;
+    soak-rest)
+      for cut in "low_latency symm_mem all" "alltoall auto auto" "low_latency copy_engine auto"; do
+        read -r dispatcher transport overlaps <<<"$cut"
+        "$PYTHON" benchmarks/soak.py --device cuda --dispatchers "$dispatcher" --transport "$transport" \
+          --overlaps "$overlaps" --forwards 10000 --check --out "$OUT_DIR/soak_${TAG}_${dispatcher}_${transport}_$overlaps.json" \
+          2>&1 | tail -14 || failed+=" soak-rest"
+      done ;;
+    soak-rss)
+      "$PYTHON" benchmarks/soak.py --device cuda --dispatchers allgather alltoall --overlaps none dispatch \
+        --forwards 10000 --graph-replays 0 --trim --out "$OUT_DIR/soak_${TAG}_rss.json" 2>&1 \
+        | tee "$OUT_DIR/soak_${TAG}_rss.log" | tail -10 || failed+=" soak-rss" ;;
+    *) echo "unknown part $part (tests growth soak soak-transports soak-rest soak-rss)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
 done
