@@ -108,18 +108,18 @@ class _Mallinfo2(ctypes.Structure):
     ]
 
 
-def _mallinfo2():
-    """glibc's ``mallinfo2`` (2.33+), or None (another C library, an older glibc)."""
+def _libc(name: str):
+    """The C library's function ``name`` in this process, or None (another C library, an older glibc)."""
     try:
-        libc = ctypes.CDLL(None)
-        function = libc.mallinfo2
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    function.restype = _Mallinfo2
-    return function
 
 
-MALLINFO2 = _mallinfo2()
+MALLINFO2 = _libc("mallinfo2")  # glibc 2.33+
+if MALLINFO2 is not None:
+    MALLINFO2.restype = _Mallinfo2
+MALLOC_TRIM = _libc("malloc_trim")
 
 
 def rss_by_mapping() -> dict[tuple[str, str], tuple[int, int]]:
@@ -157,11 +157,9 @@ def malloc_trim() -> bool:
     """glibc's ``malloc_trim(0)``: give free heap pages back to the system (the top of the heap, and
     whole free pages inside it), so that RSS counts the pages in use, not the allocator's slack.
     False where unavailable. It cannot release memory in use: a leak survives it."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    if MALLOC_TRIM is None:
         return False
-    trim(0)
+    MALLOC_TRIM(0)
     return True
 
 

@@ -17,8 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import env
 from .config import MoEConfig
 from .profiling import annotate
+
+try:
+    from . import routing_kernels
+except ImportError:  # no Triton: the torch router only
+    routing_kernels = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -79,14 +85,13 @@ class Router(nn.Module):
 
     ``kernel``: ``"torch"`` selects the experts with ``select_experts`` (a dozen small ops);
     ``"triton"`` with ``routing_kernels.select_experts_fused`` (one launch, the same experts and
-    weights; on CPU under ``TRITON_INTERPRET=1``). Settable after construction (``router.kernel``)."""
+    weights; on CPU under ``TRITON_INTERPRET=1``). Settable after construction (``router.kernel``),
+    checked either way."""
 
     e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
 
     def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None, kernel: str = "torch"):
         super().__init__()
-        if kernel not in ROUTER_KERNELS:
-            raise ValueError(f"the router kernel must be one of {ROUTER_KERNELS}, got {kernel!r}")
         self.cfg = cfg
         self.kernel = kernel
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32, device=device))
@@ -95,13 +100,26 @@ class Router(nn.Module):
             torch.zeros(cfg.num_experts, dtype=torch.float32, device=device),
         )
 
+    @property
+    def kernel(self) -> str:
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: str) -> None:
+        if kernel not in ROUTER_KERNELS:
+            raise ValueError(f"the router kernel must be one of {ROUTER_KERNELS}, got {kernel!r}")
+        if kernel == "triton" and routing_kernels is None:
+            raise ValueError("the router kernel 'triton' needs triton installed; use kernel='torch'")
+        self._kernel = kernel
+
     def forward(self, x_TH: torch.Tensor) -> TopkOutput:
         with annotate("router"):
             logits_TE = F.linear(x_TH.float(), self.weight)
             bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
-            if self.kernel == "triton":
-                from .routing_kernels import select_experts_fused  # Triton: imported when asked for
-
-                ids_TK, weights_TK = select_experts_fused(logits_TE, self.cfg, bias_E)
+            if self._kernel == "triton":
+                assert routing_kernels is not None  # the setter checked
+                if logits_TE.device.type != "cuda" and not env.triton_interpreting():
+                    raise RuntimeError("router kernel 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+                ids_TK, weights_TK = routing_kernels.select_experts_fused(logits_TE, self.cfg, bias_E)
                 return TopkOutput(topk_ids_TK=ids_TK, topk_weights_TK=weights_TK)
             return select_experts(logits_TE, self.cfg, bias_E)

@@ -189,7 +189,7 @@ def generate_rank(
     max_new_tokens,
     dispatcher_options,
     decode,
-    absorb_mla=True,
+    absorb_mla,
 ):
     """One rank's share (``LocalRanks.run`` or torchrun): load, generate, return plain data."""
     rank = dist.get_rank() if dist.is_initialized() else 0
