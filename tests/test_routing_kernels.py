@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_sbo import routing_kernels
 from moe_sbo.config import PRESETS, get_preset
 from moe_sbo.layer import MoELayer
 from moe_sbo.routing import Router, select_experts
@@ -63,6 +64,21 @@ def test_a_router_with_the_triton_kernel_gives_the_layer_the_same_output():
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_default_router_kernel_runs_torch_on_cpu_even_under_the_interpreter(monkeypatch):
+    """``auto`` picks the Triton kernel for CUDA tensors only: on CPU the interpreter would be slow."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("auto ran the Triton kernel on a CPU tensor")
+
+    monkeypatch.setattr(routing_kernels, "select_experts_fused", refuse)
+    router = Router(get_preset("tiny"))
+    assert router.kernel == "auto"
+    with torch.no_grad():
+        router.weight.normal_()
+    out = router(torch.randn(5, router.cfg.hidden_size))
+    assert out.topk_ids_TK.shape == (5, router.cfg.num_experts_per_tok)
+
+
 def test_an_unknown_router_kernel_is_refused():
     with pytest.raises(ValueError, match="kernel"):
         Router(get_preset("tiny"), kernel="cuda")
@@ -71,7 +87,7 @@ def test_an_unknown_router_kernel_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b"])
-def test_fused_selection_on_cuda_equals_the_torch_router_and_replays_from_a_graph(preset):
+def test_fused_selection_on_cuda_equals_the_torch_router_and_replays_from_a_graph(preset, monkeypatch):
     from moe_sbo.streams import capture_graph
 
     cfg = get_preset(preset)
@@ -80,10 +96,15 @@ def test_fused_selection_on_cuda_equals_the_torch_router_and_replays_from_a_grap
         router.weight.normal_(0, 0.02)
         router.e_score_correction_bias.normal_(0, 0.05)
     x = torch.randn(4096, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    fused = routing_kernels.select_experts_fused
+    monkeypatch.setattr(routing_kernels, "select_experts_fused", lambda *a: calls.append(1) or fused(*a))
     with torch.inference_mode():
+        router.kernel = "torch"
         want = router(x)
-        router.kernel = "triton"
+        router.kernel = "auto"  # the default: the Triton kernel on CUDA
         got = router(x)
+        assert calls == [1]
         out: list = []
         graph, _ = capture_graph(lambda: out.append(router(x)))
         x.copy_(torch.randn_like(x))

@@ -77,7 +77,7 @@ def select_experts(
     return TopkOutput(topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK)
 
 
-ROUTER_KERNELS = ("torch", "triton")
+ROUTER_KERNELS = ("auto", "torch", "triton")
 
 
 class Router(nn.Module):
@@ -85,12 +85,15 @@ class Router(nn.Module):
 
     ``kernel``: ``"torch"`` selects the experts with ``select_experts`` (a dozen small ops);
     ``"triton"`` with ``routing_kernels.select_experts_fused`` (one launch, the same experts and
-    weights; on CPU under ``TRITON_INTERPRET=1``). Settable after construction (``router.kernel``),
-    checked either way."""
+    weights; on CPU under ``TRITON_INTERPRET=1``); ``"auto"`` (default) with the Triton kernel on CUDA
+    tensors when Triton is installed and with ``select_experts`` otherwise. On an H200 the kernel
+    took DeepSeek-V3's router (gate GEMM included) from 430 to 126 µs of host time per eager call
+    and from 574 to 427 µs of device time at 4096 tokens (docs/BENCHMARKS.md, "Router").
+    Settable after construction (``router.kernel``), checked either way."""
 
     e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
 
-    def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None, kernel: str = "torch"):
+    def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None, kernel: str = "auto"):
         super().__init__()
         self.cfg = cfg
         self.kernel = kernel
@@ -116,8 +119,11 @@ class Router(nn.Module):
         with annotate("router"):
             logits_TE = F.linear(x_TH.float(), self.weight)
             bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
-            if self._kernel == "triton":
-                assert routing_kernels is not None  # the setter checked
+            fused = self._kernel == "triton" or (
+                self._kernel == "auto" and routing_kernels is not None and logits_TE.device.type == "cuda"
+            )
+            if fused:
+                assert routing_kernels is not None  # the setter checked, or "auto" did
                 if logits_TE.device.type != "cuda" and not env.triton_interpreting():
                     raise RuntimeError("router kernel 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
                 ids_TK, weights_TK = routing_kernels.select_experts_fused(logits_TE, self.cfg, bias_E)

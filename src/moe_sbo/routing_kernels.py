@@ -33,7 +33,8 @@ import triton.language as tl
 from .config import MoEConfig
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
-_NAN_RANK = -3.0e38  # below every finite score, above the padding's -inf
+# Below every finite score, above the padding's -inf; a constexpr, as a compiled kernel reads no plain global.
+_NAN_RANK = tl.constexpr(-3.0e38)
 
 
 @triton.jit
