@@ -3,8 +3,9 @@
 Every visible GPU is one rank; rank 0's profile is printed (top functions by own time) for each token
 count, after warm-up, with the GPU and the ranks lined up between iterations (so the host never waits
 for a full launch queue). Usage (GPU): ``python benchmarks/probe_host_time.py [--tokens 128 4096]
-[--transport symm_mem] [--pieces]``; writes the text to ``--out`` too. ``--pieces`` times each building
-block's host cost alone instead (a Triton launch, small torch ops, checks, each kernel wrapper).
+[--transport symm_mem] [--pieces | --regimes]``; writes the text to ``--out`` too. ``--pieces`` times
+each building block's host cost alone instead (a Triton launch, small torch ops, checks, each kernel
+wrapper); ``--regimes`` times the four calls with the ranks lined up, after a busy host, and back to back.
 """
 
 from __future__ import annotations
@@ -158,6 +159,65 @@ def _empty_graph(device: torch.device):
     return graph.replay
 
 
+REGIMES = ("lined up", "lined up, host busy 2 ms first", "back to back")
+
+
+def regimes_rank(device: torch.device, tokens: int, transport: str, iters: int) -> str:
+    """Host µs inside each of the four dispatcher calls of an eager forward, in three regimes: ranks
+    lined up (synchronize + barrier) before each forward, as the benchmarks time phases; the same
+    with the host kept busy for 2 ms before the forward (a host that idled in the line-up may run the
+    next calls slower: power state, cold caches); and forwards issued back to back, as a model issues
+    them (a synchronize every 8 forwards, untimed, keeps the launch queue from filling). Medians."""
+    import statistics
+
+    cfg = get_preset("deepseek-v3").with_num_experts(32 * dist.get_world_size())
+    layer = MoELayer(
+        cfg,
+        dispatcher="low_latency",
+        device=device,
+        dispatcher_options={"max_tokens_per_rank": tokens, "transport": transport},
+    )
+    d = layer.dispatcher
+    x = torch.randn(tokens, cfg.hidden_size, device=device).bfloat16()
+    calls = ("dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait")
+    lines = []
+    with torch.inference_mode():
+        for _ in range(10):
+            layer(x)
+        for regime in REGIMES:
+            spans: dict[str, list[float]] = {k: [] for k in calls}
+            torch.cuda.synchronize()
+            dist.barrier()
+            for it in range(iters):
+                if regime != "back to back":
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                elif it % 8 == 0:
+                    torch.cuda.synchronize()
+                if regime == "lined up, host busy 2 ms first":
+                    until = time.perf_counter() + 2e-3
+                    while time.perf_counter() < until:
+                        pass
+                topk = layer.router(x)
+                t0 = time.perf_counter()
+                pending = d.dispatch_launch(x, topk.topk_ids_TK, topk.topk_weights_TK)
+                t1 = time.perf_counter()
+                recv = d.dispatch_wait(pending)
+                t2 = time.perf_counter()
+                y = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+                t3 = time.perf_counter()
+                pending = d.combine_launch(y, recv.handle)
+                t4 = time.perf_counter()
+                d.combine_wait(pending)
+                t5 = time.perf_counter()
+                for key, a, b in zip(calls, (t0, t1, t3, t4), (t1, t2, t4, t5), strict=True):
+                    spans[key].append((b - a) * 1e6)
+            torch.cuda.synchronize()
+            lines.append(f"{regime:32s} " + "  ".join(f"{k} {statistics.median(v):6.1f}" for k, v in spans.items()))
+    head = f"-- host µs per call (median of {iters}), {tokens} tokens, {transport}, EP{dist.get_world_size()}"
+    return head + "\n" + "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
@@ -166,11 +226,16 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", default=None)
     p.add_argument("--pieces", action="store_true", help="time each building block alone instead of profiling")
+    p.add_argument(
+        "--regimes", action="store_true", help="the four calls' host time lined up, after a busy host, back to back"
+    )
     args = p.parse_args()
     texts = []
     with LocalRanks(torch.cuda.device_count(), device="cuda") as ranks:
         for tokens in args.tokens:
-            if args.pieces:
+            if args.regimes:
+                texts.append(ranks.run(regimes_rank, tokens, args.transport, args.iters)[0])
+            elif args.pieces:
                 texts.append(ranks.run(pieces_rank, tokens, args.transport, args.iters)[0])
             else:
                 texts.append(ranks.run(profile_rank, tokens, args.transport, args.iters, args.top)[0])
