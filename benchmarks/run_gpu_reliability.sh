@@ -14,7 +14,8 @@
 #   soak-rest  the cases a cut run left: low_latency on symmetric memory (every mode, eager and graph),
 #           alltoall auto, low_latency on copy_engine auto (~6 min)
 #   soak-rss   where eager NCCL host RSS goes: allgather and alltoall, none and dispatch, 10,000 eager
-#           forwards each, with the heap (mallinfo2) and per-mapping (smaps) fields and --trim (~3 min)
+#           forwards each, with the heap (mallinfo2) and per-mapping (smaps) fields and --trim, after
+#           warm-ups of 100 and of 3,000 forwards (~5 min)
 # Every part runs; the exit status is 1 when any part failed (the tests, a probe, or a soak case).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -57,9 +58,13 @@ for part in $PARTS; do
           2>&1 | tail -14 || failed+=" soak-rest"
       done ;;
     soak-rss)
-      "$PYTHON" benchmarks/soak.py --device cuda --dispatchers allgather alltoall --overlaps none dispatch \
-        --forwards 10000 --graph-replays 0 --trim --out "$OUT_DIR/soak_${TAG}_rss.json" 2>&1 \
-        | tee "$OUT_DIR/soak_${TAG}_rss.log" | tail -10 || failed+=" soak-rss" ;;
+      # Twice: with the usual 100-forward warm-up (the first forwards' steps, with where they land),
+      # then with 3,000 (whether the RSS is flat once the C heap's pages have all been touched).
+      for warmup in 100 3000; do
+        "$PYTHON" benchmarks/soak.py --device cuda --dispatchers allgather alltoall --overlaps none dispatch \
+          --forwards 10000 --warmup "$warmup" --graph-replays 0 --trim --out "$OUT_DIR/soak_${TAG}_rss_warmup$warmup.json" \
+          2>&1 | tail -6 || failed+=" soak-rss"
+      done ;;
     *) echo "unknown part $part (tests growth soak soak-transports soak-rest soak-rss)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
