@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch.distributed as dist
 
 from moe_sbo.cli.main import main
 from moe_sbo.dispatch import DISPATCHERS
@@ -175,3 +176,30 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
     spans = load_spans(png.with_suffix(".spans.json"))
     assert {"alltoall / no TBO", "alltoall / TBO", "alltoall / TBO + SBO split"} <= set(spans)
     assert "attention" in {s.kind for s in spans["alltoall / TBO"]}
+
+
+def _tbo_capacity_rank(device, lengths_per_rank):
+    from moe_sbo.cli.bench_tbo import _tbo_decoder
+    from moe_sbo.model.attention import Batch
+
+    spec = {
+        "preset": "tiny",
+        "num_experts": 8,
+        "dispatcher": "low_latency",
+        "dtype": "float32",
+        "seed": 0,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "transport": "auto",
+    }
+    batch = Batch.prefill(lengths_per_rank[dist.get_rank()], device=device)
+    layer, capacity, fixed = _tbo_decoder(device, spec, batch)
+    return capacity, fixed, layer.moe.dispatcher.capacity
+
+
+def test_bench_tbo_sizes_every_rank_for_the_largest_micro_batch_of_any_rank(ranks2):
+    """Each rank splits its own batch (here 50 + 47 tokens on rank 0, 48 + 48 on rank 1): the TBO
+    dispatcher's capacity must still be the same everywhere (low_latency refuses unlike buffers)."""
+    results = ranks2.run(_tbo_capacity_rank, [[50, 47], [48, 48]])
+    assert results == [(50, True, 50), (50, True, 50)]

@@ -71,6 +71,21 @@ def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
     return cached(key, make, device)
 
 
+def _tbo_decoder(device: torch.device, spec: dict, batch: Batch) -> tuple[DecoderLayer, int, bool]:
+    """The decoder layer two-batch overlap runs ``batch`` on -> (layer, its capacity, whether the
+    dispatcher has a fixed capacity). A fixed-capacity dispatcher is sized for the larger micro-batch
+    of any rank, as a deployment sizes it: its blocks are capacity-sized on the NCCL wire, so a
+    whole-batch capacity would send each half the whole batch's bytes. (Same seed: the same weights
+    as the layer without TBO.)"""
+    split = split_batch(batch)
+    half = max(split.a.stop - split.a.start, split.b.stop - split.b.start)
+    if dist.is_initialized():  # every rank's buffers must be alike: the largest micro-batch of any rank
+        larger = torch.tensor([half], device=device)
+        dist.all_reduce(larger, op=dist.ReduceOp.MAX)
+        half = int(larger.item())
+    return _decoder(device, spec, half), half, "max_tokens_per_rank" in dispatcher_options(spec, half)
+
+
 def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> list[dict]:
     """One rank's rows for one (regime, size): every SBO mode without and with TBO."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -86,13 +101,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
         layer = _decoder(device, spec, size)
         cache = layer.make_cache(size, spec["kv_len"] + 1)
         graph = device.type == "cuda" and spec["graph"] and layer.moe.dispatcher.graph_capturable
-    # With TBO a fixed-capacity dispatcher is sized for the larger micro-batch, as a deployment sizes
-    # it: its blocks are capacity-sized on the NCCL wire, so a whole-batch capacity would send each
-    # half the whole batch's bytes. (Same seed: the same weights as ``layer``.)
-    split = split_batch(batch)
-    half = max(split.a.stop - split.a.start, split.b.stop - split.b.start)
-    tbo_layer = _decoder(device, spec, half)
-    fixed_capacity = "max_tokens_per_rank" in dispatcher_options(spec, half)
+    tbo_layer, half, fixed_capacity = _tbo_decoder(device, spec, batch)
     dtype = getattr(torch, spec["dtype"])
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 31 + rank)
     x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, generator=generator, device=device).to(dtype)
@@ -229,17 +238,20 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
     cases = {"no TBO": ("none", False), "TBO": ("none", True)}
     if spec["modes"][-1] != "none":
         cases[f"TBO + SBO {spec['modes'][-1]}"] = (spec["modes"][-1], True)
+    tbo_layer = _tbo_decoder(device, spec, batch)[0]  # sized as the bench's TBO rows
     spans = {}
     with torch.inference_mode():
         for title, (mode, tbo) in cases.items():
-            layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
+            for moe in (layer.moe, tbo_layer.moe):
+                moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
             run = (
-                (lambda: tbo_forward(layer, x_TH, batch, cache, delay=spec["delays"][0]))
+                (lambda: tbo_forward(tbo_layer, x_TH, batch, cache, delay=spec["delays"][0]))
                 if tbo
                 else (lambda: layer(x_TH, batch, cache))
             )
             spans[title] = profile_spans(
                 run, device, rank, f"{trace_prefix}.tbo.{title.replace(' ', '_')}.json" if trace_prefix else None
             )
-        layer.moe.overlap = make_overlap("none", device)
+        for moe in (layer.moe, tbo_layer.moe):
+            moe.overlap = make_overlap("none", device)
     return spans
