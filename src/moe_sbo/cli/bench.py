@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress
@@ -28,6 +29,7 @@ from ..measure.trace import Span, plot_timeline, save_spans
 from ..model.attention import AttentionConfig
 from ..overlap import OVERLAP_MODES, make_overlap
 from ..runtime import RankError, RankPool, resolve_device
+from ..streams import check_sm_budget
 from .bench_common import bench_config
 from .bench_sbo import sbo_bench_rank, sbo_legend, sbo_table, summarise, timeline_rank
 from .bench_tbo import TBO_LEGEND, summarise_tbo, tbo_bench_rank, tbo_table, tbo_timeline_rank
@@ -183,6 +185,14 @@ def add_bench_parser(subparsers) -> None:
         help="also a row per overlap mode where TBO is on or off as moe_sbo.model.tbo_auto.AutoTbo "
         "chooses after timing both (with the first --delay); its choice is in the row",
     )
+    tbo.add_argument(
+        "--tbo-gemm-sm-budget",
+        type=int,
+        default=None,
+        metavar="SMS",
+        help="CUDA: the SMs every GEMM under TBO plans for (default all), leaving the others to the other "
+        "micro-batch's transfer; in every TBO row as tbo_gemm_sm_budget",
+    )
 
 
 def resolve_defaults(args: argparse.Namespace, device: str) -> None:
@@ -231,6 +241,8 @@ def run_bench(args: argparse.Namespace) -> int:
             "leave one out for its default"
         )
     make_overlap("combine_sm", device, sm_budget=args.sm_budget)  # checks the SM budget here, once
+    if args.tbo and args.tbo_gemm_sm_budget is not None:
+        check_sm_budget(torch.device(device), args.tbo_gemm_sm_budget)
     if args.transport in ("symm_mem", "copy_engine") and (device != "cuda" or ranks < 2):
         raise ValueError(
             f"--transport {args.transport} needs CUDA and >= 2 ranks, got {device} with {ranks}; "
@@ -472,6 +484,7 @@ def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:
         "kv_len": args.kv_len,
         "delays": list(dict.fromkeys(args.delay)),
         "auto_tbo": args.auto_tbo,
+        "tbo_gemm_sm_budget": getattr(args, "tbo_gemm_sm_budget", None),
         "transport": args.transport,
         "wire": args.wire,
     }

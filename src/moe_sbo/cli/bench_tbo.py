@@ -117,7 +117,9 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
             def forward(use_tbo: bool, delay: int | None = spec["delays"][0]) -> torch.Tensor:
                 if not use_tbo:
                     return layer(x_TH, batch, cache)
-                return tbo_forward(tbo_layer, x_TH, batch, cache, delay=delay)
+                return tbo_forward(
+                    tbo_layer, x_TH, batch, cache, delay=delay, gemm_sm_budget=spec.get("tbo_gemm_sm_budget")
+                )
 
             auto = AutoTbo() if spec.get("auto_tbo") else None
             for delay in (None, *spec["delays"], *(("auto",) if auto else ())):
@@ -174,6 +176,7 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
                 "tbo": first["tbo"],
                 "delay": first["delay"],
                 "tbo_policy": first["tbo_policy"],
+                "tbo_gemm_sm_budget": spec.get("tbo_gemm_sm_budget") if first["tbo"] else None,
                 "capacity": first["capacity"],
                 "graph": first["graph"],
                 "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
@@ -245,7 +248,16 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
             for moe in (layer.moe, tbo_layer.moe):
                 moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
             run = (
-                (lambda: tbo_forward(tbo_layer, x_TH, batch, cache, delay=spec["delays"][0]))
+                (
+                    lambda: tbo_forward(
+                        tbo_layer,
+                        x_TH,
+                        batch,
+                        cache,
+                        delay=spec["delays"][0],
+                        gemm_sm_budget=spec.get("tbo_gemm_sm_budget"),
+                    )
+                )
                 if tbo
                 else (lambda: layer(x_TH, batch, cache))
             )

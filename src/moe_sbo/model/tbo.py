@@ -33,6 +33,7 @@ import torch
 
 from ..dispatch import Dispatcher
 from ..stages import run_interleaved
+from ..streams import sm_budget as sm_budget_ctx
 from .attention import Batch, KVCache
 
 if TYPE_CHECKING:
@@ -153,8 +154,14 @@ def tbo_forward(
     delay: int | None = None,
     threshold: float = BALANCE_THRESHOLD,
     min_prefill_tokens: int = MIN_PREFILL_TOKENS,
+    gemm_sm_budget: int | None = None,
 ) -> torch.Tensor:
-    """``layer`` (a ``DecoderLayer``) on ``x_TH`` [T, H] as two interleaved micro-batches -> ``[T, H]``."""
+    """``layer`` (a ``DecoderLayer``) on ``x_TH`` [T, H] as two interleaved micro-batches -> ``[T, H]``.
+
+    ``gemm_sm_budget`` (CUDA): the SMs every GEMM of the two micro-batches plans for (``streams.sm_budget``;
+    None: all). Under TBO one micro-batch's GEMMs run while the other's transfer holds some SMs, and a
+    persistent GEMM (``torch._grouped_mm``'s CUTLASS kernel launches one CTA per SM it plans for) then
+    waits with its last CTAs for the transfer's SMs to free: a budget that leaves them out avoids it."""
     if x_TH.shape[0] != batch.num_tokens:
         raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
     cache.check(batch)
@@ -165,10 +172,11 @@ def tbo_forward(
         delay = DEFAULT_DELAY["decode" if batch.decode else "prefill"]
     a, b = split.a, split.b
     dispatcher_a, dispatcher_b = dispatcher_for(layer.moe, 0), dispatcher_for(layer.moe, 1)
-    out_a, out_b = run_interleaved(
-        layer.stages(x_TH[a.start : a.stop], a.batch, cache, dispatcher=dispatcher_a),
-        layer.stages(x_TH[b.start : b.stop], b.batch, cache, dispatcher=dispatcher_b),
-        delay,
-    )
+    with sm_budget_ctx(x_TH.device, gemm_sm_budget):
+        out_a, out_b = run_interleaved(
+            layer.stages(x_TH[a.start : a.stop], a.batch, cache, dispatcher=dispatcher_a),
+            layer.stages(x_TH[b.start : b.stop], b.batch, cache, dispatcher=dispatcher_b),
+            delay,
+        )
     layer.moe.last_traffic = dispatcher_a.last_traffic + dispatcher_b.last_traffic
     return torch.cat([out_a, out_b]) if b.stop > b.start else out_a
