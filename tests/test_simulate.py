@@ -290,6 +290,32 @@ def test_validation_of_the_repository_results_reports_every_row(real_costs):
     assert summary[-1][0] == "all" and summary[-1][2] == str(len(checked))
 
 
+def test_tbo_rows_with_a_gemm_sm_budget_are_not_predicted(tmp_path):
+    """The simulator has no model of GEMMs planned for fewer SMs under TBO, so it leaves those rows out
+    rather than predicting them as plain TBO rows; the same run's row without TBO is still a setup."""
+    base = {
+        "bench": "tbo",
+        "preset": "deepseek-v3",
+        "ep": 2,
+        "experts_per_gpu": 32,
+        "dispatcher": "low_latency",
+        "kernels": "triton",
+        "transport": "nccl",
+        "regime": "prefill",
+        "tokens_per_rank": 4096,
+        "sequences_per_rank": 2,
+        "overlap": "none",
+        "delay": 0,
+        "graph": False,
+        "capacity": 4096,
+        "t_layer_us": 16000.0,
+    }
+    rows = [{**base, "tbo": False}, {**base, "tbo": True, "capacity": 2048, "tbo_gemm_sm_budget": 128}]
+    plain, budgeted = planner.load_rows(_write(tmp_path / "tbo.json", rows))
+    assert planner.setup_of(plain) is not None
+    assert planner.setup_of(budgeted) is None
+
+
 def test_validation_covers_both_wires_of_the_repository_results():
     """The emulated inter-node wire's rows are validated, on a wire fitted from their own references."""
     rows = planner.load_rows(REPO_RESULTS)

@@ -231,3 +231,43 @@ def test_auto_tbo_refuses_bad_settings():
 
     with pytest.raises(ValueError, match="trials must be >= 1"):
         AutoTbo(trials=0)
+
+
+def test_a_gemm_sm_budget_changes_nothing_on_cpu():
+    """CPU has no SMs: the budget is accepted and the output is the unbudgeted one, bit for bit."""
+    layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dtype=torch.float32, seed=5), seed=5)
+    batch, x = Batch.prefill([70, 60]), torch.randn(130, 64)
+    with torch.no_grad():
+        plain = tbo_forward(layer, x, batch, layer.make_cache(2, 80))
+        budgeted = tbo_forward(layer, x, batch, layer.make_cache(2, 80), gemm_sm_budget=8)
+    assert torch.equal(plain, budgeted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gemm_sm_budget_holds_during_tbo_and_is_undone_after(monkeypatch):
+    """On CUDA every GEMM under TBO plans for the budget (PyTorch's SM carve-out, which
+    ``torch._grouped_mm`` honours), and the carve-out before the call is back after it."""
+    from moe_sbo.streams import sm_count
+
+    device = torch.device("cuda")
+    layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dtype=torch.bfloat16, device=device, seed=5), seed=5).to(
+        device
+    )
+    batch = Batch.prefill([70, 60], device=device)
+    x = torch.randn(130, 64, device=device, dtype=torch.bfloat16)
+    seen = []
+    experts = type(layer.moe.experts)
+    forward = experts.forward
+    monkeypatch.setattr(
+        experts,
+        "forward",
+        lambda self, *a, **k: seen.append(torch._C._get_sm_carveout_experimental()) or forward(self, *a, **k),
+    )
+    before = torch._C._get_sm_carveout_experimental()
+    with torch.inference_mode():
+        plain = tbo_forward(layer, x, batch, layer.make_cache(2, 80))
+        budgeted = tbo_forward(layer, x, batch, layer.make_cache(2, 80), gemm_sm_budget=sm_count(device) - 4)
+    assert seen == [before, before, 4, 4]
+    assert torch._C._get_sm_carveout_experimental() == before
+    torch.testing.assert_close(budgeted, plain, rtol=2e-2, atol=2e-2)

@@ -70,6 +70,10 @@ def setup_of(r: ResultRow) -> Setup | None:
     bench = r.get("bench")
     if bench not in ("sbo", "tbo", "moe_layer", "low_latency", "prefill", "fp8_layer") or r.get("t_layer_us") is None:
         return None
+    if r.get("tbo_gemm_sm_budget") is not None:  # GEMMs planned for fewer SMs under TBO: not modelled
+        return None
+    if r.get("tbo_policy") == "auto":  # AutoTbo's row repeats the setup of the fixed row it chose
+        return None
     cfg: MoEConfig = r.cfg
     ep = r.ep
     experts_dtype = dtype_name(r.get("experts_dtype"))
