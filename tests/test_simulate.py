@@ -290,9 +290,9 @@ def test_validation_of_the_repository_results_reports_every_row(real_costs):
     assert summary[-1][0] == "all" and summary[-1][2] == str(len(checked))
 
 
-def test_tbo_rows_with_a_gemm_sm_budget_are_not_predicted(tmp_path):
-    """The simulator has no model of GEMMs planned for fewer SMs under TBO, so it leaves those rows out
-    rather than predicting them as plain TBO rows; the same run's row without TBO is still a setup."""
+def test_tbo_rows_with_a_gemm_sm_budget_are_predicted_with_it(tmp_path):
+    """A TBO row that planned its GEMMs for fewer SMs is a setup with that budget; AutoTbo's row
+    repeats a fixed row's setup and is not predicted twice."""
     base = {
         "bench": "tbo",
         "preset": "deepseek-v3",
@@ -310,10 +310,55 @@ def test_tbo_rows_with_a_gemm_sm_budget_are_not_predicted(tmp_path):
         "capacity": 4096,
         "t_layer_us": 16000.0,
     }
-    rows = [{**base, "tbo": False}, {**base, "tbo": True, "capacity": 2048, "tbo_gemm_sm_budget": 128}]
-    plain, budgeted = planner.load_rows(_write(tmp_path / "tbo.json", rows))
-    assert planner.setup_of(plain) is not None
-    assert planner.setup_of(budgeted) is None
+    rows = [
+        {**base, "tbo": False},
+        {**base, "tbo": True, "capacity": 2048, "tbo_gemm_sm_budget": 128},
+        {**base, "tbo": True, "capacity": 2048, "tbo_policy": "auto"},
+    ]
+    plain, budgeted, auto = planner.load_rows(_write(tmp_path / "tbo.json", rows))
+    assert planner.setup_of(plain).gemm_sm_budget is None
+    assert planner.setup_of(budgeted).gemm_sm_budget == 128 and planner.setup_of(budgeted).tbo
+    assert planner.setup_of(auto) is None
+
+
+def test_a_persistent_gemm_beside_a_transfer_waits_for_it_and_others_stretch():
+    """The schedule's two contention rules: a compute op overlapping an SM transfer is stretched by
+    (1 - efficiency) x the overlap; a persistent one (the bf16 grouped GEMM) that starts while the
+    transfer is in flight ends its whole time after the transfer ends."""
+    from moe_sbo.planner.simulate import COMPUTE, WIRE, Op, schedule
+
+    wire = Op("transfer", "comm", WIRE, 100.0, sm_transfer=True)
+    plain = Op("gemm", "routed_experts", COMPUTE, 40.0)
+    persistent = Op("gemm", "routed_experts", COMPUTE, 40.0, persistent=True)
+
+    def gemm_end(ops):
+        span = next(s for s in schedule(ops, 0.5)[0] if s.name == "gemm")
+        return span.start_us + span.dur_us
+
+    assert gemm_end([wire, plain]) == pytest.approx(60.0)  # 40 + 0.5 x 40, inside the transfer
+    assert gemm_end([wire, persistent]) == pytest.approx(140.0)  # the transfer's end + 40
+    later = Op("gemm", "routed_experts", COMPUTE, 40.0, after=("transfer",), persistent=True)
+    assert gemm_end([wire, later]) == pytest.approx(140.0)  # starts after the transfer: no wait added
+
+
+def test_tbo_predictions_follow_the_gemm_budget(real_costs):
+    """Under TBO the bf16 grouped GEMM of one micro-batch waits for the other's transfer unless the
+    GEMMs leave it SMs; a budget changes the prediction, and without TBO it changes nothing."""
+    from dataclasses import replace
+
+    from moe_sbo.planner.simulate import predict
+
+    cal = real_costs
+    rows = planner.load_rows(REPO_RESULTS)
+    setup = next(
+        s
+        for r in rows
+        if (s := planner.setup_of(r)) is not None and s.tbo and s.regime == "prefill" and s.wire != "nvlink"
+    )
+    free, budgeted = predict(setup, cal), predict(replace(setup, gemm_sm_budget=128), cal)
+    assert budgeted.t_layer_us != free.t_layer_us
+    plain = replace(setup, tbo=False)
+    assert predict(replace(plain, gemm_sm_budget=128), cal).t_layer_us == predict(plain, cal).t_layer_us
 
 
 def test_validation_covers_both_wires_of_the_repository_results():

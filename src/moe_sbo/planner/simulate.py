@@ -13,7 +13,12 @@ the combine's reduction (launched first, so the transfer waits for the SMs it to
 after the combine transfer starts, slowed by its SM budget; ``split`` its gate/up projection (2/3 of
 its FLOPs) in the dispatch window and its down projection in the combine window; ``auto`` the fastest
 of those. A GEMM that runs while a transfer that needs SMs is in flight is stretched by
-(1 - overlap efficiency) x the time they overlap (``Contention``). Two-batch overlap
+(1 - overlap efficiency) x the time they overlap (``Contention``), except the routed experts' bf16
+grouped GEMM (``torch._grouped_mm``): a persistent kernel with one CTA per SM it plans for, so the
+CTAs whose SMs the transfer holds start when the transfer ends and then do a whole share, and the
+GEMM ends a full GEMM time after the transfer (measured on 2x H200, SIMULATION.md section 5). A
+``gemm_sm_budget`` (TBO) plans the GEMMs for fewer SMs instead: no wait, each GEMM slower by
+SMs / budget. Two-batch overlap
 (``model/tbo.py``) cuts the tokens in two and interleaves the micro-batches' three stages —
 [attention, router, dispatch launch] [dispatch wait, routed experts, combine launch] [combine wait,
 shared, residual] — ``delay`` stages apart: A0 B0 A1 B1 A2 B2 at delay 0.
@@ -38,6 +43,7 @@ import torch
 
 from ..config import MoEConfig
 from ..dispatch.ll_wire import RowFormat
+from ..experts import GEMV_MAX_ROWS
 from ..overlap.sbo import FIXED_MODES
 from .bytes import Fanout, combine_row_bytes, dispatch_row_bytes, expected_fanout
 from .simulate_fit import SM_TRANSPORTS, WEIGHT_B, StageCosts, smooth_max
@@ -66,7 +72,8 @@ class Setup:
     """One layer to predict: the model, EP size P, tokens per rank (decode: sequences, one new token
     each), the dispatcher path, the wire (``nvlink``, ``emulated-internode``, or ``cluster``: NVLink
     inside a node of ``gpus_per_node``, RDMA between), CUDA graph or eager, overlap mode, two-batch
-    overlap and its delay, and, for a decoder layer, the regime (``prefill``/``decode``) and attention."""
+    overlap and its delay (and the SMs its GEMMs plan for), and, for a decoder layer, the regime
+    (``prefill``/``decode``) and attention."""
 
     cfg: MoEConfig
     ep: int
@@ -86,6 +93,7 @@ class Setup:
     capacity: int | None = None
     measured_bytes: tuple[float, float] | None = None  # (dispatch, combine) bytes per rank, as a row recorded
     gpus_per_node: int = 8
+    gemm_sm_budget: int | None = None  # TBO: the SMs its GEMMs plan for (``tbo_forward``'s); None: all
 
     @property
     def experts_per_gpu(self) -> int:
@@ -96,7 +104,9 @@ class Setup:
 class Op:
     """One step of the layer: ``gpu_us`` on its lane once the ops named in ``after`` are done (and the
     ops before it on its lane). ``kind`` colours it (``host``: an eager forward's wait for its host);
-    ``sm_transfer``: a wire op whose transfer runs on SMs."""
+    ``sm_transfer``: a wire op whose transfer runs on SMs; ``persistent``: a compute op that is one
+    persistent kernel over every SM, which an SM transfer in flight at its start holds back until the
+    transfer ends."""
 
     name: str
     kind: str
@@ -104,6 +114,7 @@ class Op:
     gpu_us: float
     after: tuple[str, ...] = ()
     sm_transfer: bool = False
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,8 +234,13 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     name = (mb + " " if mb else "") + "{}"
     n = name.format
 
+    # GEMMs planned for fewer SMs (TBO's gemm_sm_budget) are slower by SMs / budget, and none waits.
+    budget = setup.gemm_sm_budget if setup.tbo else None
+    gemm_slowdown = cal.contention.sms / budget if budget else 1.0
+    persistent = budget is None and setup.expert_dtype == "bf16" and tokens * cfg.num_experts_per_tok > GEMV_MAX_ROWS
+
     def shared_op(label: str, share: float, slowdown: float = 1.0) -> Op:
-        return Op(n(label), "shared_experts", COMPUTE, shared * share * slowdown)
+        return Op(n(label), "shared_experts", COMPUTE, shared * share * slowdown * gemm_slowdown)
 
     # An eager forward's excess over its CUDA-graph schedule (host launches, the host reading sizes,
     # waiting for the slower peer; ``StageCosts.host``) goes first: with ranks lined up the GPU waits
@@ -232,7 +248,7 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     overhead = cal.host_us(path, tokens) if eager and tokens else 0.0
     s0 = [Op(n("eager host time"), "host", COMPUTE, overhead)]
     if setup.regime is not None:
-        s0.append(Op(n("attention"), "attention", COMPUTE, attention_us(setup, cal, tokens, sequences)))
+        s0.append(Op(n("attention"), "attention", COMPUTE, attention_us(setup, cal, tokens, sequences) * gemm_slowdown))
     s0.append(Op(n("router"), "router", COMPUTE, cal.route_gpu(tokens) if tokens else 0.0))
     wire_d = transfer_us(setup, cal, d_in, d_out)
     s0.append(Op(n("dispatch transfer"), "comm", WIRE, wire_d, (n("router"),), sm))
@@ -244,7 +260,7 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     layout = cal.kernel_us(path, "dispatch", tokens)
     s1 = [
         Op(n("dispatch layout"), "dispatch", COMPUTE, layout, (n("dispatch transfer"),)),
-        Op(n("routed experts"), "routed_experts", COMPUTE, routed),
+        Op(n("routed experts"), "routed_experts", COMPUTE, routed * gemm_slowdown, persistent=persistent),
     ]
     if mode == "combine":
         s1.append(shared_op("shared experts", 1.0))
@@ -282,7 +298,8 @@ def interleave(stages_a: list[list[Op]], stages_b: list[list[Op]], delay: int) -
 
 def schedule(ops: list[Op], overlap_efficiency: float) -> tuple[list[SimSpan], float]:
     """Place ``ops`` in issue order: (spans, layer time). A compute op that overlaps a transfer on
-    SMs is stretched by (1 - ``overlap_efficiency``) x the overlap."""
+    SMs is stretched by (1 - ``overlap_efficiency``) x the overlap; a ``persistent`` one that starts
+    while such a transfer is in flight ends its whole time after the transfer does."""
     free = {COMPUTE: 0.0, WIRE: 0.0}
     ends: dict[str, float] = {}
     transfers: list[tuple[float, float]] = []
@@ -290,7 +307,10 @@ def schedule(ops: list[Op], overlap_efficiency: float) -> tuple[list[SimSpan], f
     for op in ops:
         start = max([free[op.lane]] + [ends[a] for a in op.after if a in ends])
         dur = op.gpu_us
-        if op.lane == COMPUTE and dur > 0 and op.kind != "host":
+        in_flight = [e for s, e in transfers if s <= start < e]
+        if op.persistent and dur > 0 and in_flight:
+            dur += max(in_flight) - start
+        elif op.lane == COMPUTE and dur > 0 and op.kind != "host":
             overlap = sum(max(0.0, min(e, start + dur) - max(s, start)) for s, e in transfers)
             dur += (1.0 - overlap_efficiency) * overlap
         ends[op.name] = free[op.lane] = start + dur

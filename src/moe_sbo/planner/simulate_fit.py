@@ -48,6 +48,7 @@ RDMA_LATENCY_US = 20.0
 EMULATED_INTERNODE_GBPS = 24.1
 # Fallbacks when no contention probe is among the files: no SM-budget slowdown, no overlap loss.
 NO_CONTENTION_SLOWDOWN = 1.0
+H200_SMS = 132
 NO_CONTENTION_EFFICIENCY = 1.0
 # Transports whose transfer runs on SMs (NCCL kernels, symmetric-memory stores); copy engines do not.
 SM_TRANSPORTS = ("nccl", "symm_mem", "rdma")
@@ -224,11 +225,13 @@ def fit_gemm(samples: Sequence[tuple[int, float, int, int, float, float]]) -> Ge
 class Contention:
     """What sharing the SMs costs: ``sm_budget_slowdown`` of a GEMM planned for the SMs ``combine_sm``
     leaves it, and ``overlap_efficiency`` of a transfer on SMs launched before a GEMM (1: the
-    transfer fully hidden; the GEMM is stretched by (1 - efficiency) x the time they overlap)."""
+    transfer fully hidden; the GEMM is stretched by (1 - efficiency) x the time they overlap), and the
+    GPU's ``sms``."""
 
     sm_budget_slowdown: float
     overlap_efficiency: float
     source: str
+    sms: int = H200_SMS  # the GPU's SMs (the probe's; an H200's without one)
 
 
 @dataclass(frozen=True)
@@ -338,7 +341,7 @@ def _contention(rows: Sequence[ResultRow]) -> Contention:
     assert budget_curve is not None
     slowdown = budget_curve(sms - DEFAULT_COMM_SMS) / budget_curve(sms)
     source = f"{probe[0].file}: GEMM on {sms - DEFAULT_COMM_SMS}/{sms} SMs, copy launched first ({len(first)} rows)"
-    return Contention(slowdown, statistics.median(first), source)
+    return Contention(slowdown, statistics.median(first), source, sms)
 
 
 def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lambda group: True) -> StageCosts:

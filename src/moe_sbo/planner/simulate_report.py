@@ -70,8 +70,6 @@ def setup_of(r: ResultRow) -> Setup | None:
     bench = r.get("bench")
     if bench not in ("sbo", "tbo", "moe_layer", "low_latency", "prefill", "fp8_layer") or r.get("t_layer_us") is None:
         return None
-    if r.get("tbo_gemm_sm_budget") is not None:  # GEMMs planned for fewer SMs under TBO: not modelled
-        return None
     if r.get("tbo_policy") == "auto":  # AutoTbo's row repeats the setup of the fixed row it chose
         return None
     cfg: MoEConfig = r.cfg
@@ -111,6 +109,7 @@ def setup_of(r: ResultRow) -> Setup | None:
         regime=regime,
         sequences=int(r.get("sequences_per_rank", r.tokens)),
         kv_len=int(r.get("kv_len", 0)),
+        gemm_sm_budget=r.get("tbo_gemm_sm_budget"),
         attention=_attention(r.get("attention")),
         # Rows that record it: the capacity each forward's dispatcher had (TBO rows: one micro-batch's).
         capacity=int(r.get("capacity", r.tokens if regime == "prefill" else r.get("sequences_per_rank", r.tokens))),
