@@ -48,8 +48,9 @@ RDMA_LATENCY_US = 20.0
 EMULATED_INTERNODE_GBPS = 24.1
 # Fallbacks when no contention probe is among the files: no SM-budget slowdown, no overlap loss.
 NO_CONTENTION_SLOWDOWN = 1.0
-H200_SMS = 132
 NO_CONTENTION_EFFICIENCY = 1.0
+# The GPU's SMs when no contention probe names them: an H200's, the GPU every result file here ran on.
+H200_SMS = 132
 # Transports whose transfer runs on SMs (NCCL kernels, symmetric-memory stores); copy engines do not.
 SM_TRANSPORTS = ("nccl", "symm_mem", "rdma")
 # Knees tried for the grouped GEMM's smooth roofline (w^p + c^p)^(1/p); inf is a hard max.
