@@ -56,7 +56,7 @@ from moe_sbo.dispatch import low_latency
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import line_up, time_fn, time_layer
+from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, line_up, time_fn, time_layer
 from moe_sbo.runtime import RankPool
 
 DEFAULT_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -64,33 +64,14 @@ TARGETS = {"tokens_per_rank": 4096, "phase_vs_wire": 1.2, "floor_ratio": 1.10}
 
 
 def host_phase_us(layer: MoELayer, x_TH: torch.Tensor, iters: int) -> dict[str, float]:
-    """Median host µs spent inside each of the four dispatcher calls (the GPU is not waited for:
-    this is what the host adds per phase, the part no overlap can hide)."""
-    d, device = layer.dispatcher, x_TH.device
-    spans: dict[str, list[float]] = {
-        k: [] for k in ("dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait")
-    }
+    """Median host µs spent inside each of the four dispatcher calls, ranks lined up before each
+    forward (the GPU is not waited for: this is what the host adds per phase, the part no overlap can
+    hide)."""
+    spans: dict[str, list[float]] = {k: [] for k in DISPATCHER_CALLS}
     for _ in range(iters):
-        line_up(device)
-        topk = layer.router(x_TH)
-        t0 = time.perf_counter()
-        pending = d.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
-        t1 = time.perf_counter()
-        recv = d.dispatch_wait(pending)
-        t2 = time.perf_counter()
-        y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
-        t3 = time.perf_counter()
-        pending = d.combine_launch(y_RH, recv.handle)
-        t4 = time.perf_counter()
-        d.combine_wait(pending)
-        t5 = time.perf_counter()
-        for key, a, b in (
-            ("dispatch_launch", t0, t1),
-            ("dispatch_wait", t1, t2),
-            ("combine_launch", t3, t4),
-            ("combine_wait", t4, t5),
-        ):
-            spans[key].append((b - a) * 1e6)
+        line_up(x_TH.device)
+        for key, us in dispatcher_call_host_us(layer, x_TH).items():
+            spans[key].append(us)
     return {f"host_{k}_us": statistics.median(v) for k, v in spans.items()}
 
 

@@ -24,10 +24,13 @@ import triton.language as tl
 
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us
 from moe_sbo.runtime import LocalRanks
 
 
-def profile_rank(device: torch.device, tokens: int, transport: str, iters: int, top: int) -> str:
+def _probe_layer(device: torch.device, tokens: int, transport: str) -> tuple[MoELayer, torch.Tensor]:
+    """DeepSeek-V3 dims, 32 routed experts per rank, ``low_latency`` over ``transport`` with capacity
+    ``tokens`` -> (layer, a bf16 input of ``tokens`` rows)."""
     cfg = get_preset("deepseek-v3").with_num_experts(32 * dist.get_world_size())
     layer = MoELayer(
         cfg,
@@ -35,7 +38,11 @@ def profile_rank(device: torch.device, tokens: int, transport: str, iters: int, 
         device=device,
         dispatcher_options={"max_tokens_per_rank": tokens, "transport": transport},
     )
-    x = torch.randn(tokens, cfg.hidden_size, device=device).bfloat16()
+    return layer, torch.randn(tokens, cfg.hidden_size, device=device).bfloat16()
+
+
+def profile_rank(device: torch.device, tokens: int, transport: str, iters: int, top: int) -> str:
+    layer, x = _probe_layer(device, tokens, transport)
     d = layer.dispatcher
     profiler = cProfile.Profile()
     walls = {"dispatch_launch": 0.0, "dispatch_wait": 0.0, "combine_launch": 0.0, "combine_wait": 0.0}
@@ -94,15 +101,8 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
     from moe_sbo.dispatch import DispatchInput, ll_bulk, ll_kernels
     from moe_sbo.dispatch.ll_wire import RowFormat
 
-    cfg = get_preset("deepseek-v3").with_num_experts(32 * dist.get_world_size())
-    layer = MoELayer(
-        cfg,
-        dispatcher="low_latency",
-        device=device,
-        dispatcher_options={"max_tokens_per_rank": tokens, "transport": transport},
-    )
-    d = layer.dispatcher
-    x = torch.randn(tokens, cfg.hidden_size, device=device).bfloat16()
+    layer, x = _probe_layer(device, tokens, transport)
+    cfg, d = layer.cfg, layer.dispatcher
     small = torch.zeros(64, device=device)
     fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, x.dtype, False)
     out = []
@@ -170,22 +170,13 @@ def regimes_rank(device: torch.device, tokens: int, transport: str, iters: int) 
     them (a synchronize every 8 forwards, untimed, keeps the launch queue from filling). Medians."""
     import statistics
 
-    cfg = get_preset("deepseek-v3").with_num_experts(32 * dist.get_world_size())
-    layer = MoELayer(
-        cfg,
-        dispatcher="low_latency",
-        device=device,
-        dispatcher_options={"max_tokens_per_rank": tokens, "transport": transport},
-    )
-    d = layer.dispatcher
-    x = torch.randn(tokens, cfg.hidden_size, device=device).bfloat16()
-    calls = ("dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait")
+    layer, x = _probe_layer(device, tokens, transport)
     lines = []
     with torch.inference_mode():
         for _ in range(10):
             layer(x)
         for regime in REGIMES:
-            spans: dict[str, list[float]] = {k: [] for k in calls}
+            spans: dict[str, list[float]] = {k: [] for k in DISPATCHER_CALLS}
             torch.cuda.synchronize()
             dist.barrier()
             for it in range(iters):
@@ -198,20 +189,8 @@ def regimes_rank(device: torch.device, tokens: int, transport: str, iters: int) 
                     until = time.perf_counter() + 2e-3
                     while time.perf_counter() < until:
                         pass
-                topk = layer.router(x)
-                t0 = time.perf_counter()
-                pending = d.dispatch_launch(x, topk.topk_ids_TK, topk.topk_weights_TK)
-                t1 = time.perf_counter()
-                recv = d.dispatch_wait(pending)
-                t2 = time.perf_counter()
-                y = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
-                t3 = time.perf_counter()
-                pending = d.combine_launch(y, recv.handle)
-                t4 = time.perf_counter()
-                d.combine_wait(pending)
-                t5 = time.perf_counter()
-                for key, a, b in zip(calls, (t0, t1, t3, t4), (t1, t2, t4, t5), strict=True):
-                    spans[key].append((b - a) * 1e6)
+                for key, us in dispatcher_call_host_us(layer, x).items():
+                    spans[key].append(us)
             torch.cuda.synchronize()
             lines.append(f"{regime:32s} " + "  ".join(f"{k} {statistics.median(v):6.1f}" for k, v in spans.items()))
     head = f"-- host µs per call (median of {iters}), {tokens} tokens, {transport}, EP{dist.get_world_size()}"

@@ -149,6 +149,29 @@ def time_layer(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> 
     return {name: statistics.median(stamps.span_us(a, b)) for name, a, b in SPANS}
 
 
+DISPATCHER_CALLS = ("dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait")
+
+
+def dispatcher_call_host_us(layer: MoELayer, x_TH: torch.Tensor) -> dict[str, float]:
+    """One forward of ``layer`` through its dispatcher's four calls (router first, routed experts
+    between the phases, no shared experts) -> the host µs spent inside each call, by name. Nothing
+    waits for the GPU: this is what the host adds per phase, the part no overlap can hide."""
+    d = layer.dispatcher
+    topk = layer.router(x_TH)
+    t0 = time.perf_counter()
+    pending = d.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+    t1 = time.perf_counter()
+    recv = d.dispatch_wait(pending)
+    t2 = time.perf_counter()
+    y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ)
+    t3 = time.perf_counter()
+    pending = d.combine_launch(y_RH, recv.handle)
+    t4 = time.perf_counter()
+    d.combine_wait(pending)
+    t5 = time.perf_counter()
+    return {k: (b - a) * 1e6 for k, a, b in zip(DISPATCHER_CALLS, (t0, t1, t3, t4), (t1, t2, t4, t5), strict=True)}
+
+
 def time_all_to_all(
     chunk_elems: int, dtype: torch.dtype, device: torch.device, warmup: int, iters: int, seed: int
 ) -> float:

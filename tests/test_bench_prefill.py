@@ -1,0 +1,49 @@
+"""Smoke test of ``benchmarks/bench_prefill.py``: its CPU mode (2 gloo ranks, H = 256, ``--quick``)
+runs in a subprocess, exits 0, and writes ``prefill.json`` whose eager ``low_latency`` row carries the
+host time of each dispatcher call, the compute floor and the wire reference. It checks that the
+script works, not what it measures (benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_prefill.py"
+
+
+def test_cpu_smoke_writes_host_floor_and_wire_fields(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--quick",
+        "--hidden-size",
+        "256",
+        "--experts-per-gpu",
+        "4",
+        "--tokens",
+        "8",
+        "--one-pass-max",
+        "0",
+        "--no-direct-launches",
+        "--baselines",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "prefill.json").read_text())["rows"]
+    eager = [r for r in rows if r["dispatcher"] == "low_latency" and not r["graph"]]
+    assert eager, rows
+    for row in eager:
+        for call in ("dispatch_launch", "dispatch_wait", "combine_launch", "combine_wait"):
+            assert row[f"host_{call}_us"] > 0, (call, row)
+        assert row["t_floor_us"] > 0 and row["floor_ratio"] > 0
+        assert row["ref_t_dispatch_us"] > 0 and row["ref_t_combine_us"] > 0
