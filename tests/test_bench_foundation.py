@@ -6,13 +6,8 @@ runs in a subprocess, exits 0, and writes ``foundation.json`` with the result-fi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_foundation.py"
+from bench_scripts import run_bench_script
 
 LAYER_FIELDS = (
     "bench",
@@ -45,11 +40,8 @@ GEMM_FIELDS = (
 
 
 def test_cpu_smoke_writes_result_file(tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        str(SCRIPT),
+    proc = run_bench_script(
+        "bench_foundation.py",
         "--out",
         str(tmp_path),
         "--device",
@@ -62,9 +54,8 @@ def test_cpu_smoke_writes_result_file(tmp_path):
         "--tokens",
         "16",
         "64",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        timeout=120,
+    )
     assert "MoE layer per phase" in proc.stdout
 
     result = json.loads((tmp_path / "foundation.json").read_text())

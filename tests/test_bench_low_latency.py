@@ -6,13 +6,8 @@ what it measures (benchmarks are not tests)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_low_latency.py"
+from bench_scripts import run_bench_script
 
 FIELDS = (
     "bench",
@@ -37,11 +32,8 @@ FIELDS = (
 
 
 def test_cpu_smoke_writes_result_file(tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        str(SCRIPT),
+    proc = run_bench_script(
+        "bench_low_latency.py",
         "--out",
         str(tmp_path),
         "--device",
@@ -58,9 +50,8 @@ def test_cpu_smoke_writes_result_file(tmp_path):
         "--tokens",
         "4",
         "16",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        timeout=180,
+    )
     assert "low-latency decode" in proc.stdout
 
     result = json.loads((tmp_path / "low_latency.json").read_text())

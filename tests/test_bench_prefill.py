@@ -6,21 +6,13 @@ script works, not what it measures (benchmarks are not tests)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_prefill.py"
+from bench_scripts import run_bench_script
 
 
 def test_cpu_smoke_writes_host_floor_and_wire_fields(tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        str(SCRIPT),
+    run_bench_script(
+        "bench_prefill.py",
         "--out",
         str(tmp_path),
         "--device",
@@ -36,9 +28,8 @@ def test_cpu_smoke_writes_host_floor_and_wire_fields(tmp_path):
         "0",
         "--no-direct-launches",
         "--baselines",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        timeout=600,
+    )
     rows = json.loads((tmp_path / "prefill.json").read_text())["rows"]
     eager = [r for r in rows if r["dispatcher"] == "low_latency" and not r["graph"]]
     assert eager, rows

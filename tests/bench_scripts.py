@@ -1,0 +1,21 @@
+"""Running a script of ``benchmarks/`` as a user would, for the CPU smoke tests of the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench_script(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python benchmarks/<name> <args>`` from the repository root with ``src`` importable; asserts
+    that it exited 0 (showing the end of its output if not) and returns the finished process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / name), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
