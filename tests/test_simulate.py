@@ -341,6 +341,15 @@ def test_a_persistent_gemm_beside_a_transfer_waits_for_it_and_others_stretch():
     assert gemm_end([wire, later]) == pytest.approx(140.0)  # starts after the transfer: no wait added
 
 
+def test_a_gemm_budget_slows_gemms_as_the_probe_measured():
+    from moe_sbo.planner.simulate_fit import Contention, curve
+
+    measured = Contention(1.2, 0.5, "probe", 132, curve([(132, 500.0), (100, 600.0)], trend=True))
+    assert measured.gemm_slowdown(132) == pytest.approx(1.0)
+    assert measured.gemm_slowdown(116) == pytest.approx(1.1)  # halfway between the probe's points
+    assert Contention(1.0, 1.0, "no probe", 132).gemm_slowdown(66) == pytest.approx(2.0)  # SMs / budget
+
+
 def test_tbo_predictions_follow_the_gemm_budget(real_costs):
     """Under TBO the bf16 grouped GEMM of one micro-batch waits for the other's transfer unless the
     GEMMs leave it SMs; a budget changes the prediction, and without TBO it changes nothing."""

@@ -17,8 +17,8 @@ of those. A GEMM that runs while a transfer that needs SMs is in flight is stret
 grouped GEMM (``torch._grouped_mm``): a persistent kernel with one CTA per SM it plans for, so the
 CTAs whose SMs the transfer holds start when the transfer ends and then do a whole share, and the
 GEMM ends a full GEMM time after the transfer (measured on 2x H200, SIMULATION.md section 5). A
-``gemm_sm_budget`` (TBO) plans the GEMMs for fewer SMs instead: no wait, each GEMM slower by
-SMs / budget. Two-batch overlap
+``gemm_sm_budget`` (TBO) plans the GEMMs for fewer SMs instead: no wait, each GEMM slower as the
+contention probe measured a GEMM planned for that many SMs. Two-batch overlap
 (``model/tbo.py``) cuts the tokens in two and interleaves the micro-batches' three stages —
 [attention, router, dispatch launch] [dispatch wait, routed experts, combine launch] [combine wait,
 shared, residual] — ``delay`` stages apart: A0 B0 A1 B1 A2 B2 at delay 0.
@@ -234,9 +234,10 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     name = (mb + " " if mb else "") + "{}"
     n = name.format
 
-    # GEMMs planned for fewer SMs (TBO's gemm_sm_budget) are slower by SMs / budget, and none waits.
+    # GEMMs planned for fewer SMs (TBO's gemm_sm_budget) are slower, as the contention probe measured
+    # a GEMM on fewer SMs, and none waits.
     budget = setup.gemm_sm_budget if setup.tbo else None
-    gemm_slowdown = cal.contention.sms / budget if budget else 1.0
+    gemm_slowdown = cal.contention.gemm_slowdown(budget) if budget else 1.0
     persistent = budget is None and setup.expert_dtype == "bf16" and tokens * cfg.num_experts_per_tok > GEMV_MAX_ROWS
 
     def shared_op(label: str, share: float, slowdown: float = 1.0) -> Op:

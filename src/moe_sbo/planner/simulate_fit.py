@@ -233,6 +233,14 @@ class Contention:
     overlap_efficiency: float
     source: str
     sms: int = H200_SMS  # the GPU's SMs (the probe's; an H200's without one)
+    gemm_us_by_sms: Curve | None = None  # the probe's GEMM alone, µs vs the SMs it planned for
+
+    def gemm_slowdown(self, sm_budget: int) -> float:
+        """How much longer a GEMM planned for ``sm_budget`` of the GPU's SMs takes than on all of them:
+        from the probe's measured curve where there is one, else ``sms / sm_budget``."""
+        if self.gemm_us_by_sms is not None:
+            return self.gemm_us_by_sms(sm_budget) / self.gemm_us_by_sms(self.sms)
+        return self.sms / sm_budget
 
 
 @dataclass(frozen=True)
@@ -342,7 +350,7 @@ def _contention(rows: Sequence[ResultRow]) -> Contention:
     assert budget_curve is not None
     slowdown = budget_curve(sms - DEFAULT_COMM_SMS) / budget_curve(sms)
     source = f"{probe[0].file}: GEMM on {sms - DEFAULT_COMM_SMS}/{sms} SMs, copy launched first ({len(first)} rows)"
-    return Contention(slowdown, statistics.median(first), source, sms)
+    return Contention(slowdown, statistics.median(first), source, sms, curve(alone.items(), trend=True))
 
 
 def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lambda group: True) -> StageCosts:
