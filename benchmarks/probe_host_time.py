@@ -3,9 +3,10 @@
 Every visible GPU is one rank; rank 0's profile is printed (top functions by own time) for each token
 count, after warm-up, with the GPU and the ranks lined up between iterations (so the host never waits
 for a full launch queue). Usage (GPU): ``python benchmarks/probe_host_time.py [--tokens 128 4096]
-[--transport symm_mem] [--pieces | --regimes]``; writes the text to ``--out`` too. ``--pieces`` times
+[--transport symm_mem] [--pieces | --regimes | --breakdown]``; writes the text to ``--out`` too. ``--pieces`` times
 each building block's host cost alone instead (a Triton launch, small torch ops, checks, each kernel
-wrapper); ``--regimes`` times the four calls with the ranks lined up, after a busy host, and back to back.
+wrapper); ``--regimes`` times the four calls with the ranks lined up, after a busy host, and back to back;
+``--breakdown`` times each step inside them in a forward (light wrappers, not a profiler).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
-from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us
+from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, host_breakdown
 from moe_sbo.runtime import LocalRanks
 
 
@@ -197,6 +198,50 @@ def regimes_rank(device: torch.device, tokens: int, transport: str, iters: int) 
     return head + "\n" + "\n".join(lines)
 
 
+def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int) -> str:
+    """Mean host µs per call of each step inside the four dispatcher calls (``host_breakdown``'s
+    wrappers, inclusive of what each calls), ranks lined up before every forward: where a phase's
+    host time goes, without a profiler's overhead."""
+    from moe_sbo.dispatch import ll_graphs, low_latency
+    from moe_sbo.dispatch.base import Dispatcher
+    from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
+    from moe_sbo.hooks import HookRegistry
+
+    layer, x = _probe_layer(device, tokens, transport)
+    targets = [
+        (Dispatcher, "dispatch_launch"),
+        (HookRegistry, "run"),
+        (LowLatencyDispatcher, "_check_dispatch_input"),
+        (LowLatencyDispatcher, "_launch_dispatch"),
+        (LowLatencyDispatcher, "buffers"),
+        (LowLatencyDispatcher, "_pack_staged"),
+        (ll_graphs.Staging, "stage"),
+        (ll_graphs.PieceGraph, "__call__"),
+        (torch.cuda.CUDAGraph, "replay"),
+        (low_latency, "start_exchange"),
+        (Dispatcher, "dispatch_wait"),
+        (LowLatencyDispatcher, "_wait_dispatch"),
+        (low_latency.ll_kernels, "gather_rows"),
+        (Dispatcher, "combine_launch"),
+        (low_latency.ll_kernels, "reduce_pairs"),
+        (Dispatcher, "combine_wait"),
+        (low_latency, "gather_sum"),
+    ]
+    with torch.inference_mode():
+        for _ in range(10):
+            layer(x)
+        with host_breakdown(targets) as spans:
+            for _ in range(iters):
+                torch.cuda.synchronize()
+                dist.barrier()
+                dispatcher_call_host_us(layer, x)
+        torch.cuda.synchronize()
+    ep = dist.get_world_size()
+    head = f"-- host µs per call (mean of {iters} forwards, inclusive), {tokens} tokens, {transport}, EP{ep}"
+    lines = [f"{label:45s} {len(v) / iters:5.1f} calls {sum(v) / max(len(v), 1):8.1f} µs" for label, v in spans.items()]
+    return head + "\n" + "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
@@ -208,11 +253,14 @@ def main() -> None:
     p.add_argument(
         "--regimes", action="store_true", help="the four calls' host time lined up, after a busy host, back to back"
     )
+    p.add_argument("--breakdown", action="store_true", help="host µs of each step inside the four calls")
     args = p.parse_args()
     texts = []
     with LocalRanks(torch.cuda.device_count(), device="cuda") as ranks:
         for tokens in args.tokens:
-            if args.regimes:
+            if args.breakdown:
+                texts.append(ranks.run(breakdown_rank, tokens, args.transport, args.iters)[0])
+            elif args.regimes:
                 texts.append(ranks.run(regimes_rank, tokens, args.transport, args.iters)[0])
             elif args.pieces:
                 texts.append(ranks.run(pieces_rank, tokens, args.transport, args.iters)[0])

@@ -1,0 +1,49 @@
+"""``measure.timing.host_breakdown``: host time per call of the functions it wraps, for a class's
+method (inherited or its own, classmethods too) and a module's function, and everything put back."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_sbo.config import get_preset
+from moe_sbo.dispatch import low_latency
+from moe_sbo.dispatch.base import Dispatcher
+from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
+from moe_sbo.layer import MoELayer
+from moe_sbo.measure.timing import host_breakdown
+
+
+def test_host_breakdown_times_each_call_and_restores_everything():
+    layer = MoELayer(
+        get_preset("tiny"),
+        dispatcher="low_latency",
+        dtype=torch.float32,
+        dispatcher_options={"max_tokens_per_rank": 16, "kernels": "torch"},
+    )
+    x = torch.randn(16, layer.cfg.hidden_size)
+    with torch.no_grad():
+        want = layer(x)
+        targets = [
+            (LowLatencyDispatcher, "dispatch_launch"),  # inherited from Dispatcher
+            (LowLatencyDispatcher, "_launch_dispatch"),
+            (RowFormat, "make"),  # a classmethod
+            (low_latency, "gather_sum"),  # a module's function
+        ]
+        with host_breakdown(targets) as spans:
+            for _ in range(3):
+                got = layer(x)
+    assert torch.equal(got, want)
+    assert {k: len(v) for k, v in spans.items()} == {
+        "LowLatencyDispatcher.dispatch_launch": 3,
+        "LowLatencyDispatcher._launch_dispatch": 3,
+        "RowFormat.make": 3,
+        "low_latency.gather_sum": 3,
+    }
+    assert all(us > 0 for times in spans.values() for us in times)
+    # nested: the launch includes what it calls
+    assert sum(spans["LowLatencyDispatcher.dispatch_launch"]) >= sum(spans["LowLatencyDispatcher._launch_dispatch"])
+    assert "dispatch_launch" not in vars(LowLatencyDispatcher)
+    assert LowLatencyDispatcher.dispatch_launch is Dispatcher.dispatch_launch
+    assert isinstance(vars(RowFormat)["make"], classmethod)
+    assert low_latency.gather_sum.__module__ == "moe_sbo.dispatch.reduce"
