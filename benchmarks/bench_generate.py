@@ -44,6 +44,7 @@ from statistics import median
 
 import torch
 
+from moe_sbo.hf.mla import MLA_STEPS
 from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model, prefill_tokens
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import memory_read_us
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mla",
         nargs="+",
         default=["absorbed"],
-        choices=["absorbed", "transformers"],
+        choices=MLA_STEPS,
         help="MLA decode step: latent-space attention (load_model's absorb_mla) or transformers' own",
     )
     parser.add_argument("--overlap", default="none", choices=list(OVERLAP_MODES), help="the MoE layers' overlap mode")

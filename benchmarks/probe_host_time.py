@@ -27,6 +27,7 @@ from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, host_breakdown
 from moe_sbo.runtime import LocalRanks
+from moe_sbo.streams import capture_graph
 
 
 def _probe_layer(device: torch.device, tokens: int, transport: str) -> tuple[MoELayer, torch.Tensor]:
@@ -153,10 +154,8 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
 
 def _empty_graph(device: torch.device):
     """The replay of a graph holding one tiny kernel: the floor of a graph replay's host cost."""
-    graph, t = torch.cuda.CUDAGraph(), torch.zeros(1, device=device)
-    t.add_(1)
-    with torch.cuda.graph(graph):
-        t.add_(1)
+    t = torch.zeros(1, device=device)
+    graph, _ = capture_graph(lambda: t.add_(1), warmup=1)
     return graph.replay
 
 

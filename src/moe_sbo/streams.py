@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -152,6 +153,10 @@ def capture_graph(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda
     same buffers: write new inputs into the tensors ``fn`` reads, then ``graph.replay()``. The graph
     keeps ``fn`` (and so every tensor its closure holds) alive: were they freed, their memory would
     be reused while replays still write into it (an illegal access once the allocator releases it).
+
+    No garbage collection runs while capturing: a collected tensor's free (a symmetric-memory unmap
+    above all) is not permitted on a capturing thread and aborts the process. The capture is
+    ``thread_local``: NCCL's watchdog thread keeps querying its events meanwhile.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -160,7 +165,14 @@ def capture_graph(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     cast(Any, graph).captured_fn = fn  # our own attribute on torch's CUDAGraph: it keeps fn alive
     return graph, out

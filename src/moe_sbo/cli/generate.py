@@ -24,6 +24,7 @@ from .. import env
 from ..dispatch import DISPATCHERS
 from ..hf.checkpoint import Checkpoint
 from ..hf.config import model_family
+from ..hf.mla import MLA_STEPS
 from ..hf.model import DECODE_LOOPS, WHOLE_MODEL_FAMILIES, generate, load_model, prefill_tokens
 from ..measure.results import result_meta
 from ..overlap import OVERLAP_MODES
@@ -90,7 +91,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--mla",
         default="absorbed",
-        choices=["absorbed", "transformers"],
+        choices=MLA_STEPS,
         help="DeepSeek-V2/V3 decode attention: absorbed (in the latent space, reading the cache once) or "
         "transformers' own step (expands the whole cache every step); other families ignore it",
     )

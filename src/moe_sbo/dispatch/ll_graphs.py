@@ -38,12 +38,13 @@ Triton interpreter) the same staged path runs without capture, which is what the
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..streams import capture_graph
 
 
 @dataclass
@@ -107,21 +108,8 @@ class PieceGraph:
             self._graph.replay()
             return self._outputs
         outputs = self._fn()
-        if self._capture:
-            graph = torch.cuda.CUDAGraph()
-            # No garbage collection while capturing: a collected tensor's free (a symmetric-memory
-            # unmap above all) is not permitted on a capturing thread and aborts the process.
-            collecting = gc.isenabled()
-            gc.collect()
-            gc.disable()
-            try:
-                # thread_local: NCCL's watchdog thread keeps querying its events during the capture.
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._outputs = self._fn()
-            finally:
-                if collecting:
-                    gc.enable()
-            self._graph = graph
+        if self._capture:  # the eager call above was the warm-up
+            self._graph, self._outputs = capture_graph(self._fn, warmup=0)
         return outputs
 
 

@@ -230,7 +230,8 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     (d_in, d_out), (c_in, c_out) = phase_bytes(setup, tokens)
     sm = (path.transport or "nccl") in SM_TRANSPORTS or setup.wire == "cluster"
     shared = cal.shared_gpu(tokens) if cfg.num_shared_experts and tokens > 0 else 0.0
-    routed = cal.routed_gpu_us(cfg, setup.experts_per_gpu, tokens * cfg.num_experts_per_tok, setup.expert_dtype, path)
+    rows = tokens * cfg.num_experts_per_tok  # the (token, expert) pairs the routed experts run
+    routed = cal.routed_gpu_us(cfg, setup.experts_per_gpu, rows, setup.expert_dtype, path)
     name = (mb + " " if mb else "") + "{}"
     n = name.format
 
@@ -238,7 +239,7 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     # a GEMM on fewer SMs, and none waits.
     budget = setup.gemm_sm_budget if setup.tbo else None
     gemm_slowdown = cal.contention.gemm_slowdown(budget) if budget else 1.0
-    persistent = budget is None and setup.expert_dtype == "bf16" and tokens * cfg.num_experts_per_tok > GEMV_MAX_ROWS
+    persistent = budget is None and setup.expert_dtype == "bf16" and rows > GEMV_MAX_ROWS
 
     def shared_op(label: str, share: float, slowdown: float = 1.0) -> Op:
         return Op(n(label), "shared_experts", COMPUTE, shared * share * slowdown * gemm_slowdown)
