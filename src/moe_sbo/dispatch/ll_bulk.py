@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..fp8_kernels import quantize_slice
 from .layout import ExpertLayout
-from .ll_kernels import Destinations, KernelLayout, block_h_for_row, pair_keys, pow2, store_fp8_slice
+from .ll_kernels import Destinations, KernelLayout, block_h_for_row, lanes, pair_keys, pow2, store_fp8_slice
 from .ll_wire import RowFormat
 
 PACK_BLOCK_T = 128  # tokens per program of the send plan's passes
@@ -197,7 +197,7 @@ def pack_rows(
     device = x_TH.device
     num_tokens, top_k = ids_TK.shape
     num_ranks = dst.offsets_P.shape[0]
-    p_p2, k_p2 = pow2(num_ranks), pow2(top_k)
+    p_p2, k_p2 = lanes(num_ranks), lanes(top_k)
     num_blocks = max(triton.cdiv(num_tokens, PACK_BLOCK_T), 1)
     ids_ok_C = torch.ones(capacity, dtype=torch.int32, device=device)
     counts_PB = torch.zeros(p_p2, num_blocks + 1, dtype=torch.int32, device=device)

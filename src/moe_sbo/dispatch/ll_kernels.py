@@ -60,6 +60,13 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def lanes(n: int) -> int:
+    """The lane count of a kernel axis over ``n`` ranks or expert slots: a power of two, at least 2.
+    Compiled Triton 3.6 loses stores masked through a reduction over a size-1 axis (on an H200, one
+    rank's pack pass wrote the ids of only half its rows); the extra lane is masked off like any pad."""
+    return max(pow2(n), 2)
+
+
 def block_h_for_row(hidden: int, fp8: bool) -> int:
     # 1024 values per step: 7 steps for DeepSeek-V3's 7168; fp8 steps whole 128-value groups.
     return min(1024, max(pow2(hidden), FP8_GROUP if fp8 else 16))
@@ -248,8 +255,8 @@ def pack_rows(
         WEIGHTS_OFFSET=fmt.weights_offset,
         FP8=fmt.fp8,
         BLOCK_T=max(16, min(128, pow2(num_tokens))),
-        K_P2=pow2(top_k),
-        P_P2=pow2(num_ranks),
+        K_P2=lanes(top_k),
+        P_P2=lanes(num_ranks),
         BLOCK_H=block_h,
     )
     return ids_ok_C
@@ -490,7 +497,7 @@ def reduce_pairs(
     ``s // C`` of ``dst``. Slots with no local pair are not written (their sender never reads them)."""
     num_slots, top_k = fixed.pair_row_SK.shape
     hidden = expert_y_RH.shape[1]
-    block_h = block_h_for(hidden, pow2(top_k))
+    block_h = block_h_for(hidden, lanes(top_k))
     _reduce_pairs_kernel[(num_slots, triton.cdiv(hidden, block_h))](
         expert_y_RH,
         fixed.pair_row_SK,
@@ -501,7 +508,7 @@ def reduce_pairs(
         capacity,
         HIDDEN=hidden,
         TOP_K=top_k,
-        K_P2=pow2(top_k),
+        K_P2=lanes(top_k),
         ROW_BYTES=fmt.row_bytes,
         WEIGHTS_OFFSET=fmt.weights_offset,
         BLOCK_H=block_h,
