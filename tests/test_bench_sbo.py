@@ -166,6 +166,13 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
         assert row["bench"] == "tbo" and row["t_layer_us"] > 0 and row["experts_per_gpu"] == 8
         if row["overlap"] == "none" and not row["tbo"] and row["tbo_policy"] == "fixed":
             assert row["speedup_vs_none"] == 1.0
+        # The physical references: the whole batch's compute, each part alone, and the raw wire.
+        parts = ("attention", "route", "routed", "shared")
+        assert all(row[f"t_floor_{part}_us"] > 0 for part in parts), row
+        assert row["t_floor_us"] == pytest.approx(sum(row[f"t_floor_{part}_us"] for part in parts), rel=1e-2)
+        assert row["t_wire_us"] == pytest.approx(row["ref_t_dispatch_us"] + row["ref_t_combine_us"], rel=1e-2)
+        limit = max(row["t_floor_us"], row["t_wire_us"])
+        assert row["limit_ratio"] == pytest.approx(row["t_layer_us"] / limit, rel=1e-2)  # fields are rounded
         # A fixed-capacity dispatcher is sized for what one forward sends: the whole batch without
         # TBO, the larger micro-batch with it (96 prefill tokens split 48 + 48; 4 sequences 2 + 2).
         if row["dispatcher"] == "low_latency":
@@ -173,6 +180,10 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
             assert row["capacity"] == (tokens // 2 if row["tbo"] else tokens), row
         else:
             assert row["capacity"] is None
+    # Measured once per size: every row of a (dispatcher, size) carries the same references.
+    for key in {(r["dispatcher"], r["tokens_per_rank"]) for r in rows}:
+        same = [r for r in rows if (r["dispatcher"], r["tokens_per_rank"]) == key]
+        assert len({(r["t_floor_us"], r["t_wire_us"]) for r in same}) == 1
     spans = load_spans(png.with_suffix(".spans.json"))
     assert {"alltoall / no TBO", "alltoall / TBO", "alltoall / TBO + SBO split"} <= set(spans)
     assert "attention" in {s.kind for s in spans["alltoall / TBO"]}

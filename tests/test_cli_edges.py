@@ -128,6 +128,9 @@ def test_bench_on_cpu_without_sizes_is_a_quick_tiny_sweep(tmp_path, capsys):
     # The wire: named in the meta and in every row; the physical references ride along.
     assert result["meta"]["wire"] == "nvlink" and all(r["wire"] == "nvlink" for r in result["rows"])
     assert all(r["t_wire_us"] > 0 and r["t_floor_us"] > 0 for r in result["rows"])
+    for r in result["rows"]:
+        assert r["t_limit_us"] == max(r["t_floor_us"], r["t_wire_us"])
+        assert r["limit_ratio"] == pytest.approx(r["t_layer_us"] / r["t_limit_us"], rel=1e-2)  # fields are rounded
     assert result["meta"]["wire_all_to_all_GBps"] > 0
     printed = capsys.readouterr().out
     lines = printed.splitlines()

@@ -1,5 +1,6 @@
 """What the ``bench`` subcommand's SBO and TBO sweeps share: the setup of a row, one cached layer
-per rank, and one profiled forward turned into timeline spans.
+per rank, the physical references of a row (compute floor, raw wire), and one profiled forward
+turned into timeline spans.
 
 The hard part is memory across a sweep: building a DeepSeek-sized layer is costly, so a rank keeps
 its last one between calls, and only the last one, so sweeping setups does not accumulate GPU memory.
@@ -17,11 +18,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config import MoEConfig, get_preset
 from ..dispatch import dispatcher_option_names, options_for_tokens
-from ..measure.timing import line_up
+from ..layer import MoELayer
+from ..measure.timing import line_up, time_fn, time_raw_all_to_all
 from ..measure.trace import spans_from_trace
+from ..routing import TopkOutput
 
 
 def bench_config(preset: str, num_experts: int | None) -> MoEConfig:
@@ -136,3 +140,49 @@ def profile_spans(run: Callable[[], object], device: torch.device, rank: int, tr
         prof.export_chrome_trace(path)
         with open(path) as f:
             return [vars(s) for s in spans_from_trace(json.load(f))]
+
+
+def floor_and_wire(
+    layer: MoELayer, x_TH: torch.Tensor, topk: TopkOutput, warmup: int, iters: int, seed: int
+) -> dict[str, float]:
+    """The compute floor (router, routed experts on one dispatch's rows of ``topk``, shared experts,
+    each alone) and, with peers, raw ``all_to_all_single`` of each phase's bytes: one rank's share of
+    a row."""
+    device = x_TH.device
+    graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
+    recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+    experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
+    shared = layer.shared_experts
+    out = {
+        "t_floor_route_us": time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph),
+        "t_floor_routed_us": time_fn(lambda: layer.experts(experts_x, counts, scales), device, warmup, iters, graph),
+        "t_floor_shared_us": time_fn(lambda: shared(x_TH), device, warmup, iters, graph) if shared else 0.0,
+    }
+    layer.dispatcher.combine(layer.experts(experts_x, counts, scales), recv.handle)  # close the round it opened
+    traffic = layer.dispatcher.last_traffic
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        # The largest rank's bytes: the transfer the layer waits for.
+        sent = (traffic.dispatch_bytes_sent, traffic.combine_bytes_sent)
+        times, _ = time_raw_all_to_all(sent, x_TH.dtype, device, warmup, iters, seed, rule="max")
+        for phase, t_us in zip(("dispatch", "combine"), times):
+            out[f"{phase}_bytes_sent"] = float(getattr(traffic, f"{phase}_bytes_sent"))
+            out[f"ref_t_{phase}_us"] = t_us
+    return out
+
+
+def physical_limit(row: dict) -> dict:
+    """What a summarised row's floor and wire parts add up to: ``t_floor_us`` (every ``t_floor_*_us``
+    part), ``t_wire_us`` (raw dispatch + combine, with peers), ``t_limit_us`` = max of the two (no
+    overlap can beat it: the compute must run and the bytes must cross) and ``limit_ratio`` =
+    ``t_layer_us / t_limit_us``."""
+    out = {
+        "t_floor_us": sum(
+            v for k, v in row.items() if k.startswith("t_floor_") and k.endswith("_us") and k != "t_floor_us"
+        )
+    }
+    if "ref_t_dispatch_us" in row:
+        out["t_wire_us"] = row["ref_t_dispatch_us"] + row["ref_t_combine_us"]
+    out["t_limit_us"] = max(out["t_floor_us"], out.get("t_wire_us", 0.0))
+    out["limit_ratio"] = row["t_layer_us"] / out["t_limit_us"] if out["t_limit_us"] > 0 else None
+    return out

@@ -10,7 +10,8 @@ For each (expert count, dispatcher, tokens per rank), on every rank of the EP gr
   alone (CUDA-graph replays on GPUs): the compute a perfect dispatcher and perfect overlap would leave;
 - ``ref_t_dispatch_us``, ``ref_t_combine_us`` (``t_wire_us`` their sum), with two ranks or more: a raw
   ``all_to_all_single`` of each phase's bytes (``dispatch_bytes_sent``, ``combine_bytes_sent``) on the
-  same wire, the physical reference ``--wire`` is about;
+  same wire, the physical reference ``--wire`` is about; ``t_limit_us`` = max(``t_floor_us``,
+  ``t_wire_us``), the least any overlap can reach, and ``limit_ratio`` = ``t_layer_us / t_limit_us``;
 - per overlap mode: the layer's median time and its phases (CUDA events recorded by dispatcher hooks,
   no sync inside a forward), and for decode sizes (<= ``--graph-max-tokens``) with a dispatcher that
   can be captured, the median of CUDA-graph replays as a second row (``graph: true``).
@@ -35,11 +36,19 @@ import torch.distributed as dist
 from rich.table import Table
 
 from ..layer import MoELayer
-from ..measure.timing import SPANS, line_up, time_fn, time_layer, time_raw_all_to_all
+from ..measure.timing import SPANS, line_up, time_fn, time_layer
 from ..overlap import AutoOverlap, make_overlap
 from ..overlap.sbo import bucket_of
-from ..routing import TopkOutput
-from .bench_common import bench_config, cached, dispatcher_options, profile_spans, resolved_path, row_head
+from .bench_common import (
+    bench_config,
+    cached,
+    dispatcher_options,
+    floor_and_wire,
+    physical_limit,
+    profile_spans,
+    resolved_path,
+    row_head,
+)
 from .options import compact, make_table
 
 # Span of time_layer that is the shared experts only in mode none; in other modes it is the final add.
@@ -131,35 +140,6 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
     return rows
 
 
-def floor_and_wire(
-    layer: MoELayer, x_TH: torch.Tensor, topk: TopkOutput, warmup: int, iters: int, seed: int
-) -> dict[str, float]:
-    """The compute floor (router, routed experts on one dispatch's rows of ``topk``, shared experts,
-    each alone) and, with peers, raw ``all_to_all_single`` of each phase's bytes: one rank's share of
-    a row."""
-    device = x_TH.device
-    graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
-    recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
-    experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
-    shared = layer.shared_experts
-    out = {
-        "t_floor_route_us": time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph),
-        "t_floor_routed_us": time_fn(lambda: layer.experts(experts_x, counts, scales), device, warmup, iters, graph),
-        "t_floor_shared_us": time_fn(lambda: shared(x_TH), device, warmup, iters, graph) if shared else 0.0,
-    }
-    layer.dispatcher.combine(layer.experts(experts_x, counts, scales), recv.handle)  # close the round it opened
-    traffic = layer.dispatcher.last_traffic
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        # The largest rank's bytes: the transfer the layer waits for.
-        sent = (traffic.dispatch_bytes_sent, traffic.combine_bytes_sent)
-        times, _ = time_raw_all_to_all(sent, x_TH.dtype, device, warmup, iters, seed, rule="max")
-        for phase, t_us in zip(("dispatch", "combine"), times):
-            out[f"{phase}_bytes_sent"] = float(getattr(traffic, f"{phase}_bytes_sent"))
-            out[f"ref_t_{phase}_us"] = t_us
-    return out
-
-
 def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
     """Slowest rank's times per row, then efficiency and speedup against the group's ``none`` row."""
     rows = []
@@ -179,9 +159,7 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
                 row[key] = max(values) if values else None
             elif key.endswith("_bytes_sent"):
                 row[key] = round(statistics.mean(r[key] for r in rank_rows))
-        row["t_floor_us"] = row["t_floor_route_us"] + row["t_floor_routed_us"] + row["t_floor_shared_us"]
-        if "ref_t_dispatch_us" in row:
-            row["t_wire_us"] = row["ref_t_dispatch_us"] + row["ref_t_combine_us"]
+        row.update(physical_limit(row))
         row["t_layer_us_per_rank"] = [round(r["t_layer_us"], 1) for r in rank_rows]
         row["bytes_sent"] = round(statistics.mean(r["bytes_sent"] for r in rank_rows))
         row["bytes_recv"] = round(statistics.mean(r["bytes_recv"] for r in rank_rows))

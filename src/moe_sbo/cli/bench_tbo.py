@@ -7,12 +7,18 @@ baseline). Prefill: packed sequences of
 sequences per rank, one new token each, attending to ``--kv-len`` cached tokens; timed as CUDA-graph
 replays when the dispatcher can be captured. Times are the slowest rank's medians;
 ``speedup_vs_none`` is against the baseline of the same size.
+
+Every row also carries the size's physical references, measured once per size on the layer without
+TBO: ``t_floor_us`` (attention, router, routed experts and shared experts of the whole batch, each
+alone), ``t_wire_us`` (raw NCCL ``all_to_all_single`` of each phase's bytes, with peers), and
+``limit_ratio`` = ``t_layer_us`` / max(the two): how far the row is from what any overlap could reach.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -21,13 +27,22 @@ from rich.table import Table
 
 from ..layer import MoELayer
 from ..measure.timing import time_fn
-from ..model.attention import AttentionConfig, Batch
+from ..model.attention import AttentionConfig, Batch, KVCache
 from ..model.decoder import DecoderLayer
 from ..model.tbo import split_batch, tbo_forward
 from ..model.tbo_auto import AutoTbo
 from ..overlap import make_overlap
 from ..overlap.sbo import bucket_of
-from .bench_common import bench_config, cached, dispatcher_options, profile_spans, resolved_path, row_head
+from .bench_common import (
+    bench_config,
+    cached,
+    dispatcher_options,
+    floor_and_wire,
+    physical_limit,
+    profile_spans,
+    resolved_path,
+    row_head,
+)
 from .options import compact, make_table
 
 
@@ -86,6 +101,24 @@ def _tbo_decoder(device: torch.device, spec: dict, batch: Batch) -> tuple[Decode
     return _decoder(device, spec, half), half, "max_tokens_per_rank" in dispatcher_options(spec, half)
 
 
+def decoder_floor_and_wire(
+    layer: DecoderLayer, x_TH: torch.Tensor, batch: Batch, cache: KVCache, spec: dict
+) -> dict[str, float]:
+    """The decoder layer's physical references on one rank: ``t_floor_attention_us`` (norm and
+    attention alone, a CUDA-graph replay on GPUs) and the MoE's ``floor_and_wire`` on the tokens
+    attention hands it (router, routed experts, shared experts, each alone; raw NCCL on each phase's
+    bytes, with peers). Whole-batch work: what two micro-batches must do between them."""
+    device, warmup, iters = x_TH.device, spec["warmup"], spec["iters"]
+
+    def attention() -> torch.Tensor:
+        return layer.attention(layer.input_norm(x_TH), batch, cache)
+
+    out = {"t_floor_attention_us": time_fn(attention, device, warmup, iters, device.type == "cuda")}
+    moe_x_TH = layer.post_attention_norm(x_TH + attention())
+    out.update(floor_and_wire(layer.moe, moe_x_TH, layer.moe.router(moe_x_TH), warmup, iters, spec["seed"]))
+    return out
+
+
 def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> list[dict]:
     """One rank's rows for one (regime, size): every SBO mode without and with TBO."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -107,6 +140,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
     x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, generator=generator, device=device).to(dtype)
     rows = []
     with torch.inference_mode():
+        limits = decoder_floor_and_wire(layer, x_TH, batch, cache, spec)
         for mode in spec["modes"]:
             for moe in (layer.moe, tbo_layer.moe):  # one layer twice when the capacity is not fixed
                 moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
@@ -152,6 +186,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
                         "capacity": (batch.num_tokens if chosen is None else half) if fixed_capacity else None,
                         "graph": graph,
                         "t_layer_us": t,
+                        **limits,
                     }
                 )
         for moe in (layer.moe, tbo_layer.moe):
@@ -181,22 +216,29 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
                 "graph": first["graph"],
                 "t_layer_us": max(r["t_layer_us"] for r in rank_rows),
                 "t_layer_us_per_rank": [round(r["t_layer_us"], 1) for r in rank_rows],
+                # The slowest rank's floor parts and raw transfers; the bytes each rank sent, averaged.
+                **{k: max(r[k] for r in rank_rows) for k in first if k.startswith(("t_floor_", "ref_t_"))},
+                **{k: round(statistics.mean(r[k] for r in rank_rows)) for k in first if k.endswith("_bytes_sent")},
             }
         )
+        rows[-1].update(physical_limit(rows[-1]))
     baseline = next(r for r in rows if r["overlap"] == "none" and not r["tbo"] and r["tbo_policy"] == "fixed")
     for row in rows:
         row["speedup_vs_none"] = baseline["t_layer_us"] / row["t_layer_us"]
     return rows
 
 
-TBO_LEGEND = "× none: the same size's layer time without TBO and with overlap none / this row's"
+TBO_LEGEND = (
+    "× none: the same size's layer time without TBO and with overlap none / this row's; "
+    "× limit: this row's / max(compute floor, raw wire)"
+)
 
 
 def tbo_table(rows: list[dict]) -> Table:
     """The TBO rows as a table that fits 100 columns."""
     columns = [("regime", "left"), ("tokens", "right"), ("seqs", "right"), ("dispatcher", "left")]
     columns += [("overlap", "left"), ("tbo (delay)", "left"), ("graph", "left"), ("layer µs", "right")]
-    columns += [("× none", "right")]
+    columns += [("× none", "right"), ("× limit", "right")]
     table = make_table("decoder layer: two-batch overlap (slowest rank, median)", columns)
     for r in rows:
         if "error" in r:
@@ -206,10 +248,7 @@ def tbo_table(rows: list[dict]) -> Table:
                 "",
                 r.get("dispatcher", ""),
                 "[red]error[/]",
-                "",
-                "",
-                "",
-                "",
+                *[""] * (len(columns) - 5),
             )
             continue
         table.add_row(
@@ -222,6 +261,7 @@ def tbo_table(rows: list[dict]) -> Table:
             "yes" if r["graph"] else "no",
             compact(r["t_layer_us"]),
             f"{r['speedup_vs_none']:.2f}",
+            "-" if r.get("limit_ratio") is None else f"{r['limit_ratio']:.2f}",
         )
     return table
 
