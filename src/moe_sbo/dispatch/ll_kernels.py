@@ -421,6 +421,76 @@ def _gather_rows_kernel(
                 tl.store(out_row + h, tl.load(src_row.to(out_ptr.dtype) + h, mask=h < HIDDEN), mask=h < HIDDEN)
 
 
+# ---- staging (index graphs): one forward's inputs into a buffer set's fixed tensors ---------------------
+
+
+@triton.jit
+def _stage_kernel(
+    x_ptr,
+    ids_ptr,
+    w_ptr,
+    x_out_ptr,
+    ids_out_ptr,
+    w_out_ptr,
+    num_tokens,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Program (t, j): slice j of row t's x; slice 0 also writes its ids (int32) and weights (float32),
+    # or ids -1 for a row past the real tokens.
+    t = tl.program_id(0)
+    h0 = tl.program_id(1) * BLOCK_H
+    row = t.to(tl.int64)
+    offs_k = tl.arange(0, K_P2)
+    k_mask = offs_k < TOP_K
+    if t < num_tokens:
+        h = h0 + tl.arange(0, BLOCK_H)
+        x_H = tl.load(x_ptr + row * HIDDEN + h, mask=h < HIDDEN)
+        tl.store(x_out_ptr + row * HIDDEN + h, x_H, mask=h < HIDDEN)
+        if h0 == 0:
+            ids_K = tl.load(ids_ptr + row * TOP_K + offs_k, mask=k_mask)
+            tl.store(ids_out_ptr + row * TOP_K + offs_k, ids_K.to(tl.int32), mask=k_mask)
+            w_K = tl.load(w_ptr + row * TOP_K + offs_k, mask=k_mask)
+            tl.store(w_out_ptr + row * TOP_K + offs_k, w_K.to(tl.float32), mask=k_mask)
+    elif h0 == 0:
+        tl.store(ids_out_ptr + row * TOP_K + offs_k, tl.full([K_P2], -1, tl.int32), mask=k_mask)
+
+
+def stage_inputs(
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    x_CH: torch.Tensor,
+    ids_CK: torch.Tensor,
+    weights_CK: torch.Tensor,
+    pad_until: int,
+) -> None:
+    """Copy T tokens' x, ids (to int32) and weights (to float32) into rows 0..T-1 of the fixed
+    ``x_CH``, ``ids_CK``, ``weights_CK``, and write ids -1 into rows T..``pad_until``-1: one launch
+    where torch needs three or four copies (the host time of an eager dispatch)."""
+    num_tokens, hidden = x_TH.shape
+    top_k = ids_TK.shape[1]
+    num_rows = max(num_tokens, pad_until)
+    if not num_rows:
+        return
+    block_h = block_h_for_row(hidden, False)
+    _stage_kernel[(num_rows, triton.cdiv(hidden, block_h) if num_tokens else 1)](
+        x_TH.contiguous(),
+        ids_TK.contiguous(),
+        weights_TK.contiguous(),
+        x_CH,
+        ids_CK,
+        weights_CK,
+        num_tokens,
+        HIDDEN=hidden,
+        TOP_K=top_k,
+        K_P2=lanes(top_k),
+        BLOCK_H=block_h,
+    )
+
+
 def gather_rows(
     recv_SB: torch.Tensor, fixed: KernelLayout, fmt: RowFormat, keep_fp8: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

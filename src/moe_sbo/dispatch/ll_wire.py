@@ -11,6 +11,7 @@ copies stay 16-byte vectorised (over NVLink a narrower store is several times sl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class RowFormat:
     row_bytes: int
 
     @classmethod
+    @functools.cache  # asked on every dispatch; a handful of formats per process
     def make(cls, hidden: int, top_k: int, dtype: torch.dtype, fp8: bool) -> RowFormat:
         x_bytes = hidden * (1 if fp8 else dtype.itemsize)
         scales_offset = align(x_bytes, 4)
