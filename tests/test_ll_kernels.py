@@ -272,28 +272,3 @@ def test_destinations_must_be_16_byte_aligned():
     assert dst.offsets_P.tolist() == [0, 2]  # in 16-byte units from the anchor
     with pytest.raises(ValueError, match="block addresses must be 16-byte aligned"):
         ll_kernels.Destinations.make(buf, [buf.data_ptr() + 8])
-
-
-@interpreted
-def test_stage_inputs_copies_converts_and_pads_with_one_launch():
-    """The index graphs' staging: x, ids (int64 in, int32 kept) and weights (bf16 in, float32 kept)
-    copied into the fixed buffers; rows between the new and the previous token count get ids -1,
-    rows past both keep what they held. Two slices of H (1040 > 1024 values per program)."""
-    capacity, hidden, top_k = 9, 1040, 3
-    x_CH = torch.full((capacity, hidden), 7.0)
-    ids_CK = torch.full((capacity, top_k), -1, dtype=torch.int32)
-    weights_CK = torch.zeros(capacity, top_k)
-    x_TH = torch.randn(6, 2 * hidden)[:, ::2]  # not contiguous
-    ids_TK = _random_ids(6, 8, top_k)
-    weights_TK = torch.rand(6, top_k).bfloat16()
-    ll_kernels.stage_inputs(x_TH, ids_TK, weights_TK, x_CH, ids_CK, weights_CK, pad_until=0)
-    assert torch.equal(x_CH[:6], x_TH) and bool((x_CH[6:] == 7).all())
-    assert torch.equal(ids_CK[:6], ids_TK.int()) and bool((ids_CK[6:] == -1).all())
-    assert torch.equal(weights_CK[:6], weights_TK.float())
-    # Fewer tokens: rows 2..5 become padding (ids -1); their x is left as it was (never read).
-    ll_kernels.stage_inputs(2 * x_TH[:2], ids_TK[:2], weights_TK[:2], x_CH, ids_CK, weights_CK, pad_until=6)
-    assert torch.equal(x_CH[:2], 2 * x_TH[:2]) and torch.equal(x_CH[2:6], x_TH[2:6])
-    assert torch.equal(ids_CK[:2], ids_TK[:2].int()) and bool((ids_CK[2:] == -1).all())
-    # No tokens: only the padding is written.
-    ll_kernels.stage_inputs(x_TH[:0], ids_TK[:0], weights_TK[:0], x_CH, ids_CK, weights_CK, pad_until=2)
-    assert bool((ids_CK == -1).all()) and torch.equal(x_CH[:2], 2 * x_TH[:2])

@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from ..streams import capture_graph
-from .ll_transport import ll_kernels
 
 
 @dataclass
@@ -72,12 +71,14 @@ class Staging:
             )
 
     def stage(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
-        """Copy one forward's T tokens in; rows T..C-1 get ids -1 (one launch, no sync)."""
-        # Staging serves the fused kernels only, so Triton is there (ll_kernels is None without it).
-        ll_kernels.stage_inputs(
-            x_TH, ids_TK, weights_TK, self.x_CH, self.ids_CK, self.weights_CK, pad_until=self.padded_from
-        )
-        self.padded_from = x_TH.shape[0]
+        """Copy one forward's T tokens in; rows T..C-1 get ids -1 (three or four copies, no sync)."""
+        num_tokens = x_TH.shape[0]
+        self.x_CH[:num_tokens].copy_(x_TH)
+        self.ids_CK[:num_tokens].copy_(ids_TK)
+        self.weights_CK[:num_tokens].copy_(weights_TK)
+        if num_tokens < self.padded_from:
+            self.ids_CK[num_tokens : self.padded_from].fill_(-1)
+        self.padded_from = num_tokens
 
     @staticmethod
     def bytes(capacity: int, hidden: int, top_k: int, num_ranks: int, elem: int) -> int:
