@@ -9,6 +9,7 @@ and ``tests/test_overlap.py`` through every overlap mode.)
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -363,6 +364,20 @@ def test_index_graphs_staging_equals_direct_launches(ranks2):
         assert both_sets_staged
         for equal, error, shaped in results:
             assert equal and shaped and error < FLOAT32_TOL, results
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the staged path runs the fused kernels")
+def test_staging_kept_from_inference_mode_is_written_under_no_grad():
+    """The staging keeps its views of the last T between forwards; made under inference_mode, they
+    must still take a later no_grad forward's tokens (as the buffers do), and a new T new views."""
+    cfg = get_preset("tiny")
+    staged, direct = (_ll(cfg, 8, kernels="triton", index_graphs=flag) for flag in (True, False))
+    x = torch.randn(6, cfg.hidden_size)
+    with torch.inference_mode():
+        staged(2 * x), staged(2 * x)  # both buffer sets stage T = 6 inside inference mode
+    with torch.no_grad():
+        for rows in (6, 6, 3, 6):
+            torch.testing.assert_close(staged(x[:rows]), direct(x[:rows]), atol=0, rtol=0)
 
 
 def test_a_deleted_layer_frees_its_buffers_without_garbage_collection():

@@ -52,13 +52,15 @@ class Staging:
     """One buffer set's fixed inputs and outputs of the ``pack`` graph (C tokens, P ranks).
 
     ``padded_from``: the first row of ``ids_CK`` known to hold -1 (host state, so the -1 tail is
-    only rewritten when T shrinks)."""
+    only rewritten when T shrinks). ``views``: rows 0..T-1 of the three inputs for the last T staged
+    (making them costs the host more than the copies' own call, and a decode loop stages one T)."""
 
     x_CH: torch.Tensor
     ids_CK: torch.Tensor
     weights_CK: torch.Tensor
     slot_CP: torch.Tensor
     padded_from: int = 0
+    views: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())
 
     @classmethod
     def allocate(cls, capacity: int, hidden: int, top_k: int, num_ranks: int, dtype: torch.dtype, device) -> Staging:
@@ -71,11 +73,12 @@ class Staging:
             )
 
     def stage(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
-        """Copy one forward's T tokens in; rows T..C-1 get ids -1 (three or four copies, no sync)."""
+        """Copy one forward's T tokens in; rows T..C-1 get ids -1 (one call: three copies, and a
+        fill when T shrank; no sync)."""
         num_tokens = x_TH.shape[0]
-        self.x_CH[:num_tokens].copy_(x_TH)
-        self.ids_CK[:num_tokens].copy_(ids_TK)
-        self.weights_CK[:num_tokens].copy_(weights_TK)
+        if self.views[0] != num_tokens:
+            self.views = (num_tokens, (self.x_CH[:num_tokens], self.ids_CK[:num_tokens], self.weights_CK[:num_tokens]))
+        torch._foreach_copy_(self.views[1], (x_TH, ids_TK, weights_TK))
         if num_tokens < self.padded_from:
             self.ids_CK[num_tokens : self.padded_from].fill_(-1)
         self.padded_from = num_tokens
