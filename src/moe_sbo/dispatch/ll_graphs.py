@@ -119,9 +119,11 @@ class PieceGraph:
 @dataclass
 class RoundGraphs:
     """One buffer set's pieces (built on first use): the ``pack`` graph and the ``staging`` it
-    reads, and the ``layout`` graph (which first waits on the set's barrier when ``pack`` started a
-    symmetric-memory transfer)."""
+    reads, the start of the set's dispatch transfer (in ``pack`` with symmetric memory, called after
+    it with NCCL) and the ``layout`` graph (which first waits on the set's barrier when ``pack``
+    started a symmetric-memory transfer)."""
 
     staging: Staging | None = None
     pack: PieceGraph | None = None
+    start_transfer: Callable[[], list] | None = None
     layout: PieceGraph | None = None

@@ -479,7 +479,7 @@ class LowLatencyDispatcher(Dispatcher):
         in_graph = bufs.dispatch_barrier is not None
         if graphs.pack is None:
             pack_rows = self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
-            start_transfer = self._start_dispatch_transfer(bufs, fused=True)
+            start_transfer = graphs.start_transfer = self._start_dispatch_transfer(bufs, fused=True)
 
             def pack() -> None:
                 pack_rows()
@@ -489,7 +489,8 @@ class LowLatencyDispatcher(Dispatcher):
             graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda")
         st.stage(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)
         graphs.pack()
-        works = [] if in_graph else self._start_dispatch_transfer(bufs, fused=True)()
+        assert graphs.start_transfer is not None  # set with the pack graph
+        works = [] if in_graph else graphs.start_transfer()
         return st.slot_CP[: x_TH.shape[0]], works
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
