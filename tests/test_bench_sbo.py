@@ -190,7 +190,7 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
 
 
 def _tbo_capacity_rank(device, lengths_per_rank):
-    from moe_sbo.cli.bench_tbo import _tbo_decoder
+    from moe_sbo.cli.bench_tbo import _decoder, _tbo_dispatcher
     from moe_sbo.model.attention import Batch
 
     spec = {
@@ -205,12 +205,14 @@ def _tbo_capacity_rank(device, lengths_per_rank):
         "transport": "auto",
     }
     batch = Batch.prefill(lengths_per_rank[dist.get_rank()], device=device)
-    layer, capacity, fixed = _tbo_decoder(device, spec, batch)
-    return capacity, fixed, layer.moe.dispatcher.capacity
+    layer = _decoder(device, spec, 100)  # the whole-batch layer, as the bench sizes it (--prefill-tokens)
+    dispatcher, capacity = _tbo_dispatcher(layer, spec, batch)
+    # The TBO dispatcher runs on the layer's own weights: no second layer.
+    return capacity, dispatcher.capacity, layer.moe.dispatcher.capacity
 
 
 def test_bench_tbo_sizes_every_rank_for_the_largest_micro_batch_of_any_rank(ranks2):
     """Each rank splits its own batch (here 50 + 47 tokens on rank 0, 48 + 48 on rank 1): the TBO
     dispatcher's capacity must still be the same everywhere (low_latency refuses unlike buffers)."""
     results = ranks2.run(_tbo_capacity_rank, [[50, 47], [48, 48]])
-    assert results == [(50, True, 50), (50, True, 50)]
+    assert results == [(50, 50, 100), (50, 50, 100)]

@@ -271,3 +271,36 @@ def test_a_gemm_sm_budget_holds_during_tbo_and_is_undone_after(monkeypatch):
     assert seen == [before, before, 4, 4]
     assert torch._C._get_sm_carveout_experimental() == before
     torch.testing.assert_close(budgeted, plain, rtol=2e-2, atol=2e-2)
+
+
+def _half_capacity_rank(device):
+    """TBO on the layer's own weights with a ``low_latency`` dispatcher sized for half the batch:
+    the output of the layer without TBO, half the dispatch bytes of the whole-batch dispatcher's TBO."""
+    cfg = get_preset("tiny")
+    moe = MoELayer(
+        cfg, dispatcher="low_latency", dtype=torch.float32, seed=3, dispatcher_options={"max_tokens_per_rank": 128}
+    )
+    layer = DecoderLayer(ATTN, moe, seed=3)
+    half = moe.sibling_dispatcher(max_tokens_per_rank=64)
+    batch = Batch.prefill([64, 64])
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with torch.no_grad():
+        plain = layer(x, batch, layer.make_cache(2, 64))
+        whole = tbo_forward(layer, x, batch, layer.make_cache(2, 64))
+        whole_bytes = moe.last_traffic.dispatch_bytes_sent
+        halved = tbo_forward(layer, x, batch, layer.make_cache(2, 64), dispatcher=half)
+        half_bytes = moe.last_traffic.dispatch_bytes_sent
+    return (halved - plain).abs().max().item(), (whole - plain).abs().max().item(), whole_bytes, half_bytes
+
+
+def test_tbo_with_a_half_capacity_sibling_dispatcher_matches_and_halves_the_bytes(ranks2):
+    for err_half, err_whole, whole_bytes, half_bytes in ranks2.run(_half_capacity_rank):
+        assert err_half < 1e-5 and err_whole < 1e-5
+        assert half_bytes * 2 == whole_bytes > 0
+
+
+def test_tbo_refuses_a_dispatcher_for_other_experts_before_any_transfer():
+    layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dtype=torch.float32))
+    other = MoELayer(get_preset("tiny").with_num_experts(32), dtype=torch.float32).dispatcher  # tiny: 16
+    with pytest.raises(ValueError, match=r"must serve the layer's experts.*sibling_dispatcher"), torch.no_grad():
+        tbo_forward(layer, torch.randn(128, 64), Batch.prefill([64, 64]), layer.make_cache(2, 64), dispatcher=other)

@@ -22,6 +22,7 @@ loaded, are ``weights.py``'s.
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Any
 
 import torch
 from torch import nn
@@ -128,6 +129,16 @@ class MoELayer(nn.Module):
             shared_TH = shared.result()
         self.last_traffic = dispatcher.last_traffic
         return routed_TH if shared_TH is None else routed_TH + shared_TH
+
+    def sibling_dispatcher(self, **options: Any) -> Dispatcher:
+        """A dispatcher of this layer's scheme over its EP group, for the same experts, with its own
+        ``options``: e.g. a ``low_latency`` capacity (``max_tokens_per_rank``) for half the batch, which
+        two-batch overlap's micro-batches use (``model.tbo.tbo_forward(..., dispatcher=)``) so that each
+        sends half-size blocks, with the layer's weights. Rows reach the experts as the layer's own
+        dispatcher delivers them (fp8 kept for FP8 experts)."""
+        sibling = make_dispatcher(self.dispatcher.name, self.cfg.num_experts, self.dispatcher.ep, **options)
+        sibling.deliver_fp8 = self.experts.fp8 and sibling.sends_fp8
+        return sibling
 
     # ---- weights ---------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
+from ..dispatch import Dispatcher
 from ..layer import MoELayer
 from ..measure.timing import time_fn
 from ..model.attention import AttentionConfig, Batch, KVCache
@@ -86,19 +87,21 @@ def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
     return cached(key, make, device)
 
 
-def _tbo_decoder(device: torch.device, spec: dict, batch: Batch) -> tuple[DecoderLayer, int, bool]:
-    """The decoder layer two-batch overlap runs ``batch`` on -> (layer, its capacity, whether the
-    dispatcher has a fixed capacity). A fixed-capacity dispatcher is sized for the larger micro-batch
-    of any rank, as a deployment sizes it: its blocks are capacity-sized on the NCCL wire, so a
-    whole-batch capacity would send each half the whole batch's bytes. (Same seed: the same weights
-    as the layer without TBO.)"""
+def _tbo_dispatcher(layer: DecoderLayer, spec: dict, batch: Batch) -> tuple[Dispatcher | None, int | None]:
+    """The dispatcher two-batch overlap runs ``batch``'s micro-batches with, on ``layer``'s weights ->
+    (dispatcher, its capacity); (None, None) when the scheme has no fixed capacity (the layer's own
+    serves). A fixed-capacity one is sized for the larger micro-batch of any rank, as a deployment
+    sizes it: its blocks are capacity-sized on the wire, so a whole-batch capacity would send each
+    half the whole batch's bytes."""
     split = split_batch(batch)
     half = max(split.a.stop - split.a.start, split.b.stop - split.b.start)
+    if "max_tokens_per_rank" not in dispatcher_options(spec, half):
+        return None, None
     if dist.is_initialized():  # every rank's buffers must be alike: the largest micro-batch of any rank
-        larger = torch.tensor([half], device=device)
+        larger = torch.tensor([half], device=layer.moe.router.weight.device)
         dist.all_reduce(larger, op=dist.ReduceOp.MAX)
         half = int(larger.item())
-    return _decoder(device, spec, half), half, "max_tokens_per_rank" in dispatcher_options(spec, half)
+    return layer.moe.sibling_dispatcher(**dispatcher_options(spec, half)), half
 
 
 def decoder_floor_and_wire(
@@ -134,7 +137,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
         layer = _decoder(device, spec, size)
         cache = layer.make_cache(size, spec["kv_len"] + 1)
         graph = device.type == "cuda" and spec["graph"] and layer.moe.dispatcher.graph_capturable
-    tbo_layer, half, fixed_capacity = _tbo_decoder(device, spec, batch)
+    tbo_dispatcher, half = _tbo_dispatcher(layer, spec, batch)
     dtype = getattr(torch, spec["dtype"])
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 31 + rank)
     x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, generator=generator, device=device).to(dtype)
@@ -142,8 +145,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
     with torch.inference_mode():
         limits = decoder_floor_and_wire(layer, x_TH, batch, cache, spec)
         for mode in spec["modes"]:
-            for moe in (layer.moe, tbo_layer.moe):  # one layer twice when the capacity is not fixed
-                moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
+            layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
 
             # Without TBO once, then with TBO at every stage delay asked for (delay None: no TBO), then
             # (--auto-tbo) as AutoTbo chooses, once it has timed both: the first delay, each candidate
@@ -152,7 +154,13 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
                 if not use_tbo:
                     return layer(x_TH, batch, cache)
                 return tbo_forward(
-                    tbo_layer, x_TH, batch, cache, delay=delay, gemm_sm_budget=spec.get("tbo_gemm_sm_budget")
+                    layer,
+                    x_TH,
+                    batch,
+                    cache,
+                    delay=delay,
+                    gemm_sm_budget=spec.get("tbo_gemm_sm_budget"),
+                    dispatcher=tbo_dispatcher,
                 )
 
             auto = AutoTbo() if spec.get("auto_tbo") else None
@@ -183,14 +191,13 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
                         "tbo": chosen is not None,
                         "delay": chosen,
                         "tbo_policy": "auto" if delay == "auto" else "fixed",
-                        "capacity": (batch.num_tokens if chosen is None else half) if fixed_capacity else None,
+                        "capacity": (batch.num_tokens if chosen is None else half) if half else None,
                         "graph": graph,
                         "t_layer_us": t,
                         **limits,
                     }
                 )
-        for moe in (layer.moe, tbo_layer.moe):
-            moe.overlap = make_overlap("none", device)
+        layer.moe.overlap = make_overlap("none", device)
     return rows
 
 
@@ -281,21 +288,21 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
     cases = {"no TBO": ("none", False), "TBO": ("none", True)}
     if spec["modes"][-1] != "none":
         cases[f"TBO + SBO {spec['modes'][-1]}"] = (spec["modes"][-1], True)
-    tbo_layer = _tbo_decoder(device, spec, batch)[0]  # sized as the bench's TBO rows
+    tbo_dispatcher = _tbo_dispatcher(layer, spec, batch)[0]  # sized as the bench's TBO rows
     spans = {}
     with torch.inference_mode():
         for title, (mode, tbo) in cases.items():
-            for moe in (layer.moe, tbo_layer.moe):
-                moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
+            layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
             run = (
                 (
                     lambda: tbo_forward(
-                        tbo_layer,
+                        layer,
                         x_TH,
                         batch,
                         cache,
                         delay=spec["delays"][0],
                         gemm_sm_budget=spec.get("tbo_gemm_sm_budget"),
+                        dispatcher=tbo_dispatcher,
                     )
                 )
                 if tbo
@@ -304,6 +311,5 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
             spans[title] = profile_spans(
                 run, device, rank, f"{trace_prefix}.tbo.{title.replace(' ', '_')}.json" if trace_prefix else None
             )
-        for moe in (layer.moe, tbo_layer.moe):
-            moe.overlap = make_overlap("none", device)
+        layer.moe.overlap = make_overlap("none", device)
     return spans

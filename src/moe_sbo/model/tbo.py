@@ -145,6 +145,19 @@ def dispatcher_for(moe: MoELayer, micro_batch: int) -> Dispatcher:
     return moe.dispatcher if micro_batch == 0 else twin_dispatcher(moe.dispatcher)
 
 
+def _check_serves(dispatcher: Dispatcher, moe: MoELayer) -> None:
+    """A dispatcher given to ``tbo_forward`` must deliver rows for the layer's experts (before any
+    collective: a mismatch would otherwise surface as a shape error on some ranks only)."""
+    own = moe.dispatcher
+    got = (dispatcher.name, dispatcher.num_experts, dispatcher.ep.size, dispatcher.ep.rank)
+    want = (own.name, own.num_experts, own.ep.size, own.ep.rank)
+    if got != want:
+        raise ValueError(
+            f"tbo_forward's dispatcher must serve the layer's experts: (scheme, experts, EP size, rank) = "
+            f"{want}, got {got}; build it with layer.moe.sibling_dispatcher(...)"
+        )
+
+
 def tbo_forward(
     layer: DecoderLayer,
     x_TH: torch.Tensor,
@@ -155,8 +168,14 @@ def tbo_forward(
     threshold: float = BALANCE_THRESHOLD,
     min_prefill_tokens: int = MIN_PREFILL_TOKENS,
     gemm_sm_budget: int | None = None,
+    dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor:
     """``layer`` (a ``DecoderLayer``) on ``x_TH`` [T, H] as two interleaved micro-batches -> ``[T, H]``.
+
+    ``dispatcher``: micro-batch A's (B runs its twin); None: the layer's MoE's own. A fixed-capacity
+    dispatcher (``low_latency``) sends capacity-sized blocks whatever a micro-batch holds, so one built
+    for the whole batch sends each half the whole batch's bytes: give one sized for the larger
+    micro-batch of any rank, ``layer.moe.sibling_dispatcher(max_tokens_per_rank=...)``.
 
     ``gemm_sm_budget`` (CUDA): the SMs every GEMM of the two micro-batches plans for (``streams.sm_budget``;
     None: all). Under TBO one micro-batch's GEMMs run while the other's transfer holds some SMs, and a
@@ -165,13 +184,15 @@ def tbo_forward(
     if x_TH.shape[0] != batch.num_tokens:
         raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
     cache.check(batch)
+    dispatcher_a = layer.moe.dispatcher if dispatcher is None else dispatcher
+    _check_serves(dispatcher_a, layer.moe)
     split = split_batch(batch, threshold=threshold, min_prefill_tokens=min_prefill_tokens)
     if split.reason:
         log.debug("two-batch overlap off for this batch: %s", split.reason)
     if delay is None:
         delay = DEFAULT_DELAY["decode" if batch.decode else "prefill"]
     a, b = split.a, split.b
-    dispatcher_a, dispatcher_b = dispatcher_for(layer.moe, 0), dispatcher_for(layer.moe, 1)
+    dispatcher_b = twin_dispatcher(dispatcher_a)
     with sm_budget_ctx(x_TH.device, gemm_sm_budget):
         out_a, out_b = run_interleaved(
             layer.stages(x_TH[a.start : a.stop], a.batch, cache, dispatcher=dispatcher_a),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..dispatch import EPGroup
+from ..dispatch import Dispatcher, EPGroup
 from ..overlap.sbo import BucketTrials, bucket_of
 from ..streams import capturing, clock, elapsed_us
 from .attention import Batch, KVCache
@@ -69,16 +69,18 @@ class AutoTbo:
         *,
         agreed_tokens: int,
         delay: int | None = None,
+        dispatcher: Dispatcher | None = None,
     ) -> torch.Tensor:
         """``layer`` on ``x_TH`` [T, H] with or without two-batch overlap -> ``[T, H]``.
 
         ``agreed_tokens``: the same on every rank of the layer's EP group (e.g. the largest T over
-        the ranks); a rank passing another value can hang the others. ``delay``: TBO's stage delay.
+        the ranks); a rank passing another value can hang the others. ``delay``: TBO's stage delay;
+        ``dispatcher``: TBO's (``tbo_forward``'s; the layer runs its own without TBO).
         """
 
         def run(use_tbo: bool) -> torch.Tensor:
             if use_tbo:
-                return tbo_forward(layer, x_TH, batch, cache, delay=delay)
+                return tbo_forward(layer, x_TH, batch, cache, delay=delay, dispatcher=dispatcher)
             return layer(x_TH, batch, cache)
 
         return self.run(run, agreed_tokens=agreed_tokens, ep=layer.moe.dispatcher.ep, device=x_TH.device)
@@ -88,7 +90,7 @@ class AutoTbo:
     ) -> torch.Tensor:
         """``forward(use_tbo)`` with the bucket's choice, or exploring: what ``forward`` does for
         ``AutoTbo.forward``, for callers that run the two candidates their own way (the benchmark
-        gives each its own layer). ``ep``: the group whose ranks must agree."""
+        gives each its own dispatcher). ``ep``: the group whose ranks must agree."""
         if agreed_tokens < 0:
             raise ValueError(f"agreed_tokens must be >= 0, got {agreed_tokens}")
         bucket = bucket_of(agreed_tokens)
