@@ -149,7 +149,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
 
             # Without TBO once, then with TBO at every stage delay asked for (delay None: no TBO), then
             # (--auto-tbo) as AutoTbo chooses, once it has timed both: the first delay, each candidate
-            # on the layer its fixed row uses.
+            # with the dispatcher its fixed row uses.
             def forward(use_tbo: bool, delay: int | None = spec["delays"][0]) -> torch.Tensor:
                 if not use_tbo:
                     return layer(x_TH, batch, cache)
