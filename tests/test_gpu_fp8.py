@@ -79,6 +79,18 @@ def test_grouped_gemm_matches_torch_reference(config):
     assert _rel(got[:real], ref[:real]) < 1e-3
 
 
+def test_grouped_gemm_with_one_local_expert_matches_torch_reference():
+    """One local expert (EP = the expert count): the kernel's expert axis has one lane."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    _, offsets = _counts("cuda", 300)
+    x = torch.randn(300, 2048, generator=generator, device="cuda")
+    w = torch.randn(1, 1024, 2048, generator=generator, device="cuda") * 2048**-0.5
+    q, s = quantize_fp8(x)
+    wq, ws = quantize_fp8_blocks(w)
+    got = fp8_kernels.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
+    assert _rel(got, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 1e-3
+
+
 def test_scaled_mm_per_expert_matches_torch_reference():
     generator = torch.Generator(device="cuda").manual_seed(1)
     counts = [256, 0, 1024, 130, 7]

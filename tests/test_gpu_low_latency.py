@@ -179,17 +179,17 @@ def test_whole_layer_in_a_cuda_graph_replays_with_fewer_tokens(preset, fp8, tole
                 assert r["pad_rel"] <= BF16_REL_TOL, r
 
 
-def _fused_vs_torch_rank(device, fp8, transport, capacity):
+def _fused_vs_torch_rank(device, fp8, transport, capacity, top_k=8):
     """Same inputs through the torch path (NCCL) and the fused kernels (``transport``): the bytes that
     arrive, the layout and the expert inputs are identical (fp8 payload included: the kernel rounds as
     torch does); combine's float32 sums differ in order only."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    num_experts, top_k, hidden = 8 * world, 8, 7168
+    num_experts, hidden = 8 * world, 7168
     gen = torch.Generator(device=device).manual_seed(rank)
     num_tokens = [capacity, 77 * capacity // 128, 1, 0][rank % 4]
     x = torch.randn(num_tokens, hidden, generator=gen, device=device).bfloat16()
     ids = torch.rand(num_tokens, num_experts, generator=gen, device=device).topk(top_k, dim=1).indices
-    ids[: num_tokens // 5, :2] = -1  # some tokens with fewer experts
+    ids[: num_tokens // 5, : max(1, min(2, top_k - 1))] = -1  # some tokens with fewer experts (top-1: none)
     weights = torch.rand(num_tokens, top_k, generator=gen, device=device)
     fmt = RowFormat.make(hidden, top_k, torch.bfloat16, fp8)
     got = {}
@@ -231,6 +231,15 @@ def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport, capacity):
         for r in ranks.run(_fused_vs_torch_rank, fp8, transport, capacity):
             assert r["ids"] and r["payload"] and r["layout"] and r["x"] and r["finite"], r
             assert r["combine_rel"] <= 4e-3, r  # bf16 outputs: the same float32 sums in another order
+
+
+@pytest.mark.parametrize("capacity", [128, 640])
+def test_fused_kernels_with_one_expert_per_token_equal_torch_path_on_gpu(capacity):
+    """Top-1: the kernels' top-k axis has one real lane (``ll_kernels.lanes`` pads it to two)."""
+    with _ranks() as ranks:
+        for r in ranks.run(_fused_vs_torch_rank, False, "nccl", capacity, 1):
+            assert r["ids"] and r["payload"] and r["layout"] and r["x"] and r["finite"], r
+            assert r["combine_rel"] <= 4e-3, r
 
 
 def _index_graphs_rank(device, transport, capacity):

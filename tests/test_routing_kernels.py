@@ -116,3 +116,24 @@ def test_fused_selection_on_cuda_equals_the_torch_router_and_replays_from_a_grap
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
     assert torch.equal(out[-1].topk_ids_TK, again.topk_ids_TK)
     assert torch.equal(out[-1].topk_weights_TK, again.topk_weights_TK)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2-lite"])
+def test_fused_selection_of_one_expert_per_token_on_cuda_equals_the_torch_router(preset):
+    """Top-1: the kernel's top-k axis has one lane (compiled Triton has lost masked stores through a
+    size-1 axis elsewhere; ``ll_kernels.lanes``), so the case is held to the torch router too."""
+    cfg = get_preset(preset).replace(num_experts_per_tok=1)
+    router = Router(cfg, device="cuda")
+    with torch.no_grad():
+        router.weight.normal_(0, 0.02)
+        router.e_score_correction_bias.normal_(0, 0.05)
+    x = torch.randn(1000, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        router.kernel = "torch"
+        want = router(x)
+        router.kernel = "triton"
+        got = router(x)
+    assert torch.equal(got.topk_ids_TK, want.topk_ids_TK)
+    torch.testing.assert_close(got.topk_weights_TK, want.topk_weights_TK, rtol=1e-5, atol=1e-6)
