@@ -122,8 +122,8 @@ def test_fused_selection_on_cuda_equals_the_torch_router_and_replays_from_a_grap
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2-lite"])
 def test_fused_selection_of_one_expert_per_token_on_cuda_equals_the_torch_router(preset):
-    """Top-1: the kernel's top-k axis has one lane (compiled Triton has lost masked stores through a
-    size-1 axis elsewhere; ``ll_kernels.lanes``), so the case is held to the torch router too."""
+    """Top-1: one real lane on the kernel's top-k axis. Compiled with a one-lane axis, the kernel
+    picked wrong experts under DeepSeek-V3's routing (``moe_sbo.lanes`` pads every axis to two)."""
     cfg = get_preset(preset).replace(num_experts_per_tok=1)
     router = Router(cfg, device="cuda")
     with torch.no_grad():

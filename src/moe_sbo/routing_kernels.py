@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .config import MoEConfig
+from .lanes import lanes
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Below every finite score, above the padding's -inf; a constexpr, as a compiled kernel reads no plain global.
@@ -140,11 +141,11 @@ def select_experts_fused(
         float(cfg.routed_scaling_factor),
         GROUPS=groups,
         PER_GROUP=per_group,
-        GROUPS_PAD=triton.next_power_of_2(groups),
-        PER_GROUP_PAD=triton.next_power_of_2(per_group),
+        GROUPS_PAD=lanes(groups),
+        PER_GROUP_PAD=lanes(per_group),
         TOPK_GROUP=cfg.topk_group if method else 1,
         K=k,
-        K_PAD=triton.next_power_of_2(k),
+        K_PAD=lanes(k),
         SIGMOID=cfg.scoring_func == "sigmoid",
         METHOD=method,
         HAS_BIAS=has_bias,

@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from ..fp8_kernels import quantize_slice
+from ..lanes import lanes
 from .layout import ExpertLayout
-from .ll_kernels import Destinations, KernelLayout, block_h_for_row, lanes, pair_keys, pow2, store_fp8_slice
+from .ll_kernels import Destinations, KernelLayout, block_h_for_row, pair_keys, pow2, store_fp8_slice
 from .ll_wire import RowFormat
 
 PACK_BLOCK_T = 128  # tokens per program of the send plan's passes

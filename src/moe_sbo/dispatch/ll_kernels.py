@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ..fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX
 from ..fp8_kernels import quantize_slice
+from ..lanes import lanes
 from .layout import ExpertLayout
 from .ll_wire import RowFormat
 from .reduce import block_h_for
@@ -58,13 +59,6 @@ E4M3_MAX = tl.constexpr(FP8_MAX)
 
 def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
-
-
-def lanes(n: int) -> int:
-    """The lane count of a kernel axis over ``n`` ranks or expert slots: a power of two, at least 2.
-    Compiled Triton 3.6 loses stores masked through a reduction over a size-1 axis (on an H200, one
-    rank's pack pass wrote the ids of only half its rows); the extra lane is masked off like any pad."""
-    return max(pow2(n), 2)
 
 
 def block_h_for_row(hidden: int, fp8: bool) -> int:
