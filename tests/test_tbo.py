@@ -304,3 +304,16 @@ def test_tbo_refuses_a_dispatcher_for_other_experts_before_any_transfer():
     other = MoELayer(get_preset("tiny").with_num_experts(32), dtype=torch.float32).dispatcher  # tiny: 16
     with pytest.raises(ValueError, match=r"must serve the layer's experts.*sibling_dispatcher"), torch.no_grad():
         tbo_forward(layer, torch.randn(128, 64), Batch.prefill([64, 64]), layer.make_cache(2, 64), dispatcher=other)
+
+
+def test_a_sibling_dispatcher_keeps_the_layers_options_and_replaces_the_ones_given():
+    moe = MoELayer(
+        get_preset("tiny").replace(hidden_size=256),
+        dispatcher="low_latency",
+        dtype=torch.float32,
+        dispatcher_options={"max_tokens_per_rank": 128, "fp8": True, "num_buffers": 3, "kernels": "torch"},
+    )
+    half = moe.sibling_dispatcher(max_tokens_per_rank=64)
+    assert (half.capacity, half.fp8, half.num_buffers, half.kernels) == (64, True, 3, "torch")
+    assert half.options == {"max_tokens_per_rank": 64, "fp8": True, "num_buffers": 3, "kernels": "torch"}
+    assert moe.dispatcher.capacity == 128  # the layer's own is untouched

@@ -131,12 +131,14 @@ class MoELayer(nn.Module):
         return routed_TH if shared_TH is None else routed_TH + shared_TH
 
     def sibling_dispatcher(self, **options: Any) -> Dispatcher:
-        """A dispatcher of this layer's scheme over its EP group, for the same experts, with its own
-        ``options``: e.g. a ``low_latency`` capacity (``max_tokens_per_rank``) for half the batch, which
-        two-batch overlap's micro-batches use (``model.tbo.tbo_forward(..., dispatcher=)``) so that each
-        sends half-size blocks, with the layer's weights. Rows reach the experts as the layer's own
-        dispatcher delivers them (fp8 kept for FP8 experts)."""
-        sibling = make_dispatcher(self.dispatcher.name, self.cfg.num_experts, self.dispatcher.ep, **options)
+        """A dispatcher of this layer's scheme over its EP group, for the same experts: the layer's
+        dispatcher options, ``options`` replacing any of them. E.g. a ``low_latency`` capacity
+        (``max_tokens_per_rank``) for half the batch, which two-batch overlap's micro-batches use
+        (``model.tbo.tbo_forward(..., dispatcher=)``) so that each sends half-size blocks, with the
+        layer's weights and its fp8 dispatch, transport and kernels. Rows reach the experts as the
+        layer's own dispatcher delivers them (fp8 kept for FP8 experts)."""
+        own = self.dispatcher
+        sibling = make_dispatcher(own.name, self.cfg.num_experts, own.ep, **{**own.options, **options})
         sibling.deliver_fp8 = self.experts.fp8 and sibling.sends_fp8
         return sibling
 

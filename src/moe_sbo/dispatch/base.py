@@ -169,6 +169,7 @@ class Dispatcher:
         self.hooks = HookRegistry()
         self.last_traffic = Traffic()
         self.deliver_fp8 = False
+        self.options: dict[str, Any] = {}  # the keyword options ``make_dispatcher`` built it with
 
     @property
     def sends_fp8(self) -> bool:
@@ -412,4 +413,6 @@ def make_dispatcher(name: str, num_experts: int, ep: EPGroup, **options: Any) ->
             f"dispatcher options must be among {list(accepted)} for {name!r}, got {unknown}; "
             "drop them or choose the dispatcher that takes them"
         )
-    return DISPATCHERS[name](num_experts, ep, **options)
+    dispatcher = DISPATCHERS[name](num_experts, ep, **options)
+    dispatcher.options = dict(options)
+    return dispatcher
