@@ -3,7 +3,7 @@
 
 Rows (``bench="router"``, ``OUT/router.json``) per preset and token count: ``t_graph_torch_us`` and
 ``t_graph_triton_us`` (the whole ``Router`` forward — float32 gate GEMM, then the selection —
-replayed from a CUDA graph: device time, launch gaps included), ``t_host_torch_us`` and
+replayed from a CUDA graph: device time, launch gaps included; None on CPU), ``t_host_torch_us`` and
 ``t_host_triton_us`` (host time per eager call: the mean of ``--host-calls`` back-to-back calls
 without a sync, which is what an eager forward pays on the host), and ``same_experts`` (the two
 paths picked the same set for every token).
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.inference_mode():
                     picks[kernel] = router(x).topk_ids_TK.sort(dim=-1).values
                     row[f"t_host_{kernel}_us"] = host_us(lambda: router(x), args.host_calls, device)
-                    row[f"t_graph_{kernel}_us"] = time_fn(lambda: router(x), device, 3, 20, graph) if graph else 0.0
+                    row[f"t_graph_{kernel}_us"] = time_fn(lambda: router(x), device, 3, 20, graph) if graph else None
             row["same_experts"] = bool(torch.equal(picks["torch"], picks["triton"]))
             rows.append(row)
             print(row, flush=True)

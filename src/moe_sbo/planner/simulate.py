@@ -309,8 +309,8 @@ def schedule(ops: list[Op], overlap_efficiency: float) -> tuple[list[SimSpan], f
     for op in ops:
         start = max([free[op.lane]] + [ends[a] for a in op.after if a in ends])
         dur = op.gpu_us
-        in_flight = [e for s, e in transfers if s <= start < e]
-        if op.persistent and dur > 0 and in_flight:
+        in_flight = [e for s, e in transfers if s <= start < e] if op.persistent and dur > 0 else []
+        if in_flight:
             dur += max(in_flight) - start
         elif op.lane == COMPUTE and dur > 0 and op.kind != "host":
             overlap = sum(max(0.0, min(e, start + dur) - max(s, start)) for s, e in transfers)
