@@ -92,19 +92,20 @@ def _select_experts_kernel(
             best = tl.where(group_ids == top, float("-inf"), best)
         choice = tl.where(kept[:, None], choice, float("-inf"))
 
-    flat_choice = tl.reshape(choice, (GROUPS_PAD * PER_GROUP_PAD,))
-    flat_scores = tl.reshape(scores, (GROUPS_PAD * PER_GROUP_PAD,))
-    flat_expert = tl.reshape(expert, (GROUPS_PAD * PER_GROUP_PAD,))
-    slots = tl.arange(0, GROUPS_PAD * PER_GROUP_PAD)
+    # K picks on the [groups, per group] tile itself: the best choice, the lowest expert id among ties
+    # (as an argmax over the experts in order). No reshape to one axis: picks made on reshaped flat
+    # copies of the tile gave permuted expert ids for top-1 under DeepSeek-V3's routing, compiled on an
+    # H200 (the interpreter was right).
     picks = tl.arange(0, K_PAD)
     ids = tl.zeros((K_PAD,), dtype=tl.int64)
     weights = tl.zeros((K_PAD,), dtype=tl.float32)
     for i in tl.static_range(K):
-        top = tl.argmax(flat_choice, axis=0)
-        hit = slots == top
-        ids = tl.where(picks == i, tl.sum(tl.where(hit, flat_expert, 0), axis=0).to(tl.int64), ids)
-        weights = tl.where(picks == i, tl.sum(tl.where(hit, flat_scores, 0.0), axis=0), weights)
-        flat_choice = tl.where(hit, float("-inf"), flat_choice)
+        best_choice = tl.max(tl.max(choice, axis=1), axis=0)
+        top = tl.min(tl.min(tl.where(valid & (choice == best_choice), expert, GROUPS * PER_GROUP), axis=1), axis=0)
+        hit = expert == top
+        ids = tl.where(picks == i, top.to(tl.int64), ids)
+        weights = tl.where(picks == i, tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0), weights)
+        choice = tl.where(hit, float("-inf"), choice)
     if NORMALISE:  # the epsilon keeps an all-zero row finite (the reference models' own)
         weights = weights / (tl.sum(tl.where(picks < K, weights, 0.0), axis=0) + 1e-20)
     out = token * K + picks
