@@ -41,6 +41,40 @@ def test_fused_selection_equals_the_torch_router(preset, tokens):
     assert bool((ranked[:, :-1] >= ranked[:, 1:]).all())
 
 
+def _selection_case(preset: str, top_k: int, tokens: int, device: str):
+    """A preset's routing with ``top_k`` experts per token, random logits (and bias), and both paths'
+    picks sorted by expert id: ``(fused ids, fused weights, torch ids, torch weights)``."""
+    cfg = get_preset(preset).replace(num_experts_per_tok=top_k)
+    generator = torch.Generator().manual_seed(1000 * top_k + tokens)
+    logits = (torch.randn(tokens, cfg.num_experts, generator=generator) * 3).to(device)
+    bias = None
+    if cfg.topk_method == "noaux_tc":
+        bias = (torch.randn(cfg.num_experts, generator=generator) * 0.3).to(device)
+    want = select_experts(logits, cfg, bias)
+    ids, weights = select_experts_fused(logits, cfg, bias)
+    return (*_by_id(ids, weights), *_by_id(want.topk_ids_TK, want.topk_weights_TK))
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2-lite"])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_fused_selection_equals_the_torch_router_for_small_top_k(preset, top_k):
+    """Top-1 to top-3 (no preset ships them; the size-1 and odd axes are where a kernel goes wrong)."""
+    ids, weights, want_ids, want_weights = _selection_case(preset, top_k, 37, "cpu")
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("tokens", [1, 37, 4096])
+def test_compiled_selection_equals_the_torch_router_for_every_top_k(preset, top_k, tokens):
+    ids, weights, want_ids, want_weights = _selection_case(preset, top_k, tokens, "cuda")
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
 def test_zero_tokens_and_nan_logits():
     cfg = get_preset("deepseek-v3")
     ids, weights = select_experts_fused(torch.empty(0, cfg.num_experts), cfg)
@@ -116,44 +150,3 @@ def test_fused_selection_on_cuda_equals_the_torch_router_and_replays_from_a_grap
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
     assert torch.equal(out[-1].topk_ids_TK, again.topk_ids_TK)
     assert torch.equal(out[-1].topk_weights_TK, again.topk_weights_TK)
-
-
-def test_top1_routing_runs_the_torch_ops_and_refuses_the_kernel(monkeypatch):
-    """Top-1: ``auto`` selects with the torch ops on every device, and ``"triton"`` is refused with the
-    fix (the compiled kernel picked wrong experts for top-1 under group-limited routing on an H200)."""
-    cfg = get_preset("deepseek-v3").replace(num_experts_per_tok=1)
-    with pytest.raises(ValueError, match=r"not used for top-1.*kernel='torch' or 'auto'"):
-        Router(cfg, kernel="triton")
-    router = Router(get_preset("tiny").replace(num_experts_per_tok=1))
-    with pytest.raises(ValueError, match="not used for top-1"):
-        router.kernel = "triton"
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("auto ran the fused kernel for top-1")
-
-    monkeypatch.setattr(routing_kernels, "select_experts_fused", refuse)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    router = Router(cfg, device=device)
-    with torch.no_grad():
-        router.weight.normal_(0, 0.02)
-    out = router(torch.randn(7, cfg.hidden_size, device=device))
-    assert out.topk_ids_TK.shape == (7, 1)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.xfail(strict=True, reason="compiled, the kernel picks wrong experts for top-1 under V3 routing")
-def test_the_compiled_kernel_still_gets_top1_group_limited_routing_wrong():
-    """A tripwire: when this starts passing (a Triton release or a kernel change fixed it), the
-    top-1 guard in ``Router`` can go."""
-    cfg = get_preset("deepseek-v3").replace(num_experts_per_tok=1)
-    router = Router(cfg, device="cuda", kernel="torch")
-    with torch.no_grad():
-        router.weight.normal_(0, 0.02)
-        router.e_score_correction_bias.normal_(0, 0.05)
-    x = torch.randn(1000, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        want = router(x)
-        logits = torch.nn.functional.linear(x.float(), router.weight)
-        ids, _ = routing_kernels.select_experts_fused(logits, cfg, router.e_score_correction_bias)
-    assert torch.equal(ids, want.topk_ids_TK)

@@ -89,11 +89,9 @@ class Router(nn.Module):
     tensors when Triton is installed and with ``select_experts`` otherwise. On an H200 the kernel
     took DeepSeek-V3's router (gate GEMM included) from 430 to 126 µs of host time per eager call
     and from 574 to 427 µs of device time at 4096 tokens (docs/BENCHMARKS.md, "Router").
-    Settable after construction (``router.kernel``), checked either way. Top-1 routing
-    (``num_experts_per_tok = 1``) always runs the torch ops (``"triton"`` is refused): compiled on an
-    H200, the kernel picked wrong experts for top-1 under DeepSeek-V3's group-limited routing, where
-    Triton's CPU interpreter picked right; every shipped preset's top-k is held to the torch ops on
-    the GPU (``tests/test_routing_kernels.py``)."""
+    Settable after construction (``router.kernel``), checked either way. The kernel is held to the
+    torch ops for top-1 to top-8 under each shipped preset's routing, compiled on the GPU and under
+    the interpreter on CPU (``tests/test_routing_kernels.py``)."""
 
     e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
 
@@ -117,11 +115,6 @@ class Router(nn.Module):
             raise ValueError(f"the router kernel must be one of {ROUTER_KERNELS}, got {kernel!r}")
         if kernel == "triton" and routing_kernels is None:
             raise ValueError("the router kernel 'triton' needs triton installed; use kernel='torch'")
-        if kernel == "triton" and self.cfg.num_experts_per_tok == 1:
-            raise ValueError(
-                "the router kernel 'triton' is not used for top-1 routing (num_experts_per_tok = 1): compiled on "
-                "a GPU it picked wrong experts there; use kernel='torch' or 'auto' (which runs the torch ops for top-1)"
-            )
         self._kernel = kernel
 
     def forward(self, x_TH: torch.Tensor) -> TopkOutput:
@@ -129,10 +122,7 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TH.float(), self.weight)
             bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
             fused = self._kernel == "triton" or (
-                self._kernel == "auto"
-                and routing_kernels is not None
-                and logits_TE.device.type == "cuda"
-                and self.cfg.num_experts_per_tok > 1  # top-1: the torch ops (class docstring)
+                self._kernel == "auto" and routing_kernels is not None and logits_TE.device.type == "cuda"
             )
             if fused:
                 assert routing_kernels is not None  # the setter checked, or "auto" did
