@@ -12,7 +12,10 @@ The hard part is decode cost: a decode step reads every cached key and value of 
 the cache is attended in place (a view of consecutive slots, never a gathered copy), with a mask
 that hides each sequence's unused tail; positions live on the device so a decode step is capturable.
 Prefill runs each segment through ``scaled_dot_product_attention`` with ``is_causal`` (flash kernels
-on the GPU); a segment with a cached prefix uses an explicit bottom-right causal mask.
+on the GPU). A segment with a cached prefix needs the causal mask aligned bottom-right (query i sees
+keys up to ``start + i``): on CUDA that is ``torch.nn.attention.bias.causal_lower_right``, which runs
+the flash kernel with its own causal skipping; an explicit boolean mask there makes the kernel compute
+every query-key block. On CPU the explicit mask is the reference path.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ..profiling import annotate
 
@@ -166,6 +170,7 @@ def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
     """Each segment attends on its own (Y: the tokens of one segment)."""
     out_TND = torch.empty_like(q_TND)
     gqa = q_TND.shape[1] != k_TAD.shape[1]
+    mask: torch.Tensor | None
     offset = 0
     for slot, start, length in zip(batch.slots, batch.starts, batch.lengths):
         rows = slice(offset, offset + length)
@@ -177,9 +182,12 @@ def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
             k, v, mask, causal = k_TAD[rows].transpose(0, 1), v_TAD[rows].transpose(0, 1), None, True
         else:  # a cut sequence's second part: attend to the cached first part too (bottom-right causal)
             k, v = cache.k_ZAWD[slot, :, : start + length], cache.v_ZAWD[slot, :, : start + length]
-            key_pos = torch.arange(start + length, device=q_TND.device)
-            mask = key_pos[None, :] <= (start + torch.arange(length, device=q_TND.device))[:, None]
             causal = False
+            if q_TND.device.type == "cuda":
+                mask = causal_lower_right(length, start + length)  # the flash kernel, causal blocks skipped
+            else:
+                key_pos = torch.arange(start + length, device=q_TND.device)
+                mask = key_pos[None, :] <= (start + torch.arange(length, device=q_TND.device))[:, None]
         out = F.scaled_dot_product_attention(
             q_NYD[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=gqa
         )
