@@ -1,17 +1,19 @@
 """What attending a cut sequence costs: the second part of a prefill sequence that two-batch overlap
 cut in two, against the whole sequence, on one GPU.
 
-A sequence of ``L`` tokens cut after ``start`` tokens: the second part's ``L - start`` queries attend
-to all ``L`` keys with the causal mask aligned bottom-right. Timed in one run, per cut (CUDA-graph
-replays, median µs; DeepSeek-V3-sized stand-in: 128 query heads, 8 key/value heads, head dim 128):
+A sequence of ``L`` tokens cut after ``start`` tokens (``--cuts``: start / L): the second part's
+``L - start`` queries attend to all ``L`` keys with the causal mask aligned bottom-right. Timed in one
+run, per cut (CUDA-graph replays, median µs; DeepSeek-V3-sized stand-in: 128 query heads, 8
+key/value heads, head dim 128):
 
 - ``whole``: the uncut sequence, ``is_causal`` (the flash kernel; what the layer without TBO runs);
 - ``first``: the first part alone, ``is_causal``;
 - ``second_mask``: the second part with an explicit boolean mask;
-- ``second_lower_right``: the same with ``torch.nn.attention.bias.causal_lower_right`` (what the
-  attention runs on CUDA);
-- ``max_abs_diff``: the two second-part outputs against each other, and the cut pieces against
-  ``whole``.
+- ``second_lower_right``: the same with ``torch.nn.attention.bias.causal_lower_right``;
+- ``second_padded``: the queries padded in front with ``start`` zero rows (``F.pad``), ``is_causal`` over the
+  whole sequence, the padding rows dropped (``model/attention.py`` takes this one while
+  ``start <= 2 (L - start)``, ``causal_lower_right`` past that);
+- ``max_abs_diff``: the second-part outputs against each other, and the cut pieces against ``whole``.
 
 Usage (GPU): ``python benchmarks/probe_cut_attention.py --out DIR``. Writes ``DIR/cut_attention.json``.
 """
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 16384])
+    parser.add_argument("--cuts", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -41,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     rows = []
-    for length in args.lengths:
+    for length, cut in [(length, cut) for length in args.lengths for cut in args.cuts]:
         q = torch.randn(1, args.heads, length, args.head_dim, device=device, dtype=torch.bfloat16)
         k = torch.randn(1, args.kv_heads, length, args.head_dim, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        start = length // 2
+        start = int(length * cut)
         second = q[:, :, start:]
         key_pos = torch.arange(length, device=device)
         mask = key_pos[None, :] <= (start + torch.arange(length - start, device=device))[:, None]
@@ -57,13 +60,18 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "second_mask": lambda: F.scaled_dot_product_attention(second, k, v, attn_mask=mask, enable_gqa=True),
             "second_lower_right": lambda: F.scaled_dot_product_attention(second, k, v, attn_mask=bias, enable_gqa=True),
+            "second_padded": lambda: F.scaled_dot_product_attention(
+                F.pad(second, (0, 0, start, 0)), k, v, is_causal=True, enable_gqa=True
+            )[:, :, start:],
         }
         with torch.inference_mode():
             outs = {name: fn() for name, fn in cases.items()}
             row = {"bench": "cut_attention", "length": length, "start": start}
             for name, fn in cases.items():
                 row[f"t_{name}_us"] = time_fn(fn, device, warmup=3, iters=args.iters, graph=True)
-        row["max_abs_diff_second"] = (outs["second_mask"] - outs["second_lower_right"]).abs().max().item()
+        row["max_abs_diff_second"] = max(
+            (outs["second_mask"] - outs[name]).abs().max().item() for name in ("second_lower_right", "second_padded")
+        )
         row["max_abs_diff_vs_whole"] = max(
             (outs["first"] - outs["whole"][:, :, :start]).abs().max().item(),
             (outs["second_lower_right"] - outs["whole"][:, :, start:]).abs().max().item(),

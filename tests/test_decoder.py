@@ -115,12 +115,27 @@ def test_bad_shapes_are_named():
         layer(torch.randn(5, 64), Batch.prefill([4]), layer.make_cache(1, 8))
 
 
+@pytest.mark.parametrize("start, length", [(12, 7), (30, 7)])  # padded (start <= 2 x length), lower-right
+def test_both_ways_of_attending_after_a_prefix_equal_the_explicit_mask(start, length):
+    """``_attend_after_prefix`` (what CUDA runs for a cut sequence's second part) against the explicit
+    bottom-right mask of the CPU path, GQA included, on CPU tensors."""
+    from moe_sbo.model.attention import _attend_after_prefix
+
+    generator = torch.Generator().manual_seed(start)
+    q = torch.randn(8, length, 16, generator=generator)
+    k, v = torch.randn(2, 2, start + length, 16, generator=generator)
+    mask = torch.arange(start + length)[None, :] <= (start + torch.arange(length))[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(_attend_after_prefix(q, k, v, start, gqa=True), want[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_cut_sequence_on_cuda_matches_the_whole_sequence():
-    """On CUDA the second part of a cut sequence attends through ``causal_lower_right`` (the flash
-    kernel), with GQA and a head dim the flash kernel takes: the same output as the uncut sequence
-    within bf16 tolerance, as on CPU against Hugging Face."""
+@pytest.mark.parametrize("cut", [300, 600])  # the padded causal kernel (cut <= 2 x the rest), causal_lower_right
+def test_a_cut_sequence_on_cuda_matches_the_whole_sequence(cut):
+    """On CUDA the second part of a cut sequence runs a causal kernel (either way of
+    ``_attend_after_prefix``), with GQA and a head dim the flash kernels take: the same output as
+    the uncut sequence within bf16 tolerance, as on CPU against Hugging Face."""
     cfg = AttentionConfig(hidden_size=512, num_heads=16, num_kv_heads=4, head_dim=128)
     torch.manual_seed(0)
     attn = Attention(cfg, dtype=torch.bfloat16, device="cuda")
@@ -131,6 +146,6 @@ def test_a_cut_sequence_on_cuda_matches_the_whole_sequence():
     with torch.inference_mode():
         whole = attn(x, Batch.prefill([700], device="cuda"), KVCache(cfg, 1, 704, dtype=torch.bfloat16, device="cuda"))
         cache = KVCache(cfg, 1, 704, dtype=torch.bfloat16, device="cuda")
-        first = attn(x[:300], Batch.prefill([300], device="cuda"), cache)
-        second = attn(x[300:], Batch.prefill([400], starts=[300], device="cuda"), cache)
+        first = attn(x[:cut], Batch.prefill([cut], device="cuda"), cache)
+        second = attn(x[cut:], Batch.prefill([700 - cut], starts=[cut], device="cuda"), cache)
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=2e-2, atol=2e-2)

@@ -13,9 +13,9 @@ the cache is attended in place (a view of consecutive slots, never a gathered co
 that hides each sequence's unused tail; positions live on the device so a decode step is capturable.
 Prefill runs each segment through ``scaled_dot_product_attention`` with ``is_causal`` (flash kernels
 on the GPU). A segment with a cached prefix needs the causal mask aligned bottom-right (query i sees
-keys up to ``start + i``): on CUDA that is ``torch.nn.attention.bias.causal_lower_right``, which runs
-the flash kernel with its own causal skipping; an explicit boolean mask there makes the kernel compute
-every query-key block. On CPU the explicit mask is the reference path.
+keys up to ``start + i``). An explicit boolean mask makes a GPU kernel compute every query-key block,
+so on CUDA such a segment runs a causal kernel instead (``_attend_after_prefix``); on CPU the explicit
+mask is the reference path.
 """
 
 from __future__ import annotations
@@ -182,17 +182,36 @@ def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
             k, v, mask, causal = k_TAD[rows].transpose(0, 1), v_TAD[rows].transpose(0, 1), None, True
         else:  # a cut sequence's second part: attend to the cached first part too (bottom-right causal)
             k, v = cache.k_ZAWD[slot, :, : start + length], cache.v_ZAWD[slot, :, : start + length]
-            causal = False
             if q_TND.device.type == "cuda":
-                mask = causal_lower_right(length, start + length)  # the flash kernel, causal blocks skipped
-            else:
-                key_pos = torch.arange(start + length, device=q_TND.device)
-                mask = key_pos[None, :] <= (start + torch.arange(length, device=q_TND.device))[:, None]
+                out_TND[rows] = _attend_after_prefix(q_NYD, k, v, start, gqa).transpose(0, 1)
+                continue
+            key_pos = torch.arange(start + length, device=q_TND.device)
+            mask = key_pos[None, :] <= (start + torch.arange(length, device=q_TND.device))[:, None]
+            causal = False
         out = F.scaled_dot_product_attention(
             q_NYD[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=gqa
         )
         out_TND[rows] = out[0].transpose(0, 1)
     return out_TND
+
+
+def _attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool) -> torch.Tensor:
+    """CUDA: ``Y`` queries at positions ``start ...`` over keys ``0 ... start + Y - 1``, causal aligned
+    bottom-right -> ``[N, Y, D]``.
+
+    Two ways, the faster one taken: the queries padded in front with ``start`` zero rows, so the whole
+    sequence's ``is_causal`` kernel (cuDNN's on an H200) runs and the padding rows are dropped; or
+    ``causal_lower_right`` (PyTorch's FlashAttention-2 kernel), which skips the padding's work but ran
+    at about half cuDNN's rate on an H200. Padding does ``(start + Y)^2 / 2`` query-key pairs for the
+    ``Y^2 / 2 + start * Y`` needed, so it wins while ``start <= 2 * Y`` there
+    (``benchmarks/probe_cut_attention.py``)."""
+    length = q_NYD.shape[1]
+    if start <= 2 * length:
+        padded_NWD = F.pad(q_NYD, (0, 0, start, 0))  # start zero rows in front: [N, start + Y, D]
+        out = F.scaled_dot_product_attention(padded_NWD[None], k_AWD[None], v_AWD[None], is_causal=True, enable_gqa=gqa)
+        return out[0, :, start:]
+    bias = causal_lower_right(length, start + length)
+    return F.scaled_dot_product_attention(q_NYD[None], k_AWD[None], v_AWD[None], attn_mask=bias, enable_gqa=gqa)[0]
 
 
 def _decode(q_ZND, k_ZAD, v_ZAD, batch: Batch, cache: KVCache) -> torch.Tensor:
