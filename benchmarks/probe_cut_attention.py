@@ -6,14 +6,13 @@ A sequence of ``L`` tokens cut after ``start`` tokens (``--cuts``: start / L): t
 run, per cut (CUDA-graph replays, median µs; DeepSeek-V3-sized stand-in: 128 query heads, 8
 key/value heads, head dim 128):
 
-- ``whole``: the uncut sequence, ``is_causal`` (the flash kernel; what the layer without TBO runs);
+- ``whole``: the uncut sequence, ``is_causal`` (what the layer without TBO runs);
 - ``first``: the first part alone, ``is_causal``;
-- ``second_mask``: the second part with an explicit boolean mask;
-- ``second_lower_right``: the same with ``torch.nn.attention.bias.causal_lower_right``;
-- ``second_padded``: the queries padded in front with ``start`` zero rows (``F.pad``), ``is_causal`` over the
-  whole sequence, the padding rows dropped (``model/attention.py`` takes this one while
-  ``start <= 2 (L - start)``, ``causal_lower_right`` past that);
-- ``max_abs_diff``: the second-part outputs against each other, and the cut pieces against ``whole``.
+- ``second_mask``: the second part with an explicit boolean mask (every query-key block computed);
+- ``second_<way>``: the second part through ``model.attention.attend_after_prefix`` with ``way`` =
+  ``merge`` (two calls merged by their log-sum-exp; the default), ``padded`` and ``lower_right``;
+- ``max_abs_diff``: the second-part outputs against the explicit mask's, and the parts (first, and
+  the default way's second) against ``whole``.
 
 Usage (GPU): ``python benchmarks/probe_cut_attention.py --out DIR``. Writes ``DIR/cut_attention.json``.
 """
@@ -21,15 +20,18 @@ Usage (GPU): ``python benchmarks/probe_cut_attention.py --out DIR``. Writes ``DI
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import time_fn
+from moe_sbo.model.attention import attend_after_prefix
+
+WAYS = ("merge", "padded", "lower_right")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,32 +51,29 @@ def main(argv: list[str] | None = None) -> int:
         k = torch.randn(1, args.kv_heads, length, args.head_dim, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         start = int(length * cut)
-        second = q[:, :, start:]
+        second = q[0, :, start:]
         key_pos = torch.arange(length, device=device)
         mask = key_pos[None, :] <= (start + torch.arange(length - start, device=device))[:, None]
-        bias = causal_lower_right(length - start, length)
         cases = {
             "whole": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
             "first": lambda: F.scaled_dot_product_attention(
                 q[:, :, :start], k[:, :, :start], v[:, :, :start], is_causal=True, enable_gqa=True
             ),
-            "second_mask": lambda: F.scaled_dot_product_attention(second, k, v, attn_mask=mask, enable_gqa=True),
-            "second_lower_right": lambda: F.scaled_dot_product_attention(second, k, v, attn_mask=bias, enable_gqa=True),
-            "second_padded": lambda: F.scaled_dot_product_attention(
-                F.pad(second, (0, 0, start, 0)), k, v, is_causal=True, enable_gqa=True
-            )[:, :, start:],
+            "second_mask": lambda: F.scaled_dot_product_attention(
+                second[None], k, v, attn_mask=mask, enable_gqa=True
+            ).squeeze(0),
         }
+        for way in WAYS:
+            cases[f"second_{way}"] = functools.partial(attend_after_prefix, second, k[0], v[0], start, True, way)
         with torch.inference_mode():
             outs = {name: fn() for name, fn in cases.items()}
             row = {"bench": "cut_attention", "length": length, "start": start}
             for name, fn in cases.items():
                 row[f"t_{name}_us"] = time_fn(fn, device, warmup=3, iters=args.iters, graph=True)
-        row["max_abs_diff_second"] = max(
-            (outs["second_mask"] - outs[name]).abs().max().item() for name in ("second_lower_right", "second_padded")
-        )
+        row["max_abs_diff_second"] = max((outs["second_mask"] - outs[f"second_{w}"]).abs().max().item() for w in WAYS)
         row["max_abs_diff_vs_whole"] = max(
             (outs["first"] - outs["whole"][:, :, :start]).abs().max().item(),
-            (outs["second_lower_right"] - outs["whole"][:, :, start:]).abs().max().item(),
+            (outs["second_merge"] - outs["whole"][0, :, start:]).abs().max().item(),
         )
         print(row, flush=True)
         rows.append(row)

@@ -8,12 +8,13 @@
 #   t_floor_us (router + routed + shared experts, each alone) and t_wire_us (raw all_to_all_single
 #   of the same bytes), the meta the wire and its measured all-to-all bandwidth;
 # - TBO: moe-sbo bench --tbo, overlap none and combine_sm, without and with TBO (delay 0) and as AutoTbo
-#   chooses (--auto-tbo), prefill
-#   1024 4096 16384 tokens/rank and decode 16 128 512 sequences (kv 2048, graphs).
+#   chooses (--auto-tbo), prefill 1024 4096 16384 tokens/rank and decode 16 128 512 sequences (kv 2048,
+#   graphs), at 32 and at 8 routed experts per GPU (TBO_EXPERTS, total over both GPUs: "64 16"; 8 per
+#   GPU is DeepSeek-V3 at EP32, where each micro-batch's expert GEMMs are 4x taller).
 # Writes sbo_wire_<wire>_<tag>.json, tbo_wire_<wire>_<tag>.json and their logs under "${OUT:-out}".
 # WIRES picks the wires (default: both); PARTS picks "sbo" and/or "tbo" (default both); TBO_SM_BUDGETS
 # (e.g. "128") adds a TBO run per budget with --tbo-gemm-sm-budget (files tbo_wire_<wire>_<tag>_sms<N>.json).
-# Expected wall time on 2x H200: about 4 minutes (estimated from
+# Expected wall time on 2x H200: about 6 minutes (estimated from
 # the EP2 files: sbo_h200x2.json took 78 s for 30 steps up to 8192 tokens, tbo_h200x2.json 63 s for 12;
 # here 6 SBO + 6 TBO steps per wire, 16384 tokens the largest, the emulated wire ~5x slower per byte).
 set -uo pipefail
@@ -21,18 +22,20 @@ source "$(dirname "$0")/gpu_env.sh"
 if [ "$GPUS" -lt 2 ]; then echo "run_gpu_wire.sh needs >= 2 GPUs, found $GPUS"; exit 2; fi
 WIRES="${WIRES:-nvlink emulated-internode}"
 PARTS="${PARTS:-sbo tbo}"
-COMMON=(--ranks 2 --dispatcher low_latency --transport nccl --experts 64)
+COMMON=(--ranks 2 --dispatcher low_latency --transport nccl)
 for wire in $WIRES; do
   start=$SECONDS
   if [[ " $PARTS " == *" sbo "* ]]; then
-    "$PYTHON" -m moe_sbo.cli bench --wire "$wire" "${COMMON[@]}" --tokens 16 128 512 1024 4096 16384 \
+    "$PYTHON" -m moe_sbo.cli bench --wire "$wire" "${COMMON[@]}" --experts 64 --tokens 16 128 512 1024 4096 16384 \
       --graph-max-tokens 512 --out "$OUT_DIR/sbo_wire_${wire}_$TAG.json" \
       2>&1 | tee "$OUT_DIR/sbo_wire_${wire}_$TAG.log" | tail -45
   fi
   if [[ " $PARTS " == *" tbo "* ]]; then
     for budget in "" ${TBO_SM_BUDGETS:-}; do
       suffix=${budget:+_sms$budget}
-      "$PYTHON" -m moe_sbo.cli bench --tbo --wire "$wire" "${COMMON[@]}" --overlap none combine_sm --delay 0 --auto-tbo \
+      # shellcheck disable=SC2086  # TBO_EXPERTS is meant to split into values
+      "$PYTHON" -m moe_sbo.cli bench --tbo --wire "$wire" "${COMMON[@]}" --experts ${TBO_EXPERTS:-64 16} \
+        --overlap none combine_sm --delay 0 --auto-tbo \
         --prefill-tokens 1024 4096 16384 --decode-seqs 16 128 512 --kv-len 2048 ${budget:+--tbo-gemm-sm-budget $budget} \
         --out "$OUT_DIR/tbo_wire_${wire}_$TAG$suffix.json" 2>&1 | tee "$OUT_DIR/tbo_wire_${wire}_$TAG$suffix.log" | tail -30
     done

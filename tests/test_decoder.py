@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
-from moe_sbo.model.attention import Attention, AttentionConfig, Batch, KVCache
+from moe_sbo.model.attention import Attention, AttentionConfig, Batch, KVCache, attend_after_prefix
 from moe_sbo.model.decoder import DecoderLayer
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
@@ -115,27 +115,51 @@ def test_bad_shapes_are_named():
         layer(torch.randn(5, 64), Batch.prefill([4]), layer.make_cache(1, 8))
 
 
-@pytest.mark.parametrize("start, length", [(12, 7), (30, 7)])  # padded (start <= 2 x length), lower-right
-def test_both_ways_of_attending_after_a_prefix_equal_the_explicit_mask(start, length):
-    """``_attend_after_prefix`` (what CUDA runs for a cut sequence's second part) against the explicit
-    bottom-right mask of the CPU path, GQA included, on CPU tensors."""
-    from moe_sbo.model.attention import _attend_after_prefix
-
-    generator = torch.Generator().manual_seed(start)
-    q = torch.randn(8, length, 16, generator=generator)
-    k, v = torch.randn(2, 2, start + length, 16, generator=generator)
-    mask = torch.arange(start + length)[None, :] <= (start + torch.arange(length))[:, None]
+def _after_prefix_case(start: int, length: int, device: str, dtype: torch.dtype):
+    """Random GQA queries, keys and values of a cut sequence's second part, and the explicit
+    bottom-right mask's attention of them (the reference every way must give)."""
+    generator = torch.Generator().manual_seed(start * 1000 + length)
+    q = torch.randn(8, length, 128, generator=generator).to(device, dtype)
+    k, v = torch.randn(2, 2, start + length, 128, generator=generator).to(device, dtype)
+    mask = (
+        torch.arange(start + length, device=device)[None, :] <= (start + torch.arange(length, device=device))[:, None]
+    )
     want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(_attend_after_prefix(q, k, v, start, gqa=True), want[0], rtol=1e-5, atol=1e-6)
+    return q, k, v, want[0]
+
+
+@pytest.mark.parametrize("way", ["auto", "merge", "padded", "lower_right"])
+@pytest.mark.parametrize("start, length", [(12, 7), (30, 7), (1, 1), (5, 40)])
+def test_every_way_of_attending_after_a_prefix_equals_the_explicit_mask(way, start, length):
+    """``attend_after_prefix`` (what CUDA runs for a cut sequence's second part) against the explicit
+    bottom-right mask of the CPU path, GQA included, on CPU tensors."""
+    q, k, v, want = _after_prefix_case(start, length, "cpu", torch.float32)
+    torch.testing.assert_close(attend_after_prefix(q, k, v, start, gqa=True, way=way), want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_way_is_refused():
+    with pytest.raises(ValueError, match="way must be one of"):
+        attend_after_prefix(torch.zeros(2, 1, 4), torch.zeros(2, 2, 4), torch.zeros(2, 2, 4), 1, False, way="fast")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cut", [300, 600])  # the padded causal kernel (cut <= 2 x the rest), causal_lower_right
+@pytest.mark.parametrize("way", ["merge", "padded", "lower_right"])
+@pytest.mark.parametrize("start, length", [(300, 400), (600, 100), (1, 1), (2048, 2048)])
+def test_every_way_of_attending_after_a_prefix_on_cuda(way, start, length):
+    """Compiled kernels (cuDNN, FlashAttention-2), bf16, GQA: each way within bf16 tolerance of the
+    explicit mask on the same GPU."""
+    q, k, v, want = _after_prefix_case(start, length, "cuda", torch.bfloat16)
+    torch.testing.assert_close(attend_after_prefix(q, k, v, start, gqa=True, way=way), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cut", [300, 600])
 def test_a_cut_sequence_on_cuda_matches_the_whole_sequence(cut):
-    """On CUDA the second part of a cut sequence runs a causal kernel (either way of
-    ``_attend_after_prefix``), with GQA and a head dim the flash kernels take: the same output as
-    the uncut sequence within bf16 tolerance, as on CPU against Hugging Face."""
+    """On CUDA the second part of a cut sequence runs ``attend_after_prefix`` with GQA and a head dim
+    the fused kernels take: the same output as the uncut sequence within bf16 tolerance, as on CPU
+    against Hugging Face."""
     cfg = AttentionConfig(hidden_size=512, num_heads=16, num_kv_heads=4, head_dim=128)
     torch.manual_seed(0)
     attn = Attention(cfg, dtype=torch.bfloat16, device="cuda")

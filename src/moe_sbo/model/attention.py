@@ -14,7 +14,7 @@ that hides each sequence's unused tail; positions live on the device so a decode
 Prefill runs each segment through ``scaled_dot_product_attention`` with ``is_causal`` (flash kernels
 on the GPU). A segment with a cached prefix needs the causal mask aligned bottom-right (query i sees
 keys up to ``start + i``). An explicit boolean mask makes a GPU kernel compute every query-key block,
-so on CUDA such a segment runs a causal kernel instead (``_attend_after_prefix``); on CPU the explicit
+so on CUDA such a segment runs causal kernels instead (``attend_after_prefix``); on CPU the explicit
 mask is the reference path.
 """
 
@@ -183,7 +183,7 @@ def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
         else:  # a cut sequence's second part: attend to the cached first part too (bottom-right causal)
             k, v = cache.k_ZAWD[slot, :, : start + length], cache.v_ZAWD[slot, :, : start + length]
             if q_TND.device.type == "cuda":
-                out_TND[rows] = _attend_after_prefix(q_NYD, k, v, start, gqa).transpose(0, 1)
+                out_TND[rows] = attend_after_prefix(q_NYD, k, v, start, gqa).transpose(0, 1)
                 continue
             key_pos = torch.arange(start + length, device=q_TND.device)
             mask = key_pos[None, :] <= (start + torch.arange(length, device=q_TND.device))[:, None]
@@ -195,23 +195,55 @@ def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
     return out_TND
 
 
-def _attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool) -> torch.Tensor:
-    """CUDA: ``Y`` queries at positions ``start ...`` over keys ``0 ... start + Y - 1``, causal aligned
-    bottom-right -> ``[N, Y, D]``.
+CUT_ATTENTION_WAYS = ("auto", "merge", "padded", "lower_right")
 
-    Two ways, the faster one taken: the queries padded in front with ``start`` zero rows, so the whole
-    sequence's ``is_causal`` kernel (cuDNN's on an H200) runs and the padding rows are dropped; or
-    ``causal_lower_right`` (PyTorch's FlashAttention-2 kernel), which skips the padding's work but ran
-    at about half cuDNN's rate on an H200. Padding does ``(start + Y)^2 / 2`` query-key pairs for the
-    ``Y^2 / 2 + start * Y`` needed, so it wins while ``start <= 2 * Y`` there
-    (``benchmarks/probe_cut_attention.py``)."""
+
+def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "auto") -> torch.Tensor:
+    """``Y`` queries at positions ``start ...`` over keys ``0 ... start + Y - 1``, causal aligned
+    bottom-right (query i sees keys up to ``start + i``) -> ``[N, Y, D]``. What a cut sequence's
+    second part runs on CUDA; every way gives the explicit mask's result.
+
+    - ``merge``: the prefix keys (all visible: a rectangle) and the part's own keys (a causal square)
+      as two attention calls that also return each row's log-sum-exp, merged by those (the split
+      used by context-parallel attention): only the needed query-key pairs, at the causal kernel's
+      rate (cuDNN's on CUDA, PyTorch's flash kernel for CPU);
+    - ``padded``: the queries padded in front with ``start`` zero rows through the whole sequence's
+      ``is_causal`` kernel, the padding rows dropped (``start^2 / 2`` pairs of wasted work);
+    - ``lower_right``: ``torch.nn.attention.bias.causal_lower_right`` (PyTorch's FlashAttention-2 kernel
+      on CUDA: the needed pairs, at about half cuDNN's rate on an H200);
+    - ``auto``: ``merge``. Measured per way in ``benchmarks/probe_cut_attention.py``."""
+    if way not in CUT_ATTENTION_WAYS:
+        raise ValueError(f"way must be one of {CUT_ATTENTION_WAYS}, got {way!r}")
     length = q_NYD.shape[1]
-    if start <= 2 * length:
+    if way == "padded":
         padded_NWD = F.pad(q_NYD, (0, 0, start, 0))  # start zero rows in front: [N, start + Y, D]
         out = F.scaled_dot_product_attention(padded_NWD[None], k_AWD[None], v_AWD[None], is_causal=True, enable_gqa=gqa)
         return out[0, :, start:]
-    bias = causal_lower_right(length, start + length)
-    return F.scaled_dot_product_attention(q_NYD[None], k_AWD[None], v_AWD[None], attn_mask=bias, enable_gqa=gqa)[0]
+    if way == "lower_right":
+        bias = causal_lower_right(length, start + length)
+        return F.scaled_dot_product_attention(q_NYD[None], k_AWD[None], v_AWD[None], attn_mask=bias, enable_gqa=gqa)[0]
+    prefix_NYD, prefix_lse_NY = _attention_with_lse(q_NYD, k_AWD[:, :start], v_AWD[:, :start], causal=False)
+    own_NYD, own_lse_NY = _attention_with_lse(q_NYD, k_AWD[:, start:], v_AWD[:, start:], causal=True)
+    # softmax over the union = each part's output weighted by its share of the total exp-sum
+    prefix_share_NY1 = torch.sigmoid(prefix_lse_NY - own_lse_NY)[..., None]
+    return torch.lerp(own_NYD.float(), prefix_NYD.float(), prefix_share_NY1).to(q_NYD.dtype)
+
+
+def _attention_with_lse(q_NYD, k_AWD, v_AWD, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and each query row's log-sum-exp of its scaled scores (float32, ``[N, Y]``). The public
+    ``scaled_dot_product_attention`` returns no log-sum-exp, so this calls the kernels behind it:
+    cuDNN's on CUDA, the flash kernel for CPU on CPU (which takes no GQA: its key/value heads are
+    repeated first)."""
+    heads, length = q_NYD.shape[:2]
+    if q_NYD.device.type == "cuda":
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q_NYD[None], k_AWD[None], v_AWD[None], None, True, 0.0, causal, False
+        )
+        return out[0][0], out[1].reshape(heads, length)
+    groups = heads // k_AWD.shape[0]
+    k_NWD, v_NWD = k_AWD.repeat_interleave(groups, 0), v_AWD.repeat_interleave(groups, 0)
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_NYD[None], k_NWD[None], v_NWD[None], 0.0, causal)
+    return out[0][0], out[1].reshape(heads, length)
 
 
 def _decode(q_ZND, k_ZAD, v_ZAD, batch: Batch, cache: KVCache) -> torch.Tensor:
