@@ -206,15 +206,19 @@ def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "
     - ``merge``: the prefix keys (all visible: a rectangle) and the part's own keys (a causal square)
       as two attention calls that also return each row's log-sum-exp, merged by those (the split
       used by context-parallel attention): only the needed query-key pairs, at the causal kernel's
-      rate (cuDNN's on CUDA, PyTorch's flash kernel for CPU);
+      rate (cuDNN's on CUDA, PyTorch's flash kernel for CPU), plus a second launch and the merge;
     - ``padded``: the queries padded in front with ``start`` zero rows through the whole sequence's
-      ``is_causal`` kernel, the padding rows dropped (``start^2 / 2`` pairs of wasted work);
+      ``is_causal`` kernel, the padding rows dropped: one launch, ``start^2 / 2`` wasted pairs;
     - ``lower_right``: ``torch.nn.attention.bias.causal_lower_right`` (PyTorch's FlashAttention-2 kernel
       on CUDA: the needed pairs, at about half cuDNN's rate on an H200);
-    - ``auto``: ``merge``. Measured per way in ``benchmarks/probe_cut_attention.py``."""
+    - ``auto``: ``padded`` while ``start <= Y / 2`` (its waste is at most 1/9 of the work), else
+      ``merge``: the faster of the two on an H200 at 2k-16k tokens
+      (``benchmarks/probe_cut_attention.py``)."""
     if way not in CUT_ATTENTION_WAYS:
         raise ValueError(f"way must be one of {CUT_ATTENTION_WAYS}, got {way!r}")
     length = q_NYD.shape[1]
+    if way == "auto":
+        way = "padded" if 2 * start <= length else "merge"
     if way == "padded":
         padded_NWD = F.pad(q_NYD, (0, 0, start, 0))  # start zero rows in front: [N, start + Y, D]
         out = F.scaled_dot_product_attention(padded_NWD[None], k_AWD[None], v_AWD[None], is_causal=True, enable_gqa=gqa)
@@ -225,8 +229,8 @@ def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "
     prefix_NYD, prefix_lse_NY = _attention_with_lse(q_NYD, k_AWD[:, :start], v_AWD[:, :start], causal=False)
     own_NYD, own_lse_NY = _attention_with_lse(q_NYD, k_AWD[:, start:], v_AWD[:, start:], causal=True)
     # softmax over the union = each part's output weighted by its share of the total exp-sum
-    prefix_share_NY1 = torch.sigmoid(prefix_lse_NY - own_lse_NY)[..., None]
-    return torch.lerp(own_NYD.float(), prefix_NYD.float(), prefix_share_NY1).to(q_NYD.dtype)
+    prefix_share_NY1 = torch.sigmoid(prefix_lse_NY - own_lse_NY)[..., None].to(own_NYD.dtype)
+    return torch.lerp(own_NYD, prefix_NYD, prefix_share_NY1)  # one pass; lerp computes in float32
 
 
 def _attention_with_lse(q_NYD, k_AWD, v_AWD, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
