@@ -144,7 +144,7 @@ def test_an_unknown_way_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("way", ["merge", "padded", "lower_right"])
+@pytest.mark.parametrize("way", ["auto", "merge", "padded", "lower_right"])
 @pytest.mark.parametrize("start, length", [(300, 400), (600, 100), (1, 1), (2048, 2048)])
 def test_every_way_of_attending_after_a_prefix_on_cuda(way, start, length):
     """Compiled kernels (cuDNN, FlashAttention-2), bf16, GQA: each way within bf16 tolerance of the

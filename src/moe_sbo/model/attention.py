@@ -20,6 +20,7 @@ mask is the reference path.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -211,14 +212,15 @@ def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "
       ``is_causal`` kernel, the padding rows dropped: one launch, ``start^2 / 2`` wasted pairs;
     - ``lower_right``: ``torch.nn.attention.bias.causal_lower_right`` (PyTorch's FlashAttention-2 kernel
       on CUDA: the needed pairs, at about half cuDNN's rate on an H200);
-    - ``auto``: ``padded`` while ``start <= Y / 2`` (its waste is at most 1/9 of the work), else
-      ``merge``: the faster of the two on an H200 at 2k-16k tokens
-      (``benchmarks/probe_cut_attention.py``)."""
+    - ``auto``: ``merge``, the fastest of the three on an H200 at every cut measured (sequences of 2k
+      to 16k tokens cut at 1/4, 1/2 and 3/4: ``benchmarks/probe_cut_attention.py``), on CPU and on
+      CUDA GPUs of compute capability 9 with cuDNN's attention enabled; ``lower_right`` on other GPUs
+      (PyTorch's own path for this mask, not measured here)."""
     if way not in CUT_ATTENTION_WAYS:
         raise ValueError(f"way must be one of {CUT_ATTENTION_WAYS}, got {way!r}")
     length = q_NYD.shape[1]
     if way == "auto":
-        way = "padded" if 2 * start <= length else "merge"
+        way = "merge" if _merge_measured(q_NYD.device) else "lower_right"
     if way == "padded":
         padded_NWD = F.pad(q_NYD, (0, 0, start, 0))  # start zero rows in front: [N, start + Y, D]
         out = F.scaled_dot_product_attention(padded_NWD[None], k_AWD[None], v_AWD[None], is_causal=True, enable_gqa=gqa)
@@ -231,6 +233,17 @@ def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "
     # softmax over the union = each part's output weighted by its share of the total exp-sum
     prefix_share_NY1 = torch.sigmoid(prefix_lse_NY - own_lse_NY)[..., None].to(own_NYD.dtype)
     return torch.lerp(own_NYD, prefix_NYD, prefix_share_NY1)  # one pass; lerp computes in float32
+
+
+def _merge_measured(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    return torch.backends.cuda.cudnn_sdp_enabled() and _capability(device.index)[0] == 9
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _attention_with_lse(q_NYD, k_AWD, v_AWD, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
