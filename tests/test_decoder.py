@@ -173,3 +173,21 @@ def test_a_cut_sequence_on_cuda_matches_the_whole_sequence(cut):
         first = attn(x[:cut], Batch.prefill([cut], device="cuda"), cache)
         second = attn(x[cut:], Batch.prefill([700 - cut], starts=[cut], device="cuda"), cache)
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_merges_only_where_it_was_measured(monkeypatch):
+    """``auto`` takes ``merge`` on CPU and on compute-capability-9 GPUs for head dims cuDNN takes;
+    ``lower_right`` (PyTorch's own path) on other GPUs and head dims."""
+    from moe_sbo.model import attention
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(attention, "_capability", lambda index: (9, 0))
+    assert attention._merge_measured(torch.device("cpu"), 256)
+    assert attention._merge_measured(cuda, 128) and attention._merge_measured(cuda, 64)
+    assert not attention._merge_measured(cuda, 192) and not attention._merge_measured(cuda, 100)
+    monkeypatch.setattr(attention, "_capability", lambda index: (8, 0))
+    assert not attention._merge_measured(cuda, 128)
+    monkeypatch.setattr(attention, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+    assert not attention._merge_measured(cuda, 128)

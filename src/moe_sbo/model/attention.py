@@ -214,13 +214,14 @@ def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "
       on CUDA: the needed pairs, at about half cuDNN's rate on an H200);
     - ``auto``: ``merge``, the fastest of the three on an H200 at every cut measured (sequences of 2k
       to 16k tokens cut at 1/4, 1/2 and 3/4: ``benchmarks/probe_cut_attention.py``), on CPU and on
-      CUDA GPUs of compute capability 9 with cuDNN's attention enabled; ``lower_right`` on other GPUs
-      (PyTorch's own path for this mask, not measured here)."""
+      CUDA GPUs of compute capability 9 with cuDNN's attention enabled and a head dim cuDNN takes
+      (a multiple of 8, at most 128); ``lower_right`` elsewhere (PyTorch's own path for this mask).
+      ``merge`` asked for explicitly calls cuDNN's kernel whatever the GPU."""
     if way not in CUT_ATTENTION_WAYS:
         raise ValueError(f"way must be one of {CUT_ATTENTION_WAYS}, got {way!r}")
     length = q_NYD.shape[1]
     if way == "auto":
-        way = "merge" if _merge_measured(q_NYD.device) else "lower_right"
+        way = "merge" if _merge_measured(q_NYD.device, q_NYD.shape[-1]) else "lower_right"
     if way == "padded":
         padded_NWD = F.pad(q_NYD, (0, 0, start, 0))  # start zero rows in front: [N, start + Y, D]
         out = F.scaled_dot_product_attention(padded_NWD[None], k_AWD[None], v_AWD[None], is_causal=True, enable_gqa=gqa)
@@ -235,10 +236,11 @@ def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "
     return torch.lerp(own_NYD, prefix_NYD, prefix_share_NY1)  # one pass; lerp computes in float32
 
 
-def _merge_measured(device: torch.device) -> bool:
+def _merge_measured(device: torch.device, head_dim: int) -> bool:
     if device.type != "cuda":
         return True
-    return torch.backends.cuda.cudnn_sdp_enabled() and _capability(device.index)[0] == 9
+    cudnn_takes = head_dim <= 128 and head_dim % 8 == 0
+    return cudnn_takes and torch.backends.cuda.cudnn_sdp_enabled() and _capability(device.index)[0] == 9
 
 
 @functools.cache
