@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import time_fn
-from moe_sbo.model.attention import attend_after_prefix
+from moe_sbo.model.attention import attend_after_prefix, bottom_right_mask
 
 WAYS = ("merge", "padded", "lower_right")
 
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         v = torch.randn_like(k)
         start = int(length * cut)
         second = q[0, :, start:]
-        key_pos = torch.arange(length, device=device)
-        mask = key_pos[None, :] <= (start + torch.arange(length - start, device=device))[:, None]
+        mask = bottom_right_mask(start, length - start, device)
         cases = {
             "whole": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
             "first": lambda: F.scaled_dot_product_attention(

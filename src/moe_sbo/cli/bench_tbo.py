@@ -95,13 +95,26 @@ def _tbo_dispatcher(layer: DecoderLayer, spec: dict, batch: Batch) -> tuple[Disp
     half the whole batch's bytes."""
     split = split_batch(batch)
     half = max(split.a.stop - split.a.start, split.b.stop - split.b.start)
-    if "max_tokens_per_rank" not in dispatcher_options(spec, half):
+    options = dispatcher_options(spec, half)
+    if "max_tokens_per_rank" not in options:
         return None, None
     if dist.is_initialized():  # every rank's buffers must be alike: the largest micro-batch of any rank
         larger = torch.tensor([half], device=layer.moe.router.weight.device)
         dist.all_reduce(larger, op=dist.ReduceOp.MAX)
         half = int(larger.item())
-    return layer.moe.sibling_dispatcher(**dispatcher_options(spec, half)), half
+        options = dispatcher_options(spec, half)
+    return layer.moe.sibling_dispatcher(**options), half
+
+
+def _forward(
+    layer: DecoderLayer, x_TH: torch.Tensor, batch: Batch, cache: KVCache, spec: dict, tbo_dispatcher, delay
+) -> torch.Tensor:
+    """One forward of ``layer`` as the bench runs it: without TBO (``delay`` None), or with TBO at
+    ``delay`` on ``tbo_dispatcher`` (``_tbo_dispatcher``'s) and ``--tbo-gemm-sm-budget``."""
+    if delay is None:
+        return layer(x_TH, batch, cache)
+    gemm_sm_budget = spec.get("tbo_gemm_sm_budget")
+    return tbo_forward(layer, x_TH, batch, cache, delay=delay, gemm_sm_budget=gemm_sm_budget, dispatcher=tbo_dispatcher)
 
 
 def decoder_floor_and_wire(
@@ -151,17 +164,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
             # (--auto-tbo) as AutoTbo chooses, once it has timed both: the first delay, each candidate
             # with the dispatcher its fixed row uses.
             def forward(use_tbo: bool, delay: int | None = spec["delays"][0]) -> torch.Tensor:
-                if not use_tbo:
-                    return layer(x_TH, batch, cache)
-                return tbo_forward(
-                    layer,
-                    x_TH,
-                    batch,
-                    cache,
-                    delay=delay,
-                    gemm_sm_budget=spec.get("tbo_gemm_sm_budget"),
-                    dispatcher=tbo_dispatcher,
-                )
+                return _forward(layer, x_TH, batch, cache, spec, tbo_dispatcher, delay if use_tbo else None)
 
             auto = AutoTbo() if spec.get("auto_tbo") else None
             for delay in (None, *spec["delays"], *(("auto",) if auto else ())):
@@ -293,21 +296,8 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
     with torch.inference_mode():
         for title, (mode, tbo) in cases.items():
             layer.moe.overlap = make_overlap(mode, device, sm_budget=spec["sm_budget"])
-            run = (
-                (
-                    lambda: tbo_forward(
-                        layer,
-                        x_TH,
-                        batch,
-                        cache,
-                        delay=spec["delays"][0],
-                        gemm_sm_budget=spec.get("tbo_gemm_sm_budget"),
-                        dispatcher=tbo_dispatcher,
-                    )
-                )
-                if tbo
-                else (lambda: layer(x_TH, batch, cache))
-            )
+            delay = spec["delays"][0] if tbo else None
+            run = functools.partial(_forward, layer, x_TH, batch, cache, spec, tbo_dispatcher, delay)
             spans[title] = profile_spans(
                 run, device, rank, f"{trace_prefix}.tbo.{title.replace(' ', '_')}.json" if trace_prefix else None
             )

@@ -186,9 +186,7 @@ def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
             if q_TND.device.type == "cuda":
                 out_TND[rows] = attend_after_prefix(q_NYD, k, v, start, gqa).transpose(0, 1)
                 continue
-            key_pos = torch.arange(start + length, device=q_TND.device)
-            mask = key_pos[None, :] <= (start + torch.arange(length, device=q_TND.device))[:, None]
-            causal = False
+            mask, causal = bottom_right_mask(start, length, q_TND.device), False
         out = F.scaled_dot_product_attention(
             q_NYD[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=gqa
         )
@@ -197,6 +195,14 @@ def _prefill(q_TND, k_TAD, v_TAD, batch: Batch, cache: KVCache) -> torch.Tensor:
 
 
 CUT_ATTENTION_WAYS = ("auto", "merge", "padded", "lower_right")
+
+
+def bottom_right_mask(start: int, length: int, device: torch.device | str) -> torch.Tensor:
+    """The explicit causal mask of ``length`` queries after ``start`` cached tokens: ``[Y, start + Y]``
+    boolean, True where query i may see key j (j <= start + i)."""
+    return (
+        torch.arange(start + length, device=device)[None, :] <= (start + torch.arange(length, device=device))[:, None]
+    )
 
 
 def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "auto") -> torch.Tensor:
