@@ -230,6 +230,7 @@ def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int
         (low_latency, "start_exchange"),
         (Dispatcher, "dispatch_wait"),
         (LowLatencyDispatcher, "_wait_dispatch"),
+        (LowLatencyDispatcher, "_layout_staged"),
         (low_latency.ll_kernels, "gather_rows"),
         (Dispatcher, "combine_launch"),
         (low_latency.ll_kernels, "reduce_pairs"),

@@ -285,6 +285,72 @@ def test_index_graphs_replay_equals_direct_launches(transport, capacity):
             assert captured and all(equal), equal
 
 
+def _graphed_rows_rank(device, transport):
+    """Decode capacity, index graphs: the expert rows come from each buffer set's ``layout`` graph.
+    Two rounds in flight (two-batch overlap's pattern) get rows of their own, equal to the direct
+    launches' rows; the third round reuses the first set's rows (valid until then, as documented);
+    switching ``deliver_fp8`` captures the gather again (e4m3 rows equal to the direct path's)."""
+    cfg = _config("tiny")
+    rank = dist.get_rank()
+    options = {"max_tokens_per_rank": 64, "kernels": "triton", "transport": transport, "fp8": True}
+    staged, direct = (
+        MoELayer(
+            cfg, dispatcher="low_latency", device=device, seed=5, dispatcher_options={**options, "index_graphs": on}
+        )
+        for on in (True, False)
+    )
+    generator = torch.Generator(device=device).manual_seed(300 + rank)
+    xs = [torch.randn(n, cfg.hidden_size, generator=generator, device=device).bfloat16() for n in (64, 17 + rank, 40)]
+    checks = {}
+
+    def rounds(layer, keep_fp8):
+        """Two dispatches in flight, each combined (any [R, H] serves), then a third."""
+        layer.dispatcher.deliver_fp8 = keep_fp8
+        d, kept = layer.dispatcher, []
+
+        def launch(x):
+            topk = layer.router(x)
+            return d.dispatch(x, topk.topk_ids_TK, topk.topk_weights_TK)
+
+        recvs = [launch(x) for x in xs[:2]]
+        for r in recvs:
+            n = int(r.num_rows_per_expert_L.sum())
+            scales = None if r.expert_scales_RQ is None else r.expert_scales_RQ[:n].clone()
+            kept.append((r.expert_x_RH, r.expert_x_RH[:n].clone(), scales))
+            d.combine(torch.zeros(r.expert_x_RH.shape, dtype=torch.bfloat16, device=device), r.handle)
+        third = launch(xs[2])
+        d.combine(torch.zeros(third.expert_x_RH.shape, dtype=torch.bfloat16, device=device), third.handle)
+        return kept, third
+
+    with torch.inference_mode():
+        for keep_fp8 in (False, True):
+            rounds(staged, keep_fp8)  # each set's first round (after a deliver_fp8 change) captures
+            (s0, s1), s2 = rounds(staged, keep_fp8)
+            (d0, d1), _ = rounds(direct, keep_fp8)
+            checks[keep_fp8] = {
+                "own rows": s0[0].data_ptr() != s1[0].data_ptr(),
+                "third reuses the first set": s2.expert_x_RH.data_ptr() == s0[0].data_ptr(),
+                "rows equal direct": all(torch.equal(a[1], b[1]) for a, b in ((s0, d0), (s1, d1))),
+                "scales equal direct": all(
+                    (a[2] is None) == (not keep_fp8) and (a[2] is None or torch.equal(a[2], b[2]))
+                    for a, b in ((s0, d0), (s1, d1))
+                ),
+                "dtype": s0[0].dtype == (torch.float8_e4m3fn if keep_fp8 else torch.bfloat16),
+            }
+    rounds_ = next(iter(staged.dispatcher._graphs.values()))
+    checks["captured"] = all(r.layout is not None and r.layout.captured for r in rounds_)
+    return checks
+
+
+@pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
+def test_index_graphs_gather_the_expert_rows_at_decode_capacity(transport):
+    with _ranks() as ranks:
+        for checks in ranks.run(_graphed_rows_rank, transport):
+            assert checks.pop("captured"), checks
+            for keep_fp8, c in checks.items():
+                assert all(c.values()), (keep_fp8, c)
+
+
 def _misuse_rank(device, transport):
     """On this rank's GPU: a batch over capacity on rank 1, then dispatchers built with different
     capacities on the two ranks; after each refusal, a forward built alike must still run."""

@@ -18,12 +18,16 @@ What is graphed, and what is not:
   combine. One graph serves every T <= C: padding tokens (ids -1) go nowhere, so the kernels do the
   work of T tokens plus a skip per pad row.
 - ``layout``: with symmetric memory the transfer's end (the barrier), then the receiver's
-  expert-major layout of the round's receive buffer (a fixed address).
-- Not graphed: an NCCL transfer (one collective call each way), and the three kernels whose inputs
-  or outputs are the caller's tensors (``gather_rows`` allocates the expert rows, ``reduce_pairs``
-  reads the experts' output, ``gather_sum`` allocates y), one launch each. Keeping them out keeps
-  every tensor the caller holds its own (no later replay overwrites it), at no extra memory; combine
-  is then three calls (two launches and the transfer) and needs no graph.
+  expert-major layout of the round's receive buffer (a fixed address), and at decode sizes
+  (capacity below ``low_latency.GATHER_IN_GRAPH_BELOW``) the gather of the expert rows into the
+  graph's fixed output: the rows the experts read, valid until the set's next round, as DeepEP's
+  low-latency receive buffers are. Above it a forward allocates them (``gather_rows``, one launch):
+  a fixed buffer would keep S * K rows of H per set, and at prefill sizes the device, not the
+  host, bounds the phase.
+- Not graphed: an NCCL transfer (one collective call each way), and the two combine kernels, whose
+  input or output is the caller's tensor (``reduce_pairs`` reads the experts' output,
+  ``gather_sum`` allocates y, which the caller keeps), one launch each; combine is then three calls
+  (two launches and the transfer) and needs no graph.
 
 The hard part is that a graph bakes in addresses and sizes. Every graphed input lives in buffers that
 belong to one buffer set (round), allocated once, and every shape is fixed by C; the graphs of round n
@@ -52,8 +56,9 @@ class Staging:
     """One buffer set's fixed inputs and outputs of the ``pack`` graph (C tokens, P ranks).
 
     ``padded_from``: the first row of ``ids_CK`` known to hold -1 (host state, so the -1 tail is
-    only rewritten when T shrinks). ``views``: rows 0..T-1 of the three inputs for the last T staged
-    (making them costs the host more than the copies' own call, and a decode loop stages one T)."""
+    only rewritten when T shrinks). ``views``: rows 0..T-1 of the three inputs and of ``slot_CP``
+    for the last T staged (making them costs the host more than the copies' own call, and a decode
+    loop stages one T)."""
 
     x_CH: torch.Tensor
     ids_CK: torch.Tensor
@@ -72,16 +77,19 @@ class Staging:
                 slot_CP=torch.zeros(capacity, num_ranks, dtype=torch.int64, device=device),
             )
 
-    def stage(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+    def stage(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """Copy one forward's T tokens in; rows T..C-1 get ids -1 (one call: three copies, and a
-        fill when T shrank; no sync)."""
+        fill when T shrank; no sync) -> ``slot_CP``'s first T rows, [T, P]."""
         num_tokens = x_TH.shape[0]
         if self.views[0] != num_tokens:
-            self.views = (num_tokens, (self.x_CH[:num_tokens], self.ids_CK[:num_tokens], self.weights_CK[:num_tokens]))
-        torch._foreach_copy_(self.views[1], (x_TH, ids_TK, weights_TK))
+            rows = (self.x_CH, self.ids_CK, self.weights_CK, self.slot_CP)
+            self.views = (num_tokens, tuple(t[:num_tokens] for t in rows))
+        x_view, ids_view, weights_view, slot_TP = self.views[1]
+        torch._foreach_copy_((x_view, ids_view, weights_view), (x_TH, ids_TK, weights_TK))
         if num_tokens < self.padded_from:
             self.ids_CK[num_tokens : self.padded_from].fill_(-1)
         self.padded_from = num_tokens
+        return slot_TP
 
     @staticmethod
     def bytes(capacity: int, hidden: int, top_k: int, num_ranks: int, elem: int) -> int:
@@ -127,3 +135,4 @@ class RoundGraphs:
     pack: PieceGraph | None = None
     start_transfer: Callable[[], list] | None = None
     layout: PieceGraph | None = None
+    layout_keeps_fp8: bool = False  # the ``deliver_fp8`` the layout graph's gather was built for

@@ -105,6 +105,12 @@ KERNELS = ("auto", "triton", "torch")
 # From this capacity (tokens per rank) the send plan and the receiver layout run as two passes
 # (``ll_bulk``: work linear in the tokens) instead of one (``ll_kernels``: quadratic, fewer launches).
 BULK_MIN_CAPACITY = 512
+# Below this capacity (decode sizes) the staged path gathers the receiver's expert rows inside the
+# ``layout`` graph, into a fixed buffer per set: one Triton launch less per eager dispatch, a large
+# share of a decode-size phase's host time. From it a forward allocates them (a fixed buffer would
+# keep S * K rows of H per set: ~0.9 GB at C = 4096, EP2, DeepSeek-V3), and its host time is not the
+# phase's bound there.
+GATHER_IN_GRAPH_BELOW = 512
 TRANSPORTS = ("auto", "nccl", "symm_mem", "copy_engine")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -126,8 +132,11 @@ class LowLatencyDispatcher(Dispatcher):
     ``num_buffers * (2S + 1) * (B + H * elem)`` bytes, allocated on the first forward, plus with
     ``index_graphs`` the staging of each set, ``num_buffers * C * (H * elem + 8K + 8P)`` bytes, and
     its graphs' index tensors (about ``num_buffers * 24 * S * K`` bytes); a forward then allocates
-    its expert rows [S * K, H] twice (inputs and outputs of the experts). DeepSeek-V3 at EP2 with
-    C = 4096, bf16: B = 14400, 2 sets of 0.47 GB + 2 x 59 MB of staging = 1.06 GB per rank.
+    its expert rows [S * K, H] twice (inputs and outputs of the experts), except that on CUDA below
+    ``GATHER_IN_GRAPH_BELOW`` tokens per rank the inputs are the ``layout`` graph's fixed output, kept
+    per set: ``num_buffers * S * K * H * elem`` more (e4m3 and its scales with ``deliver_fp8``).
+    DeepSeek-V3 at EP2 with C = 4096, bf16: B = 14400, 2 sets of 0.47 GB + 2 x 59 MB of staging =
+    1.06 GB per rank; with C = 128: 2 x 15 MB + 2 x 2 MB of staging + 2 x 29 MB of expert rows.
 
     ``kernels``: ``"triton"`` runs the five fused kernels (``ll_kernels`` and ``reduce.gather_sum``;
     CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"torch"`` the reference chain of torch ops (any
@@ -148,8 +157,10 @@ class LowLatencyDispatcher(Dispatcher):
     ``index_graphs`` (default True, fused kernels only): the send plan and the receiver layout (about
     ten launches each) run from fixed staging buffers as CUDA graphs captured on each buffer set's
     first eager forward and replayed after, so an eager phase costs the host a few calls at any T
-    (``ll_graphs.py``). Under a caller's own graph capture the kernels run directly; on CPU the
-    staged path runs without capture. False: launch the kernels on every forward.
+    (``ll_graphs.py``); at decode sizes the gather of the expert rows too, whose rows are then valid
+    until the set's next round (``num_buffers`` dispatches later). Under a caller's own graph capture
+    the kernels run directly; on CPU the staged path runs without capture. False: launch the kernels
+    on every forward.
 
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
@@ -292,11 +303,17 @@ class LowLatencyDispatcher(Dispatcher):
     def buffer_bytes(self, dtype: torch.dtype, hidden: int, top_k: int, device: torch.device | str = "cuda") -> int:
         """Bytes of this dispatcher's buffer sets for activations of ``dtype`` and shape ``hidden``,
         ``top_k`` on ``device`` (all ``num_buffers`` of them, staging included where the forward
-        stages: the formula in the class docstring; the graphs' small index tensors not counted)."""
+        stages, and on CUDA at decode sizes the ``layout`` graphs' expert rows: the formula in the
+        class docstring; the graphs' small index tensors not counted)."""
         row_bytes = RowFormat.make(hidden, top_k, dtype, self.fp8).row_bytes
         sets = (2 * self.num_slots + 1) * (row_bytes + hidden * dtype.itemsize)
-        if self.index_graphs and self.uses_triton(torch.device(device)):
+        device = torch.device(device)
+        if self.index_graphs and self.uses_triton(device):
             sets += Staging.bytes(self.capacity, hidden, top_k, self.ep.size, dtype.itemsize)
+            if device.type == "cuda" and self.capacity < GATHER_IN_GRAPH_BELOW:  # the layout graph's rows
+                keep_fp8 = self.deliver_fp8 and self.fp8
+                row_out = hidden + hidden // FP8_GROUP * 4 if keep_fp8 else hidden * dtype.itemsize
+                sets += self.num_slots * top_k * row_out
         return self.num_buffers * sets
 
     def buffers(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> list[Buffers]:
@@ -487,11 +504,11 @@ class LowLatencyDispatcher(Dispatcher):
                     start_transfer()  # its one work is the set's barrier, which ``layout`` waits on
 
             graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda")
-        st.stage(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)
+        slot_TP = st.stage(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)
         graphs.pack()
         assert graphs.start_transfer is not None  # set with the pack graph
         works = [] if in_graph else graphs.start_transfer()
-        return st.slot_CP[: x_TH.shape[0]], works
+        return slot_TP, works
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
@@ -500,20 +517,13 @@ class LowLatencyDispatcher(Dispatcher):
         recv_SB = s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         if self.uses_triton(recv_SB.device):
+            expert_x_RH: torch.Tensor | None = None
             if s.graphs is None:
                 fixed = self._layout(recv_SB, s.fmt)()
             else:
-                if s.graphs.layout is None:
-                    layout, barrier = self._layout(recv_SB, s.fmt), s.buffers.dispatch_barrier
-
-                    def end_and_layout() -> Any:
-                        if barrier is not None:  # the pack graph started a symmetric-memory transfer
-                            barrier.wait()
-                        return layout()
-
-                    s.graphs.layout = PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda")
-                fixed = s.graphs.layout()
-            expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
+                fixed, expert_x_RH, scales_RQ = self._layout_staged(s)
+            if expert_x_RH is None:
+                expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
         else:
             local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
             fixed = group_slots_by_expert(
@@ -539,6 +549,33 @@ class LowLatencyDispatcher(Dispatcher):
         )
         return self._output(expert_x_RH, handle, scales_RQ)
 
+    def _layout_staged(self, s: _InFlightDispatch) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        """The round's ``layout`` graph -> (the receiver's layout; below ``GATHER_IN_GRAPH_BELOW``
+        tokens per rank the expert rows and scales, gathered in the graph, else None, None).
+
+        The graph first ends a symmetric-memory transfer (the barrier) when ``pack`` started one. Rows
+        gathered in the graph live in its fixed output, which the set's next round overwrites: they
+        are valid until the round's buffers are reused (``num_buffers`` dispatches later), as the
+        layout and the received rows are. Captured again if ``deliver_fp8`` changed since."""
+        graphs, keep_fp8 = s.graphs, self.deliver_fp8
+        assert graphs is not None  # the staged path
+        if graphs.layout is None or graphs.layout_keeps_fp8 != keep_fp8:
+            recv_SB = s.buffers.dispatch_recv_SB
+            layout, barrier = self._layout(recv_SB, s.fmt), s.buffers.dispatch_barrier
+            gather = None
+            if self.capacity < GATHER_IN_GRAPH_BELOW:
+                gather = functools.partial(ll_kernels.gather_rows, recv_SB, fmt=s.fmt, keep_fp8=keep_fp8)
+
+            def end_and_layout() -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+                if barrier is not None:  # the pack graph started a symmetric-memory transfer
+                    barrier.wait()
+                fixed = layout()
+                return (fixed, *gather(fixed=fixed)) if gather is not None else (fixed, None, None)
+
+            graphs.layout = PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda")
+            graphs.layout_keeps_fp8 = keep_fp8
+        return graphs.layout()
+
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: LowLatencyHandle = inp.handle  # type: ignore[assignment]
         self._check_round(handle.generation)
@@ -556,7 +593,7 @@ class LowLatencyDispatcher(Dispatcher):
         else:
             bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
         works = self._exchange(
-            bufs.combine_recv_SH[: self.num_slots],
+            bufs.combine_slots_SH,
             bufs.combine_send_SH,
             fused,
             bufs.combine_barrier,
@@ -564,7 +601,7 @@ class LowLatencyDispatcher(Dispatcher):
         )
         block_bytes = (self.ep.size - 1) * self.capacity * handle.hidden_size * bufs.combine_send_SH.element_size()
         traffic = Traffic(combine_bytes_sent=block_bytes, combine_bytes_recv=block_bytes)
-        return Pending(works=works, state=(bufs.combine_recv_SH, fused), traffic=traffic)
+        return Pending(works=works, state=(bufs.combine_slots_SH, fused), traffic=traffic)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()
@@ -572,9 +609,7 @@ class LowLatencyDispatcher(Dispatcher):
         self._check_round(handle.generation)
         recv_SH, fused = pending.state
         # Each token's P returned rows (slot S where it sent nothing), summed in float32 in a fixed order.
-        return gather_sum(
-            recv_SH[: self.num_slots], handle.slot_TP, out_dtype=handle.dtype, kernels="triton" if fused else "torch"
-        )
+        return gather_sum(recv_SH, handle.slot_TP, out_dtype=handle.dtype, kernels="triton" if fused else "torch")
 
 
 def _pack_checked(
