@@ -115,9 +115,10 @@ def low_latency_rank(
     warmup: int,
     iters: int,
     seed: int,
-    index_graphs: tuple[bool, ...] = (True,),
+    index_graphs: tuple[str, ...] = ("on",),
 ) -> list[dict]:
-    """One rank's ``low_latency`` rows, per (kernels, transport) path and ``index_graphs`` setting:
+    """One rank's ``low_latency`` rows, per (kernels, transport) path and ``index_graphs`` setting
+    (``on``, ``off``, or ``fixed_rows``: on, with ``fixed_expert_rows``):
     graph-replayed phases (CUDA, once per path: a caller's capture bypasses ``index_graphs``), the
     eager layer's phases, and raw ``all_to_all_single`` on the same fixed blocks beside both."""
     rank = dist.get_rank()
@@ -129,7 +130,8 @@ def low_latency_rank(
             cap = capacity or max(tokens, 1)
             generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
             x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
-            for fp8, (kernels, transport), graphs in itertools.product(fp8_modes, paths, index_graphs):
+            for fp8, (kernels, transport), setting in itertools.product(fp8_modes, paths, index_graphs):
+                graphs, fixed_rows = setting != "off", setting == "fixed_rows"
                 layer = MoELayer(
                     cfg,
                     dispatcher="low_latency",
@@ -142,6 +144,7 @@ def low_latency_rank(
                         "kernels": kernels,
                         "transport": transport,
                         "index_graphs": graphs,
+                        "fixed_expert_rows": fixed_rows,
                     },
                 )
                 fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, fp8)
@@ -152,6 +155,7 @@ def low_latency_rank(
                     "transport": transport,
                     "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
                     "index_graphs": graphs and layer.dispatcher.uses_triton(device),
+                    **({"fixed_expert_rows": True} if fixed_rows and layer.dispatcher.uses_triton(device) else {}),
                     "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
                 }
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
@@ -163,7 +167,7 @@ def low_latency_rank(
                 eager = time_layer(layer, x_TH, warmup, iters)
                 common.update(dataclasses.asdict(layer.last_traffic))  # the four byte counts
                 rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}})
-                if cuda and graphs == index_graphs[0]:
+                if cuda and setting == index_graphs[0]:
                     rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
                 del layer
                 if cuda:
@@ -248,7 +252,7 @@ def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list
             "graph": first["graph"],
             "dispatch_dtype": first["dispatch_dtype"],
         }
-        for key in ("capacity", "kernels", "transport", "index_graphs"):
+        for key in ("capacity", "kernels", "transport", "index_graphs", "fixed_expert_rows"):
             if key in first:
                 row[key] = first[key]
         for key in (
@@ -314,8 +318,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--index-graphs",
         nargs="+",
         default=["on"],
-        choices=["on", "off"],
-        help="low_latency's index_graphs option, each setting its own eager rows (replayed rows once per path)",
+        choices=["on", "off", "fixed_rows"],
+        help="low_latency's index_graphs option (fixed_rows: on, with fixed_expert_rows), each setting its own "
+        "eager rows (replayed rows once per path)",
     )
     p.add_argument("--baselines", nargs="*", default=["allgather", "alltoall"], choices=["allgather", "alltoall"])
     return p.parse_args(argv)
@@ -392,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                     warmup,
                     iters,
                     args.seed,
-                    tuple(choice == "on" for choice in args.index_graphs),
+                    tuple(args.index_graphs),
                 ),
             )
         ]
@@ -412,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results.rows, meta)
     print(f"wrote {out_path}")
     return 1 if results.errors else 0
+
+
+def _setting_label(row: dict) -> str:
+    """How a row's eager forward ran its index work: '' (index graphs), '/no-ig', '/fixed-rows'."""
+    if not row.get("index_graphs", True):
+        return "/no-ig"
+    return "/fixed-rows" if row.get("fixed_expert_rows") else ""
 
 
 def print_table(rows: list[dict], meta: dict) -> None:
@@ -458,9 +470,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
             str(r["ep"]),
             str(r["tokens_per_rank"]),
             r["dispatcher"],
-            f"{r['kernels']}/{r['transport']}{'' if r.get('index_graphs', True) else '/no-ig'}"
-            if "kernels" in r
-            else "",
+            f"{r['kernels']}/{r['transport']}{_setting_label(r)}" if "kernels" in r else "",
             r["dispatch_dtype"],
             "y" if r["graph"] else "n",
             mark(r["t_dispatch_us"], "t_dispatch_us", TARGETS["t_dispatch_us"]),

@@ -29,22 +29,26 @@ from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, ho
 from moe_sbo.runtime import LocalRanks
 from moe_sbo.streams import capture_graph
 
+_FIXED = {False: "", True: " + fixed_expert_rows"}  # the headers' note of the option
 
-def _probe_layer(device: torch.device, tokens: int, transport: str) -> tuple[MoELayer, torch.Tensor]:
+
+def _probe_layer(
+    device: torch.device, tokens: int, transport: str, fixed_rows: bool = False
+) -> tuple[MoELayer, torch.Tensor]:
     """DeepSeek-V3 dims, 32 routed experts per rank, ``low_latency`` over ``transport`` with capacity
-    ``tokens`` -> (layer, a bf16 input of ``tokens`` rows)."""
+    ``tokens`` (and ``fixed_expert_rows`` if ``fixed_rows``) -> (layer, a bf16 input of ``tokens`` rows)."""
     cfg = get_preset("deepseek-v3").with_num_experts(32 * dist.get_world_size())
-    layer = MoELayer(
-        cfg,
-        dispatcher="low_latency",
-        device=device,
-        dispatcher_options={"max_tokens_per_rank": tokens, "transport": transport},
-    )
+    options = {"max_tokens_per_rank": tokens, "transport": transport}
+    if fixed_rows:
+        options["fixed_expert_rows"] = True
+    layer = MoELayer(cfg, dispatcher="low_latency", device=device, dispatcher_options=options)
     return layer, torch.randn(tokens, cfg.hidden_size, device=device).bfloat16()
 
 
-def profile_rank(device: torch.device, tokens: int, transport: str, iters: int, top: int) -> str:
-    layer, x = _probe_layer(device, tokens, transport)
+def profile_rank(
+    device: torch.device, tokens: int, transport: str, iters: int, top: int, fixed_rows: bool = False
+) -> str:
+    layer, x = _probe_layer(device, tokens, transport, fixed_rows)
     d = layer.dispatcher
     profiler = cProfile.Profile()
     walls = {"dispatch_launch": 0.0, "dispatch_wait": 0.0, "combine_launch": 0.0, "combine_wait": 0.0}
@@ -82,7 +86,7 @@ def profile_rank(device: torch.device, tokens: int, transport: str, iters: int, 
                     walls[key] += (b - a) * 1e6 / iters
     text = io.StringIO()
     text.write(
-        f"-- {transport}, {tokens} tokens, EP{dist.get_world_size()}: host µs per call (mean) "
+        f"-- {transport}{_FIXED[fixed_rows]}, {tokens} tokens, EP{dist.get_world_size()}: host µs per call (mean) "
         + ", ".join(f"{k} {v:.0f}" for k, v in walls.items())
         + "\n"
     )
@@ -172,7 +176,7 @@ def _empty_graph(device: torch.device):
 REGIMES = ("lined up", "lined up, host busy 2 ms first", "back to back")
 
 
-def regimes_rank(device: torch.device, tokens: int, transport: str, iters: int) -> str:
+def regimes_rank(device: torch.device, tokens: int, transport: str, iters: int, fixed_rows: bool = False) -> str:
     """Host µs inside each of the four dispatcher calls of an eager forward, in three regimes: ranks
     lined up (synchronize + barrier) before each forward, as the benchmarks time phases; the same
     with the host kept busy for 2 ms before the forward (a host that idled in the line-up may run the
@@ -180,7 +184,7 @@ def regimes_rank(device: torch.device, tokens: int, transport: str, iters: int) 
     them (a synchronize every 8 forwards, untimed, keeps the launch queue from filling). Medians."""
     import statistics
 
-    layer, x = _probe_layer(device, tokens, transport)
+    layer, x = _probe_layer(device, tokens, transport, fixed_rows)
     lines = []
     with torch.inference_mode():
         for _ in range(10):
@@ -203,11 +207,12 @@ def regimes_rank(device: torch.device, tokens: int, transport: str, iters: int) 
                     spans[key].append(us)
             torch.cuda.synchronize()
             lines.append(f"{regime:32s} " + "  ".join(f"{k} {statistics.median(v):6.1f}" for k, v in spans.items()))
-    head = f"-- host µs per call (median of {iters}), {tokens} tokens, {transport}, EP{dist.get_world_size()}"
+    path = f"{transport}{_FIXED[fixed_rows]}, EP{dist.get_world_size()}"
+    head = f"-- host µs per call (median of {iters}), {tokens} tokens, {path}"
     return head + "\n" + "\n".join(lines)
 
 
-def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int) -> str:
+def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int, fixed_rows: bool = False) -> str:
     """Mean host µs per call of each step inside the four dispatcher calls (``host_breakdown``'s
     wrappers, inclusive of what each calls), ranks lined up before every forward: where a phase's
     host time goes, without a profiler's overhead."""
@@ -216,7 +221,7 @@ def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int
     from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
     from moe_sbo.hooks import HookRegistry
 
-    layer, x = _probe_layer(device, tokens, transport)
+    layer, x = _probe_layer(device, tokens, transport, fixed_rows)
     targets = [
         (Dispatcher, "dispatch_launch"),
         (HookRegistry, "run"),
@@ -246,8 +251,8 @@ def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int
                 dist.barrier()
                 dispatcher_call_host_us(layer, x)
         torch.cuda.synchronize()
-    ep = dist.get_world_size()
-    head = f"-- host µs per call (mean of {iters} forwards, inclusive), {tokens} tokens, {transport}, EP{ep}"
+    path = f"{transport}{_FIXED[fixed_rows]}, EP{dist.get_world_size()}"
+    head = f"-- host µs per call (mean of {iters} forwards, inclusive), {tokens} tokens, {path}"
     lines = [f"{label:45s} {len(v) / iters:5.1f} calls {sum(v) / max(len(v), 1):8.1f} µs" for label, v in spans.items()]
     return head + "\n" + "\n".join(lines)
 
@@ -264,18 +269,22 @@ def main() -> None:
         "--regimes", action="store_true", help="the four calls' host time lined up, after a busy host, back to back"
     )
     p.add_argument("--breakdown", action="store_true", help="host µs of each step inside the four calls")
+    p.add_argument("--fixed-expert-rows", action="store_true", help="low_latency with fixed_expert_rows")
     args = p.parse_args()
+
     texts = []
     with LocalRanks(torch.cuda.device_count(), device="cuda") as ranks:
         for tokens in args.tokens:
             if args.breakdown:
-                texts.append(ranks.run(breakdown_rank, tokens, args.transport, args.iters)[0])
+                texts.append(ranks.run(breakdown_rank, tokens, args.transport, args.iters, args.fixed_expert_rows)[0])
             elif args.regimes:
-                texts.append(ranks.run(regimes_rank, tokens, args.transport, args.iters)[0])
+                texts.append(ranks.run(regimes_rank, tokens, args.transport, args.iters, args.fixed_expert_rows)[0])
             elif args.pieces:
                 texts.append(ranks.run(pieces_rank, tokens, args.transport, args.iters)[0])
             else:
-                texts.append(ranks.run(profile_rank, tokens, args.transport, args.iters, args.top)[0])
+                texts.append(
+                    ranks.run(profile_rank, tokens, args.transport, args.iters, args.top, args.fixed_expert_rows)[0]
+                )
     print("\n".join(texts))
     if args.out:
         Path(args.out).write_text("\n".join(texts))

@@ -286,7 +286,7 @@ def test_index_graphs_replay_equals_direct_launches(transport, capacity):
 
 
 def _graphed_rows_rank(device, transport):
-    """Decode capacity, index graphs: the expert rows come from each buffer set's ``layout`` graph.
+    """``fixed_expert_rows``: the expert rows come from each buffer set's ``layout`` graph.
     Two rounds in flight (two-batch overlap's pattern) get rows of their own, equal to the direct
     launches' rows; the third round reuses the first set's rows (valid until then, as documented);
     switching ``deliver_fp8`` captures the gather again (e4m3 rows equal to the direct path's)."""
@@ -294,10 +294,8 @@ def _graphed_rows_rank(device, transport):
     rank = dist.get_rank()
     options = {"max_tokens_per_rank": 64, "kernels": "triton", "transport": transport, "fp8": True}
     staged, direct = (
-        MoELayer(
-            cfg, dispatcher="low_latency", device=device, seed=5, dispatcher_options={**options, "index_graphs": on}
-        )
-        for on in (True, False)
+        MoELayer(cfg, dispatcher="low_latency", device=device, seed=5, dispatcher_options={**options, **extra})
+        for extra in ({"fixed_expert_rows": True}, {"index_graphs": False})
     )
     generator = torch.Generator(device=device).manual_seed(300 + rank)
     xs = [torch.randn(n, cfg.hidden_size, generator=generator, device=device).bfloat16() for n in (64, 17 + rank, 40)]
@@ -343,7 +341,7 @@ def _graphed_rows_rank(device, transport):
 
 
 @pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
-def test_index_graphs_gather_the_expert_rows_at_decode_capacity(transport):
+def test_fixed_expert_rows_are_gathered_in_the_layout_graph(transport):
     with _ranks() as ranks:
         for checks in ranks.run(_graphed_rows_rank, transport):
             assert checks.pop("captured"), checks

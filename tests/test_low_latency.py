@@ -101,7 +101,8 @@ def test_options_are_checked():
         make_dispatcher("alltoall", 16, EPGroup(), max_tokens_per_rank=8)
     with pytest.raises(
         ValueError,
-        match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers', 'kernels', 'transport', 'index_graphs'\]"
+        match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers', 'kernels', 'transport', 'index_graphs', "
+        r"'fixed_expert_rows'\]"
         r".*'capacity'",
     ):
         make_dispatcher("low_latency", 16, EPGroup(), capacity=8)
@@ -109,6 +110,10 @@ def test_options_are_checked():
         make_dispatcher("low_latency", 16, EPGroup(), max_tokens_per_rank=0)
     with pytest.raises(ValueError, match="index_graphs must be True or False, got 'false'"):
         make_dispatcher("low_latency", 16, EPGroup(), index_graphs="false")
+    with pytest.raises(ValueError, match="fixed_expert_rows must be True or False, got 1"):
+        make_dispatcher("low_latency", 16, EPGroup(), fixed_expert_rows=1)
+    with pytest.raises(ValueError, match="fixed_expert_rows gathers the expert rows inside the index graphs"):
+        make_dispatcher("low_latency", 16, EPGroup(), fixed_expert_rows=True, index_graphs=False)
 
 
 def test_single_rank_ids_minus_one_and_bad_ids():
@@ -331,7 +336,11 @@ def _staged_rank(device):
     cfg = get_preset("tiny")
     rank = dist.get_rank()
     ref = MoELayer(cfg, dtype=torch.float32, seed=11)
-    staged, direct = (_ll(cfg, 8, kernels="triton", index_graphs=flag) for flag in (True, False))
+    layers = {
+        "staged": _ll(cfg, 8, kernels="triton"),
+        "fixed rows": _ll(cfg, 8, kernels="triton", fixed_expert_rows=True),
+        "direct": _ll(cfg, 8, kernels="triton", index_graphs=False),
+    }
     generator = torch.Generator().manual_seed(100 + rank)
     counts = ([8, 5, 2, 7, 0, 8], [3, 8, 6, 1, 4, 0])[rank]
     results = []
@@ -340,7 +349,7 @@ def _staged_rank(device):
             xs = [torch.randn(n, cfg.hidden_size, generator=generator) for n in (first, second)]
             topks = [ref.router(x) for x in xs]
             ys = {}
-            for name, layer in (("staged", staged), ("direct", direct)):
+            for name, layer in layers.items():
                 d = layer.dispatcher
                 pendings = [d.dispatch_launch(x, t.topk_ids_TK, t.topk_weights_TK) for x, t in zip(xs, topks)]
                 recvs = [d.dispatch_wait(p) for p in pendings]
@@ -350,12 +359,13 @@ def _staged_rank(device):
                 expected = _routed(ref, x, topks[i].topk_ids_TK, topks[i].topk_weights_TK)[0]
                 results.append(
                     (
-                        torch.equal(ys["staged"][i], ys["direct"][i]),
+                        torch.equal(ys["staged"][i], ys["direct"][i])
+                        and torch.equal(ys["fixed rows"][i], ys["direct"][i]),
                         (ys["staged"][i] - expected).abs().max().item() if x.shape[0] else 0.0,
                         tuple(ys["staged"][i].shape) == tuple(x.shape),
                     )
                 )
-        staging = [g.staging for g in next(iter(staged.dispatcher._graphs.values()))]
+        staging = [g.staging for g in next(iter(layers["staged"].dispatcher._graphs.values()))]
     return results, all(s is not None for s in staging)
 
 

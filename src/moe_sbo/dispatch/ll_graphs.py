@@ -18,16 +18,14 @@ What is graphed, and what is not:
   combine. One graph serves every T <= C: padding tokens (ids -1) go nowhere, so the kernels do the
   work of T tokens plus a skip per pad row.
 - ``layout``: with symmetric memory the transfer's end (the barrier), then the receiver's
-  expert-major layout of the round's receive buffer (a fixed address), and at decode sizes
-  (capacity below ``low_latency.GATHER_IN_GRAPH_BELOW``) the gather of the expert rows into the
-  graph's fixed output: the rows the experts read, valid until the set's next round, as DeepEP's
-  low-latency receive buffers are. Above it a forward allocates them (``gather_rows``, one launch):
-  a fixed buffer would keep S * K rows of H per set, and at prefill sizes the device, not the
-  host, bounds the phase.
-- Not graphed: an NCCL transfer (one collective call each way), and the two combine kernels, whose
-  input or output is the caller's tensor (``reduce_pairs`` reads the experts' output,
-  ``gather_sum`` allocates y, which the caller keeps), one launch each; combine is then three calls
-  (two launches and the transfer) and needs no graph.
+  expert-major layout of the round's receive buffer (a fixed address); with ``fixed_expert_rows``
+  the gather of the expert rows too, into the graph's fixed output (valid until the set's next
+  round, as DeepEP's low-latency receive buffers are; S * K rows of H kept per set).
+- Not graphed: an NCCL transfer (one collective call each way), and the kernels whose inputs or
+  outputs are the caller's tensors (``gather_rows`` allocates the expert rows unless they are fixed,
+  ``reduce_pairs`` reads the experts' output, ``gather_sum`` allocates y), one launch each. Keeping
+  them out keeps every tensor the caller holds its own (no later replay overwrites it), at no extra
+  memory; combine is then three calls (two launches and the transfer) and needs no graph.
 
 The hard part is that a graph bakes in addresses and sizes. Every graphed input lives in buffers that
 belong to one buffer set (round), allocated once, and every shape is fixed by C; the graphs of round n

@@ -105,12 +105,6 @@ KERNELS = ("auto", "triton", "torch")
 # From this capacity (tokens per rank) the send plan and the receiver layout run as two passes
 # (``ll_bulk``: work linear in the tokens) instead of one (``ll_kernels``: quadratic, fewer launches).
 BULK_MIN_CAPACITY = 512
-# Below this capacity (decode sizes) the staged path gathers the receiver's expert rows inside the
-# ``layout`` graph, into a fixed buffer per set: one Triton launch less per eager dispatch, a large
-# share of a decode-size phase's host time. From it a forward allocates them (a fixed buffer would
-# keep S * K rows of H per set: ~0.9 GB at C = 4096, EP2, DeepSeek-V3), and its host time is not the
-# phase's bound there.
-GATHER_IN_GRAPH_BELOW = 512
 TRANSPORTS = ("auto", "nccl", "symm_mem", "copy_engine")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -132,11 +126,11 @@ class LowLatencyDispatcher(Dispatcher):
     ``num_buffers * (2S + 1) * (B + H * elem)`` bytes, allocated on the first forward, plus with
     ``index_graphs`` the staging of each set, ``num_buffers * C * (H * elem + 8K + 8P)`` bytes, and
     its graphs' index tensors (about ``num_buffers * 24 * S * K`` bytes); a forward then allocates
-    its expert rows [S * K, H] twice (inputs and outputs of the experts), except that on CUDA below
-    ``GATHER_IN_GRAPH_BELOW`` tokens per rank the inputs are the ``layout`` graph's fixed output, kept
-    per set: ``num_buffers * S * K * H * elem`` more (e4m3 and its scales with ``deliver_fp8``).
-    DeepSeek-V3 at EP2 with C = 4096, bf16: B = 14400, 2 sets of 0.47 GB + 2 x 59 MB of staging =
-    1.06 GB per rank; with C = 128: 2 x 15 MB + 2 x 2 MB of staging + 2 x 29 MB of expert rows.
+    its expert rows [S * K, H] twice (inputs and outputs of the experts); with ``fixed_expert_rows``
+    on CUDA the inputs are kept per set instead, ``num_buffers * S * K * H * elem`` bytes (e4m3 and
+    its scales with ``deliver_fp8``). DeepSeek-V3 at EP2 with C = 4096, bf16: B = 14400, 2 sets of
+    0.47 GB + 2 x 59 MB of staging = 1.06 GB per rank; with C = 128: 2 x 15 MB of buffers + 2 x 2 MB
+    of staging, and 2 x 29 MB of fixed expert rows.
 
     ``kernels``: ``"triton"`` runs the five fused kernels (``ll_kernels`` and ``reduce.gather_sum``;
     CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"torch"`` the reference chain of torch ops (any
@@ -157,10 +151,15 @@ class LowLatencyDispatcher(Dispatcher):
     ``index_graphs`` (default True, fused kernels only): the send plan and the receiver layout (about
     ten launches each) run from fixed staging buffers as CUDA graphs captured on each buffer set's
     first eager forward and replayed after, so an eager phase costs the host a few calls at any T
-    (``ll_graphs.py``); at decode sizes the gather of the expert rows too, whose rows are then valid
-    until the set's next round (``num_buffers`` dispatches later). Under a caller's own graph capture
-    the kernels run directly; on CPU the staged path runs without capture. False: launch the kernels
-    on every forward.
+    (``ll_graphs.py``). Under a caller's own graph capture the kernels run directly; on CPU the staged
+    path runs without capture. False: launch the kernels on every forward.
+
+    ``fixed_expert_rows`` (default False; with ``index_graphs``): the ``layout`` graph also gathers the
+    expert rows, into a fixed buffer per set, as DeepEP's low-latency receive buffers: one Triton
+    launch less per eager dispatch (at decode sizes a large share of the phase's host time, which
+    eager decode waits on), for the memory above, per layer. The rows handed out (``expert_x_RH``
+    and its scales) are then valid until the set's next round, ``num_buffers`` dispatches later, as
+    the layout's counts already are.
 
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
@@ -185,13 +184,19 @@ class LowLatencyDispatcher(Dispatcher):
         kernels: str = "auto",
         transport: str = "auto",
         index_graphs: bool = True,
+        fixed_expert_rows: bool = False,
     ):
         super().__init__(num_experts, ep)
         for option, value in (("max_tokens_per_rank", max_tokens_per_rank), ("num_buffers", num_buffers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{option} must be an int >= 1, got {value!r}")
-        if not isinstance(index_graphs, bool):
-            raise ValueError(f"index_graphs must be True or False, got {index_graphs!r}")
+        for option, flag in (("index_graphs", index_graphs), ("fixed_expert_rows", fixed_expert_rows)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{option} must be True or False, got {flag!r}")
+        if fixed_expert_rows and not index_graphs:
+            raise ValueError(
+                "fixed_expert_rows gathers the expert rows inside the index graphs; use it with index_graphs=True"
+            )
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         if transport not in TRANSPORTS:
@@ -212,6 +217,7 @@ class LowLatencyDispatcher(Dispatcher):
         self.kernels = kernels
         self.transport = transport
         self.index_graphs = index_graphs
+        self.fixed_expert_rows = fixed_expert_rows
         self.num_slots = ep.size * max_tokens_per_rank
         # One rank uses the real communicator when there is one (a graph then captures what it would
         # at EP > 1); without a process group, or with a one-rank EP group inside a larger job, it
@@ -303,14 +309,14 @@ class LowLatencyDispatcher(Dispatcher):
     def buffer_bytes(self, dtype: torch.dtype, hidden: int, top_k: int, device: torch.device | str = "cuda") -> int:
         """Bytes of this dispatcher's buffer sets for activations of ``dtype`` and shape ``hidden``,
         ``top_k`` on ``device`` (all ``num_buffers`` of them, staging included where the forward
-        stages, and on CUDA at decode sizes the ``layout`` graphs' expert rows: the formula in the
-        class docstring; the graphs' small index tensors not counted)."""
+        stages, and on CUDA the ``layout`` graphs' expert rows with ``fixed_expert_rows``: the formula
+        in the class docstring; the graphs' small index tensors not counted)."""
         row_bytes = RowFormat.make(hidden, top_k, dtype, self.fp8).row_bytes
         sets = (2 * self.num_slots + 1) * (row_bytes + hidden * dtype.itemsize)
         device = torch.device(device)
         if self.index_graphs and self.uses_triton(device):
             sets += Staging.bytes(self.capacity, hidden, top_k, self.ep.size, dtype.itemsize)
-            if device.type == "cuda" and self.capacity < GATHER_IN_GRAPH_BELOW:  # the layout graph's rows
+            if device.type == "cuda" and self.fixed_expert_rows:  # the layout graphs' rows
                 keep_fp8 = self.deliver_fp8 and self.fp8
                 row_out = hidden + hidden // FP8_GROUP * 4 if keep_fp8 else hidden * dtype.itemsize
                 sets += self.num_slots * top_k * row_out
@@ -550,8 +556,8 @@ class LowLatencyDispatcher(Dispatcher):
         return self._output(expert_x_RH, handle, scales_RQ)
 
     def _layout_staged(self, s: _InFlightDispatch) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
-        """The round's ``layout`` graph -> (the receiver's layout; below ``GATHER_IN_GRAPH_BELOW``
-        tokens per rank the expert rows and scales, gathered in the graph, else None, None).
+        """The round's ``layout`` graph -> (the receiver's layout; with ``fixed_expert_rows`` the expert
+        rows and scales, gathered in the graph, else None, None).
 
         The graph first ends a symmetric-memory transfer (the barrier) when ``pack`` started one. Rows
         gathered in the graph live in its fixed output, which the set's next round overwrites: they
@@ -563,7 +569,7 @@ class LowLatencyDispatcher(Dispatcher):
             recv_SB = s.buffers.dispatch_recv_SB
             layout, barrier = self._layout(recv_SB, s.fmt), s.buffers.dispatch_barrier
             gather = None
-            if self.capacity < GATHER_IN_GRAPH_BELOW:
+            if self.fixed_expert_rows:
                 gather = functools.partial(ll_kernels.gather_rows, recv_SB, fmt=s.fmt, keep_fp8=keep_fp8)
 
             def end_and_layout() -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:

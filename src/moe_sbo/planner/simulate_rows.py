@@ -32,6 +32,9 @@ DEFAULT_TRANSPORT = "nccl"
 # (``triton+direct``) and its own setup. Rows with ``index_graphs: true`` or without the field (the
 # default) are unchanged.
 DIRECT_LAUNCH = "+direct"
+# A low_latency row with ``fixed_expert_rows: true`` gathered the expert rows inside its layout graph:
+# the same GPU work, one launch less per eager forward, so its own path and setup too.
+FIXED_ROWS = "+fixed_rows"
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ def path_of(row: dict, ep: int, version: str | None = None) -> DispatchPath:
         kernels += "+one_pass"
     if kernels.startswith(DEFAULT_KERNELS) and row.get("index_graphs") is False:
         kernels += DIRECT_LAUNCH  # the fused kernels launched directly: more host time per eager forward
+    if kernels.startswith(DEFAULT_KERNELS) and row.get("fixed_expert_rows"):
+        kernels += FIXED_ROWS  # the expert rows gathered in the layout graph: less host time
     return DispatchPath(
         dispatcher,
         kernels,
@@ -161,6 +166,8 @@ def _group_of(file: str, row: dict, meta: dict) -> str:
     parts = [f"{k}={row[k]}" for k in keys if row.get(k) is not None]
     if row.get("index_graphs") is False:  # direct launches: a setup of their own (the default adds nothing)
         parts.append("index_graphs=False")
+    if row.get("fixed_expert_rows"):
+        parts.append("fixed_expert_rows=True")
     if row.get("bench") in ("sbo", "tbo", "fp8_layer"):  # every mode (and TBO delay) of one setup together
         parts = [p for p in parts if not p.startswith("graph=")]
     return file + ":" + ",".join(parts)
