@@ -3,10 +3,11 @@
 Every visible GPU is one rank; rank 0's profile is printed (top functions by own time) for each token
 count, after warm-up, with the GPU and the ranks lined up between iterations (so the host never waits
 for a full launch queue). Usage (GPU): ``python benchmarks/probe_host_time.py [--tokens 128 4096]
-[--transport symm_mem] [--pieces | --regimes | --breakdown]``; writes the text to ``--out`` too. ``--pieces`` times
-each building block's host cost alone instead (a Triton launch, small torch ops, checks, each kernel
-wrapper); ``--regimes`` times the four calls with the ranks lined up, after a busy host, and back to back;
-``--breakdown`` times each step inside them in a forward (light wrappers, not a profiler).
+[--transport symm_mem] [--fixed-expert-rows] [--pieces | --regimes | --breakdown]``; writes the text to
+``--out`` too. ``--pieces`` times each building block's host cost alone instead (a Triton launch, small
+torch ops, checks, each kernel wrapper); ``--regimes`` times the four calls with the ranks lined up,
+after a busy host, and back to back; ``--breakdown`` times each step inside them in a forward (light
+wrappers, not a profiler).
 """
 
 from __future__ import annotations
@@ -271,7 +272,6 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="host µs of each step inside the four calls")
     p.add_argument("--fixed-expert-rows", action="store_true", help="low_latency with fixed_expert_rows")
     args = p.parse_args()
-
     texts = []
     with LocalRanks(torch.cuda.device_count(), device="cuda") as ranks:
         for tokens in args.tokens:
