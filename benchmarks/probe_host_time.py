@@ -116,6 +116,7 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
     with torch.inference_mode():
         topk = layer.router(x)
         ids, weights = topk.topk_ids_TK, topk.topk_weights_TK
+        ids32 = ids.int()
         layer(x)
         bufs = d.buffers(device, x.dtype, cfg.hidden_size, cfg.num_experts_per_tok)[0]
         slot_TP = torch.empty(tokens, d.ep.size, dtype=torch.int64, device=device)
@@ -140,6 +141,7 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
             "gather_rows": lambda: ll_kernels.gather_rows(bufs.dispatch_recv_SB, fixed, fmt),
             "router": lambda: layer.router(x),
             "index_graphs: stage x, ids, weights": lambda: staged.staging.stage(x, ids, weights),
+            "the same, int32 ids (converting copies)": lambda: staged.staging.stage(x, ids32, weights),
             "the same as three slices and copies": lambda: _three_copies(staged.staging, x, ids, weights),
             "index_graphs: pack replay": staged.pack,
             "index_graphs: layout replay (+ barrier)": staged.layout,

@@ -390,6 +390,28 @@ def test_staging_kept_from_inference_mode_is_written_under_no_grad():
             torch.testing.assert_close(staged(x[:rows]), direct(x[:rows]), atol=0, rtol=0)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the staged path runs the fused kernels")
+def test_staging_converts_inputs_it_cannot_copy_as_bytes():
+    """The staging copies the router's dtypes (int64 ids, float32 weights, contiguous) as bytes;
+    int32 ids, float64 weights and a strided x take the converting copies, with the same result."""
+    cfg = get_preset("tiny")
+    staged, direct = (_ll(cfg, 8, kernels="triton", index_graphs=flag) for flag in (True, False))
+    x_TH = torch.randn(cfg.hidden_size, 7).t()  # [T, H] with column stride T: not contiguous
+    with torch.inference_mode():
+        topk = staged.router(x_TH)
+        inputs = [
+            (x_TH.contiguous(), topk.topk_ids_TK, topk.topk_weights_TK),  # the byte copy
+            (x_TH, topk.topk_ids_TK.int(), topk.topk_weights_TK.double()),  # converted
+        ]
+        for x, ids, weights in inputs * 2:  # each buffer set sees both
+            ys = []
+            for layer in (staged, direct):
+                recv = layer.dispatcher.dispatch(x, ids, weights)
+                y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+                ys.append(layer.dispatcher.combine(y_RH, recv.handle))
+            torch.testing.assert_close(ys[0], ys[1], atol=0, rtol=0)
+
+
 def test_a_deleted_layer_frees_its_buffers_without_garbage_collection():
     """The index graphs keep no reference to their dispatcher, so dropping a layer frees its buffer
     sets at once (symmetric memory must not wait for a collection, which may come mid-capture)."""

@@ -53,37 +53,55 @@ from ..streams import capture_graph
 class Staging:
     """One buffer set's fixed inputs and outputs of the ``pack`` graph (C tokens, P ranks).
 
+    The inputs are kept in the router's dtypes (int64 ids, float32 weights) so that one forward's
+    three tensors, viewed as bytes, are copied in by one ``_foreach_copy_`` of a single dtype: on
+    CUDA one fused launch, where three dtypes take three copy launches (the host's cost, which an
+    eager decode step waits on). Inputs of other dtypes or layouts are converted by those three.
+
     ``padded_from``: the first row of ``ids_CK`` known to hold -1 (host state, so the -1 tail is
-    only rewritten when T shrinks). ``views``: rows 0..T-1 of the three inputs and of ``slot_CP``
-    for the last T staged (making them costs the host more than the copies' own call, and a decode
-    loop stages one T)."""
+    only rewritten when T shrinks). ``views``: rows 0..T-1 of the three inputs and of ``slot_CP``,
+    and the inputs' byte views, for the last T staged (making them costs the host more than the
+    copies' own call, and a decode loop stages one T)."""
 
     x_CH: torch.Tensor
     ids_CK: torch.Tensor
     weights_CK: torch.Tensor
     slot_CP: torch.Tensor
     padded_from: int = 0
-    views: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())
+    views: tuple[int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = (-1, (), ())
 
     @classmethod
     def allocate(cls, capacity: int, hidden: int, top_k: int, num_ranks: int, dtype: torch.dtype, device) -> Staging:
         with torch.inference_mode(False):  # written by later forwards under plain no_grad too
             return cls(
                 x_CH=torch.zeros(capacity, hidden, dtype=dtype, device=device),
-                ids_CK=torch.full((capacity, top_k), -1, dtype=torch.int32, device=device),
+                ids_CK=torch.full((capacity, top_k), -1, dtype=torch.int64, device=device),
                 weights_CK=torch.zeros(capacity, top_k, dtype=torch.float32, device=device),
                 slot_CP=torch.zeros(capacity, num_ranks, dtype=torch.int64, device=device),
             )
 
     def stage(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        """Copy one forward's T tokens in; rows T..C-1 get ids -1 (one call: three copies, and a
-        fill when T shrank; no sync) -> ``slot_CP``'s first T rows, [T, P]."""
+        """Copy one forward's T tokens in; rows T..C-1 get ids -1 (one call, and a fill when T
+        shrank; no sync) -> ``slot_CP``'s first T rows, [T, P]."""
         num_tokens = x_TH.shape[0]
         if self.views[0] != num_tokens:
             rows = (self.x_CH, self.ids_CK, self.weights_CK, self.slot_CP)
-            self.views = (num_tokens, tuple(t[:num_tokens] for t in rows))
+            with torch.inference_mode(False):  # a dtype view made in inference mode could not be written outside it
+                views = tuple(t[:num_tokens] for t in rows)
+                self.views = (num_tokens, views, tuple(v.view(torch.uint8) for v in views[:3]))
         x_view, ids_view, weights_view, slot_TP = self.views[1]
-        torch._foreach_copy_((x_view, ids_view, weights_view), (x_TH, ids_TK, weights_TK))
+        if (
+            x_TH.dtype == self.x_CH.dtype
+            and ids_TK.dtype == torch.int64
+            and weights_TK.dtype == torch.float32
+            and x_TH.is_contiguous()
+            and ids_TK.is_contiguous()
+            and weights_TK.is_contiguous()
+        ):
+            sources = (x_TH.view(torch.uint8), ids_TK.view(torch.uint8), weights_TK.view(torch.uint8))
+            torch._foreach_copy_(self.views[2], sources)
+        else:
+            torch._foreach_copy_((x_view, ids_view, weights_view), (x_TH, ids_TK, weights_TK))
         if num_tokens < self.padded_from:
             self.ids_CK[num_tokens : self.padded_from].fill_(-1)
         self.padded_from = num_tokens
@@ -91,7 +109,7 @@ class Staging:
 
     @staticmethod
     def bytes(capacity: int, hidden: int, top_k: int, num_ranks: int, elem: int) -> int:
-        return capacity * (hidden * elem + top_k * (4 + 4) + num_ranks * 8)
+        return capacity * (hidden * elem + top_k * (8 + 4) + num_ranks * 8)
 
 
 class PieceGraph:

@@ -124,7 +124,7 @@ class LowLatencyDispatcher(Dispatcher):
     Memory (``buffer_bytes``): each buffer set holds a dispatch send [S, B] and receive [S + 1, B]
     buffer and a combine send [S, H] and receive [S + 1, H] buffer (activation dtype), S = P * C, so
     ``num_buffers * (2S + 1) * (B + H * elem)`` bytes, allocated on the first forward, plus with
-    ``index_graphs`` the staging of each set, ``num_buffers * C * (H * elem + 8K + 8P)`` bytes, and
+    ``index_graphs`` the staging of each set, ``num_buffers * C * (H * elem + 12K + 8P)`` bytes, and
     its graphs' index tensors (about ``num_buffers * 24 * S * K`` bytes); a forward then allocates
     its expert rows [S * K, H] twice (inputs and outputs of the experts); with ``fixed_expert_rows``
     on CUDA the inputs are kept per set instead, ``num_buffers * S * K * H * elem`` bytes (e4m3 and
