@@ -54,14 +54,15 @@ class Staging:
     """One buffer set's fixed inputs and outputs of the ``pack`` graph (C tokens, P ranks).
 
     The inputs are kept in the router's dtypes (int64 ids, float32 weights) so that one forward's
-    three tensors, viewed as bytes, are copied in by one ``_foreach_copy_`` of a single dtype: on
-    CUDA one fused launch, where three dtypes take three copy launches (the host's cost, which an
-    eager decode step waits on). Inputs of other dtypes or layouts are converted by those three.
+    three tensors, viewed as 4-byte words, are copied in by one ``_foreach_copy_`` of a single
+    dtype: on CUDA one fused launch, where three dtypes take three copy launches (the host's cost,
+    which an eager decode step waits on). Inputs of other dtypes, or strided ones, take those three
+    converting copies.
 
     ``padded_from``: the first row of ``ids_CK`` known to hold -1 (host state, so the -1 tail is
     only rewritten when T shrinks). ``views``: rows 0..T-1 of the three inputs and of ``slot_CP``,
-    and the inputs' byte views, for the last T staged (making them costs the host more than the
-    copies' own call, and a decode loop stages one T)."""
+    and the inputs' word views, for the last T staged
+    (making them costs the host more than the copies' own call, and a decode loop stages one T)."""
 
     x_CH: torch.Tensor
     ids_CK: torch.Tensor
@@ -88,17 +89,12 @@ class Staging:
             rows = (self.x_CH, self.ids_CK, self.weights_CK, self.slot_CP)
             with torch.inference_mode(False):  # a dtype view made in inference mode could not be written outside it
                 views = tuple(t[:num_tokens] for t in rows)
-                self.views = (num_tokens, views, tuple(v.view(torch.uint8) for v in views[:3]))
+                self.views = (num_tokens, views, _words(views[:3]))
         x_view, ids_view, weights_view, slot_TP = self.views[1]
-        if (
-            x_TH.dtype == self.x_CH.dtype
-            and ids_TK.dtype == torch.int64
-            and weights_TK.dtype == torch.float32
-            and x_TH.is_contiguous()
-            and ids_TK.is_contiguous()
-            and weights_TK.is_contiguous()
-        ):
-            sources = (x_TH.view(torch.uint8), ids_TK.view(torch.uint8), weights_TK.view(torch.uint8))
+        sources: tuple[torch.Tensor, ...] = ()
+        if self.views[2] and (x_TH.dtype, ids_TK.dtype, weights_TK.dtype) == (x_view.dtype, torch.int64, torch.float32):
+            sources = _words((x_TH, ids_TK, weights_TK))
+        if sources:
             torch._foreach_copy_(self.views[2], sources)
         else:
             torch._foreach_copy_((x_view, ids_view, weights_view), (x_TH, ids_TK, weights_TK))
@@ -110,6 +106,15 @@ class Staging:
     @staticmethod
     def bytes(capacity: int, hidden: int, top_k: int, num_ranks: int, elem: int) -> int:
         return capacity * (hidden * elem + top_k * (8 + 4) + num_ranks * 8)
+
+
+def _words(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` viewed as int32 words, or () if one is strided. Every row is whole words: x rows
+    are a multiple of 16 bytes (the fused kernels' check, before any staging), ids int64, weights
+    float32."""
+    if not all(t.is_contiguous() for t in tensors):
+        return ()
+    return tuple(t.view(torch.int32) for t in tensors)
 
 
 class PieceGraph:
