@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
+from moe_sbo.dispatch.base import Traffic
 from moe_sbo.dispatch.layout import combine_rows, group_rows_by_expert, pack_topk, unpack_topk
 from moe_sbo.layer import MoELayer
 
@@ -28,6 +31,15 @@ TOKEN_CASES = {
     "zero_on_some_ranks": lambda r, p: 0 if r % 2 == 0 else 13,
     "zero_everywhere": lambda r, p: 0,
 }
+
+
+def test_traffic_adds_every_field():
+    """``Traffic.__add__`` spells its fields out (it runs every combine): a field added later must
+    be summed too."""
+    a = Traffic(*(10**i for i in range(len(fields(Traffic)))))
+    b = Traffic(*(3 * 10**i for i in range(len(fields(Traffic)))))
+    total = a + b
+    assert all(getattr(total, f.name) == getattr(a, f.name) + getattr(b, f.name) for f in fields(Traffic))
 
 
 def test_layout_hand_worked():
