@@ -1,0 +1,29 @@
+"""CPU smoke tests of the GPU probes in ``benchmarks/``: each runs as a user runs it and writes rows
+whose fields say what the docs read from them (host clock on CPU: the times are not measurements)."""
+
+from __future__ import annotations
+
+import json
+
+from bench_scripts import run_bench_script
+
+
+def test_uneven_rows_probe_smoke(tmp_path):
+    run_bench_script(
+        "probe_uneven_rows.py",
+        *("--out", str(tmp_path), "--device", "cpu", "--quick", "--experts", "16", "--tokens", "64"),
+        *("--hidden-size", "256"),
+        timeout=300,
+    )
+    rows = {r["case"]: r for r in json.loads((tmp_path / "uneven_rows.json").read_text())["rows"]}
+    assert set(rows) == {"routed", "routed_halves", "equal", "equal_halves"}
+    assert rows["routed"]["rows_per_expert"] == 64 * 8 / 16  # 64 tokens, top-8, 16 experts
+    assert rows["routed_halves"]["rows_per_expert"] == rows["routed"]["rows_per_expert"] / 2
+    for case in ("equal", "equal_halves"):
+        assert rows[case]["max_over_mean"] == 1.0
+    # 32 rows per expert fill a quarter of a 128-row tile: three quarters padding; halves, 16 rows: 7/8.
+    assert rows["equal"]["tile_waste"] == 3.0
+    assert rows["equal_halves"]["tile_waste"] == 7.0
+    assert rows["routed"]["max_over_mean"] >= 1.0
+    assert all(r["t_us"] > 0 for r in rows.values())
+    assert {"ratio_vs_whole"} <= set(rows["routed_halves"]) and "ratio_vs_whole" not in rows["routed"]
