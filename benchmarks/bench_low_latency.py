@@ -47,6 +47,7 @@ from bench_foundation import _fmt
 from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig, get_preset
 from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.env import triton_interpreting
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import Stamps, line_up, time_fn, time_layer, time_raw_all_to_all
@@ -305,7 +306,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=["triton", "torch"],
         choices=["triton", "torch"],
-        help="low_latency kernel paths (triton: fused kernels, CUDA only; torch: the reference chain)",
+        help="low_latency kernel paths (triton: fused kernels, CUDA or TRITON_INTERPRET=1; torch: the reference chain)",
     )
     p.add_argument(
         "--transports",
@@ -376,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": default_dtype_name(device),
         }
         pool = RankPool(p, device)
-        # Paths that cannot run here are left out, not failed: no Triton kernels on CPU, no peer at EP 1.
-        kernels = [k for k in args.kernels if device == "cuda" or k == "torch"] or ["torch"]
+        # Paths that cannot run here are left out, not failed: no Triton kernels on CPU (unless Triton's
+        # interpreter runs them, TRITON_INTERPRET=1: a smoke run), no peer at EP 1.
+        kernels = [k for k in args.kernels if device == "cuda" or k == "torch" or triton_interpreting()] or ["torch"]
         paths = [
             (k, t)
             for k in kernels

@@ -74,3 +74,19 @@ def test_cpu_smoke_writes_result_file(tmp_path):
         assert row["dispatch_bytes_sent"] == row["tokens_per_rank"] * row_bytes
         assert row["combine_bytes_sent"] == row["tokens_per_rank"] * 128 * 4
         assert row["dispatch_overhead"] > 0 and row["combine_overhead"] > 0
+
+
+def test_cpu_smoke_index_graph_settings(tmp_path):
+    """``--index-graphs on fixed_rows off`` (fused kernels under Triton's interpreter): one eager row
+    per setting, each saying how it ran."""
+    run_bench_script(
+        *("bench_low_latency.py", "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny"),
+        *("--hidden-size", "128", "--experts-per-gpu", "4", "--quick", "--ranks", "2", "--tokens", "4"),
+        *("--kernels", "triton", "--transports", "nccl", "--fp8", "off", "--baselines"),
+        *("--index-graphs", "on", "fixed_rows", "off"),
+        timeout=300,
+    )
+    rows = json.loads((tmp_path / "low_latency.json").read_text())["rows"]
+    settings = [(r["kernels"], r["index_graphs"], r.get("fixed_expert_rows", False)) for r in rows]
+    assert settings == [("triton", True, False), ("triton", True, True), ("triton", False, False)], settings
+    assert all("error" not in r and r["t_dispatch_us"] > 0 for r in rows), rows
