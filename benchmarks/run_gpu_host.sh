@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # low_latency's eager host time at decode size, on every visible GPU (one rank each), from the repo
 # root:  bash benchmarks/run_gpu_host.sh
-# Writes "${OUT:-out}/host_breakdown_$TAG.txt" and "host_breakdown_fixed_rows_$TAG.txt" (host µs of
-# each step inside the four dispatcher calls, without and with fixed_expert_rows), "host_profile_$TAG.txt"
-# (cProfile with fixed_expert_rows, top functions by own time) and "low_latency_host_$TAG.json" (the
-# eager layer's phases with index graphs on, with fixed_expert_rows and off, against the same phases
-# replayed from CUDA graphs). TOKENS (default 128) and TRANSPORT (default symm_mem from two GPUs,
-# nccl on one) pick the rows; ROUNDS (default 2) repeats everything, files suffixed by round, since
-# host time drifts over minutes on one machine.
+# Per round (ROUNDS, default 2, since host time drifts over minutes on one machine), in "${OUT:-out}":
+# host_breakdown_${TAG}_N.txt and host_breakdown_fixed_rows_${TAG}_N.txt (host µs of each step
+# inside the four dispatcher calls, without and with fixed_expert_rows) and
+# low_latency_host_${TAG}_N.json (the eager layer's phases with index graphs on, with
+# fixed_expert_rows and off, against the same phases replayed from CUDA graphs). Once:
+# host_profile_$TAG.txt (cProfile with fixed_expert_rows) and host_pieces_$TAG.txt (each building
+# block's host time alone, the staging's one word copy beside its converting copies among them).
+# TOKENS (default 128) and TRANSPORT (default symm_mem from two GPUs, nccl on one) pick the rows.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 TOKENS="${TOKENS:-128}"
@@ -29,3 +30,6 @@ done
 # shellcheck disable=SC2086
 "$PYTHON" benchmarks/probe_host_time.py --tokens $TOKENS --transport "$TRANSPORT" --iters 50 --top 25 \
   --fixed-expert-rows --out "$OUT_DIR/host_profile_$TAG.txt" > /dev/null
+# shellcheck disable=SC2086
+"$PYTHON" benchmarks/probe_host_time.py --pieces --tokens $TOKENS 4096 --transport "$TRANSPORT" --iters 200 \
+  --out "$OUT_DIR/host_pieces_$TAG.txt" | grep -i "stage\|copies\|replay\|check"
