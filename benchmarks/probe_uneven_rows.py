@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from moe_sbo.config import get_preset
+from moe_sbo.dispatch.layout import group_rows_by_expert
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import KernelTimer
@@ -37,11 +38,13 @@ TILE_ROWS = 128
 
 
 def routed_rows(layer: MoELayer, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_RH: each token's row once per chosen expert, grouped by expert; counts_L)."""
-    ids_TK = layer.router(x_TH).topk_ids_TK
-    order_R = ids_TK.flatten().argsort(stable=True)
-    x_RH = x_TH.repeat_interleave(ids_TK.shape[1], dim=0)[order_R]
-    return x_RH, torch.bincount(ids_TK.flatten(), minlength=layer.cfg.num_experts)
+    """(x_RH: each token's row once per chosen expert, grouped by expert; counts_L), laid out as the
+    ``local`` dispatcher lays them out (every expert is on this GPU)."""
+    topk = layer.router(x_TH)
+    layout = group_rows_by_expert(
+        topk.topk_ids_TK, topk.topk_weights_TK, layer.cfg.num_experts, num_pairs=topk.topk_ids_TK.numel()
+    )
+    return x_TH[layout.row_R], layout.num_rows_per_expert_L
 
 
 def equal_counts(num_rows: int, num_experts: int, device: torch.device) -> torch.Tensor:

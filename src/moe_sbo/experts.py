@@ -11,7 +11,6 @@ Weights use the Hugging Face layout: ``gate_up_proj [L, 2I, H]`` (gate rows firs
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -31,6 +30,7 @@ from .fp8 import (
     sizes_off_blocks,
 )
 from .profiling import annotate
+from .streams import compute_capability
 
 try:
     from . import fp8_kernels, gemv_kernels
@@ -50,17 +50,12 @@ SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 GEMV_MAX_ROWS = 256
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs for tensors like ``x`` on this build and device."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and _capability(x.device) >= (9, 0)
+        return x.dtype == torch.bfloat16 and compute_capability(x.device) >= (9, 0)
     return x.device.type == "cpu"
 
 
@@ -228,10 +223,10 @@ class RoutedExperts(nn.Module):
             return "torch"
         if fp8_kernels is None:
             raise RuntimeError("FP8 experts on CUDA need Triton; pip install triton")
-        if _capability(device) < (8, 9):
+        major, minor = compute_capability(device)
+        if (major, minor) < (8, 9):
             raise RuntimeError(
-                f"FP8 experts need FP8 tensor cores (sm89 or newer), got sm{''.join(map(str, _capability(device)))}"
-                "; use expert_dtype=None"
+                f"FP8 experts need FP8 tensor cores (sm89 or newer), got sm{major}{minor}; use expert_dtype=None"
             )
         blockwise = scaled_mm_blockwise_supported(device)
         if self.kernels == "scaled_mm":

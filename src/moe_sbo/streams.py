@@ -24,6 +24,12 @@ import torch
 
 
 @functools.cache
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA ``device`` (asked on hot paths: the device query once per device)."""
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (0 on CPU)."""
     if device.type != "cuda":

@@ -20,7 +20,6 @@ mask is the reference path.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from ..profiling import annotate
+from ..streams import compute_capability
 
 
 @dataclass(frozen=True)
@@ -246,12 +246,7 @@ def _merge_measured(device: torch.device, head_dim: int) -> bool:
     if device.type != "cuda":
         return True
     cudnn_takes = head_dim <= 128 and head_dim % 8 == 0
-    return cudnn_takes and torch.backends.cuda.cudnn_sdp_enabled() and _capability(device.index)[0] == 9
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return cudnn_takes and torch.backends.cuda.cudnn_sdp_enabled() and compute_capability(device)[0] == 9
 
 
 def _attention_with_lse(q_NYD, k_AWD, v_AWD, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
