@@ -126,6 +126,9 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
         inp = DispatchInput(x, ids, weights)
         key = (device, x.dtype, cfg.hidden_size, cfg.num_experts_per_tok)
         staged = d._graphs[key][0]  # index_graphs: set 0's staging and graphs, captured by the forward above
+        expert_x, _ = ll_kernels.expert_rows(d.num_slots * fmt.top_k, fmt, False, device)
+        rows = (staged.layout.addresses.offset_of(expert_x),) * 2
+        y, out = torch.zeros_like(expert_x), torch.empty_like(x)
         cases = {
             "triton empty kernel (5 args, 2 constexpr)": lambda: _empty_kernel[(1,)](small, small, 1, 2, 3, N=4, M=8),
             "torch.empty": lambda: torch.empty(tokens, 2, dtype=torch.int64, device=device),
@@ -140,11 +143,18 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
             "expert_layout": lambda: kernels.expert_layout(recv, fmt, d.ep.rank, d.num_local_experts),
             "gather_rows": lambda: ll_kernels.gather_rows(bufs.dispatch_recv_SB, fixed, fmt),
             "router": lambda: layer.router(x),
-            "index_graphs: stage x, ids, weights": lambda: staged.staging.stage(x, ids, weights),
-            "the same, int32 ids (converting copies)": lambda: staged.staging.stage(x, ids32, weights),
-            "the same as three slices and copies": lambda: _three_copies(staged.staging, x, ids, weights),
-            "index_graphs: pack replay": staged.pack,
-            "index_graphs: layout replay (+ barrier)": staged.layout,
+            "index_graphs: inputs read in place (checks)": lambda: staged.staging.inputs(x, ids, weights),
+            "the same, int32 ids (one converting copy)": lambda: staged.staging.inputs(x, ids32, weights),
+            "index_graphs: pack (table write + replay)": lambda: staged.pack(
+                tokens, *(staged.pack.addresses.offset_of(t) for t in (x, ids, weights))
+            ),
+            "index_graphs: layout (table write + replay, + barrier)": lambda: staged.layout(*rows),
+            "index_graphs: combine (table write + replay)": lambda: staged.combine(
+                staged.combine.addresses.offset_of(y)
+            ),
+            "index_graphs: combine_end (table write + replay, + barrier)": lambda: staged.combine_end(
+                tokens, staged.combine_end.addresses.offset_of(out)
+            ),
             "CUDAGraph.replay, empty graph": _empty_graph(device),
         }
         if bufs.dispatch_barrier is not None:
@@ -159,14 +169,6 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
             out.append(f"{name:45s} {statistics.median(times):8.1f} µs")
         torch.cuda.synchronize()
     return f"-- host µs per call, {tokens} tokens, {transport}, EP{dist.get_world_size()}\n" + "\n".join(out)
-
-
-def _three_copies(staging, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
-    """What ``Staging.stage`` did before it kept its views and made one ``_foreach_copy_`` call."""
-    num_tokens = x_TH.shape[0]
-    staging.x_CH[:num_tokens].copy_(x_TH)
-    staging.ids_CK[:num_tokens].copy_(ids_TK)
-    staging.weights_CK[:num_tokens].copy_(weights_TK)
 
 
 def _empty_graph(device: torch.device):
@@ -219,7 +221,7 @@ def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int
     """Mean host µs per call of each step inside the four dispatcher calls (``host_breakdown``'s
     wrappers, inclusive of what each calls), ranks lined up before every forward: where a phase's
     host time goes, without a profiler's overhead."""
-    from moe_sbo.dispatch import ll_graphs, low_latency
+    from moe_sbo.dispatch import ll_addresses, ll_graphs, low_latency
     from moe_sbo.dispatch.base import Dispatcher
     from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
     from moe_sbo.hooks import HookRegistry
@@ -232,17 +234,21 @@ def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int
         (LowLatencyDispatcher, "_launch_dispatch"),
         (LowLatencyDispatcher, "buffers"),
         (LowLatencyDispatcher, "_pack_staged"),
-        (ll_graphs.Staging, "stage"),
+        (ll_graphs.Staging, "inputs"),
+        (ll_addresses.CallerAddresses, "write"),
         (ll_graphs.PieceGraph, "__call__"),
         (torch.cuda.CUDAGraph, "replay"),
         (low_latency, "start_exchange"),
         (Dispatcher, "dispatch_wait"),
         (LowLatencyDispatcher, "_wait_dispatch"),
         (LowLatencyDispatcher, "_layout_staged"),
+        (low_latency.ll_kernels, "expert_rows"),
         (low_latency.ll_kernels, "gather_rows"),
         (Dispatcher, "combine_launch"),
+        (LowLatencyDispatcher, "_combine_staged"),
         (low_latency.ll_kernels, "reduce_pairs"),
         (Dispatcher, "combine_wait"),
+        (LowLatencyDispatcher, "_sum_staged"),
         (low_latency, "gather_sum"),
     ]
     with torch.inference_mode():

@@ -272,9 +272,53 @@ def _index_graphs_rank(device, transport, capacity):
             equal.append(torch.equal(layers[True](x), layers[False](x)))
     rounds = next(iter(layers[True].dispatcher._graphs.values()))
     captured = all(
-        r.pack is not None and r.pack.captured and r.layout is not None and r.layout.captured for r in rounds
+        piece is not None and piece.captured for r in rounds for piece in (r.pack, r.layout, r.combine, r.combine_end)
     )
     return equal, captured
+
+
+def _host_ahead_rank(device, transport):
+    """The host queues eight eager forwards while the GPU is held back (a sleeping kernel), so it
+    writes each buffer set's address tables again before the device has read the last ones: the
+    tables must make it wait (``ll_addresses``), and every y must equal the direct launches'."""
+    cfg = _config("tiny")
+    rank = dist.get_rank()
+    layers = {
+        flag: MoELayer(
+            cfg,
+            dispatcher="low_latency",
+            device=device,
+            seed=2,
+            dispatcher_options={
+                "max_tokens_per_rank": 64,
+                "kernels": "triton",
+                "transport": transport,
+                "index_graphs": flag,
+            },
+        )
+        for flag in (True, False)
+    }
+    generator = torch.Generator(device=device).manual_seed(400 + rank)
+    xs = [
+        torch.randn(n, cfg.hidden_size, generator=generator, device=device).bfloat16()
+        for n in (64, 9, 33, 64, 1, 50, 64, 17)
+    ]
+    with torch.inference_mode():
+        for layer in layers.values():  # capture every piece first
+            layer(xs[0]), layer(xs[1])
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the host gets far ahead
+        ys = [layers[True](x) for x in xs]
+        expected = [layers[False](x) for x in xs]
+    return [torch.equal(a, b) for a, b in zip(ys, expected)]
+
+
+@pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
+def test_index_graphs_with_the_host_far_ahead_of_the_gpu(transport):
+    with _ranks() as ranks:
+        for equal in ranks.run(_host_ahead_rank, transport):
+            assert all(equal), equal
 
 
 @pytest.mark.parametrize("transport", FUSED_TRANSPORTS)

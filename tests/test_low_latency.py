@@ -330,9 +330,10 @@ def _rounds_rank(device):
 
 
 def _staged_rank(device):
-    """The fused kernels through ``index_graphs``' staging against the same kernels launched per
-    forward: token counts that shrink and grow across the two buffer sets (the -1 tail of the staged
-    ids is rewritten only when T shrinks), two rounds in flight, and the local reference."""
+    """The fused kernels through ``index_graphs``' pieces (reading the caller's tensors through
+    their address tables) against the same kernels launched per forward: token counts that shrink
+    and grow across the two buffer sets, two rounds in flight (each y still its own after the
+    other's combine), and the local reference."""
     cfg = get_preset("tiny")
     rank = dist.get_rank()
     ref = MoELayer(cfg, dtype=torch.float32, seed=11)
@@ -391,25 +392,52 @@ def test_staging_kept_from_inference_mode_is_written_under_no_grad():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the staged path runs the fused kernels")
-def test_staging_converts_inputs_it_cannot_copy_as_bytes():
-    """The staging copies the router's dtypes (int64 ids, float32 weights, contiguous) as bytes;
-    int32 ids, float64 weights and a strided x take the converting copies, with the same result."""
+def test_graphs_convert_what_they_cannot_read_in_place():
+    """The graphs read the router's dtypes (int64 ids, float32 weights) and the experts' output in
+    place when contiguous and 16-byte aligned; int32 ids, float64 weights, a strided or misaligned
+    x, and a strided or float64 expert output are converted first, with the same result."""
     cfg = get_preset("tiny")
     staged, direct = (_ll(cfg, 8, kernels="triton", index_graphs=flag) for flag in (True, False))
     x_TH = torch.randn(cfg.hidden_size, 7).t()  # [T, H] with column stride T: not contiguous
+    misaligned_TH = torch.randn(7 * cfg.hidden_size + 1)[1:].view(7, cfg.hidden_size)  # 4 bytes off
     with torch.inference_mode():
         topk = staged.router(x_TH)
+        ids, weights = topk.topk_ids_TK, topk.topk_weights_TK
         inputs = [
-            (x_TH.contiguous(), topk.topk_ids_TK, topk.topk_weights_TK),  # the byte copy
-            (x_TH, topk.topk_ids_TK.int(), topk.topk_weights_TK.double()),  # converted
+            (x_TH.contiguous(), ids, weights, lambda y: y),  # every tensor read in place
+            (x_TH, ids.int(), weights.double(), lambda y: y.double()),
+            (misaligned_TH.copy_(x_TH), ids, weights, lambda y: y.t().contiguous().t()),  # strided y
         ]
-        for x, ids, weights in inputs * 2:  # each buffer set sees both
+        for x, ids_, weights_, expert_output in inputs * 2:  # each buffer set sees each
             ys = []
             for layer in (staged, direct):
-                recv = layer.dispatcher.dispatch(x, ids, weights)
+                recv = layer.dispatcher.dispatch(x, ids_, weights_)
                 y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
-                ys.append(layer.dispatcher.combine(y_RH, recv.handle))
+                ys.append(layer.dispatcher.combine(expert_output(y_RH), recv.handle))
             torch.testing.assert_close(ys[0], ys[1], atol=0, rtol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the staged path runs the fused kernels")
+def test_fixed_expert_rows_are_kept_per_buffer_set():
+    """``fixed_expert_rows``: each buffer set gathers into rows of its own, which the set's next
+    round reuses; without it every forward's rows are new (so a caller may keep them)."""
+    cfg = get_preset("tiny")
+    x = torch.randn(6, cfg.hidden_size)
+    pointers = {}
+    with torch.inference_mode():
+        for fixed in (True, False):
+            layer = _ll(cfg, 8, kernels="triton", fixed_expert_rows=fixed)
+            topk = layer.router(x)
+            recvs = []
+            for _ in range(3):  # sets 0, 1, 0
+                recvs.append(layer.dispatcher.dispatch(x, topk.topk_ids_TK, topk.topk_weights_TK))
+                layer.dispatcher.combine(
+                    layer.experts(recvs[-1].expert_x_RH, recvs[-1].num_rows_per_expert_L), recvs[-1].handle
+                )
+            pointers[fixed] = [r.expert_x_RH.data_ptr() for r in recvs]
+    first, second, third = pointers[True]
+    assert first != second and third == first
+    assert len(set(pointers[False])) == 3
 
 
 def test_a_deleted_layer_frees_its_buffers_without_garbage_collection():
@@ -437,13 +465,16 @@ def test_two_rounds_in_flight_and_a_third_is_refused(ranks2):
         assert "this dispatch's buffers were taken by a later one: 2 dispatches started after it" in message
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "kernels, fixed_rows", [("torch", False), ("triton", False), pytest.param("triton", True, id="triton-fixed_rows")]
+)
 @pytest.mark.parametrize("fp8", [False, True])
-def test_buffer_bytes_is_what_the_buffers_take(fp8, kernels):
+def test_buffer_bytes_is_what_the_buffers_take(fp8, kernels, fixed_rows):
     """The stated memory formula against the buffers two forwards allocate (one rank; the fused
-    kernels' path adds each buffer set's staging for the index graphs)."""
+    kernels' path adds each buffer set's staging for the index graphs, and with
+    ``fixed_expert_rows`` each set's expert rows)."""
     cfg = get_preset("tiny").replace(hidden_size=256)
-    layer = _ll(cfg, 24, fp8=fp8, kernels=kernels)
+    layer = _ll(cfg, 24, fp8=fp8, kernels=kernels, **({"fixed_expert_rows": True} if fixed_rows else {}))
     with torch.inference_mode():
         for _ in range(2):  # one per buffer set
             layer(torch.randn(5, cfg.hidden_size))
@@ -457,7 +488,9 @@ def test_buffer_bytes_is_what_the_buffers_take(fp8, kernels):
     staging = [s for s in (g.staging for g in d._graphs[key]) if s is not None]
     assert len(staging) == (2 if kernels == "triton" else 0)
     staged = [t for s in staging for t in (s.x_CH, s.ids_CK, s.weights_CK, s.slot_CP)]
-    allocated = sum(t.numel() * t.element_size() for t in buffers + staged)
+    rows = [t for g in d._graphs[key] if g.expert_rows is not None for t in g.expert_rows if t is not None]
+    assert len(rows) == (2 if fixed_rows else 0)
+    allocated = sum(t.numel() * t.element_size() for t in buffers + staged + rows)
     assert allocated == d.buffer_bytes(*key[1:], device="cpu")
 
 

@@ -10,22 +10,30 @@ ten launches each; on an H200 host a Triton launch costs 20-30 µs and a small t
 the host spent ~470 µs in ``dispatch_launch`` and ~350 µs in ``dispatch_wait`` at 4096 tokens while
 the GPU needed less. Replaying a captured graph of the same kernels is one call.
 
-What is graphed, and what is not:
+What is graphed: every kernel of both phases, in four pieces per buffer set. The caller's tensors
+(x, ids and weights in; the expert rows out; the experts' output in; y out) are new each forward, so
+the pieces read their addresses, and the token count T, from a small table the host writes before
+each replay (``ll_addresses.CallerAddresses``: plain stores into pinned memory, fetched by the
+piece's first kernel), not from the capture:
 
-- ``pack``: the send plan and row copy, from fixed staging buffers (x [C, H], ids [C, K] with -1 past
-  the real T tokens, weights [C, K]) into the round's send or peer buffers, and with symmetric memory
-  the transfer's start (``copy_engine``'s peer copies); ``slot_CP`` [C, P] is kept per buffer set for
-  combine. One graph serves every T <= C: padding tokens (ids -1) go nowhere, so the kernels do the
-  work of T tokens plus a skip per pad row.
+- ``pack``: the staging of the forward's x, ids and weights into fixed buffers (x [C, H], ids [C, K]
+  with -1 past the real T tokens, weights [C, K]), the send plan and row copy into the round's send
+  or peer buffers, and with symmetric memory the transfer's start (``copy_engine``'s peer copies);
+  ``slot_CP`` [C, P] is kept per buffer set for combine. One graph serves every T <= C: padding
+  tokens (ids -1) go nowhere, so the kernels do the work of T tokens plus a skip per pad row.
 - ``layout``: with symmetric memory the transfer's end (the barrier), then the receiver's
-  expert-major layout of the round's receive buffer (a fixed address); with ``fixed_expert_rows``
-  the gather of the expert rows too, into the graph's fixed output (valid until the set's next
-  round, as DeepEP's low-latency receive buffers are; S * K rows of H kept per set).
-- Not graphed: an NCCL transfer (one collective call each way), and the kernels whose inputs or
-  outputs are the caller's tensors (``gather_rows`` allocates the expert rows unless they are fixed,
-  ``reduce_pairs`` reads the experts' output, ``gather_sum`` allocates y), one launch each. Keeping
-  them out keeps every tensor the caller holds its own (no later replay overwrites it), at no extra
-  memory; combine is then three calls (two launches and the transfer) and needs no graph.
+  expert-major layout of the round's receive buffer (a fixed address) and the gather of the expert
+  rows into the tensor the host allocated for this forward (``fixed_expert_rows``: into one kept per
+  set, valid until the set's next round, as DeepEP's low-latency receive buffers are).
+- ``combine``: each slot's weighted sum of the experts' output into the blocks, and with symmetric
+  memory the transfer's start.
+- ``combine_end``: with symmetric memory the transfer's end, then each token's returned rows summed
+  into the y the host allocated for this forward.
+- Not graphed: an NCCL transfer (one collective call each way).
+
+So what the caller holds stays its own (no later replay overwrites a tensor handed out, unless
+``fixed_expert_rows`` says so), and an eager phase costs the host one or two replays, a table write
+and an allocation.
 
 The hard part is that a graph bakes in addresses and sizes. Every graphed input lives in buffers that
 belong to one buffer set (round), allocated once, and every shape is fixed by C; the graphs of round n
@@ -41,35 +49,31 @@ Triton interpreter) the same staged path runs without capture, which is what the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..streams import capture_graph
+from .ll_addresses import CallerAddresses, aligned
 
 
 @dataclass
 class Staging:
     """One buffer set's fixed inputs and outputs of the ``pack`` graph (C tokens, P ranks).
 
-    The inputs are kept in the router's dtypes (int64 ids, float32 weights) so that one forward's
-    three tensors, viewed as 4-byte words, are copied in by one ``_foreach_copy_`` of a single
-    dtype: on CUDA one fused launch, where three dtypes take three copy launches (the host's cost,
-    which an eager decode step waits on). Inputs of other dtypes, or strided ones, take those three
-    converting copies.
-
-    ``padded_from``: the first row of ``ids_CK`` known to hold -1 (host state, so the -1 tail is
-    only rewritten when T shrinks). ``views``: rows 0..T-1 of the three inputs and of ``slot_CP``,
-    and the inputs' word views, for the last T staged
-    (making them costs the host more than the copies' own call, and a decode loop stages one T)."""
+    The ``pack`` graph's first kernels copy a forward's x, ids and weights in, from the addresses
+    the host writes before the replay (``ll_addresses``): no launch of the host's own. Inputs the
+    kernels cannot read in place (another dtype than x's own, int64 ids and float32 weights, which
+    the router gives; strided; not 16-byte aligned) are converted first, one torch copy each.
+    ``slot_views``: ``slot_CP``'s first T rows for the last T (a view per forward costs the host a
+    few microseconds, and a decode loop stages one T)."""
 
     x_CH: torch.Tensor
     ids_CK: torch.Tensor
     weights_CK: torch.Tensor
     slot_CP: torch.Tensor
-    padded_from: int = 0
-    views: tuple[int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = (-1, (), ())
+    slot_views: tuple[int, torch.Tensor | None] = (-1, None)
 
     @classmethod
     def allocate(cls, capacity: int, hidden: int, top_k: int, num_ranks: int, dtype: torch.dtype, device) -> Staging:
@@ -81,41 +85,37 @@ class Staging:
                 slot_CP=torch.zeros(capacity, num_ranks, dtype=torch.int64, device=device),
             )
 
-    def stage(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        """Copy one forward's T tokens in; rows T..C-1 get ids -1 (one call, and a fill when T
-        shrank; no sync) -> ``slot_CP``'s first T rows, [T, P]."""
-        num_tokens = x_TH.shape[0]
-        if self.views[0] != num_tokens:
-            rows = (self.x_CH, self.ids_CK, self.weights_CK, self.slot_CP)
-            with torch.inference_mode(False):  # a dtype view made in inference mode could not be written outside it
-                views = tuple(t[:num_tokens] for t in rows)
-                self.views = (num_tokens, views, _words(views[:3]))
-        x_view, ids_view, weights_view, slot_TP = self.views[1]
-        sources: tuple[torch.Tensor, ...] = ()
-        if self.views[2] and (x_TH.dtype, ids_TK.dtype, weights_TK.dtype) == (x_view.dtype, torch.int64, torch.float32):
-            sources = _words((x_TH, ids_TK, weights_TK))
-        if sources:
-            torch._foreach_copy_(self.views[2], sources)
-        else:
-            torch._foreach_copy_((x_view, ids_view, weights_view), (x_TH, ids_TK, weights_TK))
-        if num_tokens < self.padded_from:
-            self.ids_CK[num_tokens : self.padded_from].fill_(-1)
-        self.padded_from = num_tokens
-        return slot_TP
+    def inputs(
+        self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three inputs as the ``pack`` graph reads them: the caller's own tensors, or converted
+        copies (which the caller must hold until the replay is queued)."""
+        # Spelled out: called on every staged forward, where the host's time counts.
+        if not aligned(x_TH, self.x_CH.dtype):
+            x_TH = _copied(x_TH, self.x_CH.dtype)
+        if not aligned(ids_TK, torch.int64):
+            ids_TK = _copied(ids_TK, torch.int64)
+        if not aligned(weights_TK, torch.float32):
+            weights_TK = _copied(weights_TK, torch.float32)
+        return x_TH, ids_TK, weights_TK
+
+    def slot_TP(self, num_tokens: int) -> torch.Tensor:
+        """``slot_CP``'s first T rows, [T, P]: where each token's rows went, for combine."""
+        if self.slot_views[0] != num_tokens:
+            with torch.inference_mode(False):  # a view made in inference mode could not be written outside it
+                self.slot_views = (num_tokens, self.slot_CP[:num_tokens])
+        view = self.slot_views[1]
+        assert view is not None
+        return view
 
     @staticmethod
     def bytes(capacity: int, hidden: int, top_k: int, num_ranks: int, elem: int) -> int:
         return capacity * (hidden * elem + top_k * (8 + 4) + num_ranks * 8)
 
 
-def _words(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """``tensors`` viewed as int32 words, or () if one is strided. Every row is whole words: x rows
-    are a multiple of 16 bytes (the fused kernels' check, before any staging), ids int64, weights
-    float32."""
-    x, ids, weights = tensors  # spelled out: called on every staged forward, where the host's time counts
-    if not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()):
-        return ()
-    return x.view(torch.int32), ids.view(torch.int32), weights.view(torch.int32)
+def _copied(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh contiguous copy in ``dtype`` (so 16-byte aligned, as every new allocation is)."""
+    return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 class PieceGraph:
@@ -124,19 +124,30 @@ class PieceGraph:
     keep a deleted layer's buffers alive until the next garbage collection). The first call runs it
     eagerly and then captures it (``capture``: CUDA only); every later call replays the capture and
     returns the captured outputs, which each replay overwrites. Without ``capture`` every call runs
-    ``fn``."""
+    ``fn``. With ``addresses``, each call's ``values`` are written into them first and ``fn`` is
+    preceded by their fetch (``ll_addresses``), so the piece's kernels read the caller's tensors."""
 
-    def __init__(self, fn: Callable[[], Any], capture: bool):
+    def __init__(self, fn: Callable[[], Any], capture: bool, addresses: CallerAddresses | None = None):
+        if addresses is not None:  # the piece's first kernel fetches the values each call writes
+            body = fn
+
+            def fn() -> Any:
+                addresses.fetch()
+                return body()
+
         self._fn = fn
         self._capture = capture
         self._graph: torch.cuda.CUDAGraph | None = None
         self._outputs: Any = None
+        self.addresses = addresses
 
     @property
     def captured(self) -> bool:
         return self._graph is not None
 
-    def __call__(self) -> Any:
+    def __call__(self, *values: int) -> Any:
+        if self.addresses is not None:
+            self.addresses.write(*values)
         if self._graph is not None:
             self._graph.replay()
             return self._outputs
@@ -158,3 +169,16 @@ class RoundGraphs:
     start_transfer: Callable[[], list] | None = None
     layout: PieceGraph | None = None
     layout_keeps_fp8: bool = False  # the ``deliver_fp8`` the layout graph's gather was built for
+    latest: LatestLayout = field(default_factory=lambda: LatestLayout())
+    expert_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # with ``fixed_expert_rows``
+    combine: PieceGraph | None = None
+    combine_end: PieceGraph | None = None
+
+
+@dataclass
+class LatestLayout:
+    """The receiver's layout from the set's last ``layout`` call, which the ``combine`` piece reads
+    when it runs (a captured layout's outputs are the same tensors every replay; on CPU each call
+    makes new ones). A holder of its own, so the piece's closure does not hold ``RoundGraphs``."""
+
+    fixed: Any = None

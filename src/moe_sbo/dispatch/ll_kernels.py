@@ -49,8 +49,9 @@ from ..fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX
 from ..fp8_kernels import quantize_slice
 from ..lanes import lanes
 from .layout import ExpertLayout
+from .ll_addresses import CallerAddresses
 from .ll_wire import RowFormat
-from .reduce import block_h_for
+from .reduce import block_h_for, gather_sum_kernel
 
 # The wire format's constants, as compile-time constants of the kernels.
 GROUP_V = tl.constexpr(FP8_GROUP)
@@ -374,14 +375,20 @@ def _gather_rows_kernel(
     num_real_ptr,
     out_ptr,
     scales_ptr,
+    anchor_ptr,
+    table_ptr,
     HIDDEN: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     SCALES_OFFSET: tl.constexpr,
     FP8: tl.constexpr,
     KEEP_FP8: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ADDRESSED: tl.constexpr,
 ):
     i = tl.program_id(0)
+    if ADDRESSED:  # a replayed graph: the outputs' addresses from the table (out_ptr, scales_ptr: dtypes)
+        out_ptr = (anchor_ptr + tl.load(table_ptr) * 16).to(out_ptr.dtype)
+        scales_ptr = (anchor_ptr + tl.load(table_ptr + 1) * 16).to(scales_ptr.dtype)
     if i < tl.load(num_real_ptr):
         src_row = recv_ptr + tl.load(row_ptr + i) * ROW_BYTES
         out_row = out_ptr + i.to(tl.int64) * HIDDEN
@@ -415,28 +422,50 @@ def _gather_rows_kernel(
                 tl.store(out_row + h, tl.load(src_row.to(out_ptr.dtype) + h, mask=h < HIDDEN), mask=h < HIDDEN)
 
 
+def expert_rows(num_rows: int, fmt: RowFormat, keep_fp8: bool, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Uninitialised outputs of ``gather_rows``: ``[R, H]`` rows in the activation dtype, or e4m3 rows
+    and their float32 ``[R, H/128]`` scales (``keep_fp8`` and fp8 rows)."""
+    keep_fp8 = keep_fp8 and fmt.fp8
+    out_RH = torch.empty(num_rows, fmt.hidden, dtype=FP8_DTYPE if keep_fp8 else fmt.dtype, device=device)
+    scales_RQ = torch.empty(num_rows, fmt.hidden // FP8_GROUP, device=device) if keep_fp8 else None
+    return out_RH, scales_RQ
+
+
 def gather_rows(
-    recv_SB: torch.Tensor, fixed: KernelLayout, fmt: RowFormat, keep_fp8: bool = False
+    recv_SB: torch.Tensor,
+    fixed: KernelLayout,
+    fmt: RowFormat,
+    keep_fp8: bool = False,
+    addresses: CallerAddresses | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[R, H]`` expert inputs in expert order, and None; or, with ``keep_fp8`` and fp8 rows, the
-    e4m3 ``[R, H]`` values and their float32 ``[R, H/128]`` scales. Rows past the real count are left
-    unwritten."""
+    e4m3 ``[R, H]`` values and their float32 ``[R, H/128]`` scales. Rows past the real count are
+    left unwritten.
+
+    ``addresses`` (inside a graph): write instead into the rows and scales whose addresses the
+    table holds (``expert_rows``' outputs, made per forward); the tensors returned then only stand
+    for their dtypes."""
     num_rows = fixed.layout.row_R.shape[0]
     keep_fp8 = keep_fp8 and fmt.fp8
-    out_RH = torch.empty(num_rows, fmt.hidden, dtype=FP8_DTYPE if keep_fp8 else fmt.dtype, device=recv_SB.device)
-    scales_RQ = torch.empty(num_rows, fmt.hidden // FP8_GROUP, device=recv_SB.device) if keep_fp8 else None
+    if addresses is None:
+        out_RH, scales_RQ = expert_rows(num_rows, fmt, keep_fp8, recv_SB.device)
+    else:  # dtype witnesses: one element each
+        out_RH, scales_RQ = expert_rows(1, fmt, keep_fp8, recv_SB.device)
     _gather_rows_kernel[(num_rows,)](
         recv_SB,
         fixed.layout.row_R,
         fixed.num_real_1,
         out_RH,
         out_RH if scales_RQ is None else scales_RQ,
+        recv_SB if addresses is None else addresses.anchor,
+        recv_SB if addresses is None else addresses.table,
         HIDDEN=fmt.hidden,
         ROW_BYTES=fmt.row_bytes,
         SCALES_OFFSET=fmt.scales_offset,
         FP8=fmt.fp8,
         KEEP_FP8=keep_fp8,
         BLOCK_H=block_h_for_row(fmt.hidden, fmt.fp8),
+        ADDRESSED=addresses is not None,
     )
     return out_RH, scales_RQ
 
@@ -453,14 +482,18 @@ def _reduce_pairs_kernel(
     anchor_ptr,
     dst_ptr,
     capacity,
+    table_ptr,
     HIDDEN: tl.constexpr,
     TOP_K: tl.constexpr,
     K_P2: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     WEIGHTS_OFFSET: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ADDRESSED: tl.constexpr,
 ):
     s = tl.program_id(0)
+    if ADDRESSED:  # a replayed graph: the experts' output from the table (y_ptr: its dtype)
+        y_ptr = (anchor_ptr + tl.load(table_ptr) * 16).to(y_ptr.dtype)
     h0 = tl.program_id(1) * BLOCK_H
     offs_k = tl.arange(0, K_P2)
     num_real = tl.load(num_real_ptr)
@@ -486,12 +519,18 @@ def reduce_pairs(
     fmt: RowFormat,
     dst: Destinations,
     capacity: int,
+    addresses: CallerAddresses | None = None,
 ) -> None:
     """Each slot's weighted sum of its local experts' outputs, into row ``s % C`` of block
-    ``s // C`` of ``dst``. Slots with no local pair are not written (their sender never reads them)."""
+    ``s // C`` of ``dst``. Slots with no local pair are not written (their sender never reads them).
+
+    ``addresses`` (inside a graph): read the experts' output at the address the table holds, of
+    ``expert_y_RH``'s dtype and shape (``expert_y_RH`` itself is not read)."""
     num_slots, top_k = fixed.pair_row_SK.shape
     hidden = expert_y_RH.shape[1]
     block_h = block_h_for(hidden, lanes(top_k))
+    if addresses is not None and addresses.anchor.data_ptr() != dst.anchor.data_ptr():
+        raise ValueError("reduce_pairs reads the table's offsets from the destinations' anchor; build them alike")
     _reduce_pairs_kernel[(num_slots, triton.cdiv(hidden, block_h))](
         expert_y_RH,
         fixed.pair_row_SK,
@@ -500,10 +539,39 @@ def reduce_pairs(
         dst.anchor,
         dst.offsets_P,
         capacity,
+        dst.offsets_P if addresses is None else addresses.table,
         HIDDEN=hidden,
         TOP_K=top_k,
         K_P2=lanes(top_k),
         ROW_BYTES=fmt.row_bytes,
         WEIGHTS_OFFSET=fmt.weights_offset,
         BLOCK_H=block_h,
+        ADDRESSED=addresses is not None,
+    )
+
+
+def sum_returned(
+    recv_SH: torch.Tensor, slot_CP: torch.Tensor, out_like: torch.Tensor, addresses: CallerAddresses
+) -> None:
+    """Inside a graph: ``reduce.gather_sum(recv_SH, slot_CP[:T])`` (each token's P returned rows summed
+    in float32, the same kernel and so the same bits) into the [T, H] output of ``out_like``'s dtype
+    whose address and T the table holds; rows T..C-1 are not written."""
+    capacity, num_ranks = slot_CP.shape
+    num_src, hidden = recv_SH.shape
+    k_p2 = triton.next_power_of_2(num_ranks)
+    block_h = block_h_for(hidden, k_p2)
+    gather_sum_kernel[(capacity, triton.cdiv(hidden, block_h))](
+        recv_SH,
+        slot_CP,
+        recv_SH,
+        out_like,
+        num_src,
+        addresses.anchor,
+        addresses.table,
+        HIDDEN=hidden,
+        TOP_K=num_ranks,
+        K_P2=k_p2,
+        HAS_WEIGHT=False,
+        BLOCK_H=block_h,
+        ADDRESSED=True,
     )

@@ -63,6 +63,7 @@ from .base import (
     Traffic,
     register_dispatcher,
 )
+from .ll_addresses import CallerAddresses, aligned, stage_inputs
 from .ll_graphs import PieceGraph, RoundGraphs, Staging
 from .ll_reference import group_slots_by_expert, plan_send, reduce_pairs
 from .ll_transport import (
@@ -81,13 +82,15 @@ from .reduce import gather_sum, interpreting_triton
 @dataclass(frozen=True, kw_only=True)
 class LowLatencyHandle(DispatchHandle):
     """Adds the sender's ``slot_TP`` (for summing the P returned rows), the receiver's ``fixed``
-    layout, the row format, the buffer set and the round (``generation``) that owns it."""
+    layout, the row format, the buffer set and the round (``generation``) that owns it, and the
+    set's index graphs when the round went through them."""
 
     slot_TP: torch.Tensor
     fmt: RowFormat
     fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
     buffers: Buffers
     generation: int
+    graphs: RoundGraphs | None = None  # the round's pieces, when the staged path dispatched it
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,8 @@ class LowLatencyDispatcher(Dispatcher):
     ``index_graphs`` the staging of each set, ``num_buffers * C * (H * elem + 12K + 8P)`` bytes, and
     its graphs' index tensors (about ``num_buffers * 24 * S * K`` bytes); a forward then allocates
     its expert rows [S * K, H] twice (inputs and outputs of the experts); with ``fixed_expert_rows``
-    on CUDA the inputs are kept per set instead, ``num_buffers * S * K * H * elem`` bytes (e4m3 and
-    its scales with ``deliver_fp8``). DeepSeek-V3 at EP2 with C = 4096, bf16: B = 14400, 2 sets of
+    the inputs are kept per set instead, ``num_buffers * S * K * H * elem`` bytes (e4m3 and its
+    scales with ``deliver_fp8``). DeepSeek-V3 at EP2 with C = 4096, bf16: B = 14400, 2 sets of
     0.47 GB + 2 x 59 MB of staging = 1.06 GB per rank; with C = 128: 2 x 15 MB of buffers + 2 x 2 MB
     of staging, and 2 x 29 MB of fixed expert rows.
 
@@ -148,18 +151,20 @@ class LowLatencyDispatcher(Dispatcher):
     ``"auto"`` (default) ``symm_mem`` where it can run (CUDA, fused kernels, EP > 1 within one node
     whose GPUs reach each other: the faster one on 2x H200, docs/BENCHMARKS.md), ``nccl`` elsewhere.
 
-    ``index_graphs`` (default True, fused kernels only): the send plan and the receiver layout (about
-    ten launches each) run from fixed staging buffers as CUDA graphs captured on each buffer set's
-    first eager forward and replayed after, so an eager phase costs the host a few calls at any T
-    (``ll_graphs.py``). Under a caller's own graph capture the kernels run directly; on CPU the staged
-    path runs without capture. False: launch the kernels on every forward.
+    ``index_graphs`` (default True, fused kernels only): every kernel of both phases (about ten
+    launches for the send plan, as many for the receiver layout, then the gather, the combine's
+    reduction and its final sum) runs from four CUDA graphs per buffer set, captured on the set's
+    first eager forward and replayed after; the caller's tensors (x, ids, weights, the expert rows,
+    the experts' output, y) are read and written where they lie, through address tables the host
+    writes before each replay (``ll_addresses.py``), so an eager phase costs the host one or two
+    replays at any T (``ll_graphs.py``). Under a caller's own graph capture the kernels run
+    directly; on CPU the same pieces run without capture. False: launch the kernels on every forward.
 
-    ``fixed_expert_rows`` (default False; with ``index_graphs``): the ``layout`` graph also gathers the
-    expert rows, into a fixed buffer per set, as DeepEP's low-latency receive buffers: one Triton
-    launch less per eager dispatch (at decode sizes a large share of the phase's host time, which
-    eager decode waits on), for the memory above, per layer. The rows handed out (``expert_x_RH``
-    and its scales) are then valid until the set's next round, ``num_buffers`` dispatches later, as
-    the layout's counts already are.
+    ``fixed_expert_rows`` (default False; with ``index_graphs``): the ``layout`` graph gathers the
+    expert rows into a buffer kept per set, as DeepEP's low-latency receive buffers, instead of rows
+    allocated per forward: the rows handed out (``expert_x_RH`` and its scales) are then valid until
+    the set's next round, ``num_buffers`` dispatches later, as the layout's counts already are, for
+    the memory above, per layer.
 
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
@@ -309,14 +314,14 @@ class LowLatencyDispatcher(Dispatcher):
     def buffer_bytes(self, dtype: torch.dtype, hidden: int, top_k: int, device: torch.device | str = "cuda") -> int:
         """Bytes of this dispatcher's buffer sets for activations of ``dtype`` and shape ``hidden``,
         ``top_k`` on ``device`` (all ``num_buffers`` of them, staging included where the forward
-        stages, and on CUDA the ``layout`` graphs' expert rows with ``fixed_expert_rows``: the formula
-        in the class docstring; the graphs' small index tensors not counted)."""
+        stages, and the ``layout`` graphs' expert rows with ``fixed_expert_rows``: the formula in the
+        class docstring; the graphs' small index and address tensors not counted)."""
         row_bytes = RowFormat.make(hidden, top_k, dtype, self.fp8).row_bytes
         sets = (2 * self.num_slots + 1) * (row_bytes + hidden * dtype.itemsize)
         device = torch.device(device)
         if self.index_graphs and self.uses_triton(device):
             sets += Staging.bytes(self.capacity, hidden, top_k, self.ep.size, dtype.itemsize)
-            if device.type == "cuda" and self.fixed_expert_rows:  # the layout graphs' rows
+            if self.fixed_expert_rows:  # the rows each set's layout graph gathers into
                 keep_fp8 = self.deliver_fp8 and self.fp8
                 row_out = hidden + hidden // FP8_GROUP * 4 if keep_fp8 else hidden * dtype.itemsize
                 sets += self.num_slots * top_k * row_out
@@ -487,8 +492,9 @@ class LowLatencyDispatcher(Dispatcher):
     def _pack_staged(
         self, graphs: RoundGraphs, inp: DispatchInput, bufs: Buffers, fmt: RowFormat
     ) -> tuple[torch.Tensor, list]:
-        """``_pack`` through the round's staging and its ``pack`` graph -> (``slot_TP``, a view of the
-        round's ``slot_CP`` valid until the round's buffers are reused; the works to wait on).
+        """``_pack`` through the round's ``pack`` graph, which stages the caller's tensors itself ->
+        (``slot_TP``, a view of the round's ``slot_CP`` valid until the round's buffers are reused;
+        the works to wait on).
 
         With symmetric memory the transfer's start (nothing for ``symm_mem``, the peer copies for
         ``copy_engine``) is captured in the ``pack`` graph and its end (the barrier) in the
@@ -501,20 +507,23 @@ class LowLatencyDispatcher(Dispatcher):
         st = graphs.staging
         in_graph = bufs.dispatch_barrier is not None
         if graphs.pack is None:
+            addresses = CallerAddresses(bufs.dispatch_recv_SB, 4)  # T, then x, ids and weights
             pack_rows = self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
             start_transfer = graphs.start_transfer = self._start_dispatch_transfer(bufs, fused=True)
 
             def pack() -> None:
+                stage_inputs(addresses, st.x_CH, st.ids_CK, st.weights_CK)
                 pack_rows()
                 if in_graph:
                     start_transfer()  # its one work is the set's barrier, which ``layout`` waits on
 
-            graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda")
-        slot_TP = st.stage(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)
-        graphs.pack()
-        assert graphs.start_transfer is not None  # set with the pack graph
+            graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda", addresses=addresses)
+        table = graphs.pack.addresses
+        assert table is not None and graphs.start_transfer is not None  # set with the pack graph
+        x, ids, weights = st.inputs(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)  # held until queued
+        graphs.pack(x.shape[0], table.offset_of(x), table.offset_of(ids), table.offset_of(weights))
         works = [] if in_graph else graphs.start_transfer()
-        return slot_TP, works
+        return st.slot_TP(x.shape[0]), works
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
@@ -523,13 +532,11 @@ class LowLatencyDispatcher(Dispatcher):
         recv_SB = s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         if self.uses_triton(recv_SB.device):
-            expert_x_RH: torch.Tensor | None = None
             if s.graphs is None:
                 fixed = self._layout(recv_SB, s.fmt)()
+                expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
             else:
                 fixed, expert_x_RH, scales_RQ = self._layout_staged(s)
-            if expert_x_RH is None:
-                expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
         else:
             local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
             fixed = group_slots_by_expert(
@@ -552,70 +559,159 @@ class LowLatencyDispatcher(Dispatcher):
             fixed=fixed,
             buffers=s.buffers,
             generation=s.generation,
+            graphs=s.graphs,
         )
         return self._output(expert_x_RH, handle, scales_RQ)
 
-    def _layout_staged(self, s: _InFlightDispatch) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
-        """The round's ``layout`` graph -> (the receiver's layout; with ``fixed_expert_rows`` the expert
-        rows and scales, gathered in the graph, else None, None).
+    def _layout_staged(self, s: _InFlightDispatch) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+        """The round's ``layout`` graph -> (the receiver's layout, the expert rows and their scales).
 
-        The graph first ends a symmetric-memory transfer (the barrier) when ``pack`` started one. Rows
-        gathered in the graph live in its fixed output, which the set's next round overwrites: they
-        are valid until the round's buffers are reused (``num_buffers`` dispatches later), as the
-        layout and the received rows are. Captured again if ``deliver_fp8`` changed since."""
+        The graph first ends a symmetric-memory transfer (the barrier) when ``pack`` started one,
+        and gathers the rows into tensors made here for this forward, or with ``fixed_expert_rows``
+        into the set's own (valid until its next round, ``num_buffers`` dispatches later, as the
+        layout and the received rows are). Captured again if ``deliver_fp8`` changed since (and the
+        set's ``combine`` graph with it: it reads the layout's tensors)."""
         graphs, keep_fp8 = s.graphs, self.deliver_fp8
         assert graphs is not None  # the staged path
+        recv_SB = s.buffers.dispatch_recv_SB
         if graphs.layout is None or graphs.layout_keeps_fp8 != keep_fp8:
-            recv_SB = s.buffers.dispatch_recv_SB
             layout, barrier = self._layout(recv_SB, s.fmt), s.buffers.dispatch_barrier
-            gather = None
-            if self.fixed_expert_rows:
-                gather = functools.partial(ll_kernels.gather_rows, recv_SB, fmt=s.fmt, keep_fp8=keep_fp8)
+            addresses = CallerAddresses(recv_SB, 2)  # the rows, then their scales
+            gather = functools.partial(
+                ll_kernels.gather_rows, recv_SB, fmt=s.fmt, keep_fp8=keep_fp8, addresses=addresses
+            )
 
-            def end_and_layout() -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+            def end_and_layout() -> Any:
                 if barrier is not None:  # the pack graph started a symmetric-memory transfer
                     barrier.wait()
                 fixed = layout()
-                return (fixed, *gather(fixed=fixed)) if gather is not None else (fixed, None, None)
+                gather(fixed=fixed)
+                return fixed
 
-            graphs.layout = PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda")
+            graphs.layout = PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda", addresses=addresses)
             graphs.layout_keeps_fp8 = keep_fp8
-        return graphs.layout()
+            graphs.expert_rows = graphs.combine = None
+        num_rows = self.num_slots * s.fmt.top_k
+        if not self.fixed_expert_rows:
+            rows = ll_kernels.expert_rows(num_rows, s.fmt, keep_fp8, recv_SB.device)
+        elif graphs.expert_rows is None:
+            with torch.inference_mode(False):  # written by later forwards under plain no_grad too
+                rows = graphs.expert_rows = ll_kernels.expert_rows(num_rows, s.fmt, keep_fp8, recv_SB.device)
+        else:
+            rows = graphs.expert_rows
+        table = graphs.layout.addresses
+        assert table is not None
+        out_RH, scales_RQ = rows
+        fixed = graphs.layout(table.offset_of(out_RH), table.offset_of(out_RH if scales_RQ is None else scales_RQ))
+        graphs.latest.fixed = fixed
+        return fixed, out_RH, scales_RQ
 
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: LowLatencyHandle = inp.handle  # type: ignore[assignment]
         self._check_round(handle.generation)
         bufs = handle.buffers
         fused = isinstance(handle.fixed, ll_kernels.KernelLayout) if ll_kernels is not None else False
-        if fused:
-            ll_kernels.reduce_pairs(
-                inp.expert_y_RH.contiguous(),
-                handle.fixed,
-                bufs.dispatch_recv_SB,
-                handle.fmt,
-                bufs.combine_dst,
-                self.capacity,
-            )
+        staged = handle.graphs is not None and not capturing(bufs.combine_send_SH.device)
+        if staged:
+            works = self._combine_staged(inp.expert_y_RH, handle)
         else:
-            bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
-        works = self._exchange(
-            bufs.combine_slots_SH,
-            bufs.combine_send_SH,
-            fused,
-            bufs.combine_barrier,
-            bufs.combine_peer_blocks,
-        )
+            if fused:
+                ll_kernels.reduce_pairs(
+                    inp.expert_y_RH.to(handle.fmt.dtype).contiguous(),  # the blocks hold the activation dtype
+                    handle.fixed,
+                    bufs.dispatch_recv_SB,
+                    handle.fmt,
+                    bufs.combine_dst,
+                    self.capacity,
+                )
+            else:
+                bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
+            works = self._exchange(
+                bufs.combine_slots_SH,
+                bufs.combine_send_SH,
+                fused,
+                bufs.combine_barrier,
+                bufs.combine_peer_blocks,
+            )
         block_bytes = (self.ep.size - 1) * self.capacity * handle.hidden_size * bufs.combine_send_SH.element_size()
         traffic = Traffic(combine_bytes_sent=block_bytes, combine_bytes_recv=block_bytes)
-        return Pending(works=works, state=(bufs.combine_slots_SH, fused), traffic=traffic)
+        return Pending(works=works, state=(fused, staged), traffic=traffic)
+
+    def _combine_staged(self, expert_y_RH: torch.Tensor, handle: LowLatencyHandle) -> list:
+        """``reduce_pairs`` (and with symmetric memory the transfer's start) from the set's
+        ``combine`` graph, reading the experts' output where it lies -> the works to wait on (an
+        NCCL collective, called after the replay; none with symmetric memory, whose barrier ends
+        the ``combine_end`` graph)."""
+        graphs, bufs, fmt = handle.graphs, handle.buffers, handle.fmt
+        assert graphs is not None
+        in_graph = bufs.combine_barrier is not None
+        if graphs.combine is None:
+            addresses = CallerAddresses(bufs.combine_dst.anchor, 1)  # the experts' output
+            latest, dst, recv_SB, capacity = graphs.latest, bufs.combine_dst, bufs.dispatch_recv_SB, self.capacity
+            y_like = torch.empty(1, fmt.hidden, dtype=fmt.dtype, device=recv_SB.device)  # its dtype and H
+            start = functools.partial(
+                start_exchange,
+                bufs.combine_slots_SH,
+                bufs.combine_send_SH,
+                fused=True,
+                barrier=bufs.combine_barrier,
+                collective=self._collective,
+                group=self.ep.group,
+                peer_blocks=bufs.combine_peer_blocks,
+            )
+
+            def reduce_and_send() -> None:
+                ll_kernels.reduce_pairs(y_like, latest.fixed, recv_SB, fmt, dst, capacity, addresses=addresses)
+                if in_graph:
+                    start()  # copy_engine's peer copies; symm_mem's kernel already wrote the blocks
+
+            graphs.combine = PieceGraph(reduce_and_send, capture=recv_SB.device.type == "cuda", addresses=addresses)
+        table = graphs.combine.addresses
+        assert table is not None
+        y_RH = expert_y_RH if aligned(expert_y_RH, fmt.dtype) else expert_y_RH.to(fmt.dtype).contiguous()
+        graphs.combine(table.offset_of(y_RH))
+        if in_graph:
+            return []
+        return self._exchange(bufs.combine_slots_SH, bufs.combine_send_SH, True, None, None)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()
         handle: LowLatencyHandle = pending.handle  # type: ignore[assignment]
         self._check_round(handle.generation)
-        recv_SH, fused = pending.state
+        fused, staged = pending.state
+        if staged:
+            return self._sum_staged(handle)
         # Each token's P returned rows (slot S where it sent nothing), summed in float32 in a fixed order.
-        return gather_sum(recv_SH, handle.slot_TP, out_dtype=handle.dtype, kernels="triton" if fused else "torch")
+        return gather_sum(
+            handle.buffers.combine_slots_SH,
+            handle.slot_TP,
+            out_dtype=handle.dtype,
+            kernels="triton" if fused else "torch",
+        )
+
+    def _sum_staged(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """``gather_sum`` of the returned rows from the set's ``combine_end`` graph (with symmetric
+        memory after the transfer's end, the barrier), into a y [T, H] made here."""
+        graphs, bufs = handle.graphs, handle.buffers
+        assert graphs is not None and graphs.staging is not None
+        if graphs.combine_end is None:
+            addresses = CallerAddresses(bufs.dispatch_recv_SB, 2)  # T, then y
+            recv_SH, slot_CP, barrier = bufs.combine_slots_SH, graphs.staging.slot_CP, bufs.combine_barrier
+            y_like = torch.empty(1, dtype=handle.dtype, device=recv_SH.device)
+
+            def end_and_sum() -> None:
+                if barrier is not None:  # the combine graph's kernel wrote into the peers' buffers
+                    barrier.wait()
+                ll_kernels.sum_returned(recv_SH, slot_CP, y_like, addresses)
+
+            graphs.combine_end = PieceGraph(end_and_sum, capture=recv_SH.device.type == "cuda", addresses=addresses)
+        table = graphs.combine_end.addresses
+        assert table is not None
+        y_TH = torch.empty(
+            handle.num_tokens, handle.hidden_size, dtype=handle.dtype, device=bufs.combine_send_SH.device
+        )
+        graphs.combine_end(handle.num_tokens, table.offset_of(y_TH))
+        return y_TH
 
 
 def _pack_checked(

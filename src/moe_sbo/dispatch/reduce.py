@@ -39,31 +39,42 @@ def interpreting_triton() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gather_sum_kernel(
+    def gather_sum_kernel(
         src_ptr,
         index_ptr,
         weight_ptr,
         out_ptr,
         num_src,
+        anchor_ptr,
+        table_ptr,
         HIDDEN: tl.constexpr,
         TOP_K: tl.constexpr,
         K_P2: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        ADDRESSED: tl.constexpr,
     ):
+        # ADDRESSED (a replayed graph, ``ll_graphs.CallerAddresses``): the real row count and the
+        # output's address come from ``table_ptr`` (count, then a 16-byte offset from ``anchor_ptr``);
+        # ``out_ptr`` only gives the output's dtype, and rows past the count are left alone.
         y = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        num_cols = HIDDEN
+        if ADDRESSED:
+            num_cols = tl.where(y < tl.load(table_ptr), HIDDEN, 0)  # a bound, not a scalar in the mask: one dtype
+            out_ptr = (anchor_ptr + tl.load(table_ptr + 1) * 16).to(out_ptr.dtype)
+        live_H = h < num_cols
         offs_k = tl.arange(0, K_P2)
         index_K = tl.load(index_ptr + y.to(tl.int64) * TOP_K + offs_k, mask=offs_k < TOP_K, other=num_src)
         valid_K = index_K < num_src
         src_KH = tl.load(
-            src_ptr + index_K[:, None] * HIDDEN + h[None, :], mask=valid_K[:, None] & (h[None, :] < HIDDEN), other=0.0
+            src_ptr + index_K[:, None] * HIDDEN + h[None, :], mask=valid_K[:, None] & live_H[None, :], other=0.0
         ).to(tl.float32)
         if HAS_WEIGHT:
             w_K = tl.load(weight_ptr + index_K, mask=valid_K, other=0.0).to(tl.float32)
             src_KH = src_KH * w_K[:, None]
         tl.store(
-            out_ptr + y.to(tl.int64) * HIDDEN + h, tl.sum(src_KH, axis=0).to(out_ptr.dtype.element_ty), mask=h < HIDDEN
+            out_ptr + y.to(tl.int64) * HIDDEN + h, tl.sum(src_KH, axis=0).to(out_ptr.dtype.element_ty), mask=live_H
         )
 
 
@@ -113,17 +124,20 @@ def gather_sum(
         k_p2 = triton.next_power_of_2(top_k)
         block_h = block_h_for(hidden, k_p2)
         src = src_XH.contiguous()
-        _gather_sum_kernel[(num_rows, triton.cdiv(hidden, block_h))](
+        gather_sum_kernel[(num_rows, triton.cdiv(hidden, block_h))](
             src,
             index_YK.contiguous(),
             src if weight_X is None else weight_X.contiguous(),
             out_YH,
             num_src,
+            src,
+            index_YK,
             HIDDEN=hidden,
             TOP_K=top_k,
             K_P2=k_p2,
             HAS_WEIGHT=weight_X is not None,
             BLOCK_H=block_h,
+            ADDRESSED=False,
         )
         return out_YH
     # Accumulate in float32: in the output itself when it is float32, else in a temporary.
