@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from moe_sbo.dispatch.ll_addresses import CallerAddresses, aligned, stage_inputs
+from moe_sbo.dispatch.ll_addresses import CallerAddresses, aligned, fetch_words, stage_inputs
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels run in Triton's CPU interpreter here"
@@ -73,3 +73,16 @@ def test_stage_inputs_copies_t_rows_and_pads_the_rest():
     assert torch.equal(x_CH[:2], x) and torch.equal(ids_CK[:2], ids) and torch.equal(weights_CK[:2], weights)
     assert (ids_CK[2:] == -1).all()  # rows past T go nowhere
     assert (x_CH[2:] == 99.0).all() and (weights_CK[2:] == 0.5).all()  # not copied: never read
+
+
+def test_fetch_reaches_words_more_than_2_gib_from_the_anchor():
+    """Host memory lies far from device memory: an offset that fits int32 as 16-byte units but not
+    as bytes (here 3 GiB) must not wrap. The tensor is not initialised, so only two pages are touched."""
+    span = 3 << 30
+    memory = torch.empty(span + 64, dtype=torch.uint8)
+    anchor = memory[:16]
+    words = memory[span : span + 32].view(torch.int64)  # two values, the sequence number, the echo
+    words.copy_(torch.tensor([11, -12, 1, 0]))
+    table = torch.zeros(2, dtype=torch.int64)
+    fetch_words(anchor, span // 16, table)
+    assert table.tolist() == [11, -12] and words[3].item() == 1

@@ -83,9 +83,14 @@ class CallerAddresses:
 
     def fetch(self) -> None:
         """Queue the copy of the host's values into ``table`` (the first kernel of a graph)."""
-        _fetch_kernel[(1,)](
-            self.anchor, self.host_offset, self.table, SIZE=self.size, WORDS_P2=triton.next_power_of_2(self.size + 1)
-        )
+        fetch_words(self.anchor, self.host_offset, self.table)
+
+
+def fetch_words(anchor: torch.Tensor, host_offset: int, table: torch.Tensor) -> None:
+    """``CallerAddresses.fetch``: ``table.numel()`` values and the sequence number from the words
+    ``host_offset`` 16-byte units past ``anchor``, the values into ``table``, the echo after them."""
+    size = table.numel()
+    _fetch_kernel[(1,)](anchor, host_offset, table, SIZE=size, WORDS_P2=triton.next_power_of_2(size + 1))
 
 
 def aligned(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -114,10 +119,11 @@ def stage_inputs(
 
 
 if triton is not None:
-
-    @triton.jit
+    # host_offset is never specialised (a constexpr 1 would have no dtype) and widened before the
+    # multiply: Triton passes an offset below 2**31 as int32, where * 16 would wrap.
+    @triton.jit(do_not_specialize=["host_offset"])
     def _fetch_kernel(anchor_ptr, host_offset, table_ptr, SIZE: tl.constexpr, WORDS_P2: tl.constexpr):
-        host = (anchor_ptr + host_offset * 16).to(tl.pointer_type(tl.int64))
+        host = (anchor_ptr + host_offset.to(tl.int64) * 16).to(tl.pointer_type(tl.int64))
         offs = tl.arange(0, WORDS_P2)
         # The values and the sequence number, fetched again from host memory (never a cached line).
         words = tl.load(host + offs, mask=offs <= SIZE, other=0, cache_modifier=".cv")
