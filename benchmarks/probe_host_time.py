@@ -128,7 +128,7 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
         staged = d._graphs[key][0]  # index_graphs: set 0's staging and graphs, captured by the forward above
         expert_x, _ = ll_kernels.expert_rows(d.num_slots * fmt.top_k, fmt, False, device)
         rows = (staged.layout.addresses.offset_of(expert_x),) * 2
-        y, out = torch.zeros_like(expert_x), torch.empty_like(x)
+        y, y_out = torch.zeros_like(expert_x), torch.empty_like(x)
         cases = {
             "triton empty kernel (5 args, 2 constexpr)": lambda: _empty_kernel[(1,)](small, small, 1, 2, 3, N=4, M=8),
             "torch.empty": lambda: torch.empty(tokens, 2, dtype=torch.int64, device=device),
@@ -153,7 +153,7 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
                 staged.combine.addresses.offset_of(y)
             ),
             "index_graphs: combine_end (table write + replay, + barrier)": lambda: staged.combine_end(
-                tokens, staged.combine_end.addresses.offset_of(out)
+                tokens, staged.combine_end.addresses.offset_of(y_out)
             ),
             "CUDAGraph.replay, empty graph": _empty_graph(device),
         }
