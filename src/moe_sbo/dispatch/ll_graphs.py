@@ -121,11 +121,16 @@ def _copied(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class PieceGraph:
     """A piece of index work: ``fn`` queues kernels on the current stream (no host read, no
     collective) and returns its outputs; it should not hold the dispatcher (a reference cycle would
-    keep a deleted layer's buffers alive until the next garbage collection). The first call runs it
-    eagerly and then captures it (``capture``: CUDA only); every later call replays the capture and
-    returns the captured outputs, which each replay overwrites. Without ``capture`` every call runs
-    ``fn``. With ``addresses``, each call's ``values`` are written into them first and ``fn`` is
-    preceded by their fetch (``ll_addresses``), so the piece's kernels read the caller's tensors."""
+    keep a deleted layer's buffers alive until the next garbage collection). With ``capture`` (CUDA
+    only) the first call runs ``fn`` eagerly (the warm-up: Triton compiles), captures it and replays
+    the capture; every call returns the captured outputs, which each replay overwrites. So a later
+    piece captured against them (``combine`` reads the ``layout`` piece's tensors) reads the same
+    tensors every replay, and the first call runs the piece's kernels twice on the same inputs (each
+    piece gives the same bytes again; a piece with a barrier waits twice, as every rank's does).
+    Without ``capture`` every call runs ``fn``. With ``addresses``, each call's ``values`` are
+    written into them first and ``fn`` is preceded by their fetch (``ll_addresses``), so the piece's
+    kernels read the caller's tensors.
+    """
 
     def __init__(self, fn: Callable[[], Any], capture: bool, addresses: CallerAddresses | None = None):
         if addresses is not None:  # the piece's first kernel fetches the values each call writes
@@ -148,13 +153,13 @@ class PieceGraph:
     def __call__(self, *values: int) -> Any:
         if self.addresses is not None:
             self.addresses.write(*values)
-        if self._graph is not None:
-            self._graph.replay()
-            return self._outputs
-        outputs = self._fn()
-        if self._capture:  # the eager call above was the warm-up
-            self._graph, self._outputs = capture_graph(self._fn, warmup=0)
-        return outputs
+        if self._graph is None:
+            outputs = self._fn()
+            if not self._capture:
+                return outputs
+            self._graph, self._outputs = capture_graph(self._fn, warmup=0)  # the call above was the warm-up
+        self._graph.replay()
+        return self._outputs
 
 
 @dataclass
