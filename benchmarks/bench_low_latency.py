@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=["nccl", "symm_mem"],
         choices=["nccl", "symm_mem"],
-        help="low_latency transports (symm_mem: fused kernels, >= 2 GPUs; skipped otherwise)",
+        help="low_latency transports (symm_mem: fused kernels on CUDA; skipped otherwise)",
     )
     p.add_argument(
         "--index-graphs",
@@ -378,13 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         pool = RankPool(p, device)
         # Paths that cannot run here are left out, not failed: no Triton kernels on CPU (unless Triton's
-        # interpreter runs them, TRITON_INTERPRET=1: a smoke run), no peer at EP 1.
+        # interpreter runs them, TRITON_INTERPRET=1: a smoke run). At EP 1 symm_mem writes the rank's
+        # own symmetric buffer (no wire: its host time and kernels alone).
         kernels = [k for k in args.kernels if device == "cuda" or k == "torch" or triton_interpreting()] or ["torch"]
         paths = [
-            (k, t)
-            for k in kernels
-            for t in args.transports
-            if t == "nccl" or (k == "triton" and device == "cuda" and p > 1)
+            (k, t) for k in kernels for t in args.transports if t == "nccl" or (k == "triton" and device == "cuda")
         ]
         jobs = [
             (
