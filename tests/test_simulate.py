@@ -276,6 +276,21 @@ def test_direct_launches_are_a_path_and_a_setup_of_their_own(tmp_path):
     assert planner.load_rows(_write(tmp_path / "torch.json", [torch]))[0].path.kernels == "torch"
 
 
+def test_one_rank_keeps_symmetric_memory_apart_from_its_usual_path(tmp_path):
+    """At EP1 nothing crosses a wire: NCCL's one-rank collective (or no transport recorded) is the
+    usual path ("none"), but symmetric memory (no collective call; other host costs) keeps its own,
+    and its label names it."""
+    base = {**synthetic_rows()[-1], "ep": 1, "graph": False}
+    rows = [base, {**base, "transport": "nccl"}, {**base, "transport": "symm_mem"}]
+    path = tmp_path / "one_rank_h200x1.json"
+    path.write_text(json.dumps({"meta": {"world_size": 1}, "rows": rows}))
+    unrecorded, nccl, symm = planner.load_rows(path)
+    assert unrecorded.path.transport == nccl.path.transport == "none"
+    assert symm.path.transport == "symm_mem" and symm.group != nccl.group
+    labels = {c.label for c in planner.validate([unrecorded, nccl, symm, *planner.load_rows(REPO_RESULTS)])}
+    assert any("triton/symm_mem" in label and label.startswith("EP1 ") for label in labels)
+
+
 def _write(path: Path, rows: list[dict]) -> Path:
     path.write_text(json.dumps({"meta": {"world_size": 2}, "rows": rows}))
     return path

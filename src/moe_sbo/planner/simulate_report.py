@@ -143,7 +143,8 @@ class Checked:
 def _label(r: ResultRow, s: Setup) -> str:
     parts = [f"EP{s.ep}", s.path.dispatcher or "", f"{s.experts_per_gpu}e/GPU"]
     if s.path.dispatcher == "low_latency":
-        parts.append(f"{s.path.kernels}/{s.path.transport}" if s.ep > 1 else str(s.path.kernels))
+        one_rank = s.path.transport in (None, "none")
+        parts.append(str(s.path.kernels) if one_rank else f"{s.path.kernels}/{s.path.transport}")
     if s.path.dispatch_dtype == "fp8" or s.expert_dtype == "fp8":
         parts.append(f"fp8 {'experts' if s.expert_dtype == 'fp8' else 'dispatch'}")
     parts.append(f"{s.regime + ' ' if s.regime else ''}{r.tokens} tok")

@@ -137,14 +137,12 @@ def path_of(row: dict, ep: int, version: str | None = None) -> DispatchPath:
         kernels += DIRECT_LAUNCH  # the fused kernels launched directly: more host time per eager forward
     if kernels.startswith(DEFAULT_KERNELS) and row.get("fixed_expert_rows"):
         kernels += FIXED_ROWS  # the expert rows gathered in the layout graph: less host time
-    return DispatchPath(
-        dispatcher,
-        kernels,
-        str(row.get("transport_used") or row.get("transport") or DEFAULT_TRANSPORT) if ep > 1 else "none",
-        dtype_name(row.get("dispatch_dtype")),
-        ep > 1,
-        version,
-    )
+    transport = str(row.get("transport_used") or row.get("transport") or DEFAULT_TRANSPORT)
+    if ep == 1 and transport == DEFAULT_TRANSPORT:
+        # One rank: nothing crosses a wire, and NCCL's one-rank collective is EP1's usual path. Over
+        # symmetric memory at EP1 (no collective call, a barrier in the graphs) the host costs differ.
+        transport = "none"
+    return DispatchPath(dispatcher, kernels, transport, dtype_name(row.get("dispatch_dtype")), ep > 1, version)
 
 
 def _group_of(file: str, row: dict, meta: dict) -> str:
