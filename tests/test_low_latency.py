@@ -395,7 +395,7 @@ def test_staging_kept_from_inference_mode_is_written_under_no_grad():
 def test_graphs_convert_what_they_cannot_read_in_place():
     """The graphs read the router's dtypes (int64 ids, float32 weights) and the experts' output in
     place when contiguous and 16-byte aligned; int32 ids, float64 weights, a strided or misaligned
-    x, and a strided or float64 expert output are converted first, with the same result."""
+    x, and a strided, misaligned or float64 expert output are converted first, with the same result."""
     cfg = get_preset("tiny")
     staged, direct = (_ll(cfg, 8, kernels="triton", index_graphs=flag) for flag in (True, False))
     x_TH = torch.randn(cfg.hidden_size, 7).t()  # [T, H] with column stride T: not contiguous
@@ -407,6 +407,7 @@ def test_graphs_convert_what_they_cannot_read_in_place():
             (x_TH.contiguous(), ids, weights, lambda y: y),  # every tensor read in place
             (x_TH, ids.int(), weights.double(), lambda y: y.double()),
             (misaligned_TH.copy_(x_TH), ids, weights, lambda y: y.t().contiguous().t()),  # strided y
+            (x_TH.contiguous(), ids, weights, _misaligned_copy),  # y contiguous, 4 bytes off
         ]
         for x, ids_, weights_, expert_output in inputs * 2:  # each buffer set sees each
             ys = []
@@ -415,6 +416,10 @@ def test_graphs_convert_what_they_cannot_read_in_place():
                 y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
                 ys.append(layer.dispatcher.combine(expert_output(y_RH), recv.handle))
             torch.testing.assert_close(ys[0], ys[1], atol=0, rtol=0)
+
+
+def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view_as(t).copy_(t)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the staged path runs the fused kernels")

@@ -98,6 +98,15 @@ def aligned(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return tensor.dtype == dtype and tensor.is_contiguous() and tensor.data_ptr() % _ALIGN == 0
 
 
+def readable(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` if the graphs can read it in place as ``dtype``, else a fresh contiguous copy in
+    ``dtype`` (16-byte aligned, as every new allocation is), which the caller holds until the
+    replay is queued."""
+    if aligned(tensor, dtype):
+        return tensor
+    return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
 def stage_inputs(
     addresses: CallerAddresses, x_CH: torch.Tensor, ids_CK: torch.Tensor, weights_CK: torch.Tensor
 ) -> None:

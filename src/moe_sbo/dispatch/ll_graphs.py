@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from ..streams import capture_graph
-from .ll_addresses import CallerAddresses, aligned
+from .ll_addresses import CallerAddresses, readable
 
 
 @dataclass
@@ -90,14 +90,7 @@ class Staging:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three inputs as the ``pack`` graph reads them: the caller's own tensors, or converted
         copies (which the caller must hold until the replay is queued)."""
-        # Spelled out: called on every staged forward, where the host's time counts.
-        if not aligned(x_TH, self.x_CH.dtype):
-            x_TH = _copied(x_TH, self.x_CH.dtype)
-        if not aligned(ids_TK, torch.int64):
-            ids_TK = _copied(ids_TK, torch.int64)
-        if not aligned(weights_TK, torch.float32):
-            weights_TK = _copied(weights_TK, torch.float32)
-        return x_TH, ids_TK, weights_TK
+        return readable(x_TH, self.x_CH.dtype), readable(ids_TK, torch.int64), readable(weights_TK, torch.float32)
 
     def slot_TP(self, num_tokens: int) -> torch.Tensor:
         """``slot_CP``'s first T rows, [T, P]: where each token's rows went, for combine."""
@@ -111,11 +104,6 @@ class Staging:
     @staticmethod
     def bytes(capacity: int, hidden: int, top_k: int, num_ranks: int, elem: int) -> int:
         return capacity * (hidden * elem + top_k * (8 + 4) + num_ranks * 8)
-
-
-def _copied(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh contiguous copy in ``dtype`` (so 16-byte aligned, as every new allocation is)."""
-    return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 class PieceGraph:

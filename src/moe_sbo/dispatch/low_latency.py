@@ -63,7 +63,7 @@ from .base import (
     Traffic,
     register_dispatcher,
 )
-from .ll_addresses import CallerAddresses, aligned, stage_inputs
+from .ll_addresses import CallerAddresses, readable, stage_inputs
 from .ll_graphs import PieceGraph, RoundGraphs, Staging
 from .ll_reference import group_slots_by_expert, plan_send, reduce_pairs
 from .ll_transport import (
@@ -668,7 +668,7 @@ class LowLatencyDispatcher(Dispatcher):
             graphs.combine = PieceGraph(reduce_and_send, capture=recv_SB.device.type == "cuda", addresses=addresses)
         table = graphs.combine.addresses
         assert table is not None
-        y_RH = expert_y_RH if aligned(expert_y_RH, fmt.dtype) else expert_y_RH.to(fmt.dtype).contiguous()
+        y_RH = readable(expert_y_RH, fmt.dtype)  # held until the replay is queued
         graphs.combine(table.offset_of(y_RH))
         if in_graph:
             return []
