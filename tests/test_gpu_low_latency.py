@@ -242,27 +242,28 @@ def test_fused_kernels_with_one_expert_per_token_equal_torch_path_on_gpu(capacit
             assert r["combine_rel"] <= 4e-3, r
 
 
+def _graphed_and_direct(cfg, device, transport: str, capacity: int, seed: int) -> dict[bool, MoELayer]:
+    """The same layer with ``index_graphs`` on (True) and off (False), fused kernels over ``transport``."""
+    options = {"max_tokens_per_rank": capacity, "kernels": "triton", "transport": transport}
+    return {
+        flag: MoELayer(
+            cfg,
+            dispatcher="low_latency",
+            device=device,
+            seed=seed,
+            dispatcher_options={**options, "index_graphs": flag},
+        )
+        for flag in (True, False)
+    }
+
+
 def _index_graphs_rank(device, transport, capacity):
     """Eager forwards with the index work replayed from graphs (``index_graphs``, the default) and
     with the kernels launched each time: bitwise-equal outputs over token counts that shrink and
     grow, each buffer set's graphs captured on its first forward and replayed after."""
     cfg = _config("tiny")
     rank = dist.get_rank()
-    layers = {
-        flag: MoELayer(
-            cfg,
-            dispatcher="low_latency",
-            device=device,
-            seed=1,
-            dispatcher_options={
-                "max_tokens_per_rank": capacity,
-                "kernels": "triton",
-                "transport": transport,
-                "index_graphs": flag,
-            },
-        )
-        for flag in (True, False)
-    }
+    layers = _graphed_and_direct(cfg, device, transport, capacity, seed=1)
     generator = torch.Generator(device=device).manual_seed(200 + rank)
     counts = [capacity, capacity // 3 + rank, 1, capacity, 0, capacity // 2, 7 + rank, capacity]
     equal = []
@@ -283,21 +284,7 @@ def _host_ahead_rank(device, transport):
     tables must make it wait (``ll_addresses``), and every y must equal the direct launches'."""
     cfg = _config("tiny")
     rank = dist.get_rank()
-    layers = {
-        flag: MoELayer(
-            cfg,
-            dispatcher="low_latency",
-            device=device,
-            seed=2,
-            dispatcher_options={
-                "max_tokens_per_rank": 64,
-                "kernels": "triton",
-                "transport": transport,
-                "index_graphs": flag,
-            },
-        )
-        for flag in (True, False)
-    }
+    layers = _graphed_and_direct(cfg, device, transport, 64, seed=2)
     generator = torch.Generator(device=device).manual_seed(400 + rank)
     xs = [
         torch.randn(n, cfg.hidden_size, generator=generator, device=device).bfloat16()

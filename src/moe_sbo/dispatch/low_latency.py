@@ -406,17 +406,6 @@ class LowLatencyDispatcher(Dispatcher):
                 "num_buffers"
             )
 
-    def _exchange(self, recv: torch.Tensor, send: torch.Tensor, fused: bool, barrier, peer_blocks) -> list:
-        return start_exchange(
-            recv,
-            send,
-            fused=fused,
-            barrier=barrier,
-            collective=self._collective,
-            group=self.ep.group,
-            peer_blocks=peer_blocks,
-        )
-
     # ---- the four phases -----------------------------------------------------------------------------
 
     def _launch_dispatch(self, inp: DispatchInput) -> Pending:
@@ -442,25 +431,31 @@ class LowLatencyDispatcher(Dispatcher):
                 rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
                 torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
                 slot_TP = plan.slot_TP
-            works = self._start_dispatch_transfer(bufs, fused)()
+            works = self._start_transfer(bufs, "dispatch", fused)()
         block_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
         traffic = Traffic(dispatch_bytes_sent=block_bytes, dispatch_bytes_recv=block_bytes)
         return Pending(
             works=works, state=_InFlightDispatch(fmt, slot_TP, bufs, graphs, generation, num_tokens, traffic)
         )
 
-    def _start_dispatch_transfer(self, bufs: Buffers, fused: bool) -> Callable[[], list]:
-        """The start of the round's dispatch transfer, as a call that holds no reference to ``self``
-        (the ``pack`` graph keeps it)."""
+    def _start_transfer(self, bufs: Buffers, phase: str, fused: bool) -> Callable[[], list]:
+        """The start of the round's ``"dispatch"`` or ``"combine"`` transfer, as a call that holds no
+        reference to ``self`` (the ``pack`` and ``combine`` graphs keep it)."""
+        if phase == "dispatch":
+            recv, send = bufs.dispatch_recv_SB[: self.num_slots], bufs.dispatch_send_SB
+            barrier, peer_blocks = bufs.dispatch_barrier, bufs.dispatch_peer_blocks
+        else:
+            recv, send = bufs.combine_slots_SH, bufs.combine_send_SH
+            barrier, peer_blocks = bufs.combine_barrier, bufs.combine_peer_blocks
         return functools.partial(
             start_exchange,
-            bufs.dispatch_recv_SB[: self.num_slots],
-            bufs.dispatch_send_SB,
+            recv,
+            send,
             fused=fused,
-            barrier=bufs.dispatch_barrier,
+            barrier=barrier,
             collective=self._collective,
             group=self.ep.group,
-            peer_blocks=bufs.dispatch_peer_blocks,
+            peer_blocks=peer_blocks,
         )
 
     def _layout(self, recv_SB: torch.Tensor, fmt: RowFormat) -> Callable[[], Any]:
@@ -509,7 +504,7 @@ class LowLatencyDispatcher(Dispatcher):
         if graphs.pack is None:
             addresses = CallerAddresses(bufs.dispatch_recv_SB, 4)  # T, then x, ids and weights
             pack_rows = self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
-            start_transfer = graphs.start_transfer = self._start_dispatch_transfer(bufs, fused=True)
+            start_transfer = graphs.start_transfer = self._start_transfer(bufs, "dispatch", fused=True)
 
             def pack() -> None:
                 stage_inputs(addresses, st.x_CH, st.ids_CK, st.weights_CK)
@@ -626,13 +621,7 @@ class LowLatencyDispatcher(Dispatcher):
                 )
             else:
                 bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
-            works = self._exchange(
-                bufs.combine_slots_SH,
-                bufs.combine_send_SH,
-                fused,
-                bufs.combine_barrier,
-                bufs.combine_peer_blocks,
-            )
+            works = self._start_transfer(bufs, "combine", fused)()
         block_bytes = (self.ep.size - 1) * self.capacity * handle.hidden_size * bufs.combine_send_SH.element_size()
         traffic = Traffic(combine_bytes_sent=block_bytes, combine_bytes_recv=block_bytes)
         return Pending(works=works, state=(fused, staged), traffic=traffic)
@@ -649,16 +638,7 @@ class LowLatencyDispatcher(Dispatcher):
             addresses = CallerAddresses(bufs.combine_dst.anchor, 1)  # the experts' output
             latest, dst, recv_SB, capacity = graphs.latest, bufs.combine_dst, bufs.dispatch_recv_SB, self.capacity
             y_like = torch.empty(1, fmt.hidden, dtype=fmt.dtype, device=recv_SB.device)  # its dtype and H
-            start = functools.partial(
-                start_exchange,
-                bufs.combine_slots_SH,
-                bufs.combine_send_SH,
-                fused=True,
-                barrier=bufs.combine_barrier,
-                collective=self._collective,
-                group=self.ep.group,
-                peer_blocks=bufs.combine_peer_blocks,
-            )
+            start = self._start_transfer(bufs, "combine", fused=True)
 
             def reduce_and_send() -> None:
                 ll_kernels.reduce_pairs(y_like, latest.fixed, recv_SB, fmt, dst, capacity, addresses=addresses)
@@ -670,9 +650,7 @@ class LowLatencyDispatcher(Dispatcher):
         assert table is not None
         y_RH = readable(expert_y_RH, fmt.dtype)  # held until the replay is queued
         graphs.combine(table.offset_of(y_RH))
-        if in_graph:
-            return []
-        return self._exchange(bufs.combine_slots_SH, bufs.combine_send_SH, True, None, None)
+        return [] if in_graph else self._start_transfer(bufs, "combine", fused=True)()
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()
