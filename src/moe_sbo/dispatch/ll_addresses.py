@@ -57,6 +57,7 @@ class CallerAddresses:
             self.table = torch.zeros(size, dtype=torch.int64, device=device)
         self.anchor = anchor
         self.size = size
+        self._on_cuda = device.type == "cuda"
         self._anchor_ptr = anchor.data_ptr()
         self.host_offset = self._offset(self.host.data_ptr())
         self._words = self.host.numpy()  # the host's stores go through numpy: no torch call each
@@ -75,7 +76,7 @@ class CallerAddresses:
         """The next replay's values (at most ``size``; the rest keep theirs)."""
         words = self._words
         n = self.size
-        if words[n + _ECHO] != words[n + _SEQ] and self.anchor.device.type == "cuda":
+        if words[n + _ECHO] != words[n + _SEQ] and self._on_cuda:
             # The replay that reads the last values is still queued: the host is a round ahead.
             torch.cuda.synchronize(self.anchor.device)
         words[: len(values)] = values

@@ -49,7 +49,7 @@ Triton interpreter) the same staged path runs without capture, which is what the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -138,12 +138,19 @@ class PieceGraph:
     def captured(self) -> bool:
         return self._graph is not None
 
+    @property
+    def outputs(self) -> Any:
+        """What the last call returned (with ``capture``, the captured outputs: the same tensors every
+        replay; without, each call's own), for a later piece that reads them when it runs."""
+        return self._outputs
+
     def __call__(self, *values: int) -> Any:
         if self.addresses is not None:
             self.addresses.write(*values)
         if self._graph is None:
             outputs = self._fn()
             if not self._capture:
+                self._outputs = outputs
                 return outputs
             self._graph, self._outputs = capture_graph(self._fn, warmup=0)  # the call above was the warm-up
         self._graph.replay()
@@ -154,24 +161,16 @@ class PieceGraph:
 class RoundGraphs:
     """One buffer set's pieces (built on first use): the ``pack`` graph and the ``staging`` it
     reads, the start of the set's dispatch transfer (in ``pack`` with symmetric memory, called after
-    it with NCCL) and the ``layout`` graph (which first waits on the set's barrier when ``pack``
-    started a symmetric-memory transfer)."""
+    it with NCCL), the ``layout`` graph (which first waits on the set's barrier when ``pack``
+    started a symmetric-memory transfer; with ``fixed_expert_rows`` it gathers into
+    ``expert_rows``), and the ``combine`` and ``combine_end`` graphs (the latter first waits on the
+    combine barrier with symmetric memory)."""
 
     staging: Staging | None = None
     pack: PieceGraph | None = None
     start_transfer: Callable[[], list] | None = None
     layout: PieceGraph | None = None
     layout_keeps_fp8: bool = False  # the ``deliver_fp8`` the layout graph's gather was built for
-    latest: LatestLayout = field(default_factory=lambda: LatestLayout())
     expert_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # with ``fixed_expert_rows``
     combine: PieceGraph | None = None
     combine_end: PieceGraph | None = None
-
-
-@dataclass
-class LatestLayout:
-    """The receiver's layout from the set's last ``layout`` call, which the ``combine`` piece reads
-    when it runs (a captured layout's outputs are the same tensors every replay; on CPU each call
-    makes new ones). A holder of its own, so the piece's closure does not hold ``RoundGraphs``."""
-
-    fixed: Any = None

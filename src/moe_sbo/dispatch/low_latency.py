@@ -598,7 +598,6 @@ class LowLatencyDispatcher(Dispatcher):
         assert table is not None
         out_RH, scales_RQ = rows
         fixed = graphs.layout(table.offset_of(out_RH), table.offset_of(out_RH if scales_RQ is None else scales_RQ))
-        graphs.latest.fixed = fixed
         return fixed, out_RH, scales_RQ
 
     def _launch_combine(self, inp: CombineInput) -> Pending:
@@ -636,12 +635,14 @@ class LowLatencyDispatcher(Dispatcher):
         in_graph = bufs.combine_barrier is not None
         if graphs.combine is None:
             addresses = CallerAddresses(bufs.combine_dst.anchor, 1)  # the experts' output
-            latest, dst, recv_SB, capacity = graphs.latest, bufs.combine_dst, bufs.dispatch_recv_SB, self.capacity
+            layout, dst, recv_SB, capacity = graphs.layout, bufs.combine_dst, bufs.dispatch_recv_SB, self.capacity
+            assert layout is not None  # the round's dispatch went through it
             y_like = torch.empty(1, fmt.hidden, dtype=fmt.dtype, device=recv_SB.device)  # its dtype and H
             start = self._start_transfer(bufs, "combine", fused=True)
 
             def reduce_and_send() -> None:
-                ll_kernels.reduce_pairs(y_like, latest.fixed, recv_SB, fmt, dst, capacity, addresses=addresses)
+                # The layout piece's last outputs: this round's (its captured tensors on CUDA).
+                ll_kernels.reduce_pairs(y_like, layout.outputs, recv_SB, fmt, dst, capacity, addresses=addresses)
                 if in_graph:
                     start()  # copy_engine's peer copies; symm_mem's kernel already wrote the blocks
 

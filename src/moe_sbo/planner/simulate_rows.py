@@ -32,8 +32,9 @@ DEFAULT_TRANSPORT = "nccl"
 # (``triton+direct``) and its own setup. Rows with ``index_graphs: true`` or without the field (the
 # default) are unchanged.
 DIRECT_LAUNCH = "+direct"
-# A low_latency row with ``fixed_expert_rows: true`` gathered the expert rows inside its layout graph:
-# the same GPU work, one launch less per eager forward, so its own path and setup too.
+# A low_latency row with ``fixed_expert_rows: true`` gathered the expert rows into a buffer kept per
+# buffer set: the same GPU work, other host work per eager forward (before the address tables, one
+# launch less; since, one allocation less), so its own path and setup too.
 FIXED_ROWS = "+fixed_rows"
 
 
@@ -136,7 +137,7 @@ def path_of(row: dict, ep: int, version: str | None = None) -> DispatchPath:
     if kernels.startswith(DEFAULT_KERNELS) and row.get("index_graphs") is False:
         kernels += DIRECT_LAUNCH  # the fused kernels launched directly: more host time per eager forward
     if kernels.startswith(DEFAULT_KERNELS) and row.get("fixed_expert_rows"):
-        kernels += FIXED_ROWS  # the expert rows gathered in the layout graph: less host time
+        kernels += FIXED_ROWS  # the expert rows in a buffer kept per set: other host time
     transport = str(row.get("transport_used") or row.get("transport") or DEFAULT_TRANSPORT)
     if ep == 1 and transport == DEFAULT_TRANSPORT:
         # One rank: nothing crosses a wire, and NCCL's one-rank collective is EP1's usual path. Over
