@@ -12,8 +12,9 @@
 #   graphs), at 32 and at 8 routed experts per GPU (TBO_EXPERTS, total over both GPUs: "64 16"; 8 per
 #   GPU is DeepSeek-V3 at EP32, where each micro-batch's expert GEMMs are 4x taller).
 # Writes sbo_wire_<wire>_<tag>.json, tbo_wire_<wire>_<tag>.json and their logs under "${OUT:-out}".
-# WIRES picks the wires (default: both); PARTS picks "sbo" and/or "tbo" (default both); TBO_SM_BUDGETS
-# (e.g. "128") adds a TBO run per budget with --tbo-gemm-sm-budget (files tbo_wire_<wire>_<tag>_sms<N>.json).
+# WIRES picks the wires (default: both); PARTS picks "sbo" and/or "tbo" (default both). The TBO run's GEMMs
+# plan for all SMs but the transfer's (--tbo-gemm-sm-budget auto, the default); TBO_SM_BUDGETS (e.g.
+# "all 128") adds a TBO run per budget (files tbo_wire_<wire>_<tag>_sms<N>.json).
 # Expected wall time on 2x H200: about 6 minutes (estimated from
 # the EP2 files: sbo_h200x2.json took 78 s for 30 steps up to 8192 tokens, tbo_h200x2.json 63 s for 12;
 # here 6 SBO + 6 TBO steps per wire, 16384 tokens the largest, the emulated wire ~5x slower per byte).

@@ -243,6 +243,44 @@ def test_a_gemm_sm_budget_changes_nothing_on_cpu():
     assert torch.equal(plain, budgeted)
 
 
+def test_the_default_gemm_sm_budget_leaves_out_the_sms_the_transfer_holds(monkeypatch):
+    """``"auto"``: all SMs but NCCL's CTAs when the transfer is an NCCL collective beside the compute
+    (``NCCL_MAX_CTAS`` when set); no budget where nothing runs beside it (symmetric memory, copy
+    engines, one rank, CPU). Numbers and None pass through; anything else is refused."""
+    import moe_sbo.model.tbo as tbo
+    from moe_sbo.dispatch import EPGroup, make_dispatcher
+    from moe_sbo.dispatch.base import NCCL_TRANSFER_SMS
+
+    monkeypatch.setattr(tbo, "sm_count", lambda device: 132)  # an H200, without one
+    monkeypatch.delenv("NCCL_MAX_CTAS", raising=False)
+    cuda, cpu, two = torch.device("cuda"), torch.device("cpu"), EPGroup(rank=0, size=2)
+    alltoall = make_dispatcher("alltoall", 16, two)
+    assert tbo.resolve_gemm_sm_budget("auto", alltoall, cuda) == 132 - NCCL_TRANSFER_SMS
+    monkeypatch.setenv("NCCL_MAX_CTAS", "16")
+    assert tbo.resolve_gemm_sm_budget("auto", alltoall, cuda) == 116
+    ll = {t: make_dispatcher("low_latency", 16, two, transport=t, kernels="triton") for t in ("nccl", "symm_mem")}
+    assert tbo.resolve_gemm_sm_budget("auto", ll["nccl"], cuda) == 116
+    assert tbo.resolve_gemm_sm_budget("auto", ll["symm_mem"], cuda) is None
+    assert tbo.resolve_gemm_sm_budget("auto", alltoall, cpu) is None
+    assert tbo.resolve_gemm_sm_budget("auto", make_dispatcher("local", 16, EPGroup()), cuda) is None
+    assert tbo.resolve_gemm_sm_budget(100, alltoall, cuda) == 100
+    assert tbo.resolve_gemm_sm_budget(None, alltoall, cuda) is None
+    for bad in ("most", True, 1.5):
+        with pytest.raises(ValueError, match="gemm_sm_budget must be a number of SMs, 'auto' or None"):
+            tbo.resolve_gemm_sm_budget(bad, alltoall, cuda)
+
+
+def test_bench_reads_a_tbo_gemm_sm_budget_as_a_number_auto_or_all():
+    import argparse
+
+    from moe_sbo.cli.bench import gemm_sm_budget_arg
+
+    assert [gemm_sm_budget_arg(t) for t in ("128", "auto", "all")] == [128, "auto", None]
+    for bad in ("0", "-4", "most"):
+        with pytest.raises(argparse.ArgumentTypeError, match="a number of SMs, 'auto' or 'all'"):
+            gemm_sm_budget_arg(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_gemm_sm_budget_holds_during_tbo_and_is_undone_after(monkeypatch):

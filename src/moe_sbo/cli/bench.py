@@ -80,6 +80,15 @@ tiny preset at a few tokens, a smoke run of the whole sweep (CPU times are not G
 any rank starts, a per-rank memory estimate is printed and a run that cannot fit is refused."""
 
 
+def gemm_sm_budget_arg(text: str) -> int | str | None:
+    """``--tbo-gemm-sm-budget``: a number of SMs, ``auto`` or ``all`` (None: no budget)."""
+    if text in ("auto", "all"):
+        return None if text == "all" else text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a number of SMs, 'auto' or 'all', got {text!r}")
+
+
 def _device_default(key: str, what: str) -> str:
     gpu, cpu = (" ".join(map(str, v)) if isinstance(v, list) else v for v in DEVICE_DEFAULTS[key])
     return f"{what} (default: {gpu}; on CPU: {cpu})"
@@ -187,11 +196,12 @@ def add_bench_parser(subparsers) -> None:
     )
     tbo.add_argument(
         "--tbo-gemm-sm-budget",
-        type=int,
-        default=None,
-        metavar="SMS",
-        help="CUDA: the SMs every GEMM under TBO plans for (default all), leaving the others to the other "
-        "micro-batch's transfer; in every TBO row as tbo_gemm_sm_budget",
+        type=gemm_sm_budget_arg,
+        default="auto",
+        metavar="SMS|auto|all",
+        help="CUDA: the SMs every GEMM under TBO plans for, leaving the others to the other micro-batch's "
+        "transfer: a number, 'all', or 'auto' (default: all but the SMs the transfer holds, "
+        "moe_sbo.model.tbo.resolve_gemm_sm_budget); the number used is in every TBO row as tbo_gemm_sm_budget",
     )
 
 
@@ -241,7 +251,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "leave one out for its default"
         )
     make_overlap("combine_sm", device, sm_budget=args.sm_budget)  # checks the SM budget here, once
-    if args.tbo and args.tbo_gemm_sm_budget is not None:
+    if args.tbo and isinstance(args.tbo_gemm_sm_budget, int):
         check_sm_budget(torch.device(device), args.tbo_gemm_sm_budget)
     if args.transport in ("symm_mem", "copy_engine") and (device != "cuda" or ranks < 2):
         raise ValueError(

@@ -30,7 +30,7 @@ from ..layer import MoELayer
 from ..measure.timing import time_fn
 from ..model.attention import AttentionConfig, Batch, KVCache
 from ..model.decoder import DecoderLayer
-from ..model.tbo import split_batch, tbo_forward
+from ..model.tbo import resolve_gemm_sm_budget, split_batch, tbo_forward
 from ..model.tbo_auto import AutoTbo
 from ..overlap import make_overlap
 from ..overlap.sbo import bucket_of
@@ -113,7 +113,7 @@ def _forward(
     ``delay`` on ``tbo_dispatcher`` (``_tbo_dispatcher``'s) and ``--tbo-gemm-sm-budget``."""
     if delay is None:
         return layer(x_TH, batch, cache)
-    gemm_sm_budget = spec.get("tbo_gemm_sm_budget")
+    gemm_sm_budget = spec.get("tbo_gemm_sm_budget", "auto")
     return tbo_forward(layer, x_TH, batch, cache, delay=delay, gemm_sm_budget=gemm_sm_budget, dispatcher=tbo_dispatcher)
 
 
@@ -151,6 +151,10 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
         cache = layer.make_cache(size, spec["kv_len"] + 1)
         graph = device.type == "cuda" and spec["graph"] and layer.moe.dispatcher.graph_capturable
     tbo_dispatcher, half = _tbo_dispatcher(layer, spec, batch)
+    # The SMs TBO's GEMMs plan for, as tbo_forward resolves --tbo-gemm-sm-budget (recorded in TBO rows).
+    gemm_sm_budget = resolve_gemm_sm_budget(
+        spec.get("tbo_gemm_sm_budget", "auto"), tbo_dispatcher or layer.moe.dispatcher, device
+    )
     dtype = getattr(torch, spec["dtype"])
     generator = torch.Generator(device=device).manual_seed(spec["seed"] * 31 + rank)
     x_TH = torch.randn(batch.num_tokens, layer.attn_cfg.hidden_size, generator=generator, device=device).to(dtype)
@@ -194,6 +198,7 @@ def tbo_bench_rank(device: torch.device, spec: dict, regime: str, size: int) -> 
                         "tbo": chosen is not None,
                         "delay": chosen,
                         "tbo_policy": "auto" if delay == "auto" else "fixed",
+                        "tbo_gemm_sm_budget": gemm_sm_budget if chosen is not None else None,
                         "capacity": (batch.num_tokens if chosen is None else half) if half else None,
                         "graph": graph,
                         "t_layer_us": t,
@@ -221,7 +226,7 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
                 "tbo": first["tbo"],
                 "delay": first["delay"],
                 "tbo_policy": first["tbo_policy"],
-                "tbo_gemm_sm_budget": spec.get("tbo_gemm_sm_budget") if first["tbo"] else None,
+                "tbo_gemm_sm_budget": first["tbo_gemm_sm_budget"],
                 "capacity": first["capacity"],
                 "graph": first["graph"],
                 "t_layer_us": max(r["t_layer_us"] for r in rank_rows),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,6 +29,18 @@ import torch.distributed as dist
 from ..hooks import HookRegistry
 from ..profiling import annotate
 from .layout import ExpertLayout
+
+# The CTAs, so SMs, an NCCL all-to-all holds while it runs beside compute when NCCL_MAX_CTAS does not
+# cap them: NCCL picks its channel count per communicator and does not report it. 4 is where a
+# two-batch-overlap GEMM budget was fastest on 2x H200 with NCCL 2.28 (128 of 132 SMs, against 100,
+# 120, 124 and all 132: docs/BENCHMARKS.md, "Two-batch overlap with a GEMM budget").
+NCCL_TRANSFER_SMS = 4
+
+
+def nccl_transfer_sms() -> int:
+    """SMs an NCCL transfer holds while it runs: ``NCCL_MAX_CTAS`` when set, else ``NCCL_TRANSFER_SMS``."""
+    cap = os.environ.get("NCCL_MAX_CTAS", "").strip()
+    return int(cap) if cap.isdigit() and int(cap) > 0 else NCCL_TRANSFER_SMS
 
 
 @dataclass(frozen=True)
@@ -205,6 +218,12 @@ class Dispatcher:
         """How many dispatches may be in flight (launched, not yet combined) at once; None: any number
         (schemes that allocate per forward)."""
         return None
+
+    def transfer_sms(self, device: torch.device) -> int:
+        """SMs this scheme's transfer holds while the current stream computes on ``device``: NCCL's
+        CTAs (``nccl_transfer_sms``) when the payload moves by an NCCL collective on NCCL's own stream
+        (CUDA, EP > 1); 0 where nothing runs beside the compute (CPU, one rank)."""
+        return nccl_transfer_sms() if device.type == "cuda" and self.ep.size > 1 else 0
 
     # ---- the public two-phase API -------------------------------------------------------------
 

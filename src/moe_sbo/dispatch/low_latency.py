@@ -392,6 +392,11 @@ class LowLatencyDispatcher(Dispatcher):
     def max_rounds_in_flight(self) -> int:
         return self.num_buffers
 
+    def transfer_sms(self, device: torch.device) -> int:
+        """NCCL's CTAs over ``nccl``; 0 over ``symm_mem`` (its stores are part of the pack kernel, on the
+        current stream, so nothing runs beside it) and ``copy_engine`` (the copy engines, no SMs)."""
+        return super().transfer_sms(device) if self.transport_for(device) == "nccl" else 0
+
     def _index_kernels(self):
         """The fused kernels that plan sends and lay out received rows: two passes from
         ``BULK_MIN_CAPACITY`` tokens per rank (``ll_bulk``), one pass below (``ll_kernels``)."""

@@ -27,13 +27,14 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from ..dispatch import Dispatcher
 from ..stages import run_interleaved
 from ..streams import sm_budget as sm_budget_ctx
+from ..streams import sm_count
 from .attention import Batch, KVCache
 
 if TYPE_CHECKING:
@@ -158,6 +159,23 @@ def _check_serves(dispatcher: Dispatcher, moe: MoELayer) -> None:
         )
 
 
+GemmSmBudget = int | Literal["auto"] | None
+
+
+def resolve_gemm_sm_budget(budget: GemmSmBudget, dispatcher: Dispatcher, device: torch.device) -> int | None:
+    """The SMs TBO's GEMMs plan for on ``device`` (None: all of them, no budget).
+
+    ``"auto"``: all but those the dispatcher's transfer holds while it runs beside compute
+    (``Dispatcher.transfer_sms``: NCCL's CTAs over NCCL; none over symmetric memory, the copy engines,
+    one rank or CPU, which then get no budget). An int is taken as given, None as none."""
+    if budget != "auto":
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise ValueError(f"gemm_sm_budget must be a number of SMs, 'auto' or None, got {budget!r}")
+        return budget
+    held = dispatcher.transfer_sms(device)
+    return max(1, sm_count(device) - held) if held and device.type == "cuda" else None
+
+
 def tbo_forward(
     layer: DecoderLayer,
     x_TH: torch.Tensor,
@@ -167,7 +185,7 @@ def tbo_forward(
     delay: int | None = None,
     threshold: float = BALANCE_THRESHOLD,
     min_prefill_tokens: int = MIN_PREFILL_TOKENS,
-    gemm_sm_budget: int | None = None,
+    gemm_sm_budget: GemmSmBudget = "auto",
     dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor:
     """``layer`` (a ``DecoderLayer``) on ``x_TH`` [T, H] as two interleaved micro-batches -> ``[T, H]``.
@@ -178,9 +196,12 @@ def tbo_forward(
     micro-batch of any rank, ``layer.moe.sibling_dispatcher(max_tokens_per_rank=...)``.
 
     ``gemm_sm_budget`` (CUDA): the SMs every GEMM of the two micro-batches plans for (``streams.sm_budget``;
-    None: all). Under TBO one micro-batch's GEMMs run while the other's transfer holds some SMs, and a
-    persistent GEMM (``torch._grouped_mm``'s CUTLASS kernel launches one CTA per SM it plans for) then
-    waits with its last CTAs for the transfer's SMs to free: a budget that leaves them out avoids it."""
+    None: all; ``"auto"``, the default: all but the transfer's, ``resolve_gemm_sm_budget``). Under TBO one
+    micro-batch's GEMMs run while the other's transfer holds some SMs, and a persistent GEMM
+    (``torch._grouped_mm``'s CUTLASS kernel launches one CTA per SM it plans for) then waits with its
+    last CTAs for the transfer's SMs to free: a budget that leaves them out avoids it (on 2x H200 over
+    an inter-node-class wire, TBO at 4096-16384 prefill tokens per rank went from 1.04-1.12x to
+    1.17-1.29x the layer without TBO: docs/BENCHMARKS.md)."""
     if x_TH.shape[0] != batch.num_tokens:
         raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
     cache.check(batch)
@@ -193,7 +214,7 @@ def tbo_forward(
         delay = DEFAULT_DELAY["decode" if batch.decode else "prefill"]
     a, b = split.a, split.b
     dispatcher_b = twin_dispatcher(dispatcher_a)
-    with sm_budget_ctx(x_TH.device, gemm_sm_budget):
+    with sm_budget_ctx(x_TH.device, resolve_gemm_sm_budget(gemm_sm_budget, dispatcher_a, x_TH.device)):
         out_a, out_b = run_interleaved(
             layer.stages(x_TH[a.start : a.stop], a.batch, cache, dispatcher=dispatcher_a),
             layer.stages(x_TH[b.start : b.stop], b.batch, cache, dispatcher=dispatcher_b),

@@ -34,7 +34,7 @@ from ..dispatch import Dispatcher, EPGroup
 from ..overlap.sbo import BucketTrials, bucket_of
 from ..streams import capturing, clock, elapsed_us
 from .attention import Batch, KVCache
-from .tbo import tbo_forward
+from .tbo import GemmSmBudget, tbo_forward
 
 if TYPE_CHECKING:
     from .decoder import DecoderLayer
@@ -69,18 +69,21 @@ class AutoTbo:
         *,
         agreed_tokens: int,
         delay: int | None = None,
+        gemm_sm_budget: GemmSmBudget = "auto",
         dispatcher: Dispatcher | None = None,
     ) -> torch.Tensor:
         """``layer`` on ``x_TH`` [T, H] with or without two-batch overlap -> ``[T, H]``.
 
         ``agreed_tokens``: the same on every rank of the layer's EP group (e.g. the largest T over
-        the ranks); a rank passing another value can hang the others. ``delay``: TBO's stage delay;
-        ``dispatcher``: TBO's (``tbo_forward``'s; the layer runs its own without TBO).
+        the ranks); a rank passing another value can hang the others. ``delay``, ``gemm_sm_budget``:
+        TBO's (``tbo_forward``'s); ``dispatcher``: TBO's (the layer runs its own without TBO).
         """
 
         def run(use_tbo: bool) -> torch.Tensor:
             if use_tbo:
-                return tbo_forward(layer, x_TH, batch, cache, delay=delay, dispatcher=dispatcher)
+                return tbo_forward(
+                    layer, x_TH, batch, cache, delay=delay, gemm_sm_budget=gemm_sm_budget, dispatcher=dispatcher
+                )
             return layer(x_TH, batch, cache)
 
         return self.run(run, agreed_tokens=agreed_tokens, ep=layer.moe.dispatcher.ep, device=x_TH.device)
