@@ -125,6 +125,24 @@ def test_every_mode_captures_in_a_cuda_graph(mode):
             assert _rel(replayed, reference) <= BF16_REL_TOL
 
 
+def test_auto_chooses_a_mode_for_graphs_from_replays_and_captures_it():
+    """``choose_for_graphs`` times each candidate's replays and keeps one; a graph captured after it
+    runs that mode (its hooks), and gives the layer's output within bf16 tolerance."""
+    cfg = get_preset("deepseek-v2-lite")
+    layer = MoELayer(
+        cfg, device="cuda", overlap="auto", dispatcher="low_latency", dispatcher_options={"max_tokens_per_rank": 64}
+    )
+    static_x = torch.randn(64, cfg.hidden_size, device="cuda").bfloat16()
+    with torch.inference_mode():
+        choice = layer.overlap.choose_for_graphs(lambda: layer(static_x), 64, layer.dispatcher.ep, replays=5)
+        assert choice in FIXED_MODES and layer.overlap.graph_choices == {64: choice}
+        assert layer.overlap.timings_us == {}  # the capture's warm-up forwards did not explore
+        graph, static_y = capture_graph(lambda: layer(static_x))
+        graph.replay()
+        reference = MoELayer(cfg, device="cuda")(static_x)
+        assert _rel(static_y, reference) <= BF16_REL_TOL
+
+
 def test_sm_budget_beyond_the_gpu_is_an_error():
     total = sm_count(torch.device("cuda", torch.cuda.current_device()))
     with pytest.raises(ValueError, match=rf"sm_budget must be in \[1, {total}\]"):

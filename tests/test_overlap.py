@@ -187,6 +187,45 @@ def test_auto_decision_never_slower_than_none_with_given_timings():
     assert auto.choices[8] == "none"  # medians: none 11, dispatch 30, split 11.5
 
 
+def _slowest_rank_rank(device):
+    from moe_sbo.dispatch import EPGroup
+    from moe_sbo.overlap.sbo import slowest_rank
+
+    mine = [[10.0, 30.0, 20.0], [12.0, 15.0, 25.0]][dist.get_rank()]
+    return slowest_rank(mine, EPGroup.from_torch(), device)
+
+
+def test_auto_strategies_compare_each_candidate_on_its_slowest_rank(ranks2):
+    from moe_sbo.dispatch import EPGroup
+    from moe_sbo.overlap.sbo import slowest_rank
+
+    assert ranks2.run(_slowest_rank_rank) == [[12.0, 30.0, 25.0]] * 2
+    assert slowest_rank([3.0, 1.0], EPGroup(), torch.device("cpu")) == [3.0, 1.0]  # one rank: as they are
+
+
+def test_a_mode_chosen_for_graphs_is_kept_apart_from_the_eager_one(monkeypatch):
+    """While ``choose_for_graphs`` times a candidate, every forward runs that candidate (its capture's
+    warm-up ones too, which would otherwise explore); eager forwards keep the eager choice. There are
+    no graphs on CPU, so it refuses there."""
+    from moe_sbo.overlap import sbo
+
+    ran = []
+    monkeypatch.setattr(sbo, "ATTACH", {m: (lambda *a, m=m: ran.append(m)) for m in FIXED_MODES})
+    layer = MoELayer(get_preset("tiny"), dtype=torch.float32, overlap="auto")
+    auto = layer.overlap
+    assert isinstance(auto, AutoOverlap)
+    x = torch.randn(6, 64)
+    auto.choices[bucket_of(6)], auto.graph_choices[bucket_of(6)] = "dispatch", "split"
+    auto._forced = "combine_sm"
+    auto.attach(None, layer.shared_experts, x)
+    auto._forced = None
+    auto.attach(None, layer.shared_experts, x)
+    assert ran == ["combine_sm", "dispatch"]  # eager: the eager choice, not the graphs'
+    assert auto.timings_us == {}  # nothing explored
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        auto.choose_for_graphs(lambda: layer(x), 6, layer.dispatcher.ep)
+
+
 def test_choices_from_benchmark_rows():
     rows = [
         {"tokens_per_rank": 128, "overlap": "none", "t_layer_us": 100.0},

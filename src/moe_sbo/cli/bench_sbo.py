@@ -126,9 +126,16 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
             row.update(bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
             rows.append(row)
             if graph:
+                graph_choice = {}
+                if isinstance(
+                    layer.overlap, AutoOverlap
+                ):  # replays pick their own mode (eager timings don't carry over)
+                    mode_replayed = layer.overlap.choose_for_graphs(lambda: layer(x_TH), tokens, layer.dispatcher.ep)
+                    graph_choice = {"auto_choice": mode_replayed}
                 rows.append(
                     {
                         **row,
+                        **graph_choice,
                         "graph": True,
                         "t_layer_us": time_fn(lambda: layer(x_TH), device, warmup, iters, True),
                         "t_shared_us": base["t_shared_graph_us"],

@@ -32,8 +32,10 @@ from .layout import ExpertLayout
 
 # The CTAs, so SMs, an NCCL all-to-all holds while it runs beside compute when NCCL_MAX_CTAS does not
 # cap them: NCCL picks its channel count per communicator and does not report it. 4 is where a
-# two-batch-overlap GEMM budget was fastest on 2x H200 with NCCL 2.28 (128 of 132 SMs, against 100,
-# 120, 124 and all 132: docs/BENCHMARKS.md, "Two-batch overlap with a GEMM budget").
+# two-batch-overlap GEMM budget was fastest on 2x H200, NCCL 2.28, over NCCL's host-memory path (the
+# inter-node-class wire): 128 of 132 SMs, against 100, 120, 124 and all 132 (docs/BENCHMARKS.md,
+# "Two-batch overlap with a GEMM budget"). Over NVLink NCCL may run more channels; a 128-SM budget
+# left TBO's speed there unchanged (within 3 %, same page).
 NCCL_TRANSFER_SMS = 4
 
 

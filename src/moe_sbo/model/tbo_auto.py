@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from ..dispatch import Dispatcher, EPGroup
-from ..overlap.sbo import BucketTrials, bucket_of
+from ..overlap.sbo import BucketTrials, bucket_of, slowest_rank
 from ..streams import capturing, clock, elapsed_us
 from .attention import Batch, KVCache
 from .tbo import GemmSmBudget, tbo_forward
@@ -112,11 +111,7 @@ class AutoTbo:
 
     def _decide(self, samples: dict[bool, list[float]], group: EPGroup, device: torch.device) -> bool:
         """Whether TBO wins: each candidate's median on its slowest rank (one all-reduce)."""
-        medians = torch.tensor([statistics.median(samples[c]) for c in CANDIDATES], dtype=torch.float64)
-        if group.size > 1:
-            medians = medians.to(device)
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group.group)
-        without, with_tbo = medians.tolist()
+        without, with_tbo = slowest_rank([statistics.median(samples[c]) for c in CANDIDATES], group, device)
         return with_tbo < without
 
 

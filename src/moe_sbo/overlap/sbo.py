@@ -41,10 +41,12 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..dispatch import EPGroup
 from ..experts import SharedExperts
 from ..hooks import HookScope
 from ..streams import (
     SideStream,
+    capture_graph,
     capturing,
     check_sm_budget,
     clock,
@@ -252,8 +254,12 @@ class AutoOverlap:
     (CUDA events, read with a sync at the next forward of the bucket; only while exploring). Then the
     bucket keeps the mode with the lowest median, so it is never slower than ``none`` as measured.
     ``choices`` (bucket -> mode) can also be given up front, e.g. from a benchmark's JSON rows with
-    ``choices_from_rows``. Inside CUDA-graph capture nothing is timed: the bucket's choice (or
-    ``none``) runs.
+    ``choices_from_rows``.
+
+    Inside CUDA-graph capture nothing is timed: the bucket's ``graph_choices`` entry runs, else its
+    eager choice (or ``none``). Eager timings do not carry over to replays (an eager forward waits
+    for its host; a replay does not), so a caller that serves from graphs first calls
+    ``choose_for_graphs``, which times each candidate's replays and agrees over the EP group.
     """
 
     ctx: OverlapContext
@@ -261,7 +267,9 @@ class AutoOverlap:
     trials: int = 3
     warmup: int = 1
     choices: dict[int, str] = field(default_factory=dict)
+    graph_choices: dict[int, str] = field(default_factory=dict)
     _open: dict[int, tuple[str, torch.cuda.Event | float, torch.cuda.Event | float]] = field(default_factory=dict)
+    _forced: str | None = None  # the candidate ``choose_for_graphs`` is timing
 
     name = "auto"
 
@@ -282,8 +290,13 @@ class AutoOverlap:
         if shared is None:
             return SharedOutput(launched_at="no_shared_experts")
         bucket = bucket_of(x_TH.shape[0])
-        if bucket in self.choices or capturing(self.ctx.device):  # (reading timings would sync: never inside a capture)
-            return ATTACH[self.choices.get(bucket, "none")](hooks, shared, x_TH, self.ctx)
+        if self._forced is not None:
+            return ATTACH[self._forced](hooks, shared, x_TH, self.ctx)
+        if capturing(self.ctx.device):  # (reading timings would sync: never inside a capture)
+            mode = self.graph_choices.get(bucket, self.choices.get(bucket, "none"))
+            return ATTACH[mode](hooks, shared, x_TH, self.ctx)
+        if bucket in self.choices:
+            return ATTACH[self.choices[bucket]](hooks, shared, x_TH, self.ctx)
         self._close(bucket)
         if bucket in self.choices:  # that forward's timing completed the exploration
             return ATTACH[self.choices[bucket]](hooks, shared, x_TH, self.ctx)
@@ -308,6 +321,53 @@ class AutoOverlap:
             medians = {m: statistics.median(samples[m]) for m in self.candidates}
             # ties go to the earlier candidate, and "none" comes first
             self.choices[bucket] = min(self.candidates, key=lambda m: medians[m])
+
+    def choose_for_graphs(
+        self, forward: Callable[[], object], num_tokens: int, group: EPGroup, *, replays: int = 20
+    ) -> str:
+        """The mode that CUDA-graph replays of ``forward`` run fastest with, kept in ``graph_choices``
+        for the bucket of ``num_tokens`` -> that mode.
+
+        ``forward``: one whole forward through this strategy at ``num_tokens`` tokens, e.g.
+        ``lambda: layer(x_TH)``. Each candidate is captured in its own graph (``capture_graph``, whose
+        warm-up runs also use that candidate) and replayed ``replays`` times; the choice is the
+        lowest median on the slowest rank of ``group`` (ties: the earlier candidate, ``none`` first),
+        the same on every rank. Every rank of ``group`` calls this together, as capturing a
+        collective dispatcher's forward requires anyway. CUDA only (there are no graphs on CPU)."""
+        device = self.ctx.device
+        if device.type != "cuda":
+            raise ValueError(f"choose_for_graphs times CUDA-graph replays and needs a CUDA device, got {device}")
+        if replays < 1:
+            raise ValueError(f"replays must be >= 1, got {replays}")
+        medians = []
+        for mode in self.candidates:
+            self._forced = mode
+            try:
+                graph, _ = capture_graph(forward)
+            finally:
+                self._forced = None
+            spans = []
+            for _ in range(replays):
+                start = clock(device)
+                graph.replay()
+                spans.append((start, clock(device)))
+            medians.append(statistics.median(elapsed_us(a, b) for a, b in spans))
+            del graph
+        slowest = slowest_rank(medians, group, device)
+        choice = self.candidates[min(range(len(self.candidates)), key=lambda i: (slowest[i], i))]
+        self.graph_choices[bucket_of(num_tokens)] = choice
+        return choice
+
+
+def slowest_rank(values: list[float], group: EPGroup, device: torch.device) -> list[float]:
+    """Each of ``values`` as its slowest (largest) over the ranks of ``group`` (one all-reduce; the
+    values themselves at one rank). What ``auto`` strategies decide by: a layer runs at its slowest
+    rank's pace, and every rank must keep the same choice."""
+    if group.size == 1:
+        return list(values)
+    reduced = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group.group)
+    return reduced.tolist()
 
 
 def choices_from_rows(rows: list[dict], **match) -> dict[int, str]:
