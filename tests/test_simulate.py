@@ -1,10 +1,14 @@
 """The simulator (``moe-sbo plan --simulate``): calibration from a result file written here, a layer
-predicted by hand on a toy calibration, physics it must not break, validation, the command line."""
+predicted by hand on a toy calibration, physics it must not break, validation, the Triton GEMV at
+decode sizes, the command line."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,7 +19,13 @@ import pytest
 from moe_sbo import planner
 from moe_sbo.config import get_preset
 from moe_sbo.overlap.sbo import FIXED_MODES
-from moe_sbo.planner.simulate_fit import EMULATED_INTERNODE_GBPS, Contention
+from moe_sbo.planner.simulate import runs_gemv, stage_ops
+from moe_sbo.planner.simulate_fit import (
+    EMULATED_INTERNODE_GBPS,
+    GEMV,
+    Contention,
+    expected_experts_with_rows,
+)
 
 REPO_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 HIDDEN, INTER = 7168, 2048  # DeepSeek-V3's expert dims, the ones fp8_experts rows are measured at
@@ -97,6 +107,12 @@ def results(tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def real_costs() -> planner.StageCosts:
     return planner.calibrate_simulator(planner.load_rows(REPO_RESULTS))
+
+
+@pytest.fixture(scope="module")
+def repo_checked() -> list[planner.Checked]:
+    """The repository's results validated as ``moe-sbo plan --simulate`` does (10 folds)."""
+    return planner.validate(planner.load_rows(REPO_RESULTS))
 
 
 # ---- calibration ----------------------------------------------------------------------------------
@@ -296,9 +312,9 @@ def _write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_validation_of_the_repository_results_reports_every_row(real_costs):
+def test_validation_of_the_repository_results_reports_every_row(repo_checked):
     rows = planner.load_rows(REPO_RESULTS)
-    checked = planner.validate(rows)
+    checked = repo_checked
     layer_rows = sum(planner.setup_of(r) is not None for r in rows)
     assert sum(c.metric == "layer" for c in checked) == layer_rows > 800
     summary = planner.validation_summary(checked)
@@ -377,7 +393,11 @@ def test_tbo_predictions_follow_the_gemm_budget(real_costs):
     setup = next(
         s
         for r in rows
-        if (s := planner.setup_of(r)) is not None and s.tbo and s.regime == "prefill" and s.wire != "nvlink"
+        if (s := planner.setup_of(r)) is not None
+        and s.tbo
+        and s.regime == "prefill"
+        and s.wire != "nvlink"
+        and s.gemm_sm_budget is None  # a row measured with a budget already has one
     )
     free, budgeted = predict(setup, cal), predict(replace(setup, gemm_sm_budget=128), cal)
     assert budgeted.t_layer_us != free.t_layer_us
@@ -385,19 +405,118 @@ def test_tbo_predictions_follow_the_gemm_budget(real_costs):
     assert predict(replace(plain, gemm_sm_budget=128), cal).t_layer_us == predict(plain, cal).t_layer_us
 
 
-def test_validation_covers_both_wires_of_the_repository_results():
-    """The emulated inter-node wire's rows are validated, on a wire fitted from their own references."""
+def test_validation_covers_both_wires_of_the_repository_results(repo_checked):
+    """The emulated inter-node wire's rows are validated, on a wire fitted from their own references,
+    whose bandwidth is what the file that sent the largest all-to-all measured (a decode file's small
+    messages measure latency as much as bandwidth)."""
     rows = planner.load_rows(REPO_RESULTS)
     emulated = [r for r in rows if r.wire == "emulated-internode" and planner.setup_of(r) is not None]
     if not emulated:
         pytest.skip("no emulated-internode rows among the repository's results")
     link = planner.calibrate_simulator(rows).links["emulated-internode"]
     assert link.source.startswith("raw all_to_all_single") and link.samples > 0
-    measured = [r.meta["wire_all_to_all_GBps"] for r in emulated if "wire_all_to_all_GBps" in r.meta]
-    assert measured and link.GBps == pytest.approx(measured[0], rel=0.15)
-    labels = [c.label for c in planner.validate(rows) if c.file == emulated[0].file]
+    measured = [
+        (r.meta["wire_all_to_all_bytes"], r.meta["wire_all_to_all_GBps"])
+        for r in emulated
+        if "wire_all_to_all_GBps" in r.meta and "wire_all_to_all_bytes" in r.meta
+    ]
+    assert measured and link.GBps == pytest.approx(max(measured)[1], rel=0.15)
+    labels = [c.label for c in repo_checked if c.file == emulated[0].file]
     assert len(labels) == sum(r.file == emulated[0].file for r in emulated)
     assert all(label.endswith("emulated-internode") for label in labels)
+
+
+# ---- the Triton GEMV at decode sizes -----------------------------------------------------------------
+
+GEMV_GBPS = 4000.0  # the synthetic GEMV's weight read (the grouped GEMM's: GBPS)
+EXPERT_B = 3 * HIDDEN * INTER * 2  # one bf16 expert's weights
+LL_PATH = planner.DispatchPath("low_latency", "triton", "nccl", "bf16", True)
+V3_EP2 = V3.with_num_experts(64)  # 32 experts per GPU at EP2, as the sbo_wire files ran
+
+
+def test_expected_experts_with_rows_counts_uniform_draws():
+    assert expected_experts_with_rows(2, 2) == pytest.approx(1.5)  # two rows on two experts: apart half the time
+    assert expected_experts_with_rows(16, 1) == pytest.approx(1.0)
+    assert expected_experts_with_rows(16, 0) == 0.0 and expected_experts_with_rows(1, 5) == 1.0
+    assert expected_experts_with_rows(32, 10_000) == pytest.approx(32.0)
+    # bench_gemv's draws (each row on one of L experts, uniformly): the mean count of experts hit.
+    rng = random.Random(0)
+    mean = statistics.mean(len({rng.randrange(16) for _ in range(32)}) for _ in range(4000))
+    assert mean == pytest.approx(expected_experts_with_rows(16, 32), abs=0.05)
+
+
+def _gemv_costs() -> planner.StageCosts:
+    """The toy calibration with a GEMV fit beside the grouped GEMM's (both weight-bound at decode)."""
+    grouped = planner.GemmFit(weight_GBps=GBPS, TFLOPs=TFLOPS, knee=math.inf, samples=0)
+    gemv = planner.GemmFit(weight_GBps=GEMV_GBPS, TFLOPs=50.0, knee=math.inf, samples=0)
+    return replace(_toy_costs(grouped), gemm={"bf16": grouped, GEMV: gemv})
+
+
+def _routed_op(setup: planner.Setup, cal: planner.StageCosts) -> planner.Op:
+    stages = stage_ops(setup, cal, "", setup.tokens, setup.sequences, setup.overlap)
+    return next(op for stage in stages for op in stage if op.kind == "routed_experts")
+
+
+def test_the_gemv_runs_at_decode_sizes_on_code_that_has_it():
+    """Up to GEMV_MAX_ROWS rows handed to the experts (low_latency: P x capacity x top-k slots), bf16
+    experts on code since the GEMV read only the experts with rows, never wait for a transfer and
+    ignore an SM budget; code before it, or more rows, run the persistent grouped GEMM over all."""
+    cal = _gemv_costs()
+    decode = planner.Setup(V3_EP2, 2, 16, LL_PATH)  # 2 x 16 x 8 = 256 slots: the GEMV
+    gemv = _routed_op(decode, cal)
+    assert gemv.gpu_us == pytest.approx(expected_experts_with_rows(32, 128) * EXPERT_B / (GEMV_GBPS * 1e3))
+    assert not gemv.persistent
+    before = _routed_op(replace(decode, gemv=False), cal)  # measured before the GEMV: torch._grouped_mm
+    assert before.gpu_us == pytest.approx(gemm_us(32, 128 / 32)) and before.persistent
+    more = _routed_op(replace(decode, tokens=32), cal)  # 512 slots, though only 256 real rows
+    assert more.gpu_us == pytest.approx(gemm_us(32, 256 / 32)) and more.persistent
+    alltoall = replace(decode, tokens=32, path=planner.DispatchPath("alltoall", dispatch_dtype="bf16", multi=True))
+    assert runs_gemv(alltoall, 32) and not runs_gemv(replace(alltoall, tokens=33), 33)  # no padding: 256 rows
+    assert not runs_gemv(replace(decode, expert_dtype="fp8"), 16)
+    budgeted = replace(decode, tbo=True, gemm_sm_budget=66)  # half the SMs: a GEMM twice as slow
+    assert _routed_op(budgeted, cal).gpu_us == pytest.approx(gemv.gpu_us)
+    assert _routed_op(replace(budgeted, gemv=False), cal).gpu_us == pytest.approx(2 * before.gpu_us)
+    no_fit = replace(cal, gemm={"bf16": cal.gemm["bf16"]})  # files without gemv rows: the grouped GEMM's
+    assert _routed_op(decode, no_fit).gpu_us == pytest.approx(before.gpu_us)
+
+
+def test_the_gemv_is_fitted_over_the_experts_it_read_and_rows_follow_their_files_date(tmp_path):
+    """bench_gemv rows fit the GEMV over ``experts_with_rows`` (a row above GEMV_MAX_ROWS, where layers
+    run the grouped GEMM, is left out); a layer row has the GEMV when its file is dated since it landed."""
+    gemv = [
+        {
+            "bench": "gemv",
+            "experts": 16,
+            "rows": n,
+            "experts_with_rows": k,
+            "t_gemv_us": k * EXPERT_B / (GEMV_GBPS * 1e3),
+        }
+        for n, k in ((8, 7), (16, 11), (32, 13))
+    ]
+    gemv.append({"bench": "gemv", "experts": 16, "rows": 1024, "experts_with_rows": 16, "t_gemv_us": 1e6})
+    layers = synthetic_rows()
+    _write(tmp_path / "gemv_h200x1.json", gemv)
+    for name, date in (("old", "2026-11-30T19:22:54+00:00"), ("new", "2026-12-01T09:31:20+00:00"), ("undated", None)):
+        meta = {"world_size": 2, **({"date": date} if date else {})}
+        (tmp_path / f"{name}_h200x2.json").write_text(json.dumps({"meta": meta, "rows": layers}))
+    rows = planner.load_rows(tmp_path)
+    fit = planner.calibrate_simulator(rows).gemm[GEMV]
+    assert fit.weight_GBps == pytest.approx(GEMV_GBPS) and fit.samples == 3
+    has_gemv = {r.file: planner.setup_of(r).gemv for r in rows if planner.setup_of(r) is not None}
+    assert has_gemv == {"old_h200x2.json": False, "new_h200x2.json": True, "undated_h200x2.json": False}
+
+
+def test_decode_rows_measured_with_the_gemv_are_predicted_with_it(repo_checked):
+    """The sbo_wire files measured on both sides of the GEMV's landing, at 16 tokens per rank (EP2:
+    2 x 16 x 8 = 256 slots, so the GEMV since): the older ran torch._grouped_mm, the newer (_v3) the
+    GEMV, ~1/3 faster, which the grouped GEMM's roofline over-predicted by 32-47 %."""
+    rows = planner.load_rows(REPO_RESULTS)
+    for file, has_gemv in (("sbo_wire_nvlink_h200x2.json", False), ("sbo_wire_nvlink_h200x2_v3.json", True)):
+        assert {s.gemv for r in rows if r.file == file and (s := planner.setup_of(r)) is not None} == {has_gemv}
+    new = [c for c in repo_checked if c.file.startswith("sbo_wire_") and c.file.endswith("_v3.json")]
+    graph16 = [c for c in new if " 16 tok graph " in c.label]
+    assert len(graph16) == 12  # 6 modes x 2 wires
+    assert statistics.median(abs(c.error) for c in graph16) < 0.15
 
 
 # ---- command line -----------------------------------------------------------------------------------

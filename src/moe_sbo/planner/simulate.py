@@ -18,7 +18,11 @@ grouped GEMM (``torch._grouped_mm``): a persistent kernel with one CTA per SM it
 CTAs whose SMs the transfer holds start when the transfer ends and then do a whole share, and the
 GEMM ends a full GEMM time after the transfer (measured on 2x H200, SIMULATION.md section 5). A
 ``gemm_sm_budget`` (TBO) plans the GEMMs for fewer SMs instead: no wait, each GEMM slower as the
-contention probe measured a GEMM planned for that many SMs. Two-batch overlap
+contention probe measured a GEMM planned for that many SMs. At decode sizes (``runs_gemv``: up to
+``experts.GEMV_MAX_ROWS`` rows handed to the experts, padding included) bf16 experts run the Triton
+grouped GEMV instead, on code that has it (``Setup.gemv``): the weights of the experts with rows
+(``StageCosts.gemv_us``), an ordinary grid of programs (stretched, never held back) that no SM
+budget plans. Two-batch overlap
 (``model/tbo.py``) cuts the tokens in two and interleaves the micro-batches' three stages —
 [attention, router, dispatch launch] [dispatch wait, routed experts, combine launch] [combine wait,
 shared, residual] — ``delay`` stages apart: A0 B0 A1 B1 A2 B2 at delay 0.
@@ -94,6 +98,9 @@ class Setup:
     measured_bytes: tuple[float, float] | None = None  # (dispatch, combine) bytes per rank, as a row recorded
     gpus_per_node: int = 8
     gemm_sm_budget: int | None = None  # TBO: the SMs its GEMMs plan for (``tbo_forward``'s); None: all
+    # The code has the bf16 experts' Triton GEMV at decode sizes (``runs_gemv``): today's code; False
+    # for rows measured before it (``simulate_rows.GEMV_SINCE``), whose experts ran torch._grouped_mm.
+    gemv: bool = True
 
     @property
     def experts_per_gpu(self) -> int:
@@ -205,6 +212,24 @@ def transfer_us(setup: Setup, cal: StageCosts, inside_B: float, other_B: float) 
 # ---- ops of one micro-batch -----------------------------------------------------------------------
 
 
+def expert_input_rows(setup: Setup, tokens: int) -> float:
+    """The rows a rank's routed experts are handed for ``tokens`` of its tokens, padding included: what
+    ``RoutedExperts.dense_path`` compares with ``GEMV_MAX_ROWS``. low_latency hands P x capacity x
+    top-k fixed slots whatever the routing (its capacity as ``phase_bytes`` takes it); the other
+    dispatchers the (token, expert) pairs that land on the rank, T x top-k on average."""
+    top_k = setup.cfg.num_experts_per_tok
+    if setup.path.dispatcher == "low_latency":
+        return setup.ep * (setup.capacity or setup.tokens) * top_k
+    return tokens * top_k
+
+
+def runs_gemv(setup: Setup, tokens: int) -> bool:
+    """Whether the routed experts of ``tokens`` run the Triton grouped GEMV: bf16 experts, code that
+    has it, at most ``GEMV_MAX_ROWS`` rows handed to them (``RoutedExperts.dense_path`` on CUDA with
+    ``kernels="auto"``, which every result file ran)."""
+    return setup.gemv and setup.expert_dtype == "bf16" and expert_input_rows(setup, tokens) <= GEMV_MAX_ROWS
+
+
 def attention_us(setup: Setup, cal: StageCosts, tokens: int, sequences: int) -> float:
     """Attention GPU time: the bf16 roofline of its projections' weights (+ the KV cache a decode
     step reads) against its FLOPs, plus the fixed cost fitted per regime to the TBO rows."""
@@ -231,15 +256,20 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     sm = (path.transport or "nccl") in SM_TRANSPORTS or setup.wire == "cluster"
     shared = cal.shared_gpu(tokens) if cfg.num_shared_experts and tokens > 0 else 0.0
     rows = tokens * cfg.num_experts_per_tok  # the (token, expert) pairs the routed experts run
-    routed = cal.routed_gpu_us(cfg, setup.experts_per_gpu, rows, setup.expert_dtype, path)
+    gemv = runs_gemv(setup, tokens)
+    routed = cal.routed_gpu_us(cfg, setup.experts_per_gpu, rows, setup.expert_dtype, path, gemv)
     name = (mb + " " if mb else "") + "{}"
     n = name.format
 
     # GEMMs planned for fewer SMs (TBO's gemm_sm_budget) are slower, as the contention probe measured
-    # a GEMM on fewer SMs, and none waits.
+    # a GEMM on fewer SMs, and none waits. The budget is an SM carve-out that cuBLAS and
+    # torch._grouped_mm plan for; the Triton GEMV's grid ignores it, so its time is its own.
     budget = setup.gemm_sm_budget if setup.tbo else None
     gemm_slowdown = cal.contention.gemm_slowdown(budget) if budget else 1.0
-    persistent = budget is None and setup.expert_dtype == "bf16" and rows > GEMV_MAX_ROWS
+    routed_slowdown = 1.0 if gemv else gemm_slowdown
+    # The bf16 experts' torch._grouped_mm is persistent at every size (its tiles outnumber the SMs even
+    # at decode: 16+ experts x 32+ column tiles), so code before the GEMV was persistent at decode too.
+    persistent = budget is None and setup.expert_dtype == "bf16" and not gemv
 
     def shared_op(label: str, share: float, slowdown: float = 1.0) -> Op:
         return Op(n(label), "shared_experts", COMPUTE, shared * share * slowdown * gemm_slowdown)
@@ -262,7 +292,7 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     layout = cal.kernel_us(path, "dispatch", tokens)
     s1 = [
         Op(n("dispatch layout"), "dispatch", COMPUTE, layout, (n("dispatch transfer"),)),
-        Op(n("routed experts"), "routed_experts", COMPUTE, routed * gemm_slowdown, persistent=persistent),
+        Op(n("routed experts"), "routed_experts", COMPUTE, routed * routed_slowdown, persistent=persistent),
     ]
     if mode == "combine":
         s1.append(shared_op("shared experts", 1.0))

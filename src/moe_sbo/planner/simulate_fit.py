@@ -6,7 +6,10 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
 - grouped GEMM: a smooth roofline per expert weight dtype, ``max(weight read, rows x FLOPs)`` with a
   fitted knee, from the GEMM-only rows (``grouped_gemm``, ``fp8_experts``), and per dispatcher path a
   factor on the rows the layer's GEMM runs (routing imbalance, padded rows: more FLOPs, the same
-  weight stream), fitted where the layer's routed span is FLOP-bound;
+  weight stream), fitted where the layer's routed span is FLOP-bound; and the bf16 experts' Triton
+  grouped GEMV at decode sizes (``GEMV``: up to ``experts.GEMV_MAX_ROWS`` rows, code since
+  ``simulate_rows.GEMV_SINCE``), the same roofline over the weights of the experts that have rows
+  only (it skips the others), from the ``gemv`` rows;
 - router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
   that timed them alone (``t_floor_*``, CUDA-graph ``t_shared_us``);
 - wire: ``latency + bytes / bandwidth`` per link class, least squares in relative error over the raw
@@ -32,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..config import MoEConfig, get_preset
+from ..experts import GEMV_MAX_ROWS
 from .links import positive_field
 from .simulate_rows import DEFAULT_PRESET, DispatchPath, ResultRow, dtype_name
 
@@ -55,6 +59,9 @@ H200_SMS = 132
 SM_TRANSPORTS = ("nccl", "symm_mem", "rdma")
 # Knees tried for the grouped GEMM's smooth roofline (w^p + c^p)^(1/p); inf is a hard max.
 KNEES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, math.inf)
+# ``StageCosts.gemm``'s key for the Triton grouped GEMV of bf16 experts (``gemv_kernels``), beside
+# the dtype keys of the grouped GEMMs.
+GEMV = "bf16-gemv"
 
 
 # ---- fit primitives -------------------------------------------------------------------------------
@@ -146,7 +153,8 @@ def fit_link(points: Sequence[tuple[float, float]], source: str) -> LinkFit | No
 class GemmFit:
     """The grouped GEMM of routed experts (gate_up, SiLU-mul, down) as a smooth roofline:
     ``(w^p + c^p)^(1/p)`` with w = L experts' weight bytes / ``weight_GBps`` and c = the rows' FLOPs /
-    ``TFLOPs``; ``knee`` p (inf: a hard max)."""
+    ``TFLOPs``; ``knee`` p (inf: a hard max). ``experts`` may be an expected, fractional count (the
+    GEMV's experts with rows)."""
 
     weight_GBps: float
     TFLOPs: float
@@ -154,14 +162,14 @@ class GemmFit:
     samples: int
 
     def parts_us(
-        self, experts: int, rows_per_expert: float, hidden: int, inter: int, weight_B: float
+        self, experts: float, rows_per_expert: float, hidden: int, inter: int, weight_B: float
     ) -> tuple[float, float]:
         """(weight stream, FLOPs) in µs: the roofline's two bounds."""
         w = experts * 3 * hidden * inter * weight_B / (self.weight_GBps * 1e3)
         c = experts * rows_per_expert * 6 * hidden * inter / (self.TFLOPs * 1e6)
         return w, c
 
-    def time_us(self, experts: int, rows_per_expert: float, hidden: int, inter: int, weight_B: float) -> float:
+    def time_us(self, experts: float, rows_per_expert: float, hidden: int, inter: int, weight_B: float) -> float:
         if experts <= 0:
             return 0.0
         w, c = self.parts_us(experts, rows_per_expert, hidden, inter, weight_B)
@@ -187,7 +195,21 @@ def smooth_max(a: float, b: float, p: float) -> float:
 WEIGHT_B = {"bf16": 2.0, "fp8": 1.0}  # bytes per weight element (fp8 block scales: 0.006 %, left out)
 
 
-def fit_gemm(samples: Sequence[tuple[int, float, int, int, float, float]]) -> GemmFit | None:
+def expected_experts_with_rows(experts: int, rows: float) -> float:
+    """Of ``experts`` local experts, how many get at least one of ``rows`` rows: L (1 - (1 - 1/L)^R).
+
+    Each row lands on one of the L experts, uniformly and independently, so an expert stays empty with
+    probability (1 - 1/L)^R. That is how ``bench_gemv`` drew the rows its ``experts_with_rows`` were
+    counted on (``torch.randint`` over L), so the GEMV fit is used on the count it was fitted on. A
+    layer's routing differs a little (a token's top-k experts are distinct; DeepSeek-V3's group limit):
+    16 tokens x top-8 per rank at EP2 over 2 x 32 experts leave 31.56 of 32 experts with rows against
+    31.45 here, 0.4 % of the weights read."""
+    if experts <= 0 or rows <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
+
+
+def fit_gemm(samples: Sequence[tuple[float, float, int, int, float, float]]) -> GemmFit | None:
     """``samples``: (experts, rows per expert, H, I, weight bytes per element, µs). The rate of each
     bound is the median over the samples that bound clearly dominates (the other term < 1/4 of it),
     starting from the best rate seen; then the knee that minimises the squared log error."""
@@ -247,7 +269,7 @@ class Contention:
 class StageCosts:
     """Everything the simulator predicts with (see the module docstring), and where it came from."""
 
-    gemm: dict[str, GemmFit]  # by expert weight dtype
+    gemm: dict[str, GemmFit]  # by expert weight dtype; ``GEMV``: the bf16 experts' Triton grouped GEMV
     routed_factor: dict[DispatchPath, float]  # factor on the GEMM's rows in the layer, per path (and wildcards)
     route_gpu: Curve
     shared_gpu: Curve
@@ -282,13 +304,31 @@ class StageCosts:
     def routed_scale(self, path: DispatchPath) -> float:
         return next((self.routed_factor[p] for p in path.own_keys() if p in self.routed_factor), 1.0)
 
-    def routed_gpu_us(self, cfg: MoEConfig, experts: int, rows: float, expert_dtype: str, path: DispatchPath) -> float:
-        """The layer's grouped GEMM: the roofline over the path's factor x the real rows (padding and
-        imbalance add rows, so FLOPs; the weights are streamed once whatever the rows)."""
+    def routed_gpu_us(
+        self, cfg: MoEConfig, experts: int, rows: float, expert_dtype: str, path: DispatchPath, gemv: bool = False
+    ) -> float:
+        """The layer's routed experts over ``experts`` local experts and ``rows`` real (token, expert)
+        pairs. The grouped GEMM: the roofline over the path's factor x the real rows (padding and
+        imbalance add rows, so FLOPs; the weights are streamed once whatever the rows). With ``gemv``
+        (the caller's decision: bf16 experts at decode sizes on code that has it, ``simulate.runs_gemv``)
+        and a GEMV fit among the files: the GEMV's roofline over the experts expected to have rows;
+        without ``gemv`` rows among the files, the grouped GEMM's (slower: it reads every expert)."""
+        if gemv and GEMV in self.gemm:
+            return self.gemv_us(cfg, experts, rows)
         fit = self.gemm.get(expert_dtype) or self.gemm["bf16"]
         per_expert = rows / experts if experts else 0.0
         scaled = per_expert * self.routed_scale(path)
         return fit.time_us(experts, scaled, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B[expert_dtype])
+
+    def gemv_us(self, cfg: MoEConfig, experts: int, rows: float) -> float:
+        """The Triton grouped GEMV: it reads only the weights of experts with rows, so the roofline runs
+        over their expected count. No path factor: that factor is grouped_mm's, fitted on FLOP-bound
+        spans of >= 1 ms, and the GEMV computes no padded row (it stops at each expert's last row)."""
+        touched = expected_experts_with_rows(experts, rows)
+        if touched <= 0:
+            return 0.0
+        fit = self.gemm[GEMV]
+        return fit.time_us(touched, rows / touched, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B["bf16"])
 
 
 def _positive(row: ResultRow, key: str) -> float | None:
@@ -303,8 +343,10 @@ def _phase_bytes(row: ResultRow, phase: str) -> float:
 
 
 def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
+    """GEMM-only samples for ``fit_gemm`` by ``StageCosts.gemm`` key (expert dtype, or ``GEMV``)."""
     v3 = get_preset(DEFAULT_PRESET)
     by_dtype: dict[str, list] = defaultdict(list)
+    by_dtype[GEMV] = _gemv_samples(rows)
     for r in rows:
         if r.get("bench") == "fp8_experts" and _positive(r, "t_us"):
             dtype = dtype_name(r.get("weight_dtype"))
@@ -331,6 +373,24 @@ def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
                 )
             )
     return by_dtype
+
+
+def _gemv_samples(rows: Sequence[ResultRow]) -> list:
+    """The Triton GEMV's ``t_gemv_us`` (``bench_gemv``, bf16, DeepSeek-V3's dims: its defaults, which
+    its rows do not record) as ``fit_gemm`` samples over the experts it read, ``experts_with_rows``
+    (it skips the empty ones), with the rows shared among them. Only rows up to ``GEMV_MAX_ROWS``:
+    above, layers run ``torch._grouped_mm``, and the GEMV's own time there (it reads an expert's
+    weights again for every 16 of its rows) would skew the rates fitted for the sizes it runs at."""
+    v3 = get_preset(DEFAULT_PRESET)
+    hidden, inter = v3.hidden_size, v3.moe_intermediate_size
+    samples = []
+    for r in rows:
+        if r.get("bench") != "gemv":
+            continue
+        t, total, touched = _positive(r, "t_gemv_us"), _positive(r, "rows"), _positive(r, "experts_with_rows")
+        if t and total and touched and total <= GEMV_MAX_ROWS:
+            samples.append((touched, total / touched, hidden, inter, WEIGHT_B["bf16"], t))
+    return samples
 
 
 def _contention(rows: Sequence[ResultRow]) -> Contention:
@@ -362,7 +422,7 @@ def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lam
     if "bf16" not in gemm:
         raise ValueError("results must hold grouped-GEMM rows (fp8_experts_*.json or foundation_*.json), got none")
 
-    moe = [r for r in rows if r.get("bench") not in ("tbo", "fp8_experts", "grouped_gemm", "contention")]
+    moe = [r for r in rows if r.get("bench") not in ("tbo", "fp8_experts", "grouped_gemm", "gemv", "contention")]
     # Some files timed these floors eagerly (host time included): the GPU time is the least measured.
     route = curve([(r.tokens, float(r.get("t_floor_route_us"))) for r in moe if _positive(r, "t_floor_route_us")], min)
     shared = curve(
@@ -453,7 +513,9 @@ def _routed_factors(moe: Sequence[ResultRow], gemm: dict[str, GemmFit]) -> dict[
     """Per path, the median factor on the rows the layer's grouped GEMM runs (capacity padding, routing
     imbalance): the ``f`` for which the roofline over f x the real rows meets the routed span (or
     floor), over rows whose GEMM takes >= 1 ms (shorter spans are host-bound in eager rows) and is
-    FLOP-bound (the weight stream does not change with the rows)."""
+    FLOP-bound (the weight stream does not change with the rows). So no row whose experts ran the
+    Triton GEMV counts: at <= ``GEMV_MAX_ROWS`` rows the grouped GEMM is FLOP-bound only on a single
+    expert (H200: ~200 rows per expert to match its weight stream), tens of µs, far under 1 ms."""
     ratios: dict[DispatchPath, list[float]] = defaultdict(list)
     for r in moe:
         t = _positive(r, "t_floor_routed_us") or (_positive(r, "t_routed_us") if r.get("overlap") == "none" else None)

@@ -17,13 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..config import MoEConfig
+from ..experts import GEMV_MAX_ROWS
 from .simulate import (
     AttentionShape,
     Setup,
     back_to_back_us,
     predict,
 )
-from .simulate_fit import StageCosts, curve, fit_stage_costs
+from .simulate_fit import GEMV, StageCosts, curve, fit_stage_costs
 from .simulate_rows import DEFAULT_KERNELS, DispatchPath, ResultRow, dtype_name, path_of
 
 # Where the model may be off: the issue's bar for the EP1/EP2 rows.
@@ -78,7 +79,16 @@ def setup_of(r: ResultRow) -> Setup | None:
     if bench == "fp8_layer":  # EP1 low_latency layer over ``experts`` routed experts, on the default path
         cfg = cfg.with_num_experts(int(r.get("experts")))
         row = {"dispatcher": "low_latency", "kernels": DEFAULT_KERNELS, "dispatch_dtype": r.get("dispatch_dtype")}
-        return Setup(cfg, 1, r.tokens, path_of(row, 1), graph=True, expert_dtype=experts_dtype, bytes_scheme="blocks")
+        return Setup(
+            cfg,
+            1,
+            r.tokens,
+            path_of(row, 1),
+            graph=True,
+            expert_dtype=experts_dtype,
+            bytes_scheme="blocks",
+            gemv=r.gemv,
+        )
     dispatcher = str(r.get("dispatcher"))
     measured = None
     if r.get("dispatch_bytes_sent") is not None:
@@ -98,6 +108,7 @@ def setup_of(r: ResultRow) -> Setup | None:
         bytes_scheme="measured" if measured else default_scheme,
         capacity=r.get("capacity"),
         measured_bytes=measured,
+        gemv=r.gemv,
     )
     if bench != "tbo":
         return setup
@@ -242,9 +253,10 @@ def calibration_lines(cal: StageCosts) -> list[tuple[str, str]]:
     """What the simulator fitted, one (stage, fit) line each, for the command line."""
     lines = []
     for dtype, fit in sorted(cal.gemm.items()):
+        stage = f"grouped GEMV, bf16 <= {GEMV_MAX_ROWS} rows" if dtype == GEMV else f"grouped GEMM, {dtype} experts"
         lines.append(
             (
-                f"grouped GEMM, {dtype} experts",
+                stage,
                 f"weights {fit.weight_GBps:,.0f} GB/s, {fit.TFLOPs:.0f} TFLOP/s, "
                 f"knee {fit.knee:g} ({fit.samples} rows)",
             )

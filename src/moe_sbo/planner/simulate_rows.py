@@ -7,13 +7,15 @@ of it, with its one-off floors and references), the unit the validation holds ou
 
 What is hard is **old rows**: fields were added as the benchmarks grew, so a missing field is read
 as what the code did when it was missing (``UNRECORDED_KERNELS``, ``DEFAULT_TRANSPORT``), never
-guessed from the numbers.
+guessed from the numbers; what no row records (the routed experts' kernels) is read from the file's
+date (``GEMV_SINCE``).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from functools import cache, cached_property
 from pathlib import Path
 
@@ -36,6 +38,11 @@ DIRECT_LAUNCH = "+direct"
 # buffer set: the same GPU work, other host work per eager forward (before the address tables, one
 # launch less; since, one allocation less), so its own path and setup too.
 FIXED_ROWS = "+fixed_rows"
+# Since commit a479e10 (this instant, UTC) dense routed experts on CUDA run ``gemv_kernels``' Triton
+# grouped GEMV at decode sizes (``experts.GEMV_MAX_ROWS``); before it, ``torch._grouped_mm`` at every
+# size. No row records which ran, so a file's ``meta.date`` (UTC ISO 8601, ``measure.results``) on
+# or after this says its code had the GEMV; a file without a date is taken as older.
+GEMV_SINCE = "2026-11-30T21:18:02+00:00"
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,25 @@ class ResultRow:
     @cached_property
     def path(self) -> DispatchPath:
         return path_of(self.row, self.ep, str(self.meta.get("source_sha") or self.meta.get("commit") or "unknown"))
+
+    @property
+    def gemv(self) -> bool:
+        """Whether the code that measured this row had the Triton grouped GEMV (``GEMV_SINCE``)."""
+        return measured_since(self.meta, GEMV_SINCE)
+
+
+def measured_since(meta: dict, since: str) -> bool:
+    """Whether a result file's ``meta.date`` is at or after ``since`` (ISO 8601; one without a zone is
+    taken as UTC, the zone ``measure.results`` writes); False without a readable date."""
+    try:
+        date = datetime.fromisoformat(str(meta["date"]))
+    except (KeyError, ValueError):
+        return False
+
+    def utc(moment: datetime) -> datetime:
+        return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+    return utc(date) >= utc(datetime.fromisoformat(since))
 
 
 @dataclass(frozen=True)
