@@ -127,9 +127,8 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
             rows.append(row)
             if graph:
                 graph_choice = {}
-                if isinstance(
-                    layer.overlap, AutoOverlap
-                ):  # replays pick their own mode (eager timings don't carry over)
+                if isinstance(layer.overlap, AutoOverlap):
+                    # Replays pick their own mode: eager timings do not carry over to them.
                     mode_replayed = layer.overlap.choose_for_graphs(lambda: layer(x_TH), tokens, layer.dispatcher.ep)
                     graph_choice = {"auto_choice": mode_replayed}
                 rows.append(
