@@ -586,3 +586,36 @@ def test_a_tbo_row_that_records_its_capacity_is_simulated_with_it():
     new = planner.ResultRow("tbo.json", "g", {**row, "capacity": 2048}, meta)
     assert planner.setup_of(old).capacity == 4096
     assert planner.setup_of(new).capacity == 2048
+
+
+def test_a_tbo_rows_micro_batches_send_the_blocks_of_their_own_capacity():
+    """A ``low_latency`` TBO row records the whole batch's bytes (its wire reference's), but each
+    micro-batch's dispatcher sends blocks of the half capacity the row records: the simulator charges
+    those, not the reference's bytes; the row without TBO keeps its measured bytes."""
+    from dataclasses import replace
+
+    from moe_sbo.planner.simulate import phase_bytes
+    from moe_sbo.planner.simulate_rows import ResultRow
+
+    base = {
+        "bench": "tbo",
+        "dispatcher": "low_latency",
+        "kernels": "triton",
+        "transport": "nccl",
+        "ep": 2,
+        "experts_per_gpu": 32,
+        "regime": "prefill",
+        "tokens_per_rank": 4096,
+        "sequences_per_rank": 2,
+        "overlap": "none",
+        "delay": 0,
+        "t_layer_us": 1.0,
+        "dispatch_bytes_sent": 1e9,
+        "combine_bytes_sent": 5e8,
+    }
+    plain = planner.setup_of(ResultRow("f.json", "g", {**base, "tbo": False, "capacity": 4096}, {}))
+    tbo = planner.setup_of(ResultRow("f.json", "g", {**base, "tbo": True, "capacity": 2048}, {}))
+    assert phase_bytes(plain, 4096) == ((1e9, 0.0), (5e8, 0.0))
+    (dispatch, _), (combine, _) = phase_bytes(tbo, 2048)
+    (whole_dispatch, _), (whole_combine, _) = phase_bytes(replace(tbo, capacity=4096), 4096)
+    assert (dispatch, combine) == (whole_dispatch / 2, whole_combine / 2)

@@ -112,6 +112,11 @@ def setup_of(r: ResultRow) -> Setup | None:
     )
     if bench != "tbo":
         return setup
+    if r.get("tbo") and dispatcher == "low_latency":
+        # A TBO row's recorded bytes are its physical reference's: the whole batch through the layer's
+        # own dispatcher (what ``t_wire_us`` moved). Each micro-batch sends capacity-sized blocks of its
+        # own dispatcher, sized for its half: the blocks of ``capacity`` below.
+        setup = replace(setup, bytes_scheme="blocks", measured_bytes=None)
     regime = str(r.get("regime"))
     return replace(
         setup,
