@@ -15,9 +15,8 @@
 # WIRES picks the wires (default: both); PARTS picks "sbo" and/or "tbo" (default both). The TBO run's GEMMs
 # plan for all SMs but the transfer's (--tbo-gemm-sm-budget auto, the default); TBO_SM_BUDGETS (e.g.
 # "all 128") adds a TBO run per budget (files tbo_wire_<wire>_<tag>_sms<N>.json).
-# Expected wall time on 2x H200: about 6 minutes (estimated from
-# the EP2 files: sbo_h200x2.json took 78 s for 30 steps up to 8192 tokens, tbo_h200x2.json 63 s for 12;
-# here 6 SBO + 6 TBO steps per wire, 16384 tokens the largest, the emulated wire ~5x slower per byte).
+# Wall time on 2x H200 (2026-12-01, TBO_SM_BUDGETS=128): about 4 minutes per wire, so two calls of a
+# 10-minute device limit are safer than one (WIRES=nvlink, then WIRES=emulated-internode).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 if [ "$GPUS" -lt 2 ]; then echo "run_gpu_wire.sh needs >= 2 GPUs, found $GPUS"; exit 2; fi
