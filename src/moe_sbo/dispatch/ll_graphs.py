@@ -160,15 +160,16 @@ class PieceGraph:
 @dataclass
 class RoundGraphs:
     """One buffer set's pieces (built on first use): the ``pack`` graph and the ``staging`` it
-    reads, the start of the set's dispatch transfer (in ``pack`` with symmetric memory, called after
-    it with NCCL), the ``layout`` graph (which first waits on the set's barrier when ``pack``
-    started a symmetric-memory transfer; with ``fixed_expert_rows`` it gathers into
-    ``expert_rows``), and the ``combine`` and ``combine_end`` graphs (the latter first waits on the
-    combine barrier with symmetric memory)."""
+    reads, the start of the set's dispatch and combine transfers (in the ``pack`` and ``combine``
+    graphs with symmetric memory, called after them with NCCL), the ``layout`` graph (which first
+    waits on the set's barrier when ``pack`` started a symmetric-memory transfer; with
+    ``fixed_expert_rows`` it gathers into ``expert_rows``), and the ``combine`` and ``combine_end``
+    graphs (the latter first waits on the combine barrier with symmetric memory)."""
 
     staging: Staging | None = None
     pack: PieceGraph | None = None
-    start_transfer: Callable[[], list] | None = None
+    start_dispatch: Callable[[], list] | None = None
+    start_combine: Callable[[], list] | None = None
     layout: PieceGraph | None = None
     layout_keeps_fp8: bool = False  # the ``deliver_fp8`` the layout graph's gather was built for
     expert_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # with ``fixed_expert_rows``

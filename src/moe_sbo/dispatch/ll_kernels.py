@@ -51,7 +51,7 @@ from ..lanes import lanes
 from .layout import ExpertLayout
 from .ll_addresses import CallerAddresses
 from .ll_wire import RowFormat
-from .reduce import block_h_for, gather_sum_kernel
+from .reduce import block_h_for, launch_gather_sum
 
 # The wire format's constants, as compile-time constants of the kernels.
 GROUP_V = tl.constexpr(FP8_GROUP)
@@ -556,22 +556,4 @@ def sum_returned(
     """Inside a graph: ``reduce.gather_sum(recv_SH, slot_CP[:T])`` (each token's P returned rows summed
     in float32, the same kernel and so the same bits) into the [T, H] output of ``out_like``'s dtype
     whose address and T the table holds; rows T..C-1 are not written."""
-    capacity, num_ranks = slot_CP.shape
-    num_src, hidden = recv_SH.shape
-    k_p2 = triton.next_power_of_2(num_ranks)
-    block_h = block_h_for(hidden, k_p2)
-    gather_sum_kernel[(capacity, triton.cdiv(hidden, block_h))](
-        recv_SH,
-        slot_CP,
-        recv_SH,
-        out_like,
-        num_src,
-        addresses.anchor,
-        addresses.table,
-        HIDDEN=hidden,
-        TOP_K=num_ranks,
-        K_P2=k_p2,
-        HAS_WEIGHT=False,
-        BLOCK_H=block_h,
-        ADDRESSED=True,
-    )
+    launch_gather_sum(recv_SH, slot_CP, None, out_like, addresses)

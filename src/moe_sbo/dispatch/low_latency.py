@@ -509,7 +509,7 @@ class LowLatencyDispatcher(Dispatcher):
         if graphs.pack is None:
             addresses = CallerAddresses(bufs.dispatch_recv_SB, 4)  # T, then x, ids and weights
             pack_rows = self._pack(st.x_CH, st.ids_CK, st.weights_CK, bufs, st.slot_CP, fmt)
-            start_transfer = graphs.start_transfer = self._start_transfer(bufs, "dispatch", fused=True)
+            start_transfer = graphs.start_dispatch = self._start_transfer(bufs, "dispatch", fused=True)
 
             def pack() -> None:
                 stage_inputs(addresses, st.x_CH, st.ids_CK, st.weights_CK)
@@ -519,10 +519,10 @@ class LowLatencyDispatcher(Dispatcher):
 
             graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda", addresses=addresses)
         table = graphs.pack.addresses
-        assert table is not None and graphs.start_transfer is not None  # set with the pack graph
+        assert table is not None and graphs.start_dispatch is not None  # set with the pack graph
         x, ids, weights = st.inputs(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)  # held until queued
         graphs.pack(x.shape[0], table.offset_of(x), table.offset_of(ids), table.offset_of(weights))
-        works = [] if in_graph else graphs.start_transfer()
+        works = [] if in_graph else graphs.start_dispatch()
         return st.slot_TP(x.shape[0]), works
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
@@ -643,7 +643,7 @@ class LowLatencyDispatcher(Dispatcher):
             layout, dst, recv_SB, capacity = graphs.layout, bufs.combine_dst, bufs.dispatch_recv_SB, self.capacity
             assert layout is not None  # the round's dispatch went through it
             y_like = torch.empty(1, fmt.hidden, dtype=fmt.dtype, device=recv_SB.device)  # its dtype and H
-            start = self._start_transfer(bufs, "combine", fused=True)
+            start = graphs.start_combine = self._start_transfer(bufs, "combine", fused=True)
 
             def reduce_and_send() -> None:
                 # The layout piece's last outputs: this round's (its captured tensors on CUDA).
@@ -653,10 +653,10 @@ class LowLatencyDispatcher(Dispatcher):
 
             graphs.combine = PieceGraph(reduce_and_send, capture=recv_SB.device.type == "cuda", addresses=addresses)
         table = graphs.combine.addresses
-        assert table is not None
+        assert table is not None and graphs.start_combine is not None  # set with the combine graph
         y_RH = readable(expert_y_RH, fmt.dtype)  # held until the replay is queued
         graphs.combine(table.offset_of(y_RH))
-        return [] if in_graph else self._start_transfer(bufs, "combine", fused=True)()
+        return [] if in_graph else graphs.start_combine()
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()

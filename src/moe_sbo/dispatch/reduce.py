@@ -20,9 +20,14 @@ On CUDA a Triton kernel does it in one pass (grid Y x H/BLOCK_H); elsewhere, or 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import env
+
+if TYPE_CHECKING:
+    from .ll_addresses import CallerAddresses
 
 try:
     import triton
@@ -39,7 +44,7 @@ def interpreting_triton() -> bool:
 if triton is not None:
 
     @triton.jit
-    def gather_sum_kernel(
+    def _gather_sum_kernel(
         src_ptr,
         index_ptr,
         weight_ptr,
@@ -54,7 +59,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         ADDRESSED: tl.constexpr,
     ):
-        # ADDRESSED (a replayed graph, ``ll_graphs.CallerAddresses``): the real row count and the
+        # ADDRESSED (a replayed graph, ``ll_addresses.CallerAddresses``): the real row count and the
         # output's address come from ``table_ptr`` (count, then a 16-byte offset from ``anchor_ptr``);
         # ``out_ptr`` only gives the output's dtype, and rows past the count are left alone.
         y = tl.program_id(0)
@@ -100,6 +105,39 @@ def uses_triton(device: torch.device, kernels: str = "auto") -> bool:
     return device.type == "cuda" or kernels == "triton"
 
 
+def launch_gather_sum(
+    src_XH: torch.Tensor,
+    index_YK: torch.Tensor,
+    weight_X: torch.Tensor | None,
+    out_YH: torch.Tensor,
+    addresses: CallerAddresses | None = None,
+) -> None:
+    """Queue the Triton kernel of ``gather_sum`` over contiguous tensors (int64 ``index_YK``).
+
+    ``addresses`` (inside a replayed graph): the real row count and the output's address come from
+    its table (count, then offset); ``out_YH`` then only gives the output's dtype, and rows past the
+    count are left alone."""
+    num_rows, top_k = index_YK.shape
+    num_src, hidden = src_XH.shape
+    k_p2 = triton.next_power_of_2(top_k)
+    block_h = block_h_for(hidden, k_p2)
+    _gather_sum_kernel[(num_rows, triton.cdiv(hidden, block_h))](
+        src_XH,
+        index_YK,
+        src_XH if weight_X is None else weight_X,
+        out_YH,
+        num_src,
+        src_XH if addresses is None else addresses.anchor,
+        index_YK if addresses is None else addresses.table,
+        HIDDEN=hidden,
+        TOP_K=top_k,
+        K_P2=k_p2,
+        HAS_WEIGHT=weight_X is not None,
+        BLOCK_H=block_h,
+        ADDRESSED=addresses is not None,
+    )
+
+
 def gather_sum(
     src_XH: torch.Tensor,
     index_YK: torch.Tensor,
@@ -121,24 +159,8 @@ def gather_sum(
         return out_YH.zero_()
     index_YK = index_YK.long()  # the kernel's row offsets index * H must not wrap at 2**31
     if uses_triton(src_XH.device, kernels):
-        k_p2 = triton.next_power_of_2(top_k)
-        block_h = block_h_for(hidden, k_p2)
-        src = src_XH.contiguous()
-        gather_sum_kernel[(num_rows, triton.cdiv(hidden, block_h))](
-            src,
-            index_YK.contiguous(),
-            src if weight_X is None else weight_X.contiguous(),
-            out_YH,
-            num_src,
-            src,
-            index_YK,
-            HIDDEN=hidden,
-            TOP_K=top_k,
-            K_P2=k_p2,
-            HAS_WEIGHT=weight_X is not None,
-            BLOCK_H=block_h,
-            ADDRESSED=False,
-        )
+        weights = None if weight_X is None else weight_X.contiguous()
+        launch_gather_sum(src_XH.contiguous(), index_YK.contiguous(), weights, out_YH)
         return out_YH
     # Accumulate in float32: in the output itself when it is float32, else in a temporary.
     acc_YH = out_YH.zero_() if out_dtype == torch.float32 else torch.zeros_like(out_YH, dtype=torch.float32)
