@@ -1,14 +1,17 @@
-"""Dense routed experts at decode sizes: ``gemv_kernels``' grouped GEMM against ``torch._grouped_mm``,
-one GPU, DeepSeek-V3 dims, and the weight-read floor measured in the same run.
+"""Dense routed experts from decode to prefill sizes: ``gemv_kernels``' grouped GEMV,
+``grouped_gemm_kernels``' tiled grouped GEMM and ``torch._grouped_mm``, one GPU, DeepSeek-V3 dims,
+against the weight-read floor and the compute floor measured in the same run.
 
-Rows (``bench="gemv"``, ``OUT/gemv.json``) per experts on the GPU (L, default 16: EP2's share of 32)
-and rows in all (R, padding included: ``low_latency`` hands the experts P x C x K rows), routing
-uniform over the L experts (seeded): ``t_gemv_us`` and ``t_grouped_mm_us`` for the whole routed MLP
-(gate_up, SwiGLU, down; ``measure.timing.KernelTimer``: ``triton.testing.do_bench`` median, L2
-cleared), ``experts_with_rows``,
-``t_floor_us`` (the touched experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB
-buffer reads HBM at in the same run) and each time's ratio to it, ``rel_err`` (||gemv - grouped_mm|| /
-||grouped_mm||). The data behind ``experts.GEMV_MAX_ROWS``.
+Rows (``bench="gemv"``, ``OUT/gemv.json``) per experts on the GPU (L: 8, 16, 32 by default; EP2's
+share of 16, 32 and 64) and rows in all (R, padding included: ``low_latency`` hands the experts P x C
+x K rows), routing uniform over the L experts (seeded): ``t_gemv_us``, ``t_tiled_us`` and
+``t_grouped_mm_us`` for the whole routed MLP (gate_up, SwiGLU, down; ``measure.timing.KernelTimer``:
+``triton.testing.do_bench`` median, L2 cleared; the GEMV is not timed above ``--gemv-max-rows``, where
+it re-reads each weight slice per 16 rows), ``experts_with_rows``; ``t_floor_us`` = max(the touched
+experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB buffer reads HBM at in the same
+run; the MLP's FLOPs at ``mm_tflops``, a dense 8192 x 7168 x 4096 bf16 ``torch.mm`` in the same run),
+each time's ratio to it, and ``rel_err_*`` (||kernel - grouped_mm|| / ||grouped_mm||). The data
+behind ``experts.GEMV_MAX_ROWS`` and ``experts.TILED_MAX_ROWS_PER_EXPERT``.
 
 Usage (GPU): ``python benchmarks/bench_gemv.py --out DIR``.
 """
@@ -26,20 +29,33 @@ from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import KernelTimer, memory_read_us
 
 READ_PROBE_BYTES = 1 << 31  # the buffer the read rate is measured on: 2 GB, far past L2
+PATHS = {"gemv": "gemv", "tiled": "tiled", "grouped_mm": "torch"}  # row key -> RoutedExperts.kernels
+
+
+def dense_mm_tflops(timer: KernelTimer, device: torch.device) -> float:
+    """TFLOP/s of one large bf16 ``torch.mm`` (8192 x 7168 x 4096): the compute rate the floor uses."""
+    a = torch.randn(8192, 7168, dtype=torch.bfloat16, device=device)
+    b = torch.randn(7168, 4096, dtype=torch.bfloat16, device=device)
+    return 2 * 8192 * 7168 * 4096 / timer(lambda: a @ b) / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--experts", type=int, nargs="+", default=[16])
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    )
+    parser.add_argument("--gemv-max-rows", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=2048)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    gbps = READ_PROBE_BYTES / memory_read_us(READ_PROBE_BYTES, device) / 1e3
     timer = KernelTimer(device, quick=False)
+    gbps = READ_PROBE_BYTES / memory_read_us(READ_PROBE_BYTES, device) / 1e3
+    tflops = dense_mm_tflops(timer, device)
+    print(f"read {gbps:.0f} GB/s, dense mm {tflops:.0f} TFLOP/s", flush=True)
     rows = []
     for num_experts in args.experts:
         experts = RoutedExperts(num_experts, args.hidden, args.intermediate, dtype=torch.bfloat16, device="cuda")
@@ -53,34 +69,46 @@ def main(argv: list[str] | None = None) -> int:
             counts_dev = counts.cuda()
             x = torch.randn(num_rows, args.hidden, dtype=torch.bfloat16, device="cuda")
             times, outs = {}, {}
-            for kernels in ("triton", "torch"):
+            for name, kernels in PATHS.items():
+                if name == "gemv" and num_rows > args.gemv_max_rows:
+                    continue
                 experts.kernels = kernels
 
                 def forward():
                     return experts(x, counts_dev)
 
                 with torch.no_grad():
-                    outs[kernels] = forward()
-                    times[kernels] = timer(forward)
+                    outs[name] = forward()
+                    times[name] = timer(forward)
             touched = int((counts > 0).sum())
-            floor_us = touched * expert_bytes / (gbps * 1e9) * 1e6
-            ref = outs["torch"].float()
+            read_floor_us = touched * expert_bytes / (gbps * 1e9) * 1e6
+            compute_floor_us = 2 * num_rows * 3 * args.hidden * args.intermediate / (tflops * 1e6)
+            floor_us = max(read_floor_us, compute_floor_us)
+            ref = outs["grouped_mm"].float()
             row = {
                 "bench": "gemv",
                 "experts": num_experts,
                 "rows": num_rows,
+                "rows_per_expert": num_rows / num_experts,
                 "experts_with_rows": touched,
-                "t_gemv_us": times["triton"],
-                "t_grouped_mm_us": times["torch"],
+                "t_read_floor_us": read_floor_us,
+                "t_compute_floor_us": compute_floor_us,
                 "t_floor_us": floor_us,
                 "read_gbps": gbps,
-                "gemv_floor_ratio": times["triton"] / floor_us,
-                "grouped_mm_floor_ratio": times["torch"] / floor_us,
-                "speedup": times["torch"] / times["triton"],
-                "rel_err": ((outs["triton"].float() - ref).norm() / ref.norm()).item(),
+                "mm_tflops": tflops,
             }
+            for name, t in times.items():
+                row[f"t_{name}_us"] = t
+                row[f"{name}_floor_ratio"] = t / floor_us
+                if name != "grouped_mm":
+                    row[f"rel_err_{name}"] = ((outs[name].float() - ref).norm() / ref.norm()).item()
+            best = min(times, key=times.__getitem__)
+            row["fastest"] = best
+            if "gemv" in times:
+                row["speedup"] = times["grouped_mm"] / times["gemv"]  # the GEMV against grouped_mm
+            row["speedup_tiled"] = times["grouped_mm"] / times["tiled"]
             rows.append(row)
-            print(row, flush=True)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     meta = result_meta("cuda", 1)
     (args.out / "gemv.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

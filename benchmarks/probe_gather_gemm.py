@@ -29,110 +29,32 @@ import argparse
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 from moe_sbo.dispatch import ll_kernels
 from moe_sbo.dispatch.layout import ExpertLayout
 from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import KernelTimer
 
-
-@triton.jit
-def _grouped_gemm_bf16_kernel(
-    a_ptr,
-    index_ptr,
-    b_ptr,
-    c_ptr,
-    offsets_ptr,
-    stride_a,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    E_P2: tl.constexpr,
-    GATHER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    offs_e = tl.arange(0, E_P2)
-    ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
-    starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
-    m_tiles_E = tl.cdiv(ends_E - starts_E, BLOCK_M)
-    tiles_E = m_tiles_E * NUM_N
-    tiles_end_E = tl.cumsum(tiles_E, axis=0)
-    if pid >= tl.sum(tiles_E):
-        return
-    expert = tl.sum((tiles_end_E <= pid).to(tl.int32))
-    mine_E = offs_e == expert
-    t = pid - tl.sum(tl.where(mine_E, tiles_end_E - tiles_E, 0))
-    row_start = tl.sum(tl.where(mine_E, starts_E, 0))
-    row_end = tl.sum(tl.where(mine_E, ends_E, 0))
-    m_tiles = tl.sum(tl.where(mine_E, m_tiles_E, 0))
-    width = GROUP_M * NUM_N
-    first_m = (t // width) * GROUP_M
-    group_size = tl.minimum(m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (t % width) % group_size
-    pid_n = (t % width) // group_size
-
-    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < row_end
-    if GATHER:
-        src_m = tl.load(index_ptr + offs_m, mask=m_mask, other=0)
-    else:
-        src_m = offs_m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_tile = a_ptr + src_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-    b_tile = b_ptr + expert.to(tl.int64) * N * K + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_tile + k0, mask=m_mask[:, None], other=0.0)
-        b = tl.load(b_tile + k0)
-        acc += tl.dot(a, b)
-    c_tile = c_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < N)[None, :])
-
-
-CONFIGS = (  # block_m, block_n, block_k, group_m, num_warps, num_stages
-    (128, 256, 64, 8, 8, 3),
-    (128, 128, 64, 8, 8, 4),
-    (128, 128, 64, 8, 4, 4),
-    (64, 256, 64, 8, 4, 4),
-    (256, 128, 64, 8, 8, 3),
+CONFIGS = tuple(  # block_m, block_n, group_m, num_warps, num_stages, block_k
+    GemmConfig(*c)
+    for c in (
+        (128, 256, 8, 8, 3, 64),
+        (128, 256, 8, 8, 4, 64),
+        (128, 128, 8, 8, 4, 64),
+        (128, 128, 8, 4, 4, 64),
+        (64, 256, 8, 4, 4, 64),
+        (64, 128, 8, 4, 4, 64),
+        (256, 128, 8, 8, 3, 64),
+    )
 )
 
 
-def grouped_gemm_bf16(a, index_R, w_LNK, offsets_L, num_rows, config):
-    """``a[index_R[r]]`` (or ``a[r]`` when ``index_R`` is None) times ``w_LNK[expert(r)]`` transposed."""
-    block_m, block_n, block_k, group_m, warps, stages = config
-    num_experts, n, k = w_LNK.shape
-    out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
-    grid = ((triton.cdiv(num_rows, block_m) + num_experts) * triton.cdiv(n, block_n),)
-    _grouped_gemm_bf16_kernel[grid](
-        a,
-        a if index_R is None else index_R,
-        w_LNK,
-        out,
-        offsets_L,
-        a.stride(0),
-        N=n,
-        K=k,
-        NUM_EXPERTS=num_experts,
-        E_P2=triton.next_power_of_2(num_experts),
-        GATHER=index_R is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        GROUP_M=group_m,
-        num_warps=warps,
-        num_stages=stages,
+def config_name(config: GemmConfig) -> str:
+    return (
+        f"{config.block_m}x{config.block_n}x{config.block_k}_g{config.group_m}_w{config.num_warps}_s{config.num_stages}"
     )
-    return out
 
 
 def received_batch(tokens: int, ranks: int, experts: int, top_k: int, hidden: int, dtype, device, seed: int):
@@ -167,13 +89,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096, 8192])
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.quick:
         # float32: the interpreter's bf16 products are wrong (numpy has no bf16); the kernel is dtype-generic
         hidden, n_out, experts, top_k, tokens_list, dtype = 128, 64, 8, 2, [16], torch.float32
-        configs = ((16, 32, 32, 2, 1, 1),)
+        configs: tuple[GemmConfig, ...] = (GemmConfig(16, 32, 2, 1, 1, block_k=32),)
     else:
         hidden, n_out, experts, top_k, tokens_list, dtype = 7168, 4096, 64, 8, args.tokens, torch.bfloat16
         configs = CONFIGS
@@ -186,6 +108,8 @@ def main() -> None:
         recv_SB, fmt, layout, offsets_L = received_batch(tokens, 2, experts, top_k, hidden, dtype, device, seed=tokens)
         num_rows = layout.layout.row_R.shape[0]
         x_SH = recv_SB.view(dtype)[:, :hidden]  # strided view: rows are fmt.row_bytes apart
+        if num_rows == 0:
+            continue
         x_RH = ll_kernels.gather_rows(recv_SB, layout, fmt)[0]
         reference = torch.cat(
             [
@@ -205,28 +129,28 @@ def main() -> None:
         row["gather_us"] = timer(lambda: ll_kernels.gather_rows(recv_SB, layout, fmt))
         if device.type == "cuda":
             row["grouped_mm_us"] = timer(lambda: torch._grouped_mm(x_RH, w_LNK.transpose(-2, -1), offs=offsets_L))
-        best: dict[str, tuple[float, tuple]] = {}
+        best: dict[str, tuple[float, GemmConfig]] = {}
         for config in configs:
             for name, a, index in (("triton_contiguous", x_RH, None), ("triton_gather", x_SH, layout.layout.row_R)):
                 try:
-                    out = grouped_gemm_bf16(a, index, w_LNK, offsets_L, num_rows, config)
+                    out = grouped_gemm(a, w_LNK, offsets_L, rows_R=index, config=config)
                     err = ((out.float() - reference).abs().max() / reference.abs().max()).item()
                     if err > 2e-2:
                         raise AssertionError(f"{name} {config}: relative error {err:.3g}")
                     t = timer(
-                        lambda a=a, index=index, config=config: grouped_gemm_bf16(
-                            a, index, w_LNK, offsets_L, num_rows, config
+                        lambda a=a, index=index, config=config: grouped_gemm(
+                            a, w_LNK, offsets_L, rows_R=index, config=config
                         )
                     )
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is skipped, named
-                    print(f"tokens {tokens} {name} {config}: {type(exc).__name__}: {str(exc)[:200]}")
+                    print(f"tokens {tokens} {name} {config_name(config)}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
-                row[f"{name}_us_{'x'.join(map(str, config))}"] = t
+                row[f"{name}_us_{config_name(config)}"] = t
                 if name not in best or t < best[name][0]:
                     best[name] = (t, config)
         for name, (t, config) in best.items():
             row[f"{name}_us"] = t
-            row[f"{name}_config"] = list(config)
+            row[f"{name}_config"] = config_name(config)
         if "grouped_mm_us" in row:
             row["grouped_mm_tflops"] = flops / row["grouped_mm_us"] / 1e6
             row["copy_plus_grouped_mm_us"] = row["gather_us"] + row["grouped_mm_us"]

@@ -1,5 +1,5 @@
-"""Grouped GEMMs (``torch._grouped_mm``, ``gemv_kernels``' Triton kernel for few rows per expert) and the
-per-expert fallback against a per-token reference."""
+"""Grouped GEMMs (``torch._grouped_mm``, ``gemv_kernels``' Triton kernel for few rows per expert,
+``grouped_gemm_kernels``' tiled one for more) and the per-expert fallback against a per-token reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_sbo.experts import RoutedExperts, SharedExperts
+from moe_sbo.experts import GEMV_MAX_ROWS, TILED_MAX_ROWS_PER_EXPERT, RoutedExperts, SharedExperts
+from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
 
 
 def _reference(x_RH, counts, gate_up, down):
@@ -55,6 +56,71 @@ def test_gemv_kernel_matches_per_token_reference_and_skips_padding(counts):
     torch.testing.assert_close(got[:real], expected, rtol=1e-4, atol=1e-3)
 
 
+# Small tiles so that the sizes below span several row and column tiles, a partial K step, and an
+# expert with more rows than one tile.
+SMALL_TILES = GemmConfig(block_m=16, block_n=32, group_m=2, num_warps=4, num_stages=2, block_k=32)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [40, 0, 0, 2], [0, 17, 0, 33]])
+@pytest.mark.parametrize("gather", [False, True])
+def test_tiled_kernel_matches_reference_reads_through_index_and_skips_padding(counts, gather):
+    # N 48 and K 40: off the 32-wide tiles. Padding rows past the last offset must stay unwritten
+    # (NaN in, so a read of them would show). With ``rows_R`` the rows come out of a wider,
+    # strided buffer in another order, as low_latency's receive buffer holds them.
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+    torch.manual_seed(len(counts) + sum(counts))
+    real = sum(counts)
+    w_LNK = torch.randn(4, 48, 40, device=device)
+    offsets_L = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    x_RK = torch.randn(real, 40, device=device)
+    if gather:
+        buffer = torch.full((real + 7, 56), float("nan"), device=device)
+        rows_R = torch.randperm(real + 7, device=device)[:real]
+        buffer[rows_R, :40] = x_RK
+        got = grouped_gemm(buffer[:, :40], w_LNK, offsets_L, rows_R=rows_R, config=SMALL_TILES)
+    else:
+        padded = torch.cat([x_RK, torch.full((5, 40), float("nan"), device=device)])
+        got = grouped_gemm(padded, w_LNK, offsets_L, config=SMALL_TILES)[:real]
+    expert_R = torch.repeat_interleave(torch.arange(4, device=device), torch.tensor(counts, device=device))
+    expected = torch.einsum("rk,rnk->rn", x_RK, w_LNK[expert_R])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tiled_kernel_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="grouped_gemm needs x"):
+        grouped_gemm(torch.randn(4, 8), torch.randn(2, 6, 10), torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="K contiguous"):
+        grouped_gemm(torch.randn(8, 4).T, torch.randn(2, 6, 8), torch.tensor([2, 4], dtype=torch.int32))
+
+
+def test_routed_experts_choose_their_kernel_by_rows():
+    experts = RoutedExperts(4, 40, 24)
+    tiled_max = TILED_MAX_ROWS_PER_EXPERT * 4
+    on_cpu = {n: torch.empty(n, 40) for n in (GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, tiled_max + 1)}
+    assert all(experts.dense_path(x) == "grouped_mm" for x in on_cpu.values())  # "auto" off CUDA
+    experts.kernels = "triton"
+    assert [experts.dense_path(x) for x in on_cpu.values()] == ["gemv", "tiled", "tiled"]
+    experts.kernels = "tiled"
+    assert experts.dense_path(on_cpu[GEMV_MAX_ROWS]) == "tiled"
+    experts.kernels = "scaled_mm"
+    with pytest.raises(ValueError, match="for dense experts"):
+        experts.dense_path(on_cpu[GEMV_MAX_ROWS])
+
+
+def test_routed_experts_tiled_path_matches_per_token_reference():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    experts = RoutedExperts(4, 40, 24, device=device)
+    experts.kernels = "tiled"
+    counts = [9, 0, 30, 2]
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+        x = torch.randn(sum(counts), 40, device=device)
+        got = experts(x, torch.tensor(counts))
+        expected = _reference(x, counts, experts.gate_up_proj, experts.down_proj)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+
+
 def test_shared_experts_are_a_swiglu_mlp():
     shared = SharedExperts(32, 24)
     with torch.no_grad():
@@ -75,10 +141,12 @@ def test_grouped_mm_on_gpu_matches_fallback_in_bf16():
         counts = torch.tensor([64, 0, 17, 128, 3, 0, 40, 1], device="cuda")
         x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
         gemv = experts(x, counts)  # "auto" at 253 rows: gemv_kernels
+        experts.kernels = "tiled"
+        tiled = experts(x, counts)
         experts.kernels = "torch"
         fast = experts(x, counts)
         experts.use_grouped_mm = False
         slow = experts(x, counts)
-    for got in (gemv, fast):
+    for got in (gemv, tiled, fast):
         rel = ((got.float() - slow.float()).norm() / slow.float().norm()).item()
         assert rel < 1e-2  # bf16 GEMMs with different tilings

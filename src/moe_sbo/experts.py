@@ -5,7 +5,10 @@ Legend: see ``moe_sbo/__init__.py``.
 The hard part is the grouped GEMM: ``torch._grouped_mm`` takes cumulative row offsets on the device
 (so no host sync) but only runs for some dtype/device pairs (bf16 on sm90+ CUDA, and the CPU build
 since torch 2.9). Elsewhere a per-expert loop over host-side row counts computes the same thing.
-FP8 experts (DeepSeek's block-scaled e4m3 weights) run ``fp8_kernels.py``'s grouped GEMM instead.
+On CUDA, dense experts with few rows per expert run Triton kernels instead, which read each weight
+once or once per 128 rows (``gemv_kernels.py`` at decode sizes, ``grouped_gemm_kernels.py`` above:
+``RoutedExperts.dense_path``). FP8 experts (DeepSeek's block-scaled e4m3 weights) run
+``fp8_kernels.py``'s grouped GEMM instead.
 Weights use the Hugging Face layout: ``gate_up_proj [L, 2I, H]`` (gate rows first), ``down_proj [L, H, I]``.
 """
 
@@ -33,12 +36,15 @@ from .profiling import annotate
 from .streams import compute_capability
 
 try:
-    from . import fp8_kernels, gemv_kernels
+    from . import fp8_kernels, gemv_kernels, grouped_gemm_kernels
 except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and refuse CUDA
     fp8_kernels = None  # type: ignore[assignment]
     gemv_kernels = None  # type: ignore[assignment]
+    grouped_gemm_kernels = None  # type: ignore[assignment]
 
 FP8_KERNELS = ("auto", "triton", "scaled_mm", "torch")
+# Dense experts: "gemv" and "tiled" force one Triton kernel, "triton" takes the Triton kernel for the rows.
+DENSE_KERNELS = ("auto", "triton", "gemv", "tiled", "torch")
 # From here (rows per expert, on average) "auto" runs cuBLAS's block-wise FP8 GEMMs, one per expert:
 # measured on H200 at DeepSeek-V3 dims, from 2048 rows they compute at 800-1040 TFLOP/s against the
 # Triton kernel's ~710-790, while with fewer rows the calls' host cost (16 calls: ~0.4 ms) is not
@@ -48,6 +54,10 @@ SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # grouped GEMM, which reads each expert's weights once and skips experts without rows; above it,
 # ``torch._grouped_mm`` (decode batches against prefill ones: docs/BENCHMARKS.md).
 GEMV_MAX_ROWS = 256
+# Up to here (rows per expert, padding included) and above GEMV_MAX_ROWS, "auto" runs dense experts on
+# CUDA with ``grouped_gemm_kernels``' tiled GEMM, which reads each weight tile once per 128 rows;
+# above it ``torch._grouped_mm`` computes faster (docs/BENCHMARKS.md, "Dense experts").
+TILED_MAX_ROWS_PER_EXPERT = 256
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -88,9 +98,9 @@ class RoutedExperts(nn.Module):
     ``dtype`` is then the activation dtype of the input and output. ``kernels``: for FP8 (see
     ``fp8_path``) ``"auto"`` on CUDA runs ``fp8_kernels.py``'s Triton grouped GEMM, or at prefill
     sizes outside graph capture cuBLAS's (``"scaled_mm"``), and ``fp8.grouped_linear_fp8`` off CUDA;
-    for dense weights (see ``dense_path``) ``"auto"`` runs ``gemv_kernels.py`` on CUDA at decode sizes
-    and ``torch._grouped_mm`` otherwise. ``"triton"`` forces the Triton kernels (on CPU under
-    ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
+    for dense weights (see ``dense_path``) ``"auto"`` runs ``gemv_kernels.py`` on CUDA at decode sizes,
+    ``grouped_gemm_kernels.py`` at mid sizes and ``torch._grouped_mm`` at prefill sizes. ``"triton"``
+    forces the Triton kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
     """
 
     gate_up_proj: nn.Parameter  # [L, 2I, H]
@@ -142,10 +152,12 @@ class RoutedExperts(nn.Module):
                 return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L)
             if scales_RQ is not None:
                 raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
-            if self.dense_path(x_RH) == "gemv":
-                gate_up_R2I = gemv_kernels.grouped_gemv(x_RH, self.gate_up_proj, offsets_L)
+            path = self.dense_path(x_RH)
+            if path in ("gemv", "tiled"):
+                gemm = gemv_kernels.grouped_gemv if path == "gemv" else grouped_gemm_kernels.grouped_gemm
+                gate_up_R2I = gemm(x_RH, self.gate_up_proj, offsets_L)
                 gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-                return gemv_kernels.grouped_gemv(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
+                return gemm(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
             use_grouped_mm = self.use_grouped_mm
             if use_grouped_mm is None:
                 use_grouped_mm = grouped_mm_supported(x_RH)
@@ -154,17 +166,29 @@ class RoutedExperts(nn.Module):
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
 
     def dense_path(self, x_RH: torch.Tensor) -> str:
-        """Which GEMMs dense (not FP8) experts run for rows like ``x_RH``: ``"gemv"`` (``gemv_kernels``;
-        ``kernels="triton"`` always, on CPU under ``TRITON_INTERPRET=1``; ``"auto"`` on CUDA up to
-        ``GEMV_MAX_ROWS`` rows) or ``"grouped_mm"`` (``torch._grouped_mm``, or a per-expert loop
-        where it does not run)."""
-        if gemv_kernels is None or self.kernels not in ("auto", "triton"):
+        """Which GEMMs dense (not FP8) experts run for the R rows ``x_RH`` (padding included): ``"gemv"``
+        (``gemv_kernels``), ``"tiled"`` (``grouped_gemm_kernels``) or ``"grouped_mm"``
+        (``torch._grouped_mm``, or a per-expert loop where it does not run).
+
+        ``kernels="auto"`` on CUDA: ``"gemv"`` up to ``GEMV_MAX_ROWS`` rows, ``"tiled"`` up to
+        ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert, ``"grouped_mm"`` above; off CUDA ``"grouped_mm"``.
+        ``"triton"``: the first two by the same rule, ``"tiled"`` above. ``"gemv"`` and ``"tiled"`` force
+        that kernel; the Triton kernels need CUDA, or ``TRITON_INTERPRET=1`` on CPU."""
+        if self.kernels not in DENSE_KERNELS:
+            raise ValueError(f"kernels must be one of {DENSE_KERNELS} for dense experts, got {self.kernels!r}")
+        if gemv_kernels is None or self.kernels == "torch":
             return "grouped_mm"
-        if self.kernels == "triton":
-            if x_RH.device.type != "cuda" and not env.triton_interpreting():
-                raise RuntimeError("kernels='triton' needs CUDA tensors, or TRITON_INTERPRET=1 with triton installed")
-            return "gemv"
-        return "gemv" if x_RH.device.type == "cuda" and x_RH.shape[0] <= GEMV_MAX_ROWS else "grouped_mm"
+        num_rows = x_RH.shape[0]
+        by_rows = "gemv" if num_rows <= GEMV_MAX_ROWS else "tiled"
+        if self.kernels == "auto":
+            if x_RH.device.type != "cuda":
+                return "grouped_mm"
+            return by_rows if num_rows <= TILED_MAX_ROWS_PER_EXPERT * self.num_local_experts else "grouped_mm"
+        if x_RH.device.type != "cuda" and not env.triton_interpreting():
+            raise RuntimeError(
+                f"kernels={self.kernels!r} needs CUDA tensors, or TRITON_INTERPRET=1 with triton installed"
+            )
+        return by_rows if self.kernels == "triton" else self.kernels
 
     def _forward_fp8(
         self,

@@ -11,13 +11,10 @@ One FP8 expert MLP is four launches::
     silu_mul_quantize   grid R x I/1024: silu(gate) * up -> e4m3 [R, I] and scales [R, I/128]
     grouped_gemm        down: [R, I] x [L, H, I]^T -> [R, H]
 
-The hard part is the grouped GEMM's schedule without a host sync: the row counts per expert live on
-the device (``offsets_L``: int32 cumulative ends, as ``torch._grouped_mm`` takes them). The grid is
-sized for the worst case (ceil(R / BLOCK_M) + L row tiles, times the column tiles); each program
-reads the L offsets, finds its expert and tile by a prefix sum over the experts' tile counts, and
-programs past the last tile return at once. So a launch depends only on R, and a CUDA graph
-captured at one R replays for any routing. Tiles inside an expert are swizzled in groups of
-``GROUP_M`` row tiles so neighbouring programs share weight tiles in L2.
+The grouped GEMM's schedule without a host sync (device row offsets, a grid sized for the worst
+case, each program finding its expert and tile by a prefix sum) is ``grouped_gemm_kernels.expert_tile``,
+shared with the dense experts' tiled GEMM: a launch depends only on R, so a CUDA graph captured at
+one R replays for any routing.
 
 Each K step of 128 values multiplies e4m3 tiles on the tensor cores (exact float32 products) and
 scales the partial sum by the row's activation scale and the column block's weight scale, as
@@ -28,13 +25,12 @@ tensors; the tests hold them to ``fp8.py``'s torch reference there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from .fp8 import FP8_BLOCK, FP8_DTYPE, FP8_GROUP, FP8_MAX
+from .grouped_gemm_kernels import GemmConfig, expert_tile, max_tiles
 
 GROUP_V = tl.constexpr(FP8_GROUP)
 E4M3_MAX = tl.constexpr(FP8_MAX)
@@ -138,17 +134,6 @@ def silu_mul_quantize(gate_up_R2I: torch.Tensor, offsets_L: torch.Tensor) -> tup
 # ---- the grouped GEMM --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile sizes and pipelining of one ``grouped_gemm`` launch (BLOCK_K is always 128, the scale block)."""
-
-    block_m: int
-    block_n: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-
-
 # Measured on H200 (``bench_fp8_experts.py --sweep``, DeepSeek-V3 dims): 64 x 128 tiles win up to
 # 256 rows per expert (weight-read bound, then one weight scale per step keeps the scaling cheap);
 # from there 128 x 128 tiles with two warp groups (~790 TFLOP/s on gate_up at 2048 rows).
@@ -183,30 +168,11 @@ def _grouped_gemm_kernel(
     KQ: tl.constexpr = K // BLOCK_K
     NQ: tl.constexpr = (N + BLOCK_K - 1) // BLOCK_K
     NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-
-    # Which expert and tile: a prefix sum over the experts' tile counts, from the device offsets.
-    offs_e = tl.arange(0, E_P2)
-    ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
-    starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
-    m_tiles_E = tl.cdiv(ends_E - starts_E, BLOCK_M)
-    tiles_E = m_tiles_E * NUM_N
-    tiles_end_E = tl.cumsum(tiles_E, axis=0)
-    if pid >= tl.sum(tiles_E):
+    live, expert, row_start, row_end, pid_m, pid_n = expert_tile(
+        tl.program_id(0), offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
+    )
+    if not live:
         return
-    expert = tl.sum((tiles_end_E <= pid).to(tl.int32))
-    mine_E = offs_e == expert
-    t = pid - tl.sum(tl.where(mine_E, tiles_end_E - tiles_E, 0))
-    row_start = tl.sum(tl.where(mine_E, starts_E, 0))
-    row_end = tl.sum(tl.where(mine_E, ends_E, 0))
-    m_tiles = tl.sum(tl.where(mine_E, m_tiles_E, 0))
-    # GROUP_M row tiles sweep the columns together, so their weight tiles are read once into L2.
-    width = GROUP_M * NUM_N
-    first_m = (t // width) * GROUP_M
-    group_size = tl.minimum(m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (t % width) % group_size
-    pid_n = (t % width) // group_size
-
     offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < row_end
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -258,8 +224,7 @@ def grouped_gemm(
     if num_rows == 0:
         return out_RN
     config = config or gemm_config(num_rows / num_experts)
-    max_tiles = (triton.cdiv(num_rows, config.block_m) + num_experts) * triton.cdiv(n, config.block_n)
-    _grouped_gemm_kernel[(max_tiles,)](
+    _grouped_gemm_kernel[(max_tiles(num_rows, num_experts, n, config),)](
         q_RK,
         scales_RQ,
         w_LNK,

@@ -1,0 +1,186 @@
+"""A Triton tiled grouped GEMM for dense (bf16) routed experts, and the tile schedule it shares with
+``fp8_kernels.py``'s FP8 grouped GEMM.
+
+Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction features, L the experts.
+
+Between decode (``gemv_kernels.py``: a few rows per expert, one weight read) and prefill
+(``torch._grouped_mm``: thousands of rows per expert, FLOP-bound) lie the batches whose experts see
+tens to a few hundred rows each. There ``torch._grouped_mm`` ran 1.5x the weight-read floor on H200,
+and this kernel, whose row tiles of up to 128 rows read each weight tile once per tile, close to it
+(docs/BENCHMARKS.md, "Dense experts"); ``experts.RoutedExperts`` picks between the three by rows.
+
+The hard part is the schedule without a host sync (``expert_tile``): the row counts per expert live
+on the device (``offsets_L``: int32 cumulative ends, as ``torch._grouped_mm`` takes them). The grid is
+sized for the worst case (ceil(R / BLOCK_M) + L row tiles, times the column tiles); each program
+reads the L offsets, finds its expert and tile by a prefix sum over the experts' tile counts, and
+programs past the last tile return at once. So a launch depends only on R, and a CUDA graph captured
+at one R replays for any routing. Tiles inside an expert are swizzled in groups of ``GROUP_M`` row
+tiles so neighbouring programs share weight tiles in L2.
+
+``rows_R`` (optional) makes the GEMM read its A rows through an index: row r of the product is
+``x[rows_R[r]]`` times its expert's weights, so rows grouped by expert need not be copied out of a
+buffer in another order first (what ``low_latency``'s receiver does before the experts;
+``benchmarks/probe_gather_gemm.py`` measures the trade). Rows past the last offset (padding) are
+neither read nor written. The kernels also run under ``TRITON_INTERPRET=1`` on CPU float32 tensors
+(the interpreter's bf16 products are not exact); the tests hold them to a per-row reference there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and pipelining of one grouped GEMM launch (the FP8 kernel's BLOCK_K is always 128,
+    its scale block)."""
+
+    block_m: int
+    block_n: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    block_k: int = 128
+
+
+@triton.jit
+def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M, NUM_N, GROUP_M):
+    """Program ``pid``'s tile -> (live, expert, row_start, row_end, pid_m, pid_n). ``live`` is false
+    past the last tile (the caller returns); rows ``row_start + pid_m * BLOCK_M`` on, below ``row_end``,
+    times columns ``pid_n * BLOCK_N`` on, are the tile's."""
+    offs_e = tl.arange(0, E_P2)
+    ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
+    starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
+    m_tiles_E = tl.cdiv(ends_E - starts_E, BLOCK_M)
+    tiles_E = m_tiles_E * NUM_N
+    tiles_end_E = tl.cumsum(tiles_E, axis=0)
+    live = pid < tl.sum(tiles_E)
+    expert = tl.sum((tiles_end_E <= pid).to(tl.int32))
+    mine_E = offs_e == expert
+    t = pid - tl.sum(tl.where(mine_E, tiles_end_E - tiles_E, 0))
+    row_start = tl.sum(tl.where(mine_E, starts_E, 0))
+    row_end = tl.sum(tl.where(mine_E, ends_E, 0))
+    m_tiles = tl.sum(tl.where(mine_E, m_tiles_E, 0))
+    # GROUP_M row tiles sweep the columns together, so their weight tiles are read once into L2.
+    width = GROUP_M * NUM_N
+    first_m = (t // width) * GROUP_M
+    group_size = tl.maximum(tl.minimum(m_tiles - first_m, GROUP_M), 1)  # >= 1: dead programs divide too
+    pid_m = first_m + (t % width) % group_size
+    pid_n = (t % width) // group_size
+    return live, expert, row_start, row_end, pid_m, pid_n
+
+
+def max_tiles(num_rows: int, num_experts: int, n: int, config: GemmConfig) -> int:
+    """The grid of a grouped GEMM over ``num_rows`` rows: every expert's last row tile may be partial."""
+    return (triton.cdiv(num_rows, config.block_m) + num_experts) * triton.cdiv(n, config.block_n)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    x_ptr,  # [X, K] rows (read through rows_ptr when GATHER), row stride stride_x
+    rows_ptr,  # [R] int64 source row of each output row (GATHER only)
+    w_ptr,  # [L, N, K]
+    out_ptr,  # [R, N]
+    offsets_ptr,  # [L] int32 cumulative row ends
+    stride_x,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_P2: tl.constexpr,
+    GATHER: tl.constexpr,
+    EXACT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    live, expert, row_start, row_end, pid_m, pid_n = expert_tile(
+        tl.program_id(0), offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
+    )
+    if not live:
+        return
+    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < row_end
+    if GATHER:
+        src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
+    else:
+        src_m = offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + src_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    w_tile = w_ptr + expert.to(tl.int64) * N * K + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_tile + k0, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k + k0 < K
+            x = tl.load(x_tile + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_tile + k0, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        if EXACT_FP32:  # float32 inputs multiply in full precision, not TF32
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    out_tile = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# Measured on H200 (``benchmarks/probe_gather_gemm.py``, DeepSeek-V3 dims): 128 x 256 tiles with two
+# warp groups were the fastest of the sweep at every size from 64 to 2048 rows per expert.
+DENSE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3, block_k=64)
+
+
+def grouped_gemm(
+    x_XK: torch.Tensor,
+    w_LNK: torch.Tensor,
+    offsets_L: torch.Tensor,
+    rows_R: torch.Tensor | None = None,
+    config: GemmConfig = DENSE_CONFIG,
+) -> torch.Tensor:
+    """Rows grouped by expert (expert l owns output rows ``offsets_L[l-1]:offsets_L[l]``, int32
+    cumulative ends on the device) times ``w_LNK[l]`` transposed -> ``[R, N]`` in ``x_XK``'s dtype.
+
+    Without ``rows_R`` the rows are ``x_XK`` itself (R = X); with it (int64 ``[R]``) output row r
+    reads row ``rows_R[r]`` of ``x_XK``, whose rows may be strided (a view into a wider buffer) but
+    must be contiguous along K. Rows past the last offset are neither read nor written: their
+    output is undefined (``torch.empty``), as with ``torch._grouped_mm``.
+    """
+    num_rows = x_XK.shape[0] if rows_R is None else rows_R.shape[0]
+    experts, n, k = w_LNK.shape
+    if x_XK.shape[1] != k or offsets_L.shape != (experts,) or x_XK.stride(1) != 1:
+        raise ValueError(
+            f"grouped_gemm needs x [R, K] (K contiguous), w [L, N, K] and offsets [L] alike, got "
+            f"{tuple(x_XK.shape)} (strides {x_XK.stride()}), {tuple(w_LNK.shape)} and {tuple(offsets_L.shape)}"
+        )
+    w_LNK = w_LNK.contiguous()
+    out_RN = torch.empty(num_rows, n, dtype=x_XK.dtype, device=x_XK.device)
+    if num_rows == 0:
+        return out_RN
+    _grouped_gemm_kernel[(max_tiles(num_rows, experts, n, config),)](
+        x_XK,
+        x_XK if rows_R is None else rows_R,
+        w_LNK,
+        out_RN,
+        offsets_L,
+        x_XK.stride(0),
+        N=n,
+        K=k,
+        NUM_EXPERTS=experts,
+        E_P2=triton.next_power_of_2(experts),
+        GATHER=rows_R is not None,
+        EXACT_FP32=x_XK.dtype == torch.float32,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out_RN
