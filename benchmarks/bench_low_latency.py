@@ -17,6 +17,8 @@ per rank (capacity = tokens unless ``--capacity``):
   ``dispatch_overhead`` / ``combine_overhead`` are the ratios (target <= 1.2); ``t_layer_b2b_us`` is
   the mean of back-to-back layer replays (decode throughput rather than isolated latency).
 - ``dispatcher="low_latency"``, ``graph=False``: the same layer run eagerly, phases from hook events.
+- Each once per ``--expert-kernels`` choice (``expert_kernels``, default ``auto``), and ``expert_path``:
+  the routed experts' GEMMs at the row's P x C x K rows (``RoutedExperts.dense_path`` / ``fp8_path``).
 - ``dispatcher="allgather"`` / ``"alltoall"``, ``graph=False``: those read sizes on the host, so they
   run eagerly (phases from hook events), with raw ``all_to_all_single`` on their mean bytes beside.
 
@@ -48,6 +50,7 @@ from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig, get_preset
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.env import triton_interpreting
+from moe_sbo.experts import DENSE_KERNELS
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import Stamps, line_up, time_fn, time_layer, time_raw_all_to_all
@@ -117,9 +120,11 @@ def low_latency_rank(
     iters: int,
     seed: int,
     index_graphs: tuple[str, ...] = ("on",),
+    expert_kernels: tuple[str, ...] = ("auto",),
 ) -> list[dict]:
-    """One rank's ``low_latency`` rows, per (kernels, transport) path and ``index_graphs`` setting
-    (``on``, ``off``, or ``fixed_rows``: on, with ``fixed_expert_rows``):
+    """One rank's ``low_latency`` rows, per (kernels, transport) path, ``index_graphs`` setting
+    (``on``, ``off``, or ``fixed_rows``: on, with ``fixed_expert_rows``) and routed experts' kernels
+    (``RoutedExperts.kernels``; the row's ``expert_path`` names the GEMMs that ran):
     graph-replayed phases (CUDA, once per path: a caller's capture bypasses ``index_graphs``), the
     eager layer's phases, and raw ``all_to_all_single`` on the same fixed blocks beside both."""
     rank = dist.get_rank()
@@ -131,7 +136,8 @@ def low_latency_rank(
             cap = capacity or max(tokens, 1)
             generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
             x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
-            for fp8, (kernels, transport), setting in itertools.product(fp8_modes, paths, index_graphs):
+            settings = itertools.product(fp8_modes, paths, index_graphs, expert_kernels)
+            for fp8, (kernels, transport), setting, experts_kernels in settings:
                 graphs, fixed_rows = setting != "off", setting == "fixed_rows"
                 layer = MoELayer(
                     cfg,
@@ -148,7 +154,9 @@ def low_latency_rank(
                         "fixed_expert_rows": fixed_rows,
                     },
                 )
+                layer.experts.kernels = experts_kernels
                 fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, fp8)
+                expert_rows = dist.get_world_size() * cap * cfg.num_experts_per_tok  # P x C x K, padding included
                 common = {
                     "rank": rank,
                     "tokens": tokens,
@@ -158,6 +166,10 @@ def low_latency_rank(
                     "index_graphs": graphs and layer.dispatcher.uses_triton(device),
                     **({"fixed_expert_rows": True} if fixed_rows and layer.dispatcher.uses_triton(device) else {}),
                     "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
+                    "expert_kernels": experts_kernels,
+                    "expert_path": layer.experts.fp8_path(device, expert_rows)
+                    if layer.experts.fp8
+                    else layer.experts.dense_path(torch.empty(expert_rows, 0, device=device)),
                 }
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
@@ -253,7 +265,15 @@ def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list
             "graph": first["graph"],
             "dispatch_dtype": first["dispatch_dtype"],
         }
-        for key in ("capacity", "kernels", "transport", "index_graphs", "fixed_expert_rows"):
+        for key in (
+            "capacity",
+            "kernels",
+            "transport",
+            "index_graphs",
+            "fixed_expert_rows",
+            "expert_kernels",
+            "expert_path",
+        ):
             if key in first:
                 row[key] = first[key]
         for key in (
@@ -322,6 +342,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["on", "off", "fixed_rows"],
         help="low_latency's index_graphs option (fixed_rows: on, with fixed_expert_rows), each setting its own "
         "eager rows (replayed rows once per path)",
+    )
+    p.add_argument(
+        "--expert-kernels",
+        nargs="+",
+        default=["auto"],
+        choices=list(DENSE_KERNELS),
+        help="the routed experts' kernels (RoutedExperts.kernels), each its own rows; bf16 experts",
     )
     p.add_argument("--baselines", nargs="*", default=["allgather", "alltoall"], choices=["allgather", "alltoall"])
     return p.parse_args(argv)
@@ -398,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                     iters,
                     args.seed,
                     tuple(args.index_graphs),
+                    tuple(args.expert_kernels),
                 ),
             )
         ]
@@ -420,10 +448,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _setting_label(row: dict) -> str:
-    """How a row's eager forward ran its index work: '' (index graphs), '/no-ig', '/fixed-rows'."""
+    """How a row's eager forward ran its index work: '' (index graphs), '/no-ig', '/fixed-rows'; and
+    '/experts-K' where the routed experts' kernels were not left to "auto"."""
+    experts = "" if row.get("expert_kernels", "auto") == "auto" else f"/experts-{row['expert_kernels']}"
     if not row.get("index_graphs", True):
-        return "/no-ig"
-    return "/fixed-rows" if row.get("fixed_expert_rows") else ""
+        return "/no-ig" + experts
+    return ("/fixed-rows" if row.get("fixed_expert_rows") else "") + experts
 
 
 def print_table(rows: list[dict], meta: dict) -> None:

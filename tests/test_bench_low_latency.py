@@ -90,3 +90,18 @@ def test_cpu_smoke_index_graph_settings(tmp_path):
     settings = [(r["kernels"], r["index_graphs"], r.get("fixed_expert_rows", False)) for r in rows]
     assert settings == [("triton", True, False), ("triton", True, True), ("triton", False, False)], settings
     assert all("error" not in r and r["t_dispatch_us"] > 0 for r in rows), rows
+
+
+def test_cpu_smoke_expert_kernels(tmp_path):
+    """``--expert-kernels tiled torch``: one eager row per choice, each naming the routed experts'
+    GEMMs that ran (the tiled Triton GEMM under the interpreter, torch's grouped GEMM)."""
+    run_bench_script(
+        *("bench_low_latency.py", "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny"),
+        *("--hidden-size", "128", "--experts-per-gpu", "4", "--quick", "--ranks", "1", "--tokens", "4"),
+        *("--kernels", "torch", "--transports", "nccl", "--fp8", "off", "--baselines"),
+        *("--expert-kernels", "tiled", "torch"),
+        timeout=300,
+    )
+    rows = json.loads((tmp_path / "low_latency.json").read_text())["rows"]
+    assert [(r["expert_kernels"], r["expert_path"]) for r in rows] == [("tiled", "tiled"), ("torch", "grouped_mm")]
+    assert all("error" not in r and r["t_layer_us"] > 0 for r in rows), rows

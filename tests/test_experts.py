@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_sbo.experts import GEMV_MAX_ROWS, TILED_MAX_ROWS_PER_EXPERT, RoutedExperts, SharedExperts
+from moe_sbo.experts import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT, RoutedExperts, SharedExperts
 from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
 
 
@@ -43,7 +43,7 @@ def test_gemv_kernel_matches_per_token_reference_and_skips_padding(counts):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
     torch.manual_seed(sum(counts))
     experts = RoutedExperts(4, 40, 24, device=device)
-    experts.kernels = "triton"
+    experts.kernels = "gemv"
     with torch.no_grad():
         experts.gate_up_proj.normal_()
         experts.down_proj.normal_()
@@ -94,17 +94,19 @@ def test_tiled_kernel_refuses_mismatched_shapes():
 
 
 def test_routed_experts_choose_their_kernel_by_rows():
-    experts = RoutedExperts(4, 40, 24)
-    tiled_max = TILED_MAX_ROWS_PER_EXPERT * 4
-    on_cpu = {n: torch.empty(n, 40) for n in (GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, tiled_max + 1)}
-    assert all(experts.dense_path(x) == "grouped_mm" for x in on_cpu.values())  # "auto" off CUDA
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    experts = RoutedExperts(4, 40, 24, device=device)
+    sizes = [4 * GEMV_MAX_ROWS_PER_EXPERT, 4 * GEMV_MAX_ROWS_PER_EXPERT + 1, 4 * TILED_MAX_ROWS_PER_EXPERT + 1]
+    rows = [torch.empty(n, 40, device=device) for n in sizes]
+    auto = ["gemv", "tiled", "grouped_mm"] if device == "cuda" else ["grouped_mm"] * 3  # "auto" off CUDA
+    assert [experts.dense_path(x) for x in rows] == auto
     experts.kernels = "triton"
-    assert [experts.dense_path(x) for x in on_cpu.values()] == ["gemv", "tiled", "tiled"]
+    assert [experts.dense_path(x) for x in rows] == ["gemv", "tiled", "tiled"]
     experts.kernels = "tiled"
-    assert experts.dense_path(on_cpu[GEMV_MAX_ROWS]) == "tiled"
+    assert experts.dense_path(rows[0]) == "tiled"
     experts.kernels = "scaled_mm"
     with pytest.raises(ValueError, match="for dense experts"):
-        experts.dense_path(on_cpu[GEMV_MAX_ROWS])
+        experts.dense_path(rows[0])
 
 
 def test_routed_experts_tiled_path_matches_per_token_reference():
@@ -140,7 +142,8 @@ def test_grouped_mm_on_gpu_matches_fallback_in_bf16():
         experts.down_proj.normal_(std=128**-0.5)
         counts = torch.tensor([64, 0, 17, 128, 3, 0, 40, 1], device="cuda")
         x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
-        gemv = experts(x, counts)  # "auto" at 253 rows: gemv_kernels
+        experts.kernels = "gemv"
+        gemv = experts(x, counts)
         experts.kernels = "tiled"
         tiled = experts(x, counts)
         experts.kernels = "torch"

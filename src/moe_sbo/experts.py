@@ -50,14 +50,14 @@ DENSE_KERNELS = ("auto", "triton", "gemv", "tiled", "torch")
 # Triton kernel's ~710-790, while with fewer rows the calls' host cost (16 calls: ~0.4 ms) is not
 # hidden (docs/BENCHMARKS.md).
 SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
-# Up to here (rows in all, padding included) "auto" runs dense experts on CUDA with ``gemv_kernels``'
-# grouped GEMM, which reads each expert's weights once and skips experts without rows; above it,
-# ``torch._grouped_mm`` (decode batches against prefill ones: docs/BENCHMARKS.md).
-GEMV_MAX_ROWS = 256
-# Up to here (rows per expert, padding included) and above GEMV_MAX_ROWS, "auto" runs dense experts on
-# CUDA with ``grouped_gemm_kernels``' tiled GEMM, which reads each weight tile once per 128 rows;
-# above it ``torch._grouped_mm`` computes faster (docs/BENCHMARKS.md, "Dense experts").
-TILED_MAX_ROWS_PER_EXPERT = 256
+# Dense experts on CUDA under "auto", by rows per expert (padding included: ``low_latency`` hands the
+# experts P x C x K rows), measured on H200 at DeepSeek-V3 dims over 8, 16 and 32 experts
+# (``benchmarks/bench_gemv.py``, docs/BENCHMARKS.md "Dense experts"): up to GEMV_MAX_ROWS_PER_EXPERT,
+# ``gemv_kernels``' GEMV (one weight read; it won at <= 8 rows per expert, lost from 16); up to
+# TILED_MAX_ROWS_PER_EXPERT, ``grouped_gemm_kernels``' tiled GEMM (1.13-1.34x ``torch._grouped_mm``
+# from 16 to 128 rows per expert); above, ``torch._grouped_mm`` (1-4 % faster at 256, 9-13 % at 1024).
+GEMV_MAX_ROWS_PER_EXPERT = 8
+TILED_MAX_ROWS_PER_EXPERT = 128
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -170,20 +170,20 @@ class RoutedExperts(nn.Module):
         (``gemv_kernels``), ``"tiled"`` (``grouped_gemm_kernels``) or ``"grouped_mm"``
         (``torch._grouped_mm``, or a per-expert loop where it does not run).
 
-        ``kernels="auto"`` on CUDA: ``"gemv"`` up to ``GEMV_MAX_ROWS`` rows, ``"tiled"`` up to
-        ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert, ``"grouped_mm"`` above; off CUDA ``"grouped_mm"``.
+        ``kernels="auto"`` on CUDA: ``"gemv"`` up to ``GEMV_MAX_ROWS_PER_EXPERT`` rows per expert,
+        ``"tiled"`` up to ``TILED_MAX_ROWS_PER_EXPERT``, ``"grouped_mm"`` above; off CUDA ``"grouped_mm"``.
         ``"triton"``: the first two by the same rule, ``"tiled"`` above. ``"gemv"`` and ``"tiled"`` force
         that kernel; the Triton kernels need CUDA, or ``TRITON_INTERPRET=1`` on CPU."""
         if self.kernels not in DENSE_KERNELS:
             raise ValueError(f"kernels must be one of {DENSE_KERNELS} for dense experts, got {self.kernels!r}")
         if gemv_kernels is None or self.kernels == "torch":
             return "grouped_mm"
-        num_rows = x_RH.shape[0]
-        by_rows = "gemv" if num_rows <= GEMV_MAX_ROWS else "tiled"
+        rows_per_expert = x_RH.shape[0] / self.num_local_experts
+        by_rows = "gemv" if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT else "tiled"
         if self.kernels == "auto":
-            if x_RH.device.type != "cuda":
+            if x_RH.device.type != "cuda" or rows_per_expert > TILED_MAX_ROWS_PER_EXPERT:
                 return "grouped_mm"
-            return by_rows if num_rows <= TILED_MAX_ROWS_PER_EXPERT * self.num_local_experts else "grouped_mm"
+            return by_rows
         if x_RH.device.type != "cuda" and not env.triton_interpreting():
             raise RuntimeError(
                 f"kernels={self.kernels!r} needs CUDA tensors, or TRITON_INTERPRET=1 with triton installed"

@@ -11,7 +11,7 @@ columns: it reads the expert's row range from the device offsets (no host sync, 
 captured at one R replays for any routing), returns at once for an empty expert, and otherwise
 streams its [BLOCK_N, K] weight slice once through ``tl.dot`` with all of the expert's rows (in
 blocks of ``BLOCK_M``; past the first block the slice is read again, so this kernel is for small R:
-``experts.GEMV_MAX_ROWS``). float32 accumulation, the activation dtype out, as ``torch._grouped_mm``.
+``experts.GEMV_MAX_ROWS_PER_EXPERT``). float32 accumulation, the activation dtype out, as ``torch._grouped_mm``.
 Runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests hold it to a per-token reference).
 """
 

@@ -19,7 +19,7 @@ CTAs whose SMs the transfer holds start when the transfer ends and then do a who
 GEMM ends a full GEMM time after the transfer (measured on 2x H200, SIMULATION.md section 5). A
 ``gemm_sm_budget`` (TBO) plans the GEMMs for fewer SMs instead: no wait, each GEMM slower as the
 contention probe measured a GEMM planned for that many SMs. At decode sizes (``runs_gemv``: up to
-``experts.GEMV_MAX_ROWS`` rows handed to the experts, padding included) bf16 experts run the Triton
+``simulate_fit.GEMV_MAX_ROWS`` rows handed to the experts, padding included) bf16 experts run the Triton
 grouped GEMV instead, on code that has it (``Setup.gemv``): the weights of the experts with rows
 (``StageCosts.gemv_us``), an ordinary grid of programs (stretched, never held back) that no SM
 budget plans. Two-batch overlap
@@ -47,10 +47,9 @@ import torch
 
 from ..config import MoEConfig
 from ..dispatch.ll_wire import RowFormat
-from ..experts import GEMV_MAX_ROWS
 from ..overlap.sbo import FIXED_MODES
 from .bytes import Fanout, combine_row_bytes, dispatch_row_bytes, expected_fanout
-from .simulate_fit import SM_TRANSPORTS, WEIGHT_B, StageCosts, smooth_max
+from .simulate_fit import GEMV_MAX_ROWS, SM_TRANSPORTS, WEIGHT_B, StageCosts, smooth_max
 from .simulate_rows import DispatchPath
 
 COMPUTE, WIRE = "compute", "wire"

@@ -7,7 +7,7 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
   fitted knee, from the GEMM-only rows (``grouped_gemm``, ``fp8_experts``), and per dispatcher path a
   factor on the rows the layer's GEMM runs (routing imbalance, padded rows: more FLOPs, the same
   weight stream), fitted where the layer's routed span is FLOP-bound; and the bf16 experts' Triton
-  grouped GEMV at decode sizes (``GEMV``: up to ``experts.GEMV_MAX_ROWS`` rows, code since
+  grouped GEMV at decode sizes (``GEMV``: up to ``GEMV_MAX_ROWS`` rows, code since
   ``simulate_rows.GEMV_SINCE``), the same roofline over the weights of the experts that have rows
   only (it skips the others), from the ``gemv`` rows;
 - router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..config import MoEConfig, get_preset
-from ..experts import GEMV_MAX_ROWS
 from .links import positive_field
 from .simulate_rows import DEFAULT_PRESET, DispatchPath, ResultRow, dtype_name
 
@@ -62,6 +61,9 @@ KNEES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, math.inf)
 # ``StageCosts.gemm``'s key for the Triton grouped GEMV of bf16 experts (``gemv_kernels``), beside
 # the dtype keys of the grouped GEMMs.
 GEMV = "bf16-gemv"
+# The rule of the code the GEMV rows were measured on (``simulate_rows.GEMV_SINCE`` until the tiled GEMM
+# came): bf16 experts ran the GEMV up to this many rows handed to them in all, padding included.
+GEMV_MAX_ROWS = 256
 
 
 # ---- fit primitives -------------------------------------------------------------------------------

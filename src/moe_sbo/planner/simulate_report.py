@@ -17,14 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..config import MoEConfig
-from ..experts import GEMV_MAX_ROWS
 from .simulate import (
     AttentionShape,
     Setup,
     back_to_back_us,
     predict,
 )
-from .simulate_fit import GEMV, StageCosts, curve, fit_stage_costs
+from .simulate_fit import GEMV, GEMV_MAX_ROWS, StageCosts, curve, fit_stage_costs
 from .simulate_rows import DEFAULT_KERNELS, DispatchPath, ResultRow, dtype_name, path_of
 
 # Where the model may be off: the bar for the EP1/EP2 rows.

@@ -39,7 +39,7 @@ DIRECT_LAUNCH = "+direct"
 # launch less; since, one allocation less), so its own path and setup too.
 FIXED_ROWS = "+fixed_rows"
 # Since commit a479e10 (this instant, UTC) dense routed experts on CUDA run ``gemv_kernels``' Triton
-# grouped GEMV at decode sizes (``experts.GEMV_MAX_ROWS``); before it, ``torch._grouped_mm`` at every
+# grouped GEMV at decode sizes (``simulate_fit.GEMV_MAX_ROWS``); before it, ``torch._grouped_mm`` at every
 # size. No row records which ran, so a file's ``meta.date`` (UTC ISO 8601, ``measure.results``) on
 # or after this says its code had the GEMV; a file without a date is taken as older.
 GEMV_SINCE = "2026-11-30T21:18:02+00:00"
