@@ -11,9 +11,14 @@ it re-reads each weight slice per 16 rows), ``experts_with_rows``; ``t_floor_us`
 experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB buffer reads HBM at in the same
 run; the MLP's FLOPs at ``mm_tflops``, a dense 8192 x 7168 x 4096 bf16 ``torch.mm`` in the same run),
 each time's ratio to it, and ``rel_err_*`` (||kernel - grouped_mm|| / ||grouped_mm||). The data
-behind ``experts.GEMV_MAX_ROWS`` and ``experts.TILED_MAX_ROWS_PER_EXPERT``.
+behind ``experts.GEMV_MAX_ROWS_PER_EXPERT`` and ``experts.TILED_MAX_ROWS_PER_EXPERT``.
 
-Usage (GPU): ``python benchmarks/bench_gemv.py --out DIR``.
+``--sweep`` writes instead rows (``bench="dense_gemm_config"``, ``OUT/dense_gemm_config.json``) timing
+each GEMM of the MLP (gate_up, down) alone through the tiled GEMM under each tile config of
+``SWEEP_CONFIGS``, equal rows per expert, with ``tflops`` and ``t_floor_us`` (that GEMM's weight read
+or FLOPs, whichever takes longer at the run's rates): the data behind ``grouped_gemm_kernels.dense_config``.
+
+Usage (GPU): ``python benchmarks/bench_gemv.py --out DIR [--sweep]``.
 """
 
 from __future__ import annotations
@@ -25,11 +30,26 @@ from pathlib import Path
 import torch
 
 from moe_sbo.experts import RoutedExperts
+from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import KernelTimer, memory_read_us
 
 READ_PROBE_BYTES = 1 << 31  # the buffer the read rate is measured on: 2 GB, far past L2
 PATHS = {"gemv": "gemv", "tiled": "tiled", "grouped_mm": "torch"}  # row key -> RoutedExperts.kernels
+SWEEP_CONFIGS = [
+    GemmConfig(block_m, block_n, group_m, warps, stages, block_k)
+    for block_m, block_n, group_m, warps, stages, block_k in [
+        (32, 128, 8, 4, 4, 128),
+        (64, 64, 8, 4, 4, 128),
+        (64, 128, 8, 4, 4, 64),
+        (64, 128, 8, 4, 4, 128),
+        (64, 256, 8, 4, 3, 64),
+        (128, 64, 8, 4, 4, 64),
+        (128, 128, 8, 4, 4, 64),
+        (128, 128, 8, 8, 4, 64),
+        (128, 256, 8, 8, 3, 64),
+    ]
+]
 
 
 def dense_mm_tflops(timer: KernelTimer, device: torch.device) -> float:
@@ -37,6 +57,37 @@ def dense_mm_tflops(timer: KernelTimer, device: torch.device) -> float:
     a = torch.randn(8192, 7168, dtype=torch.bfloat16, device=device)
     b = torch.randn(7168, 4096, dtype=torch.bfloat16, device=device)
     return 2 * 8192 * 7168 * 4096 / timer(lambda: a @ b) / 1e6
+
+
+def sweep_case(
+    num_experts: int, per_expert: int, hidden: int, inter: int, timer: KernelTimer, gbps: float, tflops: float
+) -> list[dict]:
+    """gate_up and down alone through the tiled GEMM under each of ``SWEEP_CONFIGS``, equal rows."""
+    device = torch.device("cuda")
+    offsets_L = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * per_expert
+    rows = num_experts * per_expert
+    shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    out = []
+    for gemm, (n, k) in shapes.items():
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device=device)
+        w = torch.randn(num_experts, n, k, dtype=torch.bfloat16, device=device) * k**-0.5
+        floor_us = max(w.numel() * 2 / (gbps * 1e3), 2 * rows * n * k / (tflops * 1e6))
+        for config in SWEEP_CONFIGS:
+            row = {"bench": "dense_gemm_config", "gemm": gemm, "experts": num_experts, "rows_per_expert": per_expert}
+            row.update(vars(config))
+            try:
+                t_us = timer(lambda x=x, w=w, c=config: grouped_gemm(x, w, offsets_L, config=c))
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            else:
+                row.update(
+                    t_us=t_us, tflops=2 * rows * n * k / t_us / 1e6, t_floor_us=floor_us, floor_ratio=t_us / floor_us
+                )
+            out.append(row)
+        best = min((r for r in out if r["gemm"] == gemm and "t_us" in r), key=lambda r: r["t_us"], default=None)
+        if best:
+            print({k: v for k, v in best.items() if k != "bench"}, flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemv-max-rows", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--sweep", action="store_true", help="time each GEMM under each tile config instead")
+    parser.add_argument("--rows-per-expert", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -56,6 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     gbps = READ_PROBE_BYTES / memory_read_us(READ_PROBE_BYTES, device) / 1e3
     tflops = dense_mm_tflops(timer, device)
     print(f"read {gbps:.0f} GB/s, dense mm {tflops:.0f} TFLOP/s", flush=True)
+    if args.sweep:
+        rows = [
+            row
+            for num_experts in args.experts
+            for per_expert in args.rows_per_expert
+            for row in sweep_case(num_experts, per_expert, args.hidden, args.intermediate, timer, gbps, tflops)
+        ]
+        (args.out / "dense_gemm_config.json").write_text(json.dumps({"meta": result_meta("cuda", 1), "rows": rows}))
+        return 0
     rows = []
     for num_experts in args.experts:
         experts = RoutedExperts(num_experts, args.hidden, args.intermediate, dtype=torch.bfloat16, device="cuda")

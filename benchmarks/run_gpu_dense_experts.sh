@@ -8,7 +8,10 @@
 # 3. layer: bench_low_latency.py at EP1, the low_latency MoE layer (eager and CUDA-graph replays) with
 #    the experts' kernels left to "auto", forced to the GEMV and to torch._grouped_mm, 8 and 32 experts
 #    per GPU (files low_latency_experts{8,32}_<tag>.json).
-# 4. probe: probe_gather_gemm.py, the tiled GEMM reading its rows through the receiver's index against
+# 4. sweep: bench_gemv.py --sweep, each GEMM of the MLP through the tiled GEMM under each tile config,
+#    8 and 32 experts, 16-512 rows per expert (file dense_gemm_config_<tag>.json): the data behind
+#    grouped_gemm_kernels.dense_config.
+# 5. probe: probe_gather_gemm.py, the tiled GEMM reading its rows through the receiver's index against
 #    gather_rows + torch._grouped_mm, and its tile configs (file gather_gemm_<tag>.json).
 # PARTS (default "tests gemv layer") picks the parts. Expected wall time: about 8 minutes on one H200.
 set -uo pipefail
@@ -38,6 +41,13 @@ if [[ " $PARTS " == *" layer "* ]]; then
     mv "$OUT_DIR/layer$e/low_latency.json" "$OUT_DIR/low_latency_experts${e}_$TAG.json" 2>/dev/null
     echo "== layer $e experts: $((SECONDS - start)) s"
   done
+fi
+if [[ " $PARTS " == *" sweep "* ]]; then
+  start=$SECONDS
+  mkdir -p "$OUT_DIR/sweep"
+  "$PYTHON" benchmarks/bench_gemv.py --sweep --experts 8 32 --out "$OUT_DIR/sweep" 2>&1 | tee "$OUT_DIR/dense_gemm_config_$TAG.log" | tail -30
+  mv "$OUT_DIR/sweep/dense_gemm_config.json" "$OUT_DIR/dense_gemm_config_$TAG.json" 2>/dev/null
+  echo "== sweep: $((SECONDS - start)) s"
 fi
 if [[ " $PARTS " == *" probe "* ]]; then
   start=$SECONDS
