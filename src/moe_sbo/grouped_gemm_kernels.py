@@ -132,9 +132,10 @@ def _grouped_gemm_kernel(
     tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# Measured on H200 (``benchmarks/probe_gather_gemm.py``, DeepSeek-V3's gate_up over 32 experts): up to
-# 32 rows per expert 64 x 128 tiles with one warp group were the fastest of the sweep (~10 % ahead of
-# 128 x 256); from 64 rows per expert 128 x 256 tiles with two warp groups.
+# Measured on H200 (``benchmarks/bench_gemv.py --sweep``: gate_up and down alone over 8 and 32 experts,
+# nine tile configs): up to 64 rows per expert 64 x 128 tiles with one warp group were within 4 % of
+# the best config of each GEMM (128 x 256 tiles: 10-15 % slower); from 128 rows per expert 128 x 256
+# tiles with two warp groups were the best (64 x 128: 11-45 % slower).
 SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3, block_k=64)
 
@@ -142,7 +143,7 @@ LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_
 def dense_config(rows_per_expert: float) -> GemmConfig:
     """The tiles for ``rows_per_expert`` rows per expert on average (padding included: the grid
     depends on rows only, so a CUDA graph captured at one size keeps its config whatever the routing)."""
-    return SMALL_CONFIG if rows_per_expert <= 32 else LARGE_CONFIG
+    return SMALL_CONFIG if rows_per_expert <= 64 else LARGE_CONFIG
 
 
 def grouped_gemm(
