@@ -30,25 +30,13 @@ from pathlib import Path
 
 import torch
 
+from bench_gemv import SWEEP_CONFIGS
 from moe_sbo.dispatch import ll_kernels
 from moe_sbo.dispatch.layout import ExpertLayout
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import KernelTimer
-
-CONFIGS = tuple(  # block_m, block_n, group_m, num_warps, num_stages, block_k
-    GemmConfig(*c)
-    for c in (
-        (128, 256, 8, 8, 3, 64),
-        (128, 256, 8, 8, 4, 64),
-        (128, 128, 8, 8, 4, 64),
-        (128, 128, 8, 4, 4, 64),
-        (64, 256, 8, 4, 4, 64),
-        (64, 128, 8, 4, 4, 64),
-        (256, 128, 8, 8, 3, 64),
-    )
-)
 
 
 def config_name(config: GemmConfig) -> str:
@@ -98,7 +86,7 @@ def main() -> None:
         configs: tuple[GemmConfig, ...] = (GemmConfig(16, 32, 2, 1, 1, block_k=32),)
     else:
         hidden, n_out, experts, top_k, tokens_list, dtype = 7168, 4096, 64, 8, args.tokens, torch.bfloat16
-        configs = CONFIGS
+        configs = tuple(SWEEP_CONFIGS)
     timer = KernelTimer(device, quick=args.quick)
     results = ResultFile(args.out / "gather_gemm.json" if args.out else None, result_meta(device.type, 1))
     results.meta["timer"] = timer.name

@@ -23,36 +23,28 @@ if [[ " $PARTS " == *" tests "* ]]; then
     tests/test_gpu_low_latency.py -k "${TESTS_K:-not nothing}" 2>&1 | tee "$OUT_DIR/tests_gpu_experts_$TAG.log" | tail -3
   echo "== tests: $((SECONDS - start)) s"
 fi
+# run_script NAME FILE SCRIPT ARGS...: benchmarks/SCRIPT writes OUT_DIR/NAME/FILE.json, kept as FILE_<tag>.json.
+run_script() {
+  local name=$1 file=$2 script=$3
+  shift 3
+  local start=$SECONDS
+  mkdir -p "$OUT_DIR/$name"
+  "$PYTHON" "benchmarks/$script" --out "$OUT_DIR/$name" "$@" 2>&1 | tee "$OUT_DIR/${file}_$TAG.log" | tail -20
+  mv "$OUT_DIR/$name/$(ls "$OUT_DIR/$name" | head -1)" "$OUT_DIR/${file}_$TAG.json" 2>/dev/null
+  echo "== $name: $((SECONDS - start)) s"
+}
 if [[ " $PARTS " == *" gemv "* ]]; then
-  start=$SECONDS
-  mkdir -p "$OUT_DIR/gemv"
-  "$PYTHON" benchmarks/bench_gemv.py --out "$OUT_DIR/gemv" ${GEMV_ARGS:-} 2>&1 | tee "$OUT_DIR/gemv_$TAG.log" | tail -3
-  mv "$OUT_DIR/gemv/gemv.json" "$OUT_DIR/gemv_$TAG.json" 2>/dev/null
-  echo "== gemv: $((SECONDS - start)) s"
+  run_script gemv gemv bench_gemv.py ${GEMV_ARGS:-}
 fi
 if [[ " $PARTS " == *" layer "* ]]; then
-  for e in 8 32; do
-    start=$SECONDS
-    if [ "$e" = 8 ]; then tokens="8 16 32 64 128"; else tokens="32 128 256 512"; fi
-    mkdir -p "$OUT_DIR/layer$e"
-    "$PYTHON" benchmarks/bench_low_latency.py --out "$OUT_DIR/layer$e" --ranks 1 --experts-per-gpu "$e" --tokens $tokens \
-      --fp8 off --kernels triton --transports nccl --baselines --expert-kernels auto gemv torch \
-      2>&1 | tee "$OUT_DIR/low_latency_experts${e}_$TAG.log" | tail -20
-    mv "$OUT_DIR/layer$e/low_latency.json" "$OUT_DIR/low_latency_experts${e}_$TAG.json" 2>/dev/null
-    echo "== layer $e experts: $((SECONDS - start)) s"
-  done
+  run_script layer8 low_latency_experts8 bench_low_latency.py --ranks 1 --experts-per-gpu 8 --tokens 8 16 32 64 128 \
+    --fp8 off --kernels triton --transports nccl --baselines --expert-kernels auto gemv torch
+  run_script layer32 low_latency_experts32 bench_low_latency.py --ranks 1 --experts-per-gpu 32 --tokens 32 128 256 512 \
+    --fp8 off --kernels triton --transports nccl --baselines --expert-kernels auto gemv torch
 fi
 if [[ " $PARTS " == *" sweep "* ]]; then
-  start=$SECONDS
-  mkdir -p "$OUT_DIR/sweep"
-  "$PYTHON" benchmarks/bench_gemv.py --sweep --experts 8 32 --out "$OUT_DIR/sweep" 2>&1 | tee "$OUT_DIR/dense_gemm_config_$TAG.log" | tail -30
-  mv "$OUT_DIR/sweep/dense_gemm_config.json" "$OUT_DIR/dense_gemm_config_$TAG.json" 2>/dev/null
-  echo "== sweep: $((SECONDS - start)) s"
+  run_script sweep dense_gemm_config bench_gemv.py --sweep --experts 8 32
 fi
 if [[ " $PARTS " == *" probe "* ]]; then
-  start=$SECONDS
-  mkdir -p "$OUT_DIR/gather_gemm"
-  "$PYTHON" benchmarks/probe_gather_gemm.py --out "$OUT_DIR/gather_gemm" ${PROBE_ARGS:-} 2>&1 | tee "$OUT_DIR/gather_gemm_$TAG.log" | tail -3
-  mv "$OUT_DIR/gather_gemm/gather_gemm.json" "$OUT_DIR/gather_gemm_$TAG.json" 2>/dev/null
-  echo "== probe: $((SECONDS - start)) s"
+  run_script probe gather_gemm probe_gather_gemm.py ${PROBE_ARGS:-}
 fi

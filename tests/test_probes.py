@@ -27,3 +27,12 @@ def test_uneven_rows_probe_smoke(tmp_path):
     assert rows["routed"]["max_over_mean"] >= 1.0
     assert all(r["t_us"] > 0 for r in rows.values())
     assert {"ratio_vs_whole"} <= set(rows["routed_halves"]) and "ratio_vs_whole" not in rows["routed"]
+
+
+def test_gather_gemm_probe_smoke(tmp_path):
+    # Under Triton's interpreter (CPU, float32): the probe checks both variants of the tiled GEMM
+    # against its reference itself and names the config it timed.
+    run_bench_script("probe_gather_gemm.py", "--out", str(tmp_path), "--device", "cpu", "--quick", timeout=300)
+    (row,) = json.loads((tmp_path / "gather_gemm.json").read_text())["rows"]
+    assert row["rows"] > 0 and row["gather_us"] > 0
+    assert row["triton_contiguous_config"] == row["triton_gather_config"] == "16x32x32_g2_w1_s1"

@@ -168,13 +168,11 @@ def _grouped_gemm_kernel(
     KQ: tl.constexpr = K // BLOCK_K
     NQ: tl.constexpr = (N + BLOCK_K - 1) // BLOCK_K
     NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    live, expert, row_start, row_end, pid_m, pid_n = expert_tile(
+    live, expert, offs_m, m_mask, pid_n = expert_tile(
         tl.program_id(0), offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
     )
     if not live:
         return
-    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < row_end
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

@@ -48,10 +48,10 @@ class GemmConfig:
 
 
 @triton.jit
-def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M, NUM_N, GROUP_M):
-    """Program ``pid``'s tile -> (live, expert, row_start, row_end, pid_m, pid_n). ``live`` is false
-    past the last tile (the caller returns); rows ``row_start + pid_m * BLOCK_M`` on, below ``row_end``,
-    times columns ``pid_n * BLOCK_N`` on, are the tile's."""
+def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_N, GROUP_M):
+    """Program ``pid``'s tile -> (live, expert, rows_M, row_mask_M, pid_n): ``live`` is false past the
+    last tile (the caller returns); the tile is rows ``rows_M`` (those under ``row_mask_M`` belong to
+    ``expert``) times columns ``pid_n * BLOCK_N`` on."""
     offs_e = tl.arange(0, E_P2)
     ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
     starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
@@ -71,7 +71,8 @@ def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
     group_size = tl.maximum(tl.minimum(m_tiles - first_m, GROUP_M), 1)  # >= 1: dead programs divide too
     pid_m = first_m + (t % width) % group_size
     pid_n = (t % width) // group_size
-    return live, expert, row_start, row_end, pid_m, pid_n
+    rows_M = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return live, expert, rows_M, rows_M < row_end, pid_n
 
 
 def max_tiles(num_rows: int, num_experts: int, n: int, config: GemmConfig) -> int:
@@ -99,13 +100,11 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    live, expert, row_start, row_end, pid_m, pid_n = expert_tile(
+    live, expert, offs_m, m_mask, pid_n = expert_tile(
         tl.program_id(0), offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
     )
     if not live:
         return
-    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < row_end
     if GATHER:
         src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
     else:
