@@ -18,14 +18,14 @@ grouped GEMM (``torch._grouped_mm``): a persistent kernel with one CTA per SM it
 CTAs whose SMs the transfer holds start when the transfer ends and then do a whole share, and the
 GEMM ends a full GEMM time after the transfer (measured on 2x H200, SIMULATION.md section 5). A
 ``gemm_sm_budget`` (TBO) plans the GEMMs for fewer SMs instead: no wait, each GEMM slower as the
-contention probe measured a GEMM planned for that many SMs. At decode sizes (``runs_gemv``: up to
-``simulate_fit.GEMV_MAX_ROWS`` rows handed to the experts, padding included) bf16 experts run the Triton
-grouped GEMV instead, on code that has it (``Setup.gemv``): the weights of the experts with rows
-(``StageCosts.gemv_us``), an ordinary grid of programs (stretched, never held back) that no SM
-budget plans. Two-batch overlap
-(``model/tbo.py``) cuts the tokens in two and interleaves the micro-batches' three stages —
-[attention, router, dispatch launch] [dispatch wait, routed experts, combine launch] [combine wait,
-shared, residual] — ``delay`` stages apart: A0 B0 A1 B1 A2 B2 at delay 0.
+contention probe measured a GEMM planned for that many SMs. With few rows per expert bf16 experts
+run a Triton kernel instead (``dense_path``: today's code the grouped GEMV, then the tiled grouped
+GEMM, by rows per expert; older code by its own rule; a row's recorded path first): the weights of
+the experts with rows (``StageCosts.triton_us``), an ordinary grid of programs (stretched, never
+held back) that no SM budget plans. Two-batch overlap (``model/tbo.py``) cuts the tokens in two
+and interleaves the micro-batches' three stages — [attention, router, dispatch launch] [dispatch
+wait, routed experts, combine launch] [combine wait, shared, residual] — ``delay`` stages apart:
+A0 B0 A1 B1 A2 B2 at delay 0.
 
 Bytes per phase (``phase_bytes``) follow the dispatcher: ``blocks`` (low_latency: P - 1 capacity
 blocks whatever the routing), ``alltoall`` (each token once per remote destination rank),
@@ -47,10 +47,11 @@ import torch
 
 from ..config import MoEConfig
 from ..dispatch.ll_wire import RowFormat
+from ..experts import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT
 from ..overlap.sbo import FIXED_MODES
 from .bytes import Fanout, combine_row_bytes, dispatch_row_bytes, expected_fanout
-from .simulate_fit import GEMV_MAX_ROWS, SM_TRANSPORTS, WEIGHT_B, StageCosts, smooth_max
-from .simulate_rows import DispatchPath
+from .simulate_fit import GEMV_MAX_ROWS, SM_TRANSPORTS, TRITON_FITS, WEIGHT_B, StageCosts, smooth_max
+from .simulate_rows import BY_ROWS_PER_EXPERT, GEMV_BY_ROWS, GROUPED_MM_ONLY, DispatchPath
 
 COMPUTE, WIRE = "compute", "wire"
 # Share of the shared experts' FLOPs in the gate/up projection (gate and up [2I, H] vs down [H, I]).
@@ -97,9 +98,11 @@ class Setup:
     measured_bytes: tuple[float, float] | None = None  # (dispatch, combine) bytes per rank, as a row recorded
     gpus_per_node: int = 8
     gemm_sm_budget: int | None = None  # TBO: the SMs its GEMMs plan for (``tbo_forward``'s); None: all
-    # The code has the bf16 experts' Triton GEMV at decode sizes (``runs_gemv``): today's code; False
-    # for rows measured before it (``simulate_rows.GEMV_SINCE``), whose experts ran torch._grouped_mm.
-    gemv: bool = True
+    # How the bf16 experts chose their GEMMs (``dense_path``): the rule of the code, one of
+    # ``simulate_rows.DENSE_RULES`` (a measured row's code's; today's for a new setup), unless
+    # ``expert_path`` records the path that ran ("gemv", "tiled" or "grouped_mm"; rows that have it).
+    dense_rule: str = BY_ROWS_PER_EXPERT
+    expert_path: str | None = None
 
     @property
     def experts_per_gpu(self) -> int:
@@ -213,20 +216,42 @@ def transfer_us(setup: Setup, cal: StageCosts, inside_B: float, other_B: float) 
 
 def expert_input_rows(setup: Setup, tokens: int) -> float:
     """The rows a rank's routed experts are handed for ``tokens`` of its tokens, padding included: what
-    ``RoutedExperts.dense_path`` compares with ``GEMV_MAX_ROWS``. low_latency hands P x capacity x
-    top-k fixed slots whatever the routing (its capacity as ``phase_bytes`` takes it); the other
-    dispatchers the (token, expert) pairs that land on the rank, T x top-k on average."""
+    ``RoutedExperts.dense_path`` chooses by. low_latency hands P x capacity x top-k fixed slots
+    whatever the routing (its capacity as ``phase_bytes`` takes it); the other dispatchers the
+    (token, expert) pairs that land on the rank, T x top-k on average."""
     top_k = setup.cfg.num_experts_per_tok
     if setup.path.dispatcher == "low_latency":
         return setup.ep * (setup.capacity or setup.tokens) * top_k
     return tokens * top_k
 
 
-def runs_gemv(setup: Setup, tokens: int) -> bool:
-    """Whether the routed experts of ``tokens`` run the Triton grouped GEMV: bf16 experts, code that
-    has it, at most ``GEMV_MAX_ROWS`` rows handed to them (``RoutedExperts.dense_path`` on CUDA with
-    ``kernels="auto"``, which every result file ran)."""
-    return setup.gemv and setup.expert_dtype == "bf16" and expert_input_rows(setup, tokens) <= GEMV_MAX_ROWS
+def dense_path(setup: Setup, tokens: int) -> str | None:
+    """Which GEMMs the bf16 routed experts of ``tokens`` run, by ``RoutedExperts.dense_path``'s names:
+    ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``; None for FP8 experts (their own grouped GEMM). A row's
+    recorded ``expert_path`` first; else the rule of its code (``kernels="auto"`` on CUDA, which every
+    result file without the field ran) over the rows handed to the experts, padding included: today's
+    by rows per expert (``dense_rows_per_expert``), the code between ``GEMV_SINCE`` and ``TILED_SINCE``
+    the GEMV up to ``GEMV_MAX_ROWS`` rows in all, older code ``torch._grouped_mm`` at every size."""
+    if setup.expert_dtype != "bf16":
+        return None
+    if setup.expert_path is not None:
+        return setup.expert_path
+    rows = expert_input_rows(setup, tokens)
+    if setup.dense_rule == BY_ROWS_PER_EXPERT:
+        return dense_rows_per_expert(rows / setup.experts_per_gpu)
+    if setup.dense_rule == GEMV_BY_ROWS:
+        return "gemv" if rows <= GEMV_MAX_ROWS else "grouped_mm"
+    if setup.dense_rule == GROUPED_MM_ONLY:
+        return "grouped_mm"
+    raise ValueError(f"dense_rule must be one of the simulate_rows.DENSE_RULES, got {setup.dense_rule!r}")
+
+
+def dense_rows_per_expert(rows_per_expert: float) -> str:
+    """Today's rule (``RoutedExperts.dense_path`` under ``kernels="auto"`` on CUDA) for rows handed to
+    the experts per local expert, padding included."""
+    if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
+        return "gemv"
+    return "tiled" if rows_per_expert <= TILED_MAX_ROWS_PER_EXPERT else "grouped_mm"
 
 
 def attention_us(setup: Setup, cal: StageCosts, tokens: int, sequences: int) -> float:
@@ -255,20 +280,21 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     sm = (path.transport or "nccl") in SM_TRANSPORTS or setup.wire == "cluster"
     shared = cal.shared_gpu(tokens) if cfg.num_shared_experts and tokens > 0 else 0.0
     rows = tokens * cfg.num_experts_per_tok  # the (token, expert) pairs the routed experts run
-    gemv = runs_gemv(setup, tokens)
-    routed = cal.routed_gpu_us(cfg, setup.experts_per_gpu, rows, setup.expert_dtype, path, gemv)
+    dense = dense_path(setup, tokens)
+    routed = cal.routed_gpu_us(cfg, setup.experts_per_gpu, rows, setup.expert_dtype, path, dense)
     name = (mb + " " if mb else "") + "{}"
     n = name.format
 
     # GEMMs planned for fewer SMs (TBO's gemm_sm_budget) are slower, as the contention probe measured
     # a GEMM on fewer SMs, and none waits. The budget is an SM carve-out that cuBLAS and
-    # torch._grouped_mm plan for; the Triton GEMV's grid ignores it, so its time is its own.
+    # torch._grouped_mm plan for; the Triton GEMV's and tiled GEMM's grids (one program per expert or
+    # tile, as many as the rows need) ignore it, so their time is their own.
     budget = setup.gemm_sm_budget if setup.tbo else None
     gemm_slowdown = cal.contention.gemm_slowdown(budget) if budget else 1.0
-    routed_slowdown = 1.0 if gemv else gemm_slowdown
+    routed_slowdown = 1.0 if dense in TRITON_FITS else gemm_slowdown
     # The bf16 experts' torch._grouped_mm is persistent at every size (its tiles outnumber the SMs even
     # at decode: 16+ experts x 32+ column tiles), so code before the GEMV was persistent at decode too.
-    persistent = budget is None and setup.expert_dtype == "bf16" and not gemv
+    persistent = budget is None and dense == "grouped_mm"
 
     def shared_op(label: str, share: float, slowdown: float = 1.0) -> Op:
         return Op(n(label), "shared_experts", COMPUTE, shared * share * slowdown * gemm_slowdown)

@@ -6,10 +6,12 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
 - grouped GEMM: a smooth roofline per expert weight dtype, ``max(weight read, rows x FLOPs)`` with a
   fitted knee, from the GEMM-only rows (``grouped_gemm``, ``fp8_experts``), and per dispatcher path a
   factor on the rows the layer's GEMM runs (routing imbalance, padded rows: more FLOPs, the same
-  weight stream), fitted where the layer's routed span is FLOP-bound; and the bf16 experts' Triton
-  grouped GEMV at decode sizes (``GEMV``: up to ``GEMV_MAX_ROWS`` rows, code since
-  ``simulate_rows.GEMV_SINCE``), the same roofline over the weights of the experts that have rows
-  only (it skips the others), from the ``gemv`` rows;
+  weight stream), fitted where the layer's routed span is FLOP-bound; and the bf16 experts' two
+  Triton kernels (``TRITON_FITS``), each the same roofline over the weights of the experts that have
+  rows only (they skip the others), from the ``gemv`` rows' times of that kernel at the sizes layers
+  run it: the grouped GEMV (``GEMV``, ``t_gemv_us``: up to ``GEMV_MAX_ROWS`` rows in all) and the
+  tiled grouped GEMM (``TILED``, ``t_tiled_us``: over ``GEMV_MAX_ROWS_PER_EXPERT`` and up to
+  ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert; ``simulate.dense_path`` says which ran);
 - router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
   that timed them alone (``t_floor_*``, CUDA-graph ``t_shared_us``);
 - wire: ``latency + bytes / bandwidth`` per link class, least squares in relative error over the raw
@@ -35,8 +37,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..config import MoEConfig, get_preset
+from ..experts import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT
 from .links import positive_field
-from .simulate_rows import DEFAULT_PRESET, DispatchPath, ResultRow, dtype_name
+from .simulate_rows import DEFAULT_PRESET, MOE_LAYER_BENCHES, DispatchPath, ResultRow, dtype_name
 
 # ---- assumptions: named constants where no result file measures the thing -------------------------
 
@@ -58,11 +61,14 @@ H200_SMS = 132
 SM_TRANSPORTS = ("nccl", "symm_mem", "rdma")
 # Knees tried for the grouped GEMM's smooth roofline (w^p + c^p)^(1/p); inf is a hard max.
 KNEES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, math.inf)
-# ``StageCosts.gemm``'s key for the Triton grouped GEMV of bf16 experts (``gemv_kernels``), beside
-# the dtype keys of the grouped GEMMs.
+# ``StageCosts.gemm``'s keys for the Triton kernels of bf16 experts, beside the dtype keys of the
+# grouped GEMMs: the grouped GEMV (``gemv_kernels``) and the tiled grouped GEMM (``grouped_gemm_kernels``),
+# by the name of the path that runs each (``RoutedExperts.dense_path``, a row's ``expert_path``).
 GEMV = "bf16-gemv"
-# The rule of the code the GEMV rows were measured on (``simulate_rows.GEMV_SINCE`` until the tiled GEMM
-# came): bf16 experts ran the GEMV up to this many rows handed to them in all, padding included.
+TILED = "bf16-tiled"
+TRITON_FITS = {"gemv": GEMV, "tiled": TILED}
+# The rule of the code between ``simulate_rows.GEMV_SINCE`` and ``TILED_SINCE``: bf16 experts ran the
+# GEMV up to this many rows handed to them in all, padding included.
 GEMV_MAX_ROWS = 256
 
 
@@ -307,29 +313,41 @@ class StageCosts:
         return next((self.routed_factor[p] for p in path.own_keys() if p in self.routed_factor), 1.0)
 
     def routed_gpu_us(
-        self, cfg: MoEConfig, experts: int, rows: float, expert_dtype: str, path: DispatchPath, gemv: bool = False
+        self,
+        cfg: MoEConfig,
+        experts: int,
+        rows: float,
+        expert_dtype: str,
+        path: DispatchPath,
+        dense_path: str | None = None,
     ) -> float:
         """The layer's routed experts over ``experts`` local experts and ``rows`` real (token, expert)
         pairs. The grouped GEMM: the roofline over the path's factor x the real rows (padding and
-        imbalance add rows, so FLOPs; the weights are streamed once whatever the rows). With ``gemv``
-        (the caller's decision: bf16 experts at decode sizes on code that has it, ``simulate.runs_gemv``)
-        and a GEMV fit among the files: the GEMV's roofline over the experts expected to have rows;
-        without ``gemv`` rows among the files, the grouped GEMM's (slower: it reads every expert)."""
-        if gemv and GEMV in self.gemm:
-            return self.gemv_us(cfg, experts, rows)
+        imbalance add rows, so FLOPs; the weights are streamed once whatever the rows). ``dense_path``
+        is the caller's decision (``simulate.dense_path``: ``"gemv"``, ``"tiled"``, ``"grouped_mm"``;
+        None for FP8 experts): a Triton kernel with its fit among the files is costed by
+        ``triton_us``; without its rows among the files, by the grouped GEMM's roofline (slower: it
+        reads every expert)."""
+        key = TRITON_FITS.get(dense_path) if dense_path is not None else None
+        if key is not None and key in self.gemm:
+            return self.triton_us(cfg, experts, rows, key)
         fit = self.gemm.get(expert_dtype) or self.gemm["bf16"]
         per_expert = rows / experts if experts else 0.0
         scaled = per_expert * self.routed_scale(path)
         return fit.time_us(experts, scaled, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B[expert_dtype])
 
-    def gemv_us(self, cfg: MoEConfig, experts: int, rows: float) -> float:
-        """The Triton grouped GEMV: it reads only the weights of experts with rows, so the roofline runs
-        over their expected count. No path factor: that factor is grouped_mm's, fitted on FLOP-bound
-        spans of >= 1 ms, and the GEMV computes no padded row (it stops at each expert's last row)."""
+    def triton_us(self, cfg: MoEConfig, experts: int, rows: float, key: str) -> float:
+        """A Triton kernel of bf16 experts (``key``: ``GEMV`` or ``TILED``) over ``rows`` real rows, µs.
+        Each reads only the weights of experts with rows (the GEMV's program for an empty expert returns
+        at once; the tiled GEMM gives it no tile), so the roofline runs over their expected count. No
+        path factor: that factor is grouped_mm's, fitted on FLOP-bound spans of >= 1 ms, and neither
+        kernel computes a padded row (the GEMV stops at each expert's last row; the tiled GEMM's grid
+        is sized for every row handed to it, padding included, but its programs past the real rows'
+        tiles return at once)."""
         touched = expected_experts_with_rows(experts, rows)
         if touched <= 0:
             return 0.0
-        fit = self.gemm[GEMV]
+        fit = self.gemm[key]
         return fit.time_us(touched, rows / touched, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B["bf16"])
 
 
@@ -345,10 +363,11 @@ def _phase_bytes(row: ResultRow, phase: str) -> float:
 
 
 def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
-    """GEMM-only samples for ``fit_gemm`` by ``StageCosts.gemm`` key (expert dtype, or ``GEMV``)."""
+    """GEMM-only samples for ``fit_gemm`` by ``StageCosts.gemm`` key (expert dtype, ``GEMV``, ``TILED``)."""
     v3 = get_preset(DEFAULT_PRESET)
     by_dtype: dict[str, list] = defaultdict(list)
-    by_dtype[GEMV] = _gemv_samples(rows)
+    by_dtype[GEMV] = _bench_gemv_samples(rows, "t_gemv_us", _layers_ran_gemv)
+    by_dtype[TILED] = _bench_gemv_samples(rows, "t_tiled_us", _layers_run_tiled)
     for r in rows:
         if r.get("bench") == "fp8_experts" and _positive(r, "t_us"):
             dtype = dtype_name(r.get("weight_dtype"))
@@ -377,22 +396,38 @@ def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
     return by_dtype
 
 
-def _gemv_samples(rows: Sequence[ResultRow]) -> list:
-    """The Triton GEMV's ``t_gemv_us`` (``bench_gemv``, bf16, DeepSeek-V3's dims: its defaults, which
-    its rows do not record) as ``fit_gemm`` samples over the experts it read, ``experts_with_rows``
-    (it skips the empty ones), with the rows shared among them. Only rows up to ``GEMV_MAX_ROWS``:
-    above, layers run ``torch._grouped_mm``, and the GEMV's own time there (it reads an expert's
-    weights again for every 16 of its rows) would skew the rates fitted for the sizes it runs at."""
+def _bench_gemv_samples(rows: Sequence[ResultRow], time_key: str, runs_at: Callable[[float, int], bool]) -> list:
+    """One Triton kernel's times (``time_key``: ``t_gemv_us`` or ``t_tiled_us`` of ``bench_gemv``'s rows:
+    the whole routed MLP, bf16, DeepSeek-V3's dims, its defaults, which its rows do not record) as
+    ``fit_gemm`` samples over the experts it read, ``experts_with_rows`` (it skips the empty ones), with
+    the rows shared among them. Only rows where ``runs_at(rows in all, experts)`` says layers run that
+    kernel: a kernel's time outside its range (the GEMV reads an expert's weights again for every 16
+    of its rows) would skew the rates fitted for the sizes it runs at."""
     v3 = get_preset(DEFAULT_PRESET)
     hidden, inter = v3.hidden_size, v3.moe_intermediate_size
     samples = []
     for r in rows:
         if r.get("bench") != "gemv":
             continue
-        t, total, touched = _positive(r, "t_gemv_us"), _positive(r, "rows"), _positive(r, "experts_with_rows")
-        if t and total and touched and total <= GEMV_MAX_ROWS:
+        t, total, touched = _positive(r, time_key), _positive(r, "rows"), _positive(r, "experts_with_rows")
+        experts = int(r.get("experts", 0))
+        if t and total and touched and experts > 0 and runs_at(total, experts):
             samples.append((touched, total / touched, hidden, inter, WEIGHT_B["bf16"], t))
     return samples
+
+
+def _layers_ran_gemv(rows: float, experts: int) -> bool:
+    """Sizes whose layers ran the GEMV: up to ``GEMV_MAX_ROWS`` rows in all, the rule of the code
+    between ``simulate_rows.GEMV_SINCE`` and ``TILED_SINCE``. Today's code runs it by rows per expert
+    instead (up to ``GEMV_MAX_ROWS_PER_EXPERT``), but the layer rows measured on that code ran it up to
+    256 rows in all however many experts had them, so the fit keeps their range."""
+    return rows <= GEMV_MAX_ROWS
+
+
+def _layers_run_tiled(rows: float, experts: int) -> bool:
+    """Sizes whose layers run the tiled GEMM (``RoutedExperts.dense_path``): over
+    ``GEMV_MAX_ROWS_PER_EXPERT`` and up to ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert."""
+    return GEMV_MAX_ROWS_PER_EXPERT < rows / experts <= TILED_MAX_ROWS_PER_EXPERT
 
 
 def _contention(rows: Sequence[ResultRow]) -> Contention:
@@ -424,7 +459,7 @@ def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lam
     if "bf16" not in gemm:
         raise ValueError("results must hold grouped-GEMM rows (fp8_experts_*.json or foundation_*.json), got none")
 
-    moe = [r for r in rows if r.get("bench") not in ("tbo", "fp8_experts", "grouped_gemm", "gemv", "contention")]
+    moe = [r for r in rows if r.get("bench") in MOE_LAYER_BENCHES]  # kernel probes time no layer stage
     # Some files timed these floors eagerly (host time included): the GPU time is the least measured.
     route = curve([(r.tokens, float(r.get("t_floor_route_us"))) for r in moe if _positive(r, "t_floor_route_us")], min)
     shared = curve(
@@ -515,13 +550,15 @@ def _routed_factors(moe: Sequence[ResultRow], gemm: dict[str, GemmFit]) -> dict[
     """Per path, the median factor on the rows the layer's grouped GEMM runs (capacity padding, routing
     imbalance): the ``f`` for which the roofline over f x the real rows meets the routed span (or
     floor), over rows whose GEMM takes >= 1 ms (shorter spans are host-bound in eager rows) and is
-    FLOP-bound (the weight stream does not change with the rows). So no row whose experts ran the
-    Triton GEMV counts: at <= ``GEMV_MAX_ROWS`` rows the grouped GEMM is FLOP-bound only on a single
-    expert (H200: ~200 rows per expert to match its weight stream), tens of µs, far under 1 ms."""
+    FLOP-bound (the weight stream does not change with the rows). So no row whose experts ran a Triton
+    kernel by its code's rule counts: the grouped GEMM is FLOP-bound from ~200 rows per expert (H200),
+    above the tiled GEMM's ``TILED_MAX_ROWS_PER_EXPERT``, and at <= ``GEMV_MAX_ROWS`` rows in all only on
+    a single expert, tens of µs, far under 1 ms. A row that records another path than the grouped GEMM
+    (``expert_path``: one forced by ``RoutedExperts.kernels``) is left out whatever its size."""
     ratios: dict[DispatchPath, list[float]] = defaultdict(list)
     for r in moe:
         t = _positive(r, "t_floor_routed_us") or (_positive(r, "t_routed_us") if r.get("overlap") == "none" else None)
-        if t is None:
+        if t is None or r.expert_path not in (None, "grouped_mm"):
             continue
         cfg, dtype = r.cfg, dtype_name(r.get("experts_dtype"))
         fit = gemm.get(dtype) or gemm["bf16"]

@@ -17,14 +17,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..config import MoEConfig
+from ..experts import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT
 from .simulate import (
     AttentionShape,
     Setup,
     back_to_back_us,
     predict,
 )
-from .simulate_fit import GEMV, GEMV_MAX_ROWS, StageCosts, curve, fit_stage_costs
-from .simulate_rows import DEFAULT_KERNELS, DispatchPath, ResultRow, dtype_name, path_of
+from .simulate_fit import GEMV, GEMV_MAX_ROWS, TILED, StageCosts, curve, fit_stage_costs
+from .simulate_rows import DEFAULT_KERNELS, MOE_LAYER_BENCHES, DispatchPath, ResultRow, dtype_name, path_of
 
 # Where the model may be off: the issue's bar for the EP1/EP2 rows.
 VALIDATION_TOLERANCE = 0.15
@@ -68,7 +69,7 @@ def _attention(text: str | None) -> AttentionShape:
 def setup_of(r: ResultRow) -> Setup | None:
     """The setup a row measured, or None for rows that are not a whole layer."""
     bench = r.get("bench")
-    if bench not in ("sbo", "tbo", "moe_layer", "low_latency", "prefill", "fp8_layer") or r.get("t_layer_us") is None:
+    if bench not in (*MOE_LAYER_BENCHES, "tbo") or r.get("t_layer_us") is None:
         return None
     if r.get("tbo_policy") == "auto":  # AutoTbo's row repeats the setup of the fixed row it chose
         return None
@@ -86,7 +87,8 @@ def setup_of(r: ResultRow) -> Setup | None:
             graph=True,
             expert_dtype=experts_dtype,
             bytes_scheme="blocks",
-            gemv=r.gemv,
+            dense_rule=r.dense_rule,
+            expert_path=r.expert_path,
         )
     dispatcher = str(r.get("dispatcher"))
     measured = None
@@ -107,7 +109,8 @@ def setup_of(r: ResultRow) -> Setup | None:
         bytes_scheme="measured" if measured else default_scheme,
         capacity=r.get("capacity"),
         measured_bytes=measured,
-        gemv=r.gemv,
+        dense_rule=r.dense_rule,
+        expert_path=r.expert_path,
     )
     if bench != "tbo":
         return setup
@@ -162,6 +165,9 @@ def _label(r: ResultRow, s: Setup) -> str:
         parts.append(str(s.path.kernels) if one_rank else f"{s.path.kernels}/{s.path.transport}")
     if s.path.dispatch_dtype == "fp8" or s.expert_dtype == "fp8":
         parts.append(f"fp8 {'experts' if s.expert_dtype == 'fp8' else 'dispatch'}")
+    if r.get("expert_kernels") is not None:  # rows that set RoutedExperts.kernels: the setting, the path run
+        ran = f": {s.expert_path}" if s.expert_path else ""
+        parts.append(f"experts {r.get('expert_kernels')}{ran}")
     parts.append(f"{s.regime + ' ' if s.regime else ''}{r.tokens} tok")
     parts.append("graph" if s.graph else "eager")
     parts.append(s.overlap)
@@ -253,14 +259,22 @@ def repeatability(checked: Sequence[Checked]) -> dict[str, list[float]]:
     return spread
 
 
+def _gemm_stage(key: str) -> str:
+    """What a ``StageCosts.gemm`` fit costs, and where layers run it (``simulate.dense_path``)."""
+    if key == GEMV:
+        return f"Triton GEMV, bf16 <= {GEMV_MAX_ROWS_PER_EXPERT} rows/expert (older code: <= {GEMV_MAX_ROWS} rows)"
+    if key == TILED:
+        return f"Triton tiled GEMM, bf16 > {GEMV_MAX_ROWS_PER_EXPERT}, <= {TILED_MAX_ROWS_PER_EXPERT} rows/expert"
+    return f"grouped GEMM, {key} experts"
+
+
 def calibration_lines(cal: StageCosts) -> list[tuple[str, str]]:
     """What the simulator fitted, one (stage, fit) line each, for the command line."""
     lines = []
-    for dtype, fit in sorted(cal.gemm.items()):
-        stage = f"grouped GEMV, bf16 <= {GEMV_MAX_ROWS} rows" if dtype == GEMV else f"grouped GEMM, {dtype} experts"
+    for key, fit in sorted(cal.gemm.items()):
         lines.append(
             (
-                stage,
+                _gemm_stage(key),
                 f"weights {fit.weight_GBps:,.0f} GB/s, {fit.TFLOPs:.0f} TFLOP/s, "
                 f"knee {fit.knee:g} ({fit.samples} rows)",
             )

@@ -7,8 +7,8 @@ of it, with its one-off floors and references), the unit the validation holds ou
 
 What is hard is **old rows**: fields were added as the benchmarks grew, so a missing field is read
 as what the code did when it was missing (``UNRECORDED_KERNELS``, ``DEFAULT_TRANSPORT``), never
-guessed from the numbers; what no row records (the routed experts' kernels) is read from the file's
-date (``GEMV_SINCE``).
+guessed from the numbers; what an older row does not record (the routed experts' kernels) is read
+from the file's date (``GEMV_SINCE``, ``TILED_SINCE``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from ..config import PRESETS, MoEConfig, get_preset
 
 # Rows of benchmarks that fix their model (fp8_experts, grouped_gemm) carry no dims: DeepSeek-V3's.
 DEFAULT_PRESET = "deepseek-v3"
+# Benchmarks whose rows time a whole MoE layer: the layer stage fits' samples and, with ``tbo``'s decoder
+# layers, the rows validated. Any other bench is not a layer (kernel probes such as ``gemv``,
+# ``gather_gemm`` or ``dense_gemm_config``; soak and generation runs), whatever fields its rows carry.
+MOE_LAYER_BENCHES = ("sbo", "moe_layer", "low_latency", "prefill", "fp8_layer")
 # A low_latency row without ``kernels`` predates the field: its path (torch or Triton) is not known,
 # so its costs are kept apart ("unrecorded"); one without ``transport`` predates that option, when
 # NCCL carried the blocks. The fused Triton kernels are the default path and the last resort.
@@ -39,10 +43,26 @@ DIRECT_LAUNCH = "+direct"
 # launch less; since, one allocation less), so its own path and setup too.
 FIXED_ROWS = "+fixed_rows"
 # Since commit a479e10 (this instant, UTC) dense routed experts on CUDA run ``gemv_kernels``' Triton
-# grouped GEMV at decode sizes (``simulate_fit.GEMV_MAX_ROWS``); before it, ``torch._grouped_mm`` at every
-# size. No row records which ran, so a file's ``meta.date`` (UTC ISO 8601, ``measure.results``) on
-# or after this says its code had the GEMV; a file without a date is taken as older.
+# grouped GEMV at decode sizes (up to ``simulate_fit.GEMV_MAX_ROWS`` rows in all); before it,
+# ``torch._grouped_mm`` at every size. No row of that code records which ran, so a file's ``meta.date``
+# (UTC ISO 8601, ``measure.results``) on or after this says its code had the GEMV; a file without a
+# date is taken as older.
 GEMV_SINCE = "2026-11-30T21:18:02+00:00"
+# Since the code of commit 3ef4268 (source digest 0bfe0059a701; this instant is the ``meta.date`` of
+# the first file measured on it, ``gemv_h200x1_tiles32.json``) dense routed experts on CUDA choose by
+# rows per expert (``RoutedExperts.dense_path``): the GEMV, ``grouped_gemm_kernels``' tiled GEMM, or
+# ``torch._grouped_mm``. Its layer rows record the path that ran (``expert_path``), which wins; this
+# date stands for a file of that code without the field. (The commit before, 0711265, chose by another
+# rule; no layer file was measured on it.)
+TILED_SINCE = "2026-12-01T11:23:20+00:00"
+# The rule dense routed experts chose their GEMMs by, per code version (``ResultRow.dense_rule``,
+# applied by ``simulate.dense_path``): ``torch._grouped_mm`` at every size (before ``GEMV_SINCE``); the
+# GEMV up to ``simulate_fit.GEMV_MAX_ROWS`` rows handed to the experts in all, else
+# ``torch._grouped_mm`` (until ``TILED_SINCE``); by rows per expert (since; today's code).
+GROUPED_MM_ONLY = "grouped_mm only"
+GEMV_BY_ROWS = "gemv by rows"
+BY_ROWS_PER_EXPERT = "by rows per expert"
+DENSE_RULES = (GROUPED_MM_ONLY, GEMV_BY_ROWS, BY_ROWS_PER_EXPERT)
 
 
 @dataclass(frozen=True)
@@ -93,9 +113,20 @@ class ResultRow:
         return path_of(self.row, self.ep, str(self.meta.get("source_sha") or self.meta.get("commit") or "unknown"))
 
     @property
-    def gemv(self) -> bool:
-        """Whether the code that measured this row had the Triton grouped GEMV (``GEMV_SINCE``)."""
-        return measured_since(self.meta, GEMV_SINCE)
+    def dense_rule(self) -> str:
+        """The rule (``DENSE_RULES``) by which the code that measured this row chose its dense experts'
+        GEMMs, from its file's date."""
+        if measured_since(self.meta, TILED_SINCE):
+            return BY_ROWS_PER_EXPERT
+        return GEMV_BY_ROWS if measured_since(self.meta, GEMV_SINCE) else GROUPED_MM_ONLY
+
+    @property
+    def expert_path(self) -> str | None:
+        """The dense experts' GEMMs this row ran, where it records them (``bench_low_latency``'s
+        ``expert_path``: ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``, ``RoutedExperts.dense_path``'s
+        names); None for a row that does not."""
+        path = self.get("expert_path")
+        return None if path is None else str(path)
 
 
 def measured_since(meta: dict, since: str) -> bool:
