@@ -109,6 +109,19 @@ def test_routed_experts_choose_their_kernel_by_rows():
         experts.dense_path(rows[0])
 
 
+def test_routed_experts_without_triton_refuse_a_triton_kernel(monkeypatch):
+    import moe_sbo.experts as experts_module
+
+    monkeypatch.setattr(experts_module, "gemv_kernels", None)
+    experts = RoutedExperts(4, 40, 24)
+    x = torch.empty(8, 40)
+    assert experts.dense_path(x) == "grouped_mm"  # "auto" falls back to torch
+    for kernels in ("triton", "gemv", "tiled"):
+        experts.kernels = kernels
+        with pytest.raises(RuntimeError, match="needs Triton"):
+            experts.dense_path(x)
+
+
 def test_routed_experts_tiled_path_matches_per_token_reference():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     experts = RoutedExperts(4, 40, 24, device=device)

@@ -5,9 +5,9 @@ Legend: see ``moe_sbo/__init__.py``.
 The hard part is the grouped GEMM: ``torch._grouped_mm`` takes cumulative row offsets on the device
 (so no host sync) but only runs for some dtype/device pairs (bf16 on sm90+ CUDA, and the CPU build
 since torch 2.9). Elsewhere a per-expert loop over host-side row counts computes the same thing.
-On CUDA, dense experts with few rows per expert run Triton kernels instead, which read each weight
-once or once per 128 rows (``gemv_kernels.py`` at decode sizes, ``grouped_gemm_kernels.py`` above:
-``RoutedExperts.dense_path``). FP8 experts (DeepSeek's block-scaled e4m3 weights) run
+On CUDA, dense experts with up to 128 rows per expert run Triton kernels instead, which read only
+the weights of experts with rows (``gemv_kernels.py`` at decode sizes, ``grouped_gemm_kernels.py``
+above: ``RoutedExperts.dense_path``). FP8 experts (DeepSeek's block-scaled e4m3 weights) run
 ``fp8_kernels.py``'s grouped GEMM instead.
 Weights use the Hugging Face layout: ``gate_up_proj [L, 2I, H]`` (gate rows first), ``down_proj [L, H, I]``.
 """
@@ -53,9 +53,10 @@ SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # Dense experts on CUDA under "auto", by rows per expert (padding included: ``low_latency`` hands the
 # experts P x C x K rows), measured on H200 at DeepSeek-V3 dims over 8, 16 and 32 experts
 # (``benchmarks/bench_gemv.py``, docs/BENCHMARKS.md "Dense experts"): up to GEMV_MAX_ROWS_PER_EXPERT,
-# ``gemv_kernels``' GEMV (one weight read; it won at <= 8 rows per expert, lost from 16); up to
-# TILED_MAX_ROWS_PER_EXPERT, ``grouped_gemm_kernels``' tiled GEMM (1.13-1.34x ``torch._grouped_mm``
-# from 16 to 128 rows per expert); above, ``torch._grouped_mm`` (1-4 % faster at 256, 9-13 % at 1024).
+# ``gemv_kernels``' GEMV (the fastest up to 4 rows per expert, within 4 % of the tiled GEMM at 8,
+# 1.24-1.42x slower at 16); up to TILED_MAX_ROWS_PER_EXPERT, ``grouped_gemm_kernels``' tiled GEMM
+# (1.06-1.45x faster than ``torch._grouped_mm`` from 16 to 128 rows per expert); above,
+# ``torch._grouped_mm`` (within 10 % either way at 256 rows per expert, 3-15 % faster from 512).
 GEMV_MAX_ROWS_PER_EXPERT = 8
 TILED_MAX_ROWS_PER_EXPERT = 128
 
@@ -176,8 +177,10 @@ class RoutedExperts(nn.Module):
         that kernel; the Triton kernels need CUDA, or ``TRITON_INTERPRET=1`` on CPU."""
         if self.kernels not in DENSE_KERNELS:
             raise ValueError(f"kernels must be one of {DENSE_KERNELS} for dense experts, got {self.kernels!r}")
-        if gemv_kernels is None or self.kernels == "torch":
+        if self.kernels == "torch" or (gemv_kernels is None and self.kernels == "auto"):
             return "grouped_mm"
+        if gemv_kernels is None:
+            raise RuntimeError(f"kernels={self.kernels!r} needs Triton (pip install triton); use 'auto' or 'torch'")
         rows_per_expert = x_RH.shape[0] / self.num_local_experts
         by_rows = "gemv" if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT else "tiled"
         if self.kernels == "auto":
