@@ -23,9 +23,12 @@ from moe_sbo.planner.simulate import dense_path, stage_ops
 from moe_sbo.planner.simulate_fit import (
     EMULATED_INTERNODE_GBPS,
     GEMV,
+    GEMV_BLOCK_ROWS,
     TILED,
     Contention,
     expected_experts_with_rows,
+    expected_weight_passes,
+    weight_passes,
 )
 from moe_sbo.planner.simulate_rows import (
     BY_ROWS_PER_EXPERT,
@@ -560,19 +563,74 @@ def _bench_gemv_row(experts: int, rows: int, **times: float) -> dict:
     return {"bench": "gemv", "experts": experts, "rows": rows, "experts_with_rows": min(experts, rows), **times}
 
 
-def test_the_gemv_is_fitted_over_the_experts_it_read_where_layers_ran_it(tmp_path):
-    """bench_gemv's ``t_gemv_us`` fits the GEMV over ``experts_with_rows``, up to 256 rows in all (the
-    range the GEMV code's layer rows ran it at, wider than today's 8 rows per expert); a row above,
-    where those layers ran the grouped GEMM, is left out."""
+def test_the_gemv_is_fitted_at_every_size_over_the_weight_streams_it_read(tmp_path):
+    """bench_gemv's ``t_gemv_us`` fits the GEMV over ``experts_with_rows``, each expert's weights
+    streamed once per 16 of its rows, at every size timed (past today's 8 rows per expert and the GEMV
+    code's 256 rows in all: the passes describe the re-reads). Times that are exactly those streams
+    give back their rate, and the fit then predicts each of them."""
+    sizes = (8, 16, 256, 1024)  # 0.5 to 64 rows per expert on 16 experts
+
+    def streamed_us(rows: int) -> float:
+        return expected_experts_with_rows(16, rows) * weight_passes(GEMV, 16, rows) * EXPERT_B / (GEMV_GBPS * 1e3)
+
     gemv = [
-        {**_bench_gemv_row(16, n), "experts_with_rows": k, "t_gemv_us": k * EXPERT_B / (GEMV_GBPS * 1e3)}
-        for n, k in ((8, 7), (16, 11), (256, 16))  # 256 rows: 16 per expert, out of today's range
+        {**_bench_gemv_row(16, n), "experts_with_rows": expected_experts_with_rows(16, n), "t_gemv_us": streamed_us(n)}
+        for n in sizes
     ]
-    gemv.append(_bench_gemv_row(16, 1024, t_gemv_us=1.0))  # would set the fitted rate if it counted
     _write(tmp_path / "gemv_h200x1.json", gemv)
     _write(tmp_path / "layers_h200x2.json", synthetic_rows())
-    fit = planner.calibrate_simulator(planner.load_rows(tmp_path)).gemm[GEMV]
-    assert fit.weight_GBps == pytest.approx(GEMV_GBPS) and fit.samples == 3
+    cal = planner.calibrate_simulator(planner.load_rows(tmp_path))
+    fit = cal.gemm[GEMV]
+    assert fit.weight_GBps == pytest.approx(GEMV_GBPS) and fit.samples == len(sizes)
+    for n in sizes:
+        assert cal.triton_us(V3, 16, n, GEMV) == pytest.approx(streamed_us(n)), n
+
+
+def test_expected_weight_passes_count_blocks_of_uniform_draws():
+    """E[ceil(n / block) | n > 0] for n ~ Binomial(R, 1/L): one pass while no expert can get more than
+    a block; one expert gets every row; small cases by hand; never fewer with more rows; and the mean
+    over bench_gemv-style draws (each row on one of L experts, uniformly)."""
+    assert expected_weight_passes(1, 16, 16) == 1.0 and expected_weight_passes(32, 16, 16) == 1.0
+    assert (expected_weight_passes(1, 17, 16), expected_weight_passes(1, 48, 16)) == (2.0, 3.0)
+    # L = 2, R = 3, block 2: n = 1, 2, 3 with probability 3/8, 3/8, 1/8 -> 1, 1, 2 passes, over P(n > 0) = 7/8
+    assert expected_weight_passes(2, 3, 2) == pytest.approx((3 / 8 + 3 / 8 + 2 / 8) / (7 / 8))  # 8/7
+    # L = 2, R = 4, block 2: n = 1..4 with 4, 6, 4, 1 sixteenths -> 1, 1, 2, 2 passes, over 15/16
+    assert expected_weight_passes(2, 4, 2) == pytest.approx((4 + 6 + 8 + 2) / 15)  # 4/3
+    for experts in (2, 8, 32):
+        passes = [expected_weight_passes(experts, r, 16) for r in range(1, 600, 7)]
+        assert all(a <= b + 1e-12 for a, b in zip(passes, passes[1:])), experts
+    assert expected_weight_passes(8, 8 * 64, 16) == pytest.approx(4.47, abs=0.01)  # mean 64: 4, often 5
+    rng = random.Random(0)
+    draws = []
+    for _ in range(2000):
+        counts = [0] * 8
+        for _ in range(256):
+            counts[rng.randrange(8)] += 1
+        draws += [math.ceil(n / 16) for n in counts if n]
+    assert statistics.mean(draws) == pytest.approx(expected_weight_passes(8, 256, 16), abs=0.02)
+
+
+def test_the_planners_gemv_block_is_the_kernels():
+    """``GEMV_BLOCK_ROWS`` copies ``gemv_kernels.BLOCK_M`` (the planner runs without Triton, which that
+    module imports)."""
+    gemv_kernels = pytest.importorskip("moe_sbo.gemv_kernels")
+    assert GEMV_BLOCK_ROWS == gemv_kernels.BLOCK_M
+
+
+def test_the_gemv_costs_each_weight_pass_and_the_tiled_gemm_one():
+    """Weight-bound, the GEMV's time is its weight streams': the experts with rows times their passes,
+    so twice one expert's stream at 17-32 rows on it, and more with more passes at a fixed count of
+    experts with rows; the tiled GEMM streams each expert's weights once whatever its rows."""
+    weights_only = planner.GemmFit(weight_GBps=GEMV_GBPS, TFLOPs=math.inf, knee=math.inf, samples=0)
+    toy = _triton_costs()
+    cal = replace(toy, gemm={**toy.gemm, GEMV: weights_only, TILED: weights_only})
+    one_stream = EXPERT_B / (GEMV_GBPS * 1e3)
+    assert cal.triton_us(V3, 1, 16, GEMV) == pytest.approx(one_stream)
+    assert cal.triton_us(V3, 1, 17, GEMV) == pytest.approx(2 * one_stream)
+    assert cal.triton_us(V3, 1, 32, TILED) == pytest.approx(one_stream)
+    times = [cal.triton_us(V3, 8, rows, GEMV) for rows in (64, 128, 256, 512, 1024)]  # all 8 experts hit
+    assert all(a < b for a, b in zip(times, times[1:]))
+    assert times[-1] == pytest.approx(8 * expected_weight_passes(8, 1024, 16) * one_stream, rel=1e-6)
 
 
 def test_the_tiled_gemm_is_fitted_only_where_layers_run_it(tmp_path):
@@ -620,8 +678,9 @@ def test_decode_rows_measured_with_the_gemv_are_predicted_with_it(repo_checked, 
     """The sbo_wire files measured on both sides of the GEMV's landing, at 16 tokens per rank (EP2:
     2 x 16 x 8 = 256 slots, so the GEMV since): the older ran torch._grouped_mm, the newer (_v3) the
     GEMV, ~1/3 faster, which the grouped GEMM's roofline over-predicted by 32-47 %. With the GEMV each
-    is closer, and held out they are off by a median under 20 % (the GEMV fit, one roofline over three
-    GEMV-only files, puts 32 experts with 4 rows each 15 % above bench_gemv's time)."""
+    is closer, and held out they are off by a median under 20 % (the GEMV fit, one weight rate over
+    three GEMV-only files, puts 32 experts with 4 rows each 12 % above bench_gemv's time: the GEMV
+    streams weights faster over 32 experts than over 8)."""
     rows = planner.load_rows(REPO_RESULTS)
     for file, ran in (("sbo_wire_nvlink_h200x2.json", "grouped_mm"), ("sbo_wire_nvlink_h200x2_v3.json", "gemv")):
         setups = [s for r in rows if r.file == file and (s := planner.setup_of(r)) is not None and s.tokens == 16]

@@ -8,9 +8,10 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
   factor on the rows the layer's GEMM runs (routing imbalance, padded rows: more FLOPs, the same
   weight stream), fitted where the layer's routed span is FLOP-bound; and the bf16 experts' two
   Triton kernels (``TRITON_FITS``), each the same roofline over the weights of the experts that have
-  rows only (they skip the others), from the ``gemv`` rows' times of that kernel at the sizes layers
-  run it: the grouped GEMV (``GEMV``, ``t_gemv_us``: up to ``GEMV_MAX_ROWS`` rows in all) and the
-  tiled grouped GEMM (``TILED``, ``t_tiled_us``: over ``GEMV_MAX_ROWS_PER_EXPERT`` and up to
+  rows only (they skip the others), from the ``gemv`` rows' times of that kernel: the grouped GEMV
+  (``GEMV``, ``t_gemv_us``, every size timed; it streams an expert's weights once per
+  ``GEMV_BLOCK_ROWS`` of its rows, ``weight_passes``) and the tiled grouped GEMM (``TILED``,
+  ``t_tiled_us``, where layers run it: over ``GEMV_MAX_ROWS_PER_EXPERT`` and up to
   ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert; ``simulate.dense_path`` says which ran);
 - router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
   that timed them alone (``t_floor_*``, CUDA-graph ``t_shared_us``);
@@ -30,6 +31,7 @@ Units: ``_us`` microseconds, ``_B`` bytes, ``_GBps`` 1e9 bytes/s; T = tokens per
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import defaultdict
@@ -67,9 +69,23 @@ KNEES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, math.inf)
 GEMV = "bf16-gemv"
 TILED = "bf16-tiled"
 TRITON_FITS = {"gemv": GEMV, "tiled": TILED}
+# Each Triton kernel's time in ``bench_gemv``'s rows (the calibration samples of its fit).
+BENCH_GEMV_TIMES = {GEMV: "t_gemv_us", TILED: "t_tiled_us"}
 # The rule of the code between ``simulate_rows.GEMV_SINCE`` and ``TILED_SINCE``: bf16 experts ran the
 # GEMV up to this many rows handed to them in all, padding included.
 GEMV_MAX_ROWS = 256
+# The Triton GEMV's rows per ``tl.dot`` block (``gemv_kernels.BLOCK_M``, not imported: that module
+# imports Triton, which the planner runs without). Each of its programs (one expert, 64 output
+# columns) re-reads its [64, K] weight slice for every block of the expert's rows, and those slices
+# together (0.26-0.9 MB each at DeepSeek-V3's dims, 64-112 programs per expert) far exceed an
+# H200's 50 MB L2, so every block is another stream of the expert's weights from HBM.
+GEMV_BLOCK_ROWS = 16
+# Rows per weight pass of each Triton kernel that re-reads weights from HBM (``weight_passes``). The
+# tiled GEMM is not here: it reads an expert's weights once per 64- or 128-row tile, but its row tiles
+# sweep the columns in groups of GROUP_M = 8 (``grouped_gemm_kernels``), so a tile's re-read finds the
+# weights in L2. The data agree: with a pass per tile the tiled fit is off its own gemv rows by -17 % to
+# +33 % (against -31 % to +11 % without) and 4 fewer layer rows are predicted within 15 %.
+WEIGHT_PASS_ROWS = {GEMV: GEMV_BLOCK_ROWS}
 
 
 # ---- fit primitives -------------------------------------------------------------------------------
@@ -217,6 +233,36 @@ def expected_experts_with_rows(experts: int, rows: float) -> float:
     return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
 
 
+@functools.lru_cache(maxsize=4096)
+def expected_weight_passes(experts: int, rows: int, block_rows: int) -> float:
+    """How many times a kernel that reads an expert's weights once per ``block_rows`` of its rows reads
+    them, on average over the experts that have rows: E[ceil(n / block_rows) | n > 0], n ~ Binomial(R,
+    1/L), the rows of one of ``experts`` L experts when each of ``rows`` R lands on one uniformly (as
+    ``expected_experts_with_rows`` draws them). Exact, summed over the binomial's pmf; 1 while no
+    expert can get more than a block."""
+    if rows <= block_rows:
+        return 1.0
+    if experts <= 1:
+        return float(math.ceil(rows / block_rows))
+    p = 1.0 / experts
+    log_all = math.lgamma(rows + 1)
+
+    def pmf(n: int) -> float:
+        log_ways = log_all - math.lgamma(n + 1) - math.lgamma(rows - n + 1)
+        return math.exp(log_ways + n * math.log(p) + (rows - n) * math.log1p(-p))
+
+    passes = sum(pmf(n) * math.ceil(n / block_rows) for n in range(1, rows + 1))
+    return passes / -math.expm1(rows * math.log1p(-p))  # / P(n > 0)
+
+
+def weight_passes(key: str, experts: int, rows: float) -> float:
+    """Expected weight streams per expert with rows of the Triton kernel ``key`` (``GEMV``, ``TILED``)
+    over ``rows`` real rows on ``experts`` experts: ``expected_weight_passes`` at the kernel's
+    ``WEIGHT_PASS_ROWS``, 1 for a kernel that reads each expert's weights from HBM once."""
+    block_rows = WEIGHT_PASS_ROWS.get(key)
+    return 1.0 if block_rows is None else expected_weight_passes(experts, round(rows), block_rows)
+
+
 def fit_gemm(samples: Sequence[tuple[float, float, int, int, float, float]]) -> GemmFit | None:
     """``samples``: (experts, rows per expert, H, I, weight bytes per element, µs). The rate of each
     bound is the median over the samples that bound clearly dominates (the other term < 1/4 of it),
@@ -339,16 +385,17 @@ class StageCosts:
     def triton_us(self, cfg: MoEConfig, experts: int, rows: float, key: str) -> float:
         """A Triton kernel of bf16 experts (``key``: ``GEMV`` or ``TILED``) over ``rows`` real rows, µs.
         Each reads only the weights of experts with rows (the GEMV's program for an empty expert returns
-        at once; the tiled GEMM gives it no tile), so the roofline runs over their expected count. No
-        path factor: that factor is grouped_mm's, fitted on FLOP-bound spans of >= 1 ms, and neither
-        kernel computes a padded row (the GEMV stops at each expert's last row; the tiled GEMM's grid
-        is sized for every row handed to it, padding included, but its programs past the real rows'
-        tiles return at once)."""
-        touched = expected_experts_with_rows(experts, rows)
-        if touched <= 0:
+        at once; the tiled GEMM gives it no tile), so the roofline runs over their expected count, each
+        streamed ``weight_passes`` times (the GEMV: once per ``GEMV_BLOCK_ROWS`` of its rows): the
+        weight bound over those streams, the FLOP bound over the rows. No path factor: that factor is
+        grouped_mm's, fitted on FLOP-bound spans of >= 1 ms, and neither kernel computes a padded row
+        (the GEMV stops at each expert's last row; the tiled GEMM's grid is sized for every row handed
+        to it, padding included, but its programs past the real rows' tiles return at once)."""
+        streams = expected_experts_with_rows(experts, rows) * weight_passes(key, experts, rows)
+        if streams <= 0:
             return 0.0
         fit = self.gemm[key]
-        return fit.time_us(touched, rows / touched, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B["bf16"])
+        return fit.time_us(streams, rows / streams, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B["bf16"])
 
 
 def _positive(row: ResultRow, key: str) -> float | None:
@@ -366,8 +413,11 @@ def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
     """GEMM-only samples for ``fit_gemm`` by ``StageCosts.gemm`` key (expert dtype, ``GEMV``, ``TILED``)."""
     v3 = get_preset(DEFAULT_PRESET)
     by_dtype: dict[str, list] = defaultdict(list)
-    by_dtype[GEMV] = _bench_gemv_samples(rows, "t_gemv_us", _layers_ran_gemv)
-    by_dtype[TILED] = _bench_gemv_samples(rows, "t_tiled_us", _layers_run_tiled)
+    # The GEMV's fit takes every size bench_gemv timed it at (up to 128 rows per expert), not only the
+    # sizes layers run it at by their code's rule: with its weight passes one roofline describes them
+    # all, and layers forced onto it (kernels="gemv") ran it at up to 128 rows per expert.
+    by_dtype[GEMV] = _bench_gemv_samples(rows, GEMV)
+    by_dtype[TILED] = _bench_gemv_samples(rows, TILED, _layers_run_tiled)
     for r in rows:
         if r.get("bench") == "fp8_experts" and _positive(r, "t_us"):
             dtype = dtype_name(r.get("weight_dtype"))
@@ -396,32 +446,28 @@ def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
     return by_dtype
 
 
-def _bench_gemv_samples(rows: Sequence[ResultRow], time_key: str, runs_at: Callable[[float, int], bool]) -> list:
-    """One Triton kernel's times (``time_key``: ``t_gemv_us`` or ``t_tiled_us`` of ``bench_gemv``'s rows:
-    the whole routed MLP, bf16, DeepSeek-V3's dims, its defaults, which its rows do not record) as
-    ``fit_gemm`` samples over the experts it read, ``experts_with_rows`` (it skips the empty ones), with
-    the rows shared among them. Only rows where ``runs_at(rows in all, experts)`` says layers run that
-    kernel: a kernel's time outside its range (the GEMV reads an expert's weights again for every 16
-    of its rows) would skew the rates fitted for the sizes it runs at."""
+def _bench_gemv_samples(
+    rows: Sequence[ResultRow], key: str, runs_at: Callable[[float, int], bool] | None = None
+) -> list:
+    """The times of one Triton kernel (``key``: ``GEMV`` from ``bench_gemv``'s ``t_gemv_us``, ``TILED``
+    from its ``t_tiled_us``: the whole routed MLP, bf16, DeepSeek-V3's dims, its defaults, which its
+    rows do not record) as ``fit_gemm`` samples over the weight streams it read: the experts it read,
+    ``experts_with_rows`` (it skips the empty ones), each ``weight_passes`` times, with the rows
+    shared among them (so the FLOPs are the rows'). With ``runs_at``, only rows where ``runs_at(rows in
+    all, experts)`` says the fit describes that kernel."""
     v3 = get_preset(DEFAULT_PRESET)
     hidden, inter = v3.hidden_size, v3.moe_intermediate_size
+    time_key = BENCH_GEMV_TIMES[key]
     samples = []
     for r in rows:
         if r.get("bench") != "gemv":
             continue
         t, total, touched = _positive(r, time_key), _positive(r, "rows"), _positive(r, "experts_with_rows")
         experts = int(r.get("experts", 0))
-        if t and total and touched and experts > 0 and runs_at(total, experts):
-            samples.append((touched, total / touched, hidden, inter, WEIGHT_B["bf16"], t))
+        if t and total and touched and experts > 0 and (runs_at is None or runs_at(total, experts)):
+            streams = touched * weight_passes(key, experts, total)
+            samples.append((streams, total / streams, hidden, inter, WEIGHT_B["bf16"], t))
     return samples
-
-
-def _layers_ran_gemv(rows: float, experts: int) -> bool:
-    """Sizes whose layers ran the GEMV: up to ``GEMV_MAX_ROWS`` rows in all, the rule of the code
-    between ``simulate_rows.GEMV_SINCE`` and ``TILED_SINCE``. Today's code runs it by rows per expert
-    instead (up to ``GEMV_MAX_ROWS_PER_EXPERT``), but the layer rows measured on that code ran it up to
-    256 rows in all however many experts had them, so the fit keeps their range."""
-    return rows <= GEMV_MAX_ROWS
 
 
 def _layers_run_tiled(rows: float, experts: int) -> bool:
