@@ -167,9 +167,7 @@ def low_latency_rank(
                     **({"fixed_expert_rows": True} if fixed_rows and layer.dispatcher.uses_triton(device) else {}),
                     "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
                     "expert_kernels": experts_kernels,
-                    "expert_path": layer.experts.fp8_path(device, expert_rows)
-                    if layer.experts.fp8
-                    else layer.experts.dense_path(torch.empty(expert_rows, 0, device=device)),
+                    "expert_path": layer.experts.path(torch.empty(expert_rows, 0, device=device)),
                 }
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)

@@ -77,6 +77,7 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
     for row in rows:
         assert all(field in row for field in FIELDS), sorted(set(FIELDS) - set(row))
         assert row["t_layer_us"] > 0 and row["t_shared_us"] > 0 and row["t_comm_us"] > 0
+        assert row["expert_path"] == "grouped_mm"  # CPU: torch's grouped GEMM whatever the rows
         if row["overlap"] == "none":
             assert row["speedup_vs_none"] == 1.0 and row["efficiency"] == 0.0
         if row["overlap"] == "auto":

@@ -166,6 +166,11 @@ class RoutedExperts(nn.Module):
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
 
+    def path(self, x_RH: torch.Tensor) -> str:
+        """The GEMMs a forward of rows like ``x_RH`` runs: ``fp8_path``'s name for FP8 experts, else
+        ``dense_path``'s (what benchmark rows record as ``expert_path``)."""
+        return self.fp8_path(x_RH.device, x_RH.shape[0]) if self.fp8 else self.dense_path(x_RH)
+
     def dense_path(self, x_RH: torch.Tensor) -> str:
         """Which GEMMs dense (not FP8) experts run for the R rows ``x_RH`` (padding included): ``"gemv"``
         (``gemv_kernels``), ``"tiled"`` (``grouped_gemm_kernels``) or ``"grouped_mm"``

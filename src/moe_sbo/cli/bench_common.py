@@ -144,16 +144,17 @@ def profile_spans(run: Callable[[], object], device: torch.device, rank: int, tr
 
 def floor_and_wire(
     layer: MoELayer, x_TH: torch.Tensor, topk: TopkOutput, warmup: int, iters: int, seed: int
-) -> dict[str, float]:
+) -> dict[str, float | str]:
     """The compute floor (router, routed experts on one dispatch's rows of ``topk``, shared experts,
     each alone) and, with peers, raw ``all_to_all_single`` of each phase's bytes: one rank's share of
-    a row."""
+    a row; and ``expert_path``, the routed experts' GEMMs for those rows (``RoutedExperts.path``)."""
     device = x_TH.device
     graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
     recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
     experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
     shared = layer.shared_experts
-    out = {
+    out: dict[str, float | str] = {
+        "expert_path": layer.experts.path(experts_x),
         "t_floor_route_us": time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph),
         "t_floor_routed_us": time_fn(lambda: layer.experts(experts_x, counts, scales), device, warmup, iters, graph),
         "t_floor_shared_us": time_fn(lambda: shared(x_TH), device, warmup, iters, graph) if shared else 0.0,

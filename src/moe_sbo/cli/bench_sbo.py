@@ -153,7 +153,7 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         first = rank_rows[0]
         row = {
             **row_head("sbo", spec, ep),
-            **{k: first[k] for k in ("kernels", "transport_used") if k in first},
+            **{k: first[k] for k in ("kernels", "transport_used", "expert_path") if k in first},
             "tokens_per_rank": first["tokens"],
             "overlap": first["overlap"],
             "tbo": False,

@@ -131,7 +131,10 @@ def decoder_floor_and_wire(
 
     out = {"t_floor_attention_us": time_fn(attention, device, warmup, iters, device.type == "cuda")}
     moe_x_TH = layer.post_attention_norm(x_TH + attention())
-    out.update(floor_and_wire(layer.moe, moe_x_TH, layer.moe.router(moe_x_TH), warmup, iters, spec["seed"]))
+    moe = floor_and_wire(layer.moe, moe_x_TH, layer.moe.router(moe_x_TH), warmup, iters, spec["seed"])
+    # Not the whole batch's ``expert_path``: TBO's micro-batches hand the experts other row counts and
+    # may run other GEMMs, so the rows do not record one path for both.
+    out.update({key: float(value) for key, value in moe.items() if key != "expert_path"})
     return out
 
 
