@@ -15,8 +15,9 @@ behind ``experts.GEMV_MAX_ROWS_PER_EXPERT`` and ``experts.TILED_MAX_ROWS_PER_EXP
 
 ``--sweep`` writes instead rows (``bench="dense_gemm_config"``, ``OUT/dense_gemm_config.json``) timing
 each GEMM of the MLP (gate_up, down) alone through the tiled GEMM under each tile config of
-``SWEEP_CONFIGS``, equal rows per expert, with ``tflops`` and ``t_floor_us`` (that GEMM's weight read
-or FLOPs, whichever takes longer at the run's rates): the data behind ``grouped_gemm_kernels.dense_config``.
+``SWEEP_CONFIGS`` (the configs ``probe_gather_gemm.py`` sweeps too), equal rows per expert, with
+``tflops`` and ``t_floor_us`` (that GEMM's weight read or FLOPs, whichever takes longer at the run's
+rates): the data behind ``grouped_gemm_kernels.dense_config``.
 
 Usage (GPU): ``python benchmarks/bench_gemv.py --out DIR [--sweep]``.
 """
@@ -44,10 +45,13 @@ SWEEP_CONFIGS = [
         (64, 128, 8, 4, 4, 64),
         (64, 128, 8, 4, 4, 128),
         (64, 256, 8, 4, 3, 64),
+        (64, 256, 8, 4, 4, 64),
         (128, 64, 8, 4, 4, 64),
         (128, 128, 8, 4, 4, 64),
         (128, 128, 8, 8, 4, 64),
         (128, 256, 8, 8, 3, 64),
+        (128, 256, 8, 8, 4, 64),
+        (256, 128, 8, 8, 3, 64),
     ]
 ]
 
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument(
-        "--rows", type=int, nargs="+", default=[8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+        "--rows", type=int, nargs="+", default=[8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
     )
     parser.add_argument("--gemv-max-rows", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=7168)

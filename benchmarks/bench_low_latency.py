@@ -18,7 +18,7 @@ per rank (capacity = tokens unless ``--capacity``):
   the mean of back-to-back layer replays (decode throughput rather than isolated latency).
 - ``dispatcher="low_latency"``, ``graph=False``: the same layer run eagerly, phases from hook events.
 - Each once per ``--expert-kernels`` choice (``expert_kernels``, default ``auto``), and ``expert_path``:
-  the routed experts' GEMMs at the row's P x C x K rows (``RoutedExperts.dense_path`` / ``fp8_path``).
+  dense experts' GEMMs at the row's P x C x K rows (``RoutedExperts.dense_path``; FP8 rows have none).
 - ``dispatcher="allgather"`` / ``"alltoall"``, ``graph=False``: those read sizes on the host, so they
   run eagerly (phases from hook events), with raw ``all_to_all_single`` on their mean bytes beside.
 
@@ -167,8 +167,10 @@ def low_latency_rank(
                     **({"fixed_expert_rows": True} if fixed_rows and layer.dispatcher.uses_triton(device) else {}),
                     "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
                     "expert_kernels": experts_kernels,
-                    "expert_path": layer.experts.path(torch.empty(expert_rows, 0, device=device)),
                 }
+                if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for both
+                    rows_like = torch.empty(expert_rows, 0, dtype=dtype, device=device)
+                    common["expert_path"] = layer.experts.dense_path(rows_like)
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
                     ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)

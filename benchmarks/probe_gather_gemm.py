@@ -10,7 +10,7 @@ one GPU, at DeepSeek-V3 dims (H = 7168, 2I = 4096, 32 local experts, bf16):
 
 - ``gather``: ``ll_kernels.gather_rows`` from a real packed receive buffer (what dispatch does now);
 - ``grouped_mm``: ``torch._grouped_mm`` on the gathered rows (what the experts do now);
-- ``triton_contiguous``: this file's grouped GEMM on the gathered rows (the kernel's own rate);
+- ``triton_contiguous``: ``grouped_gemm_kernels.grouped_gemm`` on the gathered rows (the kernel's own rate);
 - ``triton_gather``: the same kernel reading the receive buffer's rows through the index (no copy),
 
 each config of a small sweep, and reports ``gather + grouped_mm`` against the best ``triton_gather``.

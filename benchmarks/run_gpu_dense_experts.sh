@@ -30,7 +30,8 @@ run_script() {
   local start=$SECONDS
   mkdir -p "$OUT_DIR/$name"
   "$PYTHON" "benchmarks/$script" --out "$OUT_DIR/$name" "$@" 2>&1 | tee "$OUT_DIR/${file}_$TAG.log" | tail -20
-  mv "$OUT_DIR/$name/$(ls "$OUT_DIR/$name" | head -1)" "$OUT_DIR/${file}_$TAG.json" 2>/dev/null
+  local written=("$OUT_DIR/$name"/*.json)
+  if [ -f "${written[0]}" ]; then mv "${written[0]}" "$OUT_DIR/${file}_$TAG.json"; else echo "$script wrote no result file"; fi
   echo "== $name: $((SECONDS - start)) s"
 }
 if [[ " $PARTS " == *" gemv "* ]]; then

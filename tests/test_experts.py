@@ -7,8 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_sbo.experts import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT, RoutedExperts, SharedExperts
-from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
+from moe_sbo.experts import (
+    GEMV_MAX_ROWS_PER_EXPERT,
+    TILED_MAX_ROWS_PER_EXPERT,
+    RoutedExperts,
+    SharedExperts,
+    grouped_mm_supported,
+)
+from moe_sbo.grouped_gemm_kernels import GemmConfig, dense_config, grouped_gemm
 
 
 def _reference(x_RH, counts, gate_up, down):
@@ -61,45 +67,83 @@ def test_gemv_kernel_matches_per_token_reference_and_skips_padding(counts):
 SMALL_TILES = GemmConfig(block_m=16, block_n=32, group_m=2, num_warps=4, num_stages=2, block_k=32)
 
 
+def _tiled_reference(x_RK: torch.Tensor, w_LNK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    expert_R = torch.repeat_interleave(torch.arange(len(counts), device=x_RK.device), torch.tensor(counts))
+    return torch.einsum("rk,rnk->rn", x_RK, w_LNK[expert_R])
+
+
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [40, 0, 0, 2], [0, 17, 0, 33]])
 @pytest.mark.parametrize("gather", [False, True])
 def test_tiled_kernel_matches_reference_reads_through_index_and_skips_padding(counts, gather):
-    # N 48 and K 40: off the 32-wide tiles. Padding rows past the last offset must stay unwritten
-    # (NaN in, so a read of them would show). With ``rows_R`` the rows come out of a wider,
-    # strided buffer in another order, as low_latency's receive buffer holds them.
+    # N 48 and K 40: off the 32-wide tiles. Rows past the last offset are padding the kernel must not
+    # read: NaN rows in x (they would reach no real row's output anyway), and, through the index,
+    # entries pointing far past the buffer, which a read would fault on.
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
     torch.manual_seed(len(counts) + sum(counts))
     real = sum(counts)
     w_LNK = torch.randn(4, 48, 40, device=device)
     offsets_L = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
     x_RK = torch.randn(real, 40, device=device)
-    if gather:
+    if gather:  # the rows come out of a wider, strided buffer in another order, as a receive buffer holds them
         buffer = torch.full((real + 7, 56), float("nan"), device=device)
         rows_R = torch.randperm(real + 7, device=device)[:real]
         buffer[rows_R, :40] = x_RK
-        got = grouped_gemm(buffer[:, :40], w_LNK, offsets_L, rows_R=rows_R, config=SMALL_TILES)
+        past_the_buffer = torch.full((5,), 1 << 40, dtype=rows_R.dtype, device=device)
+        got = grouped_gemm(buffer[:, :40], w_LNK, offsets_L, rows_R=torch.cat([rows_R, past_the_buffer]))
     else:
         padded = torch.cat([x_RK, torch.full((5, 40), float("nan"), device=device)])
-        got = grouped_gemm(padded, w_LNK, offsets_L, config=SMALL_TILES)[:real]
-    expert_R = torch.repeat_interleave(torch.arange(4, device=device), torch.tensor(counts, device=device))
-    expected = torch.einsum("rk,rnk->rn", x_RK, w_LNK[expert_R])
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        got = grouped_gemm(padded, w_LNK, offsets_L, config=SMALL_TILES)
+    torch.testing.assert_close(got[:real], _tiled_reference(x_RK, w_LNK, counts), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dense_config(1),  # the kernel's own tiles: 64 x 128, then 128 x 256 (two row tiles for 130 rows)
+        dense_config(1000),
+        GemmConfig(block_m=16, block_n=32, group_m=3, num_warps=4, num_stages=2, block_k=32),  # partial groups
+    ],
+)
+def test_tiled_kernel_on_whole_k_steps_and_its_own_tiles(config):
+    # K 128: a whole number of K steps (the unmasked loads every DeepSeek-V3 GEMM takes); N 256; an
+    # expert with more rows than a 128-row tile; an int32 index that is a strided view.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(config.block_m)
+    counts = [0, 130, 3, 70]
+    real = sum(counts)
+    w_LNK = torch.randn(4, 256, 128, device=device) * 128**-0.5
+    offsets_L = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    x_RK = torch.randn(real, 128, device=device)
+    torch.testing.assert_close(
+        grouped_gemm(x_RK, w_LNK, offsets_L, config=config), _tiled_reference(x_RK, w_LNK, counts), rtol=1e-4, atol=1e-4
+    )
+    rows_R = torch.arange(real - 1, -1, -1, dtype=torch.int32, device=device).repeat_interleave(2)[::2]
+    assert rows_R.stride() == (2,)  # real - 1 .. 0 as a strided view
+    got = grouped_gemm(x_RK.flip(0), w_LNK, offsets_L, rows_R=rows_R, config=config)
+    torch.testing.assert_close(got, _tiled_reference(x_RK, w_LNK, counts), rtol=1e-4, atol=1e-4)
 
 
 def test_tiled_kernel_refuses_mismatched_shapes():
+    offsets = torch.tensor([2, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="grouped_gemm needs x"):
-        grouped_gemm(torch.randn(4, 8), torch.randn(2, 6, 10), torch.tensor([2, 4], dtype=torch.int32))
+        grouped_gemm(torch.randn(4, 8), torch.randn(2, 6, 10), offsets)
     with pytest.raises(ValueError, match="K contiguous"):
-        grouped_gemm(torch.randn(8, 4).T, torch.randn(2, 6, 8), torch.tensor([2, 4], dtype=torch.int32))
+        grouped_gemm(torch.randn(8, 4).T, torch.randn(2, 6, 8), offsets)
+    with pytest.raises(ValueError, match="one dtype"):
+        grouped_gemm(torch.randn(4, 8), torch.randn(2, 6, 8, dtype=torch.float64), offsets)
+    with pytest.raises(ValueError, match="integer"):
+        grouped_gemm(torch.randn(4, 8), torch.randn(2, 6, 8), offsets, rows_R=torch.zeros(4))
 
 
 def test_routed_experts_choose_their_kernel_by_rows():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     experts = RoutedExperts(4, 40, 24, device=device)
     sizes = [4 * GEMV_MAX_ROWS_PER_EXPERT, 4 * GEMV_MAX_ROWS_PER_EXPERT + 1, 4 * TILED_MAX_ROWS_PER_EXPERT + 1]
-    rows = [torch.empty(n, 40, device=device) for n in sizes]
-    auto = ["gemv", "tiled", "grouped_mm"] if device == "cuda" else ["grouped_mm"] * 3  # "auto" off CUDA
-    assert [experts.dense_path(x) for x in rows] == auto
+    rows = [torch.empty(n, 40, device=device, dtype=torch.bfloat16) for n in sizes]
+    on_cuda = ["gemv", "tiled" if grouped_mm_supported(rows[0]) else "grouped_mm", "grouped_mm"]
+    assert [experts.dense_path(x) for x in rows] == (on_cuda if device == "cuda" else ["grouped_mm"] * 3)
+    # "auto" runs the tiled GEMM only where its tiles were measured (bf16, sm90+): float32 rows do not.
+    assert experts.dense_path(rows[1].float()) == "grouped_mm"
     experts.kernels = "triton"
     assert [experts.dense_path(x) for x in rows] == ["gemv", "tiled", "tiled"]
     experts.kernels = "tiled"

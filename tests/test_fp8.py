@@ -107,6 +107,14 @@ def test_grouped_gemm_kernel_matches_torch_reference(config):
     assert _rel(got[:real], dense) < FLOAT32_TOL
 
 
+def test_grouped_gemm_refuses_a_k_step_other_than_the_scale_block():
+    q, s = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
+    wq, ws = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2)
+    config = fp8_kernels.GemmConfig(64, 128, 4, 4, 4, block_k=64)
+    with pytest.raises(ValueError, match="block_k=64"):
+        fp8_kernels.grouped_gemm(q, s, wq, ws, torch.tensor([2, 4], dtype=torch.int32), torch.float32, config)
+
+
 @interpreted
 def test_quantisers_match_torch():
     generator = torch.Generator().manual_seed(3)

@@ -166,18 +166,14 @@ class RoutedExperts(nn.Module):
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
 
-    def path(self, x_RH: torch.Tensor) -> str:
-        """The GEMMs a forward of rows like ``x_RH`` runs: ``fp8_path``'s name for FP8 experts, else
-        ``dense_path``'s (what benchmark rows record as ``expert_path``)."""
-        return self.fp8_path(x_RH.device, x_RH.shape[0]) if self.fp8 else self.dense_path(x_RH)
-
     def dense_path(self, x_RH: torch.Tensor) -> str:
         """Which GEMMs dense (not FP8) experts run for the R rows ``x_RH`` (padding included): ``"gemv"``
         (``gemv_kernels``), ``"tiled"`` (``grouped_gemm_kernels``) or ``"grouped_mm"``
         (``torch._grouped_mm``, or a per-expert loop where it does not run).
 
         ``kernels="auto"`` on CUDA: ``"gemv"`` up to ``GEMV_MAX_ROWS_PER_EXPERT`` rows per expert,
-        ``"tiled"`` up to ``TILED_MAX_ROWS_PER_EXPERT``, ``"grouped_mm"`` above; off CUDA ``"grouped_mm"``.
+        ``"tiled"`` up to ``TILED_MAX_ROWS_PER_EXPERT`` for bf16 on sm90+ (where its tiles were
+        measured; elsewhere ``"grouped_mm"``), ``"grouped_mm"`` above; off CUDA ``"grouped_mm"``.
         ``"triton"``: the first two by the same rule, ``"tiled"`` above. ``"gemv"`` and ``"tiled"`` force
         that kernel; the Triton kernels need CUDA, or ``TRITON_INTERPRET=1`` on CPU."""
         if self.kernels not in DENSE_KERNELS:
@@ -190,6 +186,8 @@ class RoutedExperts(nn.Module):
         by_rows = "gemv" if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT else "tiled"
         if self.kernels == "auto":
             if x_RH.device.type != "cuda" or rows_per_expert > TILED_MAX_ROWS_PER_EXPERT:
+                return "grouped_mm"
+            if by_rows == "tiled" and not grouped_mm_supported(x_RH):  # bf16 on sm90+, as measured
                 return "grouped_mm"
             return by_rows
         if x_RH.device.type != "cuda" and not env.triton_interpreting():

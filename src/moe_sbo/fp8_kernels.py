@@ -218,6 +218,8 @@ def grouped_gemm(
     num_experts, n, _ = w_LNK.shape
     if k % FP8_BLOCK:
         raise ValueError(f"the reduction size must be a multiple of {FP8_BLOCK} for FP8 experts, got {k}")
+    if config is not None and config.block_k != FP8_BLOCK:
+        raise ValueError(f"FP8 experts step K by their scale block, {FP8_BLOCK}: got block_k={config.block_k}")
     out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
     if num_rows == 0:
         return out_RN

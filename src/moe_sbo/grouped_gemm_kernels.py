@@ -5,8 +5,9 @@ Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction f
 
 Between decode (``gemv_kernels.py``: a few rows per expert, one weight read) and prefill
 (``torch._grouped_mm``: thousands of rows per expert, FLOP-bound) lie the batches whose experts see
-tens to a few hundred rows each. There ``torch._grouped_mm`` ran 1.5x the weight-read floor on H200,
-and this kernel, whose row tiles of up to 128 rows read each weight tile once per tile, close to it
+tens to a hundred rows each. There ``torch._grouped_mm`` ran 1.4-2.6x its floor (the weight read or
+the FLOPs, whichever takes longer) on H200 at 16-128 rows per expert, and this kernel, whose row
+tiles of 64 or 128 rows read each weight tile once per tile, 1.04-1.8x, 1.06-1.45x faster
 (docs/BENCHMARKS.md, "Dense experts"); ``experts.RoutedExperts`` picks between the three by rows.
 
 The hard part is the schedule without a host sync (``expert_tile``): the row counts per expert live
@@ -132,8 +133,8 @@ def _grouped_gemm_kernel(
 
 
 # Measured on H200 (``benchmarks/bench_gemv.py --sweep``: gate_up and down alone over 8 and 32 experts,
-# nine tile configs): up to 64 rows per expert 64 x 128 tiles with one warp group were within 4 % of
-# the best config of each GEMM (128 x 256 tiles: 10-15 % slower); from 128 rows per expert 128 x 256
+# nine tile configs): up to 64 rows per expert 64 x 128 tiles with one warp group were within 4.5 % of
+# the best config of each GEMM (128 x 256 tiles: 9.5-18 % slower); from 128 rows per expert 128 x 256
 # tiles with two warp groups were the best (64 x 128: 11-45 % slower).
 SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3, block_k=64)
@@ -155,11 +156,12 @@ def grouped_gemm(
     """Rows grouped by expert (expert l owns output rows ``offsets_L[l-1]:offsets_L[l]``, int32
     cumulative ends on the device) times ``w_LNK[l]`` transposed -> ``[R, N]`` in ``x_XK``'s dtype.
 
-    Without ``rows_R`` the rows are ``x_XK`` itself (R = X); with it (int64 ``[R]``) output row r
+    Without ``rows_R`` the rows are ``x_XK`` itself (R = X); with it (an integer ``[R]``) output row r
     reads row ``rows_R[r]`` of ``x_XK``, whose rows may be strided (a view into a wider buffer) but
     must be contiguous along K. Rows past the last offset are neither read nor written: their
-    output is undefined (``torch.empty``), as with ``torch._grouped_mm``. ``config`` defaults to
-    ``dense_config(R / L)``.
+    output is undefined (``torch.empty``), as with ``torch._grouped_mm``. The offsets are not read
+    on the host: ``offsets_L[-1]`` must not exceed R (nor a ``rows_R`` entry X). ``config`` defaults
+    to ``dense_config(R / L)``.
     """
     num_rows = x_XK.shape[0] if rows_R is None else rows_R.shape[0]
     experts, n, k = w_LNK.shape
@@ -168,6 +170,13 @@ def grouped_gemm(
             f"grouped_gemm needs x [R, K] (K contiguous), w [L, N, K] and offsets [L] alike, got "
             f"{tuple(x_XK.shape)} (strides {x_XK.stride()}), {tuple(w_LNK.shape)} and {tuple(offsets_L.shape)}"
         )
+    if w_LNK.dtype != x_XK.dtype:
+        raise ValueError(f"grouped_gemm needs x and w of one dtype, got {x_XK.dtype} and {w_LNK.dtype}")
+    if rows_R is not None and (rows_R.dtype.is_floating_point or rows_R.dim() != 1):
+        raise ValueError(f"grouped_gemm needs rows_R an integer [R] index, got {rows_R.dtype} {tuple(rows_R.shape)}")
+    # The kernel walks the offsets and the index as dense arrays.
+    offsets_L = offsets_L.contiguous()
+    rows_R = None if rows_R is None else rows_R.contiguous()
     w_LNK = w_LNK.contiguous()
     out_RN = torch.empty(num_rows, n, dtype=x_XK.dtype, device=x_XK.device)
     if num_rows == 0:

@@ -147,19 +147,21 @@ def floor_and_wire(
 ) -> dict[str, float | str]:
     """The compute floor (router, routed experts on one dispatch's rows of ``topk``, shared experts,
     each alone) and, with peers, raw ``all_to_all_single`` of each phase's bytes: one rank's share of
-    a row; and ``expert_path``, the routed experts' GEMMs for those rows (``RoutedExperts.path``)."""
+    a row; and for dense experts ``expert_path``, the routed experts' GEMMs for those rows
+    (``RoutedExperts.dense_path``)."""
     device = x_TH.device
     graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
     recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
     experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
     shared = layer.shared_experts
     out: dict[str, float | str] = {
-        "expert_path": layer.experts.path(experts_x),
         "t_floor_route_us": time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph),
         "t_floor_routed_us": time_fn(lambda: layer.experts(experts_x, counts, scales), device, warmup, iters, graph),
         "t_floor_shared_us": time_fn(lambda: shared(x_TH), device, warmup, iters, graph) if shared else 0.0,
     }
     layer.dispatcher.combine(layer.experts(experts_x, counts, scales), recv.handle)  # close the round it opened
+    if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for eager and replay
+        out["expert_path"] = layer.experts.dense_path(experts_x)
     traffic = layer.dispatcher.last_traffic
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

@@ -153,7 +153,7 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         first = rank_rows[0]
         row = {
             **row_head("sbo", spec, ep),
-            **{k: first[k] for k in ("kernels", "transport_used", "expert_path") if k in first},
+            **{k: first[k] for k in ("kernels", "transport_used") if k in first},
             "tokens_per_rank": first["tokens"],
             "overlap": first["overlap"],
             "tbo": False,
@@ -171,6 +171,9 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
         row["bytes_recv"] = round(statistics.mean(r["bytes_recv"] for r in rank_rows))
         if "auto_choice" in first:
             row["auto_choice"] = [r["auto_choice"] for r in rank_rows]
+        paths = {r.get("expert_path") for r in rank_rows}
+        if len(paths) == 1 and None not in paths:  # ranks with other row counts may run other GEMMs
+            row["expert_path"] = paths.pop()
         rows.append(row)
     for row in rows:
         none = next(r for r in rows if r["overlap"] == "none" and r["graph"] == row["graph"])
