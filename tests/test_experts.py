@@ -68,7 +68,8 @@ SMALL_TILES = GemmConfig(block_m=16, block_n=32, group_m=2, num_warps=4, num_sta
 
 
 def _tiled_reference(x_RK: torch.Tensor, w_LNK: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    expert_R = torch.repeat_interleave(torch.arange(len(counts), device=x_RK.device), torch.tensor(counts))
+    device = x_RK.device
+    expert_R = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
     return torch.einsum("rk,rnk->rn", x_RK, w_LNK[expert_R])
 
 
