@@ -147,6 +147,9 @@ def test_routed_experts_choose_their_kernel_by_rows():
     assert experts.dense_path(rows[1].float()) == "grouped_mm"
     experts.kernels = "triton"
     assert [experts.dense_path(x) for x in rows] == ["gemv", "tiled", "tiled"]
+    # Padding after the real rows: the rule counts the rows to expect, never more than are there.
+    assert experts.dense_path(rows[2], expected_rows=sizes[0]) == "gemv"
+    assert experts.dense_path(rows[0], expected_rows=10 * sizes[2]) == "gemv"
     experts.kernels = "tiled"
     assert experts.dense_path(rows[0]) == "tiled"
     experts.kernels = "scaled_mm"

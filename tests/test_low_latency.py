@@ -540,3 +540,17 @@ def _mismatch_rank(device, options_per_rank, dtype_per_rank):
 def test_ranks_built_differently_are_refused_on_every_rank_before_any_transfer(ranks2, options, dtypes, expected):
     for message in ranks2.run(_mismatch_rank, options, dtypes):
         assert "must be built alike on every rank" in message and expected in message, message
+
+
+def test_dispatch_says_how_many_of_its_fixed_rows_to_expect_real():
+    # P x C x K fixed rows reach the experts; C x K of them are real on average (each slot's K choices
+    # are on this rank with probability 1 / P): what the experts choose their kernels by.
+    d = make_dispatcher("low_latency", 8, EPGroup(), max_tokens_per_rank=6, kernels="torch")
+    with torch.inference_mode():
+        recv = d.dispatch(torch.randn(4, 16), torch.randint(8, (4, 2)), torch.ones(4, 2))
+        d.combine(recv.expert_x_RH, recv.handle)
+    assert recv.expected_rows == 6 * 2 and recv.expert_x_RH.shape[0] == 6 * 2
+    other = make_dispatcher("local", 8, EPGroup())
+    with torch.inference_mode():
+        recv = other.dispatch(torch.randn(4, 16), torch.randint(8, (4, 2)), torch.ones(4, 2))
+    assert recv.expected_rows is None  # every row real

@@ -14,6 +14,7 @@ Weights use the Hugging Face layout: ``gate_up_proj [L, 2I, H]`` (gate rows firs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -139,13 +140,19 @@ class RoutedExperts(nn.Module):
         self.kernels = "auto"
 
     def forward(
-        self, x_RH: torch.Tensor, num_rows_per_expert_L: torch.Tensor, scales_RQ: torch.Tensor | None = None
+        self,
+        x_RH: torch.Tensor,
+        num_rows_per_expert_L: torch.Tensor,
+        scales_RQ: torch.Tensor | None = None,
+        expected_rows: int | None = None,
     ) -> torch.Tensor:
         """Expert outputs ``[R, H]`` for ``x_RH`` whose rows are grouped by local expert.
 
         ``num_rows_per_expert_L`` (int, any device) counts each local expert's rows, in order.
         ``scales_RQ``: given when ``x_RH`` arrives already quantised (e4m3 rows and their float32
-        scales per 128 values, from fp8 dispatch); FP8 experts only.
+        scales per 128 values, from fp8 dispatch); FP8 experts only. ``expected_rows``: the real rows
+        to expect where padding follows them (``DispatchOutput.expected_rows``); the kernels are
+        chosen by it (``dense_path``), the counts stay on the device.
         """
         with annotate("routed_experts"):
             offsets_L = num_rows_per_expert_L.to(device=x_RH.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -153,9 +160,9 @@ class RoutedExperts(nn.Module):
                 return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L)
             if scales_RQ is not None:
                 raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
-            path = self.dense_path(x_RH)
+            path = self.dense_path(x_RH, expected_rows)
             if path in ("gemv", "tiled"):
-                gemm = gemv_kernels.grouped_gemv if path == "gemv" else grouped_gemm_kernels.grouped_gemm
+                gemm = gemv_kernels.grouped_gemv if path == "gemv" else self._tiled_gemm(x_RH, expected_rows)
                 gate_up_R2I = gemm(x_RH, self.gate_up_proj, offsets_L)
                 gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
                 return gemm(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
@@ -166,10 +173,18 @@ class RoutedExperts(nn.Module):
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
 
-    def dense_path(self, x_RH: torch.Tensor) -> str:
-        """Which GEMMs dense (not FP8) experts run for the R rows ``x_RH`` (padding included): ``"gemv"``
+    def _tiled_gemm(self, x_RH: torch.Tensor, expected_rows: int | None) -> Callable[..., torch.Tensor]:
+        """``grouped_gemm_kernels.grouped_gemm`` with the tiles for the rows to expect (padding
+        excluded), not for every row handed over."""
+        rows = x_RH.shape[0] if expected_rows is None else min(expected_rows, x_RH.shape[0])
+        config = grouped_gemm_kernels.dense_config(rows / self.num_local_experts)
+        return functools.partial(grouped_gemm_kernels.grouped_gemm, config=config)
+
+    def dense_path(self, x_RH: torch.Tensor, expected_rows: int | None = None) -> str:
+        """Which GEMMs dense (not FP8) experts run for the rows ``x_RH``: ``"gemv"``
         (``gemv_kernels``), ``"tiled"`` (``grouped_gemm_kernels``) or ``"grouped_mm"``
-        (``torch._grouped_mm``, or a per-expert loop where it does not run).
+        (``torch._grouped_mm``, or a per-expert loop where it does not run). The rule counts
+        ``expected_rows`` where given (padding follows the real rows), else every row of ``x_RH``.
 
         ``kernels="auto"`` on CUDA: ``"gemv"`` up to ``GEMV_MAX_ROWS_PER_EXPERT`` rows per expert,
         ``"tiled"`` up to ``TILED_MAX_ROWS_PER_EXPERT`` for bf16 on sm90+ (where its tiles were
@@ -182,7 +197,8 @@ class RoutedExperts(nn.Module):
             return "grouped_mm"
         if gemv_kernels is None:
             raise RuntimeError(f"kernels={self.kernels!r} needs Triton (pip install triton); use 'auto' or 'torch'")
-        rows_per_expert = x_RH.shape[0] / self.num_local_experts
+        rows = x_RH.shape[0] if expected_rows is None else min(expected_rows, x_RH.shape[0])
+        rows_per_expert = rows / self.num_local_experts
         by_rows = "gemv" if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT else "tiled"
         if self.kernels == "auto":
             if x_RH.device.type != "cuda" or rows_per_expert > TILED_MAX_ROWS_PER_EXPERT:

@@ -122,7 +122,9 @@ class MoELayer(nn.Module):
             pending = dispatcher.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
             yield  # dispatch in flight
             recv = dispatcher.dispatch_wait(pending)
-            expert_y_RH = self.experts(recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ)
+            expert_y_RH = self.experts(
+                recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ, recv.expected_rows
+            )
             pending = dispatcher.combine_launch(expert_y_RH, recv.handle)
             yield  # combine in flight
             routed_TH = dispatcher.combine_wait(pending)

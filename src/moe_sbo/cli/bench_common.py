@@ -153,15 +153,19 @@ def floor_and_wire(
     graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
     recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
     experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
+
+    def routed() -> torch.Tensor:
+        return layer.experts(experts_x, counts, scales, recv.expected_rows)
+
     shared = layer.shared_experts
     out: dict[str, float | str] = {
         "t_floor_route_us": time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph),
-        "t_floor_routed_us": time_fn(lambda: layer.experts(experts_x, counts, scales), device, warmup, iters, graph),
+        "t_floor_routed_us": time_fn(routed, device, warmup, iters, graph),
         "t_floor_shared_us": time_fn(lambda: shared(x_TH), device, warmup, iters, graph) if shared else 0.0,
     }
-    layer.dispatcher.combine(layer.experts(experts_x, counts, scales), recv.handle)  # close the round it opened
+    layer.dispatcher.combine(routed(), recv.handle)  # close the round it opened
     if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for eager and replay
-        out["expert_path"] = layer.experts.dense_path(experts_x)
+        out["expert_path"] = layer.experts.dense_path(experts_x, recv.expected_rows)
     traffic = layer.dispatcher.last_traffic
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

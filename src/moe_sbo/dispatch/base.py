@@ -103,12 +103,16 @@ class DispatchOutput:
     ``expert_x_RH`` [R, H]; ``num_rows_per_expert_L`` int64 [L] on the same device; ``handle`` for
     combine. ``expert_scales_RQ``: None, or (when the dispatcher ``deliver_fp8``) float32 [R, H/128]
     and ``expert_x_RH`` is e4m3, as it came off the wire (``moe_sbo/fp8.py``'s activation format).
+    ``expected_rows``: where padding rows follow the real ones (``low_latency``'s fixed layout), how
+    many real rows to expect without reading the counts (what the experts choose their kernels by);
+    None when every row is real.
     """
 
     expert_x_RH: torch.Tensor
     num_rows_per_expert_L: torch.Tensor
     handle: DispatchHandle
     expert_scales_RQ: torch.Tensor | None = None
+    expected_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -341,9 +345,13 @@ class Dispatcher:
         return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
 
     def _output(
-        self, expert_x_RH: torch.Tensor, handle: DispatchHandle, scales_RQ: torch.Tensor | None = None
+        self,
+        expert_x_RH: torch.Tensor,
+        handle: DispatchHandle,
+        scales_RQ: torch.Tensor | None = None,
+        expected_rows: int | None = None,
     ) -> DispatchOutput:
-        return DispatchOutput(expert_x_RH, handle.layout.num_rows_per_expert_L, handle, scales_RQ)
+        return DispatchOutput(expert_x_RH, handle.layout.num_rows_per_expert_L, handle, scales_RQ, expected_rows)
 
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
         """Per-rank checks before any collective (a bad rank raises instead of hanging the rest)."""

@@ -561,7 +561,9 @@ class LowLatencyDispatcher(Dispatcher):
             generation=s.generation,
             graphs=s.graphs,
         )
-        return self._output(expert_x_RH, handle, scales_RQ)
+        # Of the P x C x K fixed rows, a rank's experts get C x K on average: each of the P x C slots'
+        # K choices is on this rank with probability L / E = 1 / P.
+        return self._output(expert_x_RH, handle, scales_RQ, expected_rows=self.capacity * s.fmt.top_k)
 
     def _layout_staged(self, s: _InFlightDispatch) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
         """The round's ``layout`` graph -> (the receiver's layout, the expert rows and their scales).
