@@ -141,8 +141,8 @@ LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_
 
 
 def dense_config(rows_per_expert: float) -> GemmConfig:
-    """The tiles for ``rows_per_expert`` rows per expert on average (padding included: the grid
-    depends on rows only, so a CUDA graph captured at one size keeps its config whatever the routing)."""
+    """The tiles for ``rows_per_expert`` rows per expert on average (known before the counts: a CUDA
+    graph captured at one size keeps its config whatever the routing)."""
     return SMALL_CONFIG if rows_per_expert <= 64 else LARGE_CONFIG
 
 
