@@ -3,9 +3,9 @@
 against the weight-read floor and the compute floor measured in the same run.
 
 Rows (``bench="gemv"``, ``OUT/gemv.json``) per experts on the GPU (L: 8, 16, 32 by default; EP2's
-share of 16, 32 and 64) and rows in all (R, padding included: ``low_latency`` hands the experts P x C
-x K rows), routing uniform over the L experts (seeded): ``t_gemv_us``, ``t_tiled_us`` and
-``t_grouped_mm_us`` for the whole routed MLP (gate_up, SwiGLU, down; ``measure.timing.KernelTimer``:
+share of 16, 32 and 64) and rows in all (R, every one real: the experts' rule counts the rows to
+expect, ``DispatchOutput.expected_rows``), routing uniform over the L experts (seeded): ``t_gemv_us``,
+``t_tiled_us`` and ``t_grouped_mm_us`` for the whole routed MLP (gate_up, SwiGLU, down; ``measure.timing.KernelTimer``:
 ``triton.testing.do_bench`` median, L2 cleared; the GEMV is not timed above ``--gemv-max-rows``, where
 it re-reads each weight slice per 16 rows), ``experts_with_rows``; ``t_floor_us`` = max(the touched
 experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB buffer reads HBM at in the same
