@@ -26,6 +26,7 @@ from moe_sbo.planner.simulate_fit import (
     GEMV_BLOCK_ROWS,
     TILED,
     Contention,
+    RowDraw,
     expected_experts_with_rows,
     expected_weight_passes,
     weight_passes,
@@ -446,29 +447,74 @@ LL_PATH = planner.DispatchPath("low_latency", "triton", "nccl", "bf16", True)
 V3_EP2 = V3.with_num_experts(64)  # 32 experts per GPU at EP2, as the sbo_wire files ran
 
 
+def _uniform(experts: int, rows: float) -> float:
+    return expected_experts_with_rows(experts, RowDraw.uniform(experts, rows))
+
+
 def test_expected_experts_with_rows_counts_uniform_draws():
-    assert expected_experts_with_rows(2, 2) == pytest.approx(1.5)  # two rows on two experts: apart half the time
-    assert expected_experts_with_rows(16, 1) == pytest.approx(1.0)
-    assert expected_experts_with_rows(16, 0) == 0.0 and expected_experts_with_rows(1, 5) == 1.0
-    assert expected_experts_with_rows(32, 10_000) == pytest.approx(32.0)
+    assert _uniform(2, 2) == pytest.approx(1.5)  # two rows on two experts: apart half the time
+    assert _uniform(16, 1) == pytest.approx(1.0)
+    assert _uniform(16, 0) == 0.0 and _uniform(1, 5) == 1.0
+    assert _uniform(32, 10_000) == pytest.approx(32.0)
     # bench_gemv's draws (each row on one of L experts, uniformly): the mean count of experts hit.
     rng = random.Random(0)
     mean = statistics.mean(len({rng.randrange(16) for _ in range(32)}) for _ in range(4000))
-    assert mean == pytest.approx(expected_experts_with_rows(16, 32), abs=0.05)
+    assert mean == pytest.approx(_uniform(16, 32), abs=0.05)
+
+
+def test_the_routing_draw_is_each_tokens_distinct_top_k():
+    """A layer's rows: each of the T P tokens reaching a rank picks top-k distinct experts of N, so a
+    local expert gets n ~ Binomial(T P, k / N) rows (T P = R N / (k L) for R rows on the rank). With
+    N = k every expert gets every token: all L have rows, each ceil(T P / 16) GEMV passes; as p -> 0
+    an expert with rows has one; a small case by hand; and the mean over routed draws."""
+    for tokens in (1, 8, 16, 17, 48, 128):  # EP1, 8 experts, top-8: exactly T rows on each
+        draw = RowDraw.routing(V3.with_num_experts(8), 8, tokens * 8)
+        assert draw == (tokens, 1.0)
+        assert expected_experts_with_rows(8, draw) == 8.0
+        assert expected_weight_passes(draw, 16) == math.ceil(tokens / 16)
+    assert RowDraw.routing(V3.with_num_experts(16), 8, 16 * 8) == (32, 0.5)  # EP2, T = 16: 2 x 16 tokens, 8 of 16
+    assert expected_weight_passes(RowDraw(10**6, 1e-12), 16) == pytest.approx(1.0)
+    assert expected_experts_with_rows(8, RowDraw(10**6, 1e-12)) == pytest.approx(8e-6)
+    assert expected_experts_with_rows(8, RowDraw(100, 0.0)) == 0.0
+    assert expected_weight_passes(RowDraw(100, 0.0), 16) == 1.0
+    # N = 8, top-2, EP4 (L = 2), T = 1: R = 2 rows on the rank, trials T P = 4, p = 1/4. n = 0..4 with
+    # 81, 108, 54, 12, 1 /256: 2 (1 - 81/256) experts with rows; at one pass per row E[n | n > 0] =
+    # 1 / (175/256). The uniform draw of the same 2 rows on 2 experts (Binomial(2, 1/2)): 1.5 and 4/3.
+    draw = RowDraw.routing(V3.with_num_experts(8).replace(num_experts_per_tok=2), 2, 2)
+    assert draw == (4, 0.25)
+    assert expected_experts_with_rows(2, draw) == pytest.approx(2 * 175 / 256)
+    assert expected_weight_passes(draw, 1) == pytest.approx(256 / 175)
+    assert _uniform(2, 2) == pytest.approx(1.5)
+    assert expected_weight_passes(RowDraw.uniform(2, 2), 1) == pytest.approx(4 / 3)
+    # Routed draws (EP2, 32 experts per GPU, 16 tokens per rank, top-8 of 64): the experts hit on rank 0.
+    rng = random.Random(0)
+    hit, passes = [], []
+    for _ in range(2000):
+        counts = [0] * 32
+        for _ in range(2 * 16):
+            for e in rng.sample(range(64), 8):
+                if e < 32:
+                    counts[e] += 1
+        hit.append(sum(1 for n in counts if n))
+        passes += [math.ceil(n / 4) for n in counts if n]
+    routed = RowDraw.routing(V3_EP2, 32, 16 * 8)
+    assert statistics.mean(hit) == pytest.approx(expected_experts_with_rows(32, routed), abs=0.03)
+    assert statistics.mean(passes) == pytest.approx(expected_weight_passes(routed, 4), abs=0.01)
 
 
 def test_dense_path_takes_the_rows_record_then_its_codes_rule():
-    """A row's recorded ``expert_path`` wins; else the rule of its code over the rows handed to the
-    experts (low_latency: P x capacity x top-k slots; alltoall: T x top-k): today's by rows per expert
-    (the GEMV up to 8, the tiled GEMM up to 128, torch._grouped_mm above), the GEMV code's up to 256
-    rows in all, older code torch._grouped_mm at every size; FP8 experts run none of them."""
-    decode = planner.Setup(V3_EP2, 2, 16, LL_PATH)  # 2 x 16 x 8 = 256 slots over 32 experts: 8 each
+    """A row's recorded ``expert_path`` wins; else the rule of its code: today's by the real rows to
+    expect per expert (low_latency: capacity x top-k of its P x capacity x top-k slots; alltoall:
+    T x top-k; the GEMV up to 8, the tiled GEMM up to 128, torch._grouped_mm above), the GEMV code's
+    up to 256 rows handed to the experts in all, padding included, older code torch._grouped_mm at
+    every size; FP8 experts run none of them."""
+    decode = planner.Setup(V3_EP2, 2, 16, LL_PATH)  # 2 x 16 x 8 = 256 slots over 32 experts, 4 rows each
 
     def path(tokens: int, **fields) -> str | None:
         return dense_path(replace(decode, tokens=tokens, **fields), tokens)
 
-    assert (path(16), path(17)) == ("gemv", "tiled")  # 8 and 8.5 rows per expert
-    assert (path(256), path(257)) == ("tiled", "grouped_mm")  # 128 and 128.5 rows per expert
+    assert (path(32), path(33)) == ("gemv", "tiled")  # 8 and 8.25 rows per expert
+    assert (path(512), path(513)) == ("tiled", "grouped_mm")  # 128 and 128.25 rows per expert
     assert (path(16, dense_rule=GEMV_BY_ROWS), path(17, dense_rule=GEMV_BY_ROWS)) == ("gemv", "grouped_mm")
     assert path(1, dense_rule=GROUPED_MM_ONLY) == "grouped_mm"
     assert path(1, expert_path="grouped_mm") == "grouped_mm"  # kernels="torch": the record, not the rule
@@ -537,17 +583,19 @@ def test_the_triton_kernels_read_the_experts_with_rows_and_ignore_a_gemm_budget(
     is the persistent grouped GEMM over every expert, slowed by a budget. Without a kernel's fit among
     the files, the grouped GEMM's roofline stands in."""
     cal = _triton_costs()
-    decode = planner.Setup(V3_EP2, 2, 16, LL_PATH)  # 256 slots over 32 experts, 8 each: the GEMV
-    gemv = _routed_op(decode, cal)
-    assert gemv.gpu_us == pytest.approx(expected_experts_with_rows(32, 128) * EXPERT_B / (GEMV_GBPS * 1e3))
-    mid = replace(decode, tokens=32)  # 512 slots, 16 each: the tiled GEMM (256 real rows)
+    decode = planner.Setup(V3_EP2, 2, 16, LL_PATH)  # 256 slots over 32 experts, 4 real rows each: the GEMV
+    gemv = _routed_op(decode, cal)  # 2 x 16 tokens reach the rank, each on 8 of 64 experts
+    routed = RowDraw.routing(V3_EP2, 32, 128)
+    assert gemv.gpu_us == pytest.approx(expected_experts_with_rows(32, routed) * EXPERT_B / (GEMV_GBPS * 1e3))
+    mid = replace(decode, tokens=64)  # 1024 slots, 16 real rows each: the tiled GEMM (512 real rows)
     tiled = _routed_op(mid, cal)
-    assert tiled.gpu_us == pytest.approx(expected_experts_with_rows(32, 256) * EXPERT_B / (TILED_GBPS * 1e3))
+    routed = RowDraw.routing(V3_EP2, 32, 512)
+    assert tiled.gpu_us == pytest.approx(expected_experts_with_rows(32, routed) * EXPERT_B / (TILED_GBPS * 1e3))
     assert not gemv.persistent and not tiled.persistent
     before = _routed_op(replace(decode, dense_rule=GROUPED_MM_ONLY), cal)  # measured before the GEMV
     assert before.gpu_us == pytest.approx(gemm_us(32, 128 / 32)) and before.persistent
-    gemv_code = _routed_op(replace(mid, dense_rule=GEMV_BY_ROWS), cal)  # 512 slots > 256: torch._grouped_mm
-    assert gemv_code.gpu_us == pytest.approx(gemm_us(32, 256 / 32)) and gemv_code.persistent
+    gemv_code = _routed_op(replace(mid, dense_rule=GEMV_BY_ROWS), cal)  # 1024 slots > 256: torch._grouped_mm
+    assert gemv_code.gpu_us == pytest.approx(gemm_us(32, 512 / 32)) and gemv_code.persistent
     for ran in (decode, mid):  # half the SMs: a GEMM twice as slow, but not these grids
         assert _routed_op(replace(ran, tbo=True, gemm_sm_budget=66), cal).gpu_us == pytest.approx(
             _routed_op(ran, cal).gpu_us
@@ -556,50 +604,67 @@ def test_the_triton_kernels_read_the_experts_with_rows_and_ignore_a_gemm_budget(
     assert _routed_op(budgeted, cal).gpu_us == pytest.approx(2 * before.gpu_us)
     no_fit = replace(cal, gemm={"bf16": cal.gemm["bf16"]})  # files without gemv rows: the grouped GEMM's
     assert _routed_op(decode, no_fit).gpu_us == pytest.approx(before.gpu_us)
-    assert _routed_op(mid, no_fit).gpu_us == pytest.approx(gemm_us(32, 256 / 32))
+    assert _routed_op(mid, no_fit).gpu_us == pytest.approx(gemm_us(32, 512 / 32))
 
 
 def _bench_gemv_row(experts: int, rows: int, **times: float) -> dict:
     return {"bench": "gemv", "experts": experts, "rows": rows, "experts_with_rows": min(experts, rows), **times}
 
 
-def test_the_gemv_is_fitted_at_every_size_over_the_weight_streams_it_read(tmp_path):
+def test_the_gemv_is_fitted_on_bench_draws_and_predicts_layers_on_routed_ones(tmp_path):
     """bench_gemv's ``t_gemv_us`` fits the GEMV over ``experts_with_rows``, each expert's weights
-    streamed once per 16 of its rows, at every size timed (past today's 8 rows per expert and the GEMV
-    code's 256 rows in all: the passes describe the re-reads). Times that are exactly those streams
-    give back their rate, and the fit then predicts each of them."""
-    sizes = (8, 16, 256, 1024)  # 0.5 to 64 rows per expert on 16 experts
+    streamed once per 16 of its rows under bench_gemv's draw (each row on one of L experts, uniformly),
+    at every size timed (past today's 8 rows per expert and the GEMV code's 256 rows in all: the passes
+    describe the re-reads). Times that are exactly those streams give back their rate. A layer is
+    predicted over its router's draw instead: with 8 experts and top-8 each gets exactly T rows, so
+    ceil(T / 16) passes on all 8, fewer than the uniform draw of the same rows gives."""
+    sizes = (8, 16, 256, 1024)  # 1 to 128 rows per expert on 8 experts
+    one_stream = EXPERT_B / (GEMV_GBPS * 1e3)
 
-    def streamed_us(rows: int) -> float:
-        return expected_experts_with_rows(16, rows) * weight_passes(GEMV, 16, rows) * EXPERT_B / (GEMV_GBPS * 1e3)
+    def bench_us(rows: int) -> float:
+        draw = RowDraw.uniform(8, rows)
+        return expected_experts_with_rows(8, draw) * weight_passes(GEMV, draw) * one_stream
 
-    gemv = [
-        {**_bench_gemv_row(16, n), "experts_with_rows": expected_experts_with_rows(16, n), "t_gemv_us": streamed_us(n)}
-        for n in sizes
-    ]
+    gemv = [{**_bench_gemv_row(8, n), "experts_with_rows": _uniform(8, n), "t_gemv_us": bench_us(n)} for n in sizes]
     _write(tmp_path / "gemv_h200x1.json", gemv)
     _write(tmp_path / "layers_h200x2.json", synthetic_rows())
     cal = planner.calibrate_simulator(planner.load_rows(tmp_path))
     fit = cal.gemm[GEMV]
     assert fit.weight_GBps == pytest.approx(GEMV_GBPS) and fit.samples == len(sizes)
+    # Weight-bound (the fit's FLOP rate is the most any sample showed, which full 16-row passes exceed).
+    cal = replace(cal, gemm={**cal.gemm, GEMV: replace(fit, TFLOPs=math.inf)})
+    cfg = V3.with_num_experts(8)
+    forced = planner.Setup(cfg, 1, 1, LL_PATH, expert_path="gemv")  # EP1, 8 experts, top-8, kernels="gemv"
     for n in sizes:
-        assert cal.triton_us(V3, 16, n, GEMV) == pytest.approx(streamed_us(n)), n
+        tokens = n // 8
+        layer_us = _routed_op(replace(forced, tokens=tokens), cal).gpu_us
+        assert layer_us == pytest.approx(cal.triton_us(cfg, 8, n, GEMV)), n
+        assert layer_us == pytest.approx(8 * math.ceil(tokens / 16) * one_stream), n
+    assert bench_us(1024) == pytest.approx(8 * 8.47 * one_stream, rel=1e-3)  # the uniform draw: 8.47 passes, not 8
 
 
 def test_expected_weight_passes_count_blocks_of_uniform_draws():
-    """E[ceil(n / block) | n > 0] for n ~ Binomial(R, 1/L): one pass while no expert can get more than
-    a block; one expert gets every row; small cases by hand; never fewer with more rows; and the mean
-    over bench_gemv-style draws (each row on one of L experts, uniformly)."""
-    assert expected_weight_passes(1, 16, 16) == 1.0 and expected_weight_passes(32, 16, 16) == 1.0
-    assert (expected_weight_passes(1, 17, 16), expected_weight_passes(1, 48, 16)) == (2.0, 3.0)
+    """E[ceil(n / block) | n > 0] for n ~ Binomial(R, 1/L) (``RowDraw.uniform``): one pass while no
+    expert can get more than a block; one expert gets every row; small cases by hand; never fewer with
+    more rows; and the mean over bench_gemv-style draws (each row on one of L experts, uniformly)."""
+    assert (
+        expected_weight_passes(RowDraw.uniform(1, 16), 16) == 1.0
+        and expected_weight_passes(RowDraw.uniform(32, 16), 16) == 1.0
+    )
+    assert (expected_weight_passes(RowDraw.uniform(1, 17), 16), expected_weight_passes(RowDraw.uniform(1, 48), 16)) == (
+        2.0,
+        3.0,
+    )
     # L = 2, R = 3, block 2: n = 1, 2, 3 with probability 3/8, 3/8, 1/8 -> 1, 1, 2 passes, over P(n > 0) = 7/8
-    assert expected_weight_passes(2, 3, 2) == pytest.approx((3 / 8 + 3 / 8 + 2 / 8) / (7 / 8))  # 8/7
+    assert expected_weight_passes(RowDraw.uniform(2, 3), 2) == pytest.approx((3 / 8 + 3 / 8 + 2 / 8) / (7 / 8))  # 8/7
     # L = 2, R = 4, block 2: n = 1..4 with 4, 6, 4, 1 sixteenths -> 1, 1, 2, 2 passes, over 15/16
-    assert expected_weight_passes(2, 4, 2) == pytest.approx((4 + 6 + 8 + 2) / 15)  # 4/3
+    assert expected_weight_passes(RowDraw.uniform(2, 4), 2) == pytest.approx((4 + 6 + 8 + 2) / 15)  # 4/3
     for experts in (2, 8, 32):
-        passes = [expected_weight_passes(experts, r, 16) for r in range(1, 600, 7)]
+        passes = [expected_weight_passes(RowDraw.uniform(experts, r), 16) for r in range(1, 600, 7)]
         assert all(a <= b + 1e-12 for a, b in zip(passes, passes[1:])), experts
-    assert expected_weight_passes(8, 8 * 64, 16) == pytest.approx(4.47, abs=0.01)  # mean 64: 4, often 5
+    assert expected_weight_passes(RowDraw.uniform(8, 8 * 64), 16) == pytest.approx(
+        4.47, abs=0.01
+    )  # mean 64: 4, often 5
     rng = random.Random(0)
     draws = []
     for _ in range(2000):
@@ -607,7 +672,7 @@ def test_expected_weight_passes_count_blocks_of_uniform_draws():
         for _ in range(256):
             counts[rng.randrange(8)] += 1
         draws += [math.ceil(n / 16) for n in counts if n]
-    assert statistics.mean(draws) == pytest.approx(expected_weight_passes(8, 256, 16), abs=0.02)
+    assert statistics.mean(draws) == pytest.approx(expected_weight_passes(RowDraw.uniform(8, 256), 16), abs=0.02)
 
 
 def test_the_planners_gemv_block_is_the_kernels():
@@ -619,18 +684,20 @@ def test_the_planners_gemv_block_is_the_kernels():
 
 def test_the_gemv_costs_each_weight_pass_and_the_tiled_gemm_one():
     """Weight-bound, the GEMV's time is its weight streams': the experts with rows times their passes,
-    so twice one expert's stream at 17-32 rows on it, and more with more passes at a fixed count of
+    so twice each expert's stream at 17-32 rows on each, and more with more passes at a fixed count of
     experts with rows; the tiled GEMM streams each expert's weights once whatever its rows."""
     weights_only = planner.GemmFit(weight_GBps=GEMV_GBPS, TFLOPs=math.inf, knee=math.inf, samples=0)
     toy = _triton_costs()
     cal = replace(toy, gemm={**toy.gemm, GEMV: weights_only, TILED: weights_only})
     one_stream = EXPERT_B / (GEMV_GBPS * 1e3)
-    assert cal.triton_us(V3, 1, 16, GEMV) == pytest.approx(one_stream)
-    assert cal.triton_us(V3, 1, 17, GEMV) == pytest.approx(2 * one_stream)
-    assert cal.triton_us(V3, 1, 32, TILED) == pytest.approx(one_stream)
+    every = V3.with_num_experts(8)  # EP1, 8 experts, top-8: every token on every expert
+    assert cal.triton_us(every, 8, 8 * 16, GEMV) == pytest.approx(8 * one_stream)
+    assert cal.triton_us(every, 8, 8 * 17, GEMV) == pytest.approx(16 * one_stream)
+    assert cal.triton_us(every, 8, 8 * 32, TILED) == pytest.approx(8 * one_stream)
     times = [cal.triton_us(V3, 8, rows, GEMV) for rows in (64, 128, 256, 512, 1024)]  # all 8 experts hit
     assert all(a < b for a, b in zip(times, times[1:]))
-    assert times[-1] == pytest.approx(8 * expected_weight_passes(8, 1024, 16) * one_stream, rel=1e-6)
+    routed = RowDraw.routing(V3, 8, 1024)  # 8 of V3's 256 experts (EP32): 1024 tokens reach the rank
+    assert times[-1] == pytest.approx(8 * expected_weight_passes(routed, 16) * one_stream, rel=1e-6)
 
 
 def test_the_tiled_gemm_is_fitted_only_where_layers_run_it(tmp_path):

@@ -52,8 +52,9 @@ DENSE_KERNELS = ("auto", "triton", "gemv", "tiled", "torch")
 # hidden (docs/BENCHMARKS.md).
 SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # Dense experts on CUDA under "auto", by the real rows to expect per expert (``low_latency`` hands the
-# experts P x C x K rows, C x K of them real on average: ``DispatchOutput.expected_rows``), measured on H200 at DeepSeek-V3 dims over 8, 16 and 32 experts
-# (``benchmarks/bench_gemv.py``, docs/BENCHMARKS.md "Dense experts"): up to GEMV_MAX_ROWS_PER_EXPERT,
+# experts P x C x K rows, C x K of them real on average: ``DispatchOutput.expected_rows``), measured
+# on H200 at DeepSeek-V3 dims over 8, 16 and 32 experts (``benchmarks/bench_gemv.py``,
+# docs/BENCHMARKS.md "Dense experts"): up to GEMV_MAX_ROWS_PER_EXPERT,
 # ``gemv_kernels``' GEMV (the fastest up to 4 rows per expert, within 4 % of the tiled GEMM at 8,
 # 1.24-1.42x slower at 16); up to TILED_MAX_ROWS_PER_EXPERT, ``grouped_gemm_kernels``' tiled GEMM
 # (1.06-1.45x faster than ``torch._grouped_mm`` from 16 to 128 rows per expert); above,

@@ -229,16 +229,21 @@ def dense_path(setup: Setup, tokens: int) -> str | None:
     """Which GEMMs the bf16 routed experts of ``tokens`` run, by ``RoutedExperts.dense_path``'s names:
     ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``; None for FP8 experts (their own grouped GEMM). A row's
     recorded ``expert_path`` first; else the rule of its code (``kernels="auto"`` on CUDA, which every
-    result file without the field ran) over the rows handed to the experts, padding included: today's
-    by rows per expert (``dense_rows_per_expert``), the code between ``GEMV_SINCE`` and ``TILED_SINCE``
-    the GEMV up to ``GEMV_MAX_ROWS`` rows in all, older code ``torch._grouped_mm`` at every size."""
+    result file without the field ran) over the rows handed to the experts: today's by the real rows
+    to expect per expert (``dense_rows_per_expert``), the code between ``GEMV_SINCE`` and ``TILED_SINCE``
+    the GEMV up to ``GEMV_MAX_ROWS`` rows in all, padding included, older code ``torch._grouped_mm``
+    at every size."""
     if setup.expert_dtype != "bf16":
         return None
     if setup.expert_path is not None:
         return setup.expert_path
     rows = expert_input_rows(setup, tokens)
     if setup.dense_rule == BY_ROWS_PER_EXPERT:
-        return dense_rows_per_expert(rows / setup.experts_per_gpu)
+        # Today's code counts the rows to expect (``DispatchOutput.expected_rows``): low_latency's
+        # P x C x K fixed rows hold C x K real ones on average (the same at EP1, where every file of
+        # this rule was measured).
+        expected = rows / setup.ep if setup.path.dispatcher == "low_latency" else rows
+        return dense_rows_per_expert(expected / setup.experts_per_gpu)
     if setup.dense_rule == GEMV_BY_ROWS:
         return "gemv" if rows <= GEMV_MAX_ROWS else "grouped_mm"
     if setup.dense_rule == GROUPED_MM_ONLY:

@@ -10,7 +10,8 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
   Triton kernels (``TRITON_FITS``), each the same roofline over the weights of the experts that have
   rows only (they skip the others), from the ``gemv`` rows' times of that kernel: the grouped GEMV
   (``GEMV``, ``t_gemv_us``, every size timed; it streams an expert's weights once per
-  ``GEMV_BLOCK_ROWS`` of its rows, ``weight_passes``) and the tiled grouped GEMM (``TILED``,
+  ``GEMV_BLOCK_ROWS`` of its rows, ``weight_passes`` over ``RowDraw``: bench_gemv's uniform draw of
+  rows for its samples, the router's for layers) and the tiled grouped GEMM (``TILED``,
   ``t_tiled_us``, where layers run it: over ``GEMV_MAX_ROWS_PER_EXPERT`` and up to
   ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert; ``simulate.dense_path`` says which ran);
 - router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
@@ -37,6 +38,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from ..config import MoEConfig, get_preset
 from ..experts import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT
@@ -83,8 +85,9 @@ GEMV_BLOCK_ROWS = 16
 # Rows per weight pass of each Triton kernel that re-reads weights from HBM (``weight_passes``). The
 # tiled GEMM is not here: it reads an expert's weights once per 64- or 128-row tile, but its row tiles
 # sweep the columns in groups of GROUP_M = 8 (``grouped_gemm_kernels``), so a tile's re-read finds the
-# weights in L2. The data agree: with a pass per tile the tiled fit is off its own gemv rows by -17 % to
-# +33 % (against -31 % to +11 % without) and 4 fewer layer rows are predicted within 15 %.
+# weights in L2. The data do not say otherwise: with a pass per tile the tiled fit is off its own gemv
+# rows by -17 % to +33 % (against -31 % to +11 % without), and as many layer rows are predicted within
+# 15 % (two at 128 rows per expert on 8 experts gain, two at 64 rows on 32 experts lose).
 WEIGHT_PASS_ROWS = {GEMV: GEMV_BLOCK_ROWS}
 
 
@@ -219,48 +222,74 @@ def smooth_max(a: float, b: float, p: float) -> float:
 WEIGHT_B = {"bf16": 2.0, "fp8": 1.0}  # bytes per weight element (fp8 block scales: 0.006 %, left out)
 
 
-def expected_experts_with_rows(experts: int, rows: float) -> float:
-    """Of ``experts`` local experts, how many get at least one of ``rows`` rows: L (1 - (1 - 1/L)^R).
+class RowDraw(NamedTuple):
+    """How R rows land on L local experts: each expert's rows n ~ Binomial(``trials``, ``p``), the
+    experts alike. The Triton kernels read only the experts with rows, the GEMV once per 16 of an
+    expert's rows, so their cost is an expectation over this draw. Two draws, each R / L rows per
+    expert on average, are used where each is how the rows were drawn:
 
-    Each row lands on one of the L experts, uniformly and independently, so an expert stays empty with
-    probability (1 - 1/L)^R. That is how ``bench_gemv`` drew the rows its ``experts_with_rows`` were
-    counted on (``torch.randint`` over L), so the GEMV fit is used on the count it was fitted on. A
-    layer's routing differs a little (a token's top-k experts are distinct; DeepSeek-V3's group limit):
-    16 tokens x top-8 per rank at EP2 over 2 x 32 experts leave 31.56 of 32 experts with rows against
-    31.45 here, 0.4 % of the weights read."""
-    if experts <= 0 or rows <= 0:
-        return 0.0
-    return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
+    - ``uniform``: each of the R rows lands on one of the L experts (trials R, p = 1 / L). How
+      ``bench_gemv`` draws its rows (``torch.randint`` over L), so its rows, the GEMV's and the tiled
+      GEMM's calibration samples, are read over it;
+    - ``routing``: each token that reaches the rank (T per rank from each of P ranks) picks top-k
+      distinct experts of the model's N, each with probability k / N, so an expert gets n ~
+      Binomial(T P, k / N). How a layer's router draws them, so layer predictions use it. Less spread
+      than the uniform draw (top-8 of 8 experts: exactly T P rows on each)."""
+
+    trials: float
+    p: float
+
+    @classmethod
+    def uniform(cls, experts: int, rows: float) -> RowDraw:
+        """``rows`` rows, each on one of ``experts`` experts at random (``bench_gemv``)."""
+        return cls(rows, 1.0 / experts if experts > 0 else 0.0)
+
+    @classmethod
+    def routing(cls, cfg: MoEConfig, experts: int, rows: float) -> RowDraw:
+        """``rows`` real (token, expert) rows on a rank's ``experts`` of the model's N, routed top-k:
+        T P = rows N / (k L) tokens reach the rank, each on a given expert with probability k / N."""
+        n, k = cfg.num_experts, cfg.num_experts_per_tok
+        return cls(rows * n / (k * experts) if experts > 0 else 0.0, k / n)
+
+    def some_rows(self) -> float:
+        """P(n > 0) = 1 - (1 - p)^trials: 1 at p = 1, 0 without trials or at p = 0."""
+        if self.trials <= 0 or self.p <= 0:
+            return 0.0
+        return 1.0 if self.p >= 1 else -math.expm1(self.trials * math.log1p(-self.p))
+
+
+def expected_experts_with_rows(experts: int, draw: RowDraw) -> float:
+    """Of ``experts`` L local experts, how many get at least one row under ``draw``: L P(n > 0)."""
+    return max(0, experts) * draw.some_rows()
 
 
 @functools.lru_cache(maxsize=4096)
-def expected_weight_passes(experts: int, rows: int, block_rows: int) -> float:
+def expected_weight_passes(draw: RowDraw, block_rows: int) -> float:
     """How many times a kernel that reads an expert's weights once per ``block_rows`` of its rows reads
-    them, on average over the experts that have rows: E[ceil(n / block_rows) | n > 0], n ~ Binomial(R,
-    1/L), the rows of one of ``experts`` L experts when each of ``rows`` R lands on one uniformly (as
-    ``expected_experts_with_rows`` draws them). Exact, summed over the binomial's pmf; 1 while no
-    expert can get more than a block."""
-    if rows <= block_rows:
+    them, on average over the experts that have rows: E[ceil(n / block_rows) | n > 0], n ~
+    Binomial(trials, p) (``draw``). Exact, summed over the binomial's pmf; 1 while no expert can get
+    more than a block (and as p -> 0: an expert with rows then has one); ceil(trials / block_rows)
+    at p = 1 (every expert gets every trial)."""
+    trials, p = round(draw.trials), draw.p
+    if trials <= block_rows or p <= 0:
         return 1.0
-    if experts <= 1:
-        return float(math.ceil(rows / block_rows))
-    p = 1.0 / experts
-    log_all = math.lgamma(rows + 1)
+    if p >= 1:
+        return float(math.ceil(trials / block_rows))
+    log_p, log_q, log_all = math.log(p), math.log1p(-p), math.lgamma(trials + 1)
 
     def pmf(n: int) -> float:
-        log_ways = log_all - math.lgamma(n + 1) - math.lgamma(rows - n + 1)
-        return math.exp(log_ways + n * math.log(p) + (rows - n) * math.log1p(-p))
+        return math.exp(log_all - math.lgamma(n + 1) - math.lgamma(trials - n + 1) + n * log_p + (trials - n) * log_q)
 
-    passes = sum(pmf(n) * math.ceil(n / block_rows) for n in range(1, rows + 1))
-    return passes / -math.expm1(rows * math.log1p(-p))  # / P(n > 0)
+    passes = sum(pmf(n) * math.ceil(n / block_rows) for n in range(1, trials + 1))
+    return passes / RowDraw(trials, p).some_rows()
 
 
-def weight_passes(key: str, experts: int, rows: float) -> float:
+def weight_passes(key: str, draw: RowDraw) -> float:
     """Expected weight streams per expert with rows of the Triton kernel ``key`` (``GEMV``, ``TILED``)
-    over ``rows`` real rows on ``experts`` experts: ``expected_weight_passes`` at the kernel's
-    ``WEIGHT_PASS_ROWS``, 1 for a kernel that reads each expert's weights from HBM once."""
+    under ``draw``: ``expected_weight_passes`` at the kernel's ``WEIGHT_PASS_ROWS``, 1 for a kernel
+    that reads each expert's weights from HBM once."""
     block_rows = WEIGHT_PASS_ROWS.get(key)
-    return 1.0 if block_rows is None else expected_weight_passes(experts, round(rows), block_rows)
+    return 1.0 if block_rows is None else expected_weight_passes(draw, block_rows)
 
 
 def fit_gemm(samples: Sequence[tuple[float, float, int, int, float, float]]) -> GemmFit | None:
@@ -385,13 +414,15 @@ class StageCosts:
     def triton_us(self, cfg: MoEConfig, experts: int, rows: float, key: str) -> float:
         """A Triton kernel of bf16 experts (``key``: ``GEMV`` or ``TILED``) over ``rows`` real rows, µs.
         Each reads only the weights of experts with rows (the GEMV's program for an empty expert returns
-        at once; the tiled GEMM gives it no tile), so the roofline runs over their expected count, each
-        streamed ``weight_passes`` times (the GEMV: once per ``GEMV_BLOCK_ROWS`` of its rows): the
-        weight bound over those streams, the FLOP bound over the rows. No path factor: that factor is
-        grouped_mm's, fitted on FLOP-bound spans of >= 1 ms, and neither kernel computes a padded row
-        (the GEMV stops at each expert's last row; the tiled GEMM's grid is sized for every row handed
-        to it, padding included, but its programs past the real rows' tiles return at once)."""
-        streams = expected_experts_with_rows(experts, rows) * weight_passes(key, experts, rows)
+        at once; the tiled GEMM gives it no tile), so the roofline runs over their expected count under
+        the layer's routing (``RowDraw.routing``), each streamed ``weight_passes`` times (the GEMV: once
+        per ``GEMV_BLOCK_ROWS`` of its rows): the weight bound over those streams, the FLOP bound over
+        the rows. No path factor: that factor is grouped_mm's, fitted on FLOP-bound spans of >= 1 ms,
+        and neither kernel computes a padded row (the GEMV stops at each expert's last row; the tiled
+        GEMM's grid is sized for every row handed to it, padding included, but its programs past the
+        real rows' tiles return at once)."""
+        draw = RowDraw.routing(cfg, experts, rows)
+        streams = expected_experts_with_rows(experts, draw) * weight_passes(key, draw)
         if streams <= 0:
             return 0.0
         fit = self.gemm[key]
@@ -452,7 +483,8 @@ def _bench_gemv_samples(
     """The times of one Triton kernel (``key``: ``GEMV`` from ``bench_gemv``'s ``t_gemv_us``, ``TILED``
     from its ``t_tiled_us``: the whole routed MLP, bf16, DeepSeek-V3's dims, its defaults, which its
     rows do not record) as ``fit_gemm`` samples over the weight streams it read: the experts it read,
-    ``experts_with_rows`` (it skips the empty ones), each ``weight_passes`` times, with the rows
+    ``experts_with_rows`` (it skips the empty ones), each ``weight_passes`` times over the draw the
+    bench made (``RowDraw.uniform``: each row on one of its experts at random), with the rows
     shared among them (so the FLOPs are the rows'). With ``runs_at``, only rows where ``runs_at(rows in
     all, experts)`` says the fit describes that kernel."""
     v3 = get_preset(DEFAULT_PRESET)
@@ -465,7 +497,7 @@ def _bench_gemv_samples(
         t, total, touched = _positive(r, time_key), _positive(r, "rows"), _positive(r, "experts_with_rows")
         experts = int(r.get("experts", 0))
         if t and total and touched and experts > 0 and (runs_at is None or runs_at(total, experts)):
-            streams = touched * weight_passes(key, experts, total)
+            streams = touched * weight_passes(key, RowDraw.uniform(experts, total))
             samples.append((streams, total / streams, hidden, inter, WEIGHT_B["bf16"], t))
     return samples
 
