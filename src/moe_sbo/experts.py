@@ -63,6 +63,14 @@ GEMV_MAX_ROWS_PER_EXPERT = 8
 TILED_MAX_ROWS_PER_EXPERT = 128
 
 
+def kernel_by_rows(rows_per_expert: float) -> str:
+    """The dense experts' GEMMs ``kernels="auto"`` picks on CUDA for bf16 on sm90+ by rows per expert
+    (``RoutedExperts.dense_path``'s names): ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``."""
+    if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
+        return "gemv"
+    return "tiled" if rows_per_expert <= TILED_MAX_ROWS_PER_EXPERT else "grouped_mm"
+
+
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs for tensors like ``x`` on this build and device."""
     if not hasattr(torch, "_grouped_mm"):
@@ -163,7 +171,13 @@ class RoutedExperts(nn.Module):
                 raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
             path = self.dense_path(x_RH, expected_rows)
             if path in ("gemv", "tiled"):
-                gemm = gemv_kernels.grouped_gemv if path == "gemv" else self._tiled_gemm(x_RH, expected_rows)
+                # The tiles for the rows to expect (padding excluded), not for every row handed over.
+                tiles = grouped_gemm_kernels.dense_config(self._rows_per_expert(x_RH, expected_rows))
+                gemm = (
+                    gemv_kernels.grouped_gemv
+                    if path == "gemv"
+                    else functools.partial(grouped_gemm_kernels.grouped_gemm, config=tiles)
+                )
                 gate_up_R2I = gemm(x_RH, self.gate_up_proj, offsets_L)
                 gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
                 return gemm(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
@@ -174,12 +188,11 @@ class RoutedExperts(nn.Module):
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
 
-    def _tiled_gemm(self, x_RH: torch.Tensor, expected_rows: int | None) -> Callable[..., torch.Tensor]:
-        """``grouped_gemm_kernels.grouped_gemm`` with the tiles for the rows to expect (padding
-        excluded), not for every row handed over."""
+    def _rows_per_expert(self, x_RH: torch.Tensor, expected_rows: int | None) -> float:
+        """Rows per local expert to expect: ``expected_rows`` where given (never more than ``x_RH``
+        holds), else every row of ``x_RH``."""
         rows = x_RH.shape[0] if expected_rows is None else min(expected_rows, x_RH.shape[0])
-        config = grouped_gemm_kernels.dense_config(rows / self.num_local_experts)
-        return functools.partial(grouped_gemm_kernels.grouped_gemm, config=config)
+        return rows / self.num_local_experts
 
     def dense_path(self, x_RH: torch.Tensor, expected_rows: int | None = None) -> str:
         """Which GEMMs dense (not FP8) experts run for the rows ``x_RH``: ``"gemv"``
@@ -198,20 +211,20 @@ class RoutedExperts(nn.Module):
             return "grouped_mm"
         if gemv_kernels is None:
             raise RuntimeError(f"kernels={self.kernels!r} needs Triton (pip install triton); use 'auto' or 'torch'")
-        rows = x_RH.shape[0] if expected_rows is None else min(expected_rows, x_RH.shape[0])
-        rows_per_expert = rows / self.num_local_experts
-        by_rows = "gemv" if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT else "tiled"
+        rows_per_expert = self._rows_per_expert(x_RH, expected_rows)
         if self.kernels == "auto":
-            if x_RH.device.type != "cuda" or rows_per_expert > TILED_MAX_ROWS_PER_EXPERT:
+            if x_RH.device.type != "cuda":
                 return "grouped_mm"
-            if by_rows == "tiled" and not grouped_mm_supported(x_RH):  # bf16 on sm90+, as measured
-                return "grouped_mm"
-            return by_rows
+            path = kernel_by_rows(rows_per_expert)
+            # The tiled GEMM's tiles were measured for bf16 on sm90+ (elsewhere they may not fit).
+            return "grouped_mm" if path == "tiled" and not grouped_mm_supported(x_RH) else path
         if x_RH.device.type != "cuda" and not env.triton_interpreting():
             raise RuntimeError(
                 f"kernels={self.kernels!r} needs CUDA tensors, or TRITON_INTERPRET=1 with triton installed"
             )
-        return by_rows if self.kernels == "triton" else self.kernels
+        if self.kernels == "triton":
+            return "gemv" if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT else "tiled"
+        return self.kernels
 
     def _forward_fp8(
         self,

@@ -47,7 +47,7 @@ import torch
 
 from ..config import MoEConfig
 from ..dispatch.ll_wire import RowFormat
-from ..experts import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT
+from ..experts import kernel_by_rows
 from ..overlap.sbo import FIXED_MODES
 from .bytes import Fanout, combine_row_bytes, dispatch_row_bytes, expected_fanout
 from .simulate_fit import GEMV_MAX_ROWS, SM_TRANSPORTS, TRITON_FITS, WEIGHT_B, StageCosts, smooth_max
@@ -230,7 +230,7 @@ def dense_path(setup: Setup, tokens: int) -> str | None:
     ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``; None for FP8 experts (their own grouped GEMM). A row's
     recorded ``expert_path`` first; else the rule of its code (``kernels="auto"`` on CUDA, which every
     result file without the field ran) over the rows handed to the experts: today's by the real rows
-    to expect per expert (``dense_rows_per_expert``), the code between ``GEMV_SINCE`` and ``TILED_SINCE``
+    to expect per expert (``experts.kernel_by_rows``), the code between ``GEMV_SINCE`` and ``TILED_SINCE``
     the GEMV up to ``GEMV_MAX_ROWS`` rows in all, padding included, older code ``torch._grouped_mm``
     at every size."""
     if setup.expert_dtype != "bf16":
@@ -243,20 +243,12 @@ def dense_path(setup: Setup, tokens: int) -> str | None:
         # P x C x K fixed rows hold C x K real ones on average (the same at EP1, where every file of
         # this rule was measured).
         expected = rows / setup.ep if setup.path.dispatcher == "low_latency" else rows
-        return dense_rows_per_expert(expected / setup.experts_per_gpu)
+        return kernel_by_rows(expected / setup.experts_per_gpu)
     if setup.dense_rule == GEMV_BY_ROWS:
         return "gemv" if rows <= GEMV_MAX_ROWS else "grouped_mm"
     if setup.dense_rule == GROUPED_MM_ONLY:
         return "grouped_mm"
     raise ValueError(f"dense_rule must be one of the simulate_rows.DENSE_RULES, got {setup.dense_rule!r}")
-
-
-def dense_rows_per_expert(rows_per_expert: float) -> str:
-    """Today's rule (``RoutedExperts.dense_path`` under ``kernels="auto"`` on CUDA) for rows handed to
-    the experts per local expert, padding included."""
-    if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
-        return "gemv"
-    return "tiled" if rows_per_expert <= TILED_MAX_ROWS_PER_EXPERT else "grouped_mm"
 
 
 def attention_us(setup: Setup, cal: StageCosts, tokens: int, sequences: int) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..config import MoEConfig, get_preset
-from ..experts import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT
+from ..experts import kernel_by_rows
 from .links import positive_field
 from .simulate_rows import DEFAULT_PRESET, MOE_LAYER_BENCHES, DispatchPath, ResultRow, dtype_name
 
@@ -503,9 +503,8 @@ def _bench_gemv_samples(
 
 
 def _layers_run_tiled(rows: float, experts: int) -> bool:
-    """Sizes whose layers run the tiled GEMM (``RoutedExperts.dense_path``): over
-    ``GEMV_MAX_ROWS_PER_EXPERT`` and up to ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert."""
-    return GEMV_MAX_ROWS_PER_EXPERT < rows / experts <= TILED_MAX_ROWS_PER_EXPERT
+    """Sizes whose layers run the tiled GEMM (``experts.kernel_by_rows``, today's rule)."""
+    return kernel_by_rows(rows / experts) == "tiled"
 
 
 def _contention(rows: Sequence[ResultRow]) -> Contention:
