@@ -25,6 +25,7 @@ Usage (GPU): ``python benchmarks/bench_gemv.py --out DIR [--sweep]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from moe_sbo.measure.timing import KernelTimer, memory_read_us
 
 READ_PROBE_BYTES = 1 << 31  # the buffer the read rate is measured on: 2 GB, far past L2
 PATHS = {"gemv": "gemv", "tiled": "tiled", "grouped_mm": "torch"}  # row key -> RoutedExperts.kernels
-SWEEP_CONFIGS = [
+POINTER_CONFIGS = [
     GemmConfig(block_m, block_n, group_m, warps, stages, block_k)
     for block_m, block_n, group_m, warps, stages, block_k in [
         (32, 128, 8, 4, 4, 128),
@@ -54,6 +55,31 @@ SWEEP_CONFIGS = [
         (256, 128, 8, 8, 3, 64),
     ]
 ]
+# The same tiles with tensor-descriptor loads, and those of them that fit the knee and prefill, persistent.
+TMA_CONFIGS = [dataclasses.replace(c, tma=True) for c in POINTER_CONFIGS]
+PERSISTENT_CONFIGS = [
+    dataclasses.replace(c, persistent=True)
+    for c in TMA_CONFIGS
+    if (c.block_m, c.block_n) in ((64, 128), (128, 128), (128, 256))
+]
+SWEEP_CONFIGS = POINTER_CONFIGS + TMA_CONFIGS + PERSISTENT_CONFIGS
+
+
+def config_name(config: GemmConfig) -> str:
+    """``128x256x64_g8_w8_s3``, ``_tma`` and ``_persistent`` appended when set."""
+    c = config
+    name = f"{c.block_m}x{c.block_n}x{c.block_k}_g{c.group_m}_w{c.num_warps}_s{c.num_stages}"
+    return name + ("_tma" if c.tma else "") + ("_persistent" if c.persistent else "")
+
+
+def pick_configs(patterns: list[str] | None) -> list[GemmConfig]:
+    """``SWEEP_CONFIGS`` whose names contain one of ``patterns`` (all of them without any)."""
+    if not patterns:
+        return SWEEP_CONFIGS
+    picked = [c for c in SWEEP_CONFIGS if any(p in config_name(c) for p in patterns)]
+    if not picked:
+        raise SystemExit(f"no tile config matches {patterns}; names look like {config_name(SWEEP_CONFIGS[0])}")
+    return picked
 
 
 def dense_mm_tflops(timer: KernelTimer, device: torch.device) -> float:
@@ -64,9 +90,17 @@ def dense_mm_tflops(timer: KernelTimer, device: torch.device) -> float:
 
 
 def sweep_case(
-    num_experts: int, per_expert: int, hidden: int, inter: int, timer: KernelTimer, gbps: float, tflops: float
+    num_experts: int,
+    per_expert: int,
+    hidden: int,
+    inter: int,
+    timer: KernelTimer,
+    gbps: float,
+    tflops: float,
+    configs: list[GemmConfig],
 ) -> list[dict]:
-    """gate_up and down alone through the tiled GEMM under each of ``SWEEP_CONFIGS``, equal rows."""
+    """gate_up and down alone through the tiled GEMM under each of ``configs``, and through
+    ``torch._grouped_mm`` (the row with ``kernel="grouped_mm"``), equal rows."""
     device = torch.device("cuda")
     offsets_L = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * per_expert
     rows = num_experts * per_expert
@@ -76,11 +110,17 @@ def sweep_case(
         x = torch.randn(rows, k, dtype=torch.bfloat16, device=device)
         w = torch.randn(num_experts, n, k, dtype=torch.bfloat16, device=device) * k**-0.5
         floor_us = max(w.numel() * 2 / (gbps * 1e3), 2 * rows * n * k / (tflops * 1e6))
-        for config in SWEEP_CONFIGS:
+        for config in [None, *configs]:
             row = {"bench": "dense_gemm_config", "gemm": gemm, "experts": num_experts, "rows_per_expert": per_expert}
-            row.update(vars(config))
+            if config is None:
+                row["kernel"] = "grouped_mm"
+            else:
+                row.update(kernel="tiled", config=config_name(config), **vars(config))
             try:
-                t_us = timer(lambda x=x, w=w, c=config: grouped_gemm(x, w, offsets_L, config=c))
+                if config is None:
+                    t_us = timer(lambda x=x, w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets_L))
+                else:
+                    t_us = timer(lambda x=x, w=w, c=config: grouped_gemm(x, w, offsets_L, config=c))
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             else:
@@ -88,9 +128,15 @@ def sweep_case(
                     t_us=t_us, tflops=2 * rows * n * k / t_us / 1e6, t_floor_us=floor_us, floor_ratio=t_us / floor_us
                 )
             out.append(row)
-        best = min((r for r in out if r["gemm"] == gemm and "t_us" in r), key=lambda r: r["t_us"], default=None)
+        timed = [r for r in out if r["gemm"] == gemm and "t_us" in r]
+        best = min((r for r in timed if r["kernel"] == "tiled"), key=lambda r: r["t_us"], default=None)
         if best:
-            print({k: v for k, v in best.items() if k != "bench"}, flush=True)
+            reference = next((r["t_us"] for r in timed if r["kernel"] == "grouped_mm"), float("nan"))
+            print(
+                f"{gemm} L={num_experts} {per_expert} rows/expert: best {best['config']} {best['t_us']:.1f} us "
+                f"({best['floor_ratio']:.2f}x floor), torch._grouped_mm {reference:.1f} us",
+                flush=True,
+            )
     return out
 
 
@@ -106,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="time each GEMM under each tile config instead")
     parser.add_argument("--rows-per-expert", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
+    parser.add_argument("--configs", nargs="+", help="sweep only the tile configs whose names contain one of these")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -118,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             row
             for num_experts in args.experts
             for per_expert in args.rows_per_expert
-            for row in sweep_case(num_experts, per_expert, args.hidden, args.intermediate, timer, gbps, tflops)
+            for row in sweep_case(
+                num_experts, per_expert, args.hidden, args.intermediate, timer, gbps, tflops, pick_configs(args.configs)
+            )
         ]
         (args.out / "dense_gemm_config.json").write_text(json.dumps({"meta": result_meta("cuda", 1), "rows": rows}))
         return 0

@@ -30,19 +30,13 @@ from pathlib import Path
 
 import torch
 
-from bench_gemv import SWEEP_CONFIGS
+from bench_gemv import config_name, pick_configs
 from moe_sbo.dispatch import ll_kernels
 from moe_sbo.dispatch.layout import ExpertLayout
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import KernelTimer
-
-
-def config_name(config: GemmConfig) -> str:
-    return (
-        f"{config.block_m}x{config.block_n}x{config.block_k}_g{config.group_m}_w{config.num_warps}_s{config.num_stages}"
-    )
 
 
 def received_batch(tokens: int, ranks: int, experts: int, top_k: int, hidden: int, dtype, device, seed: int):
@@ -78,15 +72,19 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--configs", nargs="+", help="only the tile configs whose names contain one of these")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.quick:
         # float32: the interpreter's bf16 products are wrong (numpy has no bf16); the kernel is dtype-generic
         hidden, n_out, experts, top_k, tokens_list, dtype = 128, 64, 8, 2, [16], torch.float32
-        configs: tuple[GemmConfig, ...] = (GemmConfig(16, 32, 2, 1, 1, block_k=32),)
+        configs: tuple[GemmConfig, ...] = (
+            GemmConfig(16, 32, 2, 1, 1, block_k=32),
+            GemmConfig(16, 32, 2, 1, 1, block_k=32, tma=True, persistent=True),
+        )
     else:
         hidden, n_out, experts, top_k, tokens_list, dtype = 7168, 4096, 64, 8, args.tokens, torch.bfloat16
-        configs = tuple(SWEEP_CONFIGS)
+        configs = tuple(pick_configs(args.configs))
     timer = KernelTimer(device, quick=args.quick)
     results = ResultFile(args.out / "gather_gemm.json" if args.out else None, result_meta(device.type, 1))
     results.meta["timer"] = timer.name

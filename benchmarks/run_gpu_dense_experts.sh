@@ -13,14 +13,18 @@
 #    grouped_gemm_kernels.dense_config.
 # 5. probe: probe_gather_gemm.py, the tiled GEMM reading its rows through the receiver's index against
 #    gather_rows + torch._grouped_mm, and its tile configs (file gather_gemm_<tag>.json).
-# PARTS (default "tests gemv layer") picks the parts. Expected wall time: about 8 minutes on one H200.
+# PARTS (default "tests gemv layer") picks the parts; TEST_FILES, GEMV_ARGS, SWEEP_ARGS and PROBE_ARGS
+# narrow them (e.g. SWEEP_ARGS="--configs 128x256x64_g8_w8_s3 --rows-per-expert 128 1024": the sweep's
+# tile configs with descriptor loads and persistent grids cost a compile each). Expected wall time:
+# about 8 minutes on one H200 for the default parts.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 PARTS="${PARTS:-tests gemv layer}"
 if [[ " $PARTS " == *" tests "* ]]; then
   start=$SECONDS
-  "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_experts.py tests/test_gpu_fp8.py tests/test_gpu.py \
-    tests/test_gpu_low_latency.py -k "${TESTS_K:-not nothing}" 2>&1 | tee "$OUT_DIR/tests_gpu_experts_$TAG.log" | tail -3
+  # shellcheck disable=SC2086  # TEST_FILES is a list
+  "$PYTHON" -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/test_experts.py tests/test_gpu_fp8.py tests/test_gpu.py \
+    tests/test_gpu_low_latency.py} -k "${TESTS_K:-not nothing}" 2>&1 | tee "$OUT_DIR/tests_gpu_experts_$TAG.log" | tail -3
   echo "== tests: $((SECONDS - start)) s"
 fi
 # run_script NAME FILE SCRIPT ARGS...: benchmarks/SCRIPT writes OUT_DIR/NAME/FILE.json, kept as FILE_<tag>.json.
@@ -44,7 +48,8 @@ if [[ " $PARTS " == *" layer "* ]]; then
     --fp8 off --kernels triton --transports nccl --baselines --expert-kernels auto gemv torch
 fi
 if [[ " $PARTS " == *" sweep "* ]]; then
-  run_script sweep dense_gemm_config bench_gemv.py --sweep --experts 8 32
+  # shellcheck disable=SC2086  # SWEEP_ARGS is a list
+  run_script sweep dense_gemm_config bench_gemv.py --sweep --experts 8 32 ${SWEEP_ARGS:-}
 fi
 if [[ " $PARTS " == *" probe "* ]]; then
   run_script probe gather_gemm probe_gather_gemm.py ${PROBE_ARGS:-}

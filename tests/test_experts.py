@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,10 +77,12 @@ def _tiled_reference(x_RK: torch.Tensor, w_LNK: torch.Tensor, counts: list[int])
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [40, 0, 0, 2], [0, 17, 0, 33]])
 @pytest.mark.parametrize("gather", [False, True])
-def test_tiled_kernel_matches_reference_reads_through_index_and_skips_padding(counts, gather):
+@pytest.mark.parametrize("tma", [False, True])
+def test_tiled_kernel_matches_reference_reads_through_index_and_skips_padding(counts, gather, tma):
     # N 48 and K 40: off the 32-wide tiles. Rows past the last offset are padding the kernel must not
     # read: NaN rows in x (they would reach no real row's output anyway), and, through the index,
-    # entries pointing far past the buffer, which a read would fault on.
+    # entries pointing far past the buffer, which a read would fault on. With ``tma`` the weight tiles
+    # (and the contiguous rows) come through descriptors, whose tiles run past experts and the tensor.
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
     torch.manual_seed(len(counts) + sum(counts))
     real = sum(counts)
@@ -90,10 +94,16 @@ def test_tiled_kernel_matches_reference_reads_through_index_and_skips_padding(co
         rows_R = torch.randperm(real + 7, device=device)[:real]
         buffer[rows_R, :40] = x_RK
         past_the_buffer = torch.full((5,), 1 << 40, dtype=rows_R.dtype, device=device)
-        got = grouped_gemm(buffer[:, :40], w_LNK, offsets_L, rows_R=torch.cat([rows_R, past_the_buffer]))
+        got = grouped_gemm(
+            buffer[:, :40],
+            w_LNK,
+            offsets_L,
+            rows_R=torch.cat([rows_R, past_the_buffer]),
+            config=dataclasses.replace(SMALL_TILES, tma=True) if tma else None,
+        )
     else:
         padded = torch.cat([x_RK, torch.full((5, 40), float("nan"), device=device)])
-        got = grouped_gemm(padded, w_LNK, offsets_L, config=SMALL_TILES)
+        got = grouped_gemm(padded, w_LNK, offsets_L, config=dataclasses.replace(SMALL_TILES, tma=tma))
     torch.testing.assert_close(got[:real], _tiled_reference(x_RK, w_LNK, counts), rtol=1e-4, atol=1e-4)
 
 
@@ -103,6 +113,10 @@ def test_tiled_kernel_matches_reference_reads_through_index_and_skips_padding(co
         dense_config(1),  # the kernel's own tiles: 64 x 128, then 128 x 256 (two row tiles for 130 rows)
         dense_config(1000),
         GemmConfig(block_m=16, block_n=32, group_m=3, num_warps=4, num_stages=2, block_k=32),  # partial groups
+        GemmConfig(block_m=16, block_n=32, group_m=3, num_warps=4, num_stages=2, block_k=32, tma=True),
+        dataclasses.replace(dense_config(1000), tma=True),
+        GemmConfig(block_m=16, block_n=32, group_m=3, num_warps=4, num_stages=2, block_k=32, persistent=True),
+        GemmConfig(block_m=16, block_n=32, group_m=2, num_warps=4, num_stages=2, block_k=32, tma=True, persistent=True),
     ],
 )
 def test_tiled_kernel_on_whole_k_steps_and_its_own_tiles(config):
