@@ -161,15 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     tflops = dense_mm_tflops(timer, device)
     print(f"read {gbps:.0f} GB/s, dense mm {tflops:.0f} TFLOP/s", flush=True)
     if args.sweep:
-        rows = [
-            row
-            for num_experts in args.experts
-            for per_expert in args.rows_per_expert
-            for row in sweep_case(
-                num_experts, per_expert, args.hidden, args.intermediate, timer, gbps, tflops, pick_configs(args.configs)
-            )
-        ]
-        (args.out / "dense_gemm_config.json").write_text(json.dumps({"meta": result_meta("cuda", 1), "rows": rows}))
+        configs, rows, meta = pick_configs(args.configs), [], result_meta("cuda", 1)
+        for num_experts in args.experts:
+            for per_expert in args.rows_per_expert:
+                rows += sweep_case(
+                    num_experts, per_expert, args.hidden, args.intermediate, timer, gbps, tflops, configs
+                )
+                # Saved after each case: a run stopped at a time limit keeps what it measured.
+                (args.out / "dense_gemm_config.json").write_text(json.dumps({"meta": meta, "rows": rows}))
         return 0
     rows = []
     for num_experts in args.experts:
