@@ -55,21 +55,14 @@ POINTER_CONFIGS = [
         (256, 128, 8, 8, 3, 64),
     ]
 ]
-# The same tiles with tensor-descriptor loads, and those of them that fit the knee and prefill, persistent.
-TMA_CONFIGS = [dataclasses.replace(c, tma=True) for c in POINTER_CONFIGS]
-PERSISTENT_CONFIGS = [
-    dataclasses.replace(c, persistent=True)
-    for c in TMA_CONFIGS
-    if (c.block_m, c.block_n) in ((64, 128), (128, 128), (128, 256))
-]
-SWEEP_CONFIGS = POINTER_CONFIGS + TMA_CONFIGS + PERSISTENT_CONFIGS
+# The same tiles with tensor-descriptor loads (what ``grouped_gemm_kernels.dense_config`` uses).
+SWEEP_CONFIGS = POINTER_CONFIGS + [dataclasses.replace(c, tma=True) for c in POINTER_CONFIGS]
 
 
 def config_name(config: GemmConfig) -> str:
-    """``128x256x64_g8_w8_s3``, ``_tma`` and ``_persistent`` appended when set."""
+    """``128x256x64_g8_w8_s3``, with ``_tma`` appended for descriptor loads."""
     c = config
-    name = f"{c.block_m}x{c.block_n}x{c.block_k}_g{c.group_m}_w{c.num_warps}_s{c.num_stages}"
-    return name + ("_tma" if c.tma else "") + ("_persistent" if c.persistent else "")
+    return f"{c.block_m}x{c.block_n}x{c.block_k}_g{c.group_m}_w{c.num_warps}_s{c.num_stages}" + ("_tma" * c.tma)
 
 
 def pick_configs(patterns: list[str] | None) -> list[GemmConfig]:

@@ -80,7 +80,7 @@ def main() -> None:
         hidden, n_out, experts, top_k, tokens_list, dtype = 128, 64, 8, 2, [16], torch.float32
         configs: tuple[GemmConfig, ...] = (
             GemmConfig(16, 32, 2, 1, 1, block_k=32),
-            GemmConfig(16, 32, 2, 1, 1, block_k=32, tma=True, persistent=True),
+            GemmConfig(16, 32, 2, 1, 1, block_k=32, tma=True),
         )
     else:
         hidden, n_out, experts, top_k, tokens_list, dtype = 7168, 4096, 64, 8, args.tokens, torch.bfloat16

@@ -110,13 +110,13 @@ def test_tiled_kernel_matches_reference_reads_through_index_and_skips_padding(co
 @pytest.mark.parametrize(
     "config",
     [
-        dense_config(1),  # the kernel's own tiles: 64 x 128, then 128 x 256 (two row tiles for 130 rows)
-        dense_config(1000),
+        # The kernel's own tiles for float32: 64 x 128, then 128 x 256 (two row tiles for 130 rows),
+        # with descriptor loads, and the same with per-thread loads.
+        dense_config(1, element_size=4),
+        dense_config(1000, element_size=4),
+        dataclasses.replace(dense_config(1000, element_size=4), tma=False),
         GemmConfig(block_m=16, block_n=32, group_m=3, num_warps=4, num_stages=2, block_k=32),  # partial groups
         GemmConfig(block_m=16, block_n=32, group_m=3, num_warps=4, num_stages=2, block_k=32, tma=True),
-        dataclasses.replace(dense_config(1000), tma=True),
-        GemmConfig(block_m=16, block_n=32, group_m=3, num_warps=4, num_stages=2, block_k=32, persistent=True),
-        GemmConfig(block_m=16, block_n=32, group_m=2, num_warps=4, num_stages=2, block_k=32, tma=True, persistent=True),
     ],
 )
 def test_tiled_kernel_on_whole_k_steps_and_its_own_tiles(config):

@@ -31,12 +31,12 @@ def test_uneven_rows_probe_smoke(tmp_path):
 
 def test_gather_gemm_probe_smoke(tmp_path):
     # Under Triton's interpreter (CPU, float32): the probe checks both variants of the tiled GEMM
-    # under both configs (pointer loads; descriptors, persistent) against its reference itself and
-    # names the configs it timed and the best.
+    # under both configs (per-thread loads; descriptor loads) against its reference itself and names
+    # the configs it timed and the best.
     run_bench_script("probe_gather_gemm.py", "--out", str(tmp_path), "--device", "cpu", "--quick", timeout=300)
     (row,) = json.loads((tmp_path / "gather_gemm.json").read_text())["rows"]
     assert row["rows"] > 0 and row["gather_us"] > 0
-    configs = {"16x32x32_g2_w1_s1", "16x32x32_g2_w1_s1_tma_persistent"}
+    configs = {"16x32x32_g2_w1_s1", "16x32x32_g2_w1_s1_tma"}
     for variant in ("triton_contiguous", "triton_gather"):
         assert {f"{variant}_us_{c}" for c in configs} <= set(row)
         assert row[f"{variant}_config"] in configs

@@ -28,6 +28,7 @@ neither read nor written. The kernels also run under ``TRITON_INTERPRET=1`` on C
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,7 @@ class GemmConfig:
     """Tile sizes and pipelining of one grouped GEMM launch (the FP8 kernel's BLOCK_K is always 128,
     its scale block). ``tma``: the dense kernel loads its weight tiles, and its row tiles when the
     rows are contiguous (no ``rows_R``), with the tensor memory accelerator (host-side tensor
-    descriptors; Hopper and later, or Triton's interpreter) instead of per-thread loads.
-    ``persistent``: one program per SM walks the tiles, instead of one program per tile."""
+    descriptors; Hopper and later, or Triton's interpreter) instead of per-thread loads."""
 
     block_m: int
     block_n: int
@@ -51,7 +51,6 @@ class GemmConfig:
     num_stages: int
     block_k: int = 128
     tma: bool = False
-    persistent: bool = False
 
 
 @triton.jit
@@ -88,70 +87,6 @@ def max_tiles(num_rows: int, num_experts: int, n: int, config: GemmConfig) -> in
 
 
 @triton.jit
-def _tile_product(
-    tile,
-    x_ptr,
-    rows_ptr,
-    w_ptr,
-    out_ptr,
-    offsets_ptr,
-    stride_x,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    E_P2: tl.constexpr,
-    GATHER: tl.constexpr,
-    X_TMA: tl.constexpr,
-    W_TMA: tl.constexpr,
-    EXACT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """Tile ``tile`` of the product (nothing past the last tile): its rows times its expert's weight
-    columns, over all of K, stored where its rows belong to the expert."""
-    NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    live, expert, offs_m, m_mask, pid_n = expert_tile(tile, offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M)
-    if live:
-        if GATHER:
-            src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
-        else:
-            src_m = offs_m
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        if not X_TMA:
-            x_tile = x_ptr + src_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-        if not W_TMA:
-            w_tile = w_ptr + expert.to(tl.int64) * N * K + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
-        # A descriptor's tile past the tensor's end reads zeros; rows or columns of the next expert that
-        # a tile takes in (its last row or column tile) reach only outputs the store leaves out.
-        first_row = tl.min(offs_m, axis=0)
-        first_col = expert * N + pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if X_TMA:
-                x = x_ptr.load([first_row, k0])
-            elif K % BLOCK_K == 0:
-                x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0.0)
-            else:
-                x = tl.load(x_tile + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
-            if W_TMA:
-                w = w_ptr.load([first_col, k0]).T
-            elif K % BLOCK_K == 0:
-                w = tl.load(w_tile + k0, mask=n_mask[None, :], other=0.0)
-            else:
-                w = tl.load(w_tile + k0, mask=n_mask[None, :] & (offs_k[:, None] + k0 < K), other=0.0)
-            if EXACT_FP32:  # float32 inputs multiply in full precision, not TF32
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w)
-        out_tile = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
 def _grouped_gemm_kernel(
     x_ptr,  # [X, K] rows (read through rows_ptr when GATHER), row stride stride_x; a descriptor when X_TMA
     rows_ptr,  # [R] int64 source row of each output row (GATHER only)
@@ -159,7 +94,6 @@ def _grouped_gemm_kernel(
     out_ptr,  # [R, N]
     offsets_ptr,  # [L] int32 cumulative row ends
     stride_x,
-    MAX_TILES,  # the tiles the worst-case routing has (``max_tiles``)
     N: tl.constexpr,
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -168,43 +102,70 @@ def _grouped_gemm_kernel(
     X_TMA: tl.constexpr,
     W_TMA: tl.constexpr,
     EXACT_FP32: tl.constexpr,
-    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # One tile per program, or (PERSISTENT) a grid of one program per SM stepping through the tiles.
-    if PERSISTENT:
-        for tile in range(tl.program_id(0), MAX_TILES, tl.num_programs(0)):
-            _tile_product(
-                tile, x_ptr, rows_ptr, w_ptr, out_ptr, offsets_ptr, stride_x,
-                N, K, NUM_EXPERTS, E_P2, GATHER, X_TMA, W_TMA, EXACT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            )  # fmt: skip
+    NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    live, expert, offs_m, m_mask, pid_n = expert_tile(
+        tl.program_id(0), offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
+    )
+    if not live:
+        return
+    if GATHER:
+        src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
     else:
-        _tile_product(
-            tl.program_id(0), x_ptr, rows_ptr, w_ptr, out_ptr, offsets_ptr, stride_x,
-            N, K, NUM_EXPERTS, E_P2, GATHER, X_TMA, W_TMA, EXACT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-        )  # fmt: skip
+        src_m = offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    if not X_TMA:
+        x_tile = x_ptr + src_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    if not W_TMA:
+        w_tile = w_ptr + expert.to(tl.int64) * N * K + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
+    # A descriptor's tile past the tensor's end reads zeros; rows or columns of the next expert that a
+    # tile takes in (its last row or column tile) reach only outputs the store leaves out.
+    first_row = tl.min(offs_m, axis=0)
+    first_col = expert * N + pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if X_TMA:
+            x = x_ptr.load([first_row, k0])
+        elif K % BLOCK_K == 0:
+            x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0.0)
+        else:
+            x = tl.load(x_tile + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
+        if W_TMA:
+            w = w_ptr.load([first_col, k0]).T
+        elif K % BLOCK_K == 0:
+            w = tl.load(w_tile + k0, mask=n_mask[None, :], other=0.0)
+        else:
+            w = tl.load(w_tile + k0, mask=n_mask[None, :] & (offs_k[:, None] + k0 < K), other=0.0)
+        if EXACT_FP32:  # float32 inputs multiply in full precision, not TF32
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    out_tile = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 # Measured on H200 (``benchmarks/bench_gemv.py --sweep``: gate_up and down alone over 8 and 32 experts,
-# nine tile configs): up to 64 rows per expert 64 x 128 tiles with one warp group were within 4.5 % of
-# the best config of each GEMM (128 x 256 tiles: 9.5-18 % slower); from 128 rows per expert 128 x 256
-# tiles with two warp groups were the best (64 x 128: 11-45 % slower).
-SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64)
-LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3, block_k=64)
+# 64-1024 rows per expert, beside ``torch._grouped_mm``): with descriptor loads, 64 x 128 tiles with one
+# warp group were the best or within 3 % up to 64 rows per expert, and 128 x 256 tiles with two warp
+# groups and four stages from 128 (0.87-1.04x ``torch._grouped_mm``'s time there, against 0.94-1.17x
+# with per-thread loads). A persistent grid (one program per SM walking the tiles) measured within
+# noise of one program per tile, so the kernel keeps the simpler grid.
+SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64, tma=True)
+LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=4, block_k=64, tma=True)
 
 
-def dense_config(rows_per_expert: float) -> GemmConfig:
+def dense_config(rows_per_expert: float, element_size: int = 2) -> GemmConfig:
     """The tiles for ``rows_per_expert`` rows per expert on average (known before the counts: a CUDA
-    graph captured at one size keeps its config whatever the routing)."""
-    return SMALL_CONFIG if rows_per_expert <= 64 else LARGE_CONFIG
-
-
-def sm_count(device: torch.device) -> int:
-    """The persistent grid: the GPU's SMs (4 programs in Triton's interpreter, enough to step)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    graph captured at one size keeps its config whatever the routing). Elements of 4 bytes (float32,
+    the exact path tests take) get two pipeline stages, so the tiles still fit shared memory."""
+    config = SMALL_CONFIG if rows_per_expert <= 64 else LARGE_CONFIG
+    return config if element_size <= 2 else dataclasses.replace(config, num_stages=2)
 
 
 def tma_ready(t: torch.Tensor) -> bool:
@@ -232,7 +193,7 @@ def grouped_gemm(
     must be contiguous along K. Rows past the last offset are neither read nor written: their
     output is undefined (``torch.empty``), as with ``torch._grouped_mm``. The offsets are not read
     on the host: ``offsets_L[-1]`` must not exceed R (nor a ``rows_R`` entry X). ``config`` defaults
-    to ``dense_config(R / L)``.
+    to ``dense_config(R / L, x's element size)``.
     """
     num_rows = x_XK.shape[0] if rows_R is None else rows_R.shape[0]
     experts, n, k = w_LNK.shape
@@ -252,18 +213,16 @@ def grouped_gemm(
     out_RN = torch.empty(num_rows, n, dtype=x_XK.dtype, device=x_XK.device)
     if num_rows == 0:
         return out_RN
-    config = config or dense_config(num_rows / experts)
+    config = config or dense_config(num_rows / experts, x_XK.element_size())
     x_tma = config.tma and rows_R is None and tma_ready(x_XK)
     w_tma = config.tma and tma_ready(w_LNK)
-    tiles = max_tiles(num_rows, experts, n, config)
-    _grouped_gemm_kernel[(min(tiles, sm_count(x_XK.device)) if config.persistent else tiles,)](
+    _grouped_gemm_kernel[(max_tiles(num_rows, experts, n, config),)](
         TensorDescriptor(x_XK, x_XK.shape, x_XK.stride(), [config.block_m, config.block_k]) if x_tma else x_XK,
         x_XK if rows_R is None else rows_R,
         TensorDescriptor.from_tensor(w_LNK.view(experts * n, k), [config.block_n, config.block_k]) if w_tma else w_LNK,
         out_RN,
         offsets_L,
         x_XK.stride(0),
-        tiles,
         N=n,
         K=k,
         NUM_EXPERTS=experts,
@@ -272,7 +231,6 @@ def grouped_gemm(
         X_TMA=x_tma,
         W_TMA=w_tma,
         EXACT_FP32=x_XK.dtype == torch.float32,
-        PERSISTENT=config.persistent,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
