@@ -123,7 +123,8 @@ def low_latency_rank(
     expert_kernels: tuple[str, ...] = ("auto",),
 ) -> list[dict]:
     """One rank's ``low_latency`` rows, per (kernels, transport) path, ``index_graphs`` setting
-    (``on``, ``off``, or ``fixed_rows``: on, with ``fixed_expert_rows``) and routed experts' kernels
+    (``on``, ``off``, ``fixed_rows``: on, with ``fixed_expert_rows``, or ``index_rows``: on, with
+    ``index_rows``, replayed too: its graphs hold other kernels) and routed experts' kernels
     (``RoutedExperts.kernels``; the row's ``expert_path`` names the GEMMs that ran):
     graph-replayed phases (CUDA, once per path: a caller's capture bypasses ``index_graphs``), the
     eager layer's phases, and raw ``all_to_all_single`` on the same fixed blocks beside both."""
@@ -138,7 +139,7 @@ def low_latency_rank(
             x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
             settings = itertools.product(fp8_modes, paths, index_graphs, expert_kernels)
             for fp8, (kernels, transport), setting, experts_kernels in settings:
-                graphs, fixed_rows = setting != "off", setting == "fixed_rows"
+                graphs, fixed_rows, index_rows = setting != "off", setting == "fixed_rows", setting == "index_rows"
                 layer = MoELayer(
                     cfg,
                     dispatcher="low_latency",
@@ -152,6 +153,7 @@ def low_latency_rank(
                         "transport": transport,
                         "index_graphs": graphs,
                         "fixed_expert_rows": fixed_rows,
+                        "index_rows": index_rows,
                     },
                 )
                 layer.experts.kernels = experts_kernels
@@ -165,12 +167,15 @@ def low_latency_rank(
                     "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
                     "index_graphs": graphs and layer.dispatcher.uses_triton(device),
                     **({"fixed_expert_rows": True} if fixed_rows and layer.dispatcher.uses_triton(device) else {}),
+                    **({"index_rows": True} if index_rows and layer.dispatcher.uses_triton(device) else {}),
                     "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
                     "expert_kernels": experts_kernels,
                 }
                 if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for both
                     rows_like = torch.empty(expert_rows, 0, dtype=dtype, device=device)
-                    common["expert_path"] = layer.experts.dense_path(rows_like, cap * cfg.num_experts_per_tok)
+                    common["expert_path"] = layer.experts.dense_path(
+                        rows_like, cap * cfg.num_experts_per_tok, indexed=bool(common.get("index_rows")) and not fp8
+                    )
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
                     ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)
@@ -180,7 +185,7 @@ def low_latency_rank(
                 eager = time_layer(layer, x_TH, warmup, iters)
                 common.update(dataclasses.asdict(layer.last_traffic))  # the four byte counts
                 rows.append({**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}})
-                if cuda and setting == index_graphs[0]:
+                if cuda and (setting == index_graphs[0] or index_rows):
                     rows.append({**common, "graph": True, **time_graphs(layer, x_TH, warmup, iters)})
                 del layer
                 if cuda:
@@ -197,7 +202,9 @@ def time_graphs(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) ->
     d, device = layer.dispatcher, x_TH.device
     topk = layer.router(x_TH)
     replay_dispatch, recv = capture(lambda: d.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK), device)
-    expert_y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+    expert_y_RH = layer.experts(
+        recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ, recv.expected_rows, recv.expert_rows_R
+    )
     replay_combine, _ = capture(lambda: d.combine(expert_y_RH, recv.handle), device)
     replay_layer, _ = capture(lambda: layer(x_TH), device)
     return {
@@ -271,6 +278,7 @@ def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list
             "transport",
             "index_graphs",
             "fixed_expert_rows",
+            "index_rows",
             "expert_kernels",
             "expert_path",
         ):
@@ -339,8 +347,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--index-graphs",
         nargs="+",
         default=["on"],
-        choices=["on", "off", "fixed_rows"],
-        help="low_latency's index_graphs option (fixed_rows: on, with fixed_expert_rows), each setting its own "
+        choices=["on", "off", "fixed_rows", "index_rows"],
+        help="low_latency's index_graphs option (fixed_rows: on, with fixed_expert_rows; index_rows: on, with "
+        "index_rows, the experts reading the received rows in place), each setting its own "
         "eager rows (replayed rows once per path)",
     )
     p.add_argument(

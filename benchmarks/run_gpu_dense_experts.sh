@@ -13,6 +13,9 @@
 #    grouped_gemm_kernels.dense_config.
 # 5. probe: probe_gather_gemm.py, the tiled GEMM reading its rows through the receiver's index against
 #    gather_rows + torch._grouped_mm, and its tile configs (file gather_gemm_<tag>.json).
+# 6. index: bench_low_latency.py at EP1 with 32 experts per GPU, 256-4096 tokens, the received rows copied
+#    into expert order (index graphs "on") against left in place for the tiled GEMM to read through the
+#    layout's index ("index_rows"), eager and replayed (file low_latency_index_rows_<tag>.json).
 # PARTS (default "tests gemv layer") picks the parts; TEST_FILES, GEMV_ARGS, SWEEP_ARGS and PROBE_ARGS
 # narrow them (e.g. SWEEP_ARGS="--configs 128x256x64_g8_w8_s3 --rows-per-expert 128 1024": the sweep's
 # tile configs with descriptor loads and persistent grids cost a compile each). Expected wall time:
@@ -53,4 +56,8 @@ if [[ " $PARTS " == *" sweep "* ]]; then
 fi
 if [[ " $PARTS " == *" probe "* ]]; then
   run_script probe gather_gemm probe_gather_gemm.py ${PROBE_ARGS:-}
+fi
+if [[ " $PARTS " == *" index "* ]]; then
+  run_script index low_latency_index_rows bench_low_latency.py --ranks 1 --experts-per-gpu 32 --tokens 256 1024 4096 \
+    --fp8 off --kernels triton --transports nccl --baselines --index-graphs on index_rows ${INDEX_ARGS:-}
 fi

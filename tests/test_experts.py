@@ -15,6 +15,7 @@ from moe_sbo.experts import (
     RoutedExperts,
     SharedExperts,
     grouped_mm_supported,
+    kernel_by_rows,
 )
 from moe_sbo.grouped_gemm_kernels import GemmConfig, dense_config, grouped_gemm
 
@@ -159,6 +160,12 @@ def test_routed_experts_choose_their_kernel_by_rows():
     assert [experts.dense_path(x) for x in rows] == (on_cuda if device == "cuda" else ["grouped_mm"] * 3)
     # "auto" runs the tiled GEMM only where its tiles were measured (bf16, sm90+): float32 rows do not.
     assert experts.dense_path(rows[1].float()) == "grouped_mm"
+    # Rows read through an index: the tiled GEMM above the GEMV's sizes, which torch._grouped_mm
+    # could run only on a copy; the row count is the index's, not the buffer's.
+    indexed = [experts.dense_path(rows[0], num_rows=n, indexed=True) for n in sizes]
+    assert indexed == (["gemv", on_cuda[1], on_cuda[1]] if device == "cuda" else ["grouped_mm"] * 3)
+    assert [kernel_by_rows(r, indexed=True) for r in (1, 100, 10_000)] == ["gemv", "tiled", "tiled"]
+    assert kernel_by_rows(10_000) == "grouped_mm"
     experts.kernels = "triton"
     assert [experts.dense_path(x) for x in rows] == ["gemv", "tiled", "tiled"]
     # Padding after the real rows: the rule counts the rows to expect, never more than are there.

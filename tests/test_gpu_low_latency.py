@@ -316,6 +316,49 @@ def test_index_graphs_replay_equals_direct_launches(transport, capacity):
             assert captured and all(equal), equal
 
 
+def _index_rows_rank(device, transport, capacity):
+    """``index_rows``: the experts' tiled GEMM reads the received rows through the layout's index
+    instead of a copy in expert order. Eager forwards (index graphs) over token counts that shrink
+    and grow, and the whole layer captured in a CUDA graph and replayed on new inputs, against the
+    same layer copying the rows (the same tiles over the same rows: equal within bf16 tolerance)."""
+    cfg = _config("tiny")
+    rank = dist.get_rank()
+    options = {"max_tokens_per_rank": capacity, "kernels": "triton", "transport": transport}
+    layers = {
+        flag: MoELayer(
+            cfg, dispatcher="low_latency", device=device, seed=3, dispatcher_options={**options, "index_rows": flag}
+        )
+        for flag in (False, True)
+    }
+    for layer in layers.values():
+        layer.experts.kernels = "tiled"  # at these sizes "auto" may pick the GEMV, which gathers first
+    generator = torch.Generator(device=device).manual_seed(500 + rank)
+    rel = []
+
+    def relative(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+    with torch.inference_mode():
+        for n in (capacity, capacity // 3 + rank, 1, 0, capacity):
+            x = torch.randn(n, cfg.hidden_size, generator=generator, device=device).bfloat16()
+            rel.append(relative(layers[True](x), layers[False](x)))
+        x_static = torch.randn(capacity, cfg.hidden_size, generator=generator, device=device).bfloat16()
+        graph, y_static = capture_graph(lambda: layers[True](x_static), warmup=1)
+        for _ in range(2):
+            x_static.copy_(torch.randn(capacity, cfg.hidden_size, generator=generator, device=device).bfloat16())
+            graph.replay()
+            rel.append(relative(y_static, layers[False](x_static)))
+    return rel
+
+
+@pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
+@pytest.mark.parametrize("capacity", [64, 640])  # 640: the two-pass kernels (ll_bulk) run
+def test_index_rows_equal_the_copy_eager_and_replayed(transport, capacity):
+    with _ranks() as ranks:
+        for rel in ranks.run(_index_rows_rank, transport, capacity):
+            assert max(rel) <= BF16_REL_TOL, rel
+
+
 def _graphed_rows_rank(device, transport):
     """``fixed_expert_rows``: the expert rows come from each buffer set's ``layout`` graph.
     Two rounds in flight (two-batch overlap's pattern) get rows of their own, equal to the direct

@@ -102,7 +102,7 @@ def test_options_are_checked():
     with pytest.raises(
         ValueError,
         match=r"among \['max_tokens_per_rank', 'fp8', 'num_buffers', 'kernels', 'transport', 'index_graphs', "
-        r"'fixed_expert_rows'\]"
+        r"'fixed_expert_rows', 'index_rows'\]"
         r".*'capacity'",
     ):
         make_dispatcher("low_latency", 16, EPGroup(), capacity=8)
@@ -333,7 +333,9 @@ def _staged_rank(device):
     """The fused kernels through ``index_graphs``' pieces (reading the caller's tensors through
     their address tables) against the same kernels launched per forward: token counts that shrink
     and grow across the two buffer sets, two rounds in flight (each y still its own after the
-    other's combine), and the local reference."""
+    other's combine), and the local reference. With ``index_rows`` (staged and direct) the rows stay
+    in the receive buffer: experts that gather them give the same bytes, the tiled GEMM reading
+    through the index the reference within tolerance."""
     cfg = get_preset("tiny")
     rank = dist.get_rank()
     ref = MoELayer(cfg, dtype=torch.float32, seed=11)
@@ -341,7 +343,11 @@ def _staged_rank(device):
         "staged": _ll(cfg, 8, kernels="triton"),
         "fixed rows": _ll(cfg, 8, kernels="triton", fixed_expert_rows=True),
         "direct": _ll(cfg, 8, kernels="triton", index_graphs=False),
+        "index rows": _ll(cfg, 8, kernels="triton", index_rows=True),
+        "index rows, direct": _ll(cfg, 8, kernels="triton", index_graphs=False, index_rows=True),
+        "index rows, tiled": _ll(cfg, 8, kernels="triton", index_rows=True),
     }
+    layers["index rows, tiled"].experts.kernels = "tiled"  # reads through the index (Triton's interpreter)
     generator = torch.Generator().manual_seed(100 + rank)
     counts = ([8, 5, 2, 7, 0, 8], [3, 8, 6, 1, 4, 0])[rank]
     results = []
@@ -354,15 +360,20 @@ def _staged_rank(device):
                 d = layer.dispatcher
                 pendings = [d.dispatch_launch(x, t.topk_ids_TK, t.topk_weights_TK) for x, t in zip(xs, topks)]
                 recvs = [d.dispatch_wait(p) for p in pendings]
-                outs = [layer.experts(r.expert_x_RH, r.num_rows_per_expert_L) for r in recvs]
+                assert all((r.expert_rows_R is not None) == d.index_rows for r in recvs)
+                outs = [layer.experts(r.expert_x_RH, r.num_rows_per_expert_L, rows_R=r.expert_rows_R) for r in recvs]
                 ys[name] = [d.combine(y, r.handle) for y, r in zip(outs, recvs)]
             for i, x in enumerate(xs):
                 expected = _routed(ref, x, topks[i].topk_ids_TK, topks[i].topk_weights_TK)[0]
                 results.append(
                     (
-                        torch.equal(ys["staged"][i], ys["direct"][i])
-                        and torch.equal(ys["fixed rows"][i], ys["direct"][i]),
-                        (ys["staged"][i] - expected).abs().max().item() if x.shape[0] else 0.0,
+                        all(
+                            torch.equal(ys[name][i], ys["direct"][i])
+                            for name in ("staged", "fixed rows", "index rows", "index rows, direct")
+                        ),
+                        max((ys[name][i] - expected).abs().max().item() for name in ("staged", "index rows, tiled"))
+                        if x.shape[0]
+                        else 0.0,
                         tuple(ys["staged"][i].shape) == tuple(x.shape),
                     )
                 )

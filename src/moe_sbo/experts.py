@@ -58,17 +58,21 @@ SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # ``gemv_kernels``' GEMV (the fastest up to 4 rows per expert, within 4 % of the tiled GEMM at 8,
 # 1.24-1.42x slower at 16); up to TILED_MAX_ROWS_PER_EXPERT, ``grouped_gemm_kernels``' tiled GEMM
 # (1.06-1.45x faster than ``torch._grouped_mm`` from 16 to 128 rows per expert); above,
-# ``torch._grouped_mm`` (within 10 % either way at 256 rows per expert, 3-15 % faster from 512).
+# ``torch._grouped_mm`` (within 10 % either way at 256 rows per expert, 3-15 % faster from 512), except
+# for rows read through an index (``low_latency``'s ``index_rows``): there the tiled GEMM runs at any
+# size above the GEMV's, since ``torch._grouped_mm`` would need the rows copied first (through the
+# index at prefill sizes: 0.80-0.96x the copy plus ``torch._grouped_mm``, benchmarks/probe_gather_gemm.py).
 GEMV_MAX_ROWS_PER_EXPERT = 8
 TILED_MAX_ROWS_PER_EXPERT = 128
 
 
-def kernel_by_rows(rows_per_expert: float) -> str:
+def kernel_by_rows(rows_per_expert: float, indexed: bool = False) -> str:
     """The dense experts' GEMMs ``kernels="auto"`` picks on CUDA for bf16 on sm90+ by rows per expert
-    (``RoutedExperts.dense_path``'s names): ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``."""
+    (``RoutedExperts.dense_path``'s names): ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``; ``indexed``:
+    for rows read through an index, the tiled GEMM above the GEMV's rows."""
     if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
         return "gemv"
-    return "tiled" if rows_per_expert <= TILED_MAX_ROWS_PER_EXPERT else "grouped_mm"
+    return "tiled" if indexed or rows_per_expert <= TILED_MAX_ROWS_PER_EXPERT else "grouped_mm"
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -154,6 +158,7 @@ class RoutedExperts(nn.Module):
         num_rows_per_expert_L: torch.Tensor,
         scales_RQ: torch.Tensor | None = None,
         expected_rows: int | None = None,
+        rows_R: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Expert outputs ``[R, H]`` for ``x_RH`` whose rows are grouped by local expert.
 
@@ -161,24 +166,33 @@ class RoutedExperts(nn.Module):
         ``scales_RQ``: given when ``x_RH`` arrives already quantised (e4m3 rows and their float32
         scales per 128 values, from fp8 dispatch); FP8 experts only. ``expected_rows``: the real rows
         to expect where padding follows them (``DispatchOutput.expected_rows``); the kernels are
-        chosen by it (``dense_path``), the counts stay on the device.
+        chosen by it (``dense_path``), the counts stay on the device. ``rows_R`` (int [R],
+        ``DispatchOutput.expert_rows_R``): the input rows are ``x_RH[rows_R]`` (``x_RH`` is then
+        [X, H], rows contiguous along H); the tiled GEMM reads them through it, the other kernels
+        gather them first.
         """
         with annotate("routed_experts"):
             offsets_L = num_rows_per_expert_L.to(device=x_RH.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            num_rows = x_RH.shape[0] if rows_R is None else rows_R.shape[0]
             if self.fp8:
+                x_RH = x_RH if rows_R is None else x_RH.index_select(0, rows_R)
                 return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L)
             if scales_RQ is not None:
                 raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
-            path = self.dense_path(x_RH, expected_rows)
-            if path in ("gemv", "tiled"):
+            path = self.dense_path(x_RH, expected_rows, num_rows, indexed=rows_R is not None)
+            if rows_R is not None and path != "tiled":  # only the tiled GEMM reads through an index
+                x_RH, rows_R = x_RH.index_select(0, rows_R), None
+            if path == "gemv":
+                gate_up_R2I = gemv_kernels.grouped_gemv(x_RH, self.gate_up_proj, offsets_L)
+                gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
+                return gemv_kernels.grouped_gemv(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
+            if path == "tiled":
                 # The tiles for the rows to expect (padding excluded), not for every row handed over.
-                tiles = grouped_gemm_kernels.dense_config(self._rows_per_expert(x_RH, expected_rows))
-                gemm = (
-                    gemv_kernels.grouped_gemv
-                    if path == "gemv"
-                    else functools.partial(grouped_gemm_kernels.grouped_gemm, config=tiles)
+                tiles = grouped_gemm_kernels.dense_config(
+                    self._rows_per_expert(num_rows, expected_rows), x_RH.element_size()
                 )
-                gate_up_R2I = gemm(x_RH, self.gate_up_proj, offsets_L)
+                gemm = functools.partial(grouped_gemm_kernels.grouped_gemm, config=tiles)
+                gate_up_R2I = gemm(x_RH, self.gate_up_proj, offsets_L, rows_R=rows_R)
                 gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
                 return gemm(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
             use_grouped_mm = self.use_grouped_mm
@@ -188,21 +202,30 @@ class RoutedExperts(nn.Module):
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
 
-    def _rows_per_expert(self, x_RH: torch.Tensor, expected_rows: int | None) -> float:
-        """Rows per local expert to expect: ``expected_rows`` where given (never more than ``x_RH``
-        holds), else every row of ``x_RH``."""
-        rows = x_RH.shape[0] if expected_rows is None else min(expected_rows, x_RH.shape[0])
+    def _rows_per_expert(self, num_rows: int, expected_rows: int | None) -> float:
+        """Rows per local expert to expect: ``expected_rows`` where given (never more than the
+        ``num_rows`` handed over), else all of them."""
+        rows = num_rows if expected_rows is None else min(expected_rows, num_rows)
         return rows / self.num_local_experts
 
-    def dense_path(self, x_RH: torch.Tensor, expected_rows: int | None = None) -> str:
+    def dense_path(
+        self,
+        x_RH: torch.Tensor,
+        expected_rows: int | None = None,
+        num_rows: int | None = None,
+        indexed: bool = False,
+    ) -> str:
         """Which GEMMs dense (not FP8) experts run for the rows ``x_RH``: ``"gemv"``
         (``gemv_kernels``), ``"tiled"`` (``grouped_gemm_kernels``) or ``"grouped_mm"``
         (``torch._grouped_mm``, or a per-expert loop where it does not run). The rule counts
-        ``expected_rows`` where given (padding follows the real rows), else every row of ``x_RH``.
+        ``expected_rows`` where given (padding follows the real rows), else every row handed over
+        (``num_rows``, default ``x_RH``'s: rows read through an index may number otherwise);
+        ``indexed``: the rows are to be read through an index (``forward``'s ``rows_R``).
 
         ``kernels="auto"`` on CUDA: ``"gemv"`` up to ``GEMV_MAX_ROWS_PER_EXPERT`` rows per expert,
-        ``"tiled"`` up to ``TILED_MAX_ROWS_PER_EXPERT`` for bf16 on sm90+ (where its tiles were
-        measured; elsewhere ``"grouped_mm"``), ``"grouped_mm"`` above; off CUDA ``"grouped_mm"``.
+        ``"tiled"`` up to ``TILED_MAX_ROWS_PER_EXPERT`` (``indexed``: at any size) for bf16 on sm90+
+        (where its tiles were measured; elsewhere ``"grouped_mm"``), ``"grouped_mm"`` above; off CUDA
+        ``"grouped_mm"``.
         ``"triton"``: the first two by the same rule, ``"tiled"`` above. ``"gemv"`` and ``"tiled"`` force
         that kernel; the Triton kernels need CUDA, or ``TRITON_INTERPRET=1`` on CPU."""
         if self.kernels not in DENSE_KERNELS:
@@ -211,11 +234,11 @@ class RoutedExperts(nn.Module):
             return "grouped_mm"
         if gemv_kernels is None:
             raise RuntimeError(f"kernels={self.kernels!r} needs Triton (pip install triton); use 'auto' or 'torch'")
-        rows_per_expert = self._rows_per_expert(x_RH, expected_rows)
+        rows_per_expert = self._rows_per_expert(x_RH.shape[0] if num_rows is None else num_rows, expected_rows)
         if self.kernels == "auto":
             if x_RH.device.type != "cuda":
                 return "grouped_mm"
-            path = kernel_by_rows(rows_per_expert)
+            path = kernel_by_rows(rows_per_expert, indexed)
             # The tiled GEMM's tiles were measured for bf16 on sm90+ (elsewhere they may not fit).
             return "grouped_mm" if path == "tiled" and not grouped_mm_supported(x_RH) else path
         if x_RH.device.type != "cuda" and not env.triton_interpreting():

@@ -123,7 +123,11 @@ class MoELayer(nn.Module):
             yield  # dispatch in flight
             recv = dispatcher.dispatch_wait(pending)
             expert_y_RH = self.experts(
-                recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ, recv.expected_rows
+                recv.expert_x_RH,
+                recv.num_rows_per_expert_L,
+                recv.expert_scales_RQ,
+                recv.expected_rows,
+                recv.expert_rows_R,
             )
             pending = dispatcher.combine_launch(expert_y_RH, recv.handle)
             yield  # combine in flight

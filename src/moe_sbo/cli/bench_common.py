@@ -155,7 +155,7 @@ def floor_and_wire(
     experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
 
     def routed() -> torch.Tensor:
-        return layer.experts(experts_x, counts, scales, recv.expected_rows)
+        return layer.experts(experts_x, counts, scales, recv.expected_rows, recv.expert_rows_R)
 
     shared = layer.shared_experts
     out: dict[str, float | str] = {
@@ -165,7 +165,9 @@ def floor_and_wire(
     }
     layer.dispatcher.combine(routed(), recv.handle)  # close the round it opened
     if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for eager and replay
-        out["expert_path"] = layer.experts.dense_path(experts_x, recv.expected_rows)
+        rows_R = recv.expert_rows_R
+        num_rows = None if rows_R is None else rows_R.shape[0]
+        out["expert_path"] = layer.experts.dense_path(experts_x, recv.expected_rows, num_rows, rows_R is not None)
     traffic = layer.dispatcher.last_traffic
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

@@ -101,7 +101,7 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
 
         def comm_alone() -> None:
             recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
-            layer.dispatcher.combine(recv.expert_x_RH, recv.handle)
+            layer.dispatcher.combine(recv.rows_RH(), recv.handle)  # identity experts
 
         shared = layer.shared_experts
         base: dict = {"rank": rank, "tokens": tokens, **resolved_path(layer.dispatcher, device)}

@@ -106,6 +106,12 @@ class DispatchOutput:
     ``expected_rows``: where padding rows follow the real ones (``low_latency``'s fixed layout), how
     many real rows to expect without reading the counts (what the experts choose their kernels by);
     None when every row is real.
+
+    ``expert_rows_R``: None, or (``low_latency`` with ``index_rows``) an int64 [R] index: the rows
+    were not copied into expert order, ``expert_x_RH`` is then [X, H] (a view of the receive buffer)
+    and row r of the experts' input is ``expert_x_RH[expert_rows_R[r]]``. ``RoutedExperts`` takes
+    it as ``rows_R`` (its tiled GEMM reads through it); ``rows_RH()`` gives the rows in expert order
+    either way.
     """
 
     expert_x_RH: torch.Tensor
@@ -113,6 +119,14 @@ class DispatchOutput:
     handle: DispatchHandle
     expert_scales_RQ: torch.Tensor | None = None
     expected_rows: int | None = None
+    expert_rows_R: torch.Tensor | None = None
+
+    def rows_RH(self) -> torch.Tensor:
+        """The experts' input rows [R, H] in expert order: ``expert_x_RH`` itself, or gathered
+        through ``expert_rows_R`` (a copy, on the current stream)."""
+        if self.expert_rows_R is None:
+            return self.expert_x_RH
+        return self.expert_x_RH.index_select(0, self.expert_rows_R)
 
 
 @dataclass(frozen=True)
@@ -350,8 +364,11 @@ class Dispatcher:
         handle: DispatchHandle,
         scales_RQ: torch.Tensor | None = None,
         expected_rows: int | None = None,
+        rows_R: torch.Tensor | None = None,
     ) -> DispatchOutput:
-        return DispatchOutput(expert_x_RH, handle.layout.num_rows_per_expert_L, handle, scales_RQ, expected_rows)
+        return DispatchOutput(
+            expert_x_RH, handle.layout.num_rows_per_expert_L, handle, scales_RQ, expected_rows, rows_R
+        )
 
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
         """Per-rank checks before any collective (a bad rank raises instead of hanging the rest)."""

@@ -171,7 +171,9 @@ class RoundGraphs:
     start_dispatch: Callable[[], list] | None = None
     start_combine: Callable[[], list] | None = None
     layout: PieceGraph | None = None
-    layout_keeps_fp8: bool = False  # the ``deliver_fp8`` the layout graph's gather was built for
+    # The (``deliver_fp8``, in place) the layout graph was built for: in place (``index_rows``) it
+    # gathers no rows.
+    layout_built_for: tuple[bool, bool] = (False, False)
     expert_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # with ``fixed_expert_rows``
     combine: PieceGraph | None = None
     combine_end: PieceGraph | None = None

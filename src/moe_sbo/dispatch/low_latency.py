@@ -166,6 +166,12 @@ class LowLatencyDispatcher(Dispatcher):
     the set's next round, ``num_buffers`` dispatches later, as the layout's counts already are, for
     the memory above, per layer.
 
+    ``index_rows`` (default False; fused kernels, activation-dtype rows): leave the received rows
+    where the transfer put them instead of copying every (token, local expert) row into expert
+    order: the dispatch hands out the receive buffer's rows and the layout's index
+    (``DispatchOutput.expert_rows_R``), and the experts' tiled GEMM reads its rows through it
+    (other kernels gather them first). fp8 rows are always copied (dequantised or kept).
+
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
     Sync: no phase reads anything on the host, and every shape is fixed by C, so after one eager
@@ -190,12 +196,14 @@ class LowLatencyDispatcher(Dispatcher):
         transport: str = "auto",
         index_graphs: bool = True,
         fixed_expert_rows: bool = False,
+        index_rows: bool = False,
     ):
         super().__init__(num_experts, ep)
         for option, value in (("max_tokens_per_rank", max_tokens_per_rank), ("num_buffers", num_buffers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{option} must be an int >= 1, got {value!r}")
-        for option, flag in (("index_graphs", index_graphs), ("fixed_expert_rows", fixed_expert_rows)):
+        flags = (("index_graphs", index_graphs), ("fixed_expert_rows", fixed_expert_rows), ("index_rows", index_rows))
+        for option, flag in flags:
             if not isinstance(flag, bool):
                 raise ValueError(f"{option} must be True or False, got {flag!r}")
         if fixed_expert_rows and not index_graphs:
@@ -223,6 +231,7 @@ class LowLatencyDispatcher(Dispatcher):
         self.transport = transport
         self.index_graphs = index_graphs
         self.fixed_expert_rows = fixed_expert_rows
+        self.index_rows = index_rows
         self.num_slots = ep.size * max_tokens_per_rank
         # One rank uses the real communicator when there is one (a graph then captures what it would
         # at EP > 1); without a process group, or with a one-rank EP group inside a larger job, it
@@ -531,12 +540,20 @@ class LowLatencyDispatcher(Dispatcher):
         self._check_round(s.generation)
         recv_SB = s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
+        rows_R = None
         if self.uses_triton(recv_SB.device):
+            in_place = self.index_rows and not s.fmt.fp8
             if s.graphs is None:
                 fixed = self._layout(recv_SB, s.fmt)()
-                expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
+                if in_place:
+                    expert_x_RH, scales_RQ = s.fmt.x(recv_SB), None
+                else:
+                    expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
             else:
-                fixed, expert_x_RH, scales_RQ = self._layout_staged(s)
+                fixed, expert_x_RH, scales_RQ = self._layout_staged(s, in_place)
+            if in_place:
+                # Every row's source: its slot, or the zero slot S for padding (the layout writes all R).
+                rows_R = fixed.layout.row_R
         else:
             local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
             fixed = group_slots_by_expert(
@@ -563,22 +580,26 @@ class LowLatencyDispatcher(Dispatcher):
         )
         # Of the P x C x K fixed rows, a rank's experts get C x K on average: each of the P x C slots'
         # K choices is on this rank with probability L / E = 1 / P.
-        return self._output(expert_x_RH, handle, scales_RQ, expected_rows=self.capacity * s.fmt.top_k)
+        expected_rows = self.capacity * s.fmt.top_k
+        return self._output(expert_x_RH, handle, scales_RQ, expected_rows=expected_rows, rows_R=rows_R)
 
-    def _layout_staged(self, s: _InFlightDispatch) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
-        """The round's ``layout`` graph -> (the receiver's layout, the expert rows and their scales).
+    def _layout_staged(self, s: _InFlightDispatch, in_place: bool) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+        """The round's ``layout`` graph -> (the receiver's layout, the expert rows and their scales;
+        with ``in_place``, the receive buffer's rows [S + 1, H] and None).
 
         The graph first ends a symmetric-memory transfer (the barrier) when ``pack`` started one,
-        and gathers the rows into tensors made here for this forward, or with ``fixed_expert_rows``
-        into the set's own (valid until its next round, ``num_buffers`` dispatches later, as the
-        layout and the received rows are). Captured again if ``deliver_fp8`` changed since (and the
-        set's ``combine`` graph with it: it reads the layout's tensors)."""
+        and (unless ``in_place``) gathers the rows into tensors made here for this forward, or with
+        ``fixed_expert_rows`` into the set's own (valid until its next round, ``num_buffers``
+        dispatches later, as the layout and the received rows are). Captured again if
+        ``deliver_fp8`` or ``in_place`` changed since (and the set's ``combine`` graph with it: it
+        reads the layout's tensors)."""
         graphs, keep_fp8 = s.graphs, self.deliver_fp8
         assert graphs is not None  # the staged path
         recv_SB = s.buffers.dispatch_recv_SB
-        if graphs.layout is None or graphs.layout_keeps_fp8 != keep_fp8:
+        built_for = (keep_fp8, in_place)
+        if graphs.layout is None or graphs.layout_built_for != built_for:
             layout, barrier = self._layout(recv_SB, s.fmt), s.buffers.dispatch_barrier
-            addresses = CallerAddresses(recv_SB, 2)  # the rows, then their scales
+            addresses = None if in_place else CallerAddresses(recv_SB, 2)  # the rows, then their scales
             gather = functools.partial(
                 ll_kernels.gather_rows, recv_SB, fmt=s.fmt, keep_fp8=keep_fp8, addresses=addresses
             )
@@ -587,12 +608,15 @@ class LowLatencyDispatcher(Dispatcher):
                 if barrier is not None:  # the pack graph started a symmetric-memory transfer
                     barrier.wait()
                 fixed = layout()
-                gather(fixed=fixed)
+                if not in_place:
+                    gather(fixed=fixed)
                 return fixed
 
             graphs.layout = PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda", addresses=addresses)
-            graphs.layout_keeps_fp8 = keep_fp8
+            graphs.layout_built_for = built_for
             graphs.expert_rows = graphs.combine = None
+        if in_place:
+            return graphs.layout(), s.fmt.x(recv_SB), None
         num_rows = self.num_slots * s.fmt.top_k
         if not self.fixed_expert_rows:
             rows = ll_kernels.expert_rows(num_rows, s.fmt, keep_fp8, recv_SB.device)

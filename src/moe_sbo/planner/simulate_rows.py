@@ -42,6 +42,10 @@ DIRECT_LAUNCH = "+direct"
 # buffer set: the same GPU work, other host work per eager forward (before the address tables, one
 # launch less; since, one allocation less), so its own path and setup too.
 FIXED_ROWS = "+fixed_rows"
+# A low_latency row with ``index_rows: true`` left the received rows in place: no gather at the end of
+# the dispatch, the experts' tiled GEMM reading through the layout's index; other GPU work, so its own
+# path and setup.
+INDEX_ROWS = "+index_rows"
 # Since commit a479e10 (this instant, UTC) dense routed experts on CUDA run ``gemv_kernels``' Triton
 # grouped GEMV at decode sizes (up to ``simulate_fit.GEMV_MAX_ROWS`` rows in all); before it,
 # ``torch._grouped_mm`` at every size. No row of that code records which ran, so a file's ``meta.date``
@@ -195,6 +199,8 @@ def path_of(row: dict, ep: int, version: str | None = None) -> DispatchPath:
         kernels += DIRECT_LAUNCH  # the fused kernels launched directly: more host time per eager forward
     if kernels.startswith(DEFAULT_KERNELS) and row.get("fixed_expert_rows"):
         kernels += FIXED_ROWS  # the expert rows in a buffer kept per set: other host time
+    if kernels.startswith(DEFAULT_KERNELS) and row.get("index_rows"):
+        kernels += INDEX_ROWS  # no gather in the dispatch: other GPU work
     transport = str(row.get("transport_used") or row.get("transport") or DEFAULT_TRANSPORT)
     if ep == 1 and transport == DEFAULT_TRANSPORT:
         # One rank: nothing crosses a wire, and NCCL's one-rank collective is EP1's usual path. Over
@@ -224,6 +230,8 @@ def _group_of(file: str, row: dict, meta: dict) -> str:
         parts.append("index_graphs=False")
     if row.get("fixed_expert_rows"):
         parts.append("fixed_expert_rows=True")
+    if row.get("index_rows"):
+        parts.append("index_rows=True")
     if row.get("bench") in ("sbo", "tbo", "fp8_layer"):  # every mode (and TBO delay) of one setup together
         parts = [p for p in parts if not p.startswith("graph=")]
     return file + ":" + ",".join(parts)
