@@ -156,7 +156,7 @@ def _grouped_gemm_kernel(
 # groups and four stages from 128 (0.87-1.04x ``torch._grouped_mm``'s time there, against 0.94-1.17x
 # with per-thread loads). A persistent grid (one program per SM walking the tiles) measured within
 # noise of one program per tile, so the kernel keeps the simpler grid.
-SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64, tma=True)
+SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=4, block_k=64, tma=True)
 
 
