@@ -16,11 +16,15 @@ sized for the worst case (ceil(R / BLOCK_M) + L row tiles, times the column tile
 reads the L offsets, finds its expert and tile by a prefix sum over the experts' tile counts, and
 programs past the last tile return at once. So a launch depends only on R, and a CUDA graph captured
 at one R replays for any routing. Tiles inside an expert are swizzled in groups of ``GROUP_M`` row
-tiles so neighbouring programs share weight tiles in L2.
+tiles so neighbouring programs share weight tiles in L2. From 128 rows per expert the weight tiles
+(and contiguous row tiles) come through tensor descriptors (``GemmConfig.tma``): 9-15 % faster
+there on H200 from 256 rows per expert, which brings the kernel level with ``torch._grouped_mm`` at
+prefill sizes; the descriptors are encoded on the host per launch (~70 us against 29-44 us for a
+call), so the small tiles, which gain nothing from them, keep per-thread loads.
 
 ``rows_R`` (optional) makes the GEMM read its A rows through an index: row r of the product is
 ``x[rows_R[r]]`` times its expert's weights, so rows grouped by expert need not be copied out of a
-buffer in another order first (what ``low_latency``'s receiver does before the experts;
+buffer in another order first (``low_latency``'s ``index_rows``: the received rows read in place;
 ``benchmarks/probe_gather_gemm.py`` measures the trade). Rows past the last offset (padding) are
 neither read nor written. The kernels also run under ``TRITON_INTERPRET=1`` on CPU float32 tensors
 (the interpreter's bf16 products are not exact); the tests hold them to a per-row reference there.
@@ -151,11 +155,12 @@ def _grouped_gemm_kernel(
 
 
 # Measured on H200 (``benchmarks/bench_gemv.py --sweep``: gate_up and down alone over 8 and 32 experts,
-# 64-1024 rows per expert, beside ``torch._grouped_mm``): with descriptor loads, 64 x 128 tiles with one
-# warp group were the best or within 3 % up to 64 rows per expert, and 128 x 256 tiles with two warp
-# groups and four stages from 128 (0.87-1.04x ``torch._grouped_mm``'s time there, against 0.94-1.17x
-# with per-thread loads). A persistent grid (one program per SM walking the tiles) measured within
-# noise of one program per tile, so the kernel keeps the simpler grid.
+# 16-1024 rows per expert, beside ``torch._grouped_mm``): up to 64 rows per expert 64 x 128 tiles with
+# one warp group were the best or within 4.5 % (descriptor loads: within 2 % of these, for more host
+# time per call); from 128, 128 x 256 tiles with two warp groups, with descriptor loads and four
+# stages (0.87-1.04x ``torch._grouped_mm``'s time, against 0.94-1.17x with per-thread loads). A
+# persistent grid (one program per SM walking the tiles) measured within noise of one program per
+# tile, so the kernel keeps the simpler grid.
 SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=4, block_k=64, tma=True)
 
