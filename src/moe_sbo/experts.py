@@ -61,7 +61,7 @@ SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # ``torch._grouped_mm`` (within 10 % either way at 256 rows per expert, 3-15 % faster from 512), except
 # for rows read through an index (``low_latency``'s ``index_rows``): there the tiled GEMM runs at any
 # size above the GEMV's, since ``torch._grouped_mm`` would need the rows copied first (through the
-# index at prefill sizes: 0.80-0.96x the copy plus ``torch._grouped_mm``, benchmarks/probe_gather_gemm.py).
+# index at prefill sizes: 0.83-0.96x the copy plus ``torch._grouped_mm``, benchmarks/probe_gather_gemm.py).
 GEMV_MAX_ROWS_PER_EXPERT = 8
 TILED_MAX_ROWS_PER_EXPERT = 128
 

@@ -129,9 +129,9 @@ class LowLatencyDispatcher(Dispatcher):
     ``num_buffers * (2S + 1) * (B + H * elem)`` bytes, allocated on the first forward, plus with
     ``index_graphs`` the staging of each set, ``num_buffers * C * (H * elem + 12K + 8P)`` bytes, and
     its graphs' index tensors (about ``num_buffers * 24 * S * K`` bytes); a forward then allocates
-    its expert rows [S * K, H] twice (inputs and outputs of the experts); with ``fixed_expert_rows``
-    the inputs are kept per set instead, ``num_buffers * S * K * H * elem`` bytes (e4m3 and its
-    scales with ``deliver_fp8``). DeepSeek-V3 at EP2 with C = 4096, bf16: B = 14400, 2 sets of
+    its expert rows [S * K, H] twice (inputs and outputs of the experts; once with ``index_rows``);
+    with ``fixed_expert_rows`` the inputs are kept per set instead, ``num_buffers * S * K * H * elem``
+    bytes (e4m3 and its scales with ``deliver_fp8``). DeepSeek-V3 at EP2 with C = 4096, bf16: B = 14400, 2 sets of
     0.47 GB + 2 x 59 MB of staging = 1.06 GB per rank; with C = 128: 2 x 15 MB of buffers + 2 x 2 MB
     of staging, and 2 x 29 MB of fixed expert rows.
 
@@ -170,7 +170,8 @@ class LowLatencyDispatcher(Dispatcher):
     where the transfer put them instead of copying every (token, local expert) row into expert
     order: the dispatch hands out the receive buffer's rows and the layout's index
     (``DispatchOutput.expert_rows_R``), and the experts' tiled GEMM reads its rows through it
-    (other kernels gather them first). fp8 rows are always copied (dequantised or kept).
+    (other kernels gather them first). fp8 rows are always copied (dequantised or kept), and so are
+    the rows of ``kernels="torch"``.
 
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
