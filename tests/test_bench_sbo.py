@@ -104,6 +104,7 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
         (["--tokens", "0"], "--tokens, --prefill-tokens and --decode-seqs must be >= 1"),
         (["--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
         (["--transport", "copy_engine"], "--transport copy_engine needs CUDA and >= 2 ranks"),
+        (["--index-rows", "--dispatcher", "alltoall"], "--index-rows is an option of the low_latency dispatcher"),
     ],
 )
 def test_bench_bad_input_exits_2(argv, message, capsys):
@@ -217,3 +218,14 @@ def test_bench_tbo_sizes_every_rank_for_the_largest_micro_batch_of_any_rank(rank
     dispatcher's capacity must still be the same everywhere (low_latency refuses unlike buffers)."""
     results = ranks2.run(_tbo_capacity_rank, [[50, 47], [48, 48]])
     assert results == [(50, 50, 100), (50, 50, 100)]
+
+
+def test_bench_index_rows_reach_low_latency_and_its_rows(tmp_path):
+    # --index-rows: low_latency leaves the received rows in place (the experts gather them on CPU),
+    # and its rows say so (the outputs' equality is tests/test_low_latency.py's).
+    out = tmp_path / "sbo.json"
+    argv = ["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", "--dispatcher", "low_latency"]
+    argv += ["--overlap", "none", "--tokens", "6", "--warmup", "0", "--iters", "1", "--index-rows", "--out", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["index_rows"] is True and r["dispatcher"] == "low_latency" for r in rows)

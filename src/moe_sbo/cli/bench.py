@@ -135,6 +135,12 @@ def add_bench_parser(subparsers) -> None:
         "peer copies, no SMs in flight)",
     )
     p.add_argument(
+        "--index-rows",
+        action="store_true",
+        help="low_latency's index_rows: the experts read the received rows in place through the layout's "
+        "index instead of a copy in expert order (rows record index_rows)",
+    )
+    p.add_argument(
         "--wire",
         default="nvlink",
         choices=WIRES,
@@ -253,6 +259,11 @@ def run_bench(args: argparse.Namespace) -> int:
     make_overlap("combine_sm", device, sm_budget=args.sm_budget)  # checks the SM budget here, once
     if args.tbo and isinstance(args.tbo_gemm_sm_budget, int):
         check_sm_budget(torch.device(device), args.tbo_gemm_sm_budget)
+    if args.index_rows and "low_latency" not in dispatchers:
+        raise ValueError(
+            f"--index-rows is an option of the low_latency dispatcher, which this run does not use "
+            f"(--dispatcher {' '.join(dispatchers)}); add --dispatcher low_latency or leave --index-rows out"
+        )
     if args.transport in ("symm_mem", "copy_engine") and (device != "cuda" or ranks < 2):
         raise ValueError(
             f"--transport {args.transport} needs CUDA and >= 2 ranks, got {device} with {ranks}; "
@@ -496,6 +507,7 @@ def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:
         "auto_tbo": args.auto_tbo,
         "tbo_gemm_sm_budget": getattr(args, "tbo_gemm_sm_budget", None),
         "transport": args.transport,
+        "index_rows": args.index_rows,
         "wire": args.wire,
     }
 

@@ -51,11 +51,13 @@ def cached(key: tuple, make: Callable[[], object], device: torch.device):
 
 
 def dispatcher_options(spec: dict, tokens: int) -> dict:
-    """Options for ``spec``'s dispatcher: its capacity sized for ``tokens`` and ``--transport``, where
-    the dispatcher takes them (``low_latency``)."""
+    """Options for ``spec``'s dispatcher: its capacity sized for ``tokens``, ``--transport`` and
+    ``--index-rows``, where the dispatcher takes them (``low_latency``)."""
     options = options_for_tokens(spec["dispatcher"], tokens)
     if "transport" in dispatcher_option_names(spec["dispatcher"]):
         options["transport"] = spec["transport"]
+    if spec.get("index_rows") and "index_rows" in dispatcher_option_names(spec["dispatcher"]):
+        options["index_rows"] = True
     return options
 
 
@@ -72,6 +74,11 @@ def row_head(bench: str, spec: dict, ep: int) -> dict:
         "experts_per_gpu": cfg.num_experts // ep,
         "dispatcher": spec["dispatcher"],
         "transport": transport,
+        **(
+            {"index_rows": True}
+            if spec.get("index_rows") and "index_rows" in dispatcher_option_names(spec["dispatcher"])
+            else {}
+        ),
         "dtype": spec["dtype"],
         "wire": spec["wire"],
     }
