@@ -17,7 +17,7 @@ from moe_sbo.experts import (
     grouped_mm_supported,
     kernel_by_rows,
 )
-from moe_sbo.grouped_gemm_kernels import GemmConfig, dense_config, grouped_gemm
+from moe_sbo.grouped_gemm_kernels import TMA_MIN_ROWS_PER_EXPERT, GemmConfig, dense_config, grouped_gemm
 
 
 def _reference(x_RH, counts, gate_up, down):
@@ -137,6 +137,16 @@ def test_tiled_kernel_on_whole_k_steps_and_its_own_tiles(config):
     assert rows_R.stride() == (2,)  # real - 1 .. 0 as a strided view
     got = grouped_gemm(x_RK.flip(0), w_LNK, offsets_L, rows_R=rows_R, config=config)
     torch.testing.assert_close(got, _tiled_reference(x_RK, w_LNK, counts), rtol=1e-4, atol=1e-4)
+
+
+def test_tiled_tiles_by_rows_per_expert():
+    # 64 x 128 tiles up to 64 rows per expert, 128 x 256 above; descriptor loads only from
+    # TMA_MIN_ROWS_PER_EXPERT (below they gained nothing on H200 and cost the host per launch).
+    small, mid, large = (dense_config(rows) for rows in (64, 128, TMA_MIN_ROWS_PER_EXPERT))
+    assert (small.block_m, small.block_n, small.tma) == (64, 128, False)
+    assert (mid.block_m, mid.block_n, mid.tma) == (128, 256, False)
+    assert (large.block_m, large.block_n, large.tma, large.num_stages) == (128, 256, True, 4)
+    assert dense_config(TMA_MIN_ROWS_PER_EXPERT, element_size=4).num_stages == 2  # float32 fits shared memory
 
 
 def test_tiled_kernel_refuses_mismatched_shapes():

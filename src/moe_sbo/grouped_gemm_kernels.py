@@ -16,11 +16,11 @@ sized for the worst case (ceil(R / BLOCK_M) + L row tiles, times the column tile
 reads the L offsets, finds its expert and tile by a prefix sum over the experts' tile counts, and
 programs past the last tile return at once. So a launch depends only on R, and a CUDA graph captured
 at one R replays for any routing. Tiles inside an expert are swizzled in groups of ``GROUP_M`` row
-tiles so neighbouring programs share weight tiles in L2. From 128 rows per expert the weight tiles
+tiles so neighbouring programs share weight tiles in L2. From 256 rows per expert the weight tiles
 (and contiguous row tiles) come through tensor descriptors (``GemmConfig.tma``): 9-15 % faster
-there on H200 from 256 rows per expert, which brings the kernel level with ``torch._grouped_mm`` at
-prefill sizes; the descriptors are encoded on the host per launch (~70 us against 29-44 us for a
-call), so the small tiles, which gain nothing from them, keep per-thread loads.
+there on H200, which brings the kernel level with ``torch._grouped_mm`` at prefill sizes; the
+descriptors are encoded on the host per launch (~70 us against 29-44 us for a call), so smaller
+batches, which gain nothing from them, keep per-thread loads.
 
 ``rows_R`` (optional) makes the GEMM read its A rows through an index: row r of the product is
 ``x[rows_R[r]]`` times its expert's weights, so rows grouped by expert need not be copied out of a
@@ -156,20 +156,26 @@ def _grouped_gemm_kernel(
 
 # Measured on H200 (``benchmarks/bench_gemv.py --sweep``: gate_up and down alone over 8 and 32 experts,
 # 16-1024 rows per expert, beside ``torch._grouped_mm``): up to 64 rows per expert 64 x 128 tiles with
-# one warp group were the best or within 4.5 % (descriptor loads: within 2 % of these, for more host
-# time per call); from 128, 128 x 256 tiles with two warp groups, with descriptor loads and four
-# stages (0.87-1.04x ``torch._grouped_mm``'s time, against 0.94-1.17x with per-thread loads). A
-# persistent grid (one program per SM walking the tiles) measured within noise of one program per
-# tile, so the kernel keeps the simpler grid.
+# one warp group were the best or within 4.5 %; from 128, 128 x 256 tiles with two warp groups and
+# four stages. Descriptor loads made those 9-15 % faster from 256 rows per expert (0.97-1.04x
+# ``torch._grouped_mm``'s time, against 1.08-1.17x with per-thread loads) and gained nothing below
+# (0.96-1.06x at 128, 0.98-1.00x at 64), where their host cost (~70 us a call against 29-44 us,
+# ``benchmarks/probe_tma_host.py``) would show in eager forwards: so from TMA_MIN_ROWS_PER_EXPERT
+# only. A persistent grid (one program per SM walking the tiles) measured within noise of one program
+# per tile, so the kernel keeps the simpler grid.
 SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64)
-LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=4, block_k=64, tma=True)
+LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=4, block_k=64)
+TMA_MIN_ROWS_PER_EXPERT = 256
 
 
 def dense_config(rows_per_expert: float, element_size: int = 2) -> GemmConfig:
     """The tiles for ``rows_per_expert`` rows per expert on average (known before the counts: a CUDA
-    graph captured at one size keeps its config whatever the routing). Elements of 4 bytes (float32,
-    the exact path tests take) get two pipeline stages, so the tiles still fit shared memory."""
+    graph captured at one size keeps its config whatever the routing), with descriptor loads from
+    ``TMA_MIN_ROWS_PER_EXPERT``. Elements of 4 bytes (float32, the exact path tests take) get two
+    pipeline stages, so the tiles still fit shared memory."""
     config = SMALL_CONFIG if rows_per_expert <= 64 else LARGE_CONFIG
+    if rows_per_expert >= TMA_MIN_ROWS_PER_EXPERT:
+        config = dataclasses.replace(config, tma=True)
     return config if element_size <= 2 else dataclasses.replace(config, num_stages=2)
 
 
