@@ -25,6 +25,8 @@ from moe_sbo.planner.simulate_fit import (
     GEMV,
     GEMV_BLOCK_ROWS,
     TILED,
+    TILED_TMA,
+    TMA_MIN_ROWS_PER_EXPERT,
     Contention,
     RowDraw,
     expected_experts_with_rows,
@@ -37,6 +39,8 @@ from moe_sbo.planner.simulate_rows import (
     GEMV_SINCE,
     GROUPED_MM_ONLY,
     TILED_SINCE,
+    TILED_TMA_BELOW_256,
+    TILED_TMA_SINCE,
 )
 
 REPO_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -713,6 +717,47 @@ def test_the_tiled_gemm_is_fitted_only_where_layers_run_it(tmp_path):
     fit = cal.gemm[TILED]
     assert fit.samples == 3 and fit.weight_GBps == pytest.approx(TILED_GBPS)
     assert GEMV not in cal.gemm  # rows without t_gemv_us fit no GEMV
+
+
+def test_the_tiled_gemms_descriptor_loads_have_their_own_fit(tmp_path):
+    """From 256 rows per expert the tiled GEMM loads through tensor descriptors, another rate: bench_gemv's
+    tiled times there, from code that had them (dated since ``TILED_TMA_SINCE``), fit ``TILED_TMA``; a
+    layer running the tiled GEMM that large (rows read in place) is costed by it. The per-thread fit
+    takes none of them, nor the small sizes of the code versions that took descriptors there too."""
+    tma_gbps = 2 * TILED_GBPS
+    after = {"date": "2026-12-02T00:00:00+00:00", "source_sha": "today"}
+
+    def read_us(experts: int, gbps: float) -> float:
+        return experts * EXPERT_B / (gbps * 1e3)
+
+    rows = [_bench_gemv_row(16, 16 * n, t_tiled_us=read_us(16, TILED_GBPS)) for n in (32, 64)]
+    rows += [_bench_gemv_row(16, 16 * n, t_tiled_us=read_us(16, tma_gbps)) for n in (256, 512)]
+    (tmp_path / "gemv_today_h200x1.json").write_text(json.dumps({"meta": {"world_size": 1, **after}, "rows": rows}))
+    between = {**after, "source_sha": TILED_TMA_BELOW_256[0]}
+    odd = [_bench_gemv_row(16, 16 * 64, t_tiled_us=1.0)]  # descriptor loads at 64 rows per expert: left out
+    (tmp_path / "gemv_between_h200x1.json").write_text(json.dumps({"meta": {"world_size": 1, **between}, "rows": odd}))
+    before = [_bench_gemv_row(16, 16 * 512, t_tiled_us=1.0)]  # per-thread loads at 512: neither fit
+    _write(tmp_path / "gemv_before_h200x1.json", before)
+    _write(tmp_path / "layers_h200x2.json", synthetic_rows())
+    assert TILED_TMA_SINCE < after["date"]
+    cal = planner.calibrate_simulator(planner.load_rows(tmp_path))
+    assert cal.gemm[TILED].samples == 2 and cal.gemm[TILED].weight_GBps == pytest.approx(TILED_GBPS)
+    assert cal.gemm[TILED_TMA].samples == 2 and cal.gemm[TILED_TMA].weight_GBps == pytest.approx(tma_gbps)
+    every = V3.with_num_experts(8)  # every token on every expert: each expert's weights read once
+    path = planner.DispatchPath("low_latency", "triton", "none", "bfloat16", False, None)
+    large = TMA_MIN_ROWS_PER_EXPERT
+    assert cal.routed_gpu_us(every, 8, 8 * large, "bf16", path, "tiled") == pytest.approx(
+        cal.triton_us(every, 8, 8 * large, TILED_TMA)
+    )
+    assert cal.routed_gpu_us(every, 8, 8 * 128, "bf16", path, "tiled") == pytest.approx(
+        cal.triton_us(every, 8, 8 * 128, TILED)
+    )
+
+
+def test_the_planners_descriptor_threshold_is_the_kernels():
+    """``TMA_MIN_ROWS_PER_EXPERT`` copies ``grouped_gemm_kernels``' (which imports Triton)."""
+    kernels = pytest.importorskip("moe_sbo.grouped_gemm_kernels")
+    assert TMA_MIN_ROWS_PER_EXPERT == kernels.TMA_MIN_ROWS_PER_EXPERT
 
 
 @pytest.mark.parametrize("bench", ["gather_gemm", "dense_gemm_config", "a_probe_not_yet_written"])

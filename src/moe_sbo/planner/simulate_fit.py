@@ -11,9 +11,11 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
   rows only (they skip the others), from the ``gemv`` rows' times of that kernel: the grouped GEMV
   (``GEMV``, ``t_gemv_us``, every size timed; it streams an expert's weights once per
   ``GEMV_BLOCK_ROWS`` of its rows, ``weight_passes`` over ``RowDraw``: bench_gemv's uniform draw of
-  rows for its samples, the router's for layers) and the tiled grouped GEMM (``TILED``,
-  ``t_tiled_us``, where layers run it: over ``GEMV_MAX_ROWS_PER_EXPERT`` and up to
-  ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert; ``simulate.dense_path`` says which ran);
+  rows for its samples, the router's for layers) and the tiled grouped GEMM, ``t_tiled_us`` where
+  layers run it (``simulate.dense_path`` says which ran): ``TILED`` over ``GEMV_MAX_ROWS_PER_EXPERT``
+  and below ``TMA_MIN_ROWS_PER_EXPERT`` rows per expert (per-thread loads), ``TILED_TMA`` from there
+  (descriptor loads, since ``simulate_rows.TILED_TMA_SINCE``; layers run the tiled GEMM that large
+  when they read the received rows through the index, ``low_latency``'s ``index_rows``);
 - router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
   that timed them alone (``t_floor_*``, CUDA-graph ``t_shared_us``);
 - wire: ``latency + bytes / bandwidth`` per link class, least squares in relative error over the raw
@@ -43,7 +45,16 @@ from typing import NamedTuple
 from ..config import MoEConfig, get_preset
 from ..experts import kernel_by_rows
 from .links import positive_field
-from .simulate_rows import DEFAULT_PRESET, MOE_LAYER_BENCHES, DispatchPath, ResultRow, dtype_name
+from .simulate_rows import (
+    DEFAULT_PRESET,
+    MOE_LAYER_BENCHES,
+    TILED_TMA_BELOW_256,
+    TILED_TMA_SINCE,
+    DispatchPath,
+    ResultRow,
+    dtype_name,
+    measured_since,
+)
 
 # ---- assumptions: named constants where no result file measures the thing -------------------------
 
@@ -70,9 +81,13 @@ KNEES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, math.inf)
 # by the name of the path that runs each (``RoutedExperts.dense_path``, a row's ``expert_path``).
 GEMV = "bf16-gemv"
 TILED = "bf16-tiled"
+TILED_TMA = "bf16-tiled-tma"
 TRITON_FITS = {"gemv": GEMV, "tiled": TILED}
 # Each Triton kernel's time in ``bench_gemv``'s rows (the calibration samples of its fit).
-BENCH_GEMV_TIMES = {GEMV: "t_gemv_us", TILED: "t_tiled_us"}
+BENCH_GEMV_TIMES = {GEMV: "t_gemv_us", TILED: "t_tiled_us", TILED_TMA: "t_tiled_us"}
+# From this many rows per expert the tiled GEMM loads through tensor descriptors, another rate
+# (``grouped_gemm_kernels.TMA_MIN_ROWS_PER_EXPERT``, not imported: that module imports Triton).
+TMA_MIN_ROWS_PER_EXPERT = 256
 # The rule of the code between ``simulate_rows.GEMV_SINCE`` and ``TILED_SINCE``: bf16 experts ran the
 # GEMV up to this many rows handed to them in all, padding included.
 GEMV_MAX_ROWS = 256
@@ -404,6 +419,8 @@ class StageCosts:
         ``triton_us``; without its rows among the files, by the grouped GEMM's roofline (slower: it
         reads every expert)."""
         key = TRITON_FITS.get(dense_path) if dense_path is not None else None
+        if key == TILED and experts and rows / experts >= TMA_MIN_ROWS_PER_EXPERT and TILED_TMA in self.gemm:
+            key = TILED_TMA  # the descriptor loads of the large tiles
         if key is not None and key in self.gemm:
             return self.triton_us(cfg, experts, rows, key)
         fit = self.gemm.get(expert_dtype) or self.gemm["bf16"]
@@ -448,7 +465,8 @@ def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
     # sizes layers run it at by their code's rule: with its weight passes one roofline describes them
     # all, and layers forced onto it (kernels="gemv") ran it at up to 128 rows per expert.
     by_dtype[GEMV] = _bench_gemv_samples(rows, GEMV)
-    by_dtype[TILED] = _bench_gemv_samples(rows, TILED, _layers_run_tiled)
+    by_dtype[TILED] = _bench_gemv_samples(rows, TILED, _tiled_per_thread)
+    by_dtype[TILED_TMA] = _bench_gemv_samples(rows, TILED_TMA, _tiled_descriptors)
     for r in rows:
         if r.get("bench") == "fp8_experts" and _positive(r, "t_us"):
             dtype = dtype_name(r.get("weight_dtype"))
@@ -478,15 +496,15 @@ def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
 
 
 def _bench_gemv_samples(
-    rows: Sequence[ResultRow], key: str, runs_at: Callable[[float, int], bool] | None = None
+    rows: Sequence[ResultRow], key: str, runs_at: Callable[[ResultRow, float, int], bool] | None = None
 ) -> list:
     """The times of one Triton kernel (``key``: ``GEMV`` from ``bench_gemv``'s ``t_gemv_us``, ``TILED``
     from its ``t_tiled_us``: the whole routed MLP, bf16, DeepSeek-V3's dims, its defaults, which its
     rows do not record) as ``fit_gemm`` samples over the weight streams it read: the experts it read,
     ``experts_with_rows`` (it skips the empty ones), each ``weight_passes`` times over the draw the
     bench made (``RowDraw.uniform``: each row on one of its experts at random), with the rows
-    shared among them (so the FLOPs are the rows'). With ``runs_at``, only rows where ``runs_at(rows in
-    all, experts)`` says the fit describes that kernel."""
+    shared among them (so the FLOPs are the rows'). With ``runs_at``, only rows where ``runs_at(row,
+    rows in all, experts)`` says the fit describes the kernel that row timed."""
     v3 = get_preset(DEFAULT_PRESET)
     hidden, inter = v3.hidden_size, v3.moe_intermediate_size
     time_key = BENCH_GEMV_TIMES[key]
@@ -496,15 +514,22 @@ def _bench_gemv_samples(
             continue
         t, total, touched = _positive(r, time_key), _positive(r, "rows"), _positive(r, "experts_with_rows")
         experts = int(r.get("experts", 0))
-        if t and total and touched and experts > 0 and (runs_at is None or runs_at(total, experts)):
+        if t and total and touched and experts > 0 and (runs_at is None or runs_at(r, total, experts)):
             streams = touched * weight_passes(key, RowDraw.uniform(experts, total))
             samples.append((streams, total / streams, hidden, inter, WEIGHT_B["bf16"], t))
     return samples
 
 
-def _layers_run_tiled(rows: float, experts: int) -> bool:
-    """Sizes whose layers run the tiled GEMM (``experts.kernel_by_rows``, today's rule)."""
-    return kernel_by_rows(rows / experts) == "tiled"
+def _tiled_per_thread(row: ResultRow, rows: float, experts: int) -> bool:
+    """Tiled timings of the per-thread loads at sizes where layers run them (``experts.kernel_by_rows``,
+    today's rule; never from the code versions that took descriptor loads there)."""
+    digest = str(row.meta.get("source_sha") or "")
+    return kernel_by_rows(rows / experts) == "tiled" and digest not in TILED_TMA_BELOW_256
+
+
+def _tiled_descriptors(row: ResultRow, rows: float, experts: int) -> bool:
+    """Tiled timings of the descriptor loads: from ``TMA_MIN_ROWS_PER_EXPERT``, on code that had them."""
+    return rows / experts >= TMA_MIN_ROWS_PER_EXPERT and measured_since(row.meta, TILED_TMA_SINCE)
 
 
 def _contention(rows: Sequence[ResultRow]) -> Contention:

@@ -24,7 +24,16 @@ from .simulate import (
     back_to_back_us,
     predict,
 )
-from .simulate_fit import GEMV, GEMV_MAX_ROWS, TILED, StageCosts, curve, fit_stage_costs
+from .simulate_fit import (
+    GEMV,
+    GEMV_MAX_ROWS,
+    TILED,
+    TILED_TMA,
+    TMA_MIN_ROWS_PER_EXPERT,
+    StageCosts,
+    curve,
+    fit_stage_costs,
+)
 from .simulate_rows import DEFAULT_KERNELS, MOE_LAYER_BENCHES, DispatchPath, ResultRow, dtype_name, path_of
 
 # Where the model may be off: the bar for the EP1/EP2 rows.
@@ -265,6 +274,10 @@ def _gemm_stage(key: str) -> str:
         return f"Triton GEMV, bf16 <= {GEMV_MAX_ROWS_PER_EXPERT} rows/expert (older code: <= {GEMV_MAX_ROWS} rows)"
     if key == TILED:
         return f"Triton tiled GEMM, bf16 > {GEMV_MAX_ROWS_PER_EXPERT}, <= {TILED_MAX_ROWS_PER_EXPERT} rows/expert"
+    if key == TILED_TMA:
+        return (
+            f"Triton tiled GEMM, descriptor loads, bf16 >= {TMA_MIN_ROWS_PER_EXPERT} rows/expert (rows read in place)"
+        )
     return f"grouped GEMM, {key} experts"
 
 

@@ -59,6 +59,15 @@ GEMV_SINCE = "2026-11-30T21:18:02+00:00"
 # date stands for a file of that code without the field. (The commit before, 0711265, chose by another
 # rule; no layer file was measured on it.)
 TILED_SINCE = "2026-12-01T11:23:20+00:00"
+# Since this instant (the ``meta.date`` of ``gemv_tma_h200x1.json``, source digest bae0d9b7a780) the
+# tiled GEMM's 128 x 256 tiles load through tensor descriptors at 256 rows per expert and more
+# (``grouped_gemm_kernels.TMA_MIN_ROWS_PER_EXPERT``): ``bench_gemv``'s tiled timings there describe
+# that kernel (``simulate_fit.TILED_TMA``), older ones the per-thread loads.
+TILED_TMA_SINCE = "2026-12-01T14:31:58+00:00"
+# Source digests whose tiled GEMM took descriptor loads below 256 rows per expert too (for every tile;
+# from 128 rows per expert), unlike the code before and after them: their tiled timings below 256
+# rows per expert describe no kernel layers run, and stay out of the fits.
+TILED_TMA_BELOW_256 = ("bae0d9b7a780", "108b4775b2f1")
 # The rule dense routed experts chose their GEMMs by, per code version (``ResultRow.dense_rule``,
 # applied by ``simulate.dense_path``): ``torch._grouped_mm`` at every size (before ``GEMV_SINCE``); the
 # GEMV up to ``simulate_fit.GEMV_MAX_ROWS`` rows handed to the experts in all, else
