@@ -8,7 +8,9 @@
 # fixed_expert_rows and off, against the same phases replayed from CUDA graphs). Once:
 # host_profile_$TAG.txt (cProfile with fixed_expert_rows) and host_pieces_$TAG.txt (each building
 # block's host time alone, the staging's one word copy beside its converting copies among them).
-# TOKENS (default 128) and TRANSPORT (default symm_mem from two GPUs, nccl on one) pick the rows.
+# TOKENS (default 128) and TRANSPORT (default symm_mem from two GPUs, nccl on one) pick the rows;
+# SETTINGS (default "on fixed_rows off") the layer's index_graphs settings (bench_low_latency.py
+# --index-graphs; "on index_rows": the experts reading the received rows in place, replayed too).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 TOKENS="${TOKENS:-128}"
@@ -23,7 +25,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   done
   # shellcheck disable=SC2086
   "$PYTHON" benchmarks/bench_low_latency.py --out "$OUT_DIR/ll_$round" --tokens $TOKENS --fp8 off --kernels triton \
-    --transports "$TRANSPORT" --index-graphs on fixed_rows off --baselines 2>&1 | tail -8
+    --transports "$TRANSPORT" --index-graphs ${SETTINGS:-on fixed_rows off} --baselines 2>&1 | tail -8
   cp "$OUT_DIR/ll_$round/low_latency.json" "$OUT_DIR/low_latency_host_${TAG}_$round.json"
   echo "== round $round: $((SECONDS - start)) s"
 done
