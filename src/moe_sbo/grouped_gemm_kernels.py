@@ -19,7 +19,7 @@ at one R replays for any routing. Tiles inside an expert are swizzled in groups 
 tiles so neighbouring programs share weight tiles in L2. From 256 rows per expert the weight tiles
 (and contiguous row tiles) come through tensor descriptors (``GemmConfig.tma``): 9-15 % faster
 there on H200, which brings the kernel level with ``torch._grouped_mm`` at prefill sizes; the
-descriptors are encoded on the host per launch (~70 us against 29-44 us for a call), so smaller
+descriptors are encoded on the host per launch (40-70 us against 29-44 us for a call), so smaller
 batches, which gain nothing from them, keep per-thread loads.
 
 ``rows_R`` (optional) makes the GEMM read its A rows through an index: row r of the product is
@@ -159,7 +159,7 @@ def _grouped_gemm_kernel(
 # one warp group were the best or within 4.5 %; from 128, 128 x 256 tiles with two warp groups and
 # four stages. Descriptor loads made those 9-15 % faster from 256 rows per expert (0.97-1.04x
 # ``torch._grouped_mm``'s time, against 1.08-1.17x with per-thread loads) and gained nothing below
-# (0.96-1.06x at 128, 0.98-1.00x at 64), where their host cost (~70 us a call against 29-44 us,
+# (0.96-1.06x at 128, 0.98-1.00x at 64), where their host cost (40-70 us a call against 29-44 us,
 # ``benchmarks/probe_tma_host.py``) would show in eager forwards: so from TMA_MIN_ROWS_PER_EXPERT
 # only. A persistent grid (one program per SM walking the tiles) measured within noise of one program
 # per tile, so the kernel keeps the simpler grid.
