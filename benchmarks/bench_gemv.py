@@ -55,7 +55,7 @@ POINTER_CONFIGS = [
         (256, 128, 8, 8, 3, 64),
     ]
 ]
-# The same tiles with tensor-descriptor loads (what ``grouped_gemm_kernels.dense_config`` uses).
+# The same tiles with tensor-descriptor loads (``grouped_gemm_kernels.dense_config``'s from 256 rows per expert).
 SWEEP_CONFIGS = POINTER_CONFIGS + [dataclasses.replace(c, tma=True) for c in POINTER_CONFIGS]
 
 

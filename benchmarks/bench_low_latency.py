@@ -350,7 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["on", "off", "fixed_rows", "index_rows"],
         help="low_latency's index_graphs option (fixed_rows: on, with fixed_expert_rows; index_rows: on, with "
         "index_rows, the experts reading the received rows in place), each setting its own "
-        "eager rows (replayed rows once per path)",
+        "eager rows (replayed rows once per path, and for index_rows)",
     )
     p.add_argument(
         "--expert-kernels",
