@@ -202,9 +202,7 @@ def time_graphs(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) ->
     d, device = layer.dispatcher, x_TH.device
     topk = layer.router(x_TH)
     replay_dispatch, recv = capture(lambda: d.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK), device)
-    expert_y_RH = layer.experts(
-        recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ, recv.expected_rows, recv.expert_rows_R
-    )
+    expert_y_RH = layer.experts.forward_dispatched(recv)
     replay_combine, _ = capture(lambda: d.combine(expert_y_RH, recv.handle), device)
     replay_layer, _ = capture(lambda: layer(x_TH), device)
     return {

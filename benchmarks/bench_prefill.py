@@ -81,14 +81,13 @@ def floor_us(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) -> di
     device = x_TH.device
     topk = layer.router(x_TH)
     recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
-    experts_x, counts = recv.expert_x_RH, recv.num_rows_per_expert_L
     # Replayed from CUDA graphs where there is a GPU: the parts' own GPU time, without launch gaps.
     graph = device.type == "cuda"
     t_route = time_fn(lambda: layer.router(x_TH), device, warmup, iters, graph=graph)
-    t_routed = time_fn(lambda: layer.experts(experts_x, counts), device, warmup, iters, graph=graph)
+    t_routed = time_fn(lambda: layer.experts.forward_dispatched(recv), device, warmup, iters, graph=graph)
     shared = layer.shared_experts
     t_shared = time_fn(lambda: shared(x_TH), device, warmup, iters, graph=graph) if shared is not None else 0.0
-    layer.dispatcher.combine(layer.experts(experts_x, counts), recv.handle)  # close the round it opened
+    layer.dispatcher.combine(layer.experts.forward_dispatched(recv), recv.handle)  # close the round it opened
     return {
         "t_floor_route_us": t_route,
         "t_floor_routed_us": t_routed,
@@ -107,7 +106,7 @@ def transfer_us(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) ->
         d.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK).wait()
 
     recv = d.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
-    expert_y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+    expert_y_RH = layer.experts.forward_dispatched(recv)
 
     def combine_transfer() -> None:
         d.combine_launch(expert_y_RH, recv.handle).wait()

@@ -68,7 +68,7 @@ def profile_rank(
             t2 = time.perf_counter()
             if timed:
                 profiler.disable()
-            y = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+            y = layer.experts.forward_dispatched(recv)
             if timed:
                 profiler.enable()
             t3 = time.perf_counter()

@@ -33,7 +33,7 @@ def profile_rank(device: torch.device, tokens: int, experts: int, fp8: bool, ker
         d = layer.dispatcher
         for _ in range(3):
             recv = d.dispatch(x, topk.topk_ids_TK, topk.topk_weights_TK)
-            y = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+            y = layer.experts.forward_dispatched(recv)
             d.combine(y, recv.handle)
         torch.cuda.synchronize()
         for phase in ("dispatch", "combine"):

@@ -93,8 +93,9 @@ def cost_rank(device: torch.device, spec: dict) -> dict:
         topk = layer.router(x_TH)
         inp = DispatchInput(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
         recv = dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
-        combine_inp = CombineInput(recv.expert_x_RH, recv.handle)  # the expert output has this shape
-        dispatcher.combine(recv.expert_x_RH, recv.handle)  # finish the round the dispatch started
+        rows_RH = recv.rows_RH()  # the expert output has this shape
+        combine_inp = CombineInput(rows_RH, recv.handle)
+        dispatcher.combine(rows_RH, recv.handle)  # finish the round the dispatch started
 
         def checks() -> None:
             layer._check_input(x_TH)

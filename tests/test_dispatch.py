@@ -84,7 +84,7 @@ def _case_rank(device, dispatcher, routing, token_case, skew):
         outputs = []
         for layer in (ref, ep):
             recv = layer.dispatcher.dispatch(x, ids, weights)
-            y = layer.dispatcher.combine(layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L), recv.handle)
+            y = layer.dispatcher.combine(layer.experts.forward_dispatched(recv), recv.handle)
             outputs.append(y)
         traffic = ep.dispatcher.last_traffic
     owners = torch.div(ids, ep.dispatcher.num_local_experts, rounding_mode="floor")

@@ -45,7 +45,7 @@ def _routed(layer: MoELayer, x_TH: torch.Tensor, ids_TK=None, weights_TK=None) -
         topk = layer.router(x_TH)
         ids_TK, weights_TK = topk.topk_ids_TK, topk.topk_weights_TK
     recv = layer.dispatcher.dispatch(x_TH, ids_TK, weights_TK)
-    y_TH = layer.dispatcher.combine(layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L), recv.handle)
+    y_TH = layer.dispatcher.combine(layer.experts.forward_dispatched(recv), recv.handle)
     return y_TH, layer.dispatcher.last_traffic
 
 
@@ -318,12 +318,12 @@ def _rounds_rank(device):
         topks = [ll.router(x) for x in xs]
         pendings = [d.dispatch_launch(x, t.topk_ids_TK, t.topk_weights_TK) for x, t in zip(xs, topks)]
         recvs = [d.dispatch_wait(p) for p in pendings]
-        launches = [d.combine_launch(ll.experts(r.expert_x_RH, r.num_rows_per_expert_L), r.handle) for r in recvs]
+        launches = [d.combine_launch(ll.experts.forward_dispatched(r), r.handle) for r in recvs]
         ys = [d.combine_wait(p) for p in launches]
         errors = [(y - _routed(ref, x)[0]).abs().max().item() for y, x in zip(ys, xs)]
         stale = [d.dispatch(xs[0], topks[0].topk_ids_TK, topks[0].topk_weights_TK) for _ in range(3)]
         try:
-            d.combine(ll.experts(stale[0].expert_x_RH, stale[0].num_rows_per_expert_L), stale[0].handle)
+            d.combine(ll.experts.forward_dispatched(stale[0]), stale[0].handle)
         except RuntimeError as err:
             return errors, str(err)
     return errors, "no error"
@@ -361,7 +361,7 @@ def _staged_rank(device):
                 pendings = [d.dispatch_launch(x, t.topk_ids_TK, t.topk_weights_TK) for x, t in zip(xs, topks)]
                 recvs = [d.dispatch_wait(p) for p in pendings]
                 assert all((r.expert_rows_R is not None) == d.index_rows for r in recvs)
-                outs = [layer.experts(r.expert_x_RH, r.num_rows_per_expert_L, rows_R=r.expert_rows_R) for r in recvs]
+                outs = [layer.experts.forward_dispatched(r) for r in recvs]
                 ys[name] = [d.combine(y, r.handle) for y, r in zip(outs, recvs)]
             for i, x in enumerate(xs):
                 expected = _routed(ref, x, topks[i].topk_ids_TK, topks[i].topk_weights_TK)[0]
@@ -424,7 +424,7 @@ def test_graphs_convert_what_they_cannot_read_in_place():
             ys = []
             for layer in (staged, direct):
                 recv = layer.dispatcher.dispatch(x, ids_, weights_)
-                y_RH = layer.experts(recv.expert_x_RH, recv.num_rows_per_expert_L)
+                y_RH = layer.experts.forward_dispatched(recv)
                 ys.append(layer.dispatcher.combine(expert_output(y_RH), recv.handle))
             torch.testing.assert_close(ys[0], ys[1], atol=0, rtol=0)
 
@@ -447,9 +447,7 @@ def test_fixed_expert_rows_are_kept_per_buffer_set():
             recvs = []
             for _ in range(3):  # sets 0, 1, 0
                 recvs.append(layer.dispatcher.dispatch(x, topk.topk_ids_TK, topk.topk_weights_TK))
-                layer.dispatcher.combine(
-                    layer.experts(recvs[-1].expert_x_RH, recvs[-1].num_rows_per_expert_L), recvs[-1].handle
-                )
+                layer.dispatcher.combine(layer.experts.forward_dispatched(recvs[-1]), recvs[-1].handle)
             pointers[fixed] = [r.expert_x_RH.data_ptr() for r in recvs]
     first, second, third = pointers[True]
     assert first != second and third == first

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from .fp8 import (
 )
 from .profiling import annotate
 from .streams import compute_capability
+
+if TYPE_CHECKING:
+    from .dispatch.base import DispatchOutput
 
 try:
     from . import fp8_kernels, gemv_kernels, grouped_gemm_kernels
@@ -201,6 +205,18 @@ class RoutedExperts(nn.Module):
             gate_up_R2I = grouped_linear(x_RH, self.gate_up_proj, offsets_L, use_grouped_mm)
             gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
             return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
+
+    def forward_dispatched(self, recv: DispatchOutput) -> torch.Tensor:
+        """``forward`` on what a dispatch delivered: its rows (read through its index when it has one,
+        ``expert_rows_R``), counts, scales and the real rows to expect -> ``[R, H]`` in expert order,
+        what ``combine`` takes."""
+        return self(
+            recv.expert_x_RH,
+            recv.num_rows_per_expert_L,
+            recv.expert_scales_RQ,
+            recv.expected_rows,
+            recv.expert_rows_R,
+        )
 
     def _rows_per_expert(self, num_rows: int, expected_rows: int | None) -> float:
         """Rows per local expert to expect: ``expected_rows`` where given (never more than the

@@ -122,13 +122,7 @@ class MoELayer(nn.Module):
             pending = dispatcher.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
             yield  # dispatch in flight
             recv = dispatcher.dispatch_wait(pending)
-            expert_y_RH = self.experts(
-                recv.expert_x_RH,
-                recv.num_rows_per_expert_L,
-                recv.expert_scales_RQ,
-                recv.expected_rows,
-                recv.expert_rows_R,
-            )
+            expert_y_RH = self.experts.forward_dispatched(recv)  # [R, H], grouped by local expert
             pending = dispatcher.combine_launch(expert_y_RH, recv.handle)
             yield  # combine in flight
             routed_TH = dispatcher.combine_wait(pending)

@@ -159,10 +159,9 @@ def floor_and_wire(
     device = x_TH.device
     graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
     recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
-    experts_x, counts, scales = recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ
 
     def routed() -> torch.Tensor:
-        return layer.experts(experts_x, counts, scales, recv.expected_rows, recv.expert_rows_R)
+        return layer.experts.forward_dispatched(recv)
 
     shared = layer.shared_experts
     out: dict[str, float | str] = {
@@ -174,7 +173,9 @@ def floor_and_wire(
     if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for eager and replay
         rows_R = recv.expert_rows_R
         num_rows = None if rows_R is None else rows_R.shape[0]
-        out["expert_path"] = layer.experts.dense_path(experts_x, recv.expected_rows, num_rows, rows_R is not None)
+        out["expert_path"] = layer.experts.dense_path(
+            recv.expert_x_RH, recv.expected_rows, num_rows, rows_R is not None
+        )
     traffic = layer.dispatcher.last_traffic
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

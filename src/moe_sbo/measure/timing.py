@@ -166,9 +166,7 @@ def dispatcher_call_host_us(layer: MoELayer, x_TH: torch.Tensor) -> dict[str, fl
     t1 = time.perf_counter()
     recv = d.dispatch_wait(pending)
     t2 = time.perf_counter()
-    y_RH = layer.experts(
-        recv.expert_x_RH, recv.num_rows_per_expert_L, recv.expert_scales_RQ, recv.expected_rows, recv.expert_rows_R
-    )
+    y_RH = layer.experts.forward_dispatched(recv)
     t3 = time.perf_counter()
     pending = d.combine_launch(y_RH, recv.handle)
     t4 = time.perf_counter()
