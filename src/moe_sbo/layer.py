@@ -10,6 +10,9 @@ One forward::
              -> combine (launch, wait)       weighted sum back on the tokens' rank    [T, H]
              -> + shared experts(x)                                                   [T, H]
 
+(With ``low_latency``'s ``index_rows`` the dispatched rows stay where the transfer put them and the
+routed experts read them through the layout's index: ``RoutedExperts.forward_dispatched``.)
+
 The layer never touches ranks or streams: the dispatcher owns communication, and the overlap
 strategy (``overlap=``) decides where the shared experts run by attaching hooks to the dispatcher
 for the length of one forward (``moe_sbo.overlap.sbo``); the layer only reads their output at the end.
