@@ -174,7 +174,7 @@ def low_latency_rank(
                 if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for both
                     rows_like = torch.empty(expert_rows, 0, dtype=dtype, device=device)
                     common["expert_path"] = layer.experts.dense_path(
-                        rows_like, cap * cfg.num_experts_per_tok, indexed=bool(common.get("index_rows")) and not fp8
+                        rows_like, cap * cfg.num_experts_per_tok, indexed=layer.dispatcher.rows_in_place(device)
                     )
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)

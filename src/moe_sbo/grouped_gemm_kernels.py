@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .streams import compute_capability
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -183,7 +185,7 @@ def tma_ready(t: torch.Tensor) -> bool:
     """Whether a descriptor can address ``t`` (a tensor-memory-accelerator tile load): 16-byte aligned
     base and strides (the last dimension contiguous), on a Hopper-or-later GPU or in Triton's
     interpreter (CPU tensors)."""
-    if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device) < (9, 0):
+    if t.device.type == "cuda" and compute_capability(t.device) < (9, 0):
         return False
     size = t.element_size()
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])

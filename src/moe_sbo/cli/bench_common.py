@@ -56,9 +56,14 @@ def dispatcher_options(spec: dict, tokens: int) -> dict:
     options = options_for_tokens(spec["dispatcher"], tokens)
     if "transport" in dispatcher_option_names(spec["dispatcher"]):
         options["transport"] = spec["transport"]
-    if spec.get("index_rows") and "index_rows" in dispatcher_option_names(spec["dispatcher"]):
+    if takes_index_rows(spec):
         options["index_rows"] = True
     return options
+
+
+def takes_index_rows(spec: dict) -> bool:
+    """Whether ``--index-rows`` was given and ``spec``'s dispatcher takes it (``low_latency``)."""
+    return bool(spec.get("index_rows")) and "index_rows" in dispatcher_option_names(spec["dispatcher"])
 
 
 def row_head(bench: str, spec: dict, ep: int) -> dict:
@@ -74,11 +79,7 @@ def row_head(bench: str, spec: dict, ep: int) -> dict:
         "experts_per_gpu": cfg.num_experts // ep,
         "dispatcher": spec["dispatcher"],
         "transport": transport,
-        **(
-            {"index_rows": True}
-            if spec.get("index_rows") and "index_rows" in dispatcher_option_names(spec["dispatcher"])
-            else {}
-        ),
+        **({"index_rows": True} if takes_index_rows(spec) else {}),
         "dtype": spec["dtype"],
         "wire": spec["wire"],
     }

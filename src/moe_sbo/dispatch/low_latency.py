@@ -357,6 +357,11 @@ class LowLatencyDispatcher(Dispatcher):
                 self._graphs[key] = [RoundGraphs() for _ in range(self.num_buffers)]
         return self._buffers[key]
 
+    def rows_in_place(self, device: torch.device) -> bool:
+        """Whether a dispatch on ``device`` leaves the received rows in place for the experts to read
+        through the layout's index (``index_rows``, fused kernels, activation-dtype rows)."""
+        return self.index_rows and not self.fp8 and self.uses_triton(device)
+
     def staged(self, device: torch.device) -> bool:
         """Whether a forward on ``device`` runs the index work through ``index_graphs``' staging
         (replayed graphs on CUDA); not under a caller's own capture, which records the kernels."""
@@ -543,7 +548,7 @@ class LowLatencyDispatcher(Dispatcher):
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         rows_R = None
         if self.uses_triton(recv_SB.device):
-            in_place = self.index_rows and not s.fmt.fp8
+            in_place = self.rows_in_place(recv_SB.device)
             if s.graphs is None:
                 fixed = self._layout(recv_SB, s.fmt)()
                 if in_place:
