@@ -170,8 +170,8 @@ class LowLatencyDispatcher(Dispatcher):
     where the transfer put them instead of copying every (token, local expert) row into expert
     order: the dispatch hands out the receive buffer's rows and the layout's index
     (``DispatchOutput.expert_rows_R``), and the experts' tiled GEMM reads its rows through it
-    (other kernels gather them first). fp8 rows are always copied (dequantised or kept), and so are
-    the rows of ``kernels="torch"``.
+    (other kernels gather them first). Refused with ``fp8`` or ``kernels="torch"``, which copy the
+    rows; with ``kernels="auto"`` where the torch path runs (no Triton), the rows are copied as there.
 
     Inference only: a forward with autograd enabled raises (wrap it in ``torch.inference_mode()``).
 
@@ -219,6 +219,12 @@ class LowLatencyDispatcher(Dispatcher):
             raise ValueError(
                 f"kernels={kernels!r} / transport={transport!r} need Triton, which does not import "
                 "here; pip install triton, or use kernels='torch', transport='nccl'"
+            )
+        if index_rows and (kernels == "torch" or fp8):
+            raise ValueError(
+                "index_rows leaves the received activation-dtype rows in place for the fused kernels' "
+                f"layout, but kernels={kernels!r} / fp8={bool(fp8)} copies them (the torch path gathers, fp8 rows "
+                "are dequantised); use kernels='triton' or 'auto' and fp8=False with it, or leave index_rows off"
             )
         if transport == "symm_mem" and kernels == "torch":
             raise ValueError(
@@ -359,8 +365,8 @@ class LowLatencyDispatcher(Dispatcher):
 
     def rows_in_place(self, device: torch.device) -> bool:
         """Whether a dispatch on ``device`` leaves the received rows in place for the experts to read
-        through the layout's index (``index_rows``, fused kernels, activation-dtype rows)."""
-        return self.index_rows and not self.fp8 and self.uses_triton(device)
+        through the layout's index (``index_rows``, which the fused kernels' layout serves)."""
+        return self.index_rows and self.uses_triton(device)
 
     def staged(self, device: torch.device) -> bool:
         """Whether a forward on ``device`` runs the index work through ``index_graphs``' staging
