@@ -647,6 +647,40 @@ def test_the_gemv_is_fitted_on_bench_draws_and_predicts_layers_on_routed_ones(tm
     assert bench_us(1024) == pytest.approx(8 * 8.47 * one_stream, rel=1e-3)  # the uniform draw: 8.47 passes, not 8
 
 
+def test_grouped_mm_streams_the_experts_with_rows_at_the_rate_measured_for_that_many(tmp_path):
+    """bench_gemv's ``t_grouped_mm_us`` gives torch._grouped_mm's weight rate by experts with rows, from
+    its weight-bound rows only (a FLOP-bound row says nothing of the stream), interpolated in log2 of
+    the count and flat beyond the counts measured. A layer's bf16 grouped GEMM streams the weights
+    of the experts its router's draw leaves with rows at that rate: 7.5 of its 32 for 8 rows, every
+    one for many."""
+    rates = {8: 2000.0, 32: 3000.0}
+    gemm = [
+        {**_bench_gemv_row(e, e * n), "t_grouped_mm_us": e * EXPERT_B / (rates[e] * 1e3)}
+        for e in rates
+        for n in (1, 4, 16)
+    ]
+    gemm.append({**_bench_gemv_row(8, 8 * 4096), "t_grouped_mm_us": 1e6})  # FLOP-bound: not a rate sample
+    _write(tmp_path / "gemv_h200x1.json", gemm)
+    layers = synthetic_rows()
+    for row in layers[-3:]:  # the layers' routed spans 1.3x the roofline: 1.3x the rows where FLOP-bound
+        row["t_floor_routed_us"] *= 1.3
+    _write(tmp_path / "layers_h200x2.json", layers)
+    cal = planner.calibrate_simulator(planner.load_rows(tmp_path))
+    rate = cal.grouped_mm
+    assert rate is not None and rate.samples == 6
+    assert cal.routed_scale(LL_PATH) == pytest.approx(1.3)  # from the 1024- and 4096-token layers
+    assert [rate.GBps(e) for e in (4, 8, 16, 32, 256)] == pytest.approx([2000, 2000, 2500, 3000, 3000])
+    # Weight-bound. 8 rows on a rank of 32 of the model's 64 experts (EP2): the 2 tokens that reach it
+    # each pick 8 of the 64, so each of its experts has rows with probability 1 - (7 / 8)^2.
+    cal = replace(cal, gemm={"bf16": replace(cal.gemm["bf16"], TFLOPs=math.inf)})
+    touched = expected_experts_with_rows(32, RowDraw.routing(V3_EP2, 32, 8))
+    assert touched == pytest.approx(32 * (1 - (7 / 8) ** 2))
+    one_token = cal.routed_gpu_us(V3_EP2, 32, 8, "bf16", LL_PATH, "grouped_mm")
+    assert one_token == pytest.approx(touched * EXPERT_B / (rate.GBps(touched) * 1e3))
+    many = cal.routed_gpu_us(V3_EP2, 32, 32 * 512, "bf16", LL_PATH, "grouped_mm")
+    assert many == pytest.approx(32 * EXPERT_B / (3000.0 * 1e3))
+
+
 def test_expected_weight_passes_count_blocks_of_uniform_draws():
     """E[ceil(n / block) | n > 0] for n ~ Binomial(R, 1/L) (``RowDraw.uniform``): one pass while no
     expert can get more than a block; one expert gets every row; small cases by hand; never fewer with

@@ -83,8 +83,11 @@ GEMV = "bf16-gemv"
 TILED = "bf16-tiled"
 TILED_TMA = "bf16-tiled-tma"
 TRITON_FITS = {"gemv": GEMV, "tiled": TILED}
-# Each Triton kernel's time in ``bench_gemv``'s rows (the calibration samples of its fit).
-BENCH_GEMV_TIMES = {GEMV: "t_gemv_us", TILED: "t_tiled_us", TILED_TMA: "t_tiled_us"}
+# ``bench_gemv``'s reference times of the same MLP through ``torch._grouped_mm``: the samples of its
+# weight rate by experts with rows (``GroupedMmRate``).
+GROUPED_MM = "bf16-grouped_mm"
+# Each kernel's time in ``bench_gemv``'s rows (the calibration samples of its fit).
+BENCH_GEMV_TIMES = {GEMV: "t_gemv_us", TILED: "t_tiled_us", TILED_TMA: "t_tiled_us", GROUPED_MM: "t_grouped_mm_us"}
 # From this many rows per expert the tiled GEMM loads through tensor descriptors, another rate
 # (``grouped_gemm_kernels.TMA_MIN_ROWS_PER_EXPERT``, not imported: that module imports Triton).
 TMA_MIN_ROWS_PER_EXPERT = 256
@@ -234,6 +237,55 @@ def smooth_max(a: float, b: float, p: float) -> float:
     return 0.0 if top <= 0 else top * ((a / top) ** p + (b / top) ** p) ** (1 / p)
 
 
+def clamped_line(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through ``points`` (sorted by x), flat beyond the first and the last."""
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    (x0, y0), (x1, y1) = next(seg for seg in zip(points, points[1:]) if seg[0][0] <= x <= seg[1][0])
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class GroupedMmRate:
+    """The rate ``torch._grouped_mm`` (bf16) streams its weights at, by how many experts have rows:
+    ``bench_gemv``'s weight-bound times of the routed MLP through it (its FLOPs under a quarter of
+    the weight read), over the weights of the experts that had rows (it skips the empty ones). One
+    rate misses it both ways: on one H200 it streamed 2.3-2.5 TB/s over 6-8 experts and 2.8-3.0 TB/s
+    over 31-32, where the roofline's one rate (fitted on larger GEMMs) says 3.0.
+
+    ``knots``: (log2 experts with rows, GB/s), the median at each count measured; ``GBps``
+    interpolates linearly in log2 of the count, flat beyond the counts measured. Its FLOP-bound side
+    keeps the roofline's rate: ``bench_gemv``'s draw of rows (each row on a random expert) gives
+    some experts a row tile more than the router's draw would (``DESIGN``: 8 experts at 128 rows each
+    through torch._grouped_mm took 236 µs with equal rows, 436 µs drawn at random), so its
+    FLOP-bound times describe its draw, not a layer's."""
+
+    knots: tuple[tuple[float, float], ...]
+    samples: int
+
+    def GBps(self, experts: float) -> float:
+        return clamped_line(self.knots, math.log2(max(experts, 1.0)))
+
+
+def fit_grouped_mm_rate(samples: Sequence[tuple[float, float, float]], fit: GemmFit) -> GroupedMmRate | None:
+    """``samples``: (experts with rows, rows per expert with rows, µs) of ``torch._grouped_mm``, bf16,
+    DeepSeek-V3's dims; ``fit``: the bf16 roofline, whose rates say which samples are weight-bound."""
+    v3 = get_preset(DEFAULT_PRESET)
+    by_count: dict[float, list[float]] = defaultdict(list)
+    for touched, per_expert, t_us in samples:
+        w, c = fit.parts_us(touched, per_expert, v3.hidden_size, v3.moe_intermediate_size, WEIGHT_B["bf16"])
+        if c < 0.25 * w:
+            by_count[math.log2(touched)].append(
+                touched * 3 * v3.hidden_size * v3.moe_intermediate_size * 2 / (t_us * 1e3)
+            )
+    if not by_count:
+        return None
+    knots = tuple((x, statistics.median(v)) for x, v in sorted(by_count.items()))
+    return GroupedMmRate(knots, sum(len(v) for v in by_count.values()))
+
+
 WEIGHT_B = {"bf16": 2.0, "fp8": 1.0}  # bytes per weight element (fp8 block scales: 0.006 %, left out)
 
 
@@ -378,6 +430,7 @@ class StageCosts:
     contention: Contention
     attention_us: dict[str, float] = field(default_factory=dict)  # regime -> fixed cost on the roofline
     files: tuple[str, ...] = ()
+    grouped_mm: GroupedMmRate | None = None  # torch._grouped_mm's weight rate by experts with rows (bench_gemv)
 
     def link(self, wire: str) -> LinkFit:
         if wire in self.links:
@@ -417,12 +470,15 @@ class StageCosts:
         is the caller's decision (``simulate.dense_path``: ``"gemv"``, ``"tiled"``, ``"grouped_mm"``;
         None for FP8 experts): a Triton kernel with its fit among the files is costed by
         ``triton_us``; without its rows among the files, by the grouped GEMM's roofline (slower: it
-        reads every expert)."""
+        reads every expert). bf16 ``torch._grouped_mm`` with its weight rate among the files
+        (``GroupedMmRate``): ``grouped_mm_us``."""
         key = TRITON_FITS.get(dense_path) if dense_path is not None else None
         if key == TILED and experts and rows / experts >= TMA_MIN_ROWS_PER_EXPERT and TILED_TMA in self.gemm:
             key = TILED_TMA  # the descriptor loads of the large tiles
         if key is not None and key in self.gemm:
             return self.triton_us(cfg, experts, rows, key)
+        if expert_dtype == "bf16" and self.grouped_mm is not None:
+            return grouped_mm_us(self.gemm["bf16"], self.grouped_mm, cfg, experts, rows, self.routed_scale(path))
         fit = self.gemm.get(expert_dtype) or self.gemm["bf16"]
         per_expert = rows / experts if experts else 0.0
         scaled = per_expert * self.routed_scale(path)
@@ -444,6 +500,22 @@ class StageCosts:
             return 0.0
         fit = self.gemm[key]
         return fit.time_us(streams, rows / streams, cfg.hidden_size, cfg.moe_intermediate_size, WEIGHT_B["bf16"])
+
+
+def grouped_mm_us(
+    fit: GemmFit, rate: GroupedMmRate, cfg: MoEConfig, experts: int, rows: float, scale: float = 1.0
+) -> float:
+    """bf16 ``torch._grouped_mm`` over ``rows`` real rows on ``experts`` local experts, µs: the roofline
+    over the experts expected to have rows under the layer's routing (``RowDraw.routing``; it skips
+    the others), their weights streamed at ``rate``'s rate for that many experts, and ``scale`` x the
+    rows' FLOPs (the path's factor: padding and imbalance add rows)."""
+    touched = expected_experts_with_rows(experts, RowDraw.routing(cfg, experts, rows))
+    if touched <= 0:
+        return 0.0
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    weights_us = touched * 3 * hidden * inter * WEIGHT_B["bf16"] / (rate.GBps(touched) * 1e3)
+    flops_us = rows * scale * 6 * hidden * inter / (fit.TFLOPs * 1e6)
+    return smooth_max(weights_us, flops_us, fit.knee)
 
 
 def _positive(row: ResultRow, key: str) -> float | None:
@@ -520,6 +592,20 @@ def _bench_gemv_samples(
     return samples
 
 
+def _grouped_mm_samples(rows: Sequence[ResultRow]) -> list[tuple[float, float, float]]:
+    """``bench_gemv``'s ``torch._grouped_mm`` times as ``fit_grouped_mm_rate`` samples: (experts with
+    rows, rows per expert with rows, µs)."""
+    samples = []
+    for r in rows:
+        if r.get("bench") != "gemv":
+            continue
+        t, total = _positive(r, BENCH_GEMV_TIMES[GROUPED_MM]), _positive(r, "rows")
+        touched = _positive(r, "experts_with_rows")
+        if t and total and touched:
+            samples.append((touched, total / touched, t))
+    return samples
+
+
 def _tiled_per_thread(row: ResultRow, rows: float, experts: int) -> bool:
     """Tiled timings of the per-thread loads at sizes where layers run them (``experts.kernel_by_rows``,
     today's rule; never from the code versions that took descriptor loads there)."""
@@ -560,6 +646,7 @@ def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lam
     gemm = {d: f for d, s in _gemm_samples(rows).items() if (f := fit_gemm(s)) is not None}
     if "bf16" not in gemm:
         raise ValueError("results must hold grouped-GEMM rows (fp8_experts_*.json or foundation_*.json), got none")
+    grouped_mm = fit_grouped_mm_rate(_grouped_mm_samples(rows), gemm["bf16"])
 
     moe = [r for r in rows if r.get("bench") in MOE_LAYER_BENCHES]  # kernel probes time no layer stage
     # Some files timed these floors eagerly (host time included): the GPU time is the least measured.
@@ -575,10 +662,10 @@ def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lam
     links = _links(rows)
     kernel = _kernels(moe, links, graph=True)
     kernel_eager = _kernels(moe, links, graph=False)
-    routed_factor = _routed_factors(moe, gemm)
+    routed_factor = _routed_factors(moe, gemm, grouped_mm)
     stages = StageCosts(gemm, routed_factor, route, shared, kernel, kernel_eager, {}, links, _contention(rows))
     files = tuple(sorted({r.file for r in rows}))
-    return replace(stages, files=files)
+    return replace(stages, files=files, grouped_mm=grouped_mm)
 
 
 def _kernels(moe: Sequence[ResultRow], links: dict[str, LinkFit], graph: bool) -> dict[tuple[DispatchPath, str], Curve]:
@@ -648,7 +735,9 @@ def _links(rows: Sequence[ResultRow]) -> dict[str, LinkFit]:
     return links
 
 
-def _routed_factors(moe: Sequence[ResultRow], gemm: dict[str, GemmFit]) -> dict[DispatchPath, float]:
+def _routed_factors(
+    moe: Sequence[ResultRow], gemm: dict[str, GemmFit], grouped_mm: GroupedMmRate | None = None
+) -> dict[DispatchPath, float]:
     """Per path, the median factor on the rows the layer's grouped GEMM runs (capacity padding, routing
     imbalance): the ``f`` for which the roofline over f x the real rows meets the routed span (or
     floor), over rows whose GEMM takes >= 1 ms (shorter spans are host-bound in eager rows) and is
@@ -656,7 +745,8 @@ def _routed_factors(moe: Sequence[ResultRow], gemm: dict[str, GemmFit]) -> dict[
     kernel by its code's rule counts: the grouped GEMM is FLOP-bound from ~200 rows per expert (H200),
     above the tiled GEMM's ``TILED_MAX_ROWS_PER_EXPERT``, and at <= ``GEMV_MAX_ROWS`` rows in all only on
     a single expert, tens of µs, far under 1 ms. A row that records another path than the grouped GEMM
-    (``expert_path``: one forced by ``RoutedExperts.kernels``) is left out whatever its size."""
+    (``expert_path``: one forced by ``RoutedExperts.kernels``) is left out whatever its size. With
+    ``grouped_mm`` (its weight rate), a bf16 row's factor is the one ``grouped_mm_us`` meets the span with."""
     ratios: dict[DispatchPath, list[float]] = defaultdict(list)
     for r in moe:
         t = _positive(r, "t_floor_routed_us") or (_positive(r, "t_routed_us") if r.get("overlap") == "none" else None)
@@ -668,6 +758,23 @@ def _routed_factors(moe: Sequence[ResultRow], gemm: dict[str, GemmFit]) -> dict[
         rows_per_expert = r.tokens * cfg.num_experts_per_tok / experts
         weights, flops = fit.parts_us(experts, rows_per_expert, hidden, inter, WEIGHT_B[dtype])
         if flops >= weights and fit.time_us(experts, rows_per_expert, hidden, inter, WEIGHT_B[dtype]) >= 1000.0:
+            if dtype == "bf16" and grouped_mm is not None:
+                rows = r.tokens * cfg.num_experts_per_tok
+                factor = _solve_factor(lambda f: grouped_mm_us(fit, grouped_mm, cfg, experts, rows, f), t)
+            else:
+                factor = fit.rows_factor(t, weights, flops)
             for p in r.path.own_keys():
-                ratios[p].append(fit.rows_factor(t, weights, flops))
+                ratios[p].append(factor)
     return {p: statistics.median(v) for p, v in ratios.items()}
+
+
+def _solve_factor(time_us: Callable[[float], float], t_us: float, high: float = 16.0) -> float:
+    """The factor f in [1, ``high``] at which ``time_us(f)`` (rising with f) meets ``t_us``: a bisection
+    in log f; 1 where f = 1 already takes as long (as ``GemmFit.rows_factor``)."""
+    low = 1.0
+    if time_us(low) >= t_us:
+        return low
+    for _ in range(40):
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if time_us(mid) < t_us else (low, mid)
+    return math.sqrt(low * high)
