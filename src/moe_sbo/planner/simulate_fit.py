@@ -6,7 +6,10 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
 - grouped GEMM: a smooth roofline per expert weight dtype, ``max(weight read, rows x FLOPs)`` with a
   fitted knee, from the GEMM-only rows (``grouped_gemm``, ``fp8_experts``), and per dispatcher path a
   factor on the rows the layer's GEMM runs (routing imbalance, padded rows: more FLOPs, the same
-  weight stream), fitted where the layer's routed span is FLOP-bound; and the bf16 experts' two
+  weight stream), fitted where the layer's routed span is FLOP-bound; bf16 ``torch._grouped_mm``
+  streams the weights of the experts with rows only, at the rate ``bench_gemv`` measured it at for
+  that many experts (``GroupedMmRate``, ``t_grouped_mm_us``; the roofline's rate without those
+  rows); and the bf16 experts' two
   Triton kernels (``TRITON_FITS``), each the same roofline over the weights of the experts that have
   rows only (they skip the others), from the ``gemv`` rows' times of that kernel: the grouped GEMV
   (``GEMV``, ``t_gemv_us``, every size timed; it streams an expert's weights once per
@@ -251,16 +254,18 @@ def clamped_line(points: Sequence[tuple[float, float]], x: float) -> float:
 class GroupedMmRate:
     """The rate ``torch._grouped_mm`` (bf16) streams its weights at, by how many experts have rows:
     ``bench_gemv``'s weight-bound times of the routed MLP through it (its FLOPs under a quarter of
-    the weight read), over the weights of the experts that had rows (it skips the empty ones). One
-    rate misses it both ways: on one H200 it streamed 2.3-2.5 TB/s over 6-8 experts and 2.8-3.0 TB/s
-    over 31-32, where the roofline's one rate (fitted on larger GEMMs) says 3.0.
+    the weight read: at most 32 rows per expert, one row tile each), over the weights of the experts
+    that had rows (it skips the empty ones). One rate misses it both ways: on one H200 it streamed
+    2.3-2.4 TB/s over 6-8 experts, 2.9 over 32 and 3.2 over 256 (more experts, more tiles in flight),
+    where the roofline's one rate (fitted on larger GEMMs) says 3.0.
 
     ``knots``: (log2 experts with rows, GB/s), the median at each count measured; ``GBps``
-    interpolates linearly in log2 of the count, flat beyond the counts measured. Its FLOP-bound side
-    keeps the roofline's rate: ``bench_gemv``'s draw of rows (each row on a random expert) gives
-    some experts a row tile more than the router's draw would (``DESIGN``: 8 experts at 128 rows each
-    through torch._grouped_mm took 236 µs with equal rows, 436 µs drawn at random), so its
-    FLOP-bound times describe its draw, not a layer's."""
+    interpolates linearly in log2 of the count, flat beyond the counts measured. The FLOP-bound side
+    keeps the roofline's rate: ``bench_gemv`` puts each row on a random expert, so at 64 rows per
+    expert and more some experts get a row tile more than the router's draw gives them
+    (``dense_gemm_config_tma_h200x1.json``: 8 experts with 128 rows each took 236 µs through
+    torch._grouped_mm, ``gemv_h200x1.json``: 128 rows per expert drawn at random 436 µs), so those
+    times describe its draw, not a layer's."""
 
     knots: tuple[tuple[float, float], ...]
     samples: int

@@ -292,6 +292,16 @@ def calibration_lines(cal: StageCosts) -> list[tuple[str, str]]:
                 f"knee {fit.knee:g} ({fit.samples} rows)",
             )
         )
+    if cal.grouped_mm is not None:
+        knots = cal.grouped_mm.knots
+        shown = sorted({0, len(knots) // 2, len(knots) - 1})  # the ends and the middle of the counts
+        rates = ", ".join(f"{knots[i][1]:,.0f} GB/s over {2 ** knots[i][0]:.0f}" for i in shown)
+        lines.append(
+            (
+                "torch._grouped_mm weight stream, bf16",
+                f"by experts with rows: {rates} ({len(knots)} counts, {cal.grouped_mm.samples} rows)",
+            )
+        )
     for name, gpu in (("router (GPU)", cal.route_gpu), ("shared experts (GPU)", cal.shared_gpu)):
         lines.append((name, ", ".join(f"{x:.0f} tok {y:.0f} us" for x, y in gpu.knots)))
     for wire, link in sorted(cal.links.items()):

@@ -175,6 +175,9 @@ def simulation_to_json(cal: StageCosts, checked: Sequence[Checked], scale: Seque
         "calibration": {
             "files": list(cal.files),
             "gemm": {d: asdict(f) for d, f in cal.gemm.items()},
+            "grouped_mm_weight_GBps": None
+            if cal.grouped_mm is None
+            else {f"{2**x:.0f}": rate for x, rate in cal.grouped_mm.knots},  # by experts with rows
             "links": {w: asdict(f) for w, f in cal.links.items()},
             "contention": asdict(cal.contention),
             "attention_us": cal.attention_us,
