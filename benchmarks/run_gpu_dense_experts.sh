@@ -16,6 +16,11 @@
 # 6. index: bench_low_latency.py at EP1 with 32 experts per GPU, 256-4096 tokens, the received rows copied
 #    into expert order (index graphs "on") against left in place for the tiled GEMM to read through the
 #    layout's index ("index_rows"), eager and replayed (file low_latency_index_rows_<tag>.json).
+# 7. mid: the tiled GEMM from 129 to 512 rows per expert in layers: bench_low_latency.py at EP1 with the
+#    experts' kernels left to "auto" and forced to torch._grouped_mm, 32 experts per GPU at 512-4096
+#    tokens and 8 at 256-1024 (files low_latency_mid{32,8}_<tag>.json), then moe-sbo bench --tbo at
+#    4096 prefill tokens, 32 and 8 experts (file tbo_mid_<tag>.json: each micro-batch's 512 rows per
+#    expert on the tiled GEMM).
 # PARTS (default "tests gemv layer") picks the parts; TEST_FILES, GEMV_ARGS, SWEEP_ARGS and PROBE_ARGS
 # narrow them (e.g. SWEEP_ARGS="--configs 128x256x64_g8_w8_s3 --rows-per-expert 128 1024": the sweep's
 # tile configs with descriptor loads and persistent grids cost a compile each). Expected wall time:
@@ -60,4 +65,15 @@ fi
 if [[ " $PARTS " == *" index "* ]]; then
   run_script index low_latency_index_rows bench_low_latency.py --ranks 1 --experts-per-gpu 32 --tokens 256 1024 4096 \
     --fp8 off --kernels triton --transports nccl --baselines --index-graphs on index_rows ${INDEX_ARGS:-}
+fi
+if [[ " $PARTS " == *" mid "* ]]; then
+  run_script mid32 low_latency_mid32 bench_low_latency.py --ranks 1 --experts-per-gpu 32 --tokens 512 1024 2048 4096 \
+    --fp8 off --kernels triton --transports nccl --baselines --expert-kernels auto torch
+  run_script mid8 low_latency_mid8 bench_low_latency.py --ranks 1 --experts-per-gpu 8 --tokens 256 512 1024 \
+    --fp8 off --kernels triton --transports nccl --baselines --expert-kernels auto torch
+  start=$SECONDS
+  "$PYTHON" -m moe_sbo.cli bench --tbo --device cuda --experts 32 8 --dispatcher low_latency --overlap none \
+    --prefill-tokens 4096 --decode-seqs 128 --warmup 3 --iters 10 --out "$OUT_DIR/tbo_mid_$TAG.json" \
+    2>&1 | tee "$OUT_DIR/tbo_mid_$TAG.log" | tail -20
+  echo "== tbo: $((SECONDS - start)) s"
 fi

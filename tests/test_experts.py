@@ -176,6 +176,7 @@ def test_routed_experts_choose_their_kernel_by_rows():
     assert indexed == (["gemv", on_cuda[1], on_cuda[1]] if device == "cuda" else ["grouped_mm"] * 3)
     assert [kernel_by_rows(r, indexed=True) for r in (1, 100, 10_000)] == ["gemv", "tiled", "tiled"]
     assert kernel_by_rows(10_000) == "grouped_mm"
+    assert (kernel_by_rows(300), kernel_by_rows(300, tiled_max=128)) == ("tiled", "grouped_mm")
     experts.kernels = "triton"
     assert [experts.dense_path(x) for x in rows] == ["gemv", "tiled", "tiled"]
     # Padding after the real rows: the rule counts the rows to expect, never more than are there.

@@ -35,9 +35,11 @@ from moe_sbo.planner.simulate_fit import (
 )
 from moe_sbo.planner.simulate_rows import (
     BY_ROWS_PER_EXPERT,
+    BY_ROWS_TILED_TO_128,
     GEMV_BY_ROWS,
     GEMV_SINCE,
     GROUPED_MM_ONLY,
+    TILED_512_SINCE,
     TILED_SINCE,
     TILED_TMA_BELOW_256,
     TILED_TMA_SINCE,
@@ -509,16 +511,20 @@ def test_the_routing_draw_is_each_tokens_distinct_top_k():
 def test_dense_path_takes_the_rows_record_then_its_codes_rule():
     """A row's recorded ``expert_path`` wins; else the rule of its code: today's by the real rows to
     expect per expert (low_latency: capacity x top-k of its P x capacity x top-k slots; alltoall:
-    T x top-k; the GEMV up to 8, the tiled GEMM up to 128, torch._grouped_mm above), the GEMV code's
-    up to 256 rows handed to the experts in all, padding included, older code torch._grouped_mm at
-    every size; FP8 experts run none of them."""
+    T x top-k; the GEMV up to 8, the tiled GEMM up to 512, torch._grouped_mm above; the code before
+    ``TILED_512_SINCE`` the tiled GEMM up to 128), the GEMV code's up to 256 rows handed to the experts
+    in all, padding included, older code torch._grouped_mm at every size; FP8 experts run none of them."""
     decode = planner.Setup(V3_EP2, 2, 16, LL_PATH)  # 2 x 16 x 8 = 256 slots over 32 experts, 4 rows each
 
     def path(tokens: int, **fields) -> str | None:
         return dense_path(replace(decode, tokens=tokens, **fields), tokens)
 
     assert (path(32), path(33)) == ("gemv", "tiled")  # 8 and 8.25 rows per expert
-    assert (path(512), path(513)) == ("tiled", "grouped_mm")  # 128 and 128.25 rows per expert
+    assert (path(2048), path(2049)) == ("tiled", "grouped_mm")  # 512 and 512.25 rows per expert
+    assert (path(512, dense_rule=BY_ROWS_TILED_TO_128), path(513, dense_rule=BY_ROWS_TILED_TO_128)) == (
+        "tiled",
+        "grouped_mm",
+    )  # 128 and 128.25 rows per expert
     assert (path(16, dense_rule=GEMV_BY_ROWS), path(17, dense_rule=GEMV_BY_ROWS)) == ("gemv", "grouped_mm")
     assert path(1, dense_rule=GROUPED_MM_ONLY) == "grouped_mm"
     assert path(1, expert_path="grouped_mm") == "grouped_mm"  # kernels="torch": the record, not the rule
@@ -532,7 +538,7 @@ def test_dense_path_takes_the_rows_record_then_its_codes_rule():
 
 def test_rows_take_their_dense_rule_from_their_files_date_and_their_recorded_path(tmp_path):
     """No row before the tiled GEMM records which GEMMs ran, so a file's ``meta.date`` says which rule
-    its code had (``GEMV_SINCE``, ``TILED_SINCE``; undated: the oldest); a row that records its
+    its code had (``GEMV_SINCE``, ``TILED_SINCE``, ``TILED_512_SINCE``; undated: the oldest); a row that records its
     ``expert_path`` is predicted with that path whatever the rule would pick."""
     dates = {
         "old": "2026-11-30T19:22:54+00:00",
@@ -540,6 +546,7 @@ def test_rows_take_their_dense_rule_from_their_files_date_and_their_recorded_pat
         "before_tiled": "2026-12-01T11:23:19+00:00",
         "tiled": TILED_SINCE,
         "naive": "2026-12-01T12:00:00",  # no zone: UTC, as measure.results writes
+        "tiled_512": TILED_512_SINCE,
         "undated": None,
     }
     for name, date in dates.items():
@@ -551,8 +558,9 @@ def test_rows_take_their_dense_rule_from_their_files_date_and_their_recorded_pat
         "old": GROUPED_MM_ONLY,
         "gemv": GEMV_BY_ROWS,
         "before_tiled": GEMV_BY_ROWS,
-        "tiled": BY_ROWS_PER_EXPERT,
-        "naive": BY_ROWS_PER_EXPERT,
+        "tiled": BY_ROWS_TILED_TO_128,
+        "naive": BY_ROWS_TILED_TO_128,
+        "tiled_512": BY_ROWS_PER_EXPERT,
         "undated": GROUPED_MM_ONLY,
     }
     assert all(s.expert_path is None for s in setups.values() if s is not None)
@@ -739,12 +747,13 @@ def test_the_gemv_costs_each_weight_pass_and_the_tiled_gemm_one():
 
 
 def test_the_tiled_gemm_is_fitted_only_where_layers_run_it(tmp_path):
-    """bench_gemv's ``t_tiled_us`` (the whole routed MLP on the tiled GEMM) enters the tiled fit only
-    over 8 and up to 128 rows per expert, where ``RoutedExperts.dense_path`` runs it; its times at the
-    GEMV's and torch._grouped_mm's sizes do not."""
+    """bench_gemv's ``t_tiled_us`` (the whole routed MLP on the tiled GEMM) enters the per-thread tiled
+    fit only over 8 and below 256 rows per expert, where ``RoutedExperts.dense_path`` runs it with
+    per-thread loads; its times at the GEMV's sizes, the descriptor loads' and torch._grouped_mm's do
+    not."""
     weight_read = 16 * EXPERT_B / (TILED_GBPS * 1e3)
-    in_range = [_bench_gemv_row(16, n, t_tiled_us=weight_read) for n in (136, 1024, 2048)]  # 8.5, 64, 128 each
-    outside = [_bench_gemv_row(16, n, t_tiled_us=1.0) for n in (8, 128, 2064, 4096)]  # 0.5, 8, 129, 256 each
+    in_range = [_bench_gemv_row(16, n, t_tiled_us=weight_read) for n in (136, 1024, 2064)]  # 8.5, 64, 129 each
+    outside = [_bench_gemv_row(16, n, t_tiled_us=1.0) for n in (8, 128, 4096, 16384)]  # 0.5, 8, 256, 1024 each
     _write(tmp_path / "gemv_h200x1.json", in_range + outside)
     _write(tmp_path / "layers_h200x2.json", synthetic_rows())
     cal = planner.calibrate_simulator(planner.load_rows(tmp_path))

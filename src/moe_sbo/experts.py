@@ -5,7 +5,7 @@ Legend: see ``moe_sbo/__init__.py``.
 The hard part is the grouped GEMM: ``torch._grouped_mm`` takes cumulative row offsets on the device
 (so no host sync) but only runs for some dtype/device pairs (bf16 on sm90+ CUDA, and the CPU build
 since torch 2.9). Elsewhere a per-expert loop over host-side row counts computes the same thing.
-On CUDA, dense experts with up to 128 rows per expert run Triton kernels instead, which read only
+On CUDA, dense experts with up to 512 rows per expert run Triton kernels instead, which read only
 the weights of experts with rows (``gemv_kernels.py`` at decode sizes, ``grouped_gemm_kernels.py``
 above: ``RoutedExperts.dense_path``). FP8 experts (DeepSeek's block-scaled e4m3 weights) run
 ``fp8_kernels.py``'s grouped GEMM instead.
@@ -57,26 +57,28 @@ DENSE_KERNELS = ("auto", "triton", "gemv", "tiled", "torch")
 SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # Dense experts on CUDA under "auto", by the real rows to expect per expert (``low_latency`` hands the
 # experts P x C x K rows, C x K of them real on average: ``DispatchOutput.expected_rows``), measured
-# on H200 at DeepSeek-V3 dims over 8, 16 and 32 experts (``benchmarks/bench_gemv.py``,
-# docs/BENCHMARKS.md "Dense experts"): up to GEMV_MAX_ROWS_PER_EXPERT,
+# on H200 at DeepSeek-V3 dims over 8 to 256 experts (``benchmarks/bench_gemv.py``,
+# docs/BENCHMARKS.md "Dense experts", "64 to 256 experts per GPU"): up to GEMV_MAX_ROWS_PER_EXPERT,
 # ``gemv_kernels``' GEMV (the fastest up to 4 rows per expert, within 4 % of the tiled GEMM at 8,
 # 1.24-1.42x slower at 16); up to TILED_MAX_ROWS_PER_EXPERT, ``grouped_gemm_kernels``' tiled GEMM
-# (1.06-1.45x faster than ``torch._grouped_mm`` from 16 to 128 rows per expert); above,
-# ``torch._grouped_mm`` (within 10 % either way at 256 rows per expert, 3-15 % faster from 512), except
+# (1.06-1.45x faster than ``torch._grouped_mm`` from 16 to 128 rows per expert; with its descriptor
+# loads, 0.86-0.95x its time at 256 and 512 over 8, 32, 64, 128 and 256 experts); above,
+# ``torch._grouped_mm`` (within 5 % from 1,024 rows per expert, ahead in four of five cells), except
 # for rows read through an index (``low_latency``'s ``index_rows``): there the tiled GEMM runs at any
 # size above the GEMV's, since ``torch._grouped_mm`` would need the rows copied first (through the
 # index at prefill sizes: 0.83-0.96x the copy plus ``torch._grouped_mm``, benchmarks/probe_gather_gemm.py).
 GEMV_MAX_ROWS_PER_EXPERT = 8
-TILED_MAX_ROWS_PER_EXPERT = 128
+TILED_MAX_ROWS_PER_EXPERT = 512
 
 
-def kernel_by_rows(rows_per_expert: float, indexed: bool = False) -> str:
+def kernel_by_rows(rows_per_expert: float, indexed: bool = False, tiled_max: float = TILED_MAX_ROWS_PER_EXPERT) -> str:
     """The dense experts' GEMMs ``kernels="auto"`` picks on CUDA for bf16 on sm90+ by rows per expert
     (``RoutedExperts.dense_path``'s names): ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``; ``indexed``:
-    for rows read through an index, the tiled GEMM above the GEMV's rows."""
+    for rows read through an index, the tiled GEMM above the GEMV's rows. ``tiled_max``: the tiled
+    GEMM's limit (the planner's simulator passes an earlier code's)."""
     if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
         return "gemv"
-    return "tiled" if indexed or rows_per_expert <= TILED_MAX_ROWS_PER_EXPERT else "grouped_mm"
+    return "tiled" if indexed or rows_per_expert <= tiled_max else "grouped_mm"
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:

@@ -51,7 +51,14 @@ from ..experts import kernel_by_rows
 from ..overlap.sbo import FIXED_MODES
 from .bytes import Fanout, combine_row_bytes, dispatch_row_bytes, expected_fanout
 from .simulate_fit import GEMV_MAX_ROWS, SM_TRANSPORTS, TRITON_FITS, WEIGHT_B, StageCosts, smooth_max
-from .simulate_rows import BY_ROWS_PER_EXPERT, GEMV_BY_ROWS, GROUPED_MM_ONLY, DispatchPath
+from .simulate_rows import (
+    BY_ROWS_PER_EXPERT,
+    BY_ROWS_TILED_TO_128,
+    GEMV_BY_ROWS,
+    GROUPED_MM_ONLY,
+    TILED_MAX_BEFORE,
+    DispatchPath,
+)
 
 COMPUTE, WIRE = "compute", "wire"
 # Share of the shared experts' FLOPs in the gate/up projection (gate and up [2I, H] vs down [H, I]).
@@ -230,19 +237,22 @@ def dense_path(setup: Setup, tokens: int) -> str | None:
     ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``; None for FP8 experts (their own grouped GEMM). A row's
     recorded ``expert_path`` first; else the rule of its code (``kernels="auto"`` on CUDA, which every
     result file without the field ran) over the rows handed to the experts: today's by the real rows
-    to expect per expert (``experts.kernel_by_rows``), the code between ``GEMV_SINCE`` and ``TILED_SINCE``
-    the GEMV up to ``GEMV_MAX_ROWS`` rows in all, padding included, older code ``torch._grouped_mm``
-    at every size."""
+    to expect per expert (``experts.kernel_by_rows``; the code between ``TILED_SINCE`` and
+    ``TILED_512_SINCE`` the same with the tiled GEMM up to ``TILED_MAX_BEFORE`` rows per expert), the
+    code between ``GEMV_SINCE`` and ``TILED_SINCE`` the GEMV up to ``GEMV_MAX_ROWS`` rows in all,
+    padding included, older code ``torch._grouped_mm`` at every size."""
     if setup.expert_dtype != "bf16":
         return None
     if setup.expert_path is not None:
         return setup.expert_path
     rows = expert_input_rows(setup, tokens)
-    if setup.dense_rule == BY_ROWS_PER_EXPERT:
+    if setup.dense_rule in (BY_ROWS_PER_EXPERT, BY_ROWS_TILED_TO_128):
         # Today's code counts the rows to expect (``DispatchOutput.expected_rows``): low_latency's
         # P x C x K fixed rows hold C x K real ones on average (the same at EP1, where every file of
         # this rule was measured).
         expected = rows / setup.ep if setup.path.dispatcher == "low_latency" else rows
+        if setup.dense_rule == BY_ROWS_TILED_TO_128:
+            return kernel_by_rows(expected / setup.experts_per_gpu, tiled_max=TILED_MAX_BEFORE)
         return kernel_by_rows(expected / setup.experts_per_gpu)
     if setup.dense_rule == GEMV_BY_ROWS:
         return "gemv" if rows <= GEMV_MAX_ROWS else "grouped_mm"

@@ -49,8 +49,11 @@ from ..config import MoEConfig, get_preset
 from ..experts import kernel_by_rows
 from .links import positive_field
 from .simulate_rows import (
+    BY_ROWS_PER_EXPERT,
+    BY_ROWS_TILED_TO_128,
     DEFAULT_PRESET,
     MOE_LAYER_BENCHES,
+    TILED_MAX_BEFORE,
     TILED_TMA_BELOW_256,
     TILED_TMA_SINCE,
     DispatchPath,
@@ -613,9 +616,15 @@ def _grouped_mm_samples(rows: Sequence[ResultRow]) -> list[tuple[float, float, f
 
 def _tiled_per_thread(row: ResultRow, rows: float, experts: int) -> bool:
     """Tiled timings of the per-thread loads at sizes where layers run them (``experts.kernel_by_rows``,
-    today's rule; never from the code versions that took descriptor loads there)."""
+    today's rule, below ``TMA_MIN_ROWS_PER_EXPERT``; never from the code versions that took
+    descriptor loads there)."""
     digest = str(row.meta.get("source_sha") or "")
-    return kernel_by_rows(rows / experts) == "tiled" and digest not in TILED_TMA_BELOW_256
+    per_expert = rows / experts
+    return (
+        kernel_by_rows(per_expert) == "tiled"
+        and per_expert < TMA_MIN_ROWS_PER_EXPERT
+        and digest not in TILED_TMA_BELOW_256
+    )
 
 
 def _tiled_descriptors(row: ResultRow, rows: float, experts: int) -> bool:
@@ -747,10 +756,11 @@ def _routed_factors(
     imbalance): the ``f`` for which the roofline over f x the real rows meets the routed span (or
     floor), over rows whose GEMM takes >= 1 ms (shorter spans are host-bound in eager rows) and is
     FLOP-bound (the weight stream does not change with the rows). So no row whose experts ran a Triton
-    kernel by its code's rule counts: the grouped GEMM is FLOP-bound from ~200 rows per expert (H200),
-    above the tiled GEMM's ``TILED_MAX_ROWS_PER_EXPERT``, and at <= ``GEMV_MAX_ROWS`` rows in all only on
-    a single expert, tens of µs, far under 1 ms. A row that records another path than the grouped GEMM
-    (``expert_path``: one forced by ``RoutedExperts.kernels``) is left out whatever its size. With
+    kernel counts: a row that records another path than the grouped GEMM (``expert_path``: the rule's,
+    or one forced by ``RoutedExperts.kernels``) is left out whatever its size, and so is a bf16 row
+    whose code's rule (``ResultRow.dense_rule``) ran the tiled GEMM at its size (today's up to
+    ``TILED_MAX_ROWS_PER_EXPERT`` rows per expert, where the grouped GEMM is FLOP-bound from ~200; the
+    GEMV of older code ran at <= ``GEMV_MAX_ROWS`` rows in all, tens of µs, far under 1 ms). With
     ``grouped_mm`` (its weight rate), a bf16 row's factor is the one ``grouped_mm_us`` meets the span with."""
     ratios: dict[DispatchPath, list[float]] = defaultdict(list)
     for r in moe:
@@ -761,6 +771,8 @@ def _routed_factors(
         fit = gemm.get(dtype) or gemm["bf16"]
         experts, hidden, inter = r.experts_per_gpu, cfg.hidden_size, cfg.moe_intermediate_size
         rows_per_expert = r.tokens * cfg.num_experts_per_tok / experts
+        if dtype == "bf16" and r.expert_path is None and not _ran_grouped_mm(r.dense_rule, rows_per_expert):
+            continue
         weights, flops = fit.parts_us(experts, rows_per_expert, hidden, inter, WEIGHT_B[dtype])
         if flops >= weights and fit.time_us(experts, rows_per_expert, hidden, inter, WEIGHT_B[dtype]) >= 1000.0:
             if dtype == "bf16" and grouped_mm is not None:
@@ -771,6 +783,16 @@ def _routed_factors(
             for p in r.path.own_keys():
                 ratios[p].append(factor)
     return {p: statistics.median(v) for p, v in ratios.items()}
+
+
+def _ran_grouped_mm(dense_rule: str, rows_per_expert: float) -> bool:
+    """Whether bf16 experts chose ``torch._grouped_mm`` at ``rows_per_expert`` under ``dense_rule``
+    (``simulate_rows.DENSE_RULES``; the older rules ran the GEMV only at decode sizes)."""
+    if dense_rule == BY_ROWS_PER_EXPERT:
+        return kernel_by_rows(rows_per_expert) == "grouped_mm"
+    if dense_rule == BY_ROWS_TILED_TO_128:
+        return kernel_by_rows(rows_per_expert, tiled_max=TILED_MAX_BEFORE) == "grouped_mm"
+    return True
 
 
 def _solve_factor(time_us: Callable[[float], float], t_us: float, high: float = 16.0) -> float:

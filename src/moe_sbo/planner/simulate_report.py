@@ -273,10 +273,11 @@ def _gemm_stage(key: str) -> str:
     if key == GEMV:
         return f"Triton GEMV, bf16 <= {GEMV_MAX_ROWS_PER_EXPERT} rows/expert (older code: <= {GEMV_MAX_ROWS} rows)"
     if key == TILED:
-        return f"Triton tiled GEMM, bf16 > {GEMV_MAX_ROWS_PER_EXPERT}, <= {TILED_MAX_ROWS_PER_EXPERT} rows/expert"
+        return f"Triton tiled GEMM, bf16 > {GEMV_MAX_ROWS_PER_EXPERT}, < {TMA_MIN_ROWS_PER_EXPERT} rows/expert"
     if key == TILED_TMA:
         return (
-            f"Triton tiled GEMM, descriptor loads, bf16 >= {TMA_MIN_ROWS_PER_EXPERT} rows/expert (rows read in place)"
+            f"Triton tiled GEMM, descriptor loads, bf16 {TMA_MIN_ROWS_PER_EXPERT}-{TILED_MAX_ROWS_PER_EXPERT} "
+            "rows/expert (any above with rows read in place)"
         )
     return f"grouped GEMM, {key} experts"
 

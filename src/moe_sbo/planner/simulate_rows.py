@@ -68,14 +68,21 @@ TILED_TMA_SINCE = "2026-12-01T14:31:58+00:00"
 # from 128 rows per expert), unlike the code before and after them: their tiled timings below 256
 # rows per expert describe no kernel layers run, and stay out of the fits.
 TILED_TMA_BELOW_256 = ("bae0d9b7a780", "108b4775b2f1")
+# Since this instant (the commit that raised ``experts.TILED_MAX_ROWS_PER_EXPERT`` from 128 to 512 rows
+# per expert) dense routed experts run the tiled GEMM up to 512 rows per expert; a file of the code
+# between ``TILED_SINCE`` and this without ``expert_path`` ran it up to ``TILED_MAX_BEFORE`` only.
+TILED_512_SINCE = "2026-12-01T16:28:00+00:00"
+TILED_MAX_BEFORE = 128
 # The rule dense routed experts chose their GEMMs by, per code version (``ResultRow.dense_rule``,
 # applied by ``simulate.dense_path``): ``torch._grouped_mm`` at every size (before ``GEMV_SINCE``); the
 # GEMV up to ``simulate_fit.GEMV_MAX_ROWS`` rows handed to the experts in all, else
-# ``torch._grouped_mm`` (until ``TILED_SINCE``); by rows per expert (since; today's code).
+# ``torch._grouped_mm`` (until ``TILED_SINCE``); by rows per expert with the tiled GEMM up to
+# ``TILED_MAX_BEFORE`` (until ``TILED_512_SINCE``); by rows per expert (since; today's code).
 GROUPED_MM_ONLY = "grouped_mm only"
 GEMV_BY_ROWS = "gemv by rows"
+BY_ROWS_TILED_TO_128 = "by rows per expert, tiled to 128"
 BY_ROWS_PER_EXPERT = "by rows per expert"
-DENSE_RULES = (GROUPED_MM_ONLY, GEMV_BY_ROWS, BY_ROWS_PER_EXPERT)
+DENSE_RULES = (GROUPED_MM_ONLY, GEMV_BY_ROWS, BY_ROWS_TILED_TO_128, BY_ROWS_PER_EXPERT)
 
 
 @dataclass(frozen=True)
@@ -129,8 +136,10 @@ class ResultRow:
     def dense_rule(self) -> str:
         """The rule (``DENSE_RULES``) by which the code that measured this row chose its dense experts'
         GEMMs, from its file's date."""
-        if measured_since(self.meta, TILED_SINCE):
+        if measured_since(self.meta, TILED_512_SINCE):
             return BY_ROWS_PER_EXPERT
+        if measured_since(self.meta, TILED_SINCE):
+            return BY_ROWS_TILED_TO_128
         return GEMV_BY_ROWS if measured_since(self.meta, GEMV_SINCE) else GROUPED_MM_ONLY
 
     @property
