@@ -5,7 +5,7 @@ Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction f
 
 Between decode (``gemv_kernels.py``: a few rows per expert, one weight read) and prefill
 (``torch._grouped_mm``: thousands of rows per expert, FLOP-bound) lie the batches whose experts see
-tens to a hundred rows each. There ``torch._grouped_mm`` ran 1.4-2.6x its floor (the weight read or
+tens to hundreds of rows each. There ``torch._grouped_mm`` ran 1.4-2.6x its floor (the weight read or
 the FLOPs, whichever takes longer) on H200 at 16-128 rows per expert, and this kernel, whose row
 tiles of 64 or 128 rows read each weight tile once per tile, 1.04-1.8x, 1.06-1.45x faster
 (docs/BENCHMARKS.md, "Dense experts"); ``experts.RoutedExperts`` picks between the three by rows.
