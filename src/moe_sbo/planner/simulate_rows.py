@@ -68,9 +68,11 @@ TILED_TMA_SINCE = "2026-12-01T14:31:58+00:00"
 # from 128 rows per expert), unlike the code before and after them: their tiled timings below 256
 # rows per expert describe no kernel layers run, and stay out of the fits.
 TILED_TMA_BELOW_256 = ("bae0d9b7a780", "108b4775b2f1")
-# Since this instant (the commit that raised ``experts.TILED_MAX_ROWS_PER_EXPERT`` from 128 to 512 rows
-# per expert) dense routed experts run the tiled GEMM up to 512 rows per expert; a file of the code
-# between ``TILED_SINCE`` and this without ``expert_path`` ran it up to ``TILED_MAX_BEFORE`` only.
+# Since this instant (just before commit 4ae348c, source digest d809faee499c, which raised
+# ``experts.TILED_MAX_ROWS_PER_EXPERT`` from 128 to 512 rows per expert; no file was measured between
+# the two, and the first on that code, ``low_latency_mid32_h200x1.json``, is dated 16:32) dense routed
+# experts run the tiled GEMM up to 512 rows per expert; a file of the code between ``TILED_SINCE`` and
+# this without ``expert_path`` ran it up to ``TILED_MAX_BEFORE`` only.
 TILED_512_SINCE = "2026-12-01T16:28:00+00:00"
 TILED_MAX_BEFORE = 128
 # The rule dense routed experts chose their GEMMs by, per code version (``ResultRow.dense_rule``,
