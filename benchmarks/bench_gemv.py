@@ -4,7 +4,9 @@ against the weight-read floor and the compute floor measured in the same run.
 
 Rows (``bench="gemv"``, ``OUT/gemv.json``) per experts on the GPU (L: 8, 16, 32 by default; EP2's
 share of 16, 32 and 64) and rows in all (R, every one real: the experts' rule counts the rows to
-expect, ``DispatchOutput.expected_rows``), routing uniform over the L experts (seeded): ``t_gemv_us``,
+expect, ``DispatchOutput.expected_rows``), each row on one of the L experts at random (seeded;
+``--draw equal``: R / L rows on every expert, as a router's top-k of as many experts gives them;
+the row's ``draw`` says which): ``t_gemv_us``,
 ``t_tiled_us`` and ``t_grouped_mm_us`` for the whole routed MLP (gate_up, SwiGLU, down; ``measure.timing.KernelTimer``:
 ``triton.testing.do_bench`` median, L2 cleared; the GEMV is not timed above ``--gemv-max-rows``, where
 it re-reads each weight slice per 16 rows), ``experts_with_rows``; ``t_floor_us`` = max(the touched
@@ -57,6 +59,20 @@ POINTER_CONFIGS = [
 ]
 # The same tiles with tensor-descriptor loads (``grouped_gemm_kernels.dense_config``'s from 256 rows per expert).
 SWEEP_CONFIGS = POINTER_CONFIGS + [dataclasses.replace(c, tma=True) for c in POINTER_CONFIGS]
+
+
+DRAWS = ("random", "equal")
+
+
+def row_counts(num_experts: int, num_rows: int, draw: str) -> torch.Tensor:
+    """Rows per expert [L] (int64, CPU): each of the R rows on a random expert (seeded by R), or R / L
+    on every expert (``"equal"``; the first R mod L experts one more)."""
+    if draw == "equal":
+        counts = torch.full((num_experts,), num_rows // num_experts, dtype=torch.int64)
+        counts[: num_rows % num_experts] += 1
+        return counts
+    generator = torch.Generator().manual_seed(num_rows)
+    return torch.bincount(torch.randint(num_experts, (num_rows,), generator=generator), minlength=num_experts)
 
 
 def config_name(config: GemmConfig) -> str:
@@ -145,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="time each GEMM under each tile config instead")
     parser.add_argument("--rows-per-expert", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
+    parser.add_argument(
+        "--draw", choices=DRAWS, default="random", help="rows on random experts, or R / L on every expert"
+    )
     parser.add_argument("--configs", nargs="+", help="sweep only the tile configs whose names contain one of these")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -171,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             experts.down_proj.normal_(std=args.intermediate**-0.5)
         expert_bytes = 3 * args.hidden * args.intermediate * 2
         for num_rows in args.rows:
-            generator = torch.Generator().manual_seed(num_rows)
-            counts = torch.bincount(torch.randint(num_experts, (num_rows,), generator=generator), minlength=num_experts)
+            counts = row_counts(num_experts, num_rows, args.draw)
             counts_dev = counts.cuda()
             x = torch.randn(num_rows, args.hidden, dtype=torch.bfloat16, device="cuda")
             times, outs = {}, {}
@@ -197,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 "experts": num_experts,
                 "rows": num_rows,
                 "rows_per_expert": num_rows / num_experts,
+                "draw": args.draw,
                 "experts_with_rows": touched,
                 "t_read_floor_us": read_floor_us,
                 "t_compute_floor_us": compute_floor_us,

@@ -21,6 +21,8 @@
 #    tokens and 8 at 256-1024 (files low_latency_mid{32,8}_<tag>.json), then moe-sbo bench --tbo at
 #    4096 prefill tokens, 32 and 8 experts (file tbo_mid_<tag>.json: each micro-batch's 512 rows per
 #    expert on the tiled GEMM).
+# 8. draw: bench_gemv.py over 8 and 32 experts at 64-1024 rows per expert, the rows drawn at random and
+#    R / L on every expert (--draw equal), in one run (files gemv_{random,equal}{8,32}_<tag>.json).
 # PARTS (default "tests gemv layer") picks the parts; TEST_FILES, GEMV_ARGS, SWEEP_ARGS and PROBE_ARGS
 # narrow them (e.g. SWEEP_ARGS="--configs 128x256x64_g8_w8_s3 --rows-per-expert 128 1024": the sweep's
 # tile configs with descriptor loads and persistent grids cost a compile each). Expected wall time:
@@ -76,4 +78,14 @@ if [[ " $PARTS " == *" mid "* ]]; then
     --prefill-tokens 4096 --decode-seqs 128 --warmup 3 --iters 10 --out "$OUT_DIR/tbo_mid_$TAG.json" \
     2>&1 | tee "$OUT_DIR/tbo_mid_$TAG.log" | tail -20
   echo "== tbo: $((SECONDS - start)) s"
+fi
+if [[ " $PARTS " == *" draw "* ]]; then
+  for draw in random equal; do
+    for experts in 8 32; do
+      rows=$(for per in 64 128 256 512 1024; do echo $((per * experts)); done)
+      # shellcheck disable=SC2086  # rows is a list
+      run_script "draw_${draw}_$experts" "gemv_${draw}${experts}" bench_gemv.py --draw "$draw" --experts "$experts" \
+        --rows $rows
+    done
+  done
 fi

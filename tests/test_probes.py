@@ -3,9 +3,10 @@ whose fields say what the docs read from them (host clock on CPU: the times are 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
-from bench_scripts import run_bench_script
+from bench_scripts import ROOT, run_bench_script
 
 
 def test_uneven_rows_probe_smoke(tmp_path):
@@ -40,3 +41,16 @@ def test_gather_gemm_probe_smoke(tmp_path):
     for variant in ("triton_contiguous", "triton_gather"):
         assert {f"{variant}_us_{c}" for c in configs} <= set(row)
         assert row[f"{variant}_config"] in configs
+
+
+def test_bench_gemv_draws_rows_at_random_or_evenly():
+    """``bench_gemv.py --draw``: each row on a random expert (seeded by the row count), or R / L rows on
+    every expert, the first R mod L one more; the counts always add up to R."""
+    spec = importlib.util.spec_from_file_location("bench_gemv", ROOT / "benchmarks" / "bench_gemv.py")
+    assert spec is not None and spec.loader is not None
+    bench_gemv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gemv)
+    assert bench_gemv.row_counts(8, 1030, "equal").tolist() == [129] * 6 + [128] * 2
+    random = bench_gemv.row_counts(8, 1024, "random")
+    assert random.sum() == 1024 and random.tolist() == bench_gemv.row_counts(8, 1024, "random").tolist()
+    assert random.max() > random.min()  # 1024 rows on 8 experts at random: never all alike

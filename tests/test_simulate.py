@@ -668,6 +668,7 @@ def test_grouped_mm_streams_the_experts_with_rows_at_the_rate_measured_for_that_
         for n in (1, 4, 16)
     ]
     gemm.append({**_bench_gemv_row(8, 8 * 4096), "t_grouped_mm_us": 1e6})  # FLOP-bound: not a rate sample
+    gemm.append({**_bench_gemv_row(8, 8), "draw": "equal", "t_grouped_mm_us": 1.0})  # an even draw fits nothing
     _write(tmp_path / "gemv_h200x1.json", gemm)
     layers = synthetic_rows()
     for row in layers[-3:]:  # the layers' routed spans 1.3x the roofline: 1.3x the rows where FLOP-bound

@@ -590,7 +590,7 @@ def _bench_gemv_samples(
     time_key = BENCH_GEMV_TIMES[key]
     samples = []
     for r in rows:
-        if r.get("bench") != "gemv":
+        if not _random_draw(r):
             continue
         t, total, touched = _positive(r, time_key), _positive(r, "rows"), _positive(r, "experts_with_rows")
         experts = int(r.get("experts", 0))
@@ -600,12 +600,19 @@ def _bench_gemv_samples(
     return samples
 
 
+def _random_draw(row: ResultRow) -> bool:
+    """A ``bench_gemv`` row whose rows were drawn at random (``draw``; rows before the field were):
+    the draw the fits' samples are read over (``RowDraw.uniform``). Its ``--draw equal`` rows, R / L
+    on every expert, show what an even spread changes, and fit nothing."""
+    return row.get("bench") == "gemv" and row.get("draw", "random") == "random"
+
+
 def _grouped_mm_samples(rows: Sequence[ResultRow]) -> list[tuple[float, float, float]]:
     """``bench_gemv``'s ``torch._grouped_mm`` times as ``fit_grouped_mm_rate`` samples: (experts with
     rows, rows per expert with rows, µs)."""
     samples = []
     for r in rows:
-        if r.get("bench") != "gemv":
+        if not _random_draw(r):
             continue
         t, total = _positive(r, BENCH_GEMV_TIMES[GROUPED_MM]), _positive(r, "rows")
         touched = _positive(r, "experts_with_rows")
