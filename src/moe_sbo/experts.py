@@ -62,7 +62,8 @@ SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # ``gemv_kernels``' GEMV (the fastest up to 4 rows per expert, within 4 % of the tiled GEMM at 8,
 # 1.24-1.42x slower at 16); up to TILED_MAX_ROWS_PER_EXPERT, ``grouped_gemm_kernels``' tiled GEMM
 # (1.06-1.45x faster than ``torch._grouped_mm`` from 16 to 128 rows per expert; with its descriptor
-# loads, 0.86-0.95x its time at 256 and 512 over 8, 32, 64, 128 and 256 experts); above,
+# loads, 0.86-0.95x its time at 256 and 512 over 8 to 256 experts with rows on random experts, 0.96-1.07x
+# with as many rows on every expert, and replayed EP1 layers 0.97-1.00x); above,
 # ``torch._grouped_mm`` (within 5 % from 1,024 rows per expert, ahead in four of five cells), except
 # for rows read through an index (``low_latency``'s ``index_rows``): there the tiled GEMM runs at any
 # size above the GEMV's, since ``torch._grouped_mm`` would need the rows copied first (through the
