@@ -221,6 +221,13 @@ class RoutedExperts(nn.Module):
             recv.expert_rows_R,
         )
 
+    def dispatched_path(self, recv: DispatchOutput) -> str:
+        """``dense_path`` for what a dispatch delivered, as ``forward_dispatched`` runs it: the rows
+        handed over are its index's when it has one (``expert_rows_R``), read through it."""
+        rows_R = recv.expert_rows_R
+        num_rows = None if rows_R is None else rows_R.shape[0]
+        return self.dense_path(recv.expert_x_RH, recv.expected_rows, num_rows, indexed=rows_R is not None)
+
     def _rows_per_expert(self, num_rows: int, expected_rows: int | None) -> float:
         """Rows per local expert to expect: ``expected_rows`` where given (never more than the
         ``num_rows`` handed over), else all of them."""

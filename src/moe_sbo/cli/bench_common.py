@@ -172,11 +172,7 @@ def floor_and_wire(
     }
     layer.dispatcher.combine(routed(), recv.handle)  # close the round it opened
     if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for eager and replay
-        rows_R = recv.expert_rows_R
-        num_rows = None if rows_R is None else rows_R.shape[0]
-        out["expert_path"] = layer.experts.dense_path(
-            recv.expert_x_RH, recv.expected_rows, num_rows, rows_R is not None
-        )
+        out["expert_path"] = layer.experts.dispatched_path(recv)
     traffic = layer.dispatcher.last_traffic
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

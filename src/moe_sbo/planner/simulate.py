@@ -47,16 +47,14 @@ import torch
 
 from ..config import MoEConfig
 from ..dispatch.ll_wire import RowFormat
-from ..experts import kernel_by_rows
 from ..overlap.sbo import FIXED_MODES
 from .bytes import Fanout, combine_row_bytes, dispatch_row_bytes, expected_fanout
-from .simulate_fit import GEMV_MAX_ROWS, SM_TRANSPORTS, TRITON_FITS, WEIGHT_B, StageCosts, smooth_max
+from .simulate_fit import GEMV_MAX_ROWS, SM_TRANSPORTS, TRITON_FITS, WEIGHT_B, StageCosts, kernel_by_rule, smooth_max
 from .simulate_rows import (
     BY_ROWS_PER_EXPERT,
     BY_ROWS_TILED_TO_128,
     GEMV_BY_ROWS,
     GROUPED_MM_ONLY,
-    TILED_MAX_BEFORE,
     DispatchPath,
 )
 
@@ -251,9 +249,7 @@ def dense_path(setup: Setup, tokens: int) -> str | None:
         # P x C x K fixed rows hold C x K real ones on average (the same at EP1, where every file of
         # this rule was measured).
         expected = rows / setup.ep if setup.path.dispatcher == "low_latency" else rows
-        if setup.dense_rule == BY_ROWS_TILED_TO_128:
-            return kernel_by_rows(expected / setup.experts_per_gpu, tiled_max=TILED_MAX_BEFORE)
-        return kernel_by_rows(expected / setup.experts_per_gpu)
+        return kernel_by_rule(setup.dense_rule, expected / setup.experts_per_gpu)
     if setup.dense_rule == GEMV_BY_ROWS:
         return "gemv" if rows <= GEMV_MAX_ROWS else "grouped_mm"
     if setup.dense_rule == GROUPED_MM_ONLY:

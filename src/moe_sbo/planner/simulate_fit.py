@@ -792,14 +792,21 @@ def _routed_factors(
     return {p: statistics.median(v) for p, v in ratios.items()}
 
 
+def kernel_by_rule(dense_rule: str, rows_per_expert: float) -> str | None:
+    """The dense experts' GEMMs under one of the rules by rows per expert (``BY_ROWS_PER_EXPERT``,
+    today's ``experts.kernel_by_rows``; ``BY_ROWS_TILED_TO_128``, the tiled GEMM up to
+    ``TILED_MAX_BEFORE``); None for the older rules, which chose by other counts."""
+    if dense_rule == BY_ROWS_PER_EXPERT:
+        return kernel_by_rows(rows_per_expert)
+    if dense_rule == BY_ROWS_TILED_TO_128:
+        return kernel_by_rows(rows_per_expert, tiled_max=TILED_MAX_BEFORE)
+    return None
+
+
 def _ran_grouped_mm(dense_rule: str, rows_per_expert: float) -> bool:
     """Whether bf16 experts chose ``torch._grouped_mm`` at ``rows_per_expert`` under ``dense_rule``
     (``simulate_rows.DENSE_RULES``; the older rules ran the GEMV only at decode sizes)."""
-    if dense_rule == BY_ROWS_PER_EXPERT:
-        return kernel_by_rows(rows_per_expert) == "grouped_mm"
-    if dense_rule == BY_ROWS_TILED_TO_128:
-        return kernel_by_rows(rows_per_expert, tiled_max=TILED_MAX_BEFORE) == "grouped_mm"
-    return True
+    return kernel_by_rule(dense_rule, rows_per_expert) in (None, "grouped_mm")
 
 
 def _solve_factor(time_us: Callable[[float], float], t_us: float, high: float = 16.0) -> float:
