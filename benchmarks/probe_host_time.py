@@ -124,8 +124,8 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
         recv = bufs.dispatch_recv_SB[: d.num_slots]
         fixed = kernels.expert_layout(recv, fmt, d.ep.rank, d.num_local_experts)
         inp = DispatchInput(x, ids, weights)
-        key = (device, x.dtype, cfg.hidden_size, cfg.num_experts_per_tok)
-        staged = d._graphs[key][0]  # index_graphs: set 0's staging and graphs, captured by the forward above
+        # index_graphs: set 0's staging and graphs, captured by the forward above
+        staged = d.shape_sets(device, x.dtype, cfg.hidden_size, cfg.num_experts_per_tok).graphs[0]
         expert_x, _ = ll_kernels.expert_rows(d.num_slots * fmt.top_k, fmt, False, device)
         rows = (staged.layout.addresses.offset_of(expert_x),) * 2
         y, y_out = torch.zeros_like(expert_x), torch.empty_like(x)
@@ -135,7 +135,8 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
             "torch.zeros": lambda: torch.zeros(4, 33, dtype=torch.int32, device=device),
             "cumsum": lambda: small.cumsum(0),
             "amin + _assert_async": lambda: torch._assert_async(small.amin() >= 0, "x"),
-            "check_dispatch_input": lambda: d._check_dispatch_input(inp),
+            "check_dispatch_input (all)": lambda: d._check_dispatch_input(inp),
+            "validate_dispatch_input (a seen signature)": lambda: d._validate_dispatch_input(inp),
             "hooks.run (no hooks)": lambda: d.hooks.run("pre_dispatch", d, inp),
             "pack_rows": lambda: kernels.pack_rows(
                 x, ids, weights.float(), bufs.dispatch_dst, slot_TP, fmt, d.num_local_experts, d.capacity
@@ -230,7 +231,7 @@ def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int
     targets = [
         (Dispatcher, "dispatch_launch"),
         (HookRegistry, "run"),
-        (LowLatencyDispatcher, "_check_dispatch_input"),
+        (Dispatcher, "_validate_dispatch_input"),
         (LowLatencyDispatcher, "_launch_dispatch"),
         (LowLatencyDispatcher, "buffers"),
         (LowLatencyDispatcher, "_pack_staged"),

@@ -3,9 +3,10 @@
 Per dispatcher, on every rank, one layer at decode size (``--tokens`` per rank):
 
 - ``t_checks_us``: the checks alone, called directly with the forward's real tensors: the layer's input
-  check (shape, dtype, device: host-only), the dispatcher's (shapes, dtypes, devices, expert-id range:
-  one host read of min/max for the variable-size schemes, a device-side assert for ``low_latency`` on
-  CUDA), the combine input check. On CUDA each call is followed by a synchronize, so a host read shows.
+  check (shape, dtype, device: host-only), the dispatcher's as a forward runs it
+  (``_validate_dispatch_input``: shapes, dtypes and devices checked once per input signature, then the
+  expert-id range: one host read of min/max for the variable-size schemes, a device-side assert for
+  ``low_latency`` on CUDA), the combine input check. On CUDA each call is followed by a synchronize, so a host read shows.
 - ``t_checks_host_us``: the same checks back to back without that synchronize (one at the end), per
   call: what they add to the host's critical path of an eager step, which is what bounds eager decode
   (the GPU runs ahead of nothing). ``host_share`` = ``t_checks_host_us / t_layer_us``.
@@ -45,7 +46,7 @@ from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import line_up, time_fn
 from moe_sbo.runtime import RankError, RankPool, resolve_device
 
-CHECKS = ("_check_dispatch_input", "_check_combine_input")
+CHECKS = ("_validate_dispatch_input", "_check_combine_input")
 
 
 def _config(preset: str, experts_per_gpu: int | None, ep: int):
@@ -99,7 +100,7 @@ def cost_rank(device: torch.device, spec: dict) -> dict:
 
         def checks() -> None:
             layer._check_input(x_TH)
-            dispatcher._check_dispatch_input(inp)
+            dispatcher._validate_dispatch_input(inp)
             dispatcher._check_combine_input(combine_inp)
 
         for _ in range(spec["warmup"]):

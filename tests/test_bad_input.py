@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, make_dispatcher
+from moe_sbo.dispatch.base import MAX_SIGNATURES_KEPT
 from moe_sbo.layer import MoELayer
 
 
@@ -44,6 +45,31 @@ def test_bad_dispatch_arguments():
         d.dispatch(x, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 3))
     with pytest.raises(ValueError, match="dispatcher must be one of"):
         make_dispatcher("deepep", 16, EPGroup())
+
+
+def test_an_input_seen_before_still_has_its_ids_and_every_new_signature_checked():
+    """The structural checks are remembered per signature (shapes, dtypes, devices, grad mode); the
+    ids' values are checked on every call, and anything new about an input is checked again."""
+    d = make_dispatcher("local", 16, EPGroup())
+    x, ids, weights = torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+    d.dispatch(x, ids, weights)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 16\)"):
+        d.dispatch(x, torch.tensor([[0, 16]] * 3), weights)  # the signature seen, bad values
+    with pytest.raises(TypeError, match="topk_ids must be int32 or int64"):
+        d.dispatch(x, ids.float(), weights)
+    with pytest.raises(ValueError, match="topk_weights must have the shape"):
+        d.dispatch(x, ids, torch.ones(3, 3))
+    for tokens in range(1, MAX_SIGNATURES_KEPT + 8):  # prefill: a new T each forward
+        d.dispatch(torch.randn(tokens, 64), torch.zeros(tokens, 2, dtype=torch.long), torch.ones(tokens, 2))
+    assert 0 < len(d._signatures_checked) <= MAX_SIGNATURES_KEPT
+
+    ll = make_dispatcher("low_latency", 16, EPGroup(), max_tokens_per_rank=4, kernels="torch")
+    with torch.no_grad():
+        ll.dispatch(x, ids, weights)
+    with pytest.raises(RuntimeError, match="low_latency is inference-only"):
+        ll.dispatch(x, ids, weights)  # the same tensors with autograd on: a new signature
+    with torch.no_grad(), pytest.raises(ValueError, match="max_tokens_per_rank = 4"):
+        ll.dispatch(torch.randn(5, 64), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2))
 
 
 def test_nan_is_carried_through_not_a_crash():

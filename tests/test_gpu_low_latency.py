@@ -271,7 +271,7 @@ def _index_graphs_rank(device, transport, capacity):
         for n in counts:
             x = torch.randn(n, cfg.hidden_size, generator=generator, device=device).bfloat16()
             equal.append(torch.equal(layers[True](x), layers[False](x)))
-    rounds = next(iter(layers[True].dispatcher._graphs.values()))
+    rounds = next(iter(layers[True].dispatcher._sets.values())).graphs
     captured = all(
         piece is not None and piece.captured for r in rounds for piece in (r.pack, r.layout, r.combine, r.combine_end)
     )
@@ -409,7 +409,7 @@ def _graphed_rows_rank(device, transport):
                 ),
                 "dtype": s0[0].dtype == (torch.float8_e4m3fn if keep_fp8 else torch.bfloat16),
             }
-    rounds_ = next(iter(staged.dispatcher._graphs.values()))
+    rounds_ = next(iter(staged.dispatcher._sets.values())).graphs
     checks["captured"] = all(r.layout is not None and r.layout.captured for r in rounds_)
     return checks
 

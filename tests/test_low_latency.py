@@ -177,7 +177,7 @@ def _capacity_edges_rank(device, capacity):
             addresses.append(
                 [b.dispatch_send_SB.data_ptr() for b in buffers] + [b.combine_recv_SH.data_ptr() for b in buffers]
             )
-    return errors, addresses, len(ll.dispatcher._buffers), ll.last_traffic.dispatch_bytes_sent, world
+    return errors, addresses, len(ll.dispatcher._sets), ll.last_traffic.dispatch_bytes_sent, world
 
 
 def test_capacity_edges_match_local_and_buffers_are_reused(ranks4):
@@ -380,7 +380,7 @@ def _staged_rank(device):
                         tuple(ys["staged"][i].shape) == tuple(x.shape),
                     )
                 )
-        staging = [g.staging for g in next(iter(layers["staged"].dispatcher._graphs.values()))]
+        staging = [g.staging for g in next(iter(layers["staged"].dispatcher._sets.values())).graphs]
     return results, all(s is not None for s in staging)
 
 
@@ -502,10 +502,10 @@ def test_buffer_bytes_is_what_the_buffers_take(fp8, kernels, fixed_rows):
         for b in d.buffers(*key)
         for t in (b.dispatch_send_SB, b.dispatch_recv_SB, b.combine_send_SH, b.combine_recv_SH)
     ]
-    staging = [s for s in (g.staging for g in d._graphs[key]) if s is not None]
+    staging = [s for s in (g.staging for g in d.shape_sets(*key).graphs) if s is not None]
     assert len(staging) == (2 if kernels == "triton" else 0)
     staged = [t for s in staging for t in (s.x_CH, s.ids_CK, s.weights_CK, s.slot_CP)]
-    rows = [t for g in d._graphs[key] if g.expert_rows is not None for t in g.expert_rows if t is not None]
+    rows = [t for g in d.shape_sets(*key).graphs if g.expert_rows is not None for t in g.expert_rows if t is not None]
     assert len(rows) == (2 if fixed_rows else 0)
     allocated = sum(t.numel() * t.element_size() for t in buffers + staged + rows)
     assert allocated == d.buffer_bytes(*key[1:], device="cpu")

@@ -209,6 +209,8 @@ class Dispatcher:
         self.last_traffic = Traffic()
         self.deliver_fp8 = False
         self.options: dict[str, Any] = {}  # the keyword options ``make_dispatcher`` built it with
+        # Input signatures whose structure ``_check_dispatch_input`` passed (``_validate_dispatch_input``).
+        self._signatures_checked: set[tuple] = set()
 
     @property
     def sends_fp8(self) -> bool:
@@ -258,7 +260,7 @@ class Dispatcher:
         """
         inp = self.hooks.run("pre_dispatch", self, DispatchInput(x_TH, topk_ids_TK, topk_weights_TK))
         try:
-            self._check_dispatch_input(inp)
+            self._validate_dispatch_input(inp)
         except (ValueError, TypeError):
             # Input seen bad on this rank only: tell the others through the scheme's own first
             # collective (if it has one) so they raise at once instead of waiting in it.
@@ -370,8 +372,27 @@ class Dispatcher:
             expert_x_RH, handle.layout.num_rows_per_expert_L, handle, scales_RQ, expected_rows, rows_R
         )
 
+    def _validate_dispatch_input(self, inp: DispatchInput) -> None:
+        """Per-rank checks before any collective (a bad rank raises instead of hanging the rest):
+        ``_check_dispatch_input`` once per input signature, ``_check_topk_ids`` every call.
+
+        The structural checks read only what the signature holds (shapes, dtypes, devices, grad mode),
+        so a signature that passed once passes again. They cost an eager decode step's host ~10 µs a
+        call on an H200 host, and a decode loop passes the same signature every step; the ids' values
+        are data and are checked each time."""
+        x, ids, weights = inp.x_TH, inp.topk_ids_TK, inp.topk_weights_TK
+        shapes = (x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype)
+        signature = (*shapes, x.device, ids.device, weights.device, torch.is_grad_enabled())
+        if signature not in self._signatures_checked:
+            self._check_dispatch_input(inp)
+            if len(self._signatures_checked) >= MAX_SIGNATURES_KEPT:
+                self._signatures_checked.clear()  # prefill passes a new T each forward: keep a bounded set
+            self._signatures_checked.add(signature)
+        self._check_topk_ids(ids)
+
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
-        """Per-rank checks before any collective (a bad rank raises instead of hanging the rest)."""
+        """Structural checks of a dispatch input: what its shapes, dtypes, devices and the grad mode
+        decide (schemes add theirs); the ids' values are ``_check_topk_ids``'."""
         x, ids, weights = inp.x_TH, inp.topk_ids_TK, inp.topk_weights_TK
         if x.dim() != 2:
             raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}; flatten batch and sequence first")
@@ -390,7 +411,6 @@ class Dispatcher:
                 f"x, topk_ids and topk_weights must be on one device, got {x.device}, {ids.device}, "
                 f"{weights.device}; move them with .to(x.device)"
             )
-        self._check_topk_ids(ids)
 
     def _check_topk_ids(self, ids_TK: torch.Tensor) -> None:
         """Ids in ``[0, E)``. One host read of the id range; schemes that must not sync override this,
@@ -424,6 +444,9 @@ class Dispatcher:
                 f"expert_y must be [R, H] = {expected} (one row per dispatched row), got {tuple(inp.expert_y_RH.shape)}"
             )
 
+
+# Input signatures a dispatcher remembers as checked; a new one past this clears the set.
+MAX_SIGNATURES_KEPT = 64
 
 # A count no rank can send: "my input was rejected" in the count exchanges of allgather/alltoall.
 REJECTED = -1

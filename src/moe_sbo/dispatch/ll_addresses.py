@@ -60,7 +60,8 @@ class CallerAddresses:
         self._on_cuda = device.type == "cuda"
         self._anchor_ptr = anchor.data_ptr()
         self.host_offset = self._offset(self.host.data_ptr())
-        self._words = self.host.numpy()  # the host's stores go through numpy: no torch call each
+        # The host's stores go through a memoryview of the words: no torch call, no numpy scalar each.
+        self._words = self.host.numpy().data.cast("B").cast("q")
 
     def offset_of(self, tensor: torch.Tensor) -> int:
         """Where ``tensor``'s data lies, for the kernels (it must be 16-byte aligned); an empty
@@ -79,7 +80,8 @@ class CallerAddresses:
         if words[n + _ECHO] != words[n + _SEQ] and self._on_cuda:
             # The replay that reads the last values is still queued: the host is a round ahead.
             torch.cuda.synchronize(self.anchor.device)
-        words[: len(values)] = values
+        for i, value in enumerate(values):
+            words[i] = value
         words[n + _SEQ] += 1
 
     def fetch(self) -> None:

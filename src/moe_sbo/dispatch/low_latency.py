@@ -79,29 +79,47 @@ from .ll_wire import RowFormat
 from .reduce import gather_sum, interpreting_triton
 
 
+@dataclass(frozen=True)
+class ShapeSets:
+    """The buffer sets of one (device, activation dtype, H, K), and what every forward of that shape
+    would otherwise derive again: the row format, which path runs, the bytes each phase moves.
+
+    Built on the shape's first forward (which allocates the buffers) and looked up once per phase
+    after: an eager decode step's dispatch is host-bound, so what is fixed is not recomputed.
+    ``graphs[i]`` are buffer set ``i``'s index graphs (``ll_graphs.py``), built on first use."""
+
+    fmt: RowFormat
+    buffers: list[Buffers]
+    graphs: list[RoundGraphs]
+    fused: bool  # the fused Triton kernels run (``uses_triton``)
+    index_graphs: bool  # eager forwards replay the index graphs (``index_graphs`` and fused)
+    in_place: bool  # the received rows stay in place (``index_rows`` and fused)
+    dispatch_traffic: Traffic
+    combine_traffic: Traffic
+
+
 @dataclass(frozen=True, kw_only=True)
 class LowLatencyHandle(DispatchHandle):
     """Adds the sender's ``slot_TP`` (for summing the P returned rows), the receiver's ``fixed``
-    layout, the row format, the buffer set and the round (``generation``) that owns it, and the
-    set's index graphs when the round went through them."""
+    layout, the shape's buffer sets, the buffer set and the round (``generation``) that owns it,
+    and the set's index graphs when the round went through them."""
 
     slot_TP: torch.Tensor
-    fmt: RowFormat
+    sets: ShapeSets
     fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
     buffers: Buffers
     generation: int
     graphs: RoundGraphs | None = None  # the round's pieces, when the staged path dispatched it
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built every forward, and a frozen init costs the host more
 class _InFlightDispatch:
-    fmt: RowFormat
+    sets: ShapeSets
     slot_TP: torch.Tensor
     buffers: Buffers
     graphs: RoundGraphs | None  # the round's index graphs, when the staged path runs
     generation: int
     num_tokens: int
-    traffic: Traffic
 
 
 KERNELS = ("auto", "triton", "torch")
@@ -244,8 +262,7 @@ class LowLatencyDispatcher(Dispatcher):
         # at EP > 1); without a process group, or with a one-rank EP group inside a larger job, it
         # copies locally.
         self._collective = ep.size > 1 or (dist.is_initialized() and dist.get_world_size(ep.group) == 1)
-        self._buffers: dict[tuple, list[Buffers]] = {}
-        self._graphs: dict[tuple, list[RoundGraphs]] = {}  # per buffer set, as _buffers (ll_graphs.py)
+        self._sets: dict[tuple, ShapeSets] = {}  # by (device, dtype, H, K)
         # Shared with twin() dispatchers (two-batch overlap): they take turns on the same buffer sets.
         self._rounds = RoundCounter()
 
@@ -346,32 +363,45 @@ class LowLatencyDispatcher(Dispatcher):
     def buffers(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> list[Buffers]:
         """The buffer sets for this device, activation dtype and shape; allocated on first use only
         (with ``symm_mem``, a collective rendezvous: every rank's first forward reaches it together)."""
+        return self.shape_sets(device, dtype, hidden, top_k).buffers
+
+    def shape_sets(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int) -> ShapeSets:
+        """``ShapeSets`` of this device, activation dtype and shape (built, and the buffers allocated,
+        on first use, as ``buffers``)."""
         key = (device, dtype, hidden, top_k)
-        if key not in self._buffers:
+        sets = self._sets.get(key)
+        if sets is None:
             fmt = RowFormat.make(hidden, top_k, dtype, self.fp8)
             with torch.inference_mode(False):
                 # Normal tensors even when first used under inference_mode: inference tensors could
                 # not be written by a later forward under plain no_grad.
                 transport = self.transport_for(device)
                 self._check_built_alike(device, dtype, hidden, top_k, transport)
-                self._buffers[key] = [
+                buffers = [
                     allocate_buffers(
                         device, dtype, fmt, self.ep, self.capacity, transport=transport, collective=self._collective
                     )
                     for _ in range(self.num_buffers)
                 ]
-                self._graphs[key] = [RoundGraphs() for _ in range(self.num_buffers)]
-        return self._buffers[key]
+            fused = self.uses_triton(device)
+            dispatch_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
+            combine_bytes = (self.ep.size - 1) * self.capacity * hidden * dtype.itemsize
+            sets = self._sets[key] = ShapeSets(
+                fmt=fmt,
+                buffers=buffers,
+                graphs=[RoundGraphs() for _ in range(self.num_buffers)],
+                fused=fused,
+                index_graphs=self.index_graphs and fused,
+                in_place=self.rows_in_place(device),
+                dispatch_traffic=Traffic(dispatch_bytes_sent=dispatch_bytes, dispatch_bytes_recv=dispatch_bytes),
+                combine_traffic=Traffic(combine_bytes_sent=combine_bytes, combine_bytes_recv=combine_bytes),
+            )
+        return sets
 
     def rows_in_place(self, device: torch.device) -> bool:
         """Whether a dispatch on ``device`` leaves the received rows in place for the experts to read
         through the layout's index (``index_rows``, which the fused kernels' layout serves)."""
         return self.index_rows and self.uses_triton(device)
-
-    def staged(self, device: torch.device) -> bool:
-        """Whether a forward on ``device`` runs the index work through ``index_graphs``' staging
-        (replayed graphs on CUDA); not under a caller's own capture, which records the kernels."""
-        return self.index_graphs and self.uses_triton(device) and not capturing(device)
 
     def _check_built_alike(self, device: torch.device, dtype: torch.dtype, hidden: int, top_k: int, transport: str):
         """Every rank's buffers must have the same layout: a rank with another capacity would send
@@ -437,18 +467,18 @@ class LowLatencyDispatcher(Dispatcher):
     def _launch_dispatch(self, inp: DispatchInput) -> Pending:
         x_TH, ids_TK = inp.x_TH, inp.topk_ids_TK
         num_tokens, hidden = x_TH.shape
-        fmt = RowFormat.make(hidden, ids_TK.shape[1], x_TH.dtype, self.fp8)
+        device = x_TH.device
+        sets = self.shape_sets(device, x_TH.dtype, hidden, ids_TK.shape[1])
         generation = self._rounds.launched
         self._rounds.launched += 1
-        key = (x_TH.device, x_TH.dtype, hidden, ids_TK.shape[1])
-        bufs = self.buffers(*key)[generation % self.num_buffers]
-        fused = self.uses_triton(x_TH.device)
-        graphs = self._graphs[key][generation % self.num_buffers] if self.staged(x_TH.device) else None
+        bufs, fmt = sets.buffers[generation % self.num_buffers], sets.fmt
+        # Under a caller's own capture the kernels are recorded directly (``staged``).
+        graphs = sets.graphs[generation % self.num_buffers] if sets.index_graphs and not capturing(device) else None
         if graphs is not None:
             slot_TP, works = self._pack_staged(graphs, inp, bufs, fmt)
         else:
-            if fused:
-                slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=x_TH.device)
+            if sets.fused:
+                slot_TP = torch.empty(num_tokens, self.ep.size, dtype=torch.int64, device=device)
                 self._pack(
                     x_TH.contiguous(), ids_TK.contiguous(), inp.topk_weights_TK.float().contiguous(), bufs, slot_TP, fmt
                 )()
@@ -457,12 +487,9 @@ class LowLatencyDispatcher(Dispatcher):
                 rows_TB = fmt.pack(x_TH, ids_TK, inp.topk_weights_TK)
                 torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
                 slot_TP = plan.slot_TP
-            works = self._start_transfer(bufs, "dispatch", fused)()
-        block_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
-        traffic = Traffic(dispatch_bytes_sent=block_bytes, dispatch_bytes_recv=block_bytes)
-        return Pending(
-            works=works, state=_InFlightDispatch(fmt, slot_TP, bufs, graphs, generation, num_tokens, traffic)
-        )
+            works = self._start_transfer(bufs, "dispatch", sets.fused)()
+        state = _InFlightDispatch(sets, slot_TP, bufs, graphs, generation, num_tokens)
+        return Pending(works=works, state=state, traffic=sets.dispatch_traffic)
 
     def _start_transfer(self, bufs: Buffers, phase: str, fused: bool) -> Callable[[], list]:
         """The start of the round's ``"dispatch"`` or ``"combine"`` transfer, as a call that holds no
@@ -550,41 +577,38 @@ class LowLatencyDispatcher(Dispatcher):
         pending.wait()
         s: _InFlightDispatch = pending.state
         self._check_round(s.generation)
-        recv_SB = s.buffers.dispatch_recv_SB
+        sets, fmt, recv_SB = s.sets, s.sets.fmt, s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
         rows_R = None
-        if self.uses_triton(recv_SB.device):
-            in_place = self.rows_in_place(recv_SB.device)
+        if sets.fused:
             if s.graphs is None:
-                fixed = self._layout(recv_SB, s.fmt)()
-                if in_place:
-                    expert_x_RH, scales_RQ = s.fmt.x(recv_SB), None
+                fixed = self._layout(recv_SB, fmt)()
+                if sets.in_place:
+                    expert_x_RH, scales_RQ = fmt.x(recv_SB), None
                 else:
-                    expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, s.fmt, keep_fp8=self.deliver_fp8)
+                    expert_x_RH, scales_RQ = ll_kernels.gather_rows(recv_SB, fixed, fmt, keep_fp8=self.deliver_fp8)
             else:
-                fixed, expert_x_RH, scales_RQ = self._layout_staged(s, in_place)
-            if in_place:
+                fixed, expert_x_RH, scales_RQ = self._layout_staged(s)
+            if sets.in_place:
                 # Every row's source: its slot, or the zero slot S for padding (the layout writes all R).
                 rows_R = fixed.layout.row_R
         else:
-            local_ids_SK = self._local_ids(s.fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
-            fixed = group_slots_by_expert(
-                local_ids_SK, s.fmt.weights(recv_SB[: self.num_slots]), self.num_local_experts
-            )
+            local_ids_SK = self._local_ids(fmt.ids(recv_SB[: self.num_slots]).long(), self.ep.rank)
+            fixed = group_slots_by_expert(local_ids_SK, fmt.weights(recv_SB[: self.num_slots]), self.num_local_experts)
             # x of all S + 1 rows (the last is the zero padding slot), then one gather into expert order.
-            if self.deliver_fp8 and s.fmt.fp8:
-                q_SH, scales_SQ = s.fmt.x_fp8(recv_SB)
+            if self.deliver_fp8 and fmt.fp8:
+                q_SH, scales_SQ = fmt.x_fp8(recv_SB)
                 expert_x_RH, scales_RQ = q_SH[fixed.layout.row_R], scales_SQ[fixed.layout.row_R]
             else:
-                expert_x_RH, scales_RQ = s.fmt.x(recv_SB)[fixed.layout.row_R], None
+                expert_x_RH, scales_RQ = fmt.x(recv_SB)[fixed.layout.row_R], None
         handle = LowLatencyHandle(
             num_tokens=s.num_tokens,
-            hidden_size=s.fmt.hidden,
-            dtype=s.fmt.dtype,
+            hidden_size=fmt.hidden,
+            dtype=fmt.dtype,
             layout=fixed.layout,
-            traffic=s.traffic,
+            traffic=sets.dispatch_traffic,
             slot_TP=s.slot_TP,
-            fmt=s.fmt,
+            sets=sets,
             fixed=fixed,
             buffers=s.buffers,
             generation=s.generation,
@@ -592,12 +616,12 @@ class LowLatencyDispatcher(Dispatcher):
         )
         # Of the P x C x K fixed rows, a rank's experts get C x K on average: each of the P x C slots'
         # K choices is on this rank with probability L / E = 1 / P.
-        expected_rows = self.capacity * s.fmt.top_k
+        expected_rows = self.capacity * fmt.top_k
         return self._output(expert_x_RH, handle, scales_RQ, expected_rows=expected_rows, rows_R=rows_R)
 
-    def _layout_staged(self, s: _InFlightDispatch, in_place: bool) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    def _layout_staged(self, s: _InFlightDispatch) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
         """The round's ``layout`` graph -> (the receiver's layout, the expert rows and their scales;
-        with ``in_place``, the receive buffer's rows [S + 1, H] and None).
+        with ``index_rows`` (``in_place``), the receive buffer's rows [S + 1, H] and None).
 
         The graph first ends a symmetric-memory transfer (the barrier) when ``pack`` started one,
         and (unless ``in_place``) gathers the rows into tensors made here for this forward, or with
@@ -605,16 +629,14 @@ class LowLatencyDispatcher(Dispatcher):
         dispatches later, as the layout and the received rows are). Captured again if
         ``deliver_fp8`` or ``in_place`` changed since (and the set's ``combine`` graph with it: it
         reads the layout's tensors)."""
-        graphs, keep_fp8 = s.graphs, self.deliver_fp8
+        graphs, keep_fp8, in_place, fmt = s.graphs, self.deliver_fp8, s.sets.in_place, s.sets.fmt
         assert graphs is not None  # the staged path
         recv_SB = s.buffers.dispatch_recv_SB
         built_for = (keep_fp8, in_place)
         if graphs.layout is None or graphs.layout_built_for != built_for:
-            layout, barrier = self._layout(recv_SB, s.fmt), s.buffers.dispatch_barrier
+            layout, barrier = self._layout(recv_SB, fmt), s.buffers.dispatch_barrier
             addresses = None if in_place else CallerAddresses(recv_SB, 2)  # the rows, then their scales
-            gather = functools.partial(
-                ll_kernels.gather_rows, recv_SB, fmt=s.fmt, keep_fp8=keep_fp8, addresses=addresses
-            )
+            gather = functools.partial(ll_kernels.gather_rows, recv_SB, fmt=fmt, keep_fp8=keep_fp8, addresses=addresses)
 
             def end_and_layout() -> Any:
                 if barrier is not None:  # the pack graph started a symmetric-memory transfer
@@ -628,13 +650,13 @@ class LowLatencyDispatcher(Dispatcher):
             graphs.layout_built_for = built_for
             graphs.expert_rows = graphs.combine = None
         if in_place:
-            return graphs.layout(), s.fmt.x(recv_SB), None
-        num_rows = self.num_slots * s.fmt.top_k
+            return graphs.layout(), fmt.x(recv_SB), None
+        num_rows = self.num_slots * fmt.top_k
         if not self.fixed_expert_rows:
-            rows = ll_kernels.expert_rows(num_rows, s.fmt, keep_fp8, recv_SB.device)
+            rows = ll_kernels.expert_rows(num_rows, fmt, keep_fp8, recv_SB.device)
         elif graphs.expert_rows is None:
             with torch.inference_mode(False):  # written by later forwards under plain no_grad too
-                rows = graphs.expert_rows = ll_kernels.expert_rows(num_rows, s.fmt, keep_fp8, recv_SB.device)
+                rows = graphs.expert_rows = ll_kernels.expert_rows(num_rows, fmt, keep_fp8, recv_SB.device)
         else:
             rows = graphs.expert_rows
         table = graphs.layout.addresses
@@ -646,34 +668,31 @@ class LowLatencyDispatcher(Dispatcher):
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: LowLatencyHandle = inp.handle  # type: ignore[assignment]
         self._check_round(handle.generation)
-        bufs = handle.buffers
-        fused = isinstance(handle.fixed, ll_kernels.KernelLayout) if ll_kernels is not None else False
+        bufs, fused = handle.buffers, handle.sets.fused
         staged = handle.graphs is not None and not capturing(bufs.combine_send_SH.device)
         if staged:
             works = self._combine_staged(inp.expert_y_RH, handle)
         else:
             if fused:
                 ll_kernels.reduce_pairs(
-                    inp.expert_y_RH.to(handle.fmt.dtype).contiguous(),  # the blocks hold the activation dtype
+                    inp.expert_y_RH.to(handle.dtype).contiguous(),  # the blocks hold the activation dtype
                     handle.fixed,
                     bufs.dispatch_recv_SB,
-                    handle.fmt,
+                    handle.sets.fmt,
                     bufs.combine_dst,
                     self.capacity,
                 )
             else:
                 bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
             works = self._start_transfer(bufs, "combine", fused)()
-        block_bytes = (self.ep.size - 1) * self.capacity * handle.hidden_size * bufs.combine_send_SH.element_size()
-        traffic = Traffic(combine_bytes_sent=block_bytes, combine_bytes_recv=block_bytes)
-        return Pending(works=works, state=(fused, staged), traffic=traffic)
+        return Pending(works=works, state=(fused, staged), traffic=handle.sets.combine_traffic)
 
     def _combine_staged(self, expert_y_RH: torch.Tensor, handle: LowLatencyHandle) -> list:
         """``reduce_pairs`` (and with symmetric memory the transfer's start) from the set's
         ``combine`` graph, reading the experts' output where it lies -> the works to wait on (an
         NCCL collective, called after the replay; none with symmetric memory, whose barrier ends
         the ``combine_end`` graph)."""
-        graphs, bufs, fmt = handle.graphs, handle.buffers, handle.fmt
+        graphs, bufs, fmt = handle.graphs, handle.buffers, handle.sets.fmt
         assert graphs is not None
         in_graph = bufs.combine_barrier is not None
         if graphs.combine is None:
