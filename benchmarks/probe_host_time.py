@@ -3,11 +3,11 @@
 Every visible GPU is one rank; rank 0's profile is printed (top functions by own time) for each token
 count, after warm-up, with the GPU and the ranks lined up between iterations (so the host never waits
 for a full launch queue). Usage (GPU): ``python benchmarks/probe_host_time.py [--tokens 128 4096]
-[--transport symm_mem] [--fixed-expert-rows] [--pieces | --regimes | --breakdown]``; writes the text to
-``--out`` too. ``--pieces`` times each building block's host cost alone instead (a Triton launch, small
+[--transport symm_mem] [--fixed-expert-rows] [--pieces | --regimes | --breakdown | --lines]``; writes the
+text to ``--out`` too. ``--pieces`` times each building block's host cost alone instead (a Triton launch, small
 torch ops, checks, each kernel wrapper); ``--regimes`` times the four calls with the ranks lined up,
 after a busy host, and back to back; ``--breakdown`` times each step inside them in a forward (light
-wrappers, not a profiler).
+wrappers, not a profiler); ``--lines`` times every line of the hot calls (needs ``line_profiler``).
 """
 
 from __future__ import annotations
@@ -267,6 +267,45 @@ def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int
     return head + "\n" + "\n".join(lines)
 
 
+def lines_rank(device: torch.device, tokens: int, transport: str, iters: int, fixed_rows: bool = False) -> str:
+    """Host µs of every line of the dispatcher's hot functions (``line_profiler``, which must import;
+    its per-line overhead inflates the totals, so compare lines within one listing), over ``iters``
+    forwards with the ranks lined up before each."""
+    from line_profiler import LineProfiler  # a developer's tool, not a dependency of the project
+
+    from moe_sbo.dispatch import ll_addresses, ll_graphs
+    from moe_sbo.dispatch.base import Dispatcher
+    from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
+
+    layer, x = _probe_layer(device, tokens, transport, fixed_rows)
+    functions = [
+        *(getattr(Dispatcher, name) for name in (*DISPATCHER_CALLS, "_validate_dispatch_input")),
+        *(
+            getattr(LowLatencyDispatcher, name)
+            for name in ("_launch_dispatch", "_pack_staged", "_wait_dispatch", "_layout_staged", "_launch_combine")
+        ),
+        *(getattr(LowLatencyDispatcher, name) for name in ("_combine_staged", "_wait_combine", "_sum_staged")),
+        ll_graphs.PieceGraph.__call__,
+        ll_graphs.Staging.inputs,
+        ll_addresses.CallerAddresses.write,
+        ll_addresses.CallerAddresses.offset_of,
+    ]
+    profiler = LineProfiler(*functions)
+    with torch.inference_mode():
+        for _ in range(10):
+            layer(x)
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            dist.barrier()
+            with profiler:
+                dispatcher_call_host_us(layer, x)
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    text.write(f"-- line µs over {iters} forwards, {tokens} tokens, {transport}{_FIXED[fixed_rows]}\n")
+    profiler.print_stats(stream=text, output_unit=1e-6, stripzeros=True)
+    return text.getvalue()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
@@ -280,12 +319,15 @@ def main() -> None:
     )
     p.add_argument("--breakdown", action="store_true", help="host µs of each step inside the four calls")
     p.add_argument("--fixed-expert-rows", action="store_true", help="low_latency with fixed_expert_rows")
+    p.add_argument("--lines", action="store_true", help="host µs of every line of the hot calls (line_profiler)")
     args = p.parse_args()
     texts = []
     with LocalRanks(torch.cuda.device_count(), device="cuda") as ranks:
         for tokens in args.tokens:
             if args.breakdown:
                 texts.append(ranks.run(breakdown_rank, tokens, args.transport, args.iters, args.fixed_expert_rows)[0])
+            elif args.lines:
+                texts.append(ranks.run(lines_rank, tokens, args.transport, args.iters, args.fixed_expert_rows)[0])
             elif args.regimes:
                 texts.append(ranks.run(regimes_rank, tokens, args.transport, args.iters, args.fixed_expert_rows)[0])
             elif args.pieces:

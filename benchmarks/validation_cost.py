@@ -6,7 +6,8 @@ Per dispatcher, on every rank, one layer at decode size (``--tokens`` per rank):
   check (shape, dtype, device: host-only), the dispatcher's as a forward runs it
   (``_validate_dispatch_input``: shapes, dtypes and devices checked once per input signature, then the
   expert-id range: one host read of min/max for the variable-size schemes, a device-side assert for
-  ``low_latency`` on CUDA), the combine input check. On CUDA each call is followed by a synchronize, so a host read shows.
+  ``low_latency`` on CUDA), the combine input check. On CUDA each call is followed by a synchronize,
+  so a host read shows.
 - ``t_checks_host_us``: the same checks back to back without that synchronize (one at the end), per
   call: what they add to the host's critical path of an eager step, which is what bounds eager decode
   (the GPU runs ahead of nothing). ``host_share`` = ``t_checks_host_us / t_layer_us``.

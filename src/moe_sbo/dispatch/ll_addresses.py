@@ -66,7 +66,12 @@ class CallerAddresses:
     def offset_of(self, tensor: torch.Tensor) -> int:
         """Where ``tensor``'s data lies, for the kernels (it must be 16-byte aligned); an empty
         tensor (nothing is read or written through it) lies at the anchor."""
-        return self._offset(tensor.data_ptr()) if tensor.numel() else 0
+        if not tensor.numel():
+            return 0
+        address = tensor.data_ptr()
+        if address % _ALIGN:  # spelled out, not ``_offset``: a forward asks this five times
+            raise ValueError(f"address {address:#x} is not {_ALIGN}-byte aligned")
+        return (address - self._anchor_ptr) // _ALIGN
 
     def _offset(self, address: int) -> int:
         if address % _ALIGN:

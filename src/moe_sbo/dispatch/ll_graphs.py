@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from ..streams import capture_graph
-from .ll_addresses import CallerAddresses, readable
+from .ll_addresses import CallerAddresses, aligned, readable
 
 
 @dataclass
@@ -90,6 +90,8 @@ class Staging:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three inputs as the ``pack`` graph reads them: the caller's own tensors, or converted
         copies (which the caller must hold until the replay is queued)."""
+        if aligned(x_TH, self.x_CH.dtype) and aligned(ids_TK, torch.int64) and aligned(weights_TK, torch.float32):
+            return x_TH, ids_TK, weights_TK  # what the router gives: no copy
         return readable(x_TH, self.x_CH.dtype), readable(ids_TK, torch.int64), readable(weights_TK, torch.float32)
 
     def slot_TP(self, num_tokens: int) -> torch.Tensor:
@@ -175,5 +177,8 @@ class RoundGraphs:
     # gathers no rows.
     layout_built_for: tuple[bool, bool] = (False, False)
     expert_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # with ``fixed_expert_rows``
+    # With ``index_rows``: the receive buffer's rows [S + 1, H], the view handed out each round (made
+    # once: a view per forward costs the host a few microseconds).
+    received_rows: torch.Tensor | None = None
     combine: PieceGraph | None = None
     combine_end: PieceGraph | None = None

@@ -328,10 +328,10 @@ class LowLatencyDispatcher(Dispatcher):
         """Ids in ``[-1, E)``, -1 meaning "no expert". Never a host read of device data: on CUDA a
         device-side assert (a bad id aborts at the next synchronising call: loud, never a silent
         drop); on CPU there is no device, so a plain check raises ``ValueError`` here."""
+        if ids_TK.is_cuda and self.kernels != "torch" and ll_kernels is not None:
+            return  # the pack kernel checks every id it reads; _launch_dispatch asserts on its flags
         if not ids_TK.numel():
             return
-        if ids_TK.device.type == "cuda" and self.uses_triton(ids_TK.device):
-            return  # the pack kernel checks every id it reads; _launch_dispatch asserts on its flags
         in_range = ((ids_TK >= -1) & (ids_TK < self.num_experts)).all()
         if ids_TK.device.type != "cpu":
             torch._assert_async(in_range, f"topk_ids must lie in [-1, {self.num_experts})")
@@ -468,7 +468,9 @@ class LowLatencyDispatcher(Dispatcher):
         x_TH, ids_TK = inp.x_TH, inp.topk_ids_TK
         num_tokens, hidden = x_TH.shape
         device = x_TH.device
-        sets = self.shape_sets(device, x_TH.dtype, hidden, ids_TK.shape[1])
+        sets = self._sets.get((device, x_TH.dtype, hidden, ids_TK.shape[1]))
+        if sets is None:  # the shape's first forward: allocate its buffers
+            sets = self.shape_sets(device, x_TH.dtype, hidden, ids_TK.shape[1])
         generation = self._rounds.launched
         self._rounds.launched += 1
         bufs, fmt = sets.buffers[generation % self.num_buffers], sets.fmt
@@ -650,7 +652,10 @@ class LowLatencyDispatcher(Dispatcher):
             graphs.layout_built_for = built_for
             graphs.expert_rows = graphs.combine = None
         if in_place:
-            return graphs.layout(), fmt.x(recv_SB), None
+            if graphs.received_rows is None:
+                with torch.inference_mode(False):  # a normal view: later forwards may run under plain no_grad
+                    graphs.received_rows = fmt.x(recv_SB)
+            return graphs.layout(), graphs.received_rows, None
         num_rows = self.num_slots * fmt.top_k
         if not self.fixed_expert_rows:
             rows = ll_kernels.expert_rows(num_rows, fmt, keep_fp8, recv_SB.device)
