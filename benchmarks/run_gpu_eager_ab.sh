@@ -21,7 +21,8 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     if [ "$tree" = base ]; then root="$BASELINE"; else root="$PWD"; fi
     # shellcheck disable=SC2086  # TOKENS and SETTINGS are meant to split
     PYTHONPATH="$root/src" "$PYTHON" "$root/benchmarks/probe_host_time.py" --breakdown --tokens $TOKENS \
-      --transport "$TRANSPORT" --iters 50 --out "$OUT_DIR/host_breakdown_${tree}_${TAG}_$round.txt" | head -8
+      --transport "$TRANSPORT" --iters 50 --out "$OUT_DIR/host_breakdown_${tree}_${TAG}_$round.txt" > /dev/null
+    head -4 "$OUT_DIR/host_breakdown_${tree}_${TAG}_$round.txt"
     # shellcheck disable=SC2086
     PYTHONPATH="$root/src" "$PYTHON" "$root/benchmarks/bench_low_latency.py" --out "$OUT_DIR/ll_${tree}_$round" \
       --tokens $TOKENS --fp8 off --kernels triton --transports "$TRANSPORT" \
