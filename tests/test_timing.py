@@ -33,6 +33,7 @@ def test_host_breakdown_times_each_call_and_restores_everything():
         with host_breakdown(targets) as spans:
             for _ in range(3):
                 got = layer(x)
+                RowFormat.make(layer.cfg.hidden_size, 2, torch.float32, False)  # a forward asks it once per shape only
     assert torch.equal(got, want)
     assert {k: len(v) for k, v in spans.items()} == {
         "LowLatencyDispatcher.dispatch_launch": 3,
