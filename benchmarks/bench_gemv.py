@@ -8,7 +8,9 @@ expect, ``DispatchOutput.expected_rows``), each row on one of the L experts at r
 ``--draw equal``: R / L rows on every expert, as a router's top-k of as many experts gives them;
 the row's ``draw`` says which): ``t_gemv_us``,
 ``t_tiled_us`` and ``t_grouped_mm_us`` for the whole routed MLP (gate_up, SwiGLU, down; ``measure.timing.KernelTimer``:
-``triton.testing.do_bench`` median, L2 cleared; the GEMV is not timed above ``--gemv-max-rows``, where
+``triton.testing.do_bench`` median, L2 cleared, each call launched from the host; ``--graph``: replayed from
+a CUDA graph, the kernels' GPU time alone, as a replayed layer runs them, and the rows say ``graph``;
+the GEMV is not timed above ``--gemv-max-rows``, where
 it re-reads each weight slice per 16 rows), ``experts_with_rows``; ``t_floor_us`` = max(the touched
 experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB buffer reads HBM at in the same
 run; the MLP's FLOPs at ``mm_tflops``, a dense 8192 x 7168 x 4096 bf16 ``torch.mm`` in the same run),
@@ -165,10 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         "--draw", choices=DRAWS, default="random", help="rows on random experts, or R / L on every expert"
     )
     parser.add_argument("--configs", nargs="+", help="sweep only the tile configs whose names contain one of these")
+    parser.add_argument(
+        "--graph", action="store_true", help="time each kernel replayed from a CUDA graph (its GPU time alone)"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    timer = KernelTimer(device, quick=False)
+    timer = KernelTimer(device, quick=False, graph=args.graph)
     gbps = READ_PROBE_BYTES / memory_read_us(READ_PROBE_BYTES, device) / 1e3
     tflops = dense_mm_tflops(timer, device)
     print(f"read {gbps:.0f} GB/s, dense mm {tflops:.0f} TFLOP/s", flush=True)
@@ -216,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": num_rows,
                 "rows_per_expert": num_rows / num_experts,
                 "draw": args.draw,
+                "graph": args.graph,
                 "experts_with_rows": touched,
                 "t_read_floor_us": read_floor_us,
                 "t_compute_floor_us": compute_floor_us,

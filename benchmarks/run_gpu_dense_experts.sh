@@ -23,6 +23,10 @@
 #    expert on the tiled GEMM).
 # 8. draw: bench_gemv.py over 8 and 32 experts at 64-1024 rows per expert, the rows drawn at random and
 #    R / L on every expert (--draw equal), in one run (files gemv_{random,equal}{8,32}_<tag>.json).
+# 9. graph: the same kernels timed two ways in one run, 8 and 32 experts at 16-512 rows per expert, both
+#    draws: each call launched from the host (triton's do_bench, as every bench_gemv file before) and
+#    replayed from a CUDA graph (--graph: the GPU's time alone, as a replayed layer runs them)
+#    (files gemv_{eager,graph}_{random,equal}{8,32}_<tag>.json).
 # PARTS (default "tests gemv layer") picks the parts; TEST_FILES, GEMV_ARGS, SWEEP_ARGS and PROBE_ARGS
 # narrow them (e.g. SWEEP_ARGS="--configs 128x256x64_g8_w8_s3 --rows-per-expert 128 1024": the sweep's
 # tile configs with descriptor loads and persistent grids cost a compile each). Expected wall time:
@@ -86,6 +90,18 @@ if [[ " $PARTS " == *" draw "* ]]; then
       # shellcheck disable=SC2086  # rows is a list
       run_script "draw_${draw}_$experts" "gemv_${draw}${experts}" bench_gemv.py --draw "$draw" --experts "$experts" \
         --rows $rows
+    done
+  done
+fi
+if [[ " $PARTS " == *" graph "* ]]; then
+  for draw in random equal; do
+    for experts in 8 32; do
+      rows=$(for per in 16 32 64 128 256 512; do echo $((per * experts)); done)
+      for timer in eager graph; do
+        # shellcheck disable=SC2086  # rows is a list
+        run_script "${timer}_${draw}_$experts" "gemv_${timer}_${draw}${experts}" bench_gemv.py --draw "$draw" \
+          --experts "$experts" --rows $rows $([ "$timer" = graph ] && echo --graph)
+      done
     done
   done
 fi

@@ -48,3 +48,13 @@ def test_host_breakdown_times_each_call_and_restores_everything():
     assert LowLatencyDispatcher.dispatch_launch is Dispatcher.dispatch_launch
     assert isinstance(vars(RowFormat)["make"], classmethod)
     assert low_latency.gather_sum.__module__ == "moe_sbo.dispatch.reduce"
+
+
+def test_kernel_timer_replays_from_a_graph_only_on_cuda():
+    """``KernelTimer(graph=True)`` times CUDA-graph replays on a GPU; on CPU it falls back to the host
+    clock and says so."""
+    from moe_sbo.measure.timing import KernelTimer
+
+    timer = KernelTimer(torch.device("cpu"), quick=True, graph=True)
+    assert not timer.graph and timer.name == "host clock (median)"
+    assert timer(lambda: torch.ones(4).sum()) > 0
