@@ -25,6 +25,7 @@ from moe_sbo.planner.simulate_fit import (
     GEMV,
     GEMV_BLOCK_ROWS,
     TILED,
+    TILED_TILE_ROWS,
     TILED_TMA,
     TMA_MIN_ROWS_PER_EXPERT,
     Contention,
@@ -723,16 +724,21 @@ def test_expected_weight_passes_count_blocks_of_uniform_draws():
 
 
 def test_the_planners_gemv_block_is_the_kernels():
-    """``GEMV_BLOCK_ROWS`` copies ``gemv_kernels.BLOCK_M`` (the planner runs without Triton, which that
-    module imports)."""
+    """``GEMV_BLOCK_ROWS`` copies ``gemv_kernels.BLOCK_M`` and ``TILED_TILE_ROWS`` the tiled GEMM's row
+    tiles by rows per expert (the planner runs without Triton, which those modules import)."""
     gemv_kernels = pytest.importorskip("moe_sbo.gemv_kernels")
     assert GEMV_BLOCK_ROWS == gemv_kernels.BLOCK_M
+    gemm_kernels = pytest.importorskip("moe_sbo.grouped_gemm_kernels")
+    for per_expert in (1, 64, 65, 128, 255, 256, 4096):
+        tile_rows = next(rows for up_to, rows in TILED_TILE_ROWS if per_expert <= up_to)
+        assert tile_rows == gemm_kernels.dense_config(per_expert).block_m
 
 
-def test_the_gemv_costs_each_weight_pass_and_the_tiled_gemm_one():
+def test_the_gemv_costs_each_weight_pass_and_the_tiled_gemm_each_row_tile():
     """Weight-bound, the GEMV's time is its weight streams': the experts with rows times their passes,
     so twice each expert's stream at 17-32 rows on each, and more with more passes at a fixed count of
-    experts with rows; the tiled GEMM streams each expert's weights once whatever its rows."""
+    experts with rows; the tiled GEMM streams each expert's weights once per row tile (128 rows above
+    64 rows per expert), so 129 rows on each cost twice 128."""
     weights_only = planner.GemmFit(weight_GBps=GEMV_GBPS, TFLOPs=math.inf, knee=math.inf, samples=0)
     toy = _triton_costs()
     cal = replace(toy, gemm={**toy.gemm, GEMV: weights_only, TILED: weights_only})
@@ -741,6 +747,8 @@ def test_the_gemv_costs_each_weight_pass_and_the_tiled_gemm_one():
     assert cal.triton_us(every, 8, 8 * 16, GEMV) == pytest.approx(8 * one_stream)
     assert cal.triton_us(every, 8, 8 * 17, GEMV) == pytest.approx(16 * one_stream)
     assert cal.triton_us(every, 8, 8 * 32, TILED) == pytest.approx(8 * one_stream)
+    assert cal.triton_us(every, 8, 8 * 128, TILED) == pytest.approx(8 * one_stream)  # one 128-row tile each
+    assert cal.triton_us(every, 8, 8 * 129, TILED) == pytest.approx(16 * one_stream)  # a second, for one row
     times = [cal.triton_us(V3, 8, rows, GEMV) for rows in (64, 128, 256, 512, 1024)]  # all 8 experts hit
     assert all(a < b for a, b in zip(times, times[1:]))
     routed = RowDraw.routing(V3, 8, 1024)  # 8 of V3's 256 experts (EP32): 1024 tokens reach the rank
@@ -771,11 +779,12 @@ def test_the_tiled_gemms_descriptor_loads_have_their_own_fit(tmp_path):
     tma_gbps = 2 * TILED_GBPS
     after = {"date": "2026-12-02T00:00:00+00:00", "source_sha": "today"}
 
-    def read_us(experts: int, gbps: float) -> float:
-        return experts * EXPERT_B / (gbps * 1e3)
+    def read_us(experts: int, rows: int, gbps: float) -> float:
+        """The weight streams of the tiled GEMM over bench_gemv's draw: one per expert and row tile."""
+        return experts * weight_passes(TILED, RowDraw.uniform(experts, rows)) * EXPERT_B / (gbps * 1e3)
 
-    rows = [_bench_gemv_row(16, 16 * n, t_tiled_us=read_us(16, TILED_GBPS)) for n in (32, 64)]
-    rows += [_bench_gemv_row(16, 16 * n, t_tiled_us=read_us(16, tma_gbps)) for n in (256, 512)]
+    rows = [_bench_gemv_row(16, 16 * n, t_tiled_us=read_us(16, 16 * n, TILED_GBPS)) for n in (32, 64)]
+    rows += [_bench_gemv_row(16, 16 * n, t_tiled_us=read_us(16, 16 * n, tma_gbps)) for n in (256, 512)]
     (tmp_path / "gemv_today_h200x1.json").write_text(json.dumps({"meta": {"world_size": 1, **after}, "rows": rows}))
     between = {**after, "source_sha": TILED_TMA_BELOW_256[0]}
     odd = [_bench_gemv_row(16, 16 * 64, t_tiled_us=1.0)]  # descriptor loads at 64 rows per expert: left out

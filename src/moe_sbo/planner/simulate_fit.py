@@ -106,13 +106,18 @@ GEMV_MAX_ROWS = 256
 # together (0.26-0.9 MB each at DeepSeek-V3's dims, 64-112 programs per expert) far exceed an
 # H200's 50 MB L2, so every block is another stream of the expert's weights from HBM.
 GEMV_BLOCK_ROWS = 16
-# Rows per weight pass of each Triton kernel that re-reads weights from HBM (``weight_passes``). The
-# tiled GEMM is not here: it reads an expert's weights once per 64- or 128-row tile, but its row tiles
-# sweep the columns in groups of GROUP_M = 8 (``grouped_gemm_kernels``), so a tile's re-read finds the
-# weights in L2. The data do not say otherwise: with a pass per tile the tiled fit is off its own gemv
-# rows by -17 % to +33 % (against -31 % to +11 % without), and as many layer rows are predicted within
-# 15 % (two at 128 rows per expert on 8 experts gain, two at 64 rows on 32 experts lose).
+# Rows per weight pass of each Triton kernel that reads an expert's weights once per block of its rows
+# (``weight_passes``): the GEMV's 16-row blocks, the tiled GEMM's row tiles (``grouped_gemm_kernels``:
+# 64 rows up to 64 rows per expert on average, 128 above; constants, not imported: that module imports
+# Triton). A tile's re-read may find the weights in L2 (the row tiles sweep the columns in groups of
+# GROUP_M = 8), but every row tile is another tile's K loop and another place in the grid's waves, and
+# the data price it as a pass: the same MLP on 8 experts at 128 rows per expert took 297-301 µs with
+# the rows on random experts (about half the experts past one tile) against 221-230 µs with 128 on
+# each (``gemv_{eager,graph}_{random,equal}8_h200x1.json``). Counted per tile, ``bench_gemv``'s rows
+# of both draws fit one roofline, and 40 of the 43 replayed layers that ran the tiled GEMM are
+# predicted within 15 % (against 18 with one pass per expert).
 WEIGHT_PASS_ROWS = {GEMV: GEMV_BLOCK_ROWS}
+TILED_TILE_ROWS = ((64, 64), (math.inf, 128))  # (up to this many rows per expert on average, tile rows)
 
 
 # ---- fit primitives -------------------------------------------------------------------------------
@@ -305,7 +310,8 @@ class RowDraw(NamedTuple):
 
     - ``uniform``: each of the R rows lands on one of the L experts (trials R, p = 1 / L). How
       ``bench_gemv`` draws its rows (``torch.randint`` over L), so its rows, the GEMV's and the tiled
-      GEMM's calibration samples, are read over it;
+      GEMM's calibration samples, are read over it (its ``--draw equal`` rows over ``even``: R / L on
+      each);
     - ``routing``: each token that reaches the rank (T per rank from each of P ranks) picks top-k
       distinct experts of the model's N, each with probability k / N, so an expert gets n ~
       Binomial(T P, k / N). How a layer's router draws them, so layer predictions use it. Less spread
@@ -318,6 +324,11 @@ class RowDraw(NamedTuple):
     def uniform(cls, experts: int, rows: float) -> RowDraw:
         """``rows`` rows, each on one of ``experts`` experts at random (``bench_gemv``)."""
         return cls(rows, 1.0 / experts if experts > 0 else 0.0)
+
+    @classmethod
+    def even(cls, experts: int, rows: float) -> RowDraw:
+        """``rows`` rows, R / L on every one of ``experts`` experts (``bench_gemv --draw equal``)."""
+        return cls(rows / experts if experts > 0 else 0.0, 1.0)
 
     @classmethod
     def routing(cls, cfg: MoEConfig, experts: int, rows: float) -> RowDraw:
@@ -360,10 +371,15 @@ def expected_weight_passes(draw: RowDraw, block_rows: int) -> float:
 
 
 def weight_passes(key: str, draw: RowDraw) -> float:
-    """Expected weight streams per expert with rows of the Triton kernel ``key`` (``GEMV``, ``TILED``)
-    under ``draw``: ``expected_weight_passes`` at the kernel's ``WEIGHT_PASS_ROWS``, 1 for a kernel
-    that reads each expert's weights from HBM once."""
-    block_rows = WEIGHT_PASS_ROWS.get(key)
+    """Expected weight streams per expert with rows of the Triton kernel ``key`` (``GEMV``, ``TILED``,
+    ``TILED_TMA``) under ``draw``: ``expected_weight_passes`` at the kernel's rows per pass (the GEMV's
+    ``WEIGHT_PASS_ROWS``; the tiled GEMM's row tile for the draw's mean rows, ``TILED_TILE_ROWS``), 1
+    for a kernel that reads each expert's weights once."""
+    block_rows: int | None
+    if key in (TILED, TILED_TMA):  # the tile the kernel's config takes for the draw's mean rows
+        block_rows = next(rows for up_to, rows in TILED_TILE_ROWS if draw.trials * draw.p <= up_to)
+    else:
+        block_rows = WEIGHT_PASS_ROWS.get(key)
     return 1.0 if block_rows is None else expected_weight_passes(draw, block_rows)
 
 
@@ -497,11 +513,11 @@ class StageCosts:
         Each reads only the weights of experts with rows (the GEMV's program for an empty expert returns
         at once; the tiled GEMM gives it no tile), so the roofline runs over their expected count under
         the layer's routing (``RowDraw.routing``), each streamed ``weight_passes`` times (the GEMV: once
-        per ``GEMV_BLOCK_ROWS`` of its rows): the weight bound over those streams, the FLOP bound over
-        the rows. No path factor: that factor is grouped_mm's, fitted on FLOP-bound spans of >= 1 ms,
-        and neither kernel computes a padded row (the GEMV stops at each expert's last row; the tiled
-        GEMM's grid is sized for every row handed to it, padding included, but its programs past the
-        real rows' tiles return at once)."""
+        per ``GEMV_BLOCK_ROWS`` of its rows; the tiled GEMM: once per row tile): the weight bound over
+        those streams, the FLOP bound over the rows. No path factor: that factor is grouped_mm's, fitted
+        on FLOP-bound spans of >= 1 ms, and neither kernel computes a padded row (the GEMV stops at each
+        expert's last row; the tiled GEMM's grid is sized for every row handed to it, padding included,
+        but its programs past the real rows' tiles return at once)."""
         draw = RowDraw.routing(cfg, experts, rows)
         streams = expected_experts_with_rows(experts, draw) * weight_passes(key, draw)
         if streams <= 0:
@@ -582,28 +598,31 @@ def _bench_gemv_samples(
     from its ``t_tiled_us``: the whole routed MLP, bf16, DeepSeek-V3's dims, its defaults, which its
     rows do not record) as ``fit_gemm`` samples over the weight streams it read: the experts it read,
     ``experts_with_rows`` (it skips the empty ones), each ``weight_passes`` times over the draw the
-    bench made (``RowDraw.uniform``: each row on one of its experts at random), with the rows
-    shared among them (so the FLOPs are the rows'). With ``runs_at``, only rows where ``runs_at(row,
-    rows in all, experts)`` says the fit describes the kernel that row timed."""
+    bench made (``RowDraw.uniform``: each row on one of its experts at random; ``RowDraw.even`` for
+    its ``--draw equal`` rows), with the rows shared among them (so the FLOPs are the rows'). With
+    ``runs_at``, only rows where ``runs_at(row, rows in all, experts)`` says the fit describes the
+    kernel that row timed."""
     v3 = get_preset(DEFAULT_PRESET)
     hidden, inter = v3.hidden_size, v3.moe_intermediate_size
     time_key = BENCH_GEMV_TIMES[key]
     samples = []
     for r in rows:
-        if not _random_draw(r):
+        if r.get("bench") != "gemv":
             continue
         t, total, touched = _positive(r, time_key), _positive(r, "rows"), _positive(r, "experts_with_rows")
         experts = int(r.get("experts", 0))
         if t and total and touched and experts > 0 and (runs_at is None or runs_at(r, total, experts)):
-            streams = touched * weight_passes(key, RowDraw.uniform(experts, total))
+            drawn = RowDraw.uniform(experts, total) if _random_draw(r) else RowDraw.even(experts, total)
+            streams = touched * weight_passes(key, drawn)
             samples.append((streams, total / streams, hidden, inter, WEIGHT_B["bf16"], t))
     return samples
 
 
 def _random_draw(row: ResultRow) -> bool:
-    """A ``bench_gemv`` row whose rows were drawn at random (``draw``; rows before the field were):
-    the draw the fits' samples are read over (``RowDraw.uniform``). Its ``--draw equal`` rows, R / L
-    on every expert, show what an even spread changes, and fit nothing."""
+    """A ``bench_gemv`` row whose rows were drawn at random (``draw``; rows before the field were),
+    read over ``RowDraw.uniform``; its ``--draw equal`` rows put R / L on every expert
+    (``RowDraw.even``). ``torch._grouped_mm``'s rate by experts with rows is fitted on the random
+    draws only (``_grouped_mm_samples``)."""
     return row.get("bench") == "gemv" and row.get("draw", "random") == "random"
 
 
