@@ -474,7 +474,7 @@ class LowLatencyDispatcher(Dispatcher):
         generation = self._rounds.launched
         self._rounds.launched += 1
         bufs, fmt = sets.buffers[generation % self.num_buffers], sets.fmt
-        # Under a caller's own capture the kernels are recorded directly (``staged``).
+        # Under a caller's own capture the kernels are recorded directly, not through the index graphs.
         graphs = sets.graphs[generation % self.num_buffers] if sets.index_graphs and not capturing(device) else None
         if graphs is not None:
             slot_TP, works = self._pack_staged(graphs, inp, bufs, fmt)
