@@ -16,6 +16,7 @@ BASELINE="$(cd "${BASELINE:?set BASELINE to a directory holding src/ and benchma
 TOKENS="${TOKENS:-128}"
 TRANSPORT="${TRANSPORT:-symm_mem}"
 scratch=$(mktemp -d)  # each run's own output folder: only the files above are kept
+trap 'rm -rf "$scratch"' EXIT
 for round in $(seq 1 "${ROUNDS:-2}"); do
   start=$SECONDS
   for tree in base head; do
