@@ -25,10 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts-per-gpu", type=int, required=True)
     parser.add_argument("--tokens", type=int, nargs="+", required=True)
     args = parser.parse_args(argv)
+    if args.experts_per_gpu < 1 or min(args.tokens) < 1:
+        parser.error("--experts-per-gpu and every --tokens must be >= 1")
     cal = calibrate_simulator(load_rows(args.results))
-    for template in load_rows(args.template):
-        if template.get("index_rows") or template.get("fixed_expert_rows") or setup_of(template) is None:
-            continue
+    templates = [
+        r
+        for r in load_rows(args.template)
+        if not r.get("index_rows") and not r.get("fixed_expert_rows") and setup_of(r) is not None
+    ]
+    if not templates:
+        parser.error(
+            f"{args.template} has no layer row to vary (rows with index_rows or fixed_expert_rows are left out)"
+        )
+    for template in templates:
         for tokens in args.tokens:
             row = {k: v for k, v in template.row.items() if not k.startswith("t_") and "bytes_" not in k}
             experts = args.experts_per_gpu * template.ep

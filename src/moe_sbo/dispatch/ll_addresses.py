@@ -59,7 +59,7 @@ class CallerAddresses:
         self.size = size
         self._on_cuda = device.type == "cuda"
         self._anchor_ptr = anchor.data_ptr()
-        self.host_offset = self._offset(self.host.data_ptr())
+        self.host_offset = self.offset_of(self.host)
         # The host's stores go through a memoryview of the words: no torch call, no numpy scalar each.
         self._words = self.host.numpy().data.cast("B").cast("q")
 
@@ -69,11 +69,6 @@ class CallerAddresses:
         if not tensor.numel():
             return 0
         address = tensor.data_ptr()
-        if address % _ALIGN:  # spelled out, not ``_offset``: a forward asks this five times
-            raise ValueError(f"address {address:#x} is not {_ALIGN}-byte aligned")
-        return (address - self._anchor_ptr) // _ALIGN
-
-    def _offset(self, address: int) -> int:
         if address % _ALIGN:
             raise ValueError(f"address {address:#x} is not {_ALIGN}-byte aligned")
         return (address - self._anchor_ptr) // _ALIGN

@@ -253,6 +253,7 @@ class LowLatencyDispatcher(Dispatcher):
         self.fp8 = bool(fp8)
         self.num_buffers = num_buffers
         self.kernels = kernels
+        self._fused_kernels = kernels != "torch" and ll_kernels is not None  # wherever they can run
         self.transport = transport
         self.index_graphs = index_graphs
         self.fixed_expert_rows = fixed_expert_rows
@@ -274,7 +275,7 @@ class LowLatencyDispatcher(Dispatcher):
 
     def uses_triton(self, device: torch.device) -> bool:
         """Whether a forward on ``device`` runs the fused Triton kernels."""
-        if self.kernels == "torch" or ll_kernels is None:
+        if not self._fused_kernels:
             return False
         return device.type == "cuda" or (self.kernels == "triton" and interpreting_triton())
 
@@ -328,7 +329,7 @@ class LowLatencyDispatcher(Dispatcher):
         """Ids in ``[-1, E)``, -1 meaning "no expert". Never a host read of device data: on CUDA a
         device-side assert (a bad id aborts at the next synchronising call: loud, never a silent
         drop); on CPU there is no device, so a plain check raises ``ValueError`` here."""
-        if ids_TK.is_cuda and self.kernels != "torch" and ll_kernels is not None:
+        if ids_TK.is_cuda and self._fused_kernels:  # ``uses_triton`` on CUDA, without a device object
             return  # the pack kernel checks every id it reads; _launch_dispatch asserts on its flags
         if not ids_TK.numel():
             return
