@@ -144,10 +144,14 @@ def pieces_rank(device: torch.device, tokens: int, transport: str, iters: int) -
             "expert_layout": lambda: kernels.expert_layout(recv, fmt, d.ep.rank, d.num_local_experts),
             "gather_rows": lambda: ll_kernels.gather_rows(bufs.dispatch_recv_SB, fixed, fmt),
             "router": lambda: layer.router(x),
-            "index_graphs: inputs read in place (checks)": lambda: staged.staging.inputs(x, ids, weights),
-            "the same, int32 ids (one converting copy)": lambda: staged.staging.inputs(x, ids32, weights),
+            "index_graphs: inputs read in place (checks, offsets)": lambda: staged.staging.pack_values(
+                staged.pack.addresses, x, ids, weights
+            ),
+            "the same, int32 ids (one converting copy)": lambda: staged.staging.pack_values(
+                staged.pack.addresses, x, ids32, weights
+            ),
             "index_graphs: pack (table write + replay)": lambda: staged.pack(
-                tokens, *(staged.pack.addresses.offset_of(t) for t in (x, ids, weights))
+                *staged.staging.pack_values(staged.pack.addresses, x, ids, weights)[0]
             ),
             "index_graphs: layout (table write + replay, + barrier)": lambda: staged.layout(*rows),
             "index_graphs: combine (table write + replay)": lambda: staged.combine(
@@ -235,7 +239,7 @@ def breakdown_rank(device: torch.device, tokens: int, transport: str, iters: int
         (LowLatencyDispatcher, "_launch_dispatch"),
         (LowLatencyDispatcher, "buffers"),
         (LowLatencyDispatcher, "_pack_staged"),
-        (ll_graphs.Staging, "inputs"),
+        (ll_graphs.Staging, "pack_values"),
         (ll_addresses.CallerAddresses, "write"),
         (ll_graphs.PieceGraph, "__call__"),
         (torch.cuda.CUDAGraph, "replay"),
@@ -286,7 +290,8 @@ def lines_rank(device: torch.device, tokens: int, transport: str, iters: int, fi
         ),
         *(getattr(LowLatencyDispatcher, name) for name in ("_combine_staged", "_wait_combine", "_sum_staged")),
         ll_graphs.PieceGraph.__call__,
-        ll_graphs.Staging.inputs,
+        ll_graphs.Staging.pack_values,
+        ll_addresses.CallerAddresses.offset_in_place,
         ll_addresses.CallerAddresses.write,
         ll_addresses.CallerAddresses.offset_of,
     ]

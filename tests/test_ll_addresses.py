@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_sbo.dispatch.ll_addresses import CallerAddresses, aligned, fetch_words, stage_inputs
+from moe_sbo.dispatch.ll_graphs import Staging
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels run in Triton's CPU interpreter here"
@@ -56,6 +57,32 @@ def test_anchor_and_alignment_rules():
     assert not aligned(x, torch.float64)  # another dtype
     assert not aligned(x.t(), torch.float32)  # strided
     assert not aligned(x.view(-1)[1:], torch.float32)  # 4 bytes past an alignment
+
+
+def test_offset_in_place_is_the_offset_exactly_where_the_graphs_can_read_the_tensor():
+    anchor = _anchor()
+    table = CallerAddresses(anchor, 1)
+    x = torch.zeros(4, 8)
+    assert table.offset_in_place(x, torch.float32) == table.offset_of(x)
+    assert table.offset_in_place(torch.empty(0, 8), torch.float32) == 0  # nothing read through it
+    for tensor, dtype in ((x, torch.float64), (x.t(), torch.float32), (x.view(-1)[1:], torch.float32)):
+        assert aligned(tensor, dtype) is False
+        assert table.offset_in_place(tensor, dtype) is None  # another dtype, strided, misaligned
+
+
+def test_pack_values_read_the_callers_tensors_or_converted_copies():
+    anchor = _anchor()
+    table = CallerAddresses(anchor, 4)
+    staging = Staging.allocate(capacity=4, hidden=8, top_k=2, num_ranks=1, dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(3, 8).bfloat16()
+    ids, weights = torch.tensor([[0, 1], [1, 2], [2, 3]]), torch.rand(3, 2)
+    values, read = staging.pack_values(table, x, ids, weights)
+    assert values == (3, table.offset_of(x), table.offset_of(ids), table.offset_of(weights))
+    assert all(r is t for r, t in zip(read, (x, ids, weights)))  # what the router gives: no copy
+    values, read = staging.pack_values(table, x, ids.int(), weights.double())
+    assert read[0] is x and read[1].dtype == torch.int64 and read[2].dtype == torch.float32
+    assert torch.equal(read[1], ids) and torch.equal(read[2], weights)
+    assert values == (3, table.offset_of(x), table.offset_of(read[1]), table.offset_of(read[2]))
 
 
 def test_stage_inputs_copies_t_rows_and_pads_the_rest():

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from ..streams import capture_graph
-from .ll_addresses import CallerAddresses, aligned, readable
+from .ll_addresses import CallerAddresses, readable
 
 
 @dataclass
@@ -85,14 +85,20 @@ class Staging:
                 slot_CP=torch.zeros(capacity, num_ranks, dtype=torch.int64, device=device),
             )
 
-    def inputs(
-        self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three inputs as the ``pack`` graph reads them: the caller's own tensors, or converted
-        copies (which the caller must hold until the replay is queued)."""
-        if aligned(x_TH, self.x_CH.dtype) and aligned(ids_TK, torch.int64) and aligned(weights_TK, torch.float32):
-            return x_TH, ids_TK, weights_TK  # what the router gives: no copy
-        return readable(x_TH, self.x_CH.dtype), readable(ids_TK, torch.int64), readable(weights_TK, torch.float32)
+    def pack_values(
+        self, table: CallerAddresses, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
+    ) -> tuple[tuple[int, int, int, int], tuple[torch.Tensor, ...]]:
+        """The ``pack`` graph's table values for a forward's inputs -> ((T, then the offsets of x,
+        ids and weights), the tensors they address: the caller's own, or converted copies, which
+        the caller must hold until the replay is queued)."""
+        x_at = table.offset_in_place(x_TH, self.x_CH.dtype)
+        ids_at = table.offset_in_place(ids_TK, torch.int64)
+        weights_at = table.offset_in_place(weights_TK, torch.float32)
+        if x_at is None or ids_at is None or weights_at is None:  # not what the router gives: convert
+            x_TH, ids_TK = readable(x_TH, self.x_CH.dtype), readable(ids_TK, torch.int64)
+            weights_TK = readable(weights_TK, torch.float32)
+            x_at, ids_at, weights_at = table.offset_of(x_TH), table.offset_of(ids_TK), table.offset_of(weights_TK)
+        return (x_TH.shape[0], x_at, ids_at, weights_at), (x_TH, ids_TK, weights_TK)
 
     def slot_TP(self, num_tokens: int) -> torch.Tensor:
         """``slot_CP``'s first T rows, [T, P]: where each token's rows went, for combine."""

@@ -98,28 +98,32 @@ class ShapeSets:
     combine_traffic: Traffic
 
 
-@dataclass(frozen=True, kw_only=True)
-class LowLatencyHandle(DispatchHandle):
-    """Adds the sender's ``slot_TP`` (for summing the P returned rows), the receiver's ``fixed``
-    layout, the shape's buffer sets, the buffer set and the round (``generation``) that owns it,
-    and the set's index graphs when the round went through them."""
-
-    slot_TP: torch.Tensor
-    sets: ShapeSets
-    fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
-    buffers: Buffers
-    generation: int
-    graphs: RoundGraphs | None = None  # the round's pieces, when the staged path dispatched it
-
-
 @dataclass(slots=True)  # not frozen: built every forward, and a frozen init costs the host more
-class _InFlightDispatch:
+class _Round:
+    """One dispatch round, as its launch fixed it: the shape's buffer sets, the buffer set it took
+    and its ``generation`` (the round count at launch), the set's index graphs when the staged path
+    runs, the sender's ``slot_TP`` (where each token's rows went) and T."""
+
     sets: ShapeSets
     slot_TP: torch.Tensor
     buffers: Buffers
     graphs: RoundGraphs | None  # the round's index graphs, when the staged path runs
     generation: int
     num_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowLatencyHandle(DispatchHandle):
+    """Adds the dispatch's ``round`` (its buffers, graphs and ``slot_TP``, for summing the P
+    returned rows) and the receiver's ``fixed`` layout. Built each forward from what the launch
+    already holds, so it copies nothing field by field."""
+
+    round: _Round
+    fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
+
+    @property
+    def slot_TP(self) -> torch.Tensor:
+        return self.round.slot_TP
 
 
 KERNELS = ("auto", "triton", "torch")
@@ -491,7 +495,7 @@ class LowLatencyDispatcher(Dispatcher):
                 torch.index_select(rows_TB, 0, plan.token_S, out=bufs.dispatch_send_SB)
                 slot_TP = plan.slot_TP
             works = self._start_transfer(bufs, "dispatch", sets.fused)()
-        state = _InFlightDispatch(sets, slot_TP, bufs, graphs, generation, num_tokens)
+        state = _Round(sets, slot_TP, bufs, graphs, generation, num_tokens)
         return Pending(works=works, state=state, traffic=sets.dispatch_traffic)
 
     def _start_transfer(self, bufs: Buffers, phase: str, fused: bool) -> Callable[[], list]:
@@ -571,14 +575,14 @@ class LowLatencyDispatcher(Dispatcher):
             graphs.pack = PieceGraph(pack, capture=x_TH.device.type == "cuda", addresses=addresses)
         table = graphs.pack.addresses
         assert table is not None and graphs.start_dispatch is not None  # set with the pack graph
-        x, ids, weights = st.inputs(x_TH, inp.topk_ids_TK, inp.topk_weights_TK)  # held until queued
-        graphs.pack(x.shape[0], table.offset_of(x), table.offset_of(ids), table.offset_of(weights))
+        values, read = st.pack_values(table, x_TH, inp.topk_ids_TK, inp.topk_weights_TK)  # read: held until queued
+        graphs.pack(*values)
         works = [] if in_graph else graphs.start_dispatch()
-        return st.slot_TP(x.shape[0]), works
+        return st.slot_TP(values[0]), works
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
         pending.wait()
-        s: _InFlightDispatch = pending.state
+        s: _Round = pending.state
         self._check_round(s.generation)
         sets, fmt, recv_SB = s.sets, s.sets.fmt, s.buffers.dispatch_recv_SB
         fixed: Any  # FixedLayout (torch path) or ll_kernels.KernelLayout (fused kernels)
@@ -610,19 +614,15 @@ class LowLatencyDispatcher(Dispatcher):
             dtype=fmt.dtype,
             layout=fixed.layout,
             traffic=sets.dispatch_traffic,
-            slot_TP=s.slot_TP,
-            sets=sets,
+            round=s,
             fixed=fixed,
-            buffers=s.buffers,
-            generation=s.generation,
-            graphs=s.graphs,
         )
         # Of the P x C x K fixed rows, a rank's experts get C x K on average: each of the P x C slots'
         # K choices is on this rank with probability L / E = 1 / P.
         expected_rows = self.capacity * fmt.top_k
         return self._output(expert_x_RH, handle, scales_RQ, expected_rows=expected_rows, rows_R=rows_R)
 
-    def _layout_staged(self, s: _InFlightDispatch) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    def _layout_staged(self, s: _Round) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
         """The round's ``layout`` graph -> (the receiver's layout, the expert rows and their scales;
         with ``index_rows`` (``in_place``), the receive buffer's rows [S + 1, H] and None).
 
@@ -673,9 +673,10 @@ class LowLatencyDispatcher(Dispatcher):
 
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: LowLatencyHandle = inp.handle  # type: ignore[assignment]
-        self._check_round(handle.generation)
-        bufs, fused = handle.buffers, handle.sets.fused
-        staged = handle.graphs is not None and not capturing(bufs.combine_send_SH.device)
+        r = handle.round
+        self._check_round(r.generation)
+        bufs, fused = r.buffers, r.sets.fused
+        staged = r.graphs is not None and not capturing(bufs.combine_send_SH.device)
         if staged:
             works = self._combine_staged(inp.expert_y_RH, handle)
         else:
@@ -684,21 +685,21 @@ class LowLatencyDispatcher(Dispatcher):
                     inp.expert_y_RH.to(handle.dtype).contiguous(),  # the blocks hold the activation dtype
                     handle.fixed,
                     bufs.dispatch_recv_SB,
-                    handle.sets.fmt,
+                    r.sets.fmt,
                     bufs.combine_dst,
                     self.capacity,
                 )
             else:
                 bufs.combine_send_SH.copy_(reduce_pairs(inp.expert_y_RH, handle.fixed))
             works = self._start_transfer(bufs, "combine", fused)()
-        return Pending(works=works, state=(fused, staged), traffic=handle.sets.combine_traffic)
+        return Pending(works=works, state=(fused, staged), traffic=r.sets.combine_traffic)
 
     def _combine_staged(self, expert_y_RH: torch.Tensor, handle: LowLatencyHandle) -> list:
         """``reduce_pairs`` (and with symmetric memory the transfer's start) from the set's
         ``combine`` graph, reading the experts' output where it lies -> the works to wait on (an
         NCCL collective, called after the replay; none with symmetric memory, whose barrier ends
         the ``combine_end`` graph)."""
-        graphs, bufs, fmt = handle.graphs, handle.buffers, handle.sets.fmt
+        graphs, bufs, fmt = handle.round.graphs, handle.round.buffers, handle.round.sets.fmt
         assert graphs is not None
         in_graph = bufs.combine_barrier is not None
         if graphs.combine is None:
@@ -724,14 +725,14 @@ class LowLatencyDispatcher(Dispatcher):
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()
         handle: LowLatencyHandle = pending.handle  # type: ignore[assignment]
-        self._check_round(handle.generation)
+        self._check_round(handle.round.generation)
         fused, staged = pending.state
         if staged:
             return self._sum_staged(handle)
         # Each token's P returned rows (slot S where it sent nothing), summed in float32 in a fixed order.
         return gather_sum(
-            handle.buffers.combine_slots_SH,
-            handle.slot_TP,
+            handle.round.buffers.combine_slots_SH,
+            handle.round.slot_TP,
             out_dtype=handle.dtype,
             kernels="triton" if fused else "torch",
         )
@@ -739,7 +740,7 @@ class LowLatencyDispatcher(Dispatcher):
     def _sum_staged(self, handle: LowLatencyHandle) -> torch.Tensor:
         """``gather_sum`` of the returned rows from the set's ``combine_end`` graph (with symmetric
         memory after the transfer's end, the barrier), into a y [T, H] made here."""
-        graphs, bufs = handle.graphs, handle.buffers
+        graphs, bufs = handle.round.graphs, handle.round.buffers
         assert graphs is not None and graphs.staging is not None
         if graphs.combine_end is None:
             addresses = CallerAddresses(bufs.dispatch_recv_SB, 2)  # T, then y
