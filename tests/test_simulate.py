@@ -32,6 +32,7 @@ from moe_sbo.planner.simulate_fit import (
     RowDraw,
     expected_experts_with_rows,
     expected_weight_passes,
+    fit_extra_tile,
     weight_passes,
 )
 from moe_sbo.planner.simulate_rows import (
@@ -753,6 +754,48 @@ def test_the_gemv_costs_each_weight_pass_and_the_tiled_gemm_each_row_tile():
     assert all(a < b for a, b in zip(times, times[1:]))
     routed = RowDraw.routing(V3, 8, 1024)  # 8 of V3's 256 experts (EP32): 1024 tokens reach the rank
     assert times[-1] == pytest.approx(8 * expected_weight_passes(routed, 16) * one_stream, rel=1e-6)
+
+
+def test_a_further_row_tile_costs_the_tiled_gemm_its_fitted_share_of_a_pass():
+    """With per-thread loads each row tile past an expert's first costs ``extra_tile``'s share of a
+    weight pass (a whole one for a tile size without a share); the descriptor loads' kernel and the
+    GEMV keep whole passes."""
+    two_tiles = RowDraw.even(8, 8 * 129)  # 129 rows on each expert: two 128-row tiles
+    share = {128: 0.5}
+    assert weight_passes(TILED, two_tiles, share) == pytest.approx(1.5)
+    assert weight_passes(TILED, two_tiles) == weight_passes(TILED, two_tiles, {64: 0.5}) == 2.0
+    assert weight_passes(TILED_TMA, two_tiles, share) == 2.0
+    assert weight_passes(GEMV, RowDraw.even(8, 8 * 17), share) == 2.0  # two 16-row blocks
+    random = RowDraw.uniform(8, 8 * 64)  # about half the experts past one 64-row tile
+    assert weight_passes(TILED, random, {64: 0.25}) == pytest.approx(
+        1 + 0.25 * (expected_weight_passes(random, 64) - 1)
+    )
+
+
+def test_the_extra_tile_share_is_fitted_from_bench_gemvs_two_draws():
+    """Weight-bound times of 1 + a (tiles - 1) passes per expert under each draw give back a per tile
+    size: 64-row tiles at 64 rows per expert, 128-row tiles at 128. Pairs whose draws need the same
+    tiles (32 rows per expert), rows without the ``draw`` field (older runs) and a lone draw say
+    nothing; a share is at most a whole pass."""
+    shares = {64: 0.2, 128: 0.6}
+
+    def timed(experts: int, rows: int, draw: str, share: float | None = None, **extra) -> planner.ResultRow:
+        drawn = RowDraw.uniform(experts, rows) if draw == "random" else RowDraw.even(experts, rows)
+        tile = 64 if rows / experts <= 64 else 128
+        passes = 1 + (shares[tile] if share is None else share) * (expected_weight_passes(drawn, tile) - 1)
+        row = {**_bench_gemv_row(experts, rows), "draw": draw, "t_tiled_us": 100.0 * experts * passes, **extra}
+        return planner.ResultRow("gemv_h200x1.json", "gemv", row, {})
+
+    rows = [
+        timed(e, e * n, d, graph=g) for e in (8, 32) for n in (32, 64, 128) for d in ("random", "equal") for g in (0, 1)
+    ]
+    assert fit_extra_tile(rows) == pytest.approx(shares)
+    older = [planner.ResultRow("gemv_h200x1.json", "gemv", {**_bench_gemv_row(8, 512), "t_tiled_us": 1.0}, {})]
+    lone = [timed(16, 16 * 64, "random", share=0.9)]  # no equal draw of 16 experts
+    assert fit_extra_tile(rows + older + lone) == pytest.approx(shares)
+    dearer = [timed(8, 8 * 64, d, share=3.0) for d in ("random", "equal")]
+    assert fit_extra_tile(dearer) == {64: 1.0}
+    assert fit_extra_tile(older) == {}
 
 
 def test_the_tiled_gemm_is_fitted_only_where_layers_run_it(tmp_path):

@@ -41,7 +41,7 @@ import functools
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -109,15 +109,20 @@ GEMV_BLOCK_ROWS = 16
 # Rows per weight pass of each Triton kernel that reads an expert's weights once per block of its rows
 # (``weight_passes``): the GEMV's 16-row blocks, the tiled GEMM's row tiles (``grouped_gemm_kernels``:
 # 64 rows up to 64 rows per expert on average, 128 above; constants, not imported: that module imports
-# Triton). A tile's re-read may find the weights in L2 (the row tiles sweep the columns in groups of
-# GROUP_M = 8), but every row tile is another tile's K loop and another place in the grid's waves, and
-# the data price it as a pass: the same MLP on 8 experts at 128 rows per expert took 297-301 µs with
-# the rows on random experts (about half the experts past one tile) against 221-230 µs with 128 on
-# each (``gemv_{eager,graph}_{random,equal}8_h200x1.json``). Counted per tile, ``bench_gemv``'s rows
-# of both draws fit one roofline, and the replayed EP1 layers with 8 experts per GPU at 128 tokens
-# (128 rows on each) are predicted within 3 % (+25 % to +31 % with one pass per expert).
+# Triton). Every row tile is another tile's K loop and another place in the grid's waves: the same MLP
+# on 8 experts at 128 rows per expert took 297-301 µs with the rows on random experts (about half the
+# experts past one tile) against 221-230 µs with 128 on each (``gemv_{eager,graph}_{random,equal}8_
+# h200x1.json``), so one pass per expert predicted the replayed EP1 layers with 8 experts per GPU at
+# 128 tokens (128 rows on each) 25-31 % too slow. But a tile past an expert's first costs less than a
+# whole pass: the tiles of one expert and column group run side by side (the grid sweeps the columns
+# in groups of GROUP_M = 8) and a later one finds much of the weights in L2. What a further tile costs
+# the per-thread loads' kernel is fitted per tile size from bench_gemv's two draws of the same rows
+# (``fit_extra_tile``; pairs on one H200: 0.15-0.28 of a pass for 64-row tiles, 0.38-0.75 for 128-row
+# tiles). The descriptor loads' kernel (``TILED_TMA``) keeps a whole pass per tile: its pairs are
+# FLOP-bound from 512 rows per expert, where the ratio of the two draws says nothing of a tile's cost.
 WEIGHT_PASS_ROWS = {GEMV: GEMV_BLOCK_ROWS}
 TILED_TILE_ROWS = ((64, 64), (math.inf, 128))  # (up to this many rows per expert on average, tile rows)
+EXTRA_TILE_MIN_PASSES = 0.1  # a pair's draws must differ by this many passes to say what a tile costs
 
 
 # ---- fit primitives -------------------------------------------------------------------------------
@@ -370,17 +375,55 @@ def expected_weight_passes(draw: RowDraw, block_rows: int) -> float:
     return passes / RowDraw(trials, p).some_rows()
 
 
-def weight_passes(key: str, draw: RowDraw) -> float:
+def tile_rows(draw: RowDraw) -> int:
+    """The row tile the tiled GEMM's config takes for ``draw``'s mean rows per expert (``TILED_TILE_ROWS``)."""
+    return next(rows for up_to, rows in TILED_TILE_ROWS if draw.trials * draw.p <= up_to)
+
+
+def weight_passes(key: str, draw: RowDraw, extra_tile: Mapping[int, float] | None = None) -> float:
     """Expected weight streams per expert with rows of the Triton kernel ``key`` (``GEMV``, ``TILED``,
     ``TILED_TMA``) under ``draw``: ``expected_weight_passes`` at the kernel's rows per pass (the GEMV's
-    ``WEIGHT_PASS_ROWS``; the tiled GEMM's row tile for the draw's mean rows, ``TILED_TILE_ROWS``), 1
-    for a kernel that reads each expert's weights once."""
-    block_rows: int | None
-    if key in (TILED, TILED_TMA):  # the tile the kernel's config takes for the draw's mean rows
-        block_rows = next(rows for up_to, rows in TILED_TILE_ROWS if draw.trials * draw.p <= up_to)
-    else:
-        block_rows = WEIGHT_PASS_ROWS.get(key)
+    ``WEIGHT_PASS_ROWS``; the tiled GEMM's row tile, ``tile_rows``), 1 for a kernel that reads each
+    expert's weights once. ``extra_tile``: tile rows -> what each tile past an expert's first costs the
+    tiled GEMM with per-thread loads, as a fraction of a pass (``fit_extra_tile``; a whole pass where
+    it has no value), so its passes are 1 + fraction x (tiles - 1)."""
+    if key in (TILED, TILED_TMA):
+        tile = tile_rows(draw)
+        tiles = expected_weight_passes(draw, tile)
+        fraction = extra_tile.get(tile, 1.0) if key == TILED and extra_tile else 1.0
+        return 1.0 + fraction * (tiles - 1.0)
+    block_rows = WEIGHT_PASS_ROWS.get(key)
     return 1.0 if block_rows is None else expected_weight_passes(draw, block_rows)
+
+
+def fit_extra_tile(rows: Sequence[ResultRow]) -> dict[int, float]:
+    """Tile rows -> what a row tile past an expert's first costs the tiled GEMM with per-thread loads,
+    as a fraction of a weight pass, from ``bench_gemv`` rows that timed the same experts and rows with
+    both draws (``--draw random`` and ``--draw equal``, the same timer): weight-bound, the time is
+    proportional to 1 + a (tiles - 1) per expert, so the ratio rho of the two draws' median times, with
+    tiles P_r (random) and P_e (equal) per expert, gives a = (rho - 1) / (P_r - 1 - rho (P_e - 1)).
+    The median over the pairs of each tile size, within [0, 1]; pairs whose draws differ by less than
+    ``EXTRA_TILE_MIN_PASSES`` tiles say nothing and are skipped."""
+    times: dict[tuple[int, float, bool], dict[str, list[float]]] = defaultdict(lambda: {"random": [], "equal": []})
+    for r in rows:
+        draw, t, total = r.get("draw"), _positive(r, BENCH_GEMV_TIMES[TILED]), _positive(r, "rows")
+        experts = int(r.get("experts", 0) or 0)
+        if r.get("bench") != "gemv" or draw not in ("random", "equal") or not (t and total and experts > 0):
+            continue  # rows before the ``draw`` field have no equal-draw partner in their run
+        if _tiled_per_thread(r, total, experts):
+            times[(experts, total, bool(r.get("graph")))][draw].append(t)
+    by_tile: dict[int, list[float]] = defaultdict(list)
+    for (experts, total, _), drawn in times.items():
+        if not drawn["random"] or not drawn["equal"]:
+            continue
+        random_draw, even_draw = RowDraw.uniform(experts, total), RowDraw.even(experts, total)
+        tile = tile_rows(random_draw)
+        p_r, p_e = expected_weight_passes(random_draw, tile), expected_weight_passes(even_draw, tile)
+        if p_r - p_e < EXTRA_TILE_MIN_PASSES:
+            continue
+        rho = statistics.median(drawn["random"]) / statistics.median(drawn["equal"])
+        by_tile[tile].append((rho - 1) / ((p_r - 1) - rho * (p_e - 1)))
+    return {tile: min(1.0, max(0.0, statistics.median(values))) for tile, values in by_tile.items()}
 
 
 def fit_gemm(samples: Sequence[tuple[float, float, int, int, float, float]]) -> GemmFit | None:
@@ -455,6 +498,7 @@ class StageCosts:
     attention_us: dict[str, float] = field(default_factory=dict)  # regime -> fixed cost on the roofline
     files: tuple[str, ...] = ()
     grouped_mm: GroupedMmRate | None = None  # torch._grouped_mm's weight rate by experts with rows (bench_gemv)
+    extra_tile: dict[int, float] = field(default_factory=dict)  # tile rows -> a further tile's share of a pass
 
     def link(self, wire: str) -> LinkFit:
         if wire in self.links:
@@ -519,7 +563,7 @@ class StageCosts:
         expert's last row; the tiled GEMM's grid is sized for every row handed to it, padding included,
         but its programs past the real rows' tiles return at once)."""
         draw = RowDraw.routing(cfg, experts, rows)
-        streams = expected_experts_with_rows(experts, draw) * weight_passes(key, draw)
+        streams = expected_experts_with_rows(experts, draw) * weight_passes(key, draw, self.extra_tile)
         if streams <= 0:
             return 0.0
         fit = self.gemm[key]
@@ -553,15 +597,16 @@ def _phase_bytes(row: ResultRow, phase: str) -> float:
     return float(value)
 
 
-def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
-    """GEMM-only samples for ``fit_gemm`` by ``StageCosts.gemm`` key (expert dtype, ``GEMV``, ``TILED``)."""
+def _gemm_samples(rows: Sequence[ResultRow], extra_tile: Mapping[int, float]) -> dict[str, list]:
+    """GEMM-only samples for ``fit_gemm`` by ``StageCosts.gemm`` key (expert dtype, ``GEMV``, ``TILED``);
+    ``extra_tile`` as ``weight_passes`` takes it."""
     v3 = get_preset(DEFAULT_PRESET)
     by_dtype: dict[str, list] = defaultdict(list)
     # The GEMV's fit takes every size bench_gemv timed it at (up to 128 rows per expert), not only the
     # sizes layers run it at by their code's rule: with its weight passes one roofline describes them
     # all, and layers forced onto it (kernels="gemv") ran it at up to 128 rows per expert.
     by_dtype[GEMV] = _bench_gemv_samples(rows, GEMV)
-    by_dtype[TILED] = _bench_gemv_samples(rows, TILED, _tiled_per_thread)
+    by_dtype[TILED] = _bench_gemv_samples(rows, TILED, _tiled_per_thread, extra_tile)
     by_dtype[TILED_TMA] = _bench_gemv_samples(rows, TILED_TMA, _tiled_descriptors)
     for r in rows:
         if r.get("bench") == "fp8_experts" and _positive(r, "t_us"):
@@ -592,7 +637,10 @@ def _gemm_samples(rows: Sequence[ResultRow]) -> dict[str, list]:
 
 
 def _bench_gemv_samples(
-    rows: Sequence[ResultRow], key: str, runs_at: Callable[[ResultRow, float, int], bool] | None = None
+    rows: Sequence[ResultRow],
+    key: str,
+    runs_at: Callable[[ResultRow, float, int], bool] | None = None,
+    extra_tile: Mapping[int, float] | None = None,
 ) -> list:
     """The times of one Triton kernel (``key``: ``GEMV`` from ``bench_gemv``'s ``t_gemv_us``, ``TILED``
     from its ``t_tiled_us``: the whole routed MLP, bf16, DeepSeek-V3's dims, its defaults, which its
@@ -601,7 +649,7 @@ def _bench_gemv_samples(
     bench made (``RowDraw.uniform``: each row on one of its experts at random; ``RowDraw.even`` for
     its ``--draw equal`` rows), with the rows shared among them (so the FLOPs are the rows'). With
     ``runs_at``, only rows where ``runs_at(row, rows in all, experts)`` says the fit describes the
-    kernel that row timed."""
+    kernel that row timed; ``extra_tile`` as ``weight_passes`` takes it."""
     v3 = get_preset(DEFAULT_PRESET)
     hidden, inter = v3.hidden_size, v3.moe_intermediate_size
     time_key = BENCH_GEMV_TIMES[key]
@@ -613,7 +661,7 @@ def _bench_gemv_samples(
         experts = int(r.get("experts", 0))
         if t and total and touched and experts > 0 and (runs_at is None or runs_at(r, total, experts)):
             drawn = RowDraw.uniform(experts, total) if _random_draw(r) else RowDraw.even(experts, total)
-            streams = touched * weight_passes(key, drawn)
+            streams = touched * weight_passes(key, drawn, extra_tile)
             samples.append((streams, total / streams, hidden, inter, WEIGHT_B["bf16"], t))
     return samples
 
@@ -683,7 +731,8 @@ def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lam
     by the simulator: ``simulate_report.calibrate_simulator``). Raises ``ValueError`` when a stage the
     simulator cannot do without has no rows."""
     rows = [r for r in rows if keep(r.group)]
-    gemm = {d: f for d, s in _gemm_samples(rows).items() if (f := fit_gemm(s)) is not None}
+    extra_tile = fit_extra_tile(rows)
+    gemm = {d: f for d, s in _gemm_samples(rows, extra_tile).items() if (f := fit_gemm(s)) is not None}
     if "bf16" not in gemm:
         raise ValueError("results must hold grouped-GEMM rows (fp8_experts_*.json or foundation_*.json), got none")
     grouped_mm = fit_grouped_mm_rate(_grouped_mm_samples(rows), gemm["bf16"])
@@ -705,7 +754,7 @@ def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lam
     routed_factor = _routed_factors(moe, gemm, grouped_mm)
     stages = StageCosts(gemm, routed_factor, route, shared, kernel, kernel_eager, {}, links, _contention(rows))
     files = tuple(sorted({r.file for r in rows}))
-    return replace(stages, files=files, grouped_mm=grouped_mm)
+    return replace(stages, files=files, grouped_mm=grouped_mm, extra_tile=extra_tile)
 
 
 def _kernels(moe: Sequence[ResultRow], links: dict[str, LinkFit], graph: bool) -> dict[tuple[DispatchPath, str], Curve]:

@@ -293,6 +293,9 @@ def calibration_lines(cal: StageCosts) -> list[tuple[str, str]]:
                 f"knee {fit.knee:g} ({fit.samples} rows)",
             )
         )
+    if cal.extra_tile:
+        shares = ", ".join(f"{tile}-row tiles {share:.2f}" for tile, share in sorted(cal.extra_tile.items()))
+        lines.append(("Triton tiled GEMM, each row tile past an expert's first", f"{shares} of a weight pass"))
     if cal.grouped_mm is not None:
         knots = cal.grouped_mm.knots
         shown = sorted({0, len(knots) // 2, len(knots) - 1})  # the ends and the middle of the counts
