@@ -4,7 +4,8 @@ validates the files (``moe_sbo.planner``). Written down before the run, it is a 
 
 Usage (CPU): ``python benchmarks/predict_setup.py --template benchmarks/results/low_latency_eager_head_h200x1_1.json
 --experts-per-gpu 16 --tokens 64 128 256 512``: one line per template row (rows with ``fixed_expert_rows``
-or ``index_rows`` left out) and token count: graph or eager, experts, tokens, predicted µs, the stages.
+or ``index_rows`` left out) and token count, each setup once: graph or eager, the dispatcher, experts, tokens,
+predicted µs, the stages.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{args.template} has no layer row to vary (rows with index_rows or fixed_expert_rows are left out)"
         )
+    printed = set()  # a template that measured several token counts gives each setup once
     for template in templates:
         for tokens in args.tokens:
             row = {k: v for k, v in template.row.items() if not k.startswith("t_") and "bytes_" not in k}
@@ -48,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             p = predict(setup, cal)
             stages = ", ".join(f"{span.name} {span.dur_us:.0f}" for span in p.spans)
             kind = "graph" if setup.graph else "eager"
-            print(f"{kind} {setup.cfg.num_experts} experts, {tokens} tokens: {p.t_layer_us:.0f} µs ({stages})")
+            what = f"{kind} {setup.path.dispatcher} {setup.cfg.num_experts} experts, {tokens} tokens"
+            line = f"{what}: {p.t_layer_us:.0f} µs ({stages})"
+            if line not in printed:
+                printed.add(line)
+                print(line)
     return 0
 
 
