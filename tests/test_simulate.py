@@ -176,6 +176,26 @@ def test_calibration_is_a_function_of_the_rows_kept(results):
     assert cal.route_gpu.knots[-1][0] == 1024  # its floor is gone too
 
 
+def test_the_router_costs_what_its_code_version_measured(tmp_path):
+    """The router's GPU time is its code version's curve (``meta.source_sha``) where that spans the
+    tokens, else the least any version measured (a path without a version: the scale-out)."""
+    rows = synthetic_rows()
+    slower = [{**r, "t_floor_route_us": 3 * r["t_floor_route_us"]} for r in rows if r.get("t_floor_route_us")]
+    (tmp_path / "new_h200x2.json").write_text(
+        json.dumps({"meta": {"world_size": 2, "source_sha": "new"}, "rows": rows})
+    )
+    (tmp_path / "old_h200x2.json").write_text(
+        json.dumps({"meta": {"world_size": 2, "source_sha": "old"}, "rows": slower[:2]})  # 128 and 1024 tokens
+    )
+    cal = planner.calibrate_simulator(planner.load_rows(tmp_path))
+    path = planner.DispatchPath("low_latency", "triton", "nccl", "bf16", True)
+    old, new = replace(path, version="old"), replace(path, version="new")
+    assert cal.router_us(old, 1024) == pytest.approx(3 * route_us(1024))
+    assert cal.router_us(new, 1024) == cal.router_us(path, 1024) == pytest.approx(route_us(1024))
+    assert cal.router_us(old, 4096) == pytest.approx(route_us(4096))  # past the old code's floors: the least
+    assert cal.router_us(replace(path, version="unmeasured"), 1024) == pytest.approx(route_us(1024))
+
+
 def test_a_wire_without_references_takes_its_files_measured_bandwidth(tmp_path):
     rows = synthetic_rows()
     emulated = [{**r, "wire": "emulated-internode", "ref_t_dispatch_us": None, "ref_t_combine_us": None} for r in rows]

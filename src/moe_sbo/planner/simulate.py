@@ -309,7 +309,7 @@ def stage_ops(setup: Setup, cal: StageCosts, mb: str, tokens: int, sequences: in
     s0 = [Op(n("eager host time"), "host", COMPUTE, overhead)]
     if setup.regime is not None:
         s0.append(Op(n("attention"), "attention", COMPUTE, attention_us(setup, cal, tokens, sequences) * gemm_slowdown))
-    s0.append(Op(n("router"), "router", COMPUTE, cal.route_gpu(tokens) if tokens else 0.0))
+    s0.append(Op(n("router"), "router", COMPUTE, cal.router_us(path, tokens) if tokens else 0.0))
     wire_d = transfer_us(setup, cal, d_in, d_out)
     s0.append(Op(n("dispatch transfer"), "comm", WIRE, wire_d, (n("router"),), sm))
     if mode == "dispatch":

@@ -19,8 +19,10 @@ Every number the simulator predicts with comes from ``{"meta", "rows"}`` files r
   and below ``TMA_MIN_ROWS_PER_EXPERT`` rows per expert (per-thread loads), ``TILED_TMA`` from there
   (descriptor loads, since ``simulate_rows.TILED_TMA_SINCE``; layers run the tiled GEMM that large
   when they read the received rows through the index, ``low_latency``'s ``index_rows``);
-- router and shared experts: GPU time vs tokens, piecewise linear through the medians of the rows
-  that timed them alone (``t_floor_*``, CUDA-graph ``t_shared_us``);
+- router and shared experts: GPU time vs tokens, piecewise linear through the least time the rows
+  that timed them alone measured at each size (``t_floor_*``, CUDA-graph ``t_shared_us``; some files
+  timed them eagerly); the router also per code version (its code changed what it costs several
+  times), used for that version's rows where its floors span the tokens (``StageCosts.router_us``);
 - wire: ``latency + bytes / bandwidth`` per link class, least squares in relative error over the raw
   NCCL ``all_to_all_single`` references (``ref_t_dispatch_us``, ``ref_t_combine_us``) on that wire;
   a wire without references takes its files' measured ``meta.wire_all_to_all_GBps``;
@@ -499,6 +501,13 @@ class StageCosts:
     files: tuple[str, ...] = ()
     grouped_mm: GroupedMmRate | None = None  # torch._grouped_mm's weight rate by experts with rows (bench_gemv)
     extra_tile: dict[int, float] = field(default_factory=dict)  # tile rows -> a further tile's share of a pass
+    route_by_version: dict[str, Curve] = field(default_factory=dict)  # code version -> the router's GPU time
+
+    def router_us(self, path: DispatchPath, tokens: float) -> float:
+        """The router's GPU time: its code version's curve where that spans ``tokens`` (the router's
+        code changed what it costs several times over), else the least any version measured."""
+        own = self.route_by_version.get(path.version) if path.version is not None else None
+        return max(0.0, (own if own is not None and own.covers(tokens) else self.route_gpu)(tokens))
 
     def link(self, wire: str) -> LinkFit:
         if wire in self.links:
@@ -739,7 +748,13 @@ def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lam
 
     moe = [r for r in rows if r.get("bench") in MOE_LAYER_BENCHES]  # kernel probes time no layer stage
     # Some files timed these floors eagerly (host time included): the GPU time is the least measured.
-    route = curve([(r.tokens, float(r.get("t_floor_route_us"))) for r in moe if _positive(r, "t_floor_route_us")], min)
+    timed_route = [r for r in moe if _positive(r, "t_floor_route_us")]
+    route = curve([(r.tokens, float(r.get("t_floor_route_us"))) for r in timed_route], min)
+    by_version: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in timed_route:
+        if r.path.version is not None:
+            by_version[r.path.version].append((r.tokens, float(r.get("t_floor_route_us"))))
+    route_by_version = {v: c for v, pts in by_version.items() if (c := curve(pts, min)) is not None}
     shared = curve(
         [(r.tokens, float(r.get("t_floor_shared_us"))) for r in moe if _positive(r, "t_floor_shared_us")]
         + [(r.tokens, float(r.get("t_shared_us"))) for r in moe if r.graph and _positive(r, "t_shared_us")],
@@ -754,7 +769,7 @@ def fit_stage_costs(rows: Sequence[ResultRow], keep: Callable[[str], bool] = lam
     routed_factor = _routed_factors(moe, gemm, grouped_mm)
     stages = StageCosts(gemm, routed_factor, route, shared, kernel, kernel_eager, {}, links, _contention(rows))
     files = tuple(sorted({r.file for r in rows}))
-    return replace(stages, files=files, grouped_mm=grouped_mm, extra_tile=extra_tile)
+    return replace(stages, files=files, grouped_mm=grouped_mm, extra_tile=extra_tile, route_by_version=route_by_version)
 
 
 def _kernels(moe: Sequence[ResultRow], links: dict[str, LinkFit], graph: bool) -> dict[tuple[DispatchPath, str], Curve]:

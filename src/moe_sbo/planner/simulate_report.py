@@ -308,6 +308,8 @@ def calibration_lines(cal: StageCosts) -> list[tuple[str, str]]:
         )
     for name, gpu in (("router (GPU)", cal.route_gpu), ("shared experts (GPU)", cal.shared_gpu)):
         lines.append((name, ", ".join(f"{x:.0f} tok {y:.0f} us" for x, y in gpu.knots)))
+    if cal.route_by_version:
+        lines.append(("router (GPU), per code version", f"{len(cal.route_by_version)} curves, used where they span"))
     for wire, link in sorted(cal.links.items()):
         lines.append(
             (
