@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{args.template} has no layer row to vary (rows with index_rows or fixed_expert_rows are left out)"
         )
-    printed = set()  # a template that measured several token counts gives each setup once
+    predicted = set()  # a template that measured several token counts gives each setup once
     for template in templates:
         for tokens in args.tokens:
             row = {k: v for k, v in template.row.items() if not k.startswith("t_") and "bytes_" not in k}
@@ -47,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
             row.update(capacity=tokens, t_layer_us=0.0)
             setup = setup_of(ResultRow(template.file, "predicted", row, template.meta))
             assert setup is not None
+            if setup in predicted:
+                continue
+            predicted.add(setup)
             p = predict(setup, cal)
             stages = ", ".join(f"{span.name} {span.dur_us:.0f}" for span in p.spans)
             kind = "graph" if setup.graph else "eager"
             what = f"{kind} {setup.path.dispatcher} {setup.cfg.num_experts} experts, {tokens} tokens"
-            line = f"{what}: {p.t_layer_us:.0f} µs ({stages})"
-            if line not in printed:
-                printed.add(line)
-                print(line)
+            print(f"{what}: {p.t_layer_us:.0f} µs ({stages})")
     return 0
 
 

@@ -74,15 +74,9 @@ class CallerAddresses:
         return (address - self._anchor_ptr) // _ALIGN
 
     def offset_in_place(self, tensor: torch.Tensor, dtype: torch.dtype) -> int | None:
-        """``offset_of(tensor)`` if the graphs can read ``tensor`` in place as ``dtype`` rows (that
-        dtype, contiguous, 16-byte aligned: ``aligned``), else None. One pass over the tensor's
-        metadata: the eager decode step's host pays it for each input."""
-        if tensor.dtype != dtype or not tensor.is_contiguous():
-            return None
-        if not tensor.numel():
-            return 0
-        address = tensor.data_ptr()
-        return None if address % _ALIGN else (address - self._anchor_ptr) // _ALIGN
+        """``offset_of(tensor)`` if the graphs can read ``tensor`` in place as ``dtype`` rows
+        (``aligned``), else None."""
+        return self.offset_of(tensor) if aligned(tensor, dtype) else None
 
     def write(self, *values: int) -> None:
         """The next replay's values (at most ``size``; the rest keep theirs)."""
