@@ -2,7 +2,7 @@
 
 Rows (``bench="fp8_experts"``) in ``OUT/fp8_experts.json``, per experts on the GPU (L, default 8 and
 32) and rows per expert (decode 16-512, prefill 512-4096), each for ``weight_dtype`` ``bf16``
-(``torch._grouped_mm``) and ``fp8`` (``fp8_kernels``: quantise, block-scaled grouped GEMM, SwiGLU and
+(``torch._grouped_mm``) and ``fp8`` (``fp8_gemm``: quantise, block-scaled grouped GEMM, SwiGLU and
 quantise, grouped GEMM): the whole routed-expert MLP (gate_up, SwiGLU, down), ``t_us`` the median
 of CUDA-graph replays (``triton.testing.do_bench``, L2 cleared between runs, so weights are read from
 HBM as in a model; a graph runs the Triton GEMMs), ``t_eager_us`` the same forward issued eagerly
@@ -18,7 +18,7 @@ CUDA graph, for ``experts`` bf16 or fp8 and ``dispatch`` bf16 or fp8 (fp8 dispat
 straight to FP8 experts), with ``speedup_vs_bf16`` against bf16 experts and bf16 dispatch.
 
 ``--sweep`` adds rows (``bench="fp8_gemm_config"``) timing each GEMM alone for each tile config, the
-data behind ``fp8_kernels.gemm_config``.
+data behind ``fp8_gemm.gemm_config``.
 
 Usage (GPU): ``python benchmarks/bench_fp8_experts.py --out DIR [--sweep]``. CPU smoke (Triton
 interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out DIR --device cpu --quick``.
@@ -32,17 +32,18 @@ from pathlib import Path
 
 import torch
 
-from moe_sbo import fp8_kernels
 from moe_sbo.config import get_preset
-from moe_sbo.experts import RoutedExperts
+from moe_sbo.experts import fp8_gemm
+from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import KernelTimer, time_fn
+from moe_sbo.quant import kernels as quant_kernels
 from moe_sbo.streams import capture_graph
 from moe_sbo.weights import seeded_normal
 
 SWEEP_CONFIGS = [
-    fp8_kernels.GemmConfig(block_m, block_n, group_m, warps, stages)
+    fp8_gemm.GemmConfig(block_m, block_n, group_m, warps, stages)
     for block_m, block_n, group_m, warps, stages in [
         (16, 128, 1, 4, 4),
         (32, 128, 1, 4, 4),
@@ -126,8 +127,8 @@ def sweep_case(fp8, rows_per_expert: int, timer: KernelTimer, device: torch.devi
     rows = num_experts * rows_per_expert
     offsets_L = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * rows_per_expert
     generator = torch.Generator(device=device).manual_seed(1)
-    q_x, s_x = fp8_kernels.quantize_rows(torch.randn(rows, hidden, generator=generator, device=device), offsets_L)
-    q_h, s_h = fp8_kernels.quantize_rows(torch.randn(rows, inter, generator=generator, device=device), offsets_L)
+    q_x, s_x = quant_kernels.quantize_rows(torch.randn(rows, hidden, generator=generator, device=device), offsets_L)
+    q_h, s_h = quant_kernels.quantize_rows(torch.randn(rows, inter, generator=generator, device=device), offsets_L)
     gemms = {
         "gate_up": (q_x, s_x, fp8.gate_up_proj, fp8.gate_up_proj_scale_inv),
         "down": (q_h, s_h, fp8.down_proj, fp8.down_proj_scale_inv),
@@ -139,7 +140,7 @@ def sweep_case(fp8, rows_per_expert: int, timer: KernelTimer, device: torch.devi
             row.update(vars(config))
             try:
                 t_us = timer(
-                    lambda q=q, s=s, w=w, ws=ws, c=config: fp8_kernels.grouped_gemm(q, s, w, ws, offsets_L, dtype, c)
+                    lambda q=q, s=s, w=w, ws=ws, c=config: fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, dtype, c)
                 )
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"

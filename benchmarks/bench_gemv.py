@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from moe_sbo.experts import RoutedExperts
-from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
+from moe_sbo.experts.routed import RoutedExperts
+from moe_sbo.experts.tiled_gemm import GemmConfig, grouped_gemm
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import KernelTimer, memory_read_us
 

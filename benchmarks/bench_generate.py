@@ -46,12 +46,12 @@ import torch
 
 from moe_sbo.hf.mla import MLA_STEPS
 from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model, prefill_tokens
+from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import memory_read_us
 from moe_sbo.overlap import OVERLAP_MODES
 from moe_sbo.planner.inputs import SEED_INPUTS
 from moe_sbo.planner.inputs import load_model as load_plan_model
-from moe_sbo.runtime import LocalRanks
 
 # moe-sbo plan's per-layer share of a token's time for DeepSeek-V3: 20 ms TPOT over its 61 layers.
 PLANNER_LAYER_SHARE_US = SEED_INPUTS["tpot_ms"] * 1e3 / load_plan_model(SEED_INPUTS["model"]).num_hidden_layers

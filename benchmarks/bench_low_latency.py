@@ -50,11 +50,11 @@ from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig, get_preset
 from moe_sbo.dispatch.ll_wire import RowFormat
 from moe_sbo.env import triton_interpreting
-from moe_sbo.experts import DENSE_KERNELS
+from moe_sbo.experts.routed import DENSE_KERNELS
+from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import Stamps, line_up, time_fn, time_layer, time_raw_all_to_all
-from moe_sbo.runtime import RankPool
 from moe_sbo.streams import capture_graph
 
 TARGETS = {"tokens_per_rank": 128, "t_dispatch_us": 60.0, "t_combine_us": 80.0, "overhead_vs_nccl": 1.2}

@@ -54,10 +54,10 @@ from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig
 from moe_sbo.dispatch import low_latency
 from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, line_up, time_fn, time_layer
-from moe_sbo.runtime import RankPool
 
 DEFAULT_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
 TARGETS = {"tokens_per_rank": 4096, "phase_vs_wire": 1.2, "floor_ratio": 1.10}

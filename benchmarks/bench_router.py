@@ -1,5 +1,5 @@
 """The router's expert selection: ``routing.select_experts`` (torch ops) against
-``routing_kernels.select_experts_fused`` (one Triton launch), same logits, one GPU.
+``routing.kernel.select_experts_fused`` (one Triton launch), same logits, one GPU.
 
 Rows (``bench="router"``, ``OUT/router.json``) per preset and token count: ``t_graph_torch_us`` and
 ``t_graph_triton_us`` (the whole ``Router`` forward — float32 gate GEMM, then the selection —
@@ -24,7 +24,7 @@ import torch
 from moe_sbo.config import get_preset
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import time_fn
-from moe_sbo.routing import Router
+from moe_sbo.routing.router import Router
 
 
 def host_us(fn, calls: int, device: torch.device) -> float:

@@ -60,8 +60,8 @@ from pathlib import Path
 import torch
 
 from moe_sbo import env
+from moe_sbo.launch.group import free_port
 from moe_sbo.measure.results import result_meta, write_results
-from moe_sbo.runtime import free_port
 
 # (dispatcher, transport): every way a GPU user can move tokens between ranks.
 PATHS = (
@@ -132,8 +132,8 @@ def rank_main(case: Case, phase_file: str) -> None:
 
     from moe_sbo import profiling
     from moe_sbo.config import get_preset
+    from moe_sbo.launch.group import init_from_torchrun
     from moe_sbo.layer import MoELayer
-    from moe_sbo.runtime import init_from_torchrun
 
     device = init_from_torchrun(case.device)
     cuda = device.type == "cuda"

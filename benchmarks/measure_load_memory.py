@@ -21,7 +21,7 @@ import torch
 
 from bench_generate import deepseek_v3_config
 from moe_sbo.hf.model import load_model
-from moe_sbo.runtime import LocalRanks
+from moe_sbo.launch.ranks import LocalRanks
 
 
 def write_checkpoint(path: Path, experts: int, layers: int) -> None:

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moe_sbo.decoder.attention import attend_after_prefix, bottom_right_mask
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import time_fn
-from moe_sbo.model.attention import attend_after_prefix, bottom_right_mask
 
 WAYS = ("merge", "padded", "lower_right")
 

@@ -1,5 +1,5 @@
 """Probe: the FP8 grouped GEMM by ``torch._scaled_mm``'s block-wise recipe (cuBLAS, sm90), one call per
-expert with counts read on the host, against ``fp8_kernels.grouped_gemm`` (Triton) and bf16
+expert with counts read on the host, against ``fp8_gemm.grouped_gemm`` (Triton) and bf16
 ``torch._grouped_mm``, at DeepSeek-V3 dims. Prints µs and TFLOP/s per case and the error vs the
 torch reference. Usage (GPU): ``python benchmarks/probe_fp8_scaled_mm.py``."""
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from triton.testing import do_bench
 
-from moe_sbo import fp8_kernels
-from moe_sbo.fp8 import grouped_linear_fp8, quantize_fp8, quantize_fp8_blocks
+from moe_sbo.experts import fp8_gemm
+from moe_sbo.experts.fp8_torch import grouped_linear_fp8
+from moe_sbo.quant.fp8 import quantize_fp8, quantize_fp8_blocks
 
 
 def scaled_mm_grouped(q, s, wq, ws, counts, out_dtype):
@@ -64,7 +65,7 @@ def main():
                 res["scaled_mm"] = (t * 1e3, err)
             except Exception as exc:  # noqa: BLE001
                 res["scaled_mm"] = (float("nan"), repr(exc)[:300])
-            t = do_bench(lambda: fp8_kernels.grouped_gemm(q, s, wq, ws, offs, torch.bfloat16), return_mode="median")
+            t = do_bench(lambda: fp8_gemm.grouped_gemm(q, s, wq, ws, offs, torch.bfloat16), return_mode="median")
             res["triton"] = (t * 1e3, 0.0)
             x16 = x.bfloat16()
             t = do_bench(lambda: torch._grouped_mm(x16, w16.transpose(-2, -1), offs=offs), return_mode="median")

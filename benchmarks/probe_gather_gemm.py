@@ -34,7 +34,7 @@ from bench_gemv import config_name, pick_configs
 from moe_sbo.dispatch import ll_kernels
 from moe_sbo.dispatch.layout import ExpertLayout
 from moe_sbo.dispatch.ll_wire import RowFormat
-from moe_sbo.grouped_gemm_kernels import GemmConfig, grouped_gemm
+from moe_sbo.experts.tiled_gemm import GemmConfig, grouped_gemm
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import KernelTimer
 

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.cli.options import result_path
+from moe_sbo.launch.group import resolve_device
+from moe_sbo.launch.ranks import RankPool
 from moe_sbo.measure.results import result_meta
-from moe_sbo.runtime import RankPool, resolve_device
 from soak import CHECKPOINTS, host_rss_kib
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single; 2.11 has only the former.

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from moe_sbo.config import get_preset
+from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, host_breakdown
-from moe_sbo.runtime import LocalRanks
 from moe_sbo.streams import capture_graph
 
 _FIXED = {False: "", True: " + fixed_expert_rows"}  # the headers' note of the option

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from moe_sbo.grouped_gemm_kernels import LARGE_CONFIG, SMALL_CONFIG, grouped_gemm
+from moe_sbo.experts.tiled_gemm import LARGE_CONFIG, SMALL_CONFIG, grouped_gemm
 
 dev = "cuda"
 x = torch.randn(256, 7168, device=dev, dtype=torch.bfloat16)

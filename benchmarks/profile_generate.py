@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_generate import prompts_for, write_checkpoint
 from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model
-from moe_sbo.runtime import LocalRanks
+from moe_sbo.launch.ranks import LocalRanks
 
 
 def profiles(model, prompts, steps: int, decode: str) -> str:

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
+from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import LocalRanks
 
 
 def profile_rank(device: torch.device, tokens: int, experts: int, fp8: bool, kernels: str, transport: str) -> str:

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moe_sbo.runtime import LocalRanks
+from moe_sbo.launch.ranks import LocalRanks
 
 
 @pytest.fixture(scope="session")

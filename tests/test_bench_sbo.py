@@ -193,7 +193,7 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
 
 def _tbo_capacity_rank(device, lengths_per_rank):
     from moe_sbo.cli.bench_tbo import _decoder, _tbo_dispatcher
-    from moe_sbo.model.attention import Batch
+    from moe_sbo.decoder.attention import Batch
 
     spec = {
         "preset": "tiny",

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from hf_blocks import make_hf_model, write_broken_v3, write_checkpoint, write_published_v3
-from moe_sbo import runtime
 from moe_sbo.cli import check as check_cli
 from moe_sbo.cli import demo as demo_cli
 from moe_sbo.cli.main import main
 from moe_sbo.config import PRESETS
 from moe_sbo.hf.checkpoint import Checkpoint
+from moe_sbo.launch import ranks as launch_ranks
 from moe_sbo.layer import MoELayer
 
 
@@ -119,7 +119,7 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a rank pool was started for bad input")
 
-    monkeypatch.setattr(runtime, "LocalRanks", refuse)
+    monkeypatch.setattr(launch_ranks, "LocalRanks", refuse)
     monkeypatch.setattr(check_cli, "LocalRanks", refuse)  # the name the command calls
     monkeypatch.setattr(demo_cli, "LocalRanks", refuse)
 

@@ -11,14 +11,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from hf_blocks import make_hf_model, quantize_fp8_blocks, write_broken_v3, write_checkpoint, write_published_v3
-from moe_sbo import fp8
 from moe_sbo.config import PRESETS
-from moe_sbo.fp8 import dequantize_fp8_blocks
 from moe_sbo.hf import checkpoint as checkpoint_module
 from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader
 from moe_sbo.hf.config import config_from_hf, moe_layer_indices
 from moe_sbo.hf.reference import reference_moe_block, weights_from_hf_moe
 from moe_sbo.layer import MoELayer
+from moe_sbo.quant import fp8
+from moe_sbo.quant.fp8 import dequantize_fp8_blocks
 from moe_sbo.weights import layer_weights
 
 FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe")

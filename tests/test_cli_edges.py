@@ -22,9 +22,9 @@ from moe_sbo.cli.bench_tbo import tbo_table
 from moe_sbo.cli.main import build_parser, main
 from moe_sbo.cli.plan import main as plan_main
 from moe_sbo.config import get_preset
+from moe_sbo.launch.failures import RankError, RankFailure
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile
-from moe_sbo.runtime import RankError, RankFailure
 
 COMMANDS = ("demo", "bench", "check", "generate", "plan")
 

@@ -9,9 +9,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 from moe_sbo.config import get_preset
+from moe_sbo.decoder.attention import Attention, AttentionConfig, Batch, KVCache, attend_after_prefix
+from moe_sbo.decoder.decoder_layer import DecoderLayer
 from moe_sbo.layer import MoELayer
-from moe_sbo.model.attention import Attention, AttentionConfig, Batch, KVCache, attend_after_prefix
-from moe_sbo.model.decoder import DecoderLayer
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -178,7 +178,7 @@ def test_a_cut_sequence_on_cuda_matches_the_whole_sequence(cut):
 def test_auto_merges_only_where_it_was_measured(monkeypatch):
     """``auto`` takes ``merge`` on CPU and on compute-capability-9 GPUs for head dims cuDNN takes;
     ``lower_right`` (PyTorch's own path) on other GPUs and head dims."""
-    from moe_sbo.model import attention
+    from moe_sbo.decoder import attention
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS
+from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import OVERLAP_MODES
-from moe_sbo.runtime import LocalRanks
 from test_fuzz import forward  # one batch, or the two micro-batches of two-batch overlap
 
 TOKENS = [9, 0, 16, 5]  # per rank: uneven, one rank empty

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_sbo.experts import (
+from moe_sbo.experts.routed import (
     GEMV_MAX_ROWS_PER_EXPERT,
     TILED_MAX_ROWS_PER_EXPERT,
     RoutedExperts,
@@ -17,7 +17,7 @@ from moe_sbo.experts import (
     grouped_mm_supported,
     kernel_by_rows,
 )
-from moe_sbo.grouped_gemm_kernels import TMA_MIN_ROWS_PER_EXPERT, GemmConfig, dense_config, grouped_gemm
+from moe_sbo.experts.tiled_gemm import TMA_MIN_ROWS_PER_EXPERT, GemmConfig, dense_config, grouped_gemm
 
 
 def _reference(x_RH, counts, gate_up, down):
@@ -190,7 +190,7 @@ def test_routed_experts_choose_their_kernel_by_rows():
 
 
 def test_routed_experts_without_triton_refuse_a_triton_kernel(monkeypatch):
-    import moe_sbo.experts as experts_module
+    import moe_sbo.experts.routed as experts_module
 
     monkeypatch.setattr(experts_module, "gemv_kernels", None)
     experts = RoutedExperts(4, 40, 24)

@@ -35,10 +35,11 @@ from moe_sbo.dispatch.ll_transport import (
     start_exchange,
 )
 from moe_sbo.dispatch.local import LocalDispatcher
+from moe_sbo.launch.failures import RankError
+from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.layer import MoELayer
-from moe_sbo.model.tbo import dispatcher_for
-from moe_sbo.runtime import LocalRanks, RankError
-from moe_sbo.stages import run_interleaved
+from moe_sbo.overlap.stages import run_interleaved
+from moe_sbo.overlap.tbo import dispatcher_for
 
 COLLECTIVE_TIMEOUT_S = 30
 FAIL_FAST_BOUND_S = 6.0  # grace 0.5 s + stopping the ranks; without fail-fast: >= 30 s

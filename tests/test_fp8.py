@@ -18,17 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_sbo import fp8_kernels
 from moe_sbo.config import get_preset
-from moe_sbo.experts import RoutedExperts
-from moe_sbo.fp8 import (
-    dequantize_fp8,
-    dequantize_fp8_blocks,
-    grouped_linear_fp8,
-    quantize_fp8,
-    quantize_fp8_blocks,
-)
+from moe_sbo.experts import fp8_gemm
+from moe_sbo.experts.fp8_torch import grouped_linear_fp8
+from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
+from moe_sbo.quant import kernels as quant_kernels
+from moe_sbo.quant.fp8 import dequantize_fp8, dequantize_fp8_blocks, quantize_fp8, quantize_fp8_blocks
 from moe_sbo.weights import layer_weights
 
 # FP8 experts vs dense experts on the same (dequantised) weights: the MLP quantises two activations
@@ -78,9 +74,9 @@ def test_weight_blocks_round_trip_with_partial_edge_tiles():
     "config",
     [
         None,
-        *fp8_kernels.GEMM_CONFIGS,
-        fp8_kernels.GemmConfig(64, 256, 4, 8, 3),
-        fp8_kernels.GemmConfig(64, 64, 1, 4, 4),
+        *fp8_gemm.GEMM_CONFIGS,
+        fp8_gemm.GemmConfig(64, 256, 4, 8, 3),
+        fp8_gemm.GemmConfig(64, 64, 1, 4, 4),
     ],
 )
 @interpreted
@@ -93,7 +89,7 @@ def test_grouped_gemm_kernel_matches_torch_reference(config):
     w = torch.randn(len(counts), 384, 256, generator=generator) * 256**-0.5
     q, s = quantize_fp8(x)
     wq, ws = quantize_fp8_blocks(w)
-    got = fp8_kernels.grouped_gemm(q, s, wq, ws, offsets, torch.float32, config)
+    got = fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32, config)
     ref = grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)
     real = int(offsets[-1])
     assert _rel(got[:real], ref[:real]) < FLOAT32_TOL
@@ -110,9 +106,9 @@ def test_grouped_gemm_kernel_matches_torch_reference(config):
 def test_grouped_gemm_refuses_a_k_step_other_than_the_scale_block():
     q, s = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
     wq, ws = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2)
-    config = fp8_kernels.GemmConfig(64, 128, 4, 4, 4, block_k=64)
+    config = fp8_gemm.GemmConfig(64, 128, 4, 4, 4, block_k=64)
     with pytest.raises(ValueError, match="block_k=64"):
-        fp8_kernels.grouped_gemm(q, s, wq, ws, torch.tensor([2, 4], dtype=torch.int32), torch.float32, config)
+        fp8_gemm.grouped_gemm(q, s, wq, ws, torch.tensor([2, 4], dtype=torch.int32), torch.float32, config)
 
 
 @interpreted
@@ -120,11 +116,11 @@ def test_quantisers_match_torch():
     generator = torch.Generator().manual_seed(3)
     offsets = torch.tensor([10, 10, 37], dtype=torch.int32)
     x = torch.randn(40, 384, generator=generator) * torch.exp(torch.randn(40, 1, generator=generator))
-    q, s = fp8_kernels.quantize_rows(x, offsets)
+    q, s = quant_kernels.quantize_rows(x, offsets)
     q_ref, s_ref = quantize_fp8(x[:37])
     assert torch.equal(s[:37], s_ref) and _same_modulo_interpreter_carry(q[:37], q_ref)
     h = torch.randn(37, 2 * 256, generator=generator)
-    q, s = fp8_kernels.silu_mul_quantize(h, offsets)
+    q, s = quant_kernels.silu_mul_quantize(h, offsets)
     gate, up = h.chunk(2, dim=-1)
     q_ref, s_ref = quantize_fp8(F.silu(gate) * up)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)

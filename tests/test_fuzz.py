@@ -30,9 +30,9 @@ from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS, DispatchInput
 from moe_sbo.hooks import HOOK_EVENTS, IN_FLIGHT_EVENTS
 from moe_sbo.layer import MoELayer
-from moe_sbo.model.tbo import dispatcher_for
 from moe_sbo.overlap import OVERLAP_MODES
-from moe_sbo.stages import run_interleaved
+from moe_sbo.overlap.stages import run_interleaved
+from moe_sbo.overlap.tbo import dispatcher_for
 
 EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})
 FLOAT32_TOL = 1e-5  # relative to max |y|: EP dispatchers sum the K expert outputs in another order

@@ -30,7 +30,7 @@ def _nccl_rank(device, preset, tokens):
 
 @pytest.mark.parametrize("preset, tokens", [("tiny", 37), ("deepseek-v2-lite", 64)])
 def test_dispatchers_match_local_over_nccl(preset, tokens):
-    from moe_sbo.runtime import LocalRanks
+    from moe_sbo.launch.ranks import LocalRanks
 
     world = torch.cuda.device_count()
     if get_preset(preset).num_experts % world:
@@ -92,7 +92,7 @@ def _repeat_rank(device, dispatcher, overlap, forwards):
 def test_every_dispatcher_is_bitwise_deterministic_on_gpu(overlap):
     """No float atomics in any combine: the same input gives the same bits, even with the shared
     experts running beside the reduction (which reordered index_add_'s atomics before)."""
-    from moe_sbo.runtime import LocalRanks
+    from moe_sbo.launch.ranks import LocalRanks
 
     with LocalRanks(torch.cuda.device_count(), device="cuda") as ranks:
         for dispatcher in ("local", "allgather", "alltoall", "low_latency"):

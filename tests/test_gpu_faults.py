@@ -99,7 +99,7 @@ def _warm(device):
 def compiled_kernels():
     """A job with the default bound first, so that under the tests' short bound no rank's compile is
     taken for a stall."""
-    from moe_sbo.runtime import LocalRanks
+    from moe_sbo.launch.ranks import LocalRanks
 
     with LocalRanks(2, device="cuda") as ranks:
         ranks.run(_warm)
@@ -119,7 +119,8 @@ def _matches_local(device):
     [("alltoall", "nccl", "pre_combine"), ("low_latency", "symm_mem", "pre_combine")],
 )
 def test_local_ranks_name_a_stalled_gpu_rank(compiled_kernels, dispatcher, transport, fault_at):
-    from moe_sbo.runtime import LocalRanks, RankError
+    from moe_sbo.launch.failures import RankError
+    from moe_sbo.launch.ranks import LocalRanks
 
     with LocalRanks(2, device="cuda", collective_timeout_s=BOUND_S, failure_grace_s=1.0) as ranks:
         start = time.monotonic()

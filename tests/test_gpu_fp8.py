@@ -8,11 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_sbo import fp8_kernels
 from moe_sbo.config import get_preset
-from moe_sbo.experts import RoutedExperts
-from moe_sbo.fp8 import dequantize_fp8, grouped_linear_fp8, grouped_scaled_mm, quantize_fp8, quantize_fp8_blocks
+from moe_sbo.experts import fp8_gemm
+from moe_sbo.experts.fp8_torch import grouped_linear_fp8, grouped_scaled_mm
+from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
+from moe_sbo.quant import kernels as quant_kernels
+from moe_sbo.quant.fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_blocks
 from moe_sbo.streams import capture_graph
 from moe_sbo.weights import layer_weights
 
@@ -35,7 +37,7 @@ def test_quantize_rows_bits_equal_torch():
     x = torch.randn(300, 7168, device="cuda").bfloat16() * torch.exp(torch.randn(300, 1, device="cuda"))
     x[7, :128] = 0  # a zero group stays finite
     _, offsets = _counts("cuda", 100, 0, 200)
-    q, s = fp8_kernels.quantize_rows(x, offsets)
+    q, s = quant_kernels.quantize_rows(x, offsets)
     q_ref, s_ref = quantize_fp8(x)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s, s_ref)
@@ -44,7 +46,7 @@ def test_quantize_rows_bits_equal_torch():
 def test_silu_mul_quantize_matches_torch():
     h = torch.randn(257, 2 * 2048, device="cuda").bfloat16()
     _, offsets = _counts("cuda", 257)
-    q, s = fp8_kernels.silu_mul_quantize(h, offsets)
+    q, s = quant_kernels.silu_mul_quantize(h, offsets)
     gate, up = h.float().chunk(2, dim=-1)
     q_ref, s_ref = quantize_fp8(F.silu(gate) * up)
     torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=0)
@@ -57,9 +59,9 @@ def test_silu_mul_quantize_matches_torch():
     "config",
     [
         None,
-        *fp8_kernels.GEMM_CONFIGS,
-        fp8_kernels.GemmConfig(64, 256, 4, 8, 3),
-        fp8_kernels.GemmConfig(64, 64, 1, 4, 4),
+        *fp8_gemm.GEMM_CONFIGS,
+        fp8_gemm.GemmConfig(64, 256, 4, 8, 3),
+        fp8_gemm.GemmConfig(64, 64, 1, 4, 4),
     ],
 )
 def test_grouped_gemm_matches_torch_reference(config):
@@ -71,7 +73,7 @@ def test_grouped_gemm_matches_torch_reference(config):
     w = torch.randn(len(counts), n, k, generator=generator, device="cuda") * k**-0.5
     q, s = quantize_fp8(x)
     wq, ws = quantize_fp8_blocks(w)
-    got = fp8_kernels.grouped_gemm(q, s, wq, ws, offsets, torch.float32, config)
+    got = fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32, config)
     ref = grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)
     real = int(offsets[-1])
     # Hopper's FP8 tensor cores accumulate each 128-value K step with ~14 bits (DeepSeek-V3 report,
@@ -87,7 +89,7 @@ def test_grouped_gemm_with_one_local_expert_matches_torch_reference():
     w = torch.randn(1, 1024, 2048, generator=generator, device="cuda") * 2048**-0.5
     q, s = quantize_fp8(x)
     wq, ws = quantize_fp8_blocks(w)
-    got = fp8_kernels.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
+    got = fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
     assert _rel(got, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 1e-3
 
 

@@ -99,7 +99,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_bf16_logits_and_greedy_ids_match_transformers(checkpoint):
-    from moe_sbo.runtime import LocalRanks
+    from moe_sbo.launch.ranks import LocalRanks
 
     with LocalRanks(min(torch.cuda.device_count(), 2), device="cuda") as ranks:
         results = ranks.run(_compare_rank, checkpoint)
@@ -136,7 +136,7 @@ def _graph_rank(device, path, prompts_per_rank):
 
 @pytest.mark.parametrize("prompts", [PROMPTS, [PROMPTS[0] + PROMPTS[1], []]], ids=["skewed", "idle-rank"])
 def test_cuda_graph_decode_replays_exactly_the_static_loop(checkpoint, prompts):
-    from moe_sbo.runtime import LocalRanks
+    from moe_sbo.launch.ranks import LocalRanks
 
     with LocalRanks(min(torch.cuda.device_count(), 2), device="cuda") as ranks:
         results = ranks.run(_graph_rank, checkpoint, prompts)

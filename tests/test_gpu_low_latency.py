@@ -33,7 +33,7 @@ def _config(preset: str):
 
 
 def _ranks():
-    from moe_sbo.runtime import LocalRanks
+    from moe_sbo.launch.ranks import LocalRanks
 
     return LocalRanks(torch.cuda.device_count(), device="cuda")
 

@@ -67,7 +67,7 @@ def test_modes_match_none_on_one_gpu(dispatcher, tokens):
 
 
 def test_modes_match_none_over_nccl():
-    from moe_sbo.runtime import LocalRanks
+    from moe_sbo.launch.ranks import LocalRanks
 
     world = torch.cuda.device_count()
     with LocalRanks(world, device="cuda") as ranks:

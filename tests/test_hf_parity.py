@@ -10,7 +10,7 @@ from hf_blocks import FAMILIES, make_hf_block
 from moe_sbo.hf.config import config_from_hf
 from moe_sbo.hf.reference import weights_from_hf_moe
 from moe_sbo.layer import MoELayer
-from moe_sbo.routing import Router
+from moe_sbo.routing.router import Router
 
 REL_TOL = 1e-5
 

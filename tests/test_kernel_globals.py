@@ -63,7 +63,7 @@ KERNELS = _kernels()
 
 def test_the_scan_finds_the_project_kernels():
     modules = {module for module, _ in KERNELS}
-    assert {"moe_sbo.routing_kernels", "moe_sbo.dispatch.reduce", "moe_sbo.dispatch.ll_kernels"} <= modules
+    assert {"moe_sbo.routing.kernel", "moe_sbo.dispatch.reduce", "moe_sbo.dispatch.ll_kernels"} <= modules
     assert len(KERNELS) >= 20
 
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, make_dispatcher, mask_padding_tokens
 from moe_sbo.dispatch.ll_reference import group_slots_by_expert, plan_send, reduce_pairs
-from moe_sbo.fp8 import FP8_GROUP, dequantize_fp8, quantize_fp8
 from moe_sbo.hooks import HOOK_EVENTS
 from moe_sbo.layer import MoELayer
+from moe_sbo.quant.fp8 import FP8_GROUP, dequantize_fp8, quantize_fp8
 
 FLOAT32_TOL = 1e-5  # as the other dispatchers against local (tests/test_dispatch.py)
 # fp8 e4m3 keeps 3 mantissa bits: each value is off by <= 2^-4 of itself. The routed output's

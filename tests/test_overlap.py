@@ -14,7 +14,8 @@ from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.hooks import HOOK_EVENTS
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import FIXED_MODES, OVERLAP_MODES, AutoOverlap, choices_from_rows, make_overlap
-from moe_sbo.overlap.sbo import OverlapContext, bucket_of
+from moe_sbo.overlap.auto import bucket_of
+from moe_sbo.overlap.sbo import OverlapContext
 from moe_sbo.streams import side_stream
 
 EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})
@@ -189,7 +190,7 @@ def test_auto_decision_never_slower_than_none_with_given_timings():
 
 def _slowest_rank_rank(device):
     from moe_sbo.dispatch import EPGroup
-    from moe_sbo.overlap.sbo import slowest_rank
+    from moe_sbo.overlap.auto import slowest_rank
 
     mine = [[10.0, 30.0, 20.0], [12.0, 15.0, 25.0]][dist.get_rank()]
     return slowest_rank(mine, EPGroup.from_torch(), device)
@@ -197,7 +198,7 @@ def _slowest_rank_rank(device):
 
 def test_auto_strategies_compare_each_candidate_on_its_slowest_rank(ranks2):
     from moe_sbo.dispatch import EPGroup
-    from moe_sbo.overlap.sbo import slowest_rank
+    from moe_sbo.overlap.auto import slowest_rank
 
     assert ranks2.run(_slowest_rank_rank) == [[12.0, 30.0, 25.0]] * 2
     assert slowest_rank([3.0, 1.0], EPGroup(), torch.device("cpu")) == [3.0, 1.0]  # one rank: as they are

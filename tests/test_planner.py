@@ -489,7 +489,7 @@ def test_hf_config_shapes_match_the_presets(tmp_path):
 
 
 def test_fp8_weight_block_is_the_fp8_modules():
-    from moe_sbo.fp8 import FP8_BLOCK
+    from moe_sbo.quant.fp8 import FP8_BLOCK
 
     assert planner.FP8_WEIGHT_BLOCK == FP8_BLOCK
 

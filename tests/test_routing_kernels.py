@@ -1,4 +1,4 @@
-"""The fused routing kernel (``routing_kernels.py``, Triton's interpreter on CPU) against the torch
+"""The fused routing kernel (``routing/kernel.py``, Triton's interpreter on CPU) against the torch
 router (``routing.select_experts``, itself held to the Hugging Face gates in ``test_hf_parity``): the
 same set of experts per token and the same weights (float32, 1e-6), for every preset's routing, with
 token counts that are not a power of two, zero tokens, NaN logits and a kept router bias."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_sbo import routing_kernels
 from moe_sbo.config import PRESETS, get_preset
 from moe_sbo.layer import MoELayer
-from moe_sbo.routing import Router, select_experts
-from moe_sbo.routing_kernels import select_experts_fused
+from moe_sbo.routing import kernel as routing_kernels
+from moe_sbo.routing.kernel import select_experts_fused
+from moe_sbo.routing.router import Router, select_experts
 
 
 def _by_id(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

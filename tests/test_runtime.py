@@ -19,8 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_sbo import env, runtime
-from moe_sbo.runtime import LocalRanks, RankError, init_from_torchrun, resolve_device
+from moe_sbo import env
+from moe_sbo.launch import ranks as launch_ranks
+from moe_sbo.launch.failures import RankError
+from moe_sbo.launch.group import init_from_torchrun, resolve_device
+from moe_sbo.launch.ranks import LocalRanks
 
 
 def _fail_on_rank_1(device):
@@ -257,7 +260,7 @@ def fake_group(monkeypatch):
         names = ("MOE_SBO_TIMEOUT_S", *NCCL_SETTINGS)
         calls.append({"backend": backend, **kwargs, "env": {n: os.environ.get(n) for n in names}})
 
-    monkeypatch.setattr(runtime.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(launch_ranks.dist, "init_process_group", init_process_group)
     for name in ("MOE_SBO_TIMEOUT_S", *NCCL_SETTINGS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "1")
@@ -344,7 +347,7 @@ def _alive(pid: int) -> bool:
 
 ORPHAN_SCRIPT = """
 import os, signal, sys
-from moe_sbo.runtime import LocalRanks
+from moe_sbo.launch.ranks import LocalRanks
 if __name__ == "__main__":
     ranks = LocalRanks(2)
     print(" ".join(map(str, ranks.pids)), flush=True)

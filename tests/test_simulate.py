@@ -747,9 +747,9 @@ def test_expected_weight_passes_count_blocks_of_uniform_draws():
 def test_the_planners_gemv_block_is_the_kernels():
     """``GEMV_BLOCK_ROWS`` copies ``gemv_kernels.BLOCK_M`` and ``TILED_TILE_ROWS`` the tiled GEMM's row
     tiles by rows per expert (the planner runs without Triton, which those modules import)."""
-    gemv_kernels = pytest.importorskip("moe_sbo.gemv_kernels")
+    gemv_kernels = pytest.importorskip("moe_sbo.experts.gemv")
     assert GEMV_BLOCK_ROWS == gemv_kernels.BLOCK_M
-    gemm_kernels = pytest.importorskip("moe_sbo.grouped_gemm_kernels")
+    gemm_kernels = pytest.importorskip("moe_sbo.experts.tiled_gemm")
     for per_expert in (1, 64, 65, 128, 255, 256, 4096):
         tile_rows = next(rows for up_to, rows in TILED_TILE_ROWS if per_expert <= up_to)
         assert tile_rows == gemm_kernels.dense_config(per_expert).block_m
@@ -872,7 +872,7 @@ def test_the_tiled_gemms_descriptor_loads_have_their_own_fit(tmp_path):
 
 def test_the_planners_descriptor_threshold_is_the_kernels():
     """``TMA_MIN_ROWS_PER_EXPERT`` copies ``grouped_gemm_kernels``' (which imports Triton)."""
-    kernels = pytest.importorskip("moe_sbo.grouped_gemm_kernels")
+    kernels = pytest.importorskip("moe_sbo.experts.tiled_gemm")
     assert TMA_MIN_ROWS_PER_EXPERT == kernels.TMA_MIN_ROWS_PER_EXPERT
 
 

@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
+from moe_sbo.decoder.attention import AttentionConfig, Batch
+from moe_sbo.decoder.decoder_layer import DecoderLayer
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
-from moe_sbo.model.attention import AttentionConfig, Batch
-from moe_sbo.model.decoder import DecoderLayer
-from moe_sbo.model.tbo import dispatcher_for, split_batch, tbo_forward
 from moe_sbo.overlap import FIXED_MODES
-from moe_sbo.stages import run_interleaved, run_to_end
+from moe_sbo.overlap.stages import run_interleaved, run_to_end
+from moe_sbo.overlap.tbo import dispatcher_for, split_batch, tbo_forward
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
 EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})
@@ -179,7 +179,7 @@ def _auto_rank(device, slow):
     ``"plain"`` (the layer without TBO sleeps on every rank: TBO wins everywhere)."""
     import time as clock
 
-    from moe_sbo.model.tbo_auto import AutoTbo
+    from moe_sbo.overlap.tbo_auto import AutoTbo
 
     rank = dist.get_rank()
     torch.manual_seed(200 + rank)
@@ -215,7 +215,7 @@ def test_auto_tbo_keeps_one_choice_on_every_rank(ranks2, slow, tbo_wins):
 
 def _decide_rank(device):
     """Rank 0 measured TBO faster, rank 1 slower: both must keep what the slowest rank says."""
-    from moe_sbo.model.tbo_auto import AutoTbo
+    from moe_sbo.overlap.tbo_auto import AutoTbo
 
     layer = DecoderLayer(ATTN, MoELayer(get_preset("tiny"), dispatcher="alltoall", dtype=torch.float32, seed=3), seed=3)
     samples = [{False: [10.0], True: [5.0]}, {False: [10.0], True: [20.0]}][dist.get_rank()]
@@ -227,7 +227,7 @@ def test_auto_tbo_decides_by_the_slowest_rank(ranks2):
 
 
 def test_auto_tbo_refuses_bad_settings():
-    from moe_sbo.model.tbo_auto import AutoTbo
+    from moe_sbo.overlap.tbo_auto import AutoTbo
 
     with pytest.raises(ValueError, match="trials must be >= 1"):
         AutoTbo(trials=0)
@@ -247,7 +247,7 @@ def test_the_default_gemm_sm_budget_leaves_out_the_sms_the_transfer_holds(monkey
     """``"auto"``: all SMs but NCCL's CTAs when the transfer is an NCCL collective beside the compute
     (``NCCL_MAX_CTAS`` when set); no budget where nothing runs beside it (symmetric memory, copy
     engines, one rank, CPU). Numbers and None pass through; anything else is refused."""
-    import moe_sbo.model.tbo as tbo
+    import moe_sbo.overlap.tbo as tbo
     from moe_sbo.dispatch import EPGroup, make_dispatcher
     from moe_sbo.dispatch.base import NCCL_TRANSFER_SMS
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
+from moe_sbo.launch.group import init_from_torchrun
 from moe_sbo.layer import MoELayer
-from moe_sbo.runtime import init_from_torchrun
 
 if __name__ == "__main__":
     device = init_from_torchrun("cpu")

@@ -34,8 +34,8 @@ from .config import MoEConfig
 from .dispatch import Dispatcher, EPGroup, Traffic, make_dispatcher
 from .experts import RoutedExperts, SharedExperts
 from .overlap import Overlap, make_overlap
-from .routing import Router
-from .stages import run_to_end
+from .overlap.stages import run_to_end
+from .routing.router import Router
 from .weights import MoEWeights, load_weights, seed_weights
 
 EXPERT_DTYPES = (None, "fp8")

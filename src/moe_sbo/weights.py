@@ -14,8 +14,8 @@ import torch
 
 from .config import MoEConfig
 from .experts import RoutedExperts, SharedExperts
-from .fp8 import FP8_BLOCK
-from .routing import Router
+from .quant.fp8 import FP8_BLOCK
+from .routing.router import Router
 
 
 @dataclass(frozen=True)

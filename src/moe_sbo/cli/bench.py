@@ -23,12 +23,14 @@ from rich.markup import escape
 from rich.progress import Progress
 
 from ..config import PRESETS, get_preset
+from ..decoder.attention import AttentionConfig
 from ..dispatch import DISPATCHERS
+from ..launch.failures import RankError
+from ..launch.group import resolve_device
+from ..launch.ranks import RankPool
 from ..measure.results import ResultFile, result_meta
 from ..measure.trace import Span, plot_timeline, save_spans
-from ..model.attention import AttentionConfig
 from ..overlap import OVERLAP_MODES, make_overlap
-from ..runtime import RankError, RankPool, resolve_device
 from ..streams import check_sm_budget
 from .bench_common import bench_config
 from .bench_sbo import sbo_bench_rank, sbo_legend, sbo_table, summarise, timeline_rank
@@ -197,7 +199,7 @@ def add_bench_parser(subparsers) -> None:
     tbo.add_argument(
         "--auto-tbo",
         action="store_true",
-        help="also a row per overlap mode where TBO is on or off as moe_sbo.model.tbo_auto.AutoTbo "
+        help="also a row per overlap mode where TBO is on or off as moe_sbo.overlap.tbo_auto.AutoTbo "
         "chooses after timing both (with the first --delay); its choice is in the row",
     )
     tbo.add_argument(
@@ -207,7 +209,7 @@ def add_bench_parser(subparsers) -> None:
         metavar="SMS|auto|all",
         help="CUDA: the SMs every GEMM under TBO plans for, leaving the others to the other micro-batch's "
         "transfer: a number, 'all', or 'auto' (default: all but the SMs the transfer holds, "
-        "moe_sbo.model.tbo.resolve_gemm_sm_budget); the number used is in every TBO row as tbo_gemm_sm_budget",
+        "moe_sbo.overlap.tbo.resolve_gemm_sm_budget); the number used is in every TBO row as tbo_gemm_sm_budget",
     )
 
 

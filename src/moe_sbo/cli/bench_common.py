@@ -25,7 +25,7 @@ from ..dispatch import dispatcher_option_names, options_for_tokens
 from ..layer import MoELayer
 from ..measure.timing import line_up, time_fn, time_raw_all_to_all
 from ..measure.trace import spans_from_trace
-from ..routing import TopkOutput
+from ..routing.router import TopkOutput
 
 
 def bench_config(preset: str, num_experts: int | None) -> MoEConfig:

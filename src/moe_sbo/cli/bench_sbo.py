@@ -38,7 +38,7 @@ from rich.table import Table
 from ..layer import MoELayer
 from ..measure.timing import SPANS, line_up, time_fn, time_layer
 from ..overlap import AutoOverlap, make_overlap
-from ..overlap.sbo import bucket_of
+from ..overlap.auto import bucket_of
 from .bench_common import (
     bench_config,
     cached,

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
+from ..decoder.attention import AttentionConfig, Batch, KVCache
+from ..decoder.decoder_layer import DecoderLayer
 from ..dispatch import Dispatcher
 from ..layer import MoELayer
 from ..measure.timing import time_fn
-from ..model.attention import AttentionConfig, Batch, KVCache
-from ..model.decoder import DecoderLayer
-from ..model.tbo import resolve_gemm_sm_budget, split_batch, tbo_forward
-from ..model.tbo_auto import AutoTbo
 from ..overlap import make_overlap
-from ..overlap.sbo import bucket_of
+from ..overlap.auto import bucket_of
+from ..overlap.tbo import resolve_gemm_sm_budget, split_batch, tbo_forward
+from ..overlap.tbo_auto import AutoTbo
 from .bench_common import (
     bench_config,
     cached,

@@ -30,11 +30,12 @@ import torch.distributed as dist
 from rich.markup import escape
 
 from ..dispatch import DISPATCHERS
-from ..fp8 import dequantize_fp8_blocks
 from ..hf.checkpoint import Checkpoint, LayerLoader
+from ..launch.group import resolve_device
+from ..launch.ranks import LocalRanks
 from ..layer import MoELayer
 from ..measure.results import result_meta
-from ..runtime import LocalRanks, resolve_device
+from ..quant.fp8 import dequantize_fp8_blocks
 from ..weights import MoEWeights
 from .options import (
     RANKS_HELP,

@@ -21,15 +21,16 @@ import torch.distributed as dist
 from rich.markup import escape
 
 from ..config import PRESETS, get_preset
+from ..decoder.attention import AttentionConfig, Batch
+from ..decoder.decoder_layer import DecoderLayer
 from ..dispatch import DISPATCHERS, options_for_tokens
 from ..hf.checkpoint import Checkpoint, LayerLoader
+from ..launch.group import resolve_device
+from ..launch.ranks import LocalRanks
 from ..layer import MoELayer
 from ..measure.results import result_meta
-from ..model.attention import AttentionConfig, Batch
-from ..model.decoder import DecoderLayer
-from ..model.tbo import tbo_forward
 from ..overlap import OVERLAP_MODES
-from ..runtime import LocalRanks, resolve_device
+from ..overlap.tbo import tbo_forward
 from .options import (
     RANKS_HELP,
     HelpFormatter,

@@ -26,9 +26,10 @@ from ..hf.checkpoint import Checkpoint
 from ..hf.config import model_family
 from ..hf.mla import MLA_STEPS
 from ..hf.model import DECODE_LOOPS, WHOLE_MODEL_FAMILIES, generate, load_model, prefill_tokens
+from ..launch.group import init_from_torchrun, resolve_device
+from ..launch.ranks import LocalRanks
 from ..measure.results import result_meta
 from ..overlap import OVERLAP_MODES
-from ..runtime import LocalRanks, init_from_torchrun, resolve_device
 from .options import (
     RANKS_HELP,
     HelpFormatter,

@@ -137,7 +137,7 @@ def _interrupted(command: str, signum: signal.Signals) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..runtime import RankError
+    from ..launch.failures import RankError
     from . import bench, check, demo, generate, plan
 
     run = {

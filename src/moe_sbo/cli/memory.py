@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import MoEConfig
-from ..model.attention import AttentionConfig
+from ..decoder.attention import AttentionConfig
 
 MEMINFO = Path("/proc/meminfo")
 

@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import PRESETS, MoEConfig
-from ..fp8 import FP8_BLOCK, sizes_off_blocks
-from ..runtime import resolve_device
+from ..launch.group import resolve_device
+from ..quant.fp8 import FP8_BLOCK, sizes_off_blocks
 
 # ---- help ----------------------------------------------------------------------------------------
 

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_kernels import quantize_slice
 from ..lanes import lanes
+from ..quant.kernels import quantize_slice
 from .layout import ExpertLayout
 from .ll_kernels import Destinations, KernelLayout, block_h_for_row, pair_keys, pow2, store_fp8_slice
 from .ll_wire import RowFormat

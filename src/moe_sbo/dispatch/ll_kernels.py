@@ -45,9 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX
-from ..fp8_kernels import quantize_slice
 from ..lanes import lanes
+from ..quant.fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX
+from ..quant.kernels import quantize_slice
 from .layout import ExpertLayout
 from .ll_addresses import CallerAddresses
 from .ll_wire import RowFormat
@@ -105,7 +105,7 @@ class KernelLayout:
 def store_fp8_slice(
     dst_row, h0, q_QV, scale_Q, HIDDEN: tl.constexpr, SCALES_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr
 ):
-    """``fp8_kernels.quantize_slice``'s values and scales into their places in the packed row at ``dst_row``."""
+    """``quant.kernels.quantize_slice``'s values and scales into their places in the packed row at ``dst_row``."""
     offs_q = tl.arange(0, BLOCK_H // GROUP_V)
     q_mask = h0 + offs_q * GROUP_V < HIDDEN
     h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8, quantize_fp8
+from ..quant.fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8, quantize_fp8
 
 ROW_ALIGN_BYTES = 16  # packed rows are a multiple of this many bytes
 

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..fp8 import FP8_GROUP
 from ..hooks import HookFn
+from ..quant.fp8 import FP8_GROUP
 from ..streams import capturing
 from .base import (
     CombineInput,

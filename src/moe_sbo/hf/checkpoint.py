@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from ..config import MoEConfig
-from ..fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks, sizes_off_blocks
 from ..layer import MoELayer
+from ..quant.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks, sizes_off_blocks
 from ..weights import MoEWeights, layer_weights
 from .config import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
 

@@ -38,9 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch import Dispatcher, make_dispatcher
-from ..fp8 import dequantize_fp8_blocks
 from ..layer import MoELayer
-from ..stages import run_to_end
+from ..overlap.stages import run_to_end
+from ..quant.fp8 import dequantize_fp8_blocks
 from .checkpoint import Checkpoint, LayerLoader
 from .config import model_family, moe_layer_indices
 from .mla import absorb_mla_decode

@@ -104,7 +104,7 @@ class ResultFile:
     def add_step(self, run: Callable[[], list[dict]], error_row: dict) -> str | None:
         """Append ``run()``'s rows, or ``error_row`` plus the failure if a rank failed; save. Returns
         the failure's text (``None`` when the step worked) for the caller to show."""
-        from ..runtime import RankError
+        from ..launch.failures import RankError
 
         try:
             new_rows, failure = run(), None

@@ -36,13 +36,12 @@ import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..dispatch import EPGroup
-from ..experts import SharedExperts
+from ..experts.shared import SharedExperts
 from ..hooks import HookScope
 from ..streams import (
     SideStream,
@@ -56,9 +55,9 @@ from ..streams import (
     sm_count,
 )
 from ..streams import sm_budget as sm_budget_ctx
+from .auto import BucketTrials, bucket_of, slowest_rank
 
 log = logging.getLogger("moe_sbo.overlap")
-C = TypeVar("C")  # an auto strategy's candidate: an overlap mode, or TBO on/off
 
 FIXED_MODES: tuple[str, ...] = ("none", "dispatch", "combine", "combine_sm", "split")
 OVERLAP_MODES: tuple[str, ...] = (*FIXED_MODES, "auto")
@@ -210,41 +209,6 @@ class FixedOverlap:
         return ATTACH[self.mode](hooks, shared, x_TH, self.ctx)
 
 
-def bucket_of(num_tokens: int) -> int:
-    """Token counts that share a decision: the next power of two."""
-    return 1 << max(num_tokens - 1, 0).bit_length()
-
-
-@dataclass
-class BucketTrials(Generic[C]):
-    """The exploration behind an ``auto`` choice, per token-count bucket: the bucket's forwards cycle
-    through ``candidates``, the first ``warmup`` rounds untimed, then timed until every candidate has
-    ``trials`` samples (``timings_us``: bucket -> candidate -> µs). Used by SBO's ``AutoOverlap``
-    and TBO's ``AutoTbo``, which decide from the samples each their own way."""
-
-    candidates: tuple[C, ...]
-    trials: int = 3
-    warmup: int = 1
-    timings_us: dict[int, dict[C, list[float]]] = field(default_factory=dict)
-    _calls: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.trials < 1 or self.warmup < 0:
-            raise ValueError(f"trials must be >= 1 and warmup >= 0, got trials={self.trials}, warmup={self.warmup}")
-
-    def next(self, bucket: int) -> tuple[C, bool]:
-        """The candidate this forward of ``bucket`` runs, and whether its time is to be booked."""
-        call = self._calls.get(bucket, 0)
-        self._calls[bucket] = call + 1
-        return self.candidates[call % len(self.candidates)], call >= self.warmup * len(self.candidates)
-
-    def book(self, bucket: int, candidate: C, elapsed_us: float) -> dict[C, list[float]] | None:
-        """Book one timed forward; the bucket's samples once every candidate has its trials, else None."""
-        samples = self.timings_us.setdefault(bucket, {c: [] for c in self.candidates})
-        samples[candidate].append(elapsed_us)
-        return samples if all(len(samples[c]) >= self.trials for c in self.candidates) else None
-
-
 @dataclass
 class AutoOverlap:
     """Per token-count bucket, time every candidate mode on real forwards, then keep the fastest.
@@ -357,17 +321,6 @@ class AutoOverlap:
         choice = self.candidates[min(range(len(self.candidates)), key=lambda i: (slowest[i], i))]
         self.graph_choices[bucket_of(num_tokens)] = choice
         return choice
-
-
-def slowest_rank(values: list[float], group: EPGroup, device: torch.device) -> list[float]:
-    """Each of ``values`` as its slowest (largest) over the ranks of ``group`` (one all-reduce; the
-    values themselves at one rank). What ``auto`` strategies decide by: a layer runs at its slowest
-    rank's pace, and every rank must keep the same choice."""
-    if group.size == 1:
-        return list(values)
-    reduced = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group.group)
-    return reduced.tolist()
 
 
 def choices_from_rows(rows: list[dict], **match) -> dict[int, str]:

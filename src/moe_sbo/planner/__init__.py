@@ -68,7 +68,6 @@ from .memory import (
     expert_matrix_bytes,
     weight_memory,
 )
-from .seed import SEED_GB_B, SEED_KB_B, SEED_MB_B, SEED_PRINTED, SeedFigure, round_sig, seed_figures
 from .simulate import (
     AttentionShape,
     Op,
@@ -118,6 +117,7 @@ from .verdicts import (
     shared_expert_time_us,
     sweep_batches,
 )
+from .worked_example import SEED_GB_B, SEED_KB_B, SEED_MB_B, SEED_PRINTED, SeedFigure, round_sig, seed_figures
 
 __all__ = [
     # inputs

@@ -230,7 +230,7 @@ def simulate_fanout(cfg: MoEConfig, ep: int, num_tokens: int = 20000, seed: int 
     """
     import torch
 
-    from ..routing import select_experts
+    from ..routing.router import select_experts
 
     generator = torch.Generator().manual_seed(seed)
     logits_TE = torch.randn(num_tokens, cfg.num_experts, generator=generator)

@@ -28,7 +28,7 @@ from ..config import MoEConfig, divisors
 from .bytes import FP8_SCALE_B
 from .inputs import ELEMENT_B, ModelShapes
 
-FP8_WEIGHT_BLOCK = 128  # one scale per 128x128 weight tile: ``moe_sbo.fp8.FP8_BLOCK`` (fp8.py needs torch)
+FP8_WEIGHT_BLOCK = 128  # one scale per 128x128 weight tile: ``moe_sbo.quant.fp8.FP8_BLOCK`` (fp8.py needs torch)
 EXPERT_DTYPES = ("bf16", "fp8")
 ROUTER_B = 4  # the project's Router holds its gate weight and score bias in float32
 # NVIDIA H200 SXM datasheet ("141GB HBM3e"), compared as 141e9 bytes: conservative, as the project's

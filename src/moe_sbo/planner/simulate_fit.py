@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..config import MoEConfig, get_preset
-from ..experts import kernel_by_rows
+from ..experts.routed import kernel_by_rows
 from .links import positive_field
 from .simulate_rows import (
     BY_ROWS_PER_EXPERT,

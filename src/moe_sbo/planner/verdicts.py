@@ -19,7 +19,7 @@ from .bytes import ByteModel, a2a_time_us, byte_model, combine_row_bytes, dispat
 from .inputs import B_PER_US_PER_GBPS, ELEMENT_B, SHARED_EXPERT_EFFICIENCY, Hardware, PlanInputs, get_hardware
 from .links import Calibration, Link, datasheet_link, transfer_time_us
 from .memory import WeightMemory, weight_memory
-from .seed import SeedFigure, seed_figures
+from .worked_example import SeedFigure, seed_figures
 
 # --------------------------------------------------------------------------------------------------
 # Overlap verdicts

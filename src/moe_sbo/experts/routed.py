@@ -1,4 +1,4 @@
-"""Routed experts as one grouped GEMM over expert-sorted rows, and the shared experts' dense MLP.
+"""Routed experts as one grouped GEMM over expert-sorted rows.
 
 Legend: see ``moe_sbo/__init__.py``.
 
@@ -6,9 +6,9 @@ The hard part is the grouped GEMM: ``torch._grouped_mm`` takes cumulative row of
 (so no host sync) but only runs for some dtype/device pairs (bf16 on sm90+ CUDA, and the CPU build
 since torch 2.9). Elsewhere a per-expert loop over host-side row counts computes the same thing.
 On CUDA, dense experts with up to 512 rows per expert run Triton kernels instead, which read only
-the weights of experts with rows (``gemv_kernels.py`` at decode sizes, ``grouped_gemm_kernels.py``
+the weights of experts with rows (``gemv.py`` at decode sizes, ``tiled_gemm.py``
 above: ``RoutedExperts.dense_path``). FP8 experts (DeepSeek's block-scaled e4m3 weights) run
-``fp8_kernels.py``'s grouped GEMM instead.
+``fp8_gemm.py``'s grouped GEMM instead.
 Weights use the Hugging Face layout: ``gate_up_proj [L, 2I, H]`` (gate rows first), ``down_proj [L, H, I]``.
 """
 
@@ -22,30 +22,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import env
-from .fp8 import (
-    FP8_BLOCK,
-    FP8_DTYPE,
-    dequantize_fp8_blocks,
-    grouped_linear_fp8,
-    grouped_scaled_mm,
-    quantize_fp8,
-    quantize_fp8_blocks,
-    scaled_mm_blockwise_supported,
-    sizes_off_blocks,
-)
-from .profiling import annotate
-from .streams import compute_capability
+from .. import env
+from ..profiling import annotate
+from ..quant.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8, quantize_fp8_blocks, sizes_off_blocks
+from ..streams import compute_capability
+from .fp8_torch import grouped_linear_fp8, grouped_scaled_mm, scaled_mm_blockwise_supported
 
 if TYPE_CHECKING:
-    from .dispatch.base import DispatchOutput
+    from ..dispatch.base import DispatchOutput
 
 try:
-    from . import fp8_kernels, gemv_kernels, grouped_gemm_kernels
+    from ..quant import kernels as quant_kernels
+    from . import fp8_gemm, gemv, tiled_gemm
 except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and refuse CUDA
-    fp8_kernels = None  # type: ignore[assignment]
-    gemv_kernels = None  # type: ignore[assignment]
-    grouped_gemm_kernels = None  # type: ignore[assignment]
+    fp8_gemm = None  # type: ignore[assignment]
+    quant_kernels = None  # type: ignore[assignment]
+    gemv = None  # type: ignore[assignment]
+    tiled_gemm = None  # type: ignore[assignment]
 
 FP8_KERNELS = ("auto", "triton", "scaled_mm", "torch")
 # Dense experts: "gemv" and "tiled" force one Triton kernel, "triton" takes the Triton kernel for the rows.
@@ -59,8 +52,8 @@ SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # experts P x C x K rows, C x K of them real on average: ``DispatchOutput.expected_rows``), measured
 # on H200 at DeepSeek-V3 dims over 8 to 256 experts (``benchmarks/bench_gemv.py``,
 # docs/BENCHMARKS.md "Dense experts", "64 to 256 experts per GPU"): up to GEMV_MAX_ROWS_PER_EXPERT,
-# ``gemv_kernels``' GEMV (the fastest up to 4 rows per expert, within 4 % of the tiled GEMM at 8,
-# 1.24-1.42x slower at 16); up to TILED_MAX_ROWS_PER_EXPERT, ``grouped_gemm_kernels``' tiled GEMM
+# ``gemv``' GEMV (the fastest up to 4 rows per expert, within 4 % of the tiled GEMM at 8,
+# 1.24-1.42x slower at 16); up to TILED_MAX_ROWS_PER_EXPERT, ``tiled_gemm``' tiled GEMM
 # (1.06-1.45x faster than ``torch._grouped_mm`` from 16 to 128 rows per expert; with its descriptor
 # loads, 0.86-0.95x its time at 256 and 512 over 8 to 256 experts with rows on random experts, 0.96-1.07x
 # with as many rows on every expert, and replayed EP1 layers 0.97-1.00x); above,
@@ -118,10 +111,10 @@ class RoutedExperts(nn.Module):
     [L, 2I/128, H/128], ``down_proj_scale_inv`` [L, H/128, I/128]; DeepSeek-V3's format), activations
     quantised per token in 128-value groups, block-scaled GEMMs (H and I must be multiples of 128).
     ``dtype`` is then the activation dtype of the input and output. ``kernels``: for FP8 (see
-    ``fp8_path``) ``"auto"`` on CUDA runs ``fp8_kernels.py``'s Triton grouped GEMM, or at prefill
-    sizes outside graph capture cuBLAS's (``"scaled_mm"``), and ``fp8.grouped_linear_fp8`` off CUDA;
-    for dense weights (see ``dense_path``) ``"auto"`` runs ``gemv_kernels.py`` on CUDA at decode sizes,
-    ``grouped_gemm_kernels.py`` at mid sizes and ``torch._grouped_mm`` at prefill sizes. ``"triton"``
+    ``fp8_path``) ``"auto"`` on CUDA runs ``fp8_gemm.py``'s Triton grouped GEMM, or at prefill
+    sizes outside graph capture cuBLAS's (``"scaled_mm"``), and ``fp8_torch.grouped_linear_fp8`` off CUDA;
+    for dense weights (see ``dense_path``) ``"auto"`` runs ``gemv.py`` on CUDA at decode sizes,
+    ``tiled_gemm.py`` at mid sizes and ``torch._grouped_mm`` at prefill sizes. ``"triton"``
     forces the Triton kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
     """
 
@@ -190,15 +183,13 @@ class RoutedExperts(nn.Module):
             if rows_R is not None and path != "tiled":  # only the tiled GEMM reads through an index
                 x_RH, rows_R = x_RH.index_select(0, rows_R), None
             if path == "gemv":
-                gate_up_R2I = gemv_kernels.grouped_gemv(x_RH, self.gate_up_proj, offsets_L)
+                gate_up_R2I = gemv.grouped_gemv(x_RH, self.gate_up_proj, offsets_L)
                 gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-                return gemv_kernels.grouped_gemv(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
+                return gemv.grouped_gemv(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
             if path == "tiled":
                 # The tiles for the rows to expect (padding excluded), not for every row handed over.
-                tiles = grouped_gemm_kernels.dense_config(
-                    self._rows_per_expert(num_rows, expected_rows), x_RH.element_size()
-                )
-                gemm = functools.partial(grouped_gemm_kernels.grouped_gemm, config=tiles)
+                tiles = tiled_gemm.dense_config(self._rows_per_expert(num_rows, expected_rows), x_RH.element_size())
+                gemm = functools.partial(tiled_gemm.grouped_gemm, config=tiles)
                 gate_up_R2I = gemm(x_RH, self.gate_up_proj, offsets_L, rows_R=rows_R)
                 gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
                 return gemm(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
@@ -242,7 +233,7 @@ class RoutedExperts(nn.Module):
         indexed: bool = False,
     ) -> str:
         """Which GEMMs dense (not FP8) experts run for the rows ``x_RH``: ``"gemv"``
-        (``gemv_kernels``), ``"tiled"`` (``grouped_gemm_kernels``) or ``"grouped_mm"``
+        (``gemv``), ``"tiled"`` (``tiled_gemm``) or ``"grouped_mm"``
         (``torch._grouped_mm``, or a per-expert loop where it does not run). The rule counts
         ``expected_rows`` where given (padding follows the real rows), else every row handed over
         (``num_rows``, default ``x_RH``'s: rows read through an index may number otherwise);
@@ -256,9 +247,9 @@ class RoutedExperts(nn.Module):
         that kernel; the Triton kernels need CUDA, or ``TRITON_INTERPRET=1`` on CPU."""
         if self.kernels not in DENSE_KERNELS:
             raise ValueError(f"kernels must be one of {DENSE_KERNELS} for dense experts, got {self.kernels!r}")
-        if self.kernels == "torch" or (gemv_kernels is None and self.kernels == "auto"):
+        if self.kernels == "torch" or (gemv is None and self.kernels == "auto"):
             return "grouped_mm"
-        if gemv_kernels is None:
+        if gemv is None:
             raise RuntimeError(f"kernels={self.kernels!r} needs Triton (pip install triton); use 'auto' or 'torch'")
         rows_per_expert = self._rows_per_expert(x_RH.shape[0] if num_rows is None else num_rows, expected_rows)
         if self.kernels == "auto":
@@ -293,7 +284,7 @@ class RoutedExperts(nn.Module):
             return grouped_linear_fp8(
                 q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv, offsets_L, self.dtype
             )
-        assert fp8_kernels is not None
+        assert fp8_gemm is not None and quant_kernels is not None
         gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
         if path == "scaled_mm":
             counts = num_rows_per_expert_L.tolist()  # the one host read of this path
@@ -303,16 +294,16 @@ class RoutedExperts(nn.Module):
         else:
 
             def gemm(q, s, w, ws):
-                return fp8_kernels.grouped_gemm(q, s, w, ws, offsets_L, self.dtype)
+                return fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, self.dtype)
 
-        q_RH, scales_RQ = fp8_kernels.quantize_rows(x_RH, offsets_L) if scales_RQ is None else (x_RH, scales_RQ)
+        q_RH, scales_RQ = quant_kernels.quantize_rows(x_RH, offsets_L) if scales_RQ is None else (x_RH, scales_RQ)
         gate_up_R2I = gemm(q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv)
-        q_RI, act_scales_RQ = fp8_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
+        q_RI, act_scales_RQ = quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
         return gemm(q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv)
 
     def fp8_path(self, device: torch.device, num_rows: int) -> str:
         """Which FP8 GEMMs a forward of ``num_rows`` rows on ``device`` runs: ``"triton"``
-        (``fp8_kernels``: device counts, no host sync, CUDA-graph capturable), ``"scaled_mm"`` (cuBLAS
+        (``fp8_gemm``: device counts, no host sync, CUDA-graph capturable), ``"scaled_mm"`` (cuBLAS
         per expert, sm90; reads the counts on the host; chosen by ``"auto"`` when not capturing a
         graph and the rows per expert reach ``SCALED_MM_MIN_ROWS_PER_EXPERT``) or ``"torch"``."""
         if self.kernels not in FP8_KERNELS:
@@ -323,14 +314,14 @@ class RoutedExperts(nn.Module):
             if self.kernels == "scaled_mm":
                 raise RuntimeError("kernels='scaled_mm' needs an sm90 CUDA device; use 'auto' or 'torch' on CPU")
             if self.kernels == "triton":
-                if fp8_kernels is None or not env.triton_interpreting():
+                if fp8_gemm is None or not env.triton_interpreting():
                     raise RuntimeError(
                         "kernels='triton' needs CUDA tensors, or TRITON_INTERPRET=1 (Triton's CPU interpreter) "
                         "with triton installed"
                     )
                 return "triton"
             return "torch"
-        if fp8_kernels is None:
+        if fp8_gemm is None:
             raise RuntimeError("FP8 experts on CUDA need Triton; pip install triton")
         major, minor = compute_capability(device)
         if (major, minor) < (8, 9):
@@ -378,35 +369,3 @@ class RoutedExperts(nn.Module):
             dequantize_fp8_blocks(self.gate_up_proj[local], self.gate_up_proj_scale_inv[local]),
             dequantize_fp8_blocks(self.down_proj[local], self.down_proj_scale_inv[local]),
         )
-
-
-class SharedExperts(nn.Module):
-    """The shared experts, fused into one dense SwiGLU MLP of width J (``I * num_shared_experts``)."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ):
-        super().__init__()
-        # gate and up in one weight so the first projection is a single GEMM.
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device))
-        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype, device=device))
-
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """``[T, H] -> [T, H]``: ``down(up_and_activate(x))``."""
-        return self.down(self.up_and_activate(x_TH))
-
-    # The two halves are separate so an overlap strategy can run them in different transfer windows.
-    def up_and_activate(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """First half: ``silu(x gate^T) * (x up^T)`` -> ``[T, J]``."""
-        with annotate("shared_experts"):
-            gate_TJ, up_TJ = F.linear(x_TH, self.gate_up_proj).chunk(2, dim=-1)
-            return F.silu(gate_TJ) * up_TJ
-
-    def down(self, h_TJ: torch.Tensor) -> torch.Tensor:
-        """Second half: ``h down^T`` -> ``[T, H]``."""
-        with annotate("shared_experts"):
-            return F.linear(h_TJ, self.down_proj)

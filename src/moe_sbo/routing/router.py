@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import env
-from .config import MoEConfig
-from .profiling import annotate
+from .. import env
+from ..config import MoEConfig
+from ..profiling import annotate
 
 try:
-    from . import routing_kernels
+    from . import kernel as routing_kernels
 except ImportError:  # no Triton: the torch router only
     routing_kernels = None  # type: ignore[assignment]
 
@@ -84,14 +84,14 @@ class Router(nn.Module):
     """Gate ``weight [E, H]`` (float32) and, for ``noaux_tc``, ``e_score_correction_bias [E]``.
 
     ``kernel``: ``"torch"`` selects the experts with ``select_experts`` (a dozen small ops);
-    ``"triton"`` with ``routing_kernels.select_experts_fused`` (one launch, the same experts and
+    ``"triton"`` with ``kernel.select_experts_fused`` (one launch, the same experts and
     weights; on CPU under ``TRITON_INTERPRET=1``); ``"auto"`` (default) with the Triton kernel on CUDA
     tensors when Triton is installed and with ``select_experts`` otherwise. On an H200 the kernel
     took DeepSeek-V3's router (gate GEMM included) from 430 to 126 µs of host time per eager call
     and from 574 to 427 µs of device time at 4096 tokens (docs/BENCHMARKS.md, "Router").
     Settable after construction (``router.kernel``), checked either way. The kernel is held to the
     torch ops for top-1 to top-8 under each shipped preset's routing, compiled on the GPU and under
-    the interpreter on CPU (``tests/test_routing_kernels.py``)."""
+    the interpreter on CPU (``tests/routing/test_kernel.py``)."""
 
     e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
 

@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..decoder.attention import Batch, KVCache
 from ..dispatch import Dispatcher, EPGroup
-from ..overlap.sbo import BucketTrials, bucket_of, slowest_rank
 from ..streams import capturing, clock, elapsed_us
-from .attention import Batch, KVCache
+from .auto import BucketTrials, bucket_of, slowest_rank
 from .tbo import GemmSmBudget, tbo_forward
 
 if TYPE_CHECKING:
-    from .decoder import DecoderLayer
+    from ..decoder.decoder_layer import DecoderLayer
 
 CANDIDATES = (False, True)  # without TBO first: a bucket's first forwards run the plain layer
 

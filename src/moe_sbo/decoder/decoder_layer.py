@@ -19,7 +19,7 @@ from torch import nn
 
 from ..dispatch import Dispatcher
 from ..layer import MoELayer
-from ..stages import run_to_end
+from ..overlap.stages import run_to_end
 from ..weights import seeded_normal
 from .attention import Attention, AttentionConfig, Batch, KVCache
 

@@ -1,9 +1,9 @@
 """A Triton tiled grouped GEMM for dense (bf16) routed experts, and the tile schedule it shares with
-``fp8_kernels.py``'s FP8 grouped GEMM.
+``fp8_gemm.py``'s FP8 grouped GEMM.
 
 Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction features, L the experts.
 
-Between decode (``gemv_kernels.py``: a few rows per expert, one weight read) and prefill
+Between decode (``gemv.py``: a few rows per expert, one weight read) and prefill
 (``torch._grouped_mm``: thousands of rows per expert, FLOP-bound) lie the batches whose experts see
 tens to hundreds of rows each. There ``torch._grouped_mm`` ran 1.4-2.6x its floor (the weight read or
 the FLOPs, whichever takes longer) on H200 at 16-128 rows per expert, and this kernel, whose row
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .streams import compute_capability
+from ..streams import compute_capability
 
 
 @dataclass(frozen=True)

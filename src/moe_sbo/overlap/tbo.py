@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ..decoder.attention import Batch, KVCache
 from ..dispatch import Dispatcher
-from ..stages import run_interleaved
 from ..streams import sm_budget as sm_budget_ctx
 from ..streams import sm_count
-from .attention import Batch, KVCache
+from .stages import run_interleaved
 
 if TYPE_CHECKING:
+    from ..decoder.decoder_layer import DecoderLayer
     from ..layer import MoELayer
-    from .decoder import DecoderLayer
 
 log = logging.getLogger("moe_sbo.tbo")
 

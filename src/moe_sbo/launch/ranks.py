@@ -28,18 +28,15 @@ Environment variables are read in ``env.py``: ``MOE_SBO_TIMEOUT_S`` and torchrun
 from __future__ import annotations
 
 import contextlib
-import datetime
 import multiprocessing as mp
 import os
 import queue
-import re
 import signal
-import socket
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.queues import Queue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -47,62 +44,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import env, profiling
+from .. import env, profiling
+from .failures import RankError, RankFailure, error_message, exit_cause
+from .group import free_port, join_group, resolve_device
 
 DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
-
-
-def resolve_device(device: str = "auto") -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cpu``/``cuda`` checked."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda was asked for but torch sees no GPU; use --device cpu")
-    return device
-
-
-def _join_group(device: str, local_rank: int, timeout_s: float, **init_kwargs: Any) -> torch.device:
-    """Pick this rank's device, then join the process group (NCCL on GPUs, gloo on CPU) with every
-    wait on a peer bounded by ``timeout_s``: the group's timeout; this process's ``MOE_SBO_TIMEOUT_S``,
-    which the symmetric-memory barriers read; NCCL's error handling (``env.nccl_error_handling``)."""
-    env.set_collective_timeout_s(timeout_s)
-    if device == "cuda":
-        env.configure_nccl_error_handling(timeout_s)  # before the group: PyTorch reads them when it is made
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        torch_device = torch.device("cuda", torch.cuda.current_device())
-        init_kwargs["device_id"] = torch_device  # binds the NCCL communicator to this GPU eagerly
-    else:
-        torch_device = torch.device("cpu")
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s), **init_kwargs
-    )
-    return torch_device
-
-
-def init_from_torchrun(device: str = "auto") -> torch.device:
-    """Join the job torchrun started (reads its environment); returns this rank's device.
-
-    A rank that raises exits non-zero and torchrun stops the others. A rank that is alive but never
-    reaches a collective, or whose process died, makes the others fail after ``MOE_SBO_TIMEOUT_S``: on
-    GPUs NCCL's watchdog logs the collective that timed out, aborts the communicator and ends the
-    process; a symmetric-memory barrier traps, and the next synchronising call raises; on CPU gloo
-    raises. Each then exits non-zero, and torchrun stops the rest.
-    """
-    ranks = env.torchrun_rank()
-    if ranks is None:
-        raise RuntimeError("RANK/WORLD_SIZE are not set: start this under torchrun, or use LocalRanks")
-    rank, world, local_rank = ranks
-    return _join_group(resolve_device(device), local_rank, env.collective_timeout_s(), rank=rank, world_size=world)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that no socket holds now (for a process group's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- the worker process ------------------------------------------------------------------------------
@@ -151,7 +98,7 @@ def _worker(
     try:
         if device == "cpu":
             torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
-        torch_device = _join_group(device, rank, timeout_s, init_method=init_method, rank=rank, world_size=world_size)
+        torch_device = join_group(device, rank, timeout_s, init_method=init_method, rank=rank, world_size=world_size)
     except BaseException as exc:  # noqa: BLE001 - report anything, the launcher decides
         results.put((0, rank, False, _failure(exc), time.time()))
         return
@@ -179,123 +126,6 @@ def _worker(
     dist.destroy_process_group()
 
 
-# ---- failures ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """How one rank failed a call: ``kind`` is ``raised`` (``cause`` is the exception's type and
-    message, ``details`` its traceback) or ``died`` (the process ended: ``cause`` gives its exit code or signal).
-    ``failed_at``: wall-clock time the rank raised, or the launcher saw it dead. ``phase``: the
-    dispatcher phase it was in (``profiling.describe_phase``: ``in dispatch_wait``, ``after
-    combine_wait``; empty outside any)."""
-
-    rank: int
-    kind: str
-    cause: str
-    details: str
-    failed_at: float
-    phase: str = ""
-
-    @property
-    def gave_up_waiting(self) -> bool:
-        """Whether this looks like a bounded wait on a peer that ran out (the peer is at fault): a
-        timeout (gloo, NCCL), a symmetric-memory barrier's trap, or a death by SIGABRT (how NCCL's
-        watchdog ends a process whose collective outlived the bound)."""
-        if self.kind == "died":
-            return "SIGABRT" in self.cause
-        return bool(WAIT_EXPIRED.search(self.cause))
-
-
-# What a rank's error says when its bounded wait for a peer ran out: gloo's and NCCL's timeouts; a
-# symmetric-memory barrier's trap (its own line, or the CUDA error the next synchronising call raises).
-WAIT_EXPIRED = re.compile(
-    r"timed out|timeout|failed to (send|receive) signal|unspecified launch failure|illegal instruction",
-    re.IGNORECASE,
-)
-
-
-class RankError(RuntimeError):
-    """One or more ranks failed a call; the message names the first and holds each one's traceback.
-
-    ``failures``: first failure first (a dead rank before ranks that raised: a peer's death makes the
-    others fail on a closed connection, not the other way round; then by when each rank raised).
-    ``stopped_ranks``: ranks the launcher stopped because they were still running after the grace
-    period (or the call's deadline), most likely waiting in a collective. ``stalled_ranks``: of
-    those, the ones the others gave up waiting for (every failure was an expired wait: the ranks
-    still running are the cause). ``phases``: each rank's dispatcher phase when the call ended
-    (``profiling.describe_phase``; empty when unknown).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        failures: tuple[RankFailure, ...] = (),
-        stopped_ranks: tuple[int, ...] = (),
-        *,
-        stalled_ranks: tuple[int, ...] = (),
-        phases: tuple[str, ...] = (),
-    ):
-        super().__init__(message)
-        self.failures = failures
-        self.stopped_ranks = stopped_ranks
-        self.stalled_ranks = stalled_ranks
-        self.phases = phases
-
-    @property
-    def first(self) -> RankFailure | None:
-        """The failure that most likely caused the others (``None`` when ranks only timed out)."""
-        return self.failures[0] if self.failures else None
-
-
-def _exit_cause(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "process ended (exit code unknown)"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = "unknown signal"
-        return f"process killed by signal {-exitcode} ({name})"
-    return f"process exited with code {exitcode} without answering"
-
-
-def _error_message(
-    what: str,
-    failures: tuple[RankFailure, ...],
-    stopped: tuple[int, ...],
-    stalled: tuple[int, ...],
-    phases: tuple[str, ...],
-    elapsed_s: float,
-    grace_s: float,
-    bound_s: float,
-) -> str:
-    first = failures[0]
-    verb = "died" if first.kind == "died" else "raised"
-    failed = sorted(f.rank for f in failures)
-    if stalled:
-        lines = [
-            f"{what}: ranks {list(stalled)} stalled: ranks {failed} gave up waiting for them (wait bound "
-            f"{bound_s:g} s, MOE_SBO_TIMEOUT_S); first rank {first.rank} {verb}: {first.cause}",
-            f"ranks {list(stalled)} were still running {grace_s:g} s later and were stopped; the call ended "
-            f"{elapsed_s:.1f} s after it began, and the ranks start again at the next call",
-        ]
-    else:
-        lines = [f"{what} failed on ranks {failed}: first rank {first.rank} {verb}: {first.cause}"]
-        if stopped:
-            lines.append(
-                f"ranks {list(stopped)} were still running {grace_s:g} s after that failure (most likely "
-                f"waiting in a collective for rank {first.rank}) and were stopped; the call ended "
-                f"{elapsed_s:.1f} s after it began, and the ranks start again at the next call"
-            )
-    where = [f"rank {rank} {phase}" for rank, phase in enumerate(phases) if phase]
-    if where:
-        lines.append("dispatcher phases when the call ended: " + ", ".join(where))
-    for failure in failures:
-        lines.append(f"--- rank {failure.rank} ({failure.kind}) ---\n{failure.details or failure.cause}")
-    return "\n".join(lines)
-
-
 # ---- the launcher ------------------------------------------------------------------------------------
 
 
@@ -313,7 +143,13 @@ def _context(device: str) -> mp.context.SpawnContext | mp.context.ForkServerCont
     ctx = mp.get_context("forkserver")
     # The preload list only counts before the server's first start (the first LocalRanks of a process).
     # forkserver_signals first: the server and its ranks ignore SIGINT (the launcher handles it).
-    preload = ["moe_sbo.forkserver_signals", "torch", "torch.distributed", "moe_sbo.runtime", "moe_sbo.layer"]
+    preload = [
+        "moe_sbo.launch.forkserver_signals",
+        "torch",
+        "torch.distributed",
+        "moe_sbo.launch.ranks",
+        "moe_sbo.layer",
+    ]
     ctx.set_forkserver_preload(preload)
     _start_forkserver(ctx)
     return ctx
@@ -494,7 +330,7 @@ class LocalRanks:
                 self._book(call, answer, values, failures)
             for rank, proc in enumerate(self._procs):
                 if rank not in values and rank not in failures and not proc.is_alive():
-                    failures[rank] = RankFailure(rank, "died", _exit_cause(proc.exitcode), "", time.time())
+                    failures[rank] = RankFailure(rank, "died", exit_cause(proc.exitcode), "", time.time())
             if failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
         if not failures and len(values) == self.world_size:
@@ -523,7 +359,7 @@ class LocalRanks:
             f.gave_up_waiting and f.failed_at - started_wall >= 0.99 * self.collective_timeout_s for f in ordered
         ]
         stalled = pending if all(expired) else ()
-        message = _error_message(
+        message = error_message(
             what, ordered, pending, stalled, phases, elapsed_s, self.failure_grace_s, self.collective_timeout_s
         )
         raise RankError(message, ordered, pending, stalled_ranks=stalled, phases=phases)

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import MoEConfig
-from .lanes import lanes
+from ..config import MoEConfig
+from ..lanes import lanes
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Below every finite score, above the padding's -inf; a constexpr, as a compiled kernel reads no plain global.

@@ -1,0 +1,144 @@
+"""The block-scaled FP8 grouped GEMM of the routed experts: e4m3 rows grouped by expert times each
+expert's e4m3 weight, DeepSeek-V3's recipe (1x128 activation scales, 128x128 weight block scales).
+
+Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction features, L the experts.
+
+One FP8 expert MLP is four launches::
+
+    quantize_rows       x [R, H] -> e4m3 [R, H] and scales [R, H/128] (``quant.kernels``; skipped when
+                        the rows arrive in fp8 from ``low_latency``'s fp8 dispatch)
+    grouped_gemm        gate_up: [R, H] x [L, 2I, H]^T -> [R, 2I] in the activation dtype
+    silu_mul_quantize   silu(gate) * up -> e4m3 [R, I] and scales [R, I/128] (``quant.kernels``)
+    grouped_gemm        down: [R, I] x [L, H, I]^T -> [R, H]
+
+This is the Triton implementation (counts on the device, no host sync, CUDA-graph capturable);
+``fp8_torch.py`` holds the same contract in torch: cuBLAS's block-wise ``torch._scaled_mm`` per expert
+(sm90, counts on the host) and the float32 reference that CPU ranks run.
+
+The hard part is the schedule without a host sync: device row offsets, a grid sized for the worst
+case, each program finding its expert and tile by a prefix sum (``tiled_gemm.expert_tile``, shared
+with the dense experts' tiled GEMM). Each K step of 128 values multiplies e4m3 tiles on the tensor
+cores (exact float32 products) and scales the partial sum by the row's activation scale and the
+column block's weight scale, as DeepGEMM and vLLM's ``fused_moe`` do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.fp8 import FP8_BLOCK, FP8_GROUP
+from .tiled_gemm import GemmConfig, expert_tile, max_tiles
+
+GROUP_V = tl.constexpr(FP8_GROUP)
+
+
+# Measured on H200 (``bench_fp8_experts.py --sweep``, DeepSeek-V3 dims): 64 x 128 tiles win up to
+# 256 rows per expert (weight-read bound, then one weight scale per step keeps the scaling cheap);
+# from there 128 x 128 tiles with two warp groups (~790 TFLOP/s on gate_up at 2048 rows).
+DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4)
+LARGE_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)
+GEMM_CONFIGS = (DECODE_CONFIG, LARGE_CONFIG)
+
+
+def gemm_config(rows_per_expert: float) -> GemmConfig:
+    """The tiles for ``rows_per_expert`` rows per expert on average (the grid depends on rows only,
+    so a CUDA graph captured at one size keeps its config whatever the routing)."""
+    return DECODE_CONFIG if rows_per_expert <= 256 else LARGE_CONFIG
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    offsets_ptr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = GROUP_V  # one activation scale and one weight scale per K step
+    KQ: tl.constexpr = K // BLOCK_K
+    NQ: tl.constexpr = (N + BLOCK_K - 1) // BLOCK_K
+    NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    live, expert, offs_m, m_mask, pid_n = expert_tile(
+        tl.program_id(0), offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
+    )
+    if not live:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    rows64 = offs_m.to(tl.int64)
+    a_tile = a_ptr + rows64[:, None] * K + offs_k[None, :]
+    b_tile = b_ptr + expert.to(tl.int64) * N * K + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
+    a_scales = a_scale_ptr + rows64 * KQ
+    b_scales = b_scale_ptr + expert.to(tl.int64) * NQ * KQ + (offs_n // BLOCK_K) * KQ
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # A tile at most one weight block wide has one weight scale per K step: a scalar, so each step
+    # costs one multiply-add per accumulator element instead of an outer product of scales.
+    ONE_B_SCALE: tl.constexpr = BLOCK_N <= BLOCK_K
+    b_scale_tile = b_scale_ptr + expert.to(tl.int64) * NQ * KQ + (pid_n * BLOCK_N // BLOCK_K) * KQ
+    for kq in range(KQ):
+        a = tl.load(a_tile + kq * BLOCK_K, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_tile + kq * BLOCK_K, mask=n_mask[None, :], other=0.0)
+        scale_a = tl.load(a_scales + kq, mask=m_mask, other=0.0)
+        if ONE_B_SCALE:
+            acc += tl.dot(a, b) * (scale_a * tl.load(b_scale_tile + kq))[:, None]
+        else:
+            scale_b = tl.load(b_scales + kq, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
+    c_tile = c_ptr + rows64[:, None] * N + offs_n[None, :]
+    tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def grouped_gemm(
+    q_RK: torch.Tensor,
+    scales_RQ: torch.Tensor,
+    w_LNK: torch.Tensor,
+    w_scale_inv_LNQ: torch.Tensor,
+    offsets_L: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """e4m3 rows ``q_RK`` (scales ``[R, K/128]``) grouped by expert times each expert's e4m3 weight
+    ``w_LNK[l]`` transposed (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``.
+
+    ``offsets_L``: int32 cumulative row counts on the device; rows past ``offsets_L[-1]`` are left
+    unwritten. K must be a multiple of 128; ``config`` defaults to ``gemm_config(R / L)``.
+    """
+    num_rows, k = q_RK.shape
+    num_experts, n, _ = w_LNK.shape
+    if k % FP8_BLOCK:
+        raise ValueError(f"the reduction size must be a multiple of {FP8_BLOCK} for FP8 experts, got {k}")
+    if config is not None and config.block_k != FP8_BLOCK:
+        raise ValueError(f"FP8 experts step K by their scale block, {FP8_BLOCK}: got block_k={config.block_k}")
+    out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
+    if num_rows == 0:
+        return out_RN
+    config = config or gemm_config(num_rows / num_experts)
+    _grouped_gemm_kernel[(max_tiles(num_rows, num_experts, n, config),)](
+        q_RK,
+        scales_RQ,
+        w_LNK,
+        w_scale_inv_LNQ,
+        out_RN,
+        offsets_L,
+        N=n,
+        K=k,
+        NUM_EXPERTS=num_experts,
+        E_P2=triton.next_power_of_2(num_experts),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out_RN

@@ -1,0 +1,118 @@
+"""Triton kernels that quantise activations to FP8 (``fp8.py``'s format: e4m3, one scale per token and
+128 values): the rows entering the routed experts, SwiGLU's output between their two GEMMs, and a
+slice of a row (``quantize_slice``) that ``low_latency``'s fp8 dispatch stores straight into a peer's
+buffer.
+
+Legend: see ``moe_sbo/__init__.py``.
+
+Each program quantises 1024 values (8 groups of 128) of one row; rows past the last expert offset
+(padding) are neither read nor written, so a launch depends only on R and a CUDA graph captured at one
+R replays for any routing. The kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors; the tests
+hold them to ``fp8.py``'s torch reference there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX
+
+GROUP_V = tl.constexpr(FP8_GROUP)
+E4M3_MAX = tl.constexpr(FP8_MAX)
+
+
+def block_h_for_quantize(hidden: int) -> int:
+    # 1024 values (8 groups) per program: enough work per launch slot, whole groups only.
+    return min(1024, max(triton.next_power_of_2(hidden), FP8_GROUP))
+
+
+# ---- quantisers --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def quantize_values(x_QV):
+    """float32 ``[Q, V]`` (V = 128) -> e4m3 ``[Q, V]`` and float32 scales ``[Q]``, as ``fp8.quantize_fp8``:
+    amax / 448 per group (floored so a zero group stays finite), an IEEE division (Triton's "/" is
+    approximate), clamp, round to nearest e4m3."""
+    scale_Q = tl.maximum(tl.max(tl.abs(x_QV), axis=1), 1e-30) / E4M3_MAX
+    q_QV = tl.clamp(tl.math.div_rn(x_QV, scale_Q[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    return q_QV, scale_Q
+
+
+@triton.jit
+def quantize_slice(x_row, h0, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Values ``[h0, h0 + BLOCK_H)`` of the row at ``x_row`` quantised by ``quantize_values``."""
+    offs_q = tl.arange(0, BLOCK_H // GROUP_V)
+    q_mask = h0 + offs_q * GROUP_V < HIDDEN
+    h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
+    x_QV = tl.load(x_row + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
+    return quantize_values(x_QV)
+
+
+@triton.jit
+def _store_quantized(q_row, s_row, h0, q_QV, scale_Q, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+    offs_q = tl.arange(0, BLOCK_H // GROUP_V)
+    q_mask = h0 + offs_q * GROUP_V < HIDDEN
+    h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
+    tl.store(q_row + h_QV, q_QV, mask=q_mask[:, None])
+    tl.store(s_row + h0 // GROUP_V + offs_q, scale_Q, mask=q_mask)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, last_ptr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0)
+    if r < tl.load(last_ptr):  # rows past the last expert's end are padding
+        h0 = tl.program_id(1) * BLOCK_H
+        r64 = r.to(tl.int64)
+        q_QV, scale_Q = quantize_slice(x_ptr + r64 * HIDDEN, h0, HIDDEN, BLOCK_H)
+        _store_quantized(q_ptr + r64 * HIDDEN, s_ptr + r64 * (HIDDEN // GROUP_V), h0, q_QV, scale_Q, HIDDEN, BLOCK_H)
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(h_ptr, q_ptr, s_ptr, last_ptr, INTER: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0)
+    if r < tl.load(last_ptr):
+        h0 = tl.program_id(1) * BLOCK_H
+        r64 = r.to(tl.int64)
+        offs_q = tl.arange(0, BLOCK_H // GROUP_V)
+        q_mask = h0 + offs_q * GROUP_V < INTER
+        h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
+        gate_row = h_ptr + r64 * (2 * INTER)
+        gate_QV = tl.load(gate_row + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
+        up_QV = tl.load(gate_row + INTER + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
+        act_QV = gate_QV * tl.sigmoid(gate_QV) * up_QV
+        q_QV, scale_Q = quantize_values(act_QV)
+        _store_quantized(q_ptr + r64 * INTER, s_ptr + r64 * (INTER // GROUP_V), h0, q_QV, scale_Q, INTER, BLOCK_H)
+
+
+def _empty_quantized(num_rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``[X, width]`` values and their float32 ``[X, width/128]`` scales, uninitialised."""
+    q = torch.empty(num_rows, width, dtype=FP8_DTYPE, device=device)
+    return q, torch.empty(num_rows, width // FP8_GROUP, dtype=torch.float32, device=device)
+
+
+def quantize_rows(x_RH: torch.Tensor, offsets_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_RH`` -> (e4m3 ``[R, H]``, float32 scales ``[R, H/128]``); rows at or past ``offsets_L[-1]``
+    are left unwritten (they belong to no expert)."""
+    num_rows, hidden = x_RH.shape
+    q_RH, scales_RQ = _empty_quantized(num_rows, hidden, x_RH.device)
+    if num_rows:
+        block_h = block_h_for_quantize(hidden)
+        _quantize_rows_kernel[(num_rows, triton.cdiv(hidden, block_h))](
+            x_RH, q_RH, scales_RQ, offsets_L[-1:], HIDDEN=hidden, BLOCK_H=block_h
+        )
+    return q_RH, scales_RQ
+
+
+def silu_mul_quantize(gate_up_R2I: torch.Tensor, offsets_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU of ``gate_up_R2I`` (gate columns first) quantised: (e4m3 ``[R, I]``, scales ``[R, I/128]``)."""
+    num_rows, inter = gate_up_R2I.shape[0], gate_up_R2I.shape[1] // 2
+    q_RI, scales_RQ = _empty_quantized(num_rows, inter, gate_up_R2I.device)
+    if num_rows:
+        block_h = block_h_for_quantize(inter)
+        _silu_mul_quantize_kernel[(num_rows, triton.cdiv(inter, block_h))](
+            gate_up_R2I, q_RI, scales_RQ, offsets_L[-1:], INTER=inter, BLOCK_H=block_h
+        )
+    return q_RI, scales_RQ
