@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command for 2x H200, from the repo root:  bash benchmarks/run_gpu_wire.sh
-# The rows the simulator is validated on (docs/SIMULATION.md), on both wires: nvlink and
+# SBO and TBO at EP2 on both wires (docs/BENCHMARKS.md): nvlink and
 # emulated-internode (NCCL with NCCL_P2P_DISABLE=1, traffic through host memory). Per wire:
 # - SBO: moe-sbo bench, every overlap mode (auto included), low_latency over NCCL (the emulated wire
 #   cannot carry symm_mem or copy_engine), 32 routed experts per GPU, prefill 1024 4096 16384 and
@@ -15,8 +15,7 @@
 # WIRES picks the wires (default: both); PARTS picks "sbo" and/or "tbo" (default both). The TBO run's GEMMs
 # plan for all SMs but the transfer's (--tbo-gemm-sm-budget auto, the default); TBO_SM_BUDGETS (e.g.
 # "all 128") adds a TBO run per budget (files tbo_wire_<wire>_<tag>_sms<N>.json).
-# Wall time on 2x H200 (2026-12-01, TBO_SM_BUDGETS=128): about 4 minutes per wire, so two calls of a
-# 10-minute device limit are safer than one (WIRES=nvlink, then WIRES=emulated-internode).
+# Wall time on 2x H200: about 4 minutes per wire (WIRES=nvlink, then WIRES=emulated-internode splits it).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 if [ "$GPUS" -lt 2 ]; then echo "run_gpu_wire.sh needs >= 2 GPUs, found $GPUS"; exit 2; fi
@@ -42,5 +41,3 @@ for wire in $WIRES; do
   fi
   echo "== $wire: $((SECONDS - start)) s"
 done
-# Then, on any machine: copy the JSON files into benchmarks/results and run
-#   moe-sbo plan --simulate --validation-rows

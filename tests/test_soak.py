@@ -77,17 +77,6 @@ def test_soak_smoke(tmp_path):
         assert (row["kernels"], row["transport"]) == ("torch", "nccl")
 
 
-def test_validation_cost_smoke(tmp_path):
-    out = tmp_path / "cost.json"
-    proc = _run("validation_cost.py", "--iters", "5", "--warmup", "2", "--rounds", "1", "--out", str(out))
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["dispatcher"] for r in rows] == ["allgather", "alltoall", "local", "low_latency"], proc.stdout
-    for row in rows:
-        assert "error" not in row, row
-        assert 0 < row["t_checks_us"] < row["t_layer_us"] and row["t_layer_unchecked_us"] > 0
-        assert row["t_agree_us"] > 0 and 0 < row["check_share"] < 1
-
-
 def test_host_growth_probe_smoke(tmp_path):
     out = tmp_path / "growth.json"
     _run(

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -103,27 +101,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RESULT.json",
         help="benchmark result file whose measured bandwidth/latency replace the datasheet",
     )
-    sim = parser.add_argument_group("simulator (--simulate; docs/SIMULATION.md)")
-    sim.add_argument(
-        "--simulate",
-        action="store_true",
-        help="instead of the budget: fit per-stage costs to --results, check the predictions against every "
-        "measured layer row, and predict --model at --simulate-ep over nodes of 8 GPUs (NVLink in, RDMA between)",
-    )
-    sim.add_argument("--results", default="benchmarks/results", metavar="DIR", help="result files to calibrate from")
-    sim.add_argument("--simulate-ep", type=int, nargs="+", default=[32, 64, 128], metavar="EP", help="EP sizes")
-    sim.add_argument("--simulate-prefill", type=int, nargs="*", default=[4096], metavar="T", help="prefill tokens/GPU")
-    sim.add_argument(
-        "--simulate-decode", type=int, nargs="*", default=[32, 128, 256], metavar="T", help="decode tokens/GPU"
-    )
-    sim.add_argument(
-        "--timeline",
-        metavar="PNG",
-        help="draw one predicted layer four ways (first --simulate-ep, largest decode batch; needs matplotlib)",
-    )
-    sim.add_argument(
-        "--validation-rows", action="store_true", help="print every checked row (default: only those off by > 15%%)"
-    )
 
 
 def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
@@ -147,12 +124,8 @@ def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Run the planner (or, with ``--simulate``, the simulator); print tables; write ``--json`` /
-    ``--plot`` / ``--timeline``. Returns 0, or 2 on bad input."""
+    """Run the planner; print tables; write ``--json`` / ``--plot``. Returns 0, or 2 on bad input."""
     try:
-        if args.simulate:
-            run_simulation(args)
-            return 0
         inp = inputs_from_args(args)
         calibration = planner.calibrate(args.calibrate, ep=inp.ep) if args.calibrate else None
         plan = planner.make_plan(inp, calibration)
@@ -339,149 +312,6 @@ def print_weight_memory(console, memory: planner.WeightMemory) -> None:
         console.print(f"  {item}", markup=False)
     for note in memory.notes:
         console.print(f"note: {note}", markup=False)
-
-
-# --------------------------------------------------------------------------------------------------
-# Simulator
-# --------------------------------------------------------------------------------------------------
-
-
-def run_simulation(args: argparse.Namespace) -> None:
-    """Calibrate, validate, predict at scale; print the tables; write ``--json`` and ``--timeline``."""
-    cfg = planner.load_model(args.model)
-    rows = planner.load_rows(args.results)
-    cal = planner.calibrate_simulator(rows)
-    scale = planner.scaleout(cal, cfg, args.simulate_ep, args.simulate_prefill, args.simulate_decode)
-    checked = planner.validate(rows)
-    console = make_console()
-    print_calibration(console, cal, args.results)
-    print_validation(console, checked, args.validation_rows)
-    print_scaleout(console, cfg.name, scale)
-    if args.json:
-        doc = planner.simulation_to_json(cal, checked, scale)
-        arguments = {k: v for k, v in vars(args).items() if k != "func"}
-        doc["meta"] = {"arguments": arguments, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        console.print(f"simulation written to {path}", soft_wrap=True, highlight=False)
-    if args.timeline:
-        sizes = args.simulate_decode or args.simulate_prefill
-        regime = "decode" if args.simulate_decode else "prefill"
-        base = planner.scaleout_setup(cfg, args.simulate_ep[0], regime, max(sizes))
-        write_timeline(
-            planner.timeline_cases(cal, base),
-            Path(args.timeline),
-            f"{cfg.name} EP{base.ep} {regime} {base.tokens} tokens/GPU: predicted layer (simulator, not a measurement)",
-        )
-        console.print(f"timeline written to {args.timeline}", soft_wrap=True, highlight=False)
-
-
-def print_calibration(console, cal: planner.StageCosts, results: str) -> None:
-    table = make_table(
-        f"Simulator calibration: {len(cal.files)} result files in {results}", [("stage", "left"), ("fit", "left")]
-    )
-    for line in planner.calibration_lines(cal):
-        table.add_row(*line)
-    console.print(table)
-
-
-def print_validation(console, checked: list[planner.Checked], every_row: bool) -> None:
-    tol = planner.VALIDATION_TOLERANCE
-    table = make_table(
-        f"Predicted vs measured layer rows ({planner.VALIDATION_FOLDS}-fold held out; error = predicted/measured - 1)",
-        [
-            ("file", "left"),
-            ("metric", "left"),
-            ("rows", "right"),
-            ("median |err|", "right"),
-            ("max |err|", "right"),
-            (f"within {tol:.0%}", "right"),
-        ],
-    )
-    for line in planner.validation_summary(checked):
-        table.add_row(*line)
-    console.print(table)
-    for timing, spread in planner.repeatability(checked).items():
-        if spread:
-            console.print(
-                f"the measurements' own spread: one {timing} setup in two files differs by "
-                f"{statistics.median(spread):.1%} (median of {len(spread)} setups, max {max(spread):.1%})",
-                highlight=False,
-            )
-    shown = [c for c in checked if every_row or not c.within]
-    rows = make_table(
-        "Every checked row" if every_row else f"Rows off by more than {tol:.0%} (why: docs/SIMULATION.md)",
-        [("file", "left"), ("setup", "left"), ("measured", "right"), ("predicted", "right"), ("error", "right")],
-    )
-    for c in shown:
-        rows.add_row(
-            c.file.removesuffix(".json"),
-            c.label + (" b2b" if c.metric == "b2b" else ""),
-            f"{c.measured_us:.0f}",
-            f"{c.predicted_us:.0f}",
-            f"{c.error:+.1%}",
-        )
-    if shown:
-        console.print(rows)
-
-
-def print_scaleout(console, model: str, scale: list[planner.ScaleRow]) -> None:
-    table = make_table(
-        f"Predicted {model}, nodes of 8 GPUs (NVLink inside, RDMA 50 GB/s between): step gain vs no overlap",
-        [
-            (c, "left" if c in ("regime", "best SBO") else "right")
-            for c in (
-                "regime",
-                "tok/GPU",
-                "EP",
-                "e/GPU",
-                "RDMA nodes",
-                "layer us",
-                "best SBO",
-                "SBO",
-                "TBO",
-                "TBO+SBO",
-                "step ms",
-            )
-        ],
-    )
-    for r in scale:
-        table.add_row(
-            r.regime,
-            str(r.tokens),
-            str(r.ep),
-            str(r.experts_per_gpu),
-            f"{r.rdma_nodes_per_token:.2f}",
-            f"{r.t_modes_us['none']:.0f}",
-            r.best_sbo,
-            f"{r.sbo_gain:+.1%}",
-            f"{r.tbo_gain:+.1%}",
-            f"{r.tbo_sbo_gain:+.1%}",
-            f"{r.step_ms['none']:.1f}",
-        )
-    table.caption = "predictions, not measurements; gains are whole-step throughput (layer us: no overlap)"
-    console.print(table)
-    console.print("SGLang's published figures, beside them (measured, other hardware):", highlight=False)
-    for figure in planner.SGLANG:
-        console.print(
-            f"  {figure.regime} {figure.feature.upper()}: {figure.change} ({figure.setting})", highlight=False
-        )
-
-
-def write_timeline(cases: dict, path: Path, title: str) -> None:
-    """The predicted spans as ``moe-sbo bench --timeline`` draws measured ones (one lane per stream)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ValueError(
-            "--timeline needs matplotlib, got an environment without it; pip install 'moe-sbo[plot]' or drop --timeline"
-        ) from None
-    from ..measure.trace import Span, plot_timeline
-
-    spans = {title_: [Span(**asdict(s)) for s in p.spans] for title_, p in cases.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    plot_timeline(spans, path, title=title)
 
 
 # --------------------------------------------------------------------------------------------------

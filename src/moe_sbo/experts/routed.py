@@ -65,14 +65,13 @@ GEMV_MAX_ROWS_PER_EXPERT = 8
 TILED_MAX_ROWS_PER_EXPERT = 512
 
 
-def kernel_by_rows(rows_per_expert: float, indexed: bool = False, tiled_max: float = TILED_MAX_ROWS_PER_EXPERT) -> str:
+def kernel_by_rows(rows_per_expert: float, indexed: bool = False) -> str:
     """The dense experts' GEMMs ``kernels="auto"`` picks on CUDA for bf16 on sm90+ by rows per expert
     (``RoutedExperts.dense_path``'s names): ``"gemv"``, ``"tiled"`` or ``"grouped_mm"``; ``indexed``:
-    for rows read through an index, the tiled GEMM above the GEMV's rows. ``tiled_max``: the tiled
-    GEMM's limit (the planner's simulator passes an earlier code's)."""
+    for rows read through an index, the tiled GEMM above the GEMV's rows."""
     if rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
         return "gemv"
-    return "tiled" if indexed or rows_per_expert <= tiled_max else "grouped_mm"
+    return "tiled" if indexed or rows_per_expert <= TILED_MAX_ROWS_PER_EXPERT else "grouped_mm"
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:

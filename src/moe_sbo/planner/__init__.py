@@ -1,17 +1,13 @@
 """Communication-budget planner: model shape + batch + SLO + hardware -> bytes, bandwidth, overlap verdicts.
 
 It starts from the seed's back-of-envelope decode analysis for DeepSeek-V3 and keeps two things side by
-side: the seed's own figures, evaluated exactly in its convention (``seed``), and what a DeepEP-style
+side: the seed's own figures, evaluated exactly in its convention (``worked_example``), and what a DeepEP-style
 all-to-all really moves per GPU (``bytes``). ``inputs`` holds the units, hardware table and
 ``PlanInputs`` (with the whole-model ``ModelShapes``); ``links`` the bandwidths a plan predicts with
 (datasheet or ``calibrate``d); ``memory`` the weight memory per GPU at given EP sizes, routed experts
 in bf16 and fp8; ``verdicts`` the overlap verdicts (none, SBO, TBO), the allgather/alltoall comparison
-and the ``Plan``. Each module imports only those listed before it: inputs, seed, links, bytes, memory,
-verdicts. The simulator (``moe-sbo plan --simulate``, docs/SIMULATION.md) builds on them:
-``simulate_rows`` reads result files, ``simulate_fit`` fits per-stage costs to them, ``simulate``
-composes a layer's timeline per overlap mode and two-batch overlap, ``simulate_report`` validates it
-on held-out rows and ``simulate_scale`` predicts at EP32 and beyond (each imports only those before
-it, and the planner's modules).
+and the ``Plan``. Each module imports only those listed before it: inputs, worked_example, links,
+bytes, memory, verdicts.
 Units: ``_B`` bytes, ``_us`` microseconds, ``_GBps`` 1e9 bytes/s.
 """
 
@@ -68,41 +64,6 @@ from .memory import (
     expert_matrix_bytes,
     weight_memory,
 )
-from .simulate import (
-    AttentionShape,
-    Op,
-    Prediction,
-    Setup,
-    SimSpan,
-    back_to_back_us,
-    phase_bytes,
-    predict,
-    remote_nodes_per_token,
-    schedule,
-    transfer_us,
-)
-from .simulate_fit import RDMA_GBPS, Curve, GemmFit, LinkFit, StageCosts, curve, fit_gemm, fit_link, fit_stage_costs
-from .simulate_report import (
-    VALIDATION_FOLDS,
-    VALIDATION_TOLERANCE,
-    Checked,
-    calibrate_simulator,
-    calibration_lines,
-    repeatability,
-    setup_of,
-    validate,
-    validation_summary,
-)
-from .simulate_rows import DispatchPath, ResultRow, load_rows
-from .simulate_scale import (
-    SGLANG,
-    ScaleRow,
-    SGLangFigure,
-    scaleout,
-    scaleout_setup,
-    simulation_to_json,
-    timeline_cases,
-)
 from .verdicts import (
     OverlapVerdict,
     Plan,
@@ -141,7 +102,7 @@ __all__ = [
     "read_hf_config",
     "shapes_from_hf",
     "validate_inputs",
-    # seed
+    # worked_example
     "SEED_GB_B",
     "SEED_KB_B",
     "SEED_MB_B",
@@ -183,46 +144,6 @@ __all__ = [
     "expert_bytes",
     "expert_matrix_bytes",
     "weight_memory",
-    # simulator: model, calibration, validation and scale-out
-    "AttentionShape",
-    "Op",
-    "Prediction",
-    "Setup",
-    "SimSpan",
-    "back_to_back_us",
-    "phase_bytes",
-    "predict",
-    "remote_nodes_per_token",
-    "schedule",
-    "transfer_us",
-    "RDMA_GBPS",
-    "Curve",
-    "DispatchPath",
-    "GemmFit",
-    "LinkFit",
-    "ResultRow",
-    "StageCosts",
-    "curve",
-    "fit_gemm",
-    "fit_link",
-    "fit_stage_costs",
-    "load_rows",
-    "SGLANG",
-    "VALIDATION_FOLDS",
-    "VALIDATION_TOLERANCE",
-    "Checked",
-    "ScaleRow",
-    "SGLangFigure",
-    "calibrate_simulator",
-    "calibration_lines",
-    "repeatability",
-    "scaleout",
-    "scaleout_setup",
-    "setup_of",
-    "simulation_to_json",
-    "timeline_cases",
-    "validate",
-    "validation_summary",
     # verdicts
     "OverlapVerdict",
     "Plan",
