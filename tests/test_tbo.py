@@ -12,11 +12,12 @@ import torch.distributed as dist
 from moe_sbo.config import get_preset
 from moe_sbo.decoder.attention import AttentionConfig, Batch
 from moe_sbo.decoder.decoder_layer import DecoderLayer
+from moe_sbo.decoder.micro_batches import split_batch
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import FIXED_MODES
 from moe_sbo.overlap.stages import run_interleaved, run_to_end
-from moe_sbo.overlap.tbo import dispatcher_for, split_batch, tbo_forward
+from moe_sbo.overlap.tbo import dispatcher_for, tbo_forward
 
 ATTN = AttentionConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16)
 EP_DISPATCHERS = sorted(set(DISPATCHERS) - {"local"})

@@ -27,12 +27,13 @@ from rich.table import Table
 
 from ..decoder.attention import AttentionConfig, Batch, KVCache
 from ..decoder.decoder_layer import DecoderLayer
+from ..decoder.micro_batches import split_batch
 from ..dispatch import Dispatcher
 from ..layer import MoELayer
 from ..measure.timing import time_fn
 from ..overlap import make_overlap
 from ..overlap.auto import bucket_of
-from ..overlap.tbo import resolve_gemm_sm_budget, split_batch, tbo_forward
+from ..overlap.tbo import resolve_gemm_sm_budget, tbo_forward
 from ..overlap.tbo_auto import AutoTbo
 from .bench_common import (
     bench_config,

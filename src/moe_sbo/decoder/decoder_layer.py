@@ -6,7 +6,7 @@ One forward::
              -> RMSNorm -> MoE (router, dispatch, experts, combine, + shared) -> + h
 
 Like ``MoELayer``, the forward is a generator of stages (``stages``) that pauses while the MoE's
-dispatch and combine are in flight, so ``model/tbo.py`` can run the attention of one micro-batch
+dispatch and combine are in flight, so ``overlap/tbo.py`` can run the attention of one micro-batch
 inside the other's transfers. Weights are random from ``seed`` (identical on every rank).
 """
 
@@ -20,8 +20,10 @@ from torch import nn
 from ..dispatch import Dispatcher
 from ..layer import MoELayer
 from ..overlap.stages import run_to_end
+from ..overlap.tbo import Split
 from ..weights import seeded_normal
 from .attention import Attention, AttentionConfig, Batch, KVCache
+from .micro_batches import split_batch
 
 
 class DecoderLayer(nn.Module):
@@ -58,9 +60,21 @@ class DecoderLayer(nn.Module):
     ) -> Generator[None, None, torch.Tensor]:
         """The forward, pausing while the MoE's transfers are in flight; returns ``[T, H]``.
         ``dispatcher``: the MoE's (default) or, for two-batch overlap's micro-batch B, its twin."""
-        if x_TH.shape[0] != batch.num_tokens:
-            raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
-        cache.check(batch)  # before the first collective: a bad batch must not leave other ranks waiting
+        self._check_batch(x_TH, batch, cache)
         h_TH = x_TH + self.attention(self.input_norm(x_TH), batch, cache) if x_TH.shape[0] else x_TH
         moe_TH = yield from self.moe.stages(self.post_attention_norm(h_TH), dispatcher)
         return h_TH + moe_TH
+
+    def split_micro_batches(
+        self, x_TH: torch.Tensor, batch: Batch, cache: KVCache, *, threshold: float, min_prefill_tokens: int
+    ) -> Split:
+        """``batch`` as two-batch overlap's two micro-batches (``micro_batches.split_batch``), after
+        checking ``x_TH``, ``batch`` and ``cache`` as a forward does."""
+        self._check_batch(x_TH, batch, cache)
+        return split_batch(batch, threshold=threshold, min_prefill_tokens=min_prefill_tokens)
+
+    def _check_batch(self, x_TH: torch.Tensor, batch: Batch, cache: KVCache) -> None:
+        """Before the first collective: a bad batch must not leave other ranks waiting."""
+        if x_TH.shape[0] != batch.num_tokens:
+            raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
+        cache.check(batch)

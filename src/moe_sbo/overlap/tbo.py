@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
-from ..decoder.attention import Batch, KVCache
-from ..dispatch import Dispatcher
+from ..dispatch import Dispatcher, Traffic
 from ..streams import sm_budget as sm_budget_ctx
 from ..streams import sm_count
 from .stages import run_interleaved
-
-if TYPE_CHECKING:
-    from ..decoder.decoder_layer import DecoderLayer
-    from ..layer import MoELayer
 
 log = logging.getLogger("moe_sbo.tbo")
 
@@ -56,11 +52,12 @@ _TWINS: weakref.WeakKeyDictionary[Dispatcher, Dispatcher] = weakref.WeakKeyDicti
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Tokens ``[start, stop)`` of the packed batch and the ``Batch`` describing them."""
+    """Tokens ``[start, stop)`` of the packed batch and the layer's description of them (for a
+    ``DecoderLayer``, a ``decoder.attention.Batch``)."""
 
     start: int
     stop: int
-    batch: Batch
+    batch: Any
 
 
 @dataclass(frozen=True)
@@ -72,60 +69,41 @@ class Split:
     reason: str | None = None
 
 
-def _empty(at: int, device: torch.device, decode: bool) -> MicroBatch:
-    positions = torch.zeros(0, dtype=torch.int64, device=device)
-    return MicroBatch(at, at, Batch((), (), (), positions, decode=decode))
+class MoEWithDispatcher(Protocol):
+    """What two-batch overlap needs of a layer's MoE (``MoELayer`` is one): the dispatcher it runs
+    micro-batch A on, and where the traffic of both micro-batches is recorded."""
+
+    dispatcher: Dispatcher
+    last_traffic: Traffic
 
 
-def _unsplit(batch: Batch, reason: str) -> Split:
-    total = batch.num_tokens
-    return Split(MicroBatch(0, total, batch), _empty(total, batch.positions_T.device, batch.decode), reason)
+class PackedBatch(Protocol):
+    """What two-batch overlap reads of a batch description: its tokens, and whether it is a decode step."""
+
+    @property
+    def decode(self) -> bool: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
-def split_batch(
-    batch: Batch, *, threshold: float = BALANCE_THRESHOLD, min_prefill_tokens: int = MIN_PREFILL_TOKENS
-) -> Split:
-    """Two micro-batches of about half the tokens each (decode: half the sequences).
+class TwoBatchLayer(Protocol):
+    """A layer two-batch overlap can run (``decoder.DecoderLayer`` is one): its forward is a generator
+    of stages that pauses while its MoE's transfers are in flight, and it splits its own batch, since
+    only the layer knows what a micro-batch of its tokens must carry (sequences, cache slots)."""
 
-    Prefill: the sequence-boundary split closest to half the tokens if the smaller side keeps at
-    least ``threshold`` of them; otherwise the sequence holding the middle token is cut there.
-    """
-    total = batch.num_tokens
-    positions = batch.positions_T
-    if batch.decode:
-        if total < 2:
-            return _unsplit(batch, f"decode batch of {total} sequence(s): nothing to pair it with")
-        half = (total + 1) // 2
-        first = batch.slots[0]
-        return Split(
-            MicroBatch(0, half, Batch.decode_step(first, positions[:half])),
-            MicroBatch(half, total, Batch.decode_step(first + half, positions[half:])),
-        )
-    if total < max(2, min_prefill_tokens):
-        return _unsplit(batch, f"prefill of {total} tokens is below {min_prefill_tokens}: too small to split")
-    ends = [sum(batch.lengths[: i + 1]) for i in range(len(batch.lengths))]
-    best = min(range(len(ends) - 1), key=lambda i: abs(2 * ends[i] - total), default=None)
-    if best is not None and min(ends[best], total - ends[best]) >= threshold * total:
-        return _cut(batch, best + 1, None)
-    middle = total // 2
-    seq = next(i for i, end in enumerate(ends) if end > middle)
-    return _cut(batch, seq, middle - (ends[seq] - batch.lengths[seq]))
+    @property
+    def moe(self) -> MoEWithDispatcher: ...
 
+    def __call__(self, x_TH: torch.Tensor, batch: Any, cache: Any) -> torch.Tensor: ...
 
-def _cut(batch: Batch, seq: int, inside: int | None) -> Split:
-    """A takes segments before ``seq`` (and the first ``inside`` tokens of segment ``seq`` if cut)."""
-    slots, starts, lengths = list(batch.slots), list(batch.starts), list(batch.lengths)
-    if inside:
-        a_seg = (slots[: seq + 1], starts[: seq + 1], lengths[:seq] + [inside])
-        b_seg = (slots[seq:], [starts[seq] + inside] + starts[seq + 1 :], [lengths[seq] - inside] + lengths[seq + 1 :])
-    else:
-        a_seg = (slots[:seq], starts[:seq], lengths[:seq])
-        b_seg = (slots[seq:], starts[seq:], lengths[seq:])
-    a_tokens = sum(a_seg[2])
-    positions = batch.positions_T
-    a = Batch(tuple(a_seg[0]), tuple(a_seg[1]), tuple(a_seg[2]), positions[:a_tokens])
-    b = Batch(tuple(b_seg[0]), tuple(b_seg[1]), tuple(b_seg[2]), positions[a_tokens:])
-    return Split(MicroBatch(0, a_tokens, a), MicroBatch(a_tokens, batch.num_tokens, b))
+    def split_micro_batches(
+        self, x_TH: torch.Tensor, batch: Any, cache: Any, *, threshold: float, min_prefill_tokens: int
+    ) -> Split: ...
+
+    def stages(
+        self, x_TH: torch.Tensor, batch: Any, cache: Any, dispatcher: Dispatcher | None = None
+    ) -> Generator[None, None, torch.Tensor]: ...
 
 
 def twin_dispatcher(dispatcher: Dispatcher) -> Dispatcher:
@@ -139,14 +117,14 @@ def twin_dispatcher(dispatcher: Dispatcher) -> Dispatcher:
     return _TWINS[dispatcher]
 
 
-def dispatcher_for(moe: MoELayer, micro_batch: int) -> Dispatcher:
+def dispatcher_for(moe: MoEWithDispatcher, micro_batch: int) -> Dispatcher:
     """The dispatcher micro-batch 0 (``moe.dispatcher``) or 1 (its twin) of ``moe`` uses."""
     if micro_batch not in (0, 1):
         raise ValueError(f"micro_batch must be 0 or 1 (two-batch overlap), got {micro_batch}")
     return moe.dispatcher if micro_batch == 0 else twin_dispatcher(moe.dispatcher)
 
 
-def _check_serves(dispatcher: Dispatcher, moe: MoELayer) -> None:
+def _check_serves(dispatcher: Dispatcher, moe: MoEWithDispatcher) -> None:
     """A dispatcher given to ``tbo_forward`` must deliver rows for the layer's experts (before any
     collective: a mismatch would otherwise surface as a shape error on some ranks only)."""
     own = moe.dispatcher
@@ -177,10 +155,10 @@ def resolve_gemm_sm_budget(budget: GemmSmBudget, dispatcher: Dispatcher, device:
 
 
 def tbo_forward(
-    layer: DecoderLayer,
+    layer: TwoBatchLayer,
     x_TH: torch.Tensor,
-    batch: Batch,
-    cache: KVCache,
+    batch: PackedBatch,
+    cache: Any,
     *,
     delay: int | None = None,
     threshold: float = BALANCE_THRESHOLD,
@@ -189,6 +167,9 @@ def tbo_forward(
     dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor:
     """``layer`` (a ``DecoderLayer``) on ``x_TH`` [T, H] as two interleaved micro-batches -> ``[T, H]``.
+
+    The layer splits its batch (``split_micro_batches``, which also checks ``x_TH``, ``batch`` and
+    ``cache`` before any collective); this function runs the two halves' stages interleaved.
 
     ``dispatcher``: micro-batch A's (B runs its twin); None: the layer's MoE's own. A fixed-capacity
     dispatcher (``low_latency``) sends capacity-sized blocks whatever a micro-batch holds, so one built
@@ -202,12 +183,9 @@ def tbo_forward(
     last CTAs for the transfer's SMs to free: a budget that leaves them out avoids it (on 2x H200 over
     an inter-node-class wire, TBO at 4096-16384 prefill tokens per rank went from 1.04-1.12x to
     1.17-1.29x the layer without TBO: docs/BENCHMARKS.md)."""
-    if x_TH.shape[0] != batch.num_tokens:
-        raise ValueError(f"x has {x_TH.shape[0]} tokens but the batch describes {batch.num_tokens}")
-    cache.check(batch)
+    split = layer.split_micro_batches(x_TH, batch, cache, threshold=threshold, min_prefill_tokens=min_prefill_tokens)
     dispatcher_a = layer.moe.dispatcher if dispatcher is None else dispatcher
     _check_serves(dispatcher_a, layer.moe)
-    split = split_batch(batch, threshold=threshold, min_prefill_tokens=min_prefill_tokens)
     if split.reason:
         log.debug("two-batch overlap off for this batch: %s", split.reason)
     if delay is None:

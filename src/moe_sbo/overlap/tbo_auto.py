@@ -25,18 +25,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from ..decoder.attention import Batch, KVCache
 from ..dispatch import Dispatcher, EPGroup
 from ..streams import capturing, clock, elapsed_us
 from .auto import BucketTrials, bucket_of, slowest_rank
-from .tbo import GemmSmBudget, tbo_forward
-
-if TYPE_CHECKING:
-    from ..decoder.decoder_layer import DecoderLayer
+from .tbo import GemmSmBudget, PackedBatch, TwoBatchLayer, tbo_forward
 
 CANDIDATES = (False, True)  # without TBO first: a bucket's first forwards run the plain layer
 
@@ -61,10 +57,10 @@ class AutoTbo:
 
     def forward(
         self,
-        layer: DecoderLayer,
+        layer: TwoBatchLayer,
         x_TH: torch.Tensor,
-        batch: Batch,
-        cache: KVCache,
+        batch: PackedBatch,
+        cache: Any,
         *,
         agreed_tokens: int,
         delay: int | None = None,
