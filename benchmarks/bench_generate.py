@@ -44,8 +44,9 @@ from statistics import median
 
 import torch
 
+from moe_sbo.hf.generate import DECODE_LOOPS, generate, prefill_tokens
 from moe_sbo.hf.mla import MLA_STEPS
-from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model, prefill_tokens
+from moe_sbo.hf.model import load_model
 from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import memory_read_us

@@ -20,7 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_generate import prompts_for, write_checkpoint
-from moe_sbo.hf.model import DECODE_LOOPS, generate, load_model
+from moe_sbo.hf.generate import DECODE_LOOPS, generate
+from moe_sbo.hf.model import load_model
 from moe_sbo.launch.ranks import LocalRanks
 
 

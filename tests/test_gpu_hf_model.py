@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from hf_blocks import make_hf_model
-from moe_sbo.hf.model import generate, load_model
+from moe_sbo.hf.generate import generate
+from moe_sbo.hf.model import load_model
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 16

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from hf_blocks import make_hf_model
-from moe_sbo.hf.model import ExpertParallelMoE, generate, load_model
+from moe_sbo.hf.generate import generate
+from moe_sbo.hf.model import ExpertParallelMoE, load_model
 
 FAMILIES = ["deepseek_v3", "deepseek_v2", "qwen3_moe"]
 NEW_TOKENS = 8
@@ -142,7 +143,7 @@ def test_stop_checks_are_read_at_once_after_prefill_then_one_step_late():
     # The static loops' schedule (hf/model.py _run_steps): the host enqueues step i + 1 before it
     # waits for step i's stop check, so the check that says every prompt has ended (step 3's here)
     # leaves exactly one step more (4), and every check is read, in order.
-    from moe_sbo.hf.model import _run_steps, _StepCheck
+    from moe_sbo.hf.generate import _run_steps, _StepCheck
 
     log: list[str] = []
     running = [True, True, True, False, True, True]
@@ -175,7 +176,7 @@ def test_stop_checks_are_read_at_once_after_prefill_then_one_step_late():
 def test_step_clock_times_tokens_by_their_device_events():
     # On CUDA a token's time is its check's event, timed from the start event: when the device
     # finished it, not when the host (a step ahead) read it. Events stand in here.
-    from moe_sbo.hf.model import _StepClock
+    from moe_sbo.hf.generate import _StepClock
 
     class Event:
         def __init__(self, ms: float):

@@ -24,8 +24,9 @@ from .. import env
 from ..dispatch import DISPATCHERS
 from ..hf.checkpoint import Checkpoint
 from ..hf.config import model_family
+from ..hf.generate import DECODE_LOOPS, generate, prefill_tokens
 from ..hf.mla import MLA_STEPS
-from ..hf.model import DECODE_LOOPS, WHOLE_MODEL_FAMILIES, generate, load_model, prefill_tokens
+from ..hf.model import WHOLE_MODEL_FAMILIES, load_model
 from ..launch.group import init_from_torchrun, resolve_device
 from ..launch.ranks import LocalRanks
 from ..measure.results import result_meta
