@@ -19,7 +19,7 @@ behind ``experts.GEMV_MAX_ROWS_PER_EXPERT`` and ``experts.TILED_MAX_ROWS_PER_EXP
 
 ``--sweep`` writes instead rows (``bench="dense_gemm_config"``, ``OUT/dense_gemm_config.json``) timing
 each GEMM of the MLP (gate_up, down) alone through the tiled GEMM under each tile config of
-``SWEEP_CONFIGS`` (the configs ``probe_gather_gemm.py`` sweeps too), equal rows per expert, with
+``SWEEP_CONFIGS``, equal rows per expert, with
 ``tflops`` and ``t_floor_us`` (that GEMM's weight read or FLOPs, whichever takes longer at the run's
 rates): the data behind ``grouped_gemm_kernels.dense_config``.
 

@@ -11,23 +11,21 @@
 # 4. sweep: bench_gemv.py --sweep, each GEMM of the MLP through the tiled GEMM under each tile config,
 #    8 and 32 experts, 16-512 rows per expert (file dense_gemm_config_<tag>.json): the data behind
 #    grouped_gemm_kernels.dense_config.
-# 5. probe: probe_gather_gemm.py, the tiled GEMM reading its rows through the receiver's index against
-#    gather_rows + torch._grouped_mm, and its tile configs (file gather_gemm_<tag>.json).
-# 6. index: bench_low_latency.py at EP1 with 32 experts per GPU, 256-4096 tokens, the received rows copied
+# 5. index: bench_low_latency.py at EP1 with 32 experts per GPU, 256-4096 tokens, the received rows copied
 #    into expert order (index graphs "on") against left in place for the tiled GEMM to read through the
 #    layout's index ("index_rows"), eager and replayed (file low_latency_index_rows_<tag>.json).
-# 7. mid: the tiled GEMM from 129 to 512 rows per expert in layers: bench_low_latency.py at EP1 with the
+# 6. mid: the tiled GEMM from 129 to 512 rows per expert in layers: bench_low_latency.py at EP1 with the
 #    experts' kernels left to "auto" and forced to torch._grouped_mm, 32 experts per GPU at 512-4096
 #    tokens and 8 at 256-1024 (files low_latency_mid{32,8}_<tag>.json), then moe-sbo bench --tbo at
 #    4096 prefill tokens, 32 and 8 experts (file tbo_mid_<tag>.json: each micro-batch's 512 rows per
 #    expert on the tiled GEMM).
-# 8. draw: bench_gemv.py over 8 and 32 experts at 64-1024 rows per expert, the rows drawn at random and
+# 7. draw: bench_gemv.py over 8 and 32 experts at 64-1024 rows per expert, the rows drawn at random and
 #    R / L on every expert (--draw equal), in one run (files gemv_{random,equal}{8,32}_<tag>.json).
-# 9. graph: the same kernels timed two ways in one run, 8 and 32 experts at 16-512 rows per expert, both
+# 8. graph: the same kernels timed two ways in one run, 8 and 32 experts at 16-512 rows per expert, both
 #    draws: each call launched from the host (triton's do_bench, as every bench_gemv file before) and
 #    replayed from a CUDA graph (--graph: the GPU's time alone, as a replayed layer runs them)
 #    (files gemv_{eager,graph}_{random,equal}{8,32}_<tag>.json).
-# PARTS (default "tests gemv layer") picks the parts; TEST_FILES, GEMV_ARGS, SWEEP_ARGS and PROBE_ARGS
+# PARTS (default "tests gemv layer") picks the parts; TEST_FILES, GEMV_ARGS and SWEEP_ARGS
 # narrow them (e.g. SWEEP_ARGS="--configs 128x256x64_g8_w8_s3 --rows-per-expert 128 1024": the sweep's
 # tile configs with descriptor loads and persistent grids cost a compile each). Expected wall time:
 # about 8 minutes on one H200 for the default parts.
@@ -64,9 +62,6 @@ fi
 if [[ " $PARTS " == *" sweep "* ]]; then
   # shellcheck disable=SC2086  # SWEEP_ARGS is a list
   run_script sweep dense_gemm_config bench_gemv.py --sweep --experts 8 32 ${SWEEP_ARGS:-}
-fi
-if [[ " $PARTS " == *" probe "* ]]; then
-  run_script probe gather_gemm probe_gather_gemm.py ${PROBE_ARGS:-}
 fi
 if [[ " $PARTS " == *" index "* ]]; then
   run_script index low_latency_index_rows bench_low_latency.py --ranks 1 --experts-per-gpu 32 --tokens 256 1024 4096 \

@@ -4,8 +4,6 @@
 # (bf16 against transformers, CUDA-graph decode against the same steps eager, a rank with no prompts
 # included; the decode-size expert kernel against torch._grouped_mm); "gemv" times that kernel
 # against torch._grouped_mm at decode sizes ("${OUT:-out}/gemv.json");
-# "profile" writes rank 0's operator tables of EP2 generation with the static decode loop (each decode
-# kernel's device time, the kernels a graph step replays; "${OUT:-out}/profile_generate_<tag>.txt");
 # "bench" the generation benchmark (transformers on one GPU against moe-sbo at EP2 and EP1, each
 # decode loop), writing "${OUT:-out}/generate.json". Extra benchmark flags go in BENCH_ARGS; the
 # random checkpoint is written under CHECKPOINT_DIR (default /tmp).
@@ -17,15 +15,12 @@ for part in $PARTS; do
   case "$part" in
     tests) "$PYTHON" -m pytest -q tests/test_gpu_hf_model.py tests/test_experts.py 2>&1 \
       | tee "$OUT_DIR/tests_gpu_hf_model_$TAG.log" | tail -25 ;;
-    profile) "$PYTHON" benchmarks/profile_generate.py --impl moe-sbo --ranks 2 --decode static \
-      --checkpoint-dir "${CHECKPOINT_DIR:-/tmp}" 2>&1 | grep -v -e "Loading weights" -e "Writing model" \
-      > "$OUT_DIR/profile_generate_$TAG.txt"; tail -5 "$OUT_DIR/profile_generate_$TAG.txt" ;;
     gemv) "$PYTHON" benchmarks/bench_gemv.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench_gemv_$TAG.log" | tail -10 ;;
     bench)
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
       "$PYTHON" benchmarks/bench_generate.py --out "$OUT_DIR" --checkpoint-dir "${CHECKPOINT_DIR:-/tmp}" \
         ${BENCH_ARGS:-} 2>&1 | grep -v -e "Loading weights" -e "Writing model" | tee "$OUT_DIR/bench_generate_$TAG.log" | tail -20 ;;
-    *) echo "unknown part $part (tests profile gemv bench)"; exit 2 ;;
+    *) echo "unknown part $part (tests gemv bench)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
 done

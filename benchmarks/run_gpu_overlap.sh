@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine, from the repo root:  bash benchmarks/run_gpu_overlap.sh
-# Runs every GPU-marked test, the single-GPU contention probe, the SBO sweep (moe-sbo bench) and the
+# Runs every GPU-marked test, the SBO sweep (moe-sbo bench) and the
 # decoder-layer TBO sweep (moe-sbo bench --tbo) over every visible GPU, writing JSON, timelines and
 # logs under "${OUT:-out}". With one GPU the EP dispatchers move nothing off the GPU: those rows show
 # each mode's overhead and CUDA-graph capture, not overlap. PARTS picks sections (default: all);
 # TRACE=1 also keeps the Chrome traces of the SBO timeline.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-PARTS="${PARTS:-tests probe sbo tbo}"
+PARTS="${PARTS:-tests sbo tbo}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
     tests) "$PYTHON" -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 ;;
-    probe) "$PYTHON" benchmarks/probe_contention.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/probe_contention.log" ;;
     sbo)
       if [ "$GPUS" -ge 2 ]; then DISP="all"; EXPERTS="256 32"; TOKENS="128 512 2048 4096 8192";
       else DISP="local low_latency"; EXPERTS="256 32"; TOKENS="128 512 4096"; fi
@@ -34,7 +33,7 @@ for part in $PARTS; do
         --prefill-tokens 4096 8192 --decode-seqs 32 64 128 256 --kv-len 2048 --delay 0 1 2 \
         --out "$OUT_DIR/tbo_$TAG.json" --timeline "$OUT_DIR/tbo_timeline_$TAG.png" \
         2>&1 | tee "$OUT_DIR/tbo_$TAG.log" | tail -50 ;;
-    *) echo "unknown part $part (tests probe sbo tbo)"; exit 2 ;;
+    *) echo "unknown part $part (tests sbo tbo)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
 done

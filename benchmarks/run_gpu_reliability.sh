@@ -3,9 +3,8 @@
 # Issue 8's GPU runs over every visible GPU, writing JSON and logs under "${OUT:-out}". PARTS picks
 # sections (default: all):
 #   tests   every GPU-marked test
-#   growth  where eager host-memory growth comes from: raw collectives at world size 1 and at every GPU
-#           (flight recorder on, then off), and the low_latency soak at EP 1 and EP n with each kernel
-#           path over NCCL (rows under growth/, packed into growth.tgz)
+#   growth  eager host-memory growth of the low_latency soak at EP 1 and EP n with each kernel path
+#           over NCCL (rows under growth/, packed into growth.tgz)
 #   soak    every EP dispatcher x every overlap mode, 10,000 eager forwards and 10,000 CUDA-graph replays
 #           where capturable, low_latency on its default path (symmetric memory from 2 GPUs); --check:
 #           a case that is not flat fails the part (~9 min)
@@ -16,7 +15,7 @@
 #   soak-rss   where eager NCCL host RSS goes: allgather and alltoall, none and dispatch, 10,000 eager
 #           forwards each, with the heap (mallinfo2) and per-mapping (smaps) fields and --trim, after
 #           warm-ups of 100 and of 3,000 forwards (~5 min)
-# Every part runs; the exit status is 1 when any part failed (the tests, a probe, or a soak case).
+# Every part runs; the exit status is 1 when any part failed (the tests or a soak case).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 PARTS="${PARTS:-tests growth soak}"
@@ -27,11 +26,6 @@ for part in $PARTS; do
     tests) "$PYTHON" -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 || failed+=" tests" ;;
     growth)
       mkdir -p "$OUT_DIR/growth"
-      "$PYTHON" benchmarks/probe_host_growth.py --device cuda --ranks 1 "$GPUS" \
-        --out "$OUT_DIR/growth/host_growth_$TAG.json" 2>&1 | grep -v Warning || failed+=" growth"
-      TORCH_FR_BUFFER_SIZE=0 "$PYTHON" benchmarks/probe_host_growth.py --device cuda --ranks 1 "$GPUS" \
-        --kinds all_reduce all_to_all_single --out "$OUT_DIR/growth/host_growth_${TAG}_fr_off.json" 2>&1 | grep -v Warning \
-        || failed+=" growth"
       for ranks in 1 "$GPUS"; do
         for kernels in torch triton; do
           "$PYTHON" benchmarks/soak.py --device cuda --ranks "$ranks" --dispatchers low_latency --overlaps none \

@@ -49,18 +49,12 @@ DENSE_KERNELS = ("auto", "triton", "gemv", "tiled", "torch")
 # hidden (docs/BENCHMARKS.md).
 SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # Dense experts on CUDA under "auto", by the real rows to expect per expert (``low_latency`` hands the
-# experts P x C x K rows, C x K of them real on average: ``DispatchOutput.expected_rows``), measured
-# on H200 at DeepSeek-V3 dims over 8 to 256 experts (``benchmarks/bench_gemv.py``,
-# docs/BENCHMARKS.md "Dense experts", "64 to 256 experts per GPU"): up to GEMV_MAX_ROWS_PER_EXPERT,
-# ``gemv``' GEMV (the fastest up to 4 rows per expert, within 4 % of the tiled GEMM at 8,
-# 1.24-1.42x slower at 16); up to TILED_MAX_ROWS_PER_EXPERT, ``tiled_gemm``' tiled GEMM
-# (1.06-1.45x faster than ``torch._grouped_mm`` from 16 to 128 rows per expert; with its descriptor
-# loads, 0.86-0.95x its time at 256 and 512 over 8 to 256 experts with rows on random experts, 0.96-1.07x
-# with as many rows on every expert, and replayed EP1 layers 0.97-1.00x); above,
-# ``torch._grouped_mm`` (within 5 % from 1,024 rows per expert, ahead in four of five cells), except
-# for rows read through an index (``low_latency``'s ``index_rows``): there the tiled GEMM runs at any
-# size above the GEMV's, since ``torch._grouped_mm`` would need the rows copied first (through the
-# index at prefill sizes: 0.83-0.96x the copy plus ``torch._grouped_mm``, benchmarks/probe_gather_gemm.py).
+# experts P x C x K rows, C x K of them real on average: ``DispatchOutput.expected_rows``): up to
+# GEMV_MAX_ROWS_PER_EXPERT ``gemv``' GEMV, up to TILED_MAX_ROWS_PER_EXPERT ``tiled_gemm``' tiled GEMM,
+# above ``torch._grouped_mm``; rows read through an index (``low_latency``'s ``index_rows``) take the
+# tiled GEMM at any size above the GEMV's, since ``torch._grouped_mm`` would need them copied first.
+# The thresholds come from ``benchmarks/bench_gemv.py`` on H200 (docs/BENCHMARKS.md, "Dense routed
+# experts").
 GEMV_MAX_ROWS_PER_EXPERT = 8
 TILED_MAX_ROWS_PER_EXPERT = 512
 

@@ -17,17 +17,16 @@ reads the L offsets, finds its expert and tile by a prefix sum over the experts'
 programs past the last tile return at once. So a launch depends only on R, and a CUDA graph captured
 at one R replays for any routing. Tiles inside an expert are swizzled in groups of ``GROUP_M`` row
 tiles so neighbouring programs share weight tiles in L2. From 256 rows per expert the weight tiles
-(and contiguous row tiles) come through tensor descriptors (``GemmConfig.tma``): 9-15 % faster
-there on H200, which brings the kernel level with ``torch._grouped_mm`` at prefill sizes; the
-descriptors are encoded on the host per launch (40-70 us against 29-44 us for a call), so smaller
-batches, which gain nothing from them, keep per-thread loads.
+(and contiguous row tiles) come through tensor descriptors (``GemmConfig.tma``), which brings the
+kernel level with ``torch._grouped_mm`` at prefill sizes; the descriptors are encoded on the host per
+launch, so smaller batches, which gain nothing from them, keep per-thread loads.
 
 ``rows_R`` (optional) makes the GEMM read its A rows through an index: row r of the product is
 ``x[rows_R[r]]`` times its expert's weights, so rows grouped by expert need not be copied out of a
-buffer in another order first (``low_latency``'s ``index_rows``: the received rows read in place;
-``benchmarks/probe_gather_gemm.py`` measures the trade). Rows past the last offset (padding) are
-neither read nor written. The kernels also run under ``TRITON_INTERPRET=1`` on CPU float32 tensors
-(the interpreter's bf16 products are not exact); the tests hold them to a per-row reference there.
+buffer in another order first (``low_latency``'s ``index_rows``: the received rows read in place).
+Rows past the last offset (padding) are neither read nor written. The kernels also run under
+``TRITON_INTERPRET=1`` on CPU float32 tensors (the interpreter's bf16 products are not exact); the
+tests hold them to a per-row reference there.
 """
 
 from __future__ import annotations
@@ -156,15 +155,11 @@ def _grouped_gemm_kernel(
     tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# Measured on H200 (``benchmarks/bench_gemv.py --sweep``: gate_up and down alone over 8 and 32 experts,
-# 16-1024 rows per expert, beside ``torch._grouped_mm``): up to 64 rows per expert 64 x 128 tiles with
-# one warp group were the best or within 4.5 %; from 128, 128 x 256 tiles with two warp groups and
-# four stages. Descriptor loads made those 9-15 % faster from 256 rows per expert (0.97-1.04x
-# ``torch._grouped_mm``'s time, against 1.08-1.17x with per-thread loads) and gained nothing below
-# (0.96-1.06x at 128, 0.98-1.00x at 64), where their host cost (40-70 us a call against 29-44 us,
-# ``benchmarks/probe_tma_host.py``) would show in eager forwards: so from TMA_MIN_ROWS_PER_EXPERT
-# only. A persistent grid (one program per SM walking the tiles) measured within noise of one program
-# per tile, so the kernel keeps the simpler grid.
+# Tile configs chosen by ``benchmarks/bench_gemv.py --sweep`` on H200 (docs/BENCHMARKS.md, "Dense routed
+# experts"): 64 x 128 tiles with one warp group up to 64 rows per expert, 128 x 256 tiles with two warp
+# groups from 128. Descriptor loads pay only from TMA_MIN_ROWS_PER_EXPERT: below it they gain nothing
+# on the GPU and their per-launch host cost would show in eager forwards. One program per tile: a
+# persistent grid measured no faster.
 SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=4, block_k=64)
 TMA_MIN_ROWS_PER_EXPERT = 256
