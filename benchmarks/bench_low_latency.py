@@ -48,7 +48,7 @@ import torch.distributed as dist
 from bench_foundation import _fmt
 from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig, get_preset
-from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.dispatch.low_latency import RowFormat
 from moe_sbo.env import triton_interpreting
 from moe_sbo.experts.routed import DENSE_KERNELS
 from moe_sbo.launch.ranks import RankPool

@@ -6,7 +6,7 @@ experts per GPU (default 32, E = 32 x EP), bf16, tokens per rank 512-16384 (capa
 Rows (``bench="prefill"``) in ``OUT/prefill.json``, per EP size and tokens per rank:
 
 - ``dispatcher="low_latency"`` per path (``kernels`` triton; ``transport`` nccl, symm_mem,
-  copy_engine; ``plan``: ``two_pass``, the ``ll_bulk`` kernels, or ``one_pass``, the decode kernels
+  copy_engine; ``plan``: ``two_pass``, the prefill-size kernels, or ``one_pass``, the decode kernels
   forced, up to ``--one-pass-max`` tokens), each twice: ``graph=False`` (eager: phases from CUDA events
   at the dispatcher's hooks, ranks lined up before each forward; ``host_*_us`` the host's own time in
   each call; ``t_layer_b2b_us`` the mean of forwards issued back to back, as in a model, where the
@@ -52,8 +52,7 @@ from bench_low_latency import (
 )
 from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig
-from moe_sbo.dispatch import low_latency
-from moe_sbo.dispatch.ll_wire import RowFormat
+from moe_sbo.dispatch.low_latency import RowFormat, kernels
 from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
@@ -157,8 +156,8 @@ def prefill_rank(
                 plans.append(("two_pass", transports[0], False))
             floor: dict[str, float] = {}
             for plan, transport, index_graphs in plans:
-                previous = low_latency.BULK_MIN_CAPACITY
-                low_latency.BULK_MIN_CAPACITY = 1 if plan == "two_pass" else tokens + 1
+                previous = kernels.TWO_PASS_MIN_CAPACITY
+                kernels.TWO_PASS_MIN_CAPACITY = 1 if plan == "two_pass" else tokens + 1
                 try:
                     layer = MoELayer(
                         cfg,
@@ -197,7 +196,7 @@ def prefill_rank(
                         graphs = {**time_graphs(layer, x_TH, warmup, iters), **transfer_us(layer, x_TH, warmup, iters)}
                         rows.append({**common, "graph": True, **graphs})
                 finally:
-                    low_latency.BULK_MIN_CAPACITY = previous
+                    kernels.TWO_PASS_MIN_CAPACITY = previous
                 del layer
                 if cuda:
                     torch.cuda.synchronize()

@@ -27,14 +27,14 @@ import torch.distributed as dist
 
 from moe_sbo import profiling
 from moe_sbo.config import get_preset
-from moe_sbo.dispatch.ll_transport import (
+from moe_sbo.dispatch.local import LocalDispatcher
+from moe_sbo.dispatch.low_latency.transport import (
     COMBINE_CHANNEL,
     DISPATCH_CHANNEL,
+    Exchange,
     SymmBarrier,
     barrier_timeout_ms,
-    start_exchange,
 )
-from moe_sbo.dispatch.local import LocalDispatcher
 from moe_sbo.launch.failures import RankError
 from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.layer import MoELayer
@@ -267,14 +267,14 @@ def test_the_symmetric_memory_barrier_is_bounded_by_the_wait_bound(monkeypatch):
     dispatch, combine = SymmBarrier(handle, DISPATCH_CHANNEL, 7500), SymmBarrier(handle, COMBINE_CHANNEL, 7500)
     # symm_mem: the kernel already wrote the blocks; the work to wait on is the phase's own barrier.
     send, recv = torch.zeros(4, 8), torch.zeros(4, 8)
-    works = start_exchange(recv, send, fused=True, barrier=dispatch, collective=True, group=None)
+    works = Exchange(recv, send, fused=True, barrier=dispatch, collective=True, group=None).start()
     assert works == [dispatch] and works[0] is dispatch  # made with the buffers, not per forward
     # copy_engine: a copy per peer block, then the barrier.
     blocks = [torch.zeros(2, 8), torch.zeros(2, 8)]
     send = torch.arange(32.0).reshape(4, 8)
-    assert start_exchange(
+    assert Exchange(
         recv, send, fused=False, barrier=combine, collective=True, group=None, peer_blocks=blocks
-    ) == [combine]
+    ).start() == [combine]
     assert torch.equal(torch.cat(blocks), send)
     for work in works + [combine]:
         work.wait()

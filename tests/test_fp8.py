@@ -4,7 +4,7 @@ model family, expert parallelism on gloo ranks (fp8 dispatch handing e4m3 rows t
 bad input. ``tests/test_gpu_fp8.py`` repeats the kernel checks bit for bit on CUDA.
 
 Triton's interpreter rounds float32 -> e4m3 with a carry bug (a value just under a power of two
-rounds to half of it: 124.3 -> 64, not 128; see ``tests/test_ll_kernels.py``) and may round a
+rounds to half of it: 124.3 -> 64, not 128; see ``tests/test_low_latency_kernels.py``) and may round a
 subnormal one step low, so on CPU the
 quantisers' e4m3 values are compared modulo that bug, and the GEMM is fed the torch quantiser's output.
 """

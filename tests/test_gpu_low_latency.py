@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, mask_padding_tokens
-from moe_sbo.dispatch.ll_wire import RowFormat
-from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
+from moe_sbo.dispatch.low_latency import LowLatencyDispatcher, RowFormat
 from moe_sbo.layer import MoELayer
 from moe_sbo.streams import capture_graph
 
@@ -225,7 +224,7 @@ def _fused_vs_torch_rank(device, fp8, transport, capacity, top_k=8):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
-@pytest.mark.parametrize("capacity", [128, 640])  # 640: the two-pass kernels (ll_bulk) run
+@pytest.mark.parametrize("capacity", [128, 640])  # 640: the two-pass kernels run
 def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport, capacity):
     with _ranks() as ranks:
         for r in ranks.run(_fused_vs_torch_rank, fp8, transport, capacity):
@@ -281,7 +280,7 @@ def _index_graphs_rank(device, transport, capacity):
 def _host_ahead_rank(device, transport):
     """The host queues eight eager forwards while the GPU is held back (a sleeping kernel), so it
     writes each buffer set's address tables again before the device has read the last ones: the
-    tables must make it wait (``ll_addresses``), and every y must equal the direct launches'."""
+    tables must make it wait (``low_latency/addresses.py``), and every y must equal the direct launches'."""
     cfg = _config("tiny")
     rank = dist.get_rank()
     layers = _graphed_and_direct(cfg, device, transport, 64, seed=2)
@@ -309,7 +308,7 @@ def test_index_graphs_with_the_host_far_ahead_of_the_gpu(transport):
 
 
 @pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
-@pytest.mark.parametrize("capacity", [128, 640])  # 640: the two-pass kernels (ll_bulk) run
+@pytest.mark.parametrize("capacity", [128, 640])  # 640: the two-pass kernels run
 def test_index_graphs_replay_equals_direct_launches(transport, capacity):
     with _ranks() as ranks:
         for equal, captured in ranks.run(_index_graphs_rank, transport, capacity):
@@ -352,7 +351,7 @@ def _index_rows_rank(device, transport, capacity):
 
 
 @pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
-@pytest.mark.parametrize("capacity", [64, 640])  # 640: the two-pass kernels (ll_bulk) run
+@pytest.mark.parametrize("capacity", [64, 640])  # 640: the two-pass kernels run
 def test_index_rows_equal_the_copy_eager_and_replayed(transport, capacity):
     with _ranks() as ranks:
         for rel in ranks.run(_index_rows_rank, transport, capacity):

@@ -63,7 +63,8 @@ KERNELS = _kernels()
 
 def test_the_scan_finds_the_project_kernels():
     modules = {module for module, _ in KERNELS}
-    assert {"moe_sbo.routing.kernel", "moe_sbo.dispatch.reduce", "moe_sbo.dispatch.ll_kernels"} <= modules
+    low_latency = {f"moe_sbo.dispatch.low_latency.kernels.{m}" for m in ("pack", "layout", "combine")}
+    assert {"moe_sbo.routing.kernel", "moe_sbo.dispatch.reduce", *low_latency} <= modules
     assert len(KERNELS) >= 20
 
 

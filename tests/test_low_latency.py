@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, make_dispatcher, mask_padding_tokens
-from moe_sbo.dispatch.ll_reference import group_slots_by_expert, plan_send, reduce_pairs
+from moe_sbo.dispatch.low_latency.reference import group_slots_by_expert, plan_send, reduce_pairs
 from moe_sbo.hooks import HOOK_EVENTS
 from moe_sbo.layer import MoELayer
 from moe_sbo.quant.fp8 import FP8_GROUP, dequantize_fp8, quantize_fp8

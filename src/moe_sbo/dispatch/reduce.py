@@ -20,20 +20,26 @@ On CUDA a Triton kernel does it in one pass (grid Y x H/BLOCK_H); elsewhere, or 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .. import env
-
-if TYPE_CHECKING:
-    from .ll_addresses import CallerAddresses
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the torch path serves; kernels="triton" then raises
     triton = None
+
+
+class AddressTable(Protocol):
+    """Where a replayed CUDA graph's kernel reads values the host rewrites before each replay
+    (``low_latency.addresses.CallerAddresses`` is one): ``table`` int64 on the device, whose
+    addresses are 16-byte offsets from ``anchor``."""
+
+    anchor: torch.Tensor
+    table: torch.Tensor
 
 
 def interpreting_triton() -> bool:
@@ -59,7 +65,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         ADDRESSED: tl.constexpr,
     ):
-        # ADDRESSED (a replayed graph, ``ll_addresses.CallerAddresses``): the real row count and the
+        # ADDRESSED (a replayed graph, an ``AddressTable``): the real row count and the
         # output's address come from ``table_ptr`` (count, then a 16-byte offset from ``anchor_ptr``);
         # ``out_ptr`` only gives the output's dtype, and rows past the count are left alone.
         y = tl.program_id(0)
@@ -110,7 +116,7 @@ def launch_gather_sum(
     index_YK: torch.Tensor,
     weight_X: torch.Tensor | None,
     out_YH: torch.Tensor,
-    addresses: CallerAddresses | None = None,
+    addresses: AddressTable | None = None,
 ) -> None:
     """Queue the Triton kernel of ``gather_sum`` over contiguous tensors (int64 ``index_YK``).
 

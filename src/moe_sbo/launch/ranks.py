@@ -15,7 +15,7 @@ the demo pay the start-up (forming the group) once, not per check.
 
 A rank that is alive but stuck (a stalled peer) is ended by the wait bound instead: every wait on a
 peer is bounded by ``MOE_SBO_TIMEOUT_S`` (default 25 s; ``env.py``): the process group's timeout, the
-symmetric-memory barriers (``dispatch/ll_transport.py``), and on GPUs NCCL's watchdog, set to abort
+symmetric-memory barriers (``dispatch/low_latency/transport.py``), and on GPUs NCCL's watchdog, set to abort
 the communicator and end the process when a collective outlives the bound. The ranks that gave up
 waiting fail; the launcher then names the ranks still running as stalled. Each rank writes the
 dispatcher phase it is in into memory the launcher shares (``profiling.record_phases_into``), so the

@@ -4,8 +4,8 @@ Legend: see ``moe_sbo/__init__.py``; here C is the capacity (``max_tokens_per_ra
 
 Why: a CUDA graph bakes in every address it touches, but an eager forward's inputs (x, the router's
 ids and weights, the experts' output) and outputs (the expert rows, y) are new tensors each time. A
-kernel launched per forward to copy them in or out costs the host what the graph saved (20-60 µs
-a launch on an H200 host). So the graphs read those addresses from a small table instead:
+kernel launched per forward to copy them in or out costs the host what the graph saved (a launch
+each). So the graphs read those addresses from a small table instead:
 
 - ``CallerAddresses.write(*values)``: the host writes a forward's values (a token count, and each
   tensor's address as a 16-byte offset from a fixed ``anchor`` tensor) into pinned host memory:
@@ -17,7 +17,7 @@ a launch on an H200 host). So the graphs read those addresses from a small table
   device first, which costs nothing the host was not going to wait for anyway.
 
 The GPU reads the pinned words through unified addressing (an offset from ``anchor``, like
-``ll_kernels.Destinations``), with a load that does not trust cached copies of host memory. The
+``transport.Destinations``), with a load that does not trust cached copies of host memory. The
 echo's value depends on every word read, so it cannot be stored before every read has returned;
 the host, seeing it, may overwrite. On CPU (Triton's interpreter, the tests' path) the table is
 plain memory and every kernel has finished when its launch returns.

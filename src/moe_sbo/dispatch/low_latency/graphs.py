@@ -6,14 +6,14 @@ Legend: see ``moe_sbo/__init__.py``; here C is the capacity (``max_tokens_per_ra
 Why: an eager forward is what prefill runs, and there the dispatcher's host time is on the critical
 path. The send plan (``pack_rows``: a count pass, a prefix sum, a place pass, the row copy, the id
 check) and the receiver layout (``expert_layout``: allocations, two passes, a prefix sum) are about
-ten launches each; on an H200 host a Triton launch costs 20-30 µs and a small torch op 5-25 µs, so
-the host spent ~470 µs in ``dispatch_launch`` and ~350 µs in ``dispatch_wait`` at 4096 tokens while
-the GPU needed less. Replaying a captured graph of the same kernels is one call.
+ten launches each, and each launch costs the host more than the GPU's work at these sizes
+(docs/BENCHMARKS.md has the host times). Replaying a captured graph of the same kernels is one call.
 
-What is graphed: every kernel of both phases, in four pieces per buffer set. The caller's tensors
+What is graphed: every kernel of both phases, in four pieces per buffer set (``pieces.py`` builds
+each). The caller's tensors
 (x, ids and weights in; the expert rows out; the experts' output in; y out) are new each forward, so
 the pieces read their addresses, and the token count T, from a small table the host writes before
-each replay (``ll_addresses.CallerAddresses``: plain stores into pinned memory, fetched by the
+each replay (``addresses.CallerAddresses``: plain stores into pinned memory, fetched by the
 piece's first kernel), not from the capture:
 
 - ``pack``: the staging of the forward's x, ids and weights into fixed buffers (x [C, H], ids [C, K]
@@ -54,8 +54,8 @@ from typing import Any
 
 import torch
 
-from ..streams import capture_graph
-from .ll_addresses import CallerAddresses, readable
+from ...streams import capture_graph
+from .addresses import CallerAddresses, readable
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Staging:
     """One buffer set's fixed inputs and outputs of the ``pack`` graph (C tokens, P ranks).
 
     The ``pack`` graph's first kernels copy a forward's x, ids and weights in, from the addresses
-    the host writes before the replay (``ll_addresses``): no launch of the host's own. Inputs the
+    the host writes before the replay (``addresses.py``): no launch of the host's own. Inputs the
     kernels cannot read in place (another dtype than x's own, int64 ids and float32 weights, which
     the router gives; strided; not 16-byte aligned) are converted first, one torch copy each.
     ``slot_views``: ``slot_CP``'s first T rows for the last T (a view per forward costs the host a
@@ -124,7 +124,7 @@ class PieceGraph:
     tensors every replay, and the first call runs the piece's kernels twice on the same inputs (each
     piece gives the same bytes again; a piece with a barrier waits twice, as every rank's does).
     Without ``capture`` every call runs ``fn``. With ``addresses``, each call's ``values`` are
-    written into them first and ``fn`` is preceded by their fetch (``ll_addresses``), so the piece's
+    written into them first and ``fn`` is preceded by their fetch (``addresses.py``), so the piece's
     kernels read the caller's tensors.
     """
 
@@ -167,17 +167,15 @@ class PieceGraph:
 
 @dataclass
 class RoundGraphs:
-    """One buffer set's pieces (built on first use): the ``pack`` graph and the ``staging`` it
-    reads, the start of the set's dispatch and combine transfers (in the ``pack`` and ``combine``
-    graphs with symmetric memory, called after them with NCCL), the ``layout`` graph (which first
-    waits on the set's barrier when ``pack`` started a symmetric-memory transfer; with
-    ``fixed_expert_rows`` it gathers into ``expert_rows``), and the ``combine`` and ``combine_end``
-    graphs (the latter first waits on the combine barrier with symmetric memory)."""
+    """One buffer set's pieces (built on first use, by ``pieces.py``): the ``pack`` graph and the
+    ``staging`` it reads, the ``layout`` graph (which first waits on the set's barrier when ``pack``
+    started a symmetric-memory transfer; with ``fixed_expert_rows`` it gathers into
+    ``expert_rows``), and the ``combine`` and ``combine_end`` graphs (the latter first waits on the
+    combine barrier with symmetric memory). The transfers' starts are the buffers' ``Exchange``s:
+    inside the ``pack`` and ``combine`` graphs with symmetric memory, called after them with NCCL."""
 
     staging: Staging | None = None
     pack: PieceGraph | None = None
-    start_dispatch: Callable[[], list] | None = None
-    start_combine: Callable[[], list] | None = None
     layout: PieceGraph | None = None
     # The (``deliver_fp8``, in place) the layout graph was built for: in place (``index_rows``) it
     # gathers no rows.

@@ -1,6 +1,6 @@
 """``low_latency``'s torch reference path: the send plan, the receiver's fixed-shape expert layout and
 combine's per-slot reduction, as chains of torch ops with no host read (any device). The fused
-kernels (``ll_kernels.py``) produce the same bytes and indices; the tests hold them to this.
+kernels (``kernels/``) produce the same bytes and indices; the tests hold them to this.
 
 Legend: see ``moe_sbo/__init__.py``.
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import ExpertLayout
+from ..layout import ExpertLayout
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,9 @@ def group_slots_by_expert(local_ids_SK: torch.Tensor, weights_SK: torch.Tensor, 
     is_local_SK = local_ids_SK >= 0
     # Non-local pairs get key L: a counting sort puts them after every expert's rows.
     key_X = torch.where(is_local_SK, local_ids_SK.long(), num_local_experts).reshape(-1)
-    # Counting sort by one-hot prefix sums, not torch.sort: at decode sizes a radix sort of a few
-    # thousand keys costs ~27 µs on an H200. The one-hot is [keys, pairs] so each prefix sum runs
-    # along the contiguous dimension (a scan down 9 columns of 1024 rows is sequential: 150 µs).
+    # Counting sort by one-hot prefix sums, not torch.sort, whose radix sort is the slower at decode
+    # sizes. The one-hot is [keys, pairs] so each prefix sum runs along the contiguous dimension (on
+    # CUDA a scan down a few columns of many rows is sequential).
     # A comparison, not F.one_hot, which may read the keys' range on the host.
     one_hot_YX = (torch.arange(num_local_experts + 1, device=device)[:, None] == key_X[None, :]).to(torch.int32)
     seen_YX = one_hot_YX.cumsum(dim=1, dtype=torch.int32)

@@ -1,5 +1,6 @@
 """``low_latency``'s transports: the buffer sets (plain, or symmetric memory the peers write into),
-the round counter that takes them in turn, and the start of one phase's fixed-size transfer.
+where the kernels write each block (``Destinations``), the round counter that takes the sets in turn,
+and one phase's fixed-size transfer (``Exchange``).
 
 Legend: see ``moe_sbo/__init__.py``.
 
@@ -27,16 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import env
-from .base import EPGroup
-from .ll_wire import RowFormat
-
-try:  # Triton comes with CUDA builds of torch; without it the torch reference path runs
-    from . import ll_bulk, ll_kernels
-except ImportError:  # pragma: no cover - depends on the environment
-    ll_kernels = None  # type: ignore[assignment]
-    ll_bulk = None  # type: ignore[assignment]
-
+from ... import env
+from ..base import EPGroup
+from .wire import RowFormat
 
 # The symmetric-memory barrier's channel per phase. PyTorch's timeout message prints the channel, so it
 # says which phase waited; distinct channels also keep the phases apart where buffers share a signal pad.
@@ -68,6 +62,72 @@ class SymmBarrier:
 
 
 @dataclass(frozen=True)
+class Destinations:
+    """Where the fused kernels write the block for each rank p: ``anchor`` (a uint8 tensor, 16-byte
+    aligned) plus ``offsets_P`` (int64, device) in 16-byte units; all addresses must be 16-byte aligned.
+
+    One kernel serves every transport: the local send buffer's blocks (NCCL), the receive buffer
+    itself (one rank, no collective), or the peers' symmetric receive buffers (NVLink writes). Offsets
+    from a tensor argument rather than raw addresses let Triton know every row is 16-byte aligned, so
+    it stores 16 bytes at a time (from a raw address it must assume 2, far slower over NVLink)."""
+
+    anchor: torch.Tensor
+    offsets_P: torch.Tensor
+
+    @classmethod
+    def make(cls, anchor: torch.Tensor, addresses: list[int]) -> Destinations:
+        base = anchor.data_ptr()
+        if base % 16 or any(a % 16 for a in addresses):
+            raise ValueError(
+                f"block addresses must be 16-byte aligned, got {[hex(a) for a in [base, *addresses]]}; "
+                "rows are padded to 16 bytes, so check the hidden size and dtype"
+            )
+        offsets = [(a - base) // 16 for a in addresses]
+        return cls(anchor.view(torch.uint8), torch.tensor(offsets, dtype=torch.int64, device=anchor.device))
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One phase's fixed-size transfer of ``send`` into ``recv`` for one buffer set, made with the
+    buffers. ``fused``: the fused kernels wrote the blocks (for ``symm_mem`` straight into the peers'
+    buffers; without a collective into ``recv``); ``barrier``: the ``SymmBarrier`` that ends the phase
+    (``symm_mem``, ``copy_engine``); ``collective``: a communicator moves the blocks over ``group``;
+    ``peer_blocks`` (``copy_engine``): where each block of ``send`` is copied to."""
+
+    recv: torch.Tensor
+    send: torch.Tensor
+    fused: bool
+    barrier: SymmBarrier | None = field(compare=False)
+    collective: bool
+    group: Any = field(compare=False)
+    peer_blocks: list[torch.Tensor] | None = field(default=None, compare=False)
+
+    def start(self) -> list:
+        """Start the transfer -> the works to wait on. With the fused kernels the blocks are already
+        in place for ``symm_mem`` (a barrier remains) and without a collective (nothing remains);
+        ``copy_engine`` copies each block into its peer's buffer and a barrier ends the phase;
+        otherwise an all-to-all, or a local copy.
+
+        Sync: runs on the current stream; ``copy_engine``'s copies are peer ``cudaMemcpyAsync`` (the
+        copy engines move the bytes, no SMs); the all-to-all is async (its work is returned). The host
+        never blocks; each work's ``wait`` makes the current stream wait (CUDA) or blocks (gloo).
+        CUDA-graph safe except the NCCL all-to-all, which stays outside the index graphs."""
+        if self.peer_blocks is not None:  # copy_engine
+            capacity = self.peer_blocks[0].shape[0]
+            for p, block in enumerate(self.peer_blocks):
+                block.copy_(self.send[p * capacity : (p + 1) * capacity])
+            assert self.barrier is not None, "copy_engine ends each phase with a symmetric-memory barrier"
+            return [self.barrier]
+        if self.fused and self.barrier is not None:  # symm_mem: the kernel wrote into the peers' buffers
+            return [self.barrier]
+        if not self.collective:
+            if not self.fused:
+                self.recv.copy_(self.send)
+            return []
+        return [dist.all_to_all_single(self.recv, self.send, group=self.group, async_op=True)]
+
+
+@dataclass(frozen=True)
 class Buffers:
     """One set of communication buffers, allocated once and reused by every forward that uses it.
 
@@ -83,13 +143,12 @@ class Buffers:
     dispatch_recv_SB: torch.Tensor  # [S + 1, B]
     combine_send_SH: torch.Tensor
     combine_recv_SH: torch.Tensor  # [S + 1, H]
-    dispatch_dst: Any  # ll_kernels.Destinations, or None without Triton
-    combine_dst: Any
+    dispatch_dst: Destinations | None
+    combine_dst: Destinations | None
+    dispatch_exchange: Exchange = field(compare=False)
+    combine_exchange: Exchange = field(compare=False)
     dispatch_barrier: SymmBarrier | None = field(default=None, compare=False)
     combine_barrier: SymmBarrier | None = field(default=None, compare=False)
-    # copy_engine only: per peer p, this rank's block in p's receive buffer ([C, B] / [C, H] views).
-    dispatch_peer_blocks: list[torch.Tensor] | None = field(default=None, compare=False)
-    combine_peer_blocks: list[torch.Tensor] | None = field(default=None, compare=False)
 
     @functools.cached_property
     def combine_slots_SH(self) -> torch.Tensor:
@@ -126,16 +185,19 @@ def allocate_buffers(
     *,
     transport: str,
     collective: bool,
+    fused: bool,
+    destinations: bool,
 ) -> Buffers:
     """One buffer set for ``ep.size * capacity`` slots of rows ``fmt``. ``transport``: ``symm_mem`` and
     ``copy_engine`` put the receive buffers in symmetric memory (a collective rendezvous: every rank
     must allocate together); ``collective``: whether a communicator moves the blocks (if not, the
-    kernels write the receive buffer directly)."""
+    kernels write the receive buffer directly); ``fused``: whether the fused kernels write the blocks;
+    ``destinations``: make the kernels' ``Destinations`` (wherever Triton imports)."""
     s, rank, hidden = ep.size * capacity, ep.rank, fmt.hidden
     dispatch_send = torch.zeros(s, fmt.row_bytes, dtype=torch.uint8, device=device)
     combine_send = torch.zeros(s, hidden, dtype=dtype, device=device)
     barriers: tuple[SymmBarrier | None, SymmBarrier | None] = (None, None)
-    peer_blocks: tuple[Any, Any] = (None, None)
+    peer_blocks: tuple[Any, Any] = (None, None)  # copy_engine: per peer p, this rank's block in p's buffer
     if transport in ("symm_mem", "copy_engine"):
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -177,44 +239,23 @@ def allocate_buffers(
         d_base, c_base = (dispatch_send, combine_send) if collective else (dispatch_recv, combine_recv)
         dispatch_dst = [d_base.data_ptr() + p * capacity * fmt.row_bytes for p in range(ep.size)]
         combine_dst = [c_base.data_ptr() + p * capacity * hidden * dtype.itemsize for p in range(ep.size)]
-    fused = ll_kernels is not None
+    dispatch_barrier, combine_barrier = barriers
+    dispatch_blocks, combine_blocks = peer_blocks
+    dispatch_exchange = Exchange(
+        dispatch_recv[:s], dispatch_send, fused, dispatch_barrier, collective, ep.group, dispatch_blocks
+    )
+    combine_exchange = Exchange(
+        combine_recv[:s], combine_send, fused, combine_barrier, collective, ep.group, combine_blocks
+    )
     return Buffers(
         dispatch_send,
         dispatch_recv,
         combine_send,
         combine_recv,
-        ll_kernels.Destinations.make(dispatch_recv, dispatch_dst) if fused else None,
-        ll_kernels.Destinations.make(combine_recv, combine_dst) if fused else None,
-        *barriers,
-        *peer_blocks,
+        Destinations.make(dispatch_recv, dispatch_dst) if destinations else None,
+        Destinations.make(combine_recv, combine_dst) if destinations else None,
+        dispatch_exchange,
+        combine_exchange,
+        dispatch_barrier,
+        combine_barrier,
     )
-
-
-def start_exchange(
-    recv: torch.Tensor,
-    send: torch.Tensor,
-    *,
-    fused: bool,
-    barrier: SymmBarrier | None,
-    collective: bool,
-    group: Any,
-    peer_blocks: list[torch.Tensor] | None = None,
-) -> list:
-    """Start the fixed-size transfer of ``send`` into ``recv``; the works to wait on. With the fused
-    kernels the blocks are already in place for ``symm_mem`` (a barrier remains) and without a
-    collective (nothing remains); ``copy_engine`` copies each block into its peer's buffer (peer
-    ``cudaMemcpyAsync`` on the current stream: the copy engines move it, no SMs) and a barrier ends
-    the phase; otherwise an all-to-all, or a local copy."""
-    if peer_blocks is not None:  # copy_engine
-        capacity = peer_blocks[0].shape[0]
-        for p, block in enumerate(peer_blocks):
-            block.copy_(send[p * capacity : (p + 1) * capacity])
-        assert barrier is not None, "copy_engine ends each phase with a symmetric-memory barrier"
-        return [barrier]
-    if fused and barrier is not None:  # symm_mem: the kernel wrote into the peers' buffers
-        return [barrier]
-    if not collective:
-        if not fused:
-            recv.copy_(send)
-        return []
-    return [dist.all_to_all_single(recv, send, group=group, async_op=True)]

@@ -1,10 +1,24 @@
-"""``low_latency``'s wire format: the packed dispatch row, whose fp8 part is ``moe_sbo/fp8.py``'s
+"""``low_latency``'s wire format: the packed dispatch row, whose fp8 part is ``quant/fp8.py``'s
 activation format (e4m3 with one float32 scale per token and 128 values).
 
 Legend: see ``moe_sbo/__init__.py``.
 
-A dispatch row packs x (activation dtype, or fp8 e4m3 plus Q float32 scales), the K global expert
-ids (int32) and the K weights (float32). The hard part is alignment: each part starts on a 4-byte
+One fixed-size block per (rank, peer) and phase, moved by one ``all_to_all_single``
+(``transport="nccl"``) or written by the packing kernel straight into the peer's symmetric-memory
+receive buffer (``"symm_mem"``, the CUDA default from two GPUs)::
+
+    dispatch  send [P, C, B] uint8. Block p holds, in its first rows, each token with at least one
+              expert on rank p, once (rank-deduplicated), in token order; the rest of the block is
+              the padding row (x zero, ids -1). A row packs x (activation dtype, or fp8 e4m3 plus
+              Q float32 scales), the K global expert ids (int32) and the K weights (float32).
+    combine   send [P, C, H] activation dtype. Row c of block p: this rank's weighted sum of its
+              experts' outputs for slot c of what rank p sent; the token's rank sums its P rows.
+
+Every shape depends on C, P, K, H only, so nothing is sized from data and nothing is read on the
+host. The bytes on the wire are the full blocks whatever the routing: (P - 1) * C * B per dispatch
+and (P - 1) * C * H * elem per combine for each rank (its block to itself stays local).
+
+The hard part is the row's alignment: each part starts on a 4-byte
 boundary so it can be viewed in place as its dtype, and rows are padded to 16 bytes so the kernels'
 copies stay 16-byte vectorised (over NVLink a narrower store is several times slower).
 """
@@ -16,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8, quantize_fp8
+from ...quant.fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8, quantize_fp8
 
 ROW_ALIGN_BYTES = 16  # packed rows are a multiple of this many bytes
 

@@ -1,4 +1,4 @@
-"""``ll_addresses``: the table through which ``low_latency``'s replayed graphs read the caller's
+"""``low_latency/addresses.py``: the table through which ``low_latency``'s replayed graphs read the caller's
 tensors (host writes, the fetch kernel's copy and echo, offsets from the anchor), and the staging
 kernel, by hand on CPU under Triton's interpreter. (The graphs using them are checked against direct
 launches in ``tests/test_low_latency.py``, and on GPU, the host running far ahead of the device
@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from moe_sbo.dispatch.ll_addresses import CallerAddresses, aligned, fetch_words, stage_inputs
-from moe_sbo.dispatch.ll_graphs import Staging
+from moe_sbo.dispatch.low_latency.addresses import CallerAddresses, aligned, fetch_words, stage_inputs
+from moe_sbo.dispatch.low_latency.graphs import Staging
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels run in Triton's CPU interpreter here"

@@ -19,13 +19,11 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
-from moe_sbo.dispatch import EPGroup, ll_transport, low_latency, mask_padding_tokens
-from moe_sbo.dispatch.ll_transport import ll_kernels
-from moe_sbo.dispatch.ll_wire import RowFormat
-from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
+from moe_sbo.dispatch import EPGroup, mask_padding_tokens
+from moe_sbo.dispatch.low_latency import LowLatencyDispatcher, RowFormat, transport
 from moe_sbo.layer import MoELayer
 
-pytestmark = pytest.mark.skipif(ll_kernels is None, reason="needs Triton (pip install triton)")
+kernels = pytest.importorskip("moe_sbo.dispatch.low_latency.kernels", reason="needs Triton (pip install triton)")
 # CPU tensors through the kernels: only in the interpreter (on a CUDA machine the GPU tests cover this).
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -78,7 +76,7 @@ def _assert_same(ref, fused, fmt: RowFormat):
 
 
 # (T, C) cases per plan. One pass (decode kernels): (50, 64) is 256 (slot, k) pairs, two chunks of 128
-# in the layout kernel. Two passes (``ll_bulk``): several token blocks (128 each) and layout chunks
+# in the layout kernel. Two passes (``kernels.two_pass``): several token blocks (128 each) and layout chunks
 # (256 pairs each), a padding token right after a block boundary.
 CASES = {"one_pass": ((0, 4), (1, 4), (5, 8), (8, 8), (50, 64)), "two_pass": ((0, 4), (3, 8), (130, 130), (300, 320))}
 
@@ -87,7 +85,7 @@ CASES = {"one_pass": ((0, 4), (1, 4), (5, 8), (8, 8), (50, 64)), "two_pass": ((0
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("plan", ["one_pass", "two_pass"])
 def test_one_rank_fused_equals_torch_path(monkeypatch, fp8, plan):
-    monkeypatch.setattr(low_latency, "BULK_MIN_CAPACITY", 1 if plan == "two_pass" else 1 << 30)
+    monkeypatch.setattr(kernels, "TWO_PASS_MIN_CAPACITY", 1 if plan == "two_pass" else 1 << 30)
     torch.manual_seed(0)
     num_experts, top_k = 8, 4
     hidden = 256 if plan == "one_pass" else 128
@@ -114,8 +112,8 @@ def test_one_rank_fused_equals_torch_path(monkeypatch, fp8, plan):
 def _ranks_bulk_vs_torch(device):
     """Two ranks, the two-pass kernels forced, blocks spanning several programs on both sides."""
     rank = dist.get_rank()
-    previous = low_latency.BULK_MIN_CAPACITY
-    low_latency.BULK_MIN_CAPACITY = 1
+    previous = kernels.TWO_PASS_MIN_CAPACITY
+    kernels.TWO_PASS_MIN_CAPACITY = 1
     try:
         gen = torch.Generator().manual_seed(7 + rank)
         num_experts, top_k, hidden, capacity = 8, 4, 128, 200
@@ -135,7 +133,7 @@ def _ranks_bulk_vs_torch(device):
     except AssertionError as err:
         return f"rank {rank}: {err!r}"
     finally:
-        low_latency.BULK_MIN_CAPACITY = previous
+        kernels.TWO_PASS_MIN_CAPACITY = previous
     return "ok"
 
 
@@ -232,11 +230,11 @@ def test_pack_flags_out_of_range_ids():
     ids = torch.tensor([[0, 3], [-1, 4], [-2, 1]])  # E = 4: token 1 has 4, token 2 has -2
     dst_P = torch.zeros(4, fmt.row_bytes, dtype=torch.uint8)
     slot_TP = torch.empty(3, 1, dtype=torch.int64)
-    ok = ll_kernels.pack_rows(
+    ok = kernels.pack_rows(
         torch.randn(3, 16),
         ids,
         torch.rand(3, 2),
-        ll_kernels.Destinations.make(dst_P, [dst_P.data_ptr()]),
+        transport.Destinations.make(dst_P, [dst_P.data_ptr()]),
         slot_TP,
         fmt,
         num_local_experts=4,
@@ -261,14 +259,14 @@ def test_auto_transport_needs_one_node_with_peer_access(monkeypatch):
         else:
             monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
         monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b, ok=peer_access: ok)
-        ll_transport.peers_reachable.cache_clear()
-        assert ll_transport.peers_reachable(ep_size) is expected, (ep_size, local_world, peer_access)
-    ll_transport.peers_reachable.cache_clear()
+        transport.peers_reachable.cache_clear()
+        assert transport.peers_reachable(ep_size) is expected, (ep_size, local_world, peer_access)
+    transport.peers_reachable.cache_clear()
 
 
 def test_destinations_must_be_16_byte_aligned():
     buf = torch.zeros(64, dtype=torch.uint8)
-    dst = ll_kernels.Destinations.make(buf, [buf.data_ptr(), buf.data_ptr() + 32])
+    dst = transport.Destinations.make(buf, [buf.data_ptr(), buf.data_ptr() + 32])
     assert dst.offsets_P.tolist() == [0, 2]  # in 16-byte units from the anchor
     with pytest.raises(ValueError, match="block addresses must be 16-byte aligned"):
-        ll_kernels.Destinations.make(buf, [buf.data_ptr() + 8])
+        transport.Destinations.make(buf, [buf.data_ptr() + 8])
