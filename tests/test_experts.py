@@ -192,7 +192,7 @@ def test_routed_experts_choose_their_kernel_by_rows():
 def test_routed_experts_without_triton_refuse_a_triton_kernel(monkeypatch):
     import moe_sbo.experts.routed as experts_module
 
-    monkeypatch.setattr(experts_module, "gemv_kernels", None)
+    monkeypatch.setattr(experts_module, "gemv", None)
     experts = RoutedExperts(4, 40, 24)
     x = torch.empty(8, 40)
     assert experts.dense_path(x) == "grouped_mm"  # "auto" falls back to torch

@@ -219,7 +219,7 @@ def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "
     - ``lower_right``: ``torch.nn.attention.bias.causal_lower_right`` (PyTorch's FlashAttention-2 kernel
       on CUDA: the needed pairs, at about half cuDNN's rate on an H200);
     - ``auto``: ``merge``, the fastest of the three on an H200 at every cut measured (sequences of 2k
-      to 16k tokens cut at 1/4, 1/2 and 3/4: ``benchmarks/probe_cut_attention.py``), on CPU and on
+      to 16k tokens cut at 1/4, 1/2 and 3/4: docs/BENCHMARKS.md), on CPU and on
       CUDA GPUs of compute capability 9 with cuDNN's attention enabled and a head dim cuDNN takes
       (a multiple of 8, at most 128); ``lower_right`` elsewhere (PyTorch's own path for this mask).
       ``merge`` asked for explicitly calls cuDNN's kernel whatever the GPU."""

@@ -2,8 +2,8 @@
 real forwards, then keep the faster, the same choice on every rank.
 
 TBO pays only where a transfer is long beside the compute: published decode runs lose with it at
-small batches and gain at large ones, and on two GPUs of one host it lost at every size measured
-(docs/SIMULATION.md section 5). So the choice is made per bucket (the next power of two of the
+small batches and gain at large ones, and on two GPUs of one host over NVLink it gained little or lost
+(docs/BENCHMARKS.md, "Two-batch overlap"). So the choice is made per bucket (the next power of two of the
 tokens, as SBO's ``auto``), from timings of the forwards themselves.
 
 The hard part is agreement. With TBO a rank makes two MoE calls per layer, without it one, so ranks
