@@ -9,9 +9,10 @@ the two-pass count pass.
 The hard part is a stable counting sort with no host read: a pair's row is its expert's start plus
 the pairs of that expert before it, and both need counts over every pair. One pass has each program
 count all S x K pairs (quadratic, fewer launches: decode sizes); two passes count per chunk, take a
-prefix sum over the chunks and then place (linear: prefill sizes). Both end in the same
-``place_pairs`` tail, which writes the layout; the torch reference (``reference.group_slots_by_expert``)
-gives the same indices.
+prefix sum over the chunks and then place (linear: prefill sizes). One kernel places the pairs for
+both (``_place_pairs_kernel``: its counts from its own scan, or from the count pass's prefix sums),
+so the tail that writes the layout exists once; the torch reference
+(``reference.group_slots_by_expert``) gives the same indices.
 """
 
 from __future__ import annotations
@@ -67,36 +68,55 @@ def pair_keys(
 
 
 @triton.jit
-def place_pairs(
+def _place_pairs_kernel(
     recv_ptr,
+    prefix_ptr,
     row_ptr,
     weight_ptr,
     pair_row_ptr,
     counts_ptr,
     num_real_ptr,
-    chunk_start,
-    counts_Y,
-    before_Y,
     first_expert,
     num_local_experts,
     num_slots,
+    num_chunks,
     TOP_K: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     IDS_OFFSET: tl.constexpr,
     WEIGHTS_OFFSET: tl.constexpr,
     Y_P2: tl.constexpr,
     BLOCK_X: tl.constexpr,
+    SCAN_X: tl.constexpr,
+    COUNTED: tl.constexpr,
 ):
-    """The layout of pairs ``[chunk_start, chunk_start + BLOCK_X)`` from every key's count
-    (``counts_Y``) and the count of each key before the chunk (``before_Y``); the first chunk also
-    writes the per-expert counts and the real row count."""
+    # Program x places pairs [x * BLOCK_X, (x + 1) * BLOCK_X): it needs every key's count (the
+    # experts' starts) and each key's pairs before its chunk (its offset inside each expert).
+    x = tl.program_id(0)
+    chunk_start = x * BLOCK_X
     num_pairs = num_slots * TOP_K
     offs_y = tl.arange(0, Y_P2)
+    if COUNTED:
+        # Two passes: prefix_ptr is int32 [Y_P2, NX + 1] as in ``pack._place_sends_kernel``: column x
+        # the pairs of each key in chunks before x, column NX each key's total.
+        before_Y = tl.load(prefix_ptr + offs_y * (num_chunks + 1) + x)
+        counts_Y = tl.load(prefix_ptr + offs_y * (num_chunks + 1) + num_chunks)
+    else:
+        # One pass: every program counts all pairs itself. The keys are a few KB, read from L2 by every
+        # program, which beats a serial scan in one program.
+        counts_Y = tl.zeros([Y_P2], dtype=tl.int32)
+        before_Y = tl.zeros([Y_P2], dtype=tl.int32)
+        for n0 in range(0, num_pairs, SCAN_X):
+            n = n0 + tl.arange(0, SCAN_X)
+            key = pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
+            hot_XY = (key[:, None] == offs_y[None, :]).to(tl.int32)
+            counts_Y += tl.sum(hot_XY, axis=0)
+            before_Y += tl.sum(tl.where((n < chunk_start)[:, None], hot_XY, 0), axis=0)
+    # The shared tail: a pair's row is its expert's start + the pairs of that expert before it
+    # (stable: slot order); the first chunk also writes the per-expert counts and the real row count.
     start_Y = tl.cumsum(counts_Y, axis=0) - counts_Y
     if chunk_start == 0:
         tl.store(counts_ptr + offs_y, counts_Y.to(tl.int64), mask=offs_y < num_local_experts)
         tl.store(num_real_ptr, tl.sum(tl.where(offs_y == num_local_experts, start_Y, 0)))
-    # A pair's row: its expert's start + the pairs of that expert before it (stable: slot order).
     n = chunk_start + tl.arange(0, BLOCK_X)
     key = pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
     hot_XY = (key[:, None] == offs_y[None, :]).to(tl.int32)
@@ -110,65 +130,7 @@ def place_pairs(
     tl.store(weight_ptr + row_X, w_X, mask=valid)
 
 
-# ---- one pass: every program counts every pair -------------------------------------------------------
-
-
-@triton.jit
-def _expert_layout_kernel(
-    recv_ptr,
-    row_ptr,
-    weight_ptr,
-    pair_row_ptr,
-    counts_ptr,
-    num_real_ptr,
-    first_expert,
-    num_local_experts,
-    num_slots,
-    TOP_K: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
-    IDS_OFFSET: tl.constexpr,
-    WEIGHTS_OFFSET: tl.constexpr,
-    Y_P2: tl.constexpr,
-    BLOCK_X: tl.constexpr,
-    SCAN_X: tl.constexpr,
-):
-    # Program i places pairs [i * BLOCK_X, (i + 1) * BLOCK_X). Every program first counts all pairs per
-    # expert (the experts' starts) and those before its chunk (its offset inside each expert): the
-    # keys are a few KB, read from L2 by every program, which beats a serial scan in one program.
-    chunk_start = tl.program_id(0) * BLOCK_X
-    num_pairs = num_slots * TOP_K
-    offs_y = tl.arange(0, Y_P2)
-    counts_Y = tl.zeros([Y_P2], dtype=tl.int32)
-    before_Y = tl.zeros([Y_P2], dtype=tl.int32)
-    for n0 in range(0, num_pairs, SCAN_X):
-        n = n0 + tl.arange(0, SCAN_X)
-        key = pair_keys(recv_ptr, n, num_pairs, first_expert, num_local_experts, TOP_K, ROW_BYTES, IDS_OFFSET, Y_P2)
-        hot_XY = (key[:, None] == offs_y[None, :]).to(tl.int32)
-        counts_Y += tl.sum(hot_XY, axis=0)
-        before_Y += tl.sum(tl.where((n < chunk_start)[:, None], hot_XY, 0), axis=0)
-    place_pairs(
-        recv_ptr,
-        row_ptr,
-        weight_ptr,
-        pair_row_ptr,
-        counts_ptr,
-        num_real_ptr,
-        chunk_start,
-        counts_Y,
-        before_Y,
-        first_expert,
-        num_local_experts,
-        num_slots,
-        TOP_K,
-        ROW_BYTES,
-        IDS_OFFSET,
-        WEIGHTS_OFFSET,
-        Y_P2,
-        BLOCK_X,
-    )
-
-
-# ---- two passes: count per chunk, prefix sum, place --------------------------------------------------
+# ---- two passes: the count pass before ``_place_pairs_kernel`` -----------------------------------------
 
 
 @triton.jit
@@ -193,54 +155,6 @@ def _count_keys_kernel(
     tl.store(counts_ptr + offs_y * stride_y + x, tl.sum((key[:, None] == offs_y[None, :]).to(tl.int32), axis=0))
 
 
-@triton.jit
-def _place_keys_kernel(
-    recv_ptr,
-    prefix_ptr,
-    row_ptr,
-    weight_ptr,
-    pair_row_ptr,
-    counts_ptr,
-    num_real_ptr,
-    first_expert,
-    num_local_experts,
-    num_slots,
-    num_chunks,
-    TOP_K: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
-    IDS_OFFSET: tl.constexpr,
-    WEIGHTS_OFFSET: tl.constexpr,
-    Y_P2: tl.constexpr,
-    BLOCK_X: tl.constexpr,
-):
-    # prefix_ptr: int32 [Y_P2, NX + 1] as in ``pack._place_sends_kernel``: column x is the pairs of each key in
-    # chunks before x, column NX each key's total.
-    x = tl.program_id(0)
-    offs_y = tl.arange(0, Y_P2)
-    before_Y = tl.load(prefix_ptr + offs_y * (num_chunks + 1) + x)
-    counts_Y = tl.load(prefix_ptr + offs_y * (num_chunks + 1) + num_chunks)
-    place_pairs(
-        recv_ptr,
-        row_ptr,
-        weight_ptr,
-        pair_row_ptr,
-        counts_ptr,
-        num_real_ptr,
-        x * BLOCK_X,
-        counts_Y,
-        before_Y,
-        first_expert,
-        num_local_experts,
-        num_slots,
-        TOP_K,
-        ROW_BYTES,
-        IDS_OFFSET,
-        WEIGHTS_OFFSET,
-        Y_P2,
-        BLOCK_X,
-    )
-
-
 def expert_layout(
     recv_SB: torch.Tensor, fmt: RowFormat, rank: int, num_local_experts: int, two_pass: bool = False
 ) -> KernelLayout:
@@ -255,57 +169,53 @@ def expert_layout(
     pair_row_SK = torch.empty(num_slots, top_k, dtype=torch.int64, device=device)
     counts_L = torch.empty(num_local_experts, dtype=torch.int64, device=device)
     num_real_1 = torch.empty(1, dtype=torch.int32, device=device)
-    outputs = (row_R, weight_R, pair_row_SK, counts_L, num_real_1)
     fixed = KernelLayout(
         ExpertLayout(row_R=row_R, weight_R=weight_R, num_rows_per_expert_L=counts_L), pair_row_SK, num_real_1
     )
     y_p2 = pow2(num_local_experts + 1)
     first_expert = rank * num_local_experts
-    common = dict(
+    if two_pass:
+        block_x, scan_x = TWO_PASS_BLOCK_X, 16  # scan_x: unused with COUNTED
+        num_chunks = max(triton.cdiv(num_pairs, block_x), 1)
+        counts_YX = torch.zeros(y_p2, num_chunks + 1, dtype=torch.int32, device=device)
+        _count_keys_kernel[(num_chunks,)](
+            recv_SB,
+            counts_YX[:, 1:],
+            first_expert,
+            num_local_experts,
+            num_pairs,
+            num_chunks + 1,
+            TOP_K=top_k,
+            ROW_BYTES=fmt.row_bytes,
+            IDS_OFFSET=fmt.ids_offset,
+            Y_P2=y_p2,
+            BLOCK_X=block_x,
+        )
+        prefix_YX = counts_YX.cumsum(dim=1, dtype=torch.int32)
+    else:
+        block_x, scan_x = LAYOUT_BLOCK_X, max(16, min(1024, 8192 // y_p2))
+        num_chunks = triton.cdiv(num_pairs, block_x)
+        prefix_YX = counts_L  # unused without COUNTED: any int tensor
+    _place_pairs_kernel[(num_chunks,)](
+        recv_SB,
+        prefix_YX,
+        row_R,
+        weight_R,
+        pair_row_SK,
+        counts_L,
+        num_real_1,
+        first_expert,
+        num_local_experts,
+        num_slots,
+        num_chunks,
         TOP_K=top_k,
         ROW_BYTES=fmt.row_bytes,
         IDS_OFFSET=fmt.ids_offset,
         WEIGHTS_OFFSET=fmt.weights_offset,
         Y_P2=y_p2,
-    )
-    if not two_pass:
-        _expert_layout_kernel[(triton.cdiv(num_pairs, LAYOUT_BLOCK_X),)](
-            recv_SB,
-            *outputs,
-            first_expert,
-            num_local_experts,
-            num_slots,
-            BLOCK_X=LAYOUT_BLOCK_X,
-            SCAN_X=max(16, min(1024, 8192 // y_p2)),
-            **common,
-        )
-        return fixed
-    num_chunks = max(triton.cdiv(num_pairs, TWO_PASS_BLOCK_X), 1)
-    counts_YX = torch.zeros(y_p2, num_chunks + 1, dtype=torch.int32, device=device)
-    _count_keys_kernel[(num_chunks,)](
-        recv_SB,
-        counts_YX[:, 1:],
-        first_expert,
-        num_local_experts,
-        num_pairs,
-        num_chunks + 1,
-        TOP_K=top_k,
-        ROW_BYTES=fmt.row_bytes,
-        IDS_OFFSET=fmt.ids_offset,
-        Y_P2=y_p2,
-        BLOCK_X=TWO_PASS_BLOCK_X,
-    )
-    prefix_YX = counts_YX.cumsum(dim=1, dtype=torch.int32)
-    _place_keys_kernel[(num_chunks,)](
-        recv_SB,
-        prefix_YX,
-        *outputs,
-        first_expert,
-        num_local_experts,
-        num_slots,
-        num_chunks,
-        BLOCK_X=TWO_PASS_BLOCK_X,
-        **common,
+        BLOCK_X=block_x,
+        SCAN_X=scan_x,
+        COUNTED=two_pass,
     )
     return fixed
 
