@@ -11,11 +11,13 @@ TORCH_PIP_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 .PHONY: setup lint demo test wheel-check clean
 
+# --no-compile: Python compiles what it imports on first use; compiling all of torch up front takes
+# longer than the rest of the set-up.
 $(BIN)/moe-sbo: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-compile torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(BIN)/pip install -q --no-compile -e '.[test]'
 	touch $@
 
 setup: $(BIN)/moe-sbo
@@ -28,8 +30,10 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
+# Two test processes (pytest-xdist), each test taken by whichever is free: most tests wait on rank
+# processes or subprocesses, so two keep a 2-core machine busy; more only contend.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # A wheel of moe-sbo builds, installs into a clean venv (torch first, as above) and runs there.
 wheel-check: setup

@@ -12,7 +12,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 if [ "$GPUS" -lt 2 ]; then echo "run_gpu_auto.sh needs >= 2 GPUs, found $GPUS"; exit 2; fi
 start=$SECONDS
-"$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_overlap.py tests/test_tbo.py -k "auto_chooses or budget" \
+"$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/overlap/test_gpu_overlap.py tests/overlap/test_tbo.py -k "auto_chooses or budget" \
   2>&1 | tee "$OUT_DIR/tests_gpu_auto_$TAG.log" | tail -5
 echo "== tests: $((SECONDS - start)) s"
 for wire in nvlink emulated-internode; do

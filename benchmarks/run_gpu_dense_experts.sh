@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The dense routed experts' kernels on one GPU, from the repo root:  bash benchmarks/run_gpu_dense_experts.sh
-# 1. tests: GPU tests of the experts' kernels (tests/test_experts.py on CUDA, the FP8 GPU tests, which
+# 1. tests: GPU tests of the experts' kernels (tests/experts/test_experts.py on CUDA, the FP8 GPU tests, which
 #    share the grouped GEMM's tile schedule), tests/test_gpu.py and the one-GPU low_latency tests.
 # 2. gemv: bench_gemv.py, the routed MLP through the grouped GEMV, the tiled grouped GEMM and
 #    torch._grouped_mm, 8/16/32 experts, 8 to 32768 rows, beside the read and compute floors
@@ -35,8 +35,8 @@ PARTS="${PARTS:-tests gemv layer}"
 if [[ " $PARTS " == *" tests "* ]]; then
   start=$SECONDS
   # shellcheck disable=SC2086  # TEST_FILES is a list
-  "$PYTHON" -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/test_experts.py tests/test_gpu_fp8.py tests/test_gpu.py \
-    tests/test_gpu_low_latency.py} -k "${TESTS_K:-not nothing}" 2>&1 | tee "$OUT_DIR/tests_gpu_experts_$TAG.log" | tail -3
+  "$PYTHON" -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/experts/test_experts.py tests/experts/test_gpu_fp8.py tests/test_gpu.py \
+    tests/dispatch/test_gpu_low_latency.py} -k "${TESTS_K:-not nothing}" 2>&1 | tee "$OUT_DIR/tests_gpu_experts_$TAG.log" | tail -3
   echo "== tests: $((SECONDS - start)) s"
 fi
 # run_script NAME FILE SCRIPT ARGS...: benchmarks/SCRIPT writes OUT_DIR/NAME/FILE.json, kept as FILE_<tag>.json.

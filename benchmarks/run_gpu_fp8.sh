@@ -8,7 +8,7 @@ PARTS="${PARTS:-tests bench}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) "$PYTHON" -m pytest -q -s tests/test_gpu_fp8.py 2>&1 | tee "$OUT_DIR/tests_gpu_fp8_$TAG.log" | tail -30 ;;
+    tests) "$PYTHON" -m pytest -q -s tests/experts/test_gpu_fp8.py 2>&1 | tee "$OUT_DIR/tests_gpu_fp8_$TAG.log" | tail -30 ;;
     bench)
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
       CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/bench_fp8_experts.py --out "$OUT_DIR" ${BENCH_ARGS:-} \

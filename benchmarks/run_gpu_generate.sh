@@ -13,7 +13,7 @@ PARTS="${PARTS:-tests gemv bench}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) "$PYTHON" -m pytest -q tests/test_gpu_hf_model.py tests/test_experts.py 2>&1 \
+    tests) "$PYTHON" -m pytest -q tests/hf/test_gpu_hf_model.py tests/experts/test_experts.py 2>&1 \
       | tee "$OUT_DIR/tests_gpu_hf_model_$TAG.log" | tail -25 ;;
     gemv) "$PYTHON" benchmarks/bench_gemv.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench_gemv_$TAG.log" | tail -10 ;;
     bench)

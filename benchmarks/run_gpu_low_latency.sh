@@ -5,6 +5,6 @@
 # "${OUT:-out}/bench_low_latency.log". Extra benchmark flags go in BENCH_ARGS (e.g. BENCH_ARGS="--ranks 4 1").
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-"$PYTHON" -m pytest -q tests/test_gpu_low_latency.py tests/test_low_latency.py 2>&1 | tee "$OUT_DIR/tests_low_latency.log" | tail -30 || true
+"$PYTHON" -m pytest -q tests/dispatch/test_gpu_low_latency.py tests/dispatch/test_low_latency.py 2>&1 | tee "$OUT_DIR/tests_low_latency.log" | tail -30 || true
 # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
 "$PYTHON" benchmarks/bench_low_latency.py --out "$OUT_DIR" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench_low_latency.log"

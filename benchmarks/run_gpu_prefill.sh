@@ -13,7 +13,7 @@ PARTS="${PARTS:-tests bench decode}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) "$PYTHON" -m pytest -q tests/test_gpu_low_latency.py tests/test_gpu_overlap.py 2>&1 \
+    tests) "$PYTHON" -m pytest -q tests/dispatch/test_gpu_low_latency.py tests/overlap/test_gpu_overlap.py 2>&1 \
       | tee "$OUT_DIR/tests_gpu_low_latency_$TAG.log" | tail -25 ;;
     bench)
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
@@ -23,7 +23,7 @@ for part in $PARTS; do
       "$PYTHON" benchmarks/bench_low_latency.py --out "$OUT_DIR" --tokens 128 --fp8 off --kernels triton \
         --transports symm_mem nccl --index-graphs on off --baselines 2>&1 | tee "$OUT_DIR/bench_decode_$TAG.log" | tail -20 ;;
     router)
-      "$PYTHON" -m pytest -q -rfxX tests/test_routing_kernels.py -m gpu 2>&1 \
+      "$PYTHON" -m pytest -q -rfxX tests/routing/test_routing_kernels.py -m gpu 2>&1 \
         | tee "$OUT_DIR/tests_router_$TAG.log" | tail -15
       "$PYTHON" benchmarks/bench_router.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench_router_$TAG.log" | tail -25 ;;
     *) echo "unknown part $part (tests bench decode router)"; exit 2 ;;

@@ -13,6 +13,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The terminal width rich lays output out for, the same under pytest-xdist's workers, a pipe or a tty
+# (a temporary path or a memory figure one character longer must not move a line break a test reads).
+os.environ.setdefault("COLUMNS", "200")
 
 from moe_sbo.launch.ranks import LocalRanks
 

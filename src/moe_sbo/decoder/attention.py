@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from ..profiling import annotate
 from ..streams import compute_capability
@@ -233,6 +232,9 @@ def attend_after_prefix(q_NYD, k_AWD, v_AWD, start: int, gqa: bool, way: str = "
         out = F.scaled_dot_product_attention(padded_NWD[None], k_AWD[None], v_AWD[None], is_causal=True, enable_gqa=gqa)
         return out[0, :, start:]
     if way == "lower_right":
+        # Imported here: torch.nn.attention.bias pulls in torch._dynamo, seconds of every command's start.
+        from torch.nn.attention.bias import causal_lower_right
+
         bias = causal_lower_right(length, start + length)
         return F.scaled_dot_product_attention(q_NYD[None], k_AWD[None], v_AWD[None], attn_mask=bias, enable_gqa=gqa)[0]
     prefix_NYD, prefix_lse_NY = _attention_with_lse(q_NYD, k_AWD[:, :start], v_AWD[:, :start], causal=False)

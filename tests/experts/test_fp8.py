@@ -1,10 +1,10 @@
 """FP8 routed experts on CPU: the formats' rounding, the Triton kernels (in Triton's interpreter)
 against ``fp8.py``'s torch reference, the layer against dense experts on the dequantised weights per
 model family, expert parallelism on gloo ranks (fp8 dispatch handing e4m3 rows to FP8 experts), and
-bad input. ``tests/test_gpu_fp8.py`` repeats the kernel checks bit for bit on CUDA.
+bad input. ``tests/experts/test_gpu_fp8.py`` repeats the kernel checks bit for bit on CUDA.
 
 Triton's interpreter rounds float32 -> e4m3 with a carry bug (a value just under a power of two
-rounds to half of it: 124.3 -> 64, not 128; see ``tests/test_low_latency_kernels.py``) and may round a
+rounds to half of it: 124.3 -> 64, not 128; see ``tests/dispatch/test_low_latency_kernels.py``) and may round a
 subnormal one step low, so on CPU the
 quantisers' e4m3 values are compared modulo that bug, and the GEMM is fed the torch quantiser's output.
 """
@@ -33,7 +33,7 @@ from moe_sbo.weights import layer_weights
 FP8_REL_TOL = 6e-2
 FLOAT32_TOL = 1e-5
 # The Triton kernels on CPU tensors run only in the interpreter (conftest sets it without CUDA; on a
-# CUDA machine tests/test_gpu_fp8.py runs them on the GPU).
+# CUDA machine tests/experts/test_gpu_fp8.py runs them on the GPU).
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 

@@ -222,7 +222,7 @@ def test_bench_tbo_sizes_every_rank_for_the_largest_micro_batch_of_any_rank(rank
 
 def test_bench_index_rows_reach_low_latency_and_its_rows(tmp_path):
     # --index-rows: low_latency leaves the received rows in place (the experts gather them on CPU),
-    # and its rows say so (the outputs' equality is tests/test_low_latency.py's).
+    # and its rows say so (the outputs' equality is tests/dispatch/test_low_latency.py's).
     out = tmp_path / "sbo.json"
     argv = ["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", "--dispatcher", "low_latency"]
     argv += ["--overlap", "none", "--tokens", "6", "--warmup", "0", "--iters", "1", "--index-rows", "--out", str(out)]

@@ -20,7 +20,7 @@ from moe_sbo.weights import layer_weights
 
 pytestmark = pytest.mark.gpu
 # FP8 experts vs dense experts on the same (dequantised) weights: each of the MLP's two activation
-# quantisations (e4m3, 1x128 groups) rounds by ~2.6% RMS on Gaussian data (tests/test_fp8.py), ~4% after both.
+# quantisations (e4m3, 1x128 groups) rounds by ~2.6% RMS on Gaussian data (tests/experts/test_fp8.py), ~4% after both.
 FP8_REL_TOL = 5e-2
 
 

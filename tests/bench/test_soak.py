@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("bench", "preset", "ep", "tokens_per_rank", "dispatcher", "overlap", "tbo", "dtype", "graph")
 
 

@@ -2,7 +2,7 @@
 
 On CPU they run in Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``), so the
 index logic, the byte layout and the arithmetic are held to the reference without a GPU; the GPU
-tests (``tests/test_gpu_low_latency.py``) repeat this on CUDA and add fp8 payload bits, graphs and
+tests (``tests/dispatch/test_gpu_low_latency.py``) repeat this on CUDA and add fp8 payload bits, graphs and
 symmetric memory. Same seed, same inputs, both paths: the dispatched bytes, the layout and the expert
 inputs must be identical; combine sums in float32 in another order (tolerance 1e-6 in float32).
 

@@ -2,8 +2,8 @@
 equality with ``local`` at the capacity edges, buffers reused, overflow refused before any
 collective, padding tokens masked from a device-side count, hooks, two rounds in flight.
 
-(``tests/test_dispatch.py`` runs it through every routing and token case beside the other schemes,
-and ``tests/test_overlap.py`` through every overlap mode.)
+(``tests/dispatch/test_dispatch.py`` runs it through every routing and token case beside the other schemes,
+and ``tests/overlap/test_overlap.py`` through every overlap mode.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from moe_sbo.hooks import HOOK_EVENTS
 from moe_sbo.layer import MoELayer
 from moe_sbo.quant.fp8 import FP8_GROUP, dequantize_fp8, quantize_fp8
 
-FLOAT32_TOL = 1e-5  # as the other dispatchers against local (tests/test_dispatch.py)
+FLOAT32_TOL = 1e-5  # as the other dispatchers against local (tests/dispatch/test_dispatch.py)
 # fp8 e4m3 keeps 3 mantissa bits: each value is off by <= 2^-4 of itself. The routed output's
 # Frobenius-relative error measured 0.031-0.041 (float32 and bf16 activations, 4 ranks, 5 seeds).
 FP8_REL_TOL = 0.06

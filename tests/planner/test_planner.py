@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 try:
     import moe_sbo  # noqa: F401
 except ModuleNotFoundError:  # package not installed yet: run from the source tree
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from moe_sbo import planner
 from moe_sbo.cli.plan import main as plan_main

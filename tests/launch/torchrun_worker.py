@@ -1,4 +1,4 @@
-"""Started by torchrun in tests/test_runtime.py: each rank joins the job and checks one EP forward."""
+"""Started by torchrun in tests/launch/test_ranks.py: each rank joins the job and checks one EP forward."""
 
 import sys
 

@@ -1,8 +1,8 @@
 """``low_latency/addresses.py``: the table through which ``low_latency``'s replayed graphs read the caller's
 tensors (host writes, the fetch kernel's copy and echo, offsets from the anchor), and the staging
 kernel, by hand on CPU under Triton's interpreter. (The graphs using them are checked against direct
-launches in ``tests/test_low_latency.py``, and on GPU, the host running far ahead of the device
-included, in ``tests/test_gpu_low_latency.py``.)"""
+launches in ``tests/dispatch/test_low_latency.py``, and on GPU, the host running far ahead of the device
+included, in ``tests/dispatch/test_gpu_low_latency.py``.)"""
 
 from __future__ import annotations
 
