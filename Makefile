@@ -11,13 +11,11 @@ TORCH_PIP_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 .PHONY: setup lint demo test wheel-check clean
 
-# --no-compile: Python compiles what it imports on first use; compiling all of torch up front takes
-# longer than the rest of the set-up.
 $(BIN)/moe-sbo: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile torch==2.13.0 $(TORCH_PIP_ARGS)
-	$(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 setup: $(BIN)/moe-sbo

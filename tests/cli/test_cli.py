@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from moe_sbo.cli.main import main
 from moe_sbo.dispatch import DISPATCHERS
 
 
@@ -37,17 +38,25 @@ def test_demo_runs_every_dispatcher_and_matches(tmp_path):
     assert lines[-1] == "4/4 dispatcher x overlap runs match the single-rank reference; 4/4 equal overlap none bitwise"
 
 
-def test_demo_bad_input_exits_2_with_a_message():
-    proc = _moe_sbo("demo", "--ranks", "3", "--device", "cpu")
-    assert proc.returncode == 2
-    assert "divisible by the EP size, got 16 experts on 3 ranks" in proc.stderr
-    proc = _moe_sbo("demo", "--dispatcher", "deepep", "--ranks", "2")
-    assert proc.returncode == 2 and "--dispatcher must be one of" in proc.stderr
+def _main_exit(argv, capsys) -> tuple[int, str]:
+    """``moe-sbo ARGV`` in this process (bad input is refused before any rank starts): exit code, stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+def test_demo_bad_input_exits_2_with_a_message(capsys):
+    code, err = _main_exit(["demo", "--ranks", "3", "--device", "cpu"], capsys)
+    assert code == 2 and "divisible by the EP size, got 16 experts on 3 ranks" in err
+    code, err = _main_exit(["demo", "--dispatcher", "deepep", "--ranks", "2"], capsys)
+    assert code == 2 and "--dispatcher must be one of" in err
     # FP8 experts need 128x128 blocks; the tiny preset's hidden size is 64: one line, before any rank.
-    proc = _moe_sbo("demo", "--expert-dtype", "fp8", "--device", "cpu")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("moe-sbo demo: error: --expert-dtype fp8 needs hidden_size and moe_intermediate_size")
-    assert "got {'hidden_size': 64, 'moe_intermediate_size': 32} for model tiny" in proc.stderr
+    code, err = _main_exit(["demo", "--expert-dtype", "fp8", "--device", "cpu"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("moe-sbo demo: error: --expert-dtype fp8 needs hidden_size and moe_intermediate_size")
+    assert "got {'hidden_size': 64, 'moe_intermediate_size': 32} for model tiny" in err
 
 
 def test_demo_overlap_all_checks_every_mode_against_none(tmp_path):
