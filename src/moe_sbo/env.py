@@ -80,3 +80,22 @@ def torchrun_rank() -> tuple[int, int, int] | None:
 def local_world_size(default: int) -> int:
     """``LOCAL_WORLD_SIZE`` (torchrun: ranks on this node), or ``default`` when it is not set."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def allow_symm_mem_on_shared_gpus() -> None:
+    """Let PyTorch's symmetric memory rendezvous accept peers on one device
+    (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``), for ranks that share a GPU; set before the
+    first rendezvous. A value the user set is kept."""
+    os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+
+
+def symm_mem_on_shared_gpus() -> bool:
+    """Whether symmetric memory accepts peers on one device in this process."""
+    return os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
+
+
+def mps_running() -> bool:
+    """Whether a CUDA MPS control daemon serves this process: its pipe directory
+    (``CUDA_MPS_PIPE_DIRECTORY``, by default ``/tmp/nvidia-mps``) holds the daemon's ``control`` pipe.
+    Ranks that share a GPU without it time-slice their contexts."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))

@@ -28,7 +28,7 @@ from ..dispatch import DISPATCHERS
 from ..launch.failures import RankError
 from ..launch.group import resolve_device
 from ..launch.ranks import RankPool
-from ..measure.results import ResultFile, result_meta
+from ..measure.results import ResultFile, result_meta, shared_gpu_note
 from ..measure.trace import Span, plot_timeline, save_spans
 from ..overlap import OVERLAP_MODES, make_overlap
 from ..streams import check_sm_budget
@@ -325,7 +325,17 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def resolve_wire(args: argparse.Namespace, device: str, ranks: int) -> str | None:
     """Check ``--wire`` before any rank starts; under the emulated wire, ``--transport auto`` becomes
-    ``nccl`` (returns the line saying so). Raises ``ValueError`` for what cannot emulate it."""
+    ``nccl``; ranks that share GPUs make the wire ``shared-gpu`` (returns the line saying either).
+    Raises ``ValueError`` for what cannot emulate it."""
+    shared = shared_gpu_note(device, ranks)
+    if shared:
+        if args.wire == "emulated-internode":
+            raise ValueError(
+                f"--wire emulated-internode needs a GPU per rank (it routes NCCL between GPUs through host "
+                f"memory), got {ranks} ranks on {torch.cuda.device_count()} GPU(s); use fewer --ranks"
+            )
+        args.wire = "shared-gpu"
+        return shared
     if args.wire != "emulated-internode":
         return None
     if device != "cuda":

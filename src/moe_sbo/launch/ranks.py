@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .. import env, profiling
 from .failures import RankError, RankFailure, error_message, exit_cause
-from .group import free_port, join_group, resolve_device
+from .group import free_port, join_group, ranks_per_gpu, resolve_device
 
 DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
@@ -98,7 +98,9 @@ def _worker(
     try:
         if device == "cpu":
             torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
-        torch_device = join_group(device, rank, timeout_s, init_method=init_method, rank=rank, world_size=world_size)
+        torch_device = join_group(
+            device, rank, timeout_s, world_size, init_method=init_method, rank=rank, world_size=world_size
+        )
     except BaseException as exc:  # noqa: BLE001 - report anything, the launcher decides
         results.put((0, rank, False, _failure(exc), time.time()))
         return
@@ -218,12 +220,9 @@ class LocalRanks:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.device = resolve_device(device)
-        if self.device == "cuda" and world_size > torch.cuda.device_count():
-            raise ValueError(
-                f"world_size must be <= the {torch.cuda.device_count()} visible GPUs, got {world_size}; "
-                "lower --ranks or use --device cpu"
-            )
         self.world_size = world_size
+        # Ranks go round-robin over the visible GPUs; more ranks than GPUs share them (gloo group).
+        self.ranks_per_gpu = ranks_per_gpu(world_size, torch.cuda.device_count()) if self.device == "cuda" else 1
         self.collective_timeout_s = (
             collective_timeout_s if collective_timeout_s is not None else env.collective_timeout_s()
         )

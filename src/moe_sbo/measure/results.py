@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..launch.group import ranks_per_gpu
+
 
 def source_digest(root: Path | None = None) -> str:
     """The first 12 hex digits of a sha256 over the package's Python sources (paths and bytes).
@@ -54,9 +56,24 @@ def git_commit() -> str:
         return "unknown"
 
 
+def shared_gpu_note(device: str, world_size: int) -> str | None:
+    """The line a run prints when its ``world_size`` CUDA ranks share GPUs (placed round-robin), else
+    None: such a run checks correctness, hangs and host cost, never wire speed."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    gpus = torch.cuda.device_count()
+    if ranks_per_gpu(world_size, gpus) == 1:
+        return None
+    return (
+        f"{world_size} ranks share {gpus} GPU(s): a functional run (correctness, hangs, host cost), not wire "
+        "speed; its rows say wire shared-gpu"
+    )
+
+
 def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
     """What every result file's ``meta`` records; ``wire`` (``nvlink``, ``emulated-internode``), for
-    the benchmarks that choose one, names the link the ranks' transfers crossed."""
+    the benchmarks that choose one, names the link the ranks' transfers crossed: ``shared-gpu`` whenever
+    CUDA ranks share GPUs (``ranks_per_gpu`` > 1), whatever was asked."""
     cuda = device == "cuda" and torch.cuda.is_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
     meta = {
@@ -71,6 +88,10 @@ def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
         "torch": torch.__version__,
         "nccl": nccl,
     }
+    if cuda:
+        per_gpu = meta["ranks_per_gpu"] = ranks_per_gpu(world_size, torch.cuda.device_count())
+        if per_gpu > 1:
+            wire = "shared-gpu"
     if wire is not None:
         meta["wire"] = wire
     return meta

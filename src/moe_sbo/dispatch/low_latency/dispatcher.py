@@ -215,6 +215,18 @@ class LowLatencyDispatcher(Dispatcher):
         usable = device.type == "cuda" and self.uses_triton(device) and self._collective and self.ep.size > 1
         return "symm_mem" if usable and peers_reachable(self.ep.size) else "nccl"
 
+    def _check_capturable_transport(self, device: torch.device) -> None:
+        """Inside a CUDA-graph capture, before any collective: the ``nccl`` transport runs the group's
+        all-to-all, which a graph records only over NCCL, not a shared GPU's gloo group (``launch``)."""
+        if self.transport_for(device) == "nccl" and self._collective and self.ep.size > 1:
+            backend = dist.get_backend(self.ep.group)
+            if backend != "nccl":
+                raise ValueError(
+                    f"low_latency's transport 'nccl' runs the process group's all-to-all, and this group is "
+                    f"{backend} (ranks sharing a GPU), which a CUDA graph cannot capture; use "
+                    "transport='symm_mem' (or 'auto', which picks it there) to capture, or run eagerly"
+                )
+
     def _check_dispatch_input(self, inp: DispatchInput) -> None:
         super()._check_dispatch_input(inp)
         if torch.is_grad_enabled():
@@ -340,6 +352,8 @@ class LowLatencyDispatcher(Dispatcher):
         sets = self._sets.get((device, x_TH.dtype, hidden, ids_TK.shape[1]))
         if sets is None:  # the shape's first forward: allocate its buffers
             sets = self.shape_sets(device, x_TH.dtype, hidden, ids_TK.shape[1])
+        if capturing(device):
+            self._check_capturable_transport(device)
         generation = self._rounds.launched
         self._rounds.launched += 1
         bufs, fmt = sets.buffers[generation % self.num_buffers], sets.fmt

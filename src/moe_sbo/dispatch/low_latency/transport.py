@@ -166,14 +166,18 @@ class RoundCounter:
 
 @functools.cache  # asked on every forward; the answer is fixed for the process
 def peers_reachable(ep_size: int) -> bool:
-    """Whether an EP group of ``ep_size`` can be one node's GPUs with peer access between them all
-    (symmetric memory maps the peers' buffers): the group fits this node (torchrun's
-    ``LOCAL_WORLD_SIZE`` when set) and every pair of local GPUs has peer access. The same answer on
-    every rank of a node, so ``transport="auto"`` resolves alike everywhere."""
+    """Whether an EP group of ``ep_size`` can be one node's ranks whose GPUs map each other's buffers
+    (symmetric memory): the group fits this node (torchrun's ``LOCAL_WORLD_SIZE`` when set), ranks
+    placed round-robin on one GPU are allowed to share it (``env.symm_mem_on_shared_gpus``, set by
+    ``launch`` when ranks outnumber GPUs), and every pair of the GPUs in use has peer access. The same
+    answer on every rank of a node, so ``transport="auto"`` resolves alike everywhere."""
     num_gpus = torch.cuda.device_count()
-    if ep_size > num_gpus or env.local_world_size(ep_size) < ep_size:
+    if num_gpus < 1 or env.local_world_size(ep_size) < ep_size:
         return False
-    return all(torch.cuda.can_device_access_peer(a, b) for a in range(num_gpus) for b in range(num_gpus) if a != b)
+    if ep_size > num_gpus and not env.symm_mem_on_shared_gpus():
+        return False
+    used = min(ep_size, num_gpus)
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(used) for b in range(used) if a != b)
 
 
 def allocate_buffers(
