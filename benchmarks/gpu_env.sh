@@ -20,3 +20,19 @@ slug = re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-
 print(f"{slug}x{torch.cuda.device_count()}")')
 nvidia-smi -L
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+# Ranks that share a GPU (more ranks than GPUs: every multi-rank test on a one-GPU machine) time-slice
+# their CUDA contexts unless a CUDA MPS daemon serves them: device-side waits then take milliseconds, not
+# microseconds. MPS=1 starts one for this run, MPS=0 never; by default (auto) on a machine with one GPU.
+# It is stopped, and its folders removed, when the script exits.
+if [ "${MPS:-auto}" = 1 ] || { [ "${MPS:-auto}" = auto ] && [ "$GPUS" -lt 2 ]; }; then
+  if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/moe-sbo-mps-pipe.XXXXXX)
+    CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/moe-sbo-mps-log.XXXXXX)
+    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    nvidia-cuda-mps-control -d
+    trap 'echo quit | nvidia-cuda-mps-control; sleep 1; rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"' EXIT
+    echo "CUDA MPS: daemon started for this run"
+  else
+    echo "CUDA MPS: nvidia-cuda-mps-control not found; ranks sharing a GPU will time-slice"
+  fi
+fi

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpu_ranks import gpu_world, shares_gpus
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, mask_padding_tokens
 from moe_sbo.dispatch.low_latency import LowLatencyDispatcher, RowFormat
@@ -31,44 +32,30 @@ def _config(preset: str):
     return get_preset("tiny").replace(hidden_size=256) if preset == "tiny" else get_preset(preset)
 
 
+WORLD = gpu_world()  # ranks share the GPU where there is one: symmetric memory and the copy engine run too
+# Ranks that share a GPU have a gloo group: the process group's all-to-all (transport "nccl") then goes
+# through host memory, which neither runs free of host syncs nor can be captured in a CUDA graph.
+GLOO_ALL_TO_ALL = "ranks sharing a GPU: transport 'nccl' is gloo's all-to-all, through host memory"
+
+
 def _ranks():
     from moe_sbo.launch.ranks import LocalRanks
 
-    return LocalRanks(torch.cuda.device_count(), device="cuda")
+    return LocalRanks(WORLD, device="cuda")
 
 
-# (kernels, transport): every path a GPU user can pick, the default first; symmetric memory needs a peer.
+# (kernels, transport): every path a GPU user can pick, the default first.
 PATHS = [
     ("auto", "auto"),
     ("triton", "nccl"),
     ("torch", "nccl"),
-    pytest.param(
-        "triton",
-        "symm_mem",
-        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
-    ),
-    pytest.param(
-        "triton",
-        "copy_engine",
-        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
-    ),
-    pytest.param(
-        "torch",
-        "copy_engine",
-        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs"),
-    ),
+    ("triton", "symm_mem"),
+    ("triton", "copy_engine"),
+    ("torch", "copy_engine"),
 ]
 
-# Every transport of the fused kernels; symmetric memory needs a peer.
-FUSED_TRANSPORTS = [
-    "nccl",
-    *(
-        pytest.param(
-            t, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="symmetric memory needs >= 2 GPUs")
-        )
-        for t in ("symm_mem", "copy_engine")
-    ),
-]
+# Every transport of the fused kernels.
+FUSED_TRANSPORTS = ["nccl", "symm_mem", "copy_engine"]
 
 
 def _sync_free_rank(device, capacity, kernels, transport):
@@ -100,11 +87,13 @@ def _sync_free_rank(device, capacity, kernels, transport):
 
 @pytest.mark.parametrize("kernels, transport", PATHS)
 def test_forward_has_no_device_to_host_sync(kernels, transport):
+    if transport == "nccl" and shares_gpus(WORLD):
+        pytest.skip(GLOO_ALL_TO_ALL)
     with _ranks() as ranks:
         for shapes, finite, (fused, resolved) in ranks.run(_sync_free_rank, 32, kernels, transport):
             assert finite and shapes[0] == (32, 256) and shapes[2] == (0, 256)
-            if transport == "auto":  # the default: fused kernels, symmetric memory from 2 GPUs on
-                assert fused and resolved == ("symm_mem" if torch.cuda.device_count() > 1 else "nccl")
+            if transport == "auto":  # the default: fused kernels over symmetric memory (GPUs shared or not)
+                assert fused and resolved == "symm_mem"
 
 
 def _graph_rank(device, preset, capacity, fp8, real_tokens, kernels, transport):
@@ -164,9 +153,11 @@ def _graph_rank(device, preset, capacity, fp8, real_tokens, kernels, transport):
     ],
 )
 def test_whole_layer_in_a_cuda_graph_replays_with_fewer_tokens(preset, fp8, tolerance, kernels, transport):
-    world = torch.cuda.device_count()
+    world = WORLD
     if _config(preset).num_experts % world:
-        pytest.skip(f"{world} GPUs do not divide {preset}'s experts")
+        pytest.skip(f"{world} ranks do not divide {preset}'s experts")
+    if transport == "nccl" and shares_gpus(world):
+        pytest.skip(GLOO_ALL_TO_ALL)
     capacity = 64
     # Per rank: full, a few, one, none, and back to full (each replay is a new input and count).
     real_tokens = [[64, 17 + rank, 1, 0, 64] for rank in range(world)]
@@ -453,9 +444,9 @@ def _misuse_rank(device, transport):
 
 @pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
 def test_capacity_misuse_is_refused_before_any_transfer_and_the_gpus_keep_working(transport):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    with _ranks() as ranks:
+    from moe_sbo.launch.ranks import LocalRanks
+
+    with LocalRanks(2, device="cuda") as ranks:
         results = ranks.run(_misuse_rank, transport)
     (over0, mismatched0, after0, alike0), (over1, mismatched1, after1, alike1) = results
     assert over0 == "no error"

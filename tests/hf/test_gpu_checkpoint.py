@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from gpu_ranks import gpu_world
 from hf_blocks import make_hf_model, write_published_v3
 from moe_sbo.cli.main import main
 
@@ -26,7 +26,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_check_on_gpus(checkpoints, family, dtype, tolerance, tmp_path):
     out = tmp_path / "check.json"
-    ranks = str(torch.cuda.device_count())
+    ranks = str(gpu_world())
     code = main(
         [
             "check",

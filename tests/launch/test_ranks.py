@@ -366,3 +366,107 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids), "rank processes outlived their launcher"
+
+
+# ---- more ranks than GPUs: round-robin placement, a gloo group, symmetric memory told so ------------
+
+
+def test_ranks_are_placed_round_robin_and_share_gpus_only_when_they_outnumber_them():
+    from moe_sbo.launch.group import group_backend, ranks_per_gpu
+
+    assert [ranks_per_gpu(n, 2) for n in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 3]
+    assert ranks_per_gpu(8, 1) == 8 and ranks_per_gpu(8, 8) == 1
+    assert group_backend("cuda", 8, 8) == "nccl"  # a GPU per rank
+    assert group_backend("cuda", 2, 1) == "gloo" and group_backend("cuda", 3, 2) == "gloo"  # shared: no NCCL
+    assert group_backend("cpu", 2, 0) == "gloo"
+    with pytest.raises(ValueError, match="need >= 1 rank and >= 1 GPU, got 0 ranks on 1 GPUs"):
+        ranks_per_gpu(0, 1)
+
+
+@pytest.fixture()
+def one_gpu(monkeypatch):
+    """A machine with one GPU as far as the launcher can tell (the process group is ``fake_group``)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", raising=False)
+
+
+def test_ranks_sharing_a_gpu_join_a_gloo_group_with_symmetric_memory_allowed(fake_group, one_gpu, monkeypatch, caplog):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(env, "mps_running", lambda: False)
+    assert init_from_torchrun("cuda") == torch.device("cuda", 0)
+    (call,) = fake_group
+    assert call["backend"] == "gloo" and "device_id" not in call  # NCCL would refuse two ranks on one GPU
+    assert call["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] is None  # no NCCL communicator to configure
+    assert os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] == "1"
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "moe_sbo.launch"]
+    assert "2 ranks share 1 GPU(s) without CUDA MPS" in warning and "nvidia-cuda-mps-control -d" in warning
+
+
+def test_under_mps_ranks_sharing_a_gpu_join_without_a_warning(fake_group, one_gpu, monkeypatch, caplog, tmp_path):
+    (tmp_path / "control").touch()  # the MPS control daemon's pipe
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert env.mps_running()
+    init_from_torchrun("cuda")
+    assert fake_group[0]["backend"] == "gloo"
+    assert not [r for r in caplog.records if r.name == "moe_sbo.launch"]
+
+
+def test_more_ranks_than_gpus_are_accepted(one_gpu):
+    from moe_sbo.cli.options import resolve_ranks
+
+    assert resolve_ranks(4, "cuda") == 4  # not refused: the ranks share the GPU
+
+
+def test_shared_gpu_runs_are_labelled_and_auto_transport_resolves_to_symmetric_memory(one_gpu, monkeypatch):
+    from moe_sbo.dispatch.low_latency.transport import peers_reachable
+    from moe_sbo.measure.results import shared_gpu_note
+
+    peers_reachable.cache_clear()
+    try:
+        assert not peers_reachable(2)  # symmetric memory not told that peers share the device
+        monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")  # as launch sets it
+        peers_reachable.cache_clear()
+        assert peers_reachable(2) and peers_reachable(8)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        peers_reachable.cache_clear()
+        assert not peers_reachable(8)  # 8 ranks over nodes of 4: not one node's GPUs
+    finally:
+        peers_reachable.cache_clear()
+    assert shared_gpu_note("cuda", 1) is None and shared_gpu_note("cpu", 4) is None
+    assert shared_gpu_note("cuda", 4).startswith("4 ranks share 1 GPU(s): a functional run")
+
+
+def test_bench_refuses_the_emulated_wire_on_shared_gpus_and_labels_the_rest(one_gpu):
+    import argparse
+
+    from moe_sbo.cli.bench import resolve_wire
+
+    args = argparse.Namespace(wire="emulated-internode", transport="auto")
+    with pytest.raises(ValueError, match="needs a GPU per rank .* got 2 ranks on 1 GPU"):
+        resolve_wire(args, "cuda", 2)
+    args = argparse.Namespace(wire="nvlink", transport="auto")
+    assert resolve_wire(args, "cuda", 2).startswith("2 ranks share 1 GPU(s)") and args.wire == "shared-gpu"
+
+
+def _capture_over_gloo(device):
+    from moe_sbo.dispatch import EPGroup
+    from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
+
+    dispatcher = LowLatencyDispatcher(8, EPGroup.from_torch(), max_tokens_per_rank=4, transport="nccl")
+    try:
+        dispatcher._check_capturable_transport(torch.device("cuda"))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_capturing_the_nccl_transport_over_a_gloo_group_is_refused(ranks2):
+    for message in ranks2.run(_capture_over_gloo):
+        assert "this group is gloo (ranks sharing a GPU), which a CUDA graph cannot capture" in message
+        assert "use transport='symm_mem'" in message

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpu_ranks import gpu_world
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import options_for_tokens
 from moe_sbo.layer import MoELayer
@@ -69,8 +70,7 @@ def test_modes_match_none_on_one_gpu(dispatcher, tokens):
 def test_modes_match_none_over_nccl():
     from moe_sbo.launch.ranks import LocalRanks
 
-    world = torch.cuda.device_count()
-    with LocalRanks(world, device="cuda") as ranks:
+    with LocalRanks(gpu_world(), device="cuda") as ranks:
         for dispatcher in ("alltoall", "allgather"):
             for out in ranks.run(_modes_vs_none, dispatcher, 64):
                 for mode, (_, rel) in out.items():
