@@ -29,7 +29,8 @@ def test_demo_runs_every_dispatcher_and_matches(tmp_path):
     assert all(r["bytes_sent"] > 0 for r in result["rows"] if r["dispatcher"] != "local")
     assert result["meta"]["world_size"] == 2 and result["meta"]["torch"]  # the default: 2 CPU ranks
     lines = proc.stdout.splitlines()
-    assert "alltoall" in proc.stdout and "dispatch" in lines[2] and "|err| max/rel" in lines[2]
+    assert lines[1].startswith("memory per rank, estimated: ") and "(rough)" in lines[3]
+    assert "alltoall" in proc.stdout and "dispatch" in lines[5] and "|err| max/rel" in lines[5]
     # One table row per dispatcher: nothing folded onto a second line at 100 columns.
     assert sum(line.startswith(tuple(DISPATCHERS)) for line in lines) == len(DISPATCHERS)
     assert max(len(line) for line in lines if str(out) not in line) <= 100, proc.stdout  # paths are not broken

@@ -60,6 +60,19 @@ def test_version(capsys):
     assert proc.returncode == 0 and proc.stdout == f"moe-sbo {moe_sbo.__version__}\n"  # the old entry point too
 
 
+def test_parsers_are_built_without_importing_torch():
+    """--help, --version and usage errors answer in a tenth of a second: torch (seconds) is imported
+    only when a command runs. A fresh process, since this one has torch loaded already."""
+    code = (
+        "import sys; from moe_sbo.cli.main import build_parser; build_parser().format_help(); "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'rich', 'transformers')); "
+        "print(heavy)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "[]\n"
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
 
@@ -135,7 +148,7 @@ def test_bench_on_cpu_without_sizes_is_a_quick_tiny_sweep(tmp_path, capsys):
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert lines[0].startswith("memory per rank, estimated: ") and "MemAvailable / 2 ranks" in lines[0]
-    assert "weights" in lines[1] and "(rough)" in lines[1]
+    assert lines[1].startswith("  weights") and lines[2].startswith("  activations") and "(rough)" in lines[2]
     assert "× none: t(none)/t; efficiency:" in printed and "CPU timings: gloo on" in printed
     assert lines[-1] == f"4 rows, 0 errors; written to {out}"  # the path whole, however long
     assert max(len(line) for line in lines[:-1]) <= 100

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress
 
-from ..config import PRESETS, get_preset
+from ..config import get_preset
 from ..decoder.attention import AttentionConfig
 from ..dispatch import DISPATCHERS
 from ..launch.failures import RankError
@@ -37,8 +37,6 @@ from .bench_sbo import sbo_bench_rank, sbo_legend, sbo_table, summarise, timelin
 from .bench_tbo import TBO_LEGEND, summarise_tbo, tbo_bench_rank, tbo_table, tbo_timeline_rank
 from .memory import check_memory, estimate_rank_bytes
 from .options import (
-    RANKS_HELP,
-    HelpFormatter,
     cpu_timing_note,
     default_dtype_name,
     in_ranks,
@@ -46,171 +44,13 @@ from .options import (
     print_notes,
     resolve_ranks,
 )
+from .parsers import DEVICE_DEFAULTS, output_file
 
-# Defaults per device, (GPU, CPU), for options left out. The GPU ones measure; the CPU ones only show
-# that the sweep works, in well under two minutes on two cores (a DeepSeek-sized layer would not even
-# fit in a laptop's memory). Values given on the command line are kept as they are.
-DEVICE_DEFAULTS: dict[str, tuple[Any, Any]] = {
-    "preset": ("deepseek-v3", "tiny"),
-    "tokens": ([128, 512, 2048, 4096, 8192], [16, 64]),
-    "warmup": (5, 1),
-    "iters": (20, 3),
-    "prefill_tokens": ([4096, 8192], [128]),
-    "decode_seqs": ([32, 64, 128, 256], [4, 16]),
-    "kv_len": (2048, 64),
-    "heads": (128, 4),
-    "kv_heads": (8, 2),
-    "head_dim": (128, 16),
-}
-
-# Links a sweep can run over (``--wire``). What emulated-internode changes, for NCCL only: peer-to-peer
+# What --wire emulated-internode changes (``parsers.WIRES``: the links a sweep runs over), for NCCL only: peer-to-peer
 # (NVLink, PCIe) off, so NCCL moves data through its shared-memory transport, i.e. host memory.
 # NCCL_SHM_DISABLE stays unset: it would push the traffic to the network transport (sockets or an
 # HCA's loopback) instead, a different wire from the host-memory one this emulates.
-WIRES = ("nvlink", "emulated-internode")
 EMULATED_INTERNODE_ENV = {"NCCL_P2P_DISABLE": "1"}
-
-DESCRIPTION = """\
-Time the MoE layer on N ranks: every overlap mode x dispatcher x token count (single-batch overlap),
-or with --tbo a decoder layer (attention + MoE) without and with two-batch overlap. Rows go to --out
-(JSON) after every step; a step that fails on a rank becomes an error row, and after a rank is
-killed or runs out of memory the sweep stops. Each mode's efficiency and speedup are measured
-against overlap none.
-
-Defaults depend on the device: on GPUs a DeepSeek-V3 layer at realistic sizes; on CPU ranks the
-tiny preset at a few tokens, a smoke run of the whole sweep (CPU times are not GPU numbers). Before
-any rank starts, a per-rank memory estimate is printed and a run that cannot fit is refused."""
-
-
-def gemm_sm_budget_arg(text: str) -> int | str | None:
-    """``--tbo-gemm-sm-budget``: a number of SMs, ``auto`` or ``all`` (None: no budget)."""
-    if text in ("auto", "all"):
-        return None if text == "all" else text
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    raise argparse.ArgumentTypeError(f"expected a number of SMs, 'auto' or 'all', got {text!r}")
-
-
-def _device_default(key: str, what: str) -> str:
-    gpu, cpu = (" ".join(map(str, v)) if isinstance(v, list) else v for v in DEVICE_DEFAULTS[key])
-    return f"{what} (default: {gpu}; on CPU: {cpu})"
-
-
-def add_bench_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help="time overlap modes x dispatchers x token counts on N ranks (GPUs; CPU: a smoke run)",
-        description=DESCRIPTION,
-        formatter_class=HelpFormatter,
-    )
-    p.add_argument(
-        "--preset",
-        default=None,
-        choices=sorted(PRESETS),
-        metavar="NAME",
-        help=_device_default("preset", f"model shapes, one of {', '.join(sorted(PRESETS))}"),
-    )
-    p.add_argument(
-        "--experts",
-        type=int,
-        nargs="+",
-        default=None,
-        help="routed experts in total, one sweep each (default: the preset's; label: experts per GPU)",
-    )
-    p.add_argument("--tokens", type=int, nargs="+", default=None, help=_device_default("tokens", "tokens per rank"))
-    p.add_argument("--dispatcher", nargs="+", default=["all"], help=f"among {sorted(DISPATCHERS)}, or all")
-    p.add_argument("--overlap", nargs="+", default=["all"], help=f"among {list(OVERLAP_MODES)}, or all")
-    p.add_argument("--ranks", type=int, default=None, help=f"EP size: {RANKS_HELP}")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument(
-        "--sm-budget",
-        type=int,
-        default=None,
-        help="SMs for the shared experts in combine_sm (default: all but the 32 left to communication)",
-    )
-    p.add_argument(
-        "--transport",
-        default="auto",
-        choices=["auto", "nccl", "symm_mem", "copy_engine"],
-        help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL; copy_engine: "
-        "peer copies, no SMs in flight)",
-    )
-    p.add_argument(
-        "--index-rows",
-        action="store_true",
-        help="low_latency's index_rows: the experts read the received rows in place through the layout's "
-        "index instead of a copy in expert order (rows record index_rows)",
-    )
-    p.add_argument(
-        "--wire",
-        default="nvlink",
-        choices=WIRES,
-        help="the link between the ranks: nvlink (the GPUs' own), or emulated-internode: NCCL with "
-        "NCCL_P2P_DISABLE=1, so its traffic goes through host memory (24 GB/s all-to-all measured at "
-        "236 MB on 2x H200, an inter-node-class wire on one host); CUDA and >= 2 ranks only. "
-        "low_latency then uses --transport nccl: symm_mem and copy_engine write the peer's memory over "
-        "NVLink, outside NCCL, so they cannot emulate the slower wire (auto becomes nccl; asking for "
-        "them is refused)",
-    )
-    p.add_argument("--warmup", type=int, default=None, help=_device_default("warmup", "untimed calls first"))
-    p.add_argument("--iters", type=int, default=None, help=_device_default("iters", "timed calls"))
-    p.add_argument("--no-graph", action="store_true", help="no CUDA-graph rows")
-    p.add_argument("--graph-max-tokens", type=int, default=512, help="largest tokens/rank timed as graph replays")
-    p.add_argument("--out", default=None, help="JSON file for {meta, rows} (default: none written)")
-    p.add_argument("--timeline", default=None, metavar="PNG", help="draw one forward per mode at --timeline-tokens")
-    p.add_argument("--timeline-tokens", type=int, default=None, help="default: largest of --tokens up to 4096")
-    p.add_argument("--trace", default=None, metavar="PREFIX", help="also keep Chrome traces PREFIX.<mode>.json")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
-    tbo = p.add_argument_group("two-batch overlap (--tbo): a decoder layer, attention + MoE")
-    tbo.add_argument("--tbo", action="store_true", help="bench the decoder layer without and with TBO")
-    tbo.add_argument(
-        "--prefill-tokens",
-        type=int,
-        nargs="*",
-        default=None,
-        help=_device_default("prefill_tokens", "prefill tokens per rank"),
-    )
-    tbo.add_argument(
-        "--decode-seqs",
-        type=int,
-        nargs="*",
-        default=None,
-        help=_device_default("decode_seqs", "decode sequences per rank"),
-    )
-    tbo.add_argument(
-        "--kv-len", type=int, default=None, help=_device_default("kv_len", "cached tokens per decode sequence")
-    )
-    tbo.add_argument("--heads", type=int, default=None, help=_device_default("heads", "attention heads"))
-    tbo.add_argument(
-        "--kv-heads",
-        type=int,
-        default=None,
-        help=_device_default("kv_heads", "GQA key/value heads (8: about MLA's cache)"),
-    )
-    tbo.add_argument("--head-dim", type=int, default=None, help=_device_default("head_dim", "attention head dimension"))
-    tbo.add_argument(
-        "--delay",
-        type=int,
-        nargs="+",
-        default=[0, 1],
-        help="stages micro-batch A runs before B starts; one TBO row per value",
-    )
-    tbo.add_argument(
-        "--auto-tbo",
-        action="store_true",
-        help="also a row per overlap mode where TBO is on or off as moe_sbo.overlap.tbo_auto.AutoTbo "
-        "chooses after timing both (with the first --delay); its choice is in the row",
-    )
-    tbo.add_argument(
-        "--tbo-gemm-sm-budget",
-        type=gemm_sm_budget_arg,
-        default="auto",
-        metavar="SMS|auto|all",
-        help="CUDA: the SMs every GEMM under TBO plans for, leaving the others to the other micro-batch's "
-        "transfer: a number, 'all', or 'auto' (default: all but the SMs the transfer holds, "
-        "moe_sbo.overlap.tbo.resolve_gemm_sm_budget); the number used is in every TBO row as tbo_gemm_sm_budget",
-    )
 
 
 def resolve_defaults(args: argparse.Namespace, device: str) -> None:
@@ -232,6 +72,9 @@ class Step(NamedTuple):
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    out = output_file("--out", args.out)  # every command: its outputs' folders made first
+    output_file("--timeline", args.timeline)
+    output_file("--trace", args.trace)
     device = resolve_device(args.device)
     ranks = resolve_ranks(args.ranks, device)
     note = resolve_wire(args, device, ranks)
@@ -290,7 +133,7 @@ def run_bench(args: argparse.Namespace) -> int:
         timing="median of CUDA events (host clock on CPU); ranks lined up between forwards; "
         "times are the slowest rank's",
     )
-    results = ResultFile(Path(args.out) if args.out else None, meta)
+    results = ResultFile(out, meta)
     steps = _steps(args, experts_list, dispatchers, modes, dtype, ranks)
     # The wire's NCCL settings go to the ranks' environment only, before they make their communicator.
     pool = RankPool(ranks, device, environ=EMULATED_INTERNODE_ENV if args.wire == "emulated-internode" else None)

@@ -37,10 +37,8 @@ from ..layer import MoELayer
 from ..measure.results import result_meta
 from ..quant.fp8 import dequantize_fp8_blocks
 from ..weights import MoEWeights
+from .memory import check_memory, estimate_rank_bytes, memory_fix
 from .options import (
-    RANKS_HELP,
-    HelpFormatter,
-    add_expert_dtype_arg,
     compact,
     in_ranks,
     make_console,
@@ -50,6 +48,7 @@ from .options import (
     resolve_ranks,
     sci,
 )
+from .parsers import output_file
 
 # Relative L2 error allowed against transformers' float32 module, per --dtype.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -61,54 +60,6 @@ FP8_NOTE = (
     "fp8 experts: the reference runs on the dequantised e4m3 weights; the experts' two e4m3 activation "
     "quantisations (~2.6% RMS each) leave ~4% relative error"
 )
-
-DESCRIPTION = """\
-Load one MoE layer of a Hugging Face checkpoint (config.json + safetensors), each rank reading only
-its own experts, run every dispatcher on it, and compare each rank's output with transformers' own
-MoE block for the model (built in this process on the whole layer, in float32). Tolerance, relative
-L2 error per rank: 1e-5 with --dtype float32, 2e-2 with bfloat16, 6e-2 with --expert-dtype fp8
-(e4m3 expert weights with 128x128 block scales; the reference runs on those weights dequantised, and
-the experts' two e4m3 activation quantisations, ~2.6% RMS each, leave ~4%). Exit code 0 only if
-every dispatcher on every rank is within it. The checkpoint is checked (config.json, layer, every
-tensor name, shape and FP8 scale) before any rank starts."""
-
-
-def add_check_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``check`` to an ``argparse`` subparsers object; returns the new parser (``func=run_check``)."""
-    parser = subparsers.add_parser(
-        "check",
-        help="load one MoE layer of a checkpoint, run every dispatcher, compare with transformers",
-        description=DESCRIPTION,
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="DIR",
-        help="model directory: config.json + model.safetensors or model.safetensors.index.json",
-    )
-    parser.add_argument("--layer", type=int, default=None, help="decoder layer index (default: the first MoE layer)")
-    parser.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
-    parser.add_argument(
-        "--dispatcher",
-        default="all",
-        help=f"one of {sorted(DISPATCHERS)}, or all (the expert-parallel ones; local on 1 rank)",
-    )
-    parser.add_argument("--tokens", type=int, default=32, help="random tokens per rank")
-    parser.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible"
-    )
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=sorted(TOLERANCE),
-        help="our layer's dtype; the transformers reference runs in float32",
-    )
-    add_expert_dtype_arg(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
-    parser.set_defaults(func=run_check)
-    return parser
 
 
 def check_dispatchers(choice: str, ranks: int) -> list[str]:
@@ -133,6 +84,7 @@ def check_inputs(seed: int, ranks: int, tokens: int, hidden_size: int, dtype: to
 
 def run_check(args: argparse.Namespace) -> int:
     """Run the check; print the table; write ``--json``. Returns 0 (all within tolerance) or 1."""
+    json_path = output_file("--json", args.json)  # every command: its output's folder made first
     device = resolve_device(args.device)
     ranks = resolve_ranks(args.ranks, device)
     if args.tokens < 1:
@@ -148,6 +100,9 @@ def run_check(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     inputs = check_inputs(args.seed, ranks, args.tokens, cfg.hidden_size, dtype)
     tolerance = check_tolerance(args.dtype, expert_dtype)
+    # Each rank holds one layer per dispatcher; the reference (every expert) is built here, beside them.
+    estimate = estimate_rank_bytes(cfg, ranks, args.dtype, args.tokens, layers=len(names), reference=True)
+    memory = check_memory(estimate, device, ranks, fix=memory_fix(device, "one --dispatcher or fewer --tokens"))
 
     console = make_console()
     console.print(
@@ -159,6 +114,7 @@ def run_check(args: argparse.Namespace) -> int:
         f"  {cfg.num_experts} experts on {ranks} {device} ranks, {args.tokens} tokens/rank, {args.dtype}, "
         f"routed experts {experts}"
     )
+    console.print(memory, highlight=False)
     with LocalRanks(ranks, device=device) as workers:
         per_rank = workers.run(
             in_ranks(check_rank), str(checkpoint.path), layer, names, inputs, args.dtype, expert_dtype=expert_dtype
@@ -180,14 +136,14 @@ def run_check(args: argparse.Namespace) -> int:
         "sent: mean bytes sent per rank",
         FP8_NOTE if expert_dtype else None,
     )
-    if args.json:
+    if json_path:
         meta = {
             **result_meta(device=device, world_size=ranks),
             "checkpoint": str(checkpoint.path),
             "layer": layer,
             "expert_dtype": expert_dtype or args.dtype,
         }
-        with open(args.json, "w") as f:
+        with open(json_path, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         console.print(f"rows written to {args.json}", highlight=False, soft_wrap=True)  # paths unbroken
     console.print(verdict(rows, tolerance), highlight=False)

@@ -31,10 +31,8 @@ from ..layer import MoELayer
 from ..measure.results import result_meta
 from ..overlap import OVERLAP_MODES
 from ..overlap.tbo import tbo_forward
+from .memory import check_memory, estimate_rank_bytes, memory_fix
 from .options import (
-    RANKS_HELP,
-    HelpFormatter,
-    add_expert_dtype_arg,
     compact,
     cpu_timing_note,
     default_dtype_name,
@@ -46,6 +44,7 @@ from .options import (
     resolve_ranks,
     sci,
 )
+from .parsers import output_file
 
 # Relative L2 error allowed against the reference, per dtype: float32 differs only by summation
 # order; bf16 by rounding of the activations that cross the wire and of the GEMM outputs.
@@ -258,56 +257,8 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
 # ---- the subcommand ------------------------------------------------------------------------------
 
 
-DESCRIPTION = """\
-Run every dispatcher (or --dispatcher) on N local ranks and compare each rank's output with the
-single-rank reference layer (dispatcher local: all experts, same seed, so the same weights). Shows
-the error, the bytes each rank sent and the time of each phase; --overlap all also checks every
-overlap mode against none. Exit code 0 only if every run matches."""
-
-
-def add_demo_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="run every dispatcher on local ranks and compare with one rank",
-        description=DESCRIPTION,
-        formatter_class=HelpFormatter,
-    )
-    p.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
-    p.add_argument(
-        "--preset",
-        default="tiny",
-        choices=sorted(PRESETS),
-        metavar="NAME",
-        help=f"model shapes: {', '.join(sorted(PRESETS))}",
-    )
-    p.add_argument("--dispatcher", default="all", help=f"one of {sorted(DISPATCHERS)}, or all")
-    p.add_argument(
-        "--tbo", action="store_true", help="put the MoE in a decoder layer (attention + MoE) run with two-batch overlap"
-    )
-    p.add_argument(
-        "--overlap",
-        default="none",
-        help=f"one of {list(OVERLAP_MODES)}, or all; other than none, none runs too for comparison",
-    )
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible")
-    p.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on CUDA"
-    )
-    add_expert_dtype_arg(p)
-    p.add_argument("--iters", type=int, default=5, help="timed forwards per dispatcher (after one warm-up)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
-    p.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
-    p.add_argument(
-        "--checkpoint",
-        metavar="DIR",
-        help="run MoE layer --layer of this Hugging Face model "
-        "directory instead of --preset with random weights (see docs/CHECKPOINTS.md)",
-    )
-    p.add_argument("--layer", type=int, default=None, help="with --checkpoint: layer index (default: first MoE layer)")
-
-
 def run_demo(args: argparse.Namespace) -> int:
+    json_path = output_file("--json", args.json)  # every command: its output's folder made first
     device = resolve_device(args.device)
     ranks = resolve_ranks(args.ranks, device)
     names = sorted(DISPATCHERS) if args.dispatcher == "all" else [args.dispatcher]
@@ -326,6 +277,11 @@ def run_demo(args: argparse.Namespace) -> int:
     model.experts_per_rank(ranks)  # raises before any rank starts if they do not divide
     expert_dtype = resolve_expert_dtype(args.expert_dtype, model)  # sizes checked before any rank starts
     dtype = args.dtype or default_dtype_name(device)
+    # Each rank holds the reference (every expert) beside one dispatcher's layer at a time.
+    estimate = estimate_rank_bytes(model, ranks, dtype, args.tokens, reference=True)
+    memory = check_memory(
+        estimate, device, ranks, fix=memory_fix(device, "--preset tiny, a smaller --checkpoint or fewer --tokens")
+    )
 
     console = make_console()
     source = f"{args.checkpoint} layer {args.layer}" if args.checkpoint else f"preset {args.preset}"
@@ -335,6 +291,7 @@ def run_demo(args: argparse.Namespace) -> int:
         + experts,
         soft_wrap=True,  # a checkpoint's path is printed whole
     )
+    console.print(memory, highlight=False)
     if args.tbo:
         console.print("  each MoE layer in a decoder layer (attention + MoE), run with two-batch overlap")
     with LocalRanks(ranks, device=device) as workers:
@@ -360,8 +317,8 @@ def run_demo(args: argparse.Namespace) -> int:
         f"ok: rel L2 <= {tolerance:g}; = none: bitwise equal to overlap none; B/rank: mean bytes sent (= received)",
         cpu_timing_note(device),
     )
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             meta = {**result_meta(device=device, world_size=ranks), "expert_dtype": expert_dtype or dtype}
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         console.print(f"rows written to {args.json}", highlight=False, soft_wrap=True)  # paths unbroken

@@ -21,20 +21,16 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..dispatch import DISPATCHERS
 from ..hf.checkpoint import Checkpoint
 from ..hf.config import model_family
-from ..hf.generate import DECODE_LOOPS, generate, prefill_tokens
-from ..hf.mla import MLA_STEPS
+from ..hf.generate import generate, prefill_tokens
 from ..hf.model import WHOLE_MODEL_FAMILIES, load_model
 from ..launch.group import init_from_torchrun, resolve_device
 from ..launch.ranks import LocalRanks
 from ..measure.results import result_meta
-from ..overlap import OVERLAP_MODES
+from .memory import check_memory, estimate_rank_bytes, memory_fix
 from .options import (
-    RANKS_HELP,
-    HelpFormatter,
-    add_expert_dtype_arg,
+    default_dtype_name,
     in_ranks,
     make_console,
     make_table,
@@ -42,68 +38,7 @@ from .options import (
     resolve_expert_dtype,
     resolve_ranks,
 )
-
-DESCRIPTION = """\
-Generate with a Hugging Face MoE model (DeepSeek-V2/V3, Qwen3-MoE) whose MoE layers are expert
-parallel: each rank holds the attention and dense layers whole and only its share of the routed
-experts, runs its own prompts, and moves tokens to the experts' ranks with the dispatcher chosen.
-Greedy decoding, ranks in step: it stops when every prompt on every rank has ended, or after
---max-new-tokens; on CUDA each decode step is replayed from a CUDA graph (--decode). Prints the
-new tokens per prompt and per rank the prefill time, time per output token (TPOT) and tokens/s.
-Under torchrun (torchrun --nproc-per-node N -m moe_sbo generate ...) it runs on torchrun's ranks;
-rank 0 prints."""
-
-
-def add_generate_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``generate`` to an ``argparse`` subparsers object (``func=run_generate``)."""
-    parser = subparsers.add_parser(
-        "generate",
-        help="generate with a Hugging Face MoE model whose MoE layers are expert parallel",
-        description=DESCRIPTION,
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument(
-        "--checkpoint", required=True, metavar="DIR", help="model directory (config.json + safetensors)"
-    )
-    prompts = parser.add_mutually_exclusive_group(required=True)
-    prompts.add_argument(
-        "--prompt", action="append", metavar="TEXT", help="a prompt (repeat for more); needs a tokenizer"
-    )
-    prompts.add_argument("--prompts-file", metavar="FILE", help="one prompt per line; needs a tokenizer")
-    prompts.add_argument(
-        "--prompt-ids", action="append", metavar="IDS", help="a prompt as token ids, e.g. 1,2,3 (repeat for more)"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
-    parser.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
-    parser.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible"
-    )
-    parser.add_argument(
-        "--dispatcher", default="alltoall", choices=sorted(DISPATCHERS), help="how tokens reach the experts"
-    )
-    parser.add_argument("--overlap", default="none", choices=list(OVERLAP_MODES), help="where the shared experts run")
-    parser.add_argument(
-        "--decode",
-        default="auto",
-        choices=["auto", *DECODE_LOOPS],
-        help="the decode loop: cuda_graph (each step replayed from a CUDA graph; the MoE layers decode "
-        "through low_latency), static (the same fixed-shape steps, eager), transformers (model.generate); "
-        "auto: cuda_graph on CUDA, static on CPU",
-    )
-    parser.add_argument(
-        "--mla",
-        default="absorbed",
-        choices=MLA_STEPS,
-        help="DeepSeek-V2/V3 decode attention: absorbed (in the latent space, reading the cache once) or "
-        "transformers' own step (expands the whole cache every step); other families ignore it",
-    )
-    parser.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA, float32 on CPU"
-    )
-    add_expert_dtype_arg(parser)
-    parser.add_argument("--json", metavar="PATH", help="write prompts, new tokens and timings as JSON")
-    parser.set_defaults(func=run_generate)
-    return parser
+from .parsers import output_file
 
 
 def parse_prompt_ids(texts: list[str], vocab_size: int) -> list[list[int]]:
@@ -131,6 +66,7 @@ def share_prompts(prompts: list[list[int]], ranks: int) -> list[list[tuple[int, 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Check everything, run the ranks, print and write the results. Returns 0."""
+    output_file("--json", args.json)  # every command: its output's folder made first
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     checkpoint = Checkpoint(args.checkpoint)
@@ -145,6 +81,11 @@ def run_generate(args: argparse.Namespace) -> int:
     args.decode = resolve_decode(args.decode, device)  # what ran, as the report and --json say
     ranks = torchrun[1] if torchrun is not None else resolve_ranks(args.ranks, device)
     shares = share_prompts(prompts, ranks)
+    # Every rank holds all MoE layers' shared experts and its share of their routed experts.
+    cfg, dtype = checkpoint.moe_config, args.dtype or default_dtype_name(device)
+    most_tokens = max(prefill_tokens([ids for _, ids in share]) for share in shares)
+    estimate = estimate_rank_bytes(cfg, ranks, dtype, most_tokens, layers=cfg.num_moe_layers)
+    check_memory(estimate, device, ranks, fix=memory_fix(device, "a smaller model or more --ranks"))
     options = {
         "path": str(checkpoint.path),
         "dispatcher": args.dispatcher,

@@ -5,7 +5,7 @@
 
 Every subcommand checks its options before any rank starts; a bad value exits 2 with a message
 naming it, a failing rank exits 1 with that rank's traceback. ``--help`` texts are the parsers' own
-plain-text descriptions (``DESCRIPTION`` here, one per subcommand module), not these docstrings.
+plain-text descriptions (``parsers.py``), not these docstrings.
 """
 
 from __future__ import annotations
@@ -17,62 +17,12 @@ import signal
 import sys
 import threading
 
-from .. import __version__, env
+from .. import env
+from .parsers import build_parser
 
-# The subcommands (and torch) are imported inside ``main``, where a Ctrl-C is caught: at the prompt a
-# user may interrupt while torch is still importing, and must get one line, not a traceback.
-
-DESCRIPTION = """\
-Expert-parallel MoE layers with communication/computation overlap, on local ranks.
-
-subcommands:
-  demo    run every dispatcher on local ranks and compare it with a single-rank layer
-  bench   time overlap modes x dispatchers x token counts (GPUs; CPU ranks: a quick smoke run)
-  check   run one MoE layer of a Hugging Face checkpoint against transformers' own module
-  generate  generate with a Hugging Face MoE model whose MoE layers are expert parallel
-  plan    communication budget: bytes, bandwidth and which overlap fits (no GPU needed)
-"""
-
-EPILOG = """\
-Bad options exit 2 before any rank starts; a failing rank exits 1 with its traceback.
-Options of one subcommand: moe-sbo COMMAND --help."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``moe-sbo`` parser: global options, then one subparser per subcommand."""
-    from . import bench, check, demo, generate, plan
-    from .options import LOG_LEVELS, HelpFormatter
-
-    parser = argparse.ArgumentParser(
-        prog="moe-sbo",
-        usage="%(prog)s [-h] [--version] [-v] [--log-level LEVEL] COMMAND ...",  # COMMAND: its list is hidden
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"moe-sbo {__version__}")
-    parser.add_argument(
-        "-v", "--verbose", action="count", default=None, help="log the library's INFO messages; -vv: DEBUG too"
-    )
-    parser.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=LOG_LEVELS,
-        default=None,
-        metavar="LEVEL",
-        help=f"log level of the library's loggers (moe_sbo.*), one of {', '.join(LOG_LEVELS)}; overrides -v",
-    )
-    # The subcommands are listed in DESCRIPTION, in this order: argparse's own list would repeat it.
-    subparsers = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="moe-sbo"
-    )
-    demo.add_demo_parser(subparsers)
-    bench.add_bench_parser(subparsers)
-    check.add_check_parser(subparsers)
-    generate.add_generate_parser(subparsers)
-    plan.add_plan_parser(subparsers)
-    return parser
-
+# The subcommands (and torch) are imported inside ``_run``, where a Ctrl-C is caught: at the prompt a
+# user may interrupt while torch is still importing, and must get one line, not a traceback. The
+# parser imports neither: ``--help``, ``--version`` and usage errors answer without torch.
 
 INTERRUPTED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
@@ -91,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     command = next((a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-")), "")
     try:
-        from .options import configure_logging, log_level
-
         args = build_parser().parse_args(argv)
         command = args.command
+        from .options import configure_logging, log_level
+
         configure_logging(log_level(args.verbose, args.log_level))
         return _run(args)
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ last, the weight memory per GPU at the ``--memory-ep`` sizes, routed experts in 
 The hard part is keeping user mistakes out of tracebacks: every bad input becomes a ``ValueError``
 in ``planner`` ("<name> must <rule>, got <value>; <fix>"); ``run_plan`` prints it and returns 2.
 
-Wiring: ``add_plan_parser(subparsers)`` adds the sub-command, ``run_plan(args)`` runs it;
+Wiring: ``parsers.add_plan_parser(subparsers)`` adds the sub-command, ``run_plan(args)`` runs it;
 ``python -m moe_sbo.cli.plan [flags]`` works on its own.
 """
 
@@ -21,86 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import planner
-from ..config import PRESETS
-from .options import HelpFormatter, make_console, make_table
-
-DESCRIPTION = """\
-The communication-budget planner: bytes per token, per all-to-all and per decode step, the per-GPU
-bandwidth a time-per-output-token target needs, and which overlap (single- or two-batch) fits. With
-no options it reproduces the seed's DeepSeek-V3 decode example line by line, then shows what the
-byte model adds, and the weights each GPU holds at a few EP sizes. Needs no GPU."""
-
-
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``plan`` to an ``argparse`` subparsers object; returns the new parser (``func=run_plan``)."""
-    parser = subparsers.add_parser(
-        "plan",
-        help="communication budget: bytes, bandwidth and overlap feasibility (seed example by default)",
-        description=DESCRIPTION,
-        formatter_class=HelpFormatter,
-    )
-    add_plan_arguments(parser)
-    parser.set_defaults(func=run_plan)
-    return parser
-
-
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    d = planner.PlanInputs.__dataclass_fields__
-    parser.add_argument(
-        "--model",
-        default=planner.SEED_INPUTS["model"],
-        help=f"preset ({', '.join(sorted(PRESETS))}) or path to a Hugging Face config.json",
-    )
-    parser.add_argument("--batch", type=int, default=d["batch"].default, help="decode tokens per GPU")
-    parser.add_argument("--tpot-ms", type=float, default=d["tpot_ms"].default, help="time per output token SLO")
-    parser.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="layers with an all-to-all (default: all layers in the seed convention, MoE layers in the byte model)",
-    )
-    parser.add_argument("--attn-us", type=float, default=d["attn_us"].default, help="attention time per layer, T")
-    parser.add_argument("--moe-us", type=float, default=d["moe_us"].default, help="MoE compute time per layer, t")
-    parser.add_argument("--ep", type=int, default=d["ep"].default, help="expert-parallel size P")
-    parser.add_argument("--hw", default=d["hw"].default, help=f"hardware: {', '.join(planner.HARDWARE)}")
-    parser.add_argument(
-        "--dispatch-dtype", default="fp8", choices=sorted(planner.ELEMENT_B), help="element type dispatch sends"
-    )
-    parser.add_argument(
-        "--combine-dtype", default="bf16", choices=sorted(planner.ELEMENT_B), help="element type combine sends"
-    )
-    parser.add_argument(
-        "--weight-dtype",
-        default="bf16",
-        choices=sorted(planner.ELEMENT_B),
-        help="shared-expert weights, for the SBO time estimate",
-    )
-    parser.add_argument(
-        "--micro-batches", type=int, default=d["micro_batches"].default, help="2 = two-batch overlap (TBO), 1 = none"
-    )
-    parser.add_argument(
-        "--fanout",
-        default="uniform",
-        choices=planner.FANOUT_MODELS,
-        help="destination ranks per token: exact uniform model, router Monte-Carlo, or worst case",
-    )
-    parser.add_argument(
-        "--memory-ep",
-        type=int,
-        nargs="+",
-        metavar="EP",
-        help=(
-            "EP sizes of the weight-memory table, routed experts / EP and the rest replicated (default: "
-            f"{' '.join(map(str, planner.DEFAULT_MEMORY_EP))}, those that divide the experts, else --ep)"
-        ),
-    )
-    parser.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG: batch vs a2a time and bandwidth")
-    parser.add_argument(
-        "--calibrate",
-        metavar="RESULT.json",
-        help="benchmark result file whose measured bandwidth/latency replace the datasheet",
-    )
+from .options import make_console, make_table
+from .parsers import PLAN_DESCRIPTION, HelpFormatter, add_plan_arguments, output_file
 
 
 def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
@@ -126,22 +48,22 @@ def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
 def run_plan(args: argparse.Namespace) -> int:
     """Run the planner; print tables; write ``--json`` / ``--plot``. Returns 0, or 2 on bad input."""
     try:
+        # every command: its outputs' folders made first
+        json_path, plot_path = output_file("--json", args.json), output_file("--plot", args.plot)
         inp = inputs_from_args(args)
         calibration = planner.calibrate(args.calibrate, ep=inp.ep) if args.calibrate else None
         plan = planner.make_plan(inp, calibration)
         print_plan(plan, calibration)
-        if args.json:
-            path = Path(args.json)
-            path.parent.mkdir(parents=True, exist_ok=True)
+        if json_path:
             doc = planner.plan_to_json(plan)
             doc["meta"]["arguments"] = {k: v for k, v in vars(args).items() if k != "func"}
             doc["meta"]["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             if calibration is not None:
                 doc["calibration"] = vars(calibration)
-            path.write_text(json.dumps(doc, indent=2) + "\n")
-            print(f"plan written to {path}")
-        if args.plot:
-            write_plot(plan, Path(args.plot))
+            json_path.write_text(json.dumps(doc, indent=2) + "\n")
+            print(f"plan written to {json_path}")
+        if plot_path:
+            write_plot(plan, plot_path)
             print(f"plot written to {args.plot}")
     except ValueError as exc:
         print(f"moe-sbo plan: error: {exc}", file=sys.stderr)
@@ -382,14 +304,13 @@ def write_plot(plan: planner.Plan, path: Path) -> None:
     )
     ax_bw.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_sbo.cli.plan", description=DESCRIPTION, formatter_class=HelpFormatter
+        prog="python -m moe_sbo.cli.plan", description=PLAN_DESCRIPTION, formatter_class=HelpFormatter
     )
     add_plan_arguments(parser)
     return run_plan(parser.parse_args(argv))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..names import DECODE_LOOPS
 from .model import ExpertParallelMoE, moe_blocks
 from .static_decode import IdleDecoder, StaticDecoder
 
@@ -85,9 +86,6 @@ class _StepClock:
             return self.stamps
         assert self._start is not None
         return [self.stamps[0]] + [self.stamps[0] + self._start.elapsed_time(e) / 1e3 for e in self._events]
-
-
-DECODE_LOOPS = ("transformers", "static", "cuda_graph")
 
 
 @torch.no_grad()

@@ -40,9 +40,6 @@ import torch
 from torch import nn
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
-# The decode steps a loaded MLA model can take (``load_model(absorb_mla=...)``): this module's, or
-# ``transformers``' own.
-MLA_STEPS = ("absorbed", "transformers")
 
 
 def absorb_mla_decode(model: nn.Module) -> int:

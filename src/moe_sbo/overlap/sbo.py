@@ -43,6 +43,7 @@ import torch.distributed as dist
 from ..dispatch import EPGroup
 from ..experts.shared import SharedExperts
 from ..hooks import HookScope
+from ..names import FIXED_MODES, OVERLAP_MODES
 from ..streams import (
     SideStream,
     capture_graph,
@@ -59,8 +60,6 @@ from .auto import BucketTrials, bucket_of, slowest_rank
 
 log = logging.getLogger("moe_sbo.overlap")
 
-FIXED_MODES: tuple[str, ...] = ("none", "dispatch", "combine", "combine_sm", "split")
-OVERLAP_MODES: tuple[str, ...] = (*FIXED_MODES, "auto")
 # NCCL on NVLink Hopper runs up to 32 channels, one CTA (one SM) each; leave those to communication.
 DEFAULT_COMM_SMS = 32
 # Modes whose CPU version gives up the overlap (no side stream on CPU).

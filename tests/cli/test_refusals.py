@@ -1,0 +1,155 @@
+"""What a user gets wrong on a first run, refused in one line (exit 2) before any work, or made to
+work: output paths in folders that do not exist, models too large for the machine, a checkpoint
+without a tokenizer, ids outside the vocabulary, bad values named, options that would be ignored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_blocks import make_hf_model, write_published_v3
+from moe_sbo.cli import bench, check, demo, generate, memory
+from moe_sbo.cli.main import main
+
+COMMANDS = ("demo", "bench", "check", "generate", "plan")
+OUTPUT_FLAG = {"demo": "--json", "bench": "--out", "check": "--json", "generate": "--json", "plan": "--json"}
+
+
+class InProcess:
+    """``LocalRanks``/``RankPool`` on one rank, run in this process: the command's own code, no start-up."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def run(self, fn, *args, **kwargs):
+        return [fn(torch.device("cpu"), *args, **kwargs)]
+
+    def stop(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Bad input must be refused before any rank (and so any collective) starts."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks were started for bad input")
+
+    for module, name in ((demo, "LocalRanks"), (check, "LocalRanks"), (generate, "LocalRanks"), (bench, "RankPool")):
+        monkeypatch.setattr(module, name, refuse)
+
+
+def _required(command: str, tmp_path) -> list[str]:
+    return ["--checkpoint", str(tmp_path / "no-model")] if command in ("check", "generate") else []
+
+
+def _prompt(command: str) -> list[str]:
+    return ["--prompt-ids", "1,2"] if command == "generate" else []
+
+
+# ---- output paths --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_output_path_that_cannot_be_made_is_refused_before_any_work(command, tmp_path, capsys, no_ranks):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "rows.json"  # its folder would be a file
+    argv = [command, OUTPUT_FLAG[command], str(out), *_required(command, tmp_path), *_prompt(command)]
+    assert main([*argv, *(["--device", "cpu"] if command != "plan" else [])]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"moe-sbo {command}: error: {OUTPUT_FLAG[command]} must be in a folder that can be made, got {out}: "
+        f"{tmp_path / 'a-file'} is a file; choose another path\n"
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_output_path_naming_a_folder_is_refused(command, tmp_path, capsys, no_ranks):
+    argv = [command, OUTPUT_FLAG[command], str(tmp_path), *_required(command, tmp_path), *_prompt(command)]
+    assert main([*argv, *(["--device", "cpu"] if command != "plan" else [])]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"moe-sbo {command}: error: {OUTPUT_FLAG[command]} must name a file, got the folder {tmp_path}; "
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_output_folder_is_made_before_any_work(command, tmp_path, monkeypatch, capsys):
+    """Every subcommand makes its output's folder first (so nothing fails after the work); here the
+    work is refused at once (a missing checkpoint, a bad size) and the folder is there already."""
+    out = tmp_path / "new" / "folder" / "rows.json"
+    bad = {"demo": ["--tokens", "-1"], "bench": ["--iters", "0"], "plan": ["--batch", "0"]}.get(command, [])
+    argv = [command, OUTPUT_FLAG[command], str(out), *_required(command, tmp_path), *_prompt(command), *bad]
+    assert main([*argv, *(["--device", "cpu"] if command != "plan" else [])]) == 2
+    assert out.parent.is_dir() and not out.exists()
+
+
+def test_demo_writes_its_json_into_a_new_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(demo, "LocalRanks", InProcess)
+    out = tmp_path / "new" / "rows.json"
+    argv = ["demo", "--ranks", "1", "--dispatcher", "local", "--tokens", "4", "--iters", "1", "--json", str(out)]
+    assert main([*argv, "--device", "cpu"]) == 0
+    assert [row["dispatcher"] for row in json.loads(out.read_text())["rows"]] == ["local"]
+    assert capsys.readouterr().out.splitlines()[-1].startswith("1/1 dispatcher x overlap runs match")
+
+
+def test_plan_writes_its_json_into_a_new_folder(tmp_path, capsys):
+    out = tmp_path / "new" / "plan.json"
+    assert main(["plan", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def little_memory(monkeypatch, tmp_path):
+    """A machine with 1 kB available: every model built here is too large for it."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 2048 kB\nMemAvailable: 1 kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", meminfo)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny random Qwen3-MoE checkpoint, without tokenizer files."""
+    path = tmp_path_factory.mktemp("qwen3")
+    make_hf_model("qwen3_moe", seed=3).save_pretrained(path)
+    return path
+
+
+def test_demo_of_a_model_too_large_is_refused_in_one_line(capsys, no_ranks):
+    """deepseek-v3's layer on CPU ranks: the same estimate as bench, before any allocation."""
+    meminfo = memory.available_bytes("cpu", 2)
+    assert meminfo is not None and meminfo[0] < 60e9  # this machine: less than deepseek-v3's layer per rank
+    assert main(["demo", "--preset", "deepseek-v3", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-sbo demo: error: the memory per rank must be <= the ") and err.count("\n") == 1
+    assert "(128 local experts + 256 in the reference, shared experts, router; float32)" in err
+    assert err.endswith("use --preset tiny, a smaller --checkpoint or fewer --tokens, or a GPU\n")
+
+
+def test_check_of_a_model_too_large_is_refused_in_one_line(tmp_path, capsys, no_ranks, little_memory):
+    path, _ = write_published_v3(tmp_path, fp8=False)
+    assert main(["check", "--checkpoint", str(path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-sbo check: error: the memory per rank must be <= the 512 B available")
+    assert "(3 layers x 4 local experts + 8 in the reference, " in err and err.count("\n") == 1
+    assert err.endswith("use one --dispatcher or fewer --tokens, or a GPU\n")
+
+
+def test_generate_of_a_model_too_large_is_refused_in_one_line(qwen3_dir, capsys, no_ranks, little_memory):
+    assert main(["generate", "--checkpoint", str(qwen3_dir), "--prompt-ids", "1,2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-sbo generate: error: the memory per rank must be <= the 512 B available")
+    assert err.count("\n") == 1 and err.endswith("use a smaller model or more --ranks, or a GPU\n")
