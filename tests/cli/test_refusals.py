@@ -153,3 +153,26 @@ def test_generate_of_a_model_too_large_is_refused_in_one_line(qwen3_dir, capsys,
     err = capsys.readouterr().err
     assert err.startswith("moe-sbo generate: error: the memory per rank must be <= the 512 B available")
     assert err.count("\n") == 1 and err.endswith("use a smaller model or more --ranks, or a GPU\n")
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+
+def test_generate_text_on_a_checkpoint_whose_tokenizer_encodes_nothing_is_refused(qwen3_dir, capsys, no_ranks):
+    """Without tokenizer files transformers gives Qwen3 an empty tokenizer ("Hello" -> no ids):
+    that is no tokenizer, as for a DeepSeek directory, which gets none."""
+    assert main(["generate", "--checkpoint", str(qwen3_dir), "--prompt", "Hello", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        f"moe-sbo generate: error: {qwen3_dir} has no tokenizer, so text prompts cannot be encoded; "
+        "pass token ids with --prompt-ids 1,2,3 instead\n"
+    )
+
+
+@pytest.mark.parametrize("ids, bad", [("1,2,100000", 100000), ("3,-1", -1)])
+def test_generate_ids_outside_the_vocabulary_are_named(qwen3_dir, capsys, no_ranks, ids, bad):
+    vocab = json.loads((qwen3_dir / "config.json").read_text())["vocab_size"]
+    assert main(["generate", "--checkpoint", str(qwen3_dir), "--prompt-ids", ids, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        f"moe-sbo generate: error: --prompt-ids must hold ids in [0, {vocab}) (the model's vocab_size), "
+        f"got {bad} in prompt 0; use ids of the model's tokenizer\n"
+    )

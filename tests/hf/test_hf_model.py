@@ -4,10 +4,13 @@ at EP2 and EP4, with skewed and empty ranks (checkpoints written by ``transforme
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 
+import moe_sbo.hf.generate as generate_module
 from hf_blocks import make_hf_model
 from moe_sbo.hf.generate import generate
 from moe_sbo.hf.model import ExpertParallelMoE, load_model
@@ -245,12 +248,19 @@ def test_one_rank_reads_only_its_experts_and_no_whole_model(checkpoints, monkeyp
     assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
 
 
-def test_bad_input_is_refused(checkpoints, tmp_path):
+def test_bad_input_is_refused(checkpoints, tmp_path, monkeypatch):
     model = load_model(checkpoints["deepseek_v3"], dispatcher="local")
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         generate(model, [[1, 2]], 0)
     with pytest.raises(ValueError, match="at least one token id"):
         generate(model, [[1, 2], []], 2)
+    # Ids outside the vocabulary are named with its size, before any collective (the CLI's own check).
+    vocab = model.config.vocab_size
+    monkeypatch.setattr(generate_module, "_StepAgreement", None)  # the first collective: never reached
+    for bad in (vocab, -1):
+        message = f"prompts must hold ids in [0, {vocab}) (the model's vocab_size), got {bad} in prompt 1; "
+        with pytest.raises(ValueError, match=re.escape(message)):
+            generate(model, [[1, 2], [3, bad]], 2)
     import json
     import shutil
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import env
 from ..hf.checkpoint import Checkpoint
 from ..hf.config import model_family
-from ..hf.generate import generate, prefill_tokens
+from ..hf.generate import check_prompt_ids, generate, prefill_tokens
 from ..hf.model import WHOLE_MODEL_FAMILIES, load_model
 from ..launch.group import init_from_torchrun, resolve_device
 from ..launch.ranks import LocalRanks
@@ -42,18 +42,14 @@ from .parsers import output_file
 
 
 def parse_prompt_ids(texts: list[str], vocab_size: int) -> list[list[int]]:
-    """``--prompt-ids`` values -> id lists, each id checked against the vocabulary."""
+    """``--prompt-ids`` values -> id lists, checked as ``generate`` checks them (``check_prompt_ids``)."""
     prompts = []
     for text in texts:
         try:
-            ids = [int(part) for part in text.split(",") if part.strip()]
+            prompts.append([int(part) for part in text.split(",") if part.strip()])
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}; e.g. 1,2,3") from None
-        if not ids or any(not 0 <= i < vocab_size for i in ids):
-            raise ValueError(
-                f"--prompt-ids must be non-empty ids in [0, {vocab_size}) (the model's vocab_size), got {text!r}"
-            )
-        prompts.append(ids)
+    check_prompt_ids(prompts, vocab_size, what="--prompt-ids")
     return prompts
 
 
@@ -207,11 +203,6 @@ def _tokenizer(path: Path):
 def _prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[int]]:
     if args.prompt_ids is not None:
         return parse_prompt_ids(args.prompt_ids, vocab_size)
-    if tokenizer is None:
-        raise ValueError(
-            f"{args.checkpoint} has no tokenizer, so text prompts cannot be encoded; pass token ids with "
-            "--prompt-ids 1,2,3 instead"
-        )
     if args.prompt is not None:
         texts = args.prompt
     else:
@@ -222,7 +213,15 @@ def _prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise ValueError("the prompts must hold at least one non-empty line")
-    return [tokenizer(t)["input_ids"] for t in texts]
+    encoded = [tokenizer(t)["input_ids"] for t in texts] if tokenizer is not None else []
+    # No tokenizer files: DeepSeek's directories give none; Qwen3's give transformers' empty stand-in,
+    # which encodes every text to no ids. Either way there is no tokenizer to encode with.
+    if not encoded or not all(encoded):
+        raise ValueError(
+            f"{args.checkpoint} has no tokenizer, so text prompts cannot be encoded; pass token ids with "
+            "--prompt-ids 1,2,3 instead"
+        )
+    return encoded
 
 
 def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: int) -> None:

@@ -88,6 +88,20 @@ class _StepClock:
         return [self.stamps[0]] + [self.stamps[0] + self._start.elapsed_time(e) / 1e3 for e in self._events]
 
 
+def check_prompt_ids(prompts: list[list[int]], vocab_size: int, what: str = "prompts") -> None:
+    """Every prompt non-empty, every id in ``[0, vocab_size)``; else ``ValueError`` naming the first
+    bad id (``what``: the name the caller knows them by, e.g. ``--prompt-ids``)."""
+    for index, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"{what} must each hold at least one token id, got an empty prompt {index}; drop it")
+        bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"{what} must hold ids in [0, {vocab_size}) (the model's vocab_size), got {bad} in prompt {index}; "
+                "use ids of the model's tokenizer"
+            )
+
+
 @torch.no_grad()
 def generate(
     model: Any,
@@ -127,8 +141,7 @@ def generate(
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    if any(not p for p in prompts):
-        raise ValueError("every prompt must have at least one token id; drop empty prompts")
+    check_prompt_ids(prompts, model.get_input_embeddings().num_embeddings)  # before any collective
     agree = _StepAgreement(blocks, device)
     # Before any MoE call: a mismatch would hang.
     agree.same_everywhere("max_new_tokens", max_new_tokens)
