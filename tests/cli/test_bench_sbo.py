@@ -101,7 +101,7 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
         (["--ranks", "3"], "divisible by the EP size"),
         (["--ranks", "0"], "--ranks must be >= 1, got 0; leave it out for the default"),
         (["--tbo", "--prefill-tokens", "--decode-seqs"], "must give at least one size with --tbo, got neither"),
-        (["--tokens", "0"], "--tokens, --prefill-tokens and --decode-seqs must be >= 1"),
+        (["--tokens", "0"], "--tokens must be >= 1, got 0; leave --tokens out for its default"),
         (["--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
         (["--transport", "copy_engine"], "--transport copy_engine needs CUDA and >= 2 ranks"),
         (["--index-rows", "--dispatcher", "alltoall"], "--index-rows is an option of the low_latency dispatcher"),

@@ -176,3 +176,32 @@ def test_generate_ids_outside_the_vocabulary_are_named(qwen3_dir, capsys, no_ran
         f"moe-sbo generate: error: --prompt-ids must hold ids in [0, {vocab}) (the model's vocab_size), "
         f"got {bad} in prompt 0; use ids of the model's tokenizer\n"
     )
+
+
+# ---- values named, options not ignored -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--tokens", "-1"], "--tokens must be >= 1, got -1; leave --tokens out for its default"),
+        (["--tokens", "16", "0", "64"], "--tokens must be >= 1, got 0; leave --tokens out for its default"),
+        (["--iters", "0"], "--iters must be >= 1, got 0; leave --iters out for its default"),
+        (["--warmup", "-2"], "--warmup must be >= 0, got -2; leave --warmup out for its default"),
+        (
+            ["--tbo", "--decode-seqs", "4", "-3"],
+            "--decode-seqs must be >= 1, got -3; leave --decode-seqs out for its default",
+        ),
+    ],
+)
+def test_bench_names_the_wrong_value(argv, line, capsys, no_ranks):
+    assert main(["bench", "--device", "cpu", *argv]) == 2
+    assert capsys.readouterr().err == f"moe-sbo bench: error: {line}\n"
+
+
+def test_demo_layer_without_a_checkpoint_is_refused(capsys, no_ranks):
+    assert main(["demo", "--layer", "1", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "moe-sbo demo: error: --layer picks a layer of --checkpoint, got --layer 1 without one; "
+        "add --checkpoint DIR or leave --layer out (--preset has one layer)\n"
+    )

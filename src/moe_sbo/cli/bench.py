@@ -90,12 +90,17 @@ def run_bench(args: argparse.Namespace) -> int:
     experts_list = args.experts or [get_preset(args.preset).num_experts]
     for n in experts_list:
         bench_config(args.preset, n).experts_per_rank(ranks)  # bad sizes raise before any rank starts
-    sizes = [*args.tokens, *args.prefill_tokens, *args.decode_seqs]
-    if not sizes or min(sizes) < 1 or args.iters < 1 or args.warmup < 0 or min(args.delay) < 0:
-        raise ValueError(
-            f"--tokens, --prefill-tokens and --decode-seqs must be >= 1, --iters >= 1, --warmup >= 0 "
-            f"and --delay >= 0; got {sizes}, {args.iters}, {args.warmup}, {args.delay}"
-        )
+    for flag, values, low in (
+        ("--tokens", args.tokens, 1),
+        ("--prefill-tokens", args.prefill_tokens, 1),
+        ("--decode-seqs", args.decode_seqs, 1),
+        ("--iters", [args.iters], 1),
+        ("--warmup", [args.warmup], 0),
+        ("--delay", args.delay, 0),
+    ):
+        bad = next((v for v in values if v < low), None)
+        if bad is not None:
+            raise ValueError(f"{flag} must be >= {low}, got {bad}; leave {flag} out for its default")
     if args.tbo and not (args.prefill_tokens or args.decode_seqs):
         raise ValueError(
             "--prefill-tokens and --decode-seqs must give at least one size with --tbo, got neither; "

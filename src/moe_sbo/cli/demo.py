@@ -270,6 +270,11 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
     overlaps = _overlap_modes(args.overlap)
+    if args.layer is not None and not args.checkpoint:
+        raise ValueError(
+            f"--layer picks a layer of --checkpoint, got --layer {args.layer} without one; add --checkpoint DIR "
+            "or leave --layer out (--preset has one layer)"
+        )
     model = PRESETS[args.preset]
     if args.checkpoint:  # checked before any rank starts: config.json, the layer, every tensor header
         checkpoint = Checkpoint(args.checkpoint)
