@@ -9,6 +9,8 @@ still NCCL's). Skipped without CUDA.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,10 +40,24 @@ WORLD = gpu_world()  # ranks share the GPU where there is one: symmetric memory 
 GLOO_ALL_TO_ALL = "ranks sharing a GPU: transport 'nccl' is gloo's all-to-all, through host memory"
 
 
+_POOL: list = []  # the module's one rank pool: starting ranks (CUDA, Triton) costs seconds per test
+
+
+@contextlib.contextmanager
 def _ranks():
+    """The module's GPU ranks, started on first use and kept (a failed call restarts them)."""
     from moe_sbo.launch.ranks import LocalRanks
 
-    return LocalRanks(WORLD, device="cuda")
+    if not _POOL:
+        _POOL.append(LocalRanks(WORLD, device="cuda"))
+    yield _POOL[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pool():
+    yield
+    while _POOL:
+        _POOL.pop().close()
 
 
 # (kernels, transport): every path a GPU user can pick, the default first.
