@@ -7,36 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from hf_blocks import make_hf_model, write_published_v3
+from in_process import InProcess
 from moe_sbo.cli import bench, check, demo, generate, memory
 from moe_sbo.cli.main import main
 
 COMMANDS = ("demo", "bench", "check", "generate", "plan")
 OUTPUT_FLAG = {"demo": "--json", "bench": "--out", "check": "--json", "generate": "--json", "plan": "--json"}
-
-
-class InProcess:
-    """``LocalRanks``/``RankPool`` on one rank, run in this process: the command's own code, no start-up."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def run(self, fn, *args, **kwargs):
-        return [fn(torch.device("cpu"), *args, **kwargs)]
-
-    def stop(self):
-        pass
-
-    def close(self):
-        pass
 
 
 @pytest.fixture

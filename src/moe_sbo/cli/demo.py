@@ -319,7 +319,8 @@ def run_demo(args: argparse.Namespace) -> int:
     console.print(demo_table(rows))
     print_notes(
         console,
-        f"ok: rel L2 <= {tolerance:g}; = none: bitwise equal to overlap none; B/rank: mean bytes sent (= received)",
+        f"ok: rel L2 <= {tolerance:g}; = none: bitwise equal to overlap none",
+        "B/rank: mean bytes sent (= received)",
         cpu_timing_note(device),
     )
     if json_path:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.markup import escape
 
 from .. import env
 from ..hf.checkpoint import Checkpoint
@@ -227,10 +228,13 @@ def _prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[
 def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: int) -> None:
     console = make_console()
     console.print(
-        f"[bold]moe-sbo generate[/]: {checkpoint.path} ({checkpoint.model_type}) on {ranks} {device} ranks, "
-        f"{args.dispatcher}, overlap {args.overlap}, decode {args.decode}, "
+        f"[bold]moe-sbo generate[/]: {escape(str(checkpoint.path))} ({checkpoint.model_type})",
+        soft_wrap=True,  # the path is printed whole
+    )
+    console.print(
+        f"  {ranks} {device} ranks, {args.dispatcher}, overlap {args.overlap}, decode {args.decode}, "
         f"{args.max_new_tokens} new tokens",
-        soft_wrap=True,
+        highlight=False,
     )
     outputs: dict[int, list[int]] = {}
     for result in per_rank:

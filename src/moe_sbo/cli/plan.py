@@ -65,6 +65,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if plot_path:
             write_plot(plan, plot_path)
             print(f"plot written to {args.plot}")
+        print(closing_verdict(plan))
     except ValueError as exc:
         print(f"moe-sbo plan: error: {exc}", file=sys.stderr)
         return 2
@@ -188,6 +189,22 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
         console.print(
             f"calibrated: {calibration.GBps:.1f} GB/s, latency {calibration.latency_us:.1f} us ({calibration.method})"
         )
+
+
+def closing_verdict(plan: planner.Plan) -> str:
+    """The plan's last line, the verdicts table in one line of at most 100 columns: whether the
+    batch's all-to-all fits its share of the TPOT run serially (mode none), and which overlaps fit
+    their window (or, when none does, the closest and by how much it misses)."""
+    judged = {v.mode: v for v in plan.verdicts if v.fits is not None and v.left_us is not None}
+    serial = judged.pop("none", None)
+    line = "verdict: " + (
+        f"serial a2a {'fits' if serial.fits else 'misses'} the {plan.inputs.tpot_ms:g} ms TPOT; " if serial else ""
+    )
+    fitting = [mode for mode, v in judged.items() if v.fits]
+    if fitting or not judged:
+        return line + f"overlaps that fit: {', '.join(fitting) or 'none judged'}"
+    closest = max(judged.values(), key=lambda v: v.left_us or 0.0)
+    return line + f"no overlap fits (closest: {closest.mode}, {-(closest.left_us or 0.0):.0f} us/layer short)"
 
 
 def print_weight_memory(console, memory: planner.WeightMemory) -> None:

@@ -1,0 +1,72 @@
+"""What every subcommand prints fits a 100-column pane (``COLUMNS=100``), ``plan`` ends with its
+verdict, and ``demo``/``check`` show progress on stderr while keeping stdout's last-line verdict.
+The commands run in this process on one rank (``InProcess``): their own printing, no start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_blocks import make_hf_model, write_published_v3
+from in_process import InProcess
+from moe_sbo.cli import bench, check, demo, generate
+from moe_sbo.cli.main import main
+
+WIDTH = 100
+
+
+@pytest.fixture
+def narrow(monkeypatch):
+    """A 100-column terminal; the ranks in this process."""
+    monkeypatch.setenv("COLUMNS", str(WIDTH))
+    for module, name in ((demo, "LocalRanks"), (check, "LocalRanks"), (generate, "LocalRanks"), (bench, "RankPool")):
+        monkeypatch.setattr(module, name, InProcess)
+
+
+def _fits(text: str) -> list[str]:
+    lines = text.splitlines()
+    assert lines and max(len(line) for line in lines) <= WIDTH, max(lines, key=len)
+    return lines
+
+
+def test_demo_overlap_all_fits_100_columns(narrow, capsys):
+    argv = ["demo", "--ranks", "1", "--dispatcher", "local", "--overlap", "all", "--tokens", "4", "--iters", "1"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    lines = _fits(capsys.readouterr().out)
+    assert lines[-1].startswith("6/6 dispatcher x overlap runs match the single-rank reference")
+
+
+def test_check_fits_100_columns(narrow, capsys, tmp_path):
+    path, _ = write_published_v3(tmp_path, fp8=False)
+    assert main(["check", "--checkpoint", str(path), "--ranks", "1", "--tokens", "4", "--device", "cpu"]) == 0
+    assert _fits(capsys.readouterr().out)[-1].startswith("1/1 dispatchers match transformers' module")
+
+
+def test_bench_fits_100_columns(narrow, capsys):
+    argv = ["bench", "--ranks", "1", "--dispatcher", "local", "--overlap", "none", "split", "--tokens", "4"]
+    assert main([*argv, "--iters", "1", "--no-graph", "--device", "cpu"]) == 0
+    assert _fits(capsys.readouterr().out)[-1].startswith("2 rows, 0 errors; not written")
+
+
+def test_generate_fits_100_columns(narrow, capsys, tmp_path):
+    make_hf_model("qwen3_moe", seed=3).save_pretrained(tmp_path)
+    argv = ["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
+    assert main([*argv, "--ranks", "1", "--device", "cpu"]) == 0
+    lines = _fits(capsys.readouterr().out)
+    assert lines[0] == f"moe-sbo generate: {tmp_path} (qwen3_moe)" and lines[1].startswith("  1 cpu ranks, alltoall")
+
+
+@pytest.mark.parametrize("argv", [[], ["--batch", "4096"], ["--model", "qwen3-30b-a3b", "--ep", "4"]])
+def test_plan_fits_100_columns_and_ends_with_its_verdict(argv, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", str(WIDTH))
+    assert main(["plan", *argv]) == 0
+    last = _fits(capsys.readouterr().out)[-1]
+    assert last.startswith("verdict: serial a2a ")
+
+
+def test_plan_verdict_names_what_fits_and_what_misses(capsys):
+    assert main(["plan"]) == 0  # the worked example: DeepSeek-V3 decode, batch 256, 20 ms
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "verdict: serial a2a misses the 20 ms TPOT; overlaps that fit: sbo-dispatch, sbo-combine, tbo"
+    )
+    assert main(["plan", "--batch", "4096"]) == 0
+    assert capsys.readouterr().out.endswith("overlaps that fit: sbo-dispatch, sbo-combine\n")
