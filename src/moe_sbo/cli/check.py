@@ -132,8 +132,8 @@ def run_check(args: argparse.Namespace) -> int:
     console.print(check_table(rows, tolerance))
     print_notes(
         console,
-        f"ok: rel L2 error <= {tolerance:g} on every rank; read: most bytes a rank read; "
-        "sent: mean bytes sent per rank",
+        f"ok: rel L2 error <= {tolerance:g} on every rank",
+        "read: most bytes a rank read; sent: mean bytes sent per rank",
         FP8_NOTE if expert_dtype else None,
     )
     if json_path:
