@@ -49,6 +49,7 @@ from .options import (
     sci,
 )
 from .parsers import output_file
+from .progress import rank_progress, starting_ranks
 
 # Relative L2 error allowed against transformers' float32 module, per --dtype.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -115,7 +116,9 @@ def run_check(args: argparse.Namespace) -> int:
         f"routed experts {experts}"
     )
     console.print(memory, highlight=False)
-    with LocalRanks(ranks, device=device) as workers:
+    with starting_ranks(ranks, device):
+        workers = LocalRanks(ranks, device=device)
+    with workers:
         per_rank = workers.run(
             in_ranks(check_rank), str(checkpoint.path), layer, names, inputs, args.dtype, expert_dtype=expert_dtype
         )
@@ -207,9 +210,12 @@ def check_rank(
     rank = dist.get_rank() if dist.is_initialized() else 0
     x_TH = inputs[rank].to(device)
     outputs, traffic, bytes_read = {}, {}, {}
+    progress = rank_progress(rank, len(dispatchers), "check")
     with torch.inference_mode():
         for name, layer in zip(dispatchers, layers):
             outputs[name] = layer(x_TH).float().cpu()
+            if progress:
+                progress(name)
             traffic[name] = (layer.last_traffic.bytes_sent, layer.last_traffic.bytes_recv)
             bytes_read[name] = load.report(layer).bytes_read
     return {

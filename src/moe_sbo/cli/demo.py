@@ -45,6 +45,7 @@ from .options import (
     sci,
 )
 from .parsers import output_file
+from .progress import rank_progress, starting_ranks
 
 # Relative L2 error allowed against the reference, per dtype: float32 differs only by summation
 # order; bf16 by rounding of the activations that cross the wire and of the GEMM outputs.
@@ -143,6 +144,7 @@ def run_demo_rank(
         reference = MoELayer(cfg, dispatcher="local", dtype=dtype, device=device, seed=seed, expert_dtype=expert_dtype)
         reference_TH = run_reference(model(load(reference)), x_TH)
         rows = []
+        progress = rank_progress(rank, len(dispatchers) * len(overlaps), "demo")
         for name, overlap in itertools.product(dispatchers, overlaps):
             layer = load(
                 MoELayer(
@@ -180,6 +182,8 @@ def run_demo_rank(
             ref_norm = reference_TH.float().norm().item()
             rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
             traffic = layer.last_traffic
+            if progress:
+                progress(f"{name} / {overlap}")
             rows.append(
                 asdict(
                     DemoRow(
@@ -299,7 +303,9 @@ def run_demo(args: argparse.Namespace) -> int:
     console.print(memory, highlight=False)
     if args.tbo:
         console.print("  each MoE layer in a decoder layer (attention + MoE), run with two-batch overlap")
-    with LocalRanks(ranks, device=device) as workers:
+    with starting_ranks(ranks, device):
+        workers = LocalRanks(ranks, device=device)
+    with workers:
         per_rank = workers.run(
             in_ranks(run_demo_rank),
             args.preset,

@@ -40,6 +40,7 @@ from .options import (
     resolve_ranks,
 )
 from .parsers import output_file
+from .progress import rank_progress, starting_ranks
 
 
 def parse_prompt_ids(texts: list[str], vocab_size: int) -> list[list[int]]:
@@ -103,7 +104,9 @@ def run_generate(args: argparse.Namespace) -> int:
             return 0
         per_rank = gathered
     else:
-        with LocalRanks(ranks, device=device) as workers:
+        with starting_ranks(ranks, device):
+            workers = LocalRanks(ranks, device=device)
+        with workers:
             per_rank = workers.run(in_ranks(generate_rank), shares, **options)
     _report(args, checkpoint, prompts, per_rank, tokenizer, device, ranks)
     return 0
@@ -151,7 +154,9 @@ def generate_rank(
     )
     mine = shares[rank]
     prompts = [ids for _, ids in mine]
-    result = generate(model, prompts, max_new_tokens, on_step=_progress(rank, max_new_tokens), decode=decode)
+    result = generate(
+        model, prompts, max_new_tokens, on_step=rank_progress(rank, max_new_tokens, "generating"), decode=decode
+    )
     new_tokens = sum(len(ids) for ids in result.token_ids)
     total_s = result.prefill_s + sum(result.step_s)
     return {
@@ -163,25 +168,6 @@ def generate_rank(
         "tokens_per_s": new_tokens / total_s if total_s else 0.0,
         "forwards": result.forwards,
     }
-
-
-def _progress(rank: int, steps: int):
-    """Rank 0 draws a progress bar over the decode steps (on stderr); other ranks draw nothing."""
-    if rank != 0:
-        return None
-    from rich.console import Console
-    from rich.progress import Progress
-
-    progress = Progress(console=Console(stderr=True), transient=True)
-    task = progress.add_task("generating", total=steps)
-    progress.start()
-
-    def step() -> None:
-        progress.advance(task)
-        if progress.finished:
-            progress.stop()
-
-    return step
 
 
 def _dispatcher_options(dispatcher: str, shares: list[list[tuple[int, list[int]]]]) -> dict | None:
