@@ -360,6 +360,8 @@ def _index_rows_rank(device, transport, capacity):
 @pytest.mark.parametrize("transport", FUSED_TRANSPORTS)
 @pytest.mark.parametrize("capacity", [64, 640])  # 640: the two-pass kernels run
 def test_index_rows_equal_the_copy_eager_and_replayed(transport, capacity):
+    if transport == "nccl" and shares_gpus(WORLD):
+        pytest.skip(GLOO_ALL_TO_ALL)  # the replayed half captures the transfer
     with _ranks() as ranks:
         for rel in ranks.run(_index_rows_rank, transport, capacity):
             assert max(rel) <= BF16_REL_TOL, rel
