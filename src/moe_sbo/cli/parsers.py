@@ -76,6 +76,16 @@ def output_file(flag: str, value: str | None) -> Path | None:
     return path
 
 
+def add_command(subparsers, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``summary`` for the list, ``description`` (plain text) for its --help."""
+    return subparsers.add_parser(name, help=summary, description=description, formatter_class=HelpFormatter)
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """``--device``: where the ranks run."""
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible")
+
+
 # ---- moe-sbo -------------------------------------------------------------------------------------
 
 DESCRIPTION = """\
@@ -137,11 +147,8 @@ overlap mode against none. Exit code 0 only if every run matches."""
 
 
 def add_demo_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="run every dispatcher on local ranks and compare with one rank",
-        description=DEMO_DESCRIPTION,
-        formatter_class=HelpFormatter,
+    p = add_command(
+        subparsers, "demo", "run every dispatcher on local ranks and compare with one rank", DEMO_DESCRIPTION
     )
     p.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
     p.add_argument(
@@ -161,7 +168,7 @@ def add_demo_parser(subparsers) -> None:
         help=f"one of {list(OVERLAP_MODES)}, or all; other than none, none runs too for comparison",
     )
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible")
+    add_device_arg(p)
     p.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on CUDA"
     )
@@ -226,11 +233,11 @@ def _device_default(key: str, what: str) -> str:
 
 
 def add_bench_parser(subparsers) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "bench",
-        help="time overlap modes x dispatchers x token counts on N ranks (GPUs; CPU: a smoke run)",
-        description=BENCH_DESCRIPTION,
-        formatter_class=HelpFormatter,
+        "time overlap modes x dispatchers x token counts on N ranks (GPUs; CPU: a smoke run)",
+        BENCH_DESCRIPTION,
     )
     p.add_argument(
         "--preset",
@@ -250,7 +257,7 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--dispatcher", nargs="+", default=["all"], help=f"among {sorted(DISPATCHER_NAMES)}, or all")
     p.add_argument("--overlap", nargs="+", default=["all"], help=f"among {list(OVERLAP_MODES)}, or all")
     p.add_argument("--ranks", type=int, default=None, help=f"EP size: {RANKS_HELP}")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible")
+    add_device_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument(
         "--sm-budget",
@@ -356,12 +363,12 @@ tensor name, shape and FP8 scale) before any rank starts."""
 
 
 def add_check_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``check`` to an ``argparse`` subparsers object; returns the new parser (``func=run_check``)."""
-    parser = subparsers.add_parser(
+    """Add ``check`` to an ``argparse`` subparsers object; returns the new parser."""
+    parser = add_command(
+        subparsers,
         "check",
-        help="load one MoE layer of a checkpoint, run every dispatcher, compare with transformers",
-        description=CHECK_DESCRIPTION,
-        formatter_class=HelpFormatter,
+        "load one MoE layer of a checkpoint, run every dispatcher, compare with transformers",
+        CHECK_DESCRIPTION,
     )
     parser.add_argument(
         "--checkpoint",
@@ -377,9 +384,7 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
         help=f"one of {sorted(DISPATCHER_NAMES)}, or all (the expert-parallel ones; local on 1 rank)",
     )
     parser.add_argument("--tokens", type=int, default=32, help="random tokens per rank")
-    parser.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible"
-    )
+    add_device_arg(parser)
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -406,12 +411,12 @@ rank 0 prints."""
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``generate`` to an ``argparse`` subparsers object (``func=run_generate``)."""
-    parser = subparsers.add_parser(
+    """Add ``generate`` to an ``argparse`` subparsers object."""
+    parser = add_command(
+        subparsers,
         "generate",
-        help="generate with a Hugging Face MoE model whose MoE layers are expert parallel",
-        description=GENERATE_DESCRIPTION,
-        formatter_class=HelpFormatter,
+        "generate with a Hugging Face MoE model whose MoE layers are expert parallel",
+        GENERATE_DESCRIPTION,
     )
     parser.add_argument(
         "--checkpoint", required=True, metavar="DIR", help="model directory (config.json + safetensors)"
@@ -426,9 +431,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
     parser.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
-    parser.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if a GPU is visible"
-    )
+    add_device_arg(parser)
     parser.add_argument(
         "--dispatcher", default="alltoall", choices=sorted(DISPATCHER_NAMES), help="how tokens reach the experts"
     )
@@ -466,12 +469,12 @@ byte model adds, and the weights each GPU holds at a few EP sizes. Needs no GPU.
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``plan`` to an ``argparse`` subparsers object; returns the new parser (``func=run_plan``)."""
-    parser = subparsers.add_parser(
+    """Add ``plan`` to an ``argparse`` subparsers object; returns the new parser."""
+    parser = add_command(
+        subparsers,
         "plan",
-        help="communication budget: bytes, bandwidth and overlap feasibility (seed example by default)",
-        description=PLAN_DESCRIPTION,
-        formatter_class=HelpFormatter,
+        "communication budget: bytes, bandwidth and overlap feasibility (seed example by default)",
+        PLAN_DESCRIPTION,
     )
     add_plan_arguments(parser)
     return parser
