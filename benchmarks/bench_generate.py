@@ -44,12 +44,12 @@ from statistics import median
 
 import torch
 
+from moe_sbo.config import DECODE_LOOPS, MLA_STEPS
 from moe_sbo.hf.generate import generate, prefill_tokens
 from moe_sbo.hf.model import load_model
 from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import memory_read_us
-from moe_sbo.names import DECODE_LOOPS, MLA_STEPS
 from moe_sbo.overlap import OVERLAP_MODES
 from moe_sbo.planner.inputs import SEED_INPUTS
 from moe_sbo.planner.inputs import load_model as load_plan_model

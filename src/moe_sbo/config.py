@@ -1,9 +1,15 @@
-"""Model shapes: the MoE part of a DeepSeek-V2/V3-family (or Qwen3-MoE) layer, and presets.
+"""Model shapes: the MoE part of a DeepSeek-V2/V3-family (or Qwen3-MoE) layer, and presets; and the
+names the library's string options take (dispatchers, overlap modes, decode loops, MLA decode steps).
 
 The hard part is that the published models disagree on routing: softmax greedy (V2-Lite, Qwen3),
 softmax group-limited greedy with the group score = the group's best expert (V2), and sigmoid
 ``noaux_tc`` with a selection-only bias and group score = sum of the group's top-2 (V3, Kimi-K2).
 ``MoEConfig`` names each of these knobs once; ``routing.py`` interprets them.
+
+The names are plain tuples, importable without torch (as this whole module is): the command line
+offers them in its ``--help`` before torch, seconds to import, is loaded. The modules that implement
+them import their names from here; the dispatcher registry checks itself against
+``DISPATCHER_NAMES`` when it loads.
 
 Preset values are copied from each model's published ``config.json`` (Hugging Face Hub); the file
 names are given beside each preset. ``tests/test_config.py`` pins them.
@@ -14,6 +20,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Literal
+
+# The names the string options take (the module docstring says why they live here).
+DISPATCHER_NAMES: tuple[str, ...] = ("allgather", "alltoall", "local", "low_latency")
+FIXED_MODES: tuple[str, ...] = ("none", "dispatch", "combine", "combine_sm", "split")
+OVERLAP_MODES: tuple[str, ...] = (*FIXED_MODES, "auto")
+DECODE_LOOPS: tuple[str, ...] = ("transformers", "static", "cuda_graph")
+# The decode steps a loaded MLA model can take (``load_model(absorb_mla=...)``): ``hf/mla.py``'s, or
+# ``transformers``' own.
+MLA_STEPS: tuple[str, ...] = ("absorbed", "transformers")
 
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 ScoringFunc = Literal["softmax", "sigmoid"]

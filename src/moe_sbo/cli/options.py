@@ -24,23 +24,7 @@ from rich.table import Table
 from ..config import PRESETS, MoEConfig
 from ..launch.group import resolve_device
 from ..quant.fp8 import FP8_BLOCK, sizes_off_blocks
-
-# ---- help ----------------------------------------------------------------------------------------
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Descriptions kept as laid out; every option's default appended to its help, unless it has none
-    worth showing (None: the help says what happens; a flag) or the help already states it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        nothing = default is None or default is False or default == argparse.SUPPRESS  # not 0: 0 == False
-        if not action.option_strings or nothing or "default" in text:
-            return text
-        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})"  # help strings are %-formatted
-
+from .parsers import RANKS_HELP
 
 # ---- printing ------------------------------------------------------------------------------------
 
@@ -100,7 +84,6 @@ def print_notes(console: Console, *notes: str | None) -> None:
 
 # ---- logging -------------------------------------------------------------------------------------
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _handler: logging.Handler | None = None
 _level: int | None = None  # set by --log-level / -v; ranks are given it with each call (in_ranks)
 
@@ -166,12 +149,6 @@ def default_ep_size(device: str) -> int:
     return torch.cuda.device_count() if device == "cuda" else 2
 
 
-RANKS_HELP = (
-    "ranks to start (default: every GPU on CUDA, 2 on CPU); more ranks than GPUs share them round-robin "
-    "(a functional run: correctness, not wire speed)"
-)
-
-
 def resolve_ranks(ranks: int | None, device: str) -> int:
     """``--ranks`` checked (>= 1), or ``default_ep_size`` when not given. On CUDA more ranks than GPUs
     share them round-robin (``launch.group``)."""
@@ -182,21 +159,6 @@ def resolve_ranks(ranks: int | None, device: str) -> int:
             f"--ranks must be >= 1, got {ranks}; leave it out for the default (every GPU on CUDA, 2 on CPU)"
         )
     return ranks
-
-
-EXPERT_DTYPES = ("bf16", "fp8")  # --expert-dtype choices; bf16 is the layer's own dtype (expert_dtype=None)
-
-
-def add_expert_dtype_arg(p: argparse.ArgumentParser) -> None:
-    """``--expert-dtype``: the routed experts' weight format, as ``MoELayer(expert_dtype=...)`` takes it."""
-    p.add_argument(
-        "--expert-dtype",
-        default=None,
-        choices=EXPERT_DTYPES,
-        help="routed experts' weights: fp8 = float8 e4m3 with one scale per 128x128 block (DeepSeek-V3's "
-        "format; hidden and moe intermediate sizes must be multiples of 128); bf16 (the default) = in "
-        "--dtype, like every other weight",
-    )
 
 
 def resolve_expert_dtype(choice: str | None, cfg: MoEConfig) -> str | None:

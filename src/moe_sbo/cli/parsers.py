@@ -2,7 +2,7 @@
 
 The hard part is speed: ``moe-sbo --help``, ``--version`` and every usage error must answer at once,
 so nothing here imports torch (seconds to import) or a module that does; the names offered come from
-``moe_sbo.names``, and each subcommand's module (which needs torch) is imported only to run it.
+``moe_sbo.config``, and each subcommand's module (which needs torch) is imported only to run it.
 ``--help`` texts are the descriptions here (plain text), not the modules' docstrings.
 """
 
@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__, planner
-from ..config import PRESETS
-from ..names import DECODE_LOOPS, DISPATCHER_NAMES, MLA_STEPS, OVERLAP_MODES
+from ..config import DECODE_LOOPS, DISPATCHER_NAMES, MLA_STEPS, OVERLAP_MODES, PRESETS
 
 # ---- shared pieces -------------------------------------------------------------------------------
 

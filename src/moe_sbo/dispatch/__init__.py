@@ -1,6 +1,6 @@
 """Dispatchers, one per file, chosen by name: ``local``, ``allgather``, ``alltoall``, ``low_latency``."""
 
-from ..names import DISPATCHER_NAMES
+from ..config import DISPATCHER_NAMES
 from . import allgather, alltoall, local, low_latency  # noqa: F401  (registers each scheme)
 from .base import (
     DISPATCHERS,
@@ -18,9 +18,9 @@ from .base import (
 )
 from .low_latency import LowLatencyDispatcher, mask_padding_tokens
 
-# The command line lists the names before torch is imported (``moe_sbo.names``): the two must agree.
+# The command line lists the names before torch is imported (``moe_sbo.config``): the two must agree.
 assert sorted(DISPATCHERS) == sorted(DISPATCHER_NAMES), (
-    f"moe_sbo.names.DISPATCHER_NAMES {sorted(DISPATCHER_NAMES)} must list the registered {sorted(DISPATCHERS)}"
+    f"moe_sbo.config.DISPATCHER_NAMES {sorted(DISPATCHER_NAMES)} must list the registered {sorted(DISPATCHERS)}"
 )
 
 __all__ = [

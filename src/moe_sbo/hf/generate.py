@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..names import DECODE_LOOPS
+from ..config import DECODE_LOOPS
 from .model import ExpertParallelMoE, moe_blocks
 from .static_decode import IdleDecoder, StaticDecoder
 

@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..config import FIXED_MODES, OVERLAP_MODES
 from ..dispatch import EPGroup
 from ..experts.shared import SharedExperts
 from ..hooks import HookScope
-from ..names import FIXED_MODES, OVERLAP_MODES
 from ..streams import (
     SideStream,
     capture_graph,
