@@ -247,9 +247,10 @@ def test_auto_transport_needs_one_node_with_peer_access(monkeypatch):
     """``transport="auto"`` takes symmetric memory only when the EP group can be this node's GPUs,
     all reachable from each other (the answer is cached per process: cleared around each case)."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", raising=False)
     cases = [
         (4, None, True, True),
-        (8, None, True, False),  # more ranks than GPUs: another node
+        (8, None, True, False),  # more ranks than GPUs, symmetric memory not told that they share them
         (4, "2", True, False),  # torchrun says two ranks per node
         (4, None, False, False),
     ]  # no peer access (PCIe without P2P)

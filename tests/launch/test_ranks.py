@@ -390,7 +390,9 @@ def one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", raising=False)
+    # join_group sets this in the process: recorded first, so it is removed again after the test.
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "")
+    monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES")
 
 
 def test_ranks_sharing_a_gpu_join_a_gloo_group_with_symmetric_memory_allowed(fake_group, one_gpu, monkeypatch, caplog):
