@@ -11,23 +11,21 @@ plain-text descriptions (``parsers.py``), not these docstrings.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
 
 from .. import env
+from ..launch.signals import signals_deferred
 from .parsers import build_parser
 
 # The subcommands (and torch) are imported inside ``_run``, where a Ctrl-C is caught: at the prompt a
 # user may interrupt while torch is still importing, and must get one line, not a traceback (or an
-# abort from inside a native library: ``_signals_held``). The
+# abort from inside a native library: ``launch.signals``). The
 # parser imports neither: ``--help``, ``--version`` and usage errors answer without torch.
 
-INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 INTERRUPTED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
@@ -87,24 +85,9 @@ def _interrupted(command: str, signum: signal.Signals) -> int:
     return 128 + signum
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM for the block and raise the first that came once it ends: a signal that
-    lands while torch and Triton load their native libraries can abort the process (SIGABRT) instead
-    of unwinding, so the heavy imports finish first (seconds), then the interruption is answered."""
-    received: list[int] = []
-    handlers = {signum: signal.signal(signum, lambda s, f: received.append(s)) for signum in INTERRUPTS}
-    try:
-        yield
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-    if received:
-        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
-
-
 def _run(args: argparse.Namespace) -> int:
-    with _signals_held():
+    # Held while torch and Triton import: a signal inside their native libraries can abort the process.
+    with signals_deferred():
         from ..launch.failures import RankError
         from . import bench, check, demo, generate, plan
         from .options import configure_logging, log_level

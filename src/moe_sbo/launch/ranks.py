@@ -27,7 +27,6 @@ Environment variables are read in ``env.py``: ``MOE_SBO_TIMEOUT_S`` and torchrun
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -35,7 +34,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.queues import Queue
 from multiprocessing.reduction import ForkingPickler
@@ -47,8 +46,8 @@ import torch.distributed as dist
 from .. import env, profiling
 from .failures import RankError, RankFailure, error_message, exit_cause
 from .group import free_port, join_group, ranks_per_gpu, resolve_device
+from .signals import signals_deferred
 
-DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
 
 
@@ -173,24 +172,6 @@ def _start_forkserver(ctx: mp.context.ForkServerContext) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM held back while the body runs, then delivered to the handlers in place
-    before (so Ctrl-C still raises, only after every rank started has a pid the launcher can stop)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in DEFERRED_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if held:
-            signal.raise_signal(held[0])
-
-
 class LocalRanks:
     """``world_size`` local processes in one process group, running functions on request.
 
@@ -309,7 +290,7 @@ class LocalRanks:
             )
             for r in range(self.world_size)
         ]
-        with _signals_deferred():  # an interrupt here would leave a rank forked but unknown to us
+        with signals_deferred():  # an interrupt here would leave a rank forked but unknown to us
             for proc in self._procs:
                 proc.start()
         self._collect(0, "start-up")
