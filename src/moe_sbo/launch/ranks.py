@@ -1,4 +1,5 @@
-"""Ranks and devices: start N local ranks (gloo on CPU, NCCL on GPUs), or join a torchrun job.
+"""Ranks and devices: start N local ranks (gloo on CPU, NCCL on GPUs; more ranks than GPUs share them
+round-robin in a gloo group, ``group.py``), or join a torchrun job.
 
 The hard part is failure. A rank that raises leaves the others blocked in a collective until the
 collective timeout; a rank whose process dies leaves them blocked, or failing on a closed socket.
