@@ -1,6 +1,11 @@
-"""GPU fault matrix: one rank of a 2-GPU job is killed (SIGKILL) or stalled at a phase of an MoE forward,
+"""GPU fault matrix: one rank of a 2-rank job is killed (SIGKILL) or stalled at a phase of an MoE forward,
 for every EP dispatcher and every ``low_latency`` transport. Every other rank must report a named error
 within the wait bound and end by itself, and the GPUs must serve the next job.
+
+The two ranks get a GPU each where there are two, and share one otherwise (``launch.group``: a gloo
+group, so the ``nccl`` paths move their tensors through gloo; ``meta.wire`` is ``shared-gpu``). On a
+shared GPU the ranks run outside any CUDA MPS daemon unless ``--mps inherit``: under MPS a rank that dies
+or traps mid-kernel faults every client of the GPU until all of them exit.
 
 Each case is a job of its own: two processes that join as torchrun's would (``init_from_torchrun``, so
 the library's wait bound and NCCL settings apply, with ``MOE_SBO_TIMEOUT_S = --bound-s``), tiny preset,
@@ -30,7 +35,7 @@ One row per case (``detect_s``: its slowest survivor). Exit status 1 when a case
 every survivor named its error within bound + 5 s (the default 25 s bound: 30 s), ended by itself,
 nothing stale, no hang, GPUs reusable.
 
-Usage (repo root, 2 GPUs; ``benchmarks/run_gpu_faults.sh`` runs it):
+Usage (repo root, 1 or 2 GPUs; ``benchmarks/run_gpu_faults.sh`` runs it):
   python benchmarks/fault_gpu.py --out out/fault_h200x2.json [--bound-s 8] [--faults kill stall] \\
       [--cases 'low_latency/symm_mem/*' '*/pre_combine/kill']
 CPU (2 gloo ranks, the NCCL-transport paths, float32: checks the harness itself, not a GPU):
@@ -60,7 +65,7 @@ from pathlib import Path
 import torch
 
 from moe_sbo import env
-from moe_sbo.launch.group import free_port
+from moe_sbo.launch.group import free_port, group_backend
 from moe_sbo.measure.results import result_meta, write_results
 
 # (dispatcher, transport): every way a GPU user can move tokens between ranks.
@@ -248,7 +253,7 @@ class Job:
     threads: list[threading.Thread]
 
     @classmethod
-    def start(cls, case: Case, bound_s: float) -> Job:
+    def start(cls, case: Case, bound_s: float, mps: str = "off") -> Job:
         port = free_port()
         fd, name = tempfile.mkstemp(prefix="moe_sbo_phases_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         os.write(fd, bytes(2 * WORLD))
@@ -271,6 +276,8 @@ class Job:
                 MOE_SBO_TIMEOUT_S=repr(bound_s),
                 PYTHONUNBUFFERED="1",
             )
+            if mps == "off":
+                child_env.update(env.outside_mps())
             proc = subprocess.Popen(
                 command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
             )
@@ -333,9 +340,9 @@ def ready_check(job: Job, timeout_s: float) -> tuple[bool, dict]:
     return ready and all(e[0]["ok"] for e in events), detail
 
 
-def run_healthy(device: str, bound_s: float, timeout_s: float) -> tuple[bool, dict]:
+def run_healthy(device: str, bound_s: float, timeout_s: float, mps: str = "off") -> tuple[bool, dict]:
     """A job without a fault over every path: its warm-up right and both ranks done."""
-    job = Job.start(Case("all", device=device), bound_s)
+    job = Job.start(Case("all", device=device), bound_s, mps)
     try:
         ok, detail = ready_check(job, timeout_s)
         done = ok and job.wait_for("done", list(range(WORLD)), 60)
@@ -346,7 +353,9 @@ def run_healthy(device: str, bound_s: float, timeout_s: float) -> tuple[bool, di
         job.close()
 
 
-def run_case(case: Case, bound_s: float, hang_after_s: float, start_timeout_s: float) -> tuple[dict, bool]:
+def run_case(
+    case: Case, bound_s: float, hang_after_s: float, start_timeout_s: float, mps: str = "off"
+) -> tuple[dict, bool]:
     """One fault case -> (its row without ``gpu_reusable``, whether its job got ready: the GPUs it
     started on were usable)."""
     started = time.time()
@@ -361,7 +370,7 @@ def run_case(case: Case, bound_s: float, hang_after_s: float, start_timeout_s: f
         "victim": VICTIM,
         "bound_s": bound_s,
     }
-    job = Job.start(case, bound_s)
+    job = Job.start(case, bound_s, mps)
     try:
         ready, detail = ready_check(job, start_timeout_s)
         row["warmup_rel_err"] = max((e for d in detail["rel_err"] for e in d.values()), default=None)
@@ -469,9 +478,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--start-timeout-s", type=float, default=120.0, help="the most a job may take to get ready")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, to check the harness")
+    p.add_argument(
+        "--mps",
+        default="off",
+        choices=("off", "inherit"),
+        help="off: the ranks run outside any CUDA MPS daemon; inherit: as this environment has it",
+    )
     args = p.parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < WORLD:
-        print(f"needs {WORLD} GPUs, sees {torch.cuda.device_count()}", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no GPU", file=sys.stderr)
         return 2
     cases = select_cases(args.device, args.faults, args.cases)
     if not cases:
@@ -488,21 +503,23 @@ def main(argv: list[str] | None = None) -> int:
         target=f"every survivor names its error within bound_s + {TARGET_MARGIN_S:g} s, ends by itself, "
         "nothing stale, GPUs reusable",
         nccl_env={k: os.environ.get(k, v) for k, v in env.nccl_error_handling(args.bound_s).items()},
+        group_backend=group_backend(args.device, WORLD, torch.cuda.device_count()),
+        mps=args.mps == "inherit" and env.mps_running(),
     )
     started = time.time()
     print(f"{len(cases)} cases, bound {args.bound_s:g} s; first a job that compiles the kernels", flush=True)
-    before_ok, before = run_healthy(args.device, env.DEFAULT_TIMEOUT_S, args.start_timeout_s)
+    before_ok, before = run_healthy(args.device, env.DEFAULT_TIMEOUT_S, args.start_timeout_s, args.mps)
     meta["gpus_ok_before"] = before_ok
     meta["before"] = before
     print(f"[{time.time() - started:6.1f}s] GPUs {'work' if before_ok else 'FAIL'} before the faults", flush=True)
     rows: list[dict] = []
     try:
         for case in cases:
-            row, ready = run_case(case, args.bound_s, args.hang_after_s, args.start_timeout_s)
+            row, ready = run_case(case, args.bound_s, args.hang_after_s, args.start_timeout_s, args.mps)
             if rows:  # this job starting right is the previous case's "GPUs reusable"
                 checked_by = case.label
                 if not ready:  # tell a wedged GPU from this case's own trouble
-                    ready, _ = run_healthy(args.device, args.bound_s, args.start_timeout_s)
+                    ready, _ = run_healthy(args.device, args.bound_s, args.start_timeout_s, args.mps)
                     checked_by = "a healthy job after it"
                 rows[-1].update(gpu_reusable=ready, reuse_checked_by=checked_by)
                 rows[-1]["within_target"] = within_target(rows[-1])
@@ -515,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             write_results(args.out, meta, rows)
         if rows:
-            ready, _ = run_healthy(args.device, args.bound_s, args.start_timeout_s)
+            ready, _ = run_healthy(args.device, args.bound_s, args.start_timeout_s, args.mps)
             rows[-1].update(gpu_reusable=ready, reuse_checked_by="a healthy job after it")
             rows[-1]["within_target"] = within_target(rows[-1])
     finally:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The one command for the GPU machine (2 GPUs), from the repo root:  bash benchmarks/run_gpu_faults.sh
+# The one command for the GPU machine (2 GPUs, or 1 that both ranks share), from the repo root:
+#   bash benchmarks/run_gpu_faults.sh
 # Dead and stalled peers: one rank killed (SIGKILL) or stalled at dispatch launch, in flight or combine,
 # for every EP dispatcher and low_latency transport (benchmarks/fault_gpu.py); every survivor must name
 # its error within the wait bound, end by itself, and the GPUs must serve the next job. Writes JSON and
 # logs under "${OUT:-out}". PARTS picks sections (default: all):
 #   kill    the 15 SIGKILL cases     (~4.5 min)
 #   stall   the 15 stall cases       (~4.5 min)
-#   tests   the GPU-marked fault tests, tests/test_gpu_faults.py (~2.5 min)
+#   tests   the GPU-marked fault tests, tests/launch/test_gpu_faults.py (~2.5 min)
 # kill and stall together write fault_$TAG.json; one of them alone fault_${TAG}_<part>.json. CASES narrows
 # the matrix by glob patterns over dispatcher/transport/fault_at/fault, e.g.
 #   CASES="low_latency/symm_mem/* */pre_combine/*" PARTS=kill bash benchmarks/run_gpu_faults.sh
@@ -42,7 +43,7 @@ fi
 for part in $PARTS; do
   if [ "$part" = tests ]; then
     start=$SECONDS
-    "$PYTHON" -m pytest -q -m gpu tests/test_gpu_faults.py 2>&1 | tee "$OUT_DIR/tests_gpu_faults_$TAG.log" | tail -25 \
+    "$PYTHON" -m pytest -q -m gpu tests/launch/test_gpu_faults.py 2>&1 | tee "$OUT_DIR/tests_gpu_faults_$TAG.log" | tail -25 \
       || failed+=" tests"
     echo "== tests: $((SECONDS - start)) s"
   fi

@@ -4,6 +4,6 @@
 # writes "${OUT:-out}/foundation.json". Extra benchmark flags go in BENCH_ARGS (e.g. BENCH_ARGS="--ranks 4 1").
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-"$PYTHON" -m pytest -q -m gpu tests 2>&1 | tail -20 || true
+gpu_tests || true
 # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
 "$PYTHON" benchmarks/bench_foundation.py --out "$OUT_DIR" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench_foundation.log"

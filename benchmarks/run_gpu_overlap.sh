@@ -11,7 +11,7 @@ PARTS="${PARTS:-tests sbo tbo}"
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) "$PYTHON" -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 ;;
+    tests) gpu_tests ;;
     sbo)
       if [ "$GPUS" -ge 2 ]; then DISP="all"; EXPERTS="256 32"; TOKENS="128 512 2048 4096 8192";
       else DISP="local low_latency"; EXPERTS="256 32"; TOKENS="128 512 4096"; fi

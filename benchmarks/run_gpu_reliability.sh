@@ -23,7 +23,7 @@ failed=""
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    tests) "$PYTHON" -m pytest -q -m gpu tests 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -25 || failed+=" tests" ;;
+    tests) gpu_tests || failed+=" tests" ;;
     growth)
       mkdir -p "$OUT_DIR/growth"
       for ranks in 1 "$GPUS"; do

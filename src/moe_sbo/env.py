@@ -99,3 +99,11 @@ def mps_running() -> bool:
     (``CUDA_MPS_PIPE_DIRECTORY``, by default ``/tmp/nvidia-mps``) holds the daemon's ``control`` pipe.
     Ranks that share a GPU without it time-slice their contexts."""
     return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
+
+
+def outside_mps() -> dict[str, str]:
+    """Variables that keep a process started with them off any CUDA MPS daemon: a pipe directory that
+    holds no daemon's pipe (CUDA then makes an ordinary context, time-sliced beside the MPS server's).
+    For jobs that fault on purpose: under MPS, a client that dies or traps mid-kernel faults every
+    client of the GPU until all of them exit."""
+    return {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(os.sep, "nonexistent", "moe-sbo-outside-mps")}

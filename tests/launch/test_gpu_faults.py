@@ -1,13 +1,16 @@
-"""Dead and stalled peers on two GPUs: every wait on a peer is bounded, the survivors name their error
-within the bound, and the GPUs serve the next job. Skipped without 2 CUDA GPUs.
+"""Dead and stalled peers on GPUs: every wait on a peer is bounded, the survivors name their error
+within the bound, and the GPUs serve the next job. Two ranks, on GPUs of their own or sharing one (a
+gloo group, ``launch.group``); on a shared GPU the ranks run outside any CUDA MPS daemon
+(``env.outside_mps``): under MPS a rank that dies or traps mid-kernel faults every client of the GPU,
+this test process included, until all of them exit.
 
 A few representative cases; ``bash benchmarks/run_gpu_faults.sh`` runs the whole matrix (every EP
 dispatcher and ``low_latency`` transport x where the fault hits x kill or stall).
 
 - Through ``benchmarks/fault_gpu.py`` (jobs joined as torchrun's are, nothing stops a survivor but its
   own bound): a rank SIGKILLed before its combine while its peer waits in a symmetric-memory barrier;
-  a rank stalled before its dispatch while its peer waits in NCCL's count exchange; a rank stalled
-  with its dispatch in flight through the copy engines.
+  a rank stalled before its dispatch while its peer waits in the count exchange (NCCL, or gloo on a
+  shared GPU); a rank stalled with its dispatch in flight through the copy engines.
 - Through ``LocalRanks``: a stalled rank is named as the cause (not the survivors, whose waits ran
   out), with the phase each rank was in, and the next call on restarted ranks works.
 """
@@ -30,17 +33,9 @@ from moe_sbo import env
 from moe_sbo.config import get_preset
 from moe_sbo.layer import MoELayer
 
-# Two ranks: on GPUs of their own, or sharing one (a gloo group; launch.group) without CUDA MPS. Under
-# MPS a rank that dies or traps mid-kernel faults the MPS server for every client of the GPU (new
-# clients get error 807 until all of them exit), this test process included: run these with MPS=0.
 SHARED = shares_gpus(2)
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        SHARED and env.mps_running(),
-        reason="ranks sharing a GPU under CUDA MPS: one faulting rank faults every client of the GPU (MPS=0)",
-    ),
-]
+OUTSIDE_MPS = env.outside_mps() if SHARED else {}  # the fault jobs' ranks stay off an MPS daemon
+pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "fault_gpu.py"
 BOUND_S = 6.0  # the wait bound of these jobs (MOE_SBO_TIMEOUT_S): short, so a case costs seconds
@@ -49,7 +44,6 @@ BF16_REL_TOL = 2e-2
 TOKENS = 16
 
 
-@pytest.mark.skipif(SHARED, reason="benchmarks/fault_gpu.py starts one rank per GPU")
 def test_survivors_name_their_error_within_the_bound_and_the_gpus_serve_the_next_job(tmp_path):
     out = tmp_path / "fault.json"
     cases = [
@@ -57,12 +51,14 @@ def test_survivors_name_their_error_within_the_bound_and_the_gpus_serve_the_next
         "alltoall/nccl/pre_dispatch/stall",
         "low_latency/copy_engine/dispatch_in_flight/stall",
     ]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    environ = dict(
+        os.environ, **OUTSIDE_MPS, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out), "--bound-s", str(BOUND_S), "--cases", *cases],
         capture_output=True,
         text=True,
-        env=env,
+        env=environ,
         cwd=ROOT,
         timeout=600,
     )
@@ -111,7 +107,7 @@ def compiled_kernels():
     taken for a stall."""
     from moe_sbo.launch.ranks import LocalRanks
 
-    with LocalRanks(2, device="cuda") as ranks:
+    with LocalRanks(2, device="cuda", environ=OUTSIDE_MPS) as ranks:
         ranks.run(_warm)
 
 
@@ -132,7 +128,7 @@ def test_local_ranks_name_a_stalled_gpu_rank(compiled_kernels, dispatcher, trans
     from moe_sbo.launch.failures import RankError
     from moe_sbo.launch.ranks import LocalRanks
 
-    with LocalRanks(2, device="cuda", collective_timeout_s=BOUND_S, failure_grace_s=1.0) as ranks:
+    with LocalRanks(2, device="cuda", collective_timeout_s=BOUND_S, failure_grace_s=1.0, environ=OUTSIDE_MPS) as ranks:
         start = time.monotonic()
         with pytest.raises(RankError) as info:
             ranks.run(_stalled_forward, dispatcher, transport, fault_at)
