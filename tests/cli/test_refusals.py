@@ -183,3 +183,24 @@ def test_demo_layer_without_a_checkpoint_is_refused(capsys, no_ranks):
         "moe-sbo demo: error: --layer picks a layer of --checkpoint, got --layer 1 without one; "
         "add --checkpoint DIR or leave --layer out (--preset has one layer)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "gpus, ranks, asked, expected",
+    [
+        (1, 4, [0], (250, "free on the emptiest of the ranks' GPUs / 4 ranks sharing it")),
+        (2, 3, [0, 1], (400, "free on the emptiest of the ranks' GPUs / 2 ranks sharing it")),
+        (4, 2, [0, 1], (800, "free on the emptiest of the ranks' GPUs")),
+    ],
+)
+def test_gpu_memory_per_rank_counts_only_the_gpus_the_ranks_use_and_divides_a_shared_one(
+    monkeypatch, gpus, ranks, asked, expected
+):
+    """Ranks placed round-robin: only their GPUs are asked, and a GPU's free memory is split among
+    the ranks on it (4 ranks on one GPU: a quarter each)."""
+    free = {0: 1000, 1: 800, 2: 10, 3: 10}  # GPUs 2 and 3 are nearly full but hold no rank of 2
+    seen = []
+    monkeypatch.setattr(memory.torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(memory.torch.cuda, "mem_get_info", lambda gpu: (seen.append(gpu), (free[gpu], 2000))[1])
+    assert memory.available_bytes("cuda", ranks) == expected
+    assert seen == asked

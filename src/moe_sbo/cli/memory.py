@@ -18,6 +18,7 @@ import torch
 
 from ..config import MoEConfig
 from ..decoder.attention import AttentionConfig
+from ..launch.group import ranks_per_gpu
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -92,9 +93,14 @@ def estimate_rank_bytes(
 def available_bytes(device: str, ranks: int) -> tuple[int, str] | None:
     """Bytes one rank may use and where the number comes from, or None when it cannot be known."""
     if device == "cuda":
+        # Ranks go round-robin over the GPUs (launch.group), so the fullest GPU holds `sharing` of them.
+        gpus = torch.cuda.device_count()
+        sharing = ranks_per_gpu(ranks, gpus)
         # mem_get_info makes a CUDA context in this (launching) process: a few hundred MB per GPU.
-        free = min(torch.cuda.mem_get_info(gpu)[0] for gpu in range(ranks))
-        return free, "free on the emptiest of the ranks' GPUs"
+        free = min(torch.cuda.mem_get_info(gpu)[0] for gpu in range(min(ranks, gpus)))
+        if sharing == 1:
+            return free, "free on the emptiest of the ranks' GPUs"
+        return free // sharing, f"free on the emptiest of the ranks' GPUs / {sharing} ranks sharing it"
     try:
         for line in MEMINFO.read_text().splitlines():
             if line.startswith("MemAvailable:"):
