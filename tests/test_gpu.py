@@ -30,17 +30,25 @@ def _dispatchers_rank(device, preset, tokens):
     return errors
 
 
+@pytest.fixture(scope="module")
+def pools():
+    """Ranks of each EP size, started once for this module (a start costs seconds: CUDA, the group)."""
+    from moe_sbo.launch.ranks import RankPool
+
+    started: dict[int, RankPool] = {}
+    yield lambda world: started.setdefault(world, RankPool(world, "cuda"))
+    for pool in started.values():
+        pool.close()
+
+
 @pytest.mark.parametrize("world", sorted({gpu_world(), 4, 8}))
 @pytest.mark.parametrize("preset, tokens", [("tiny", 37), ("deepseek-v2-lite", 64)])
-def test_dispatchers_match_local_on_gpus(preset, tokens, world):
+def test_dispatchers_match_local_on_gpus(pools, preset, tokens, world):
     """EP2, EP4 and EP8 on whatever GPUs there are (ranks share them where there are fewer)."""
-    from moe_sbo.launch.ranks import LocalRanks
-
     if get_preset(preset).num_experts % world:
         pytest.skip(f"{world} ranks do not divide {preset}'s experts")
-    with LocalRanks(world, device="cuda") as ranks:
-        for errors in ranks.run(_dispatchers_rank, preset, tokens):
-            assert all(err <= BF16_REL_TOL for err in errors.values()), errors
+    for errors in pools(world).run(_dispatchers_rank, preset, tokens):
+        assert all(err <= BF16_REL_TOL for err in errors.values()), errors
 
 
 def test_bf16_layer_on_gpu_matches_float32_on_cpu():
@@ -92,12 +100,9 @@ def _repeat_rank(device, dispatcher, overlap, forwards):
 
 
 @pytest.mark.parametrize("overlap", ["none", "combine", "split"])
-def test_every_dispatcher_is_bitwise_deterministic_on_gpu(overlap):
+def test_every_dispatcher_is_bitwise_deterministic_on_gpu(pools, overlap):
     """No float atomics in any combine: the same input gives the same bits, even with the shared
     experts running beside the reduction (which reordered index_add_'s atomics before)."""
-    from moe_sbo.launch.ranks import LocalRanks
-
-    with LocalRanks(gpu_world(), device="cuda") as ranks:
-        for dispatcher in ("local", "allgather", "alltoall", "low_latency"):
-            differing = ranks.run(_repeat_rank, dispatcher, overlap, 50)
-            assert differing == [0] * len(differing), (dispatcher, differing)
+    for dispatcher in ("local", "allgather", "alltoall", "low_latency"):
+        differing = pools(gpu_world()).run(_repeat_rank, dispatcher, overlap, 50)
+        assert differing == [0] * len(differing), (dispatcher, differing)
