@@ -13,6 +13,10 @@ One forward::
 (With ``low_latency``'s ``index_rows`` the dispatched rows stay where the transfer put them and the
 routed experts read them through the layout's index: ``RoutedExperts.forward_dispatched``.)
 
+With expert load balancing (``eplb=``) the router's logical ids are counted into a device-side load
+window and become physical slot ids (a replica of the expert) before dispatch; the dispatchers see
+only physical slots, ``slots_per_rank`` per rank (``moe_sbo.eplb``).
+
 The layer never touches ranks or streams: the dispatcher owns communication, and the overlap
 strategy (``overlap=``) decides where the shared experts run by attaching hooks to the dispatcher
 for the length of one forward (``moe_sbo.overlap.sbo``); the layer only reads their output at the end.
@@ -24,7 +28,7 @@ loaded, are ``weights.py``'s.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +36,9 @@ from torch import nn
 
 from .config import MoEConfig
 from .dispatch import Dispatcher, EPGroup, Traffic, make_dispatcher
+from .eplb.placement import Placement, global_placement, placement_for, trivial_placement
+from .eplb.runtime import EPLBOptions, LoadWindow, ReplicaTable
+from .eplb.transfer import MoveReport, check_same_placement, move_expert_slots
 from .experts import RoutedExperts, SharedExperts
 from .overlap import Overlap, make_overlap
 from .overlap.stages import run_to_end
@@ -57,7 +64,9 @@ class MoELayer(nn.Module):
     ``expert_dtype``: ``None`` (the routed experts' weights in ``dtype``) or ``"fp8"``: e4m3 weights
     with one scale per 128x128 block, as DeepSeek-V3 ships them, in block-scaled FP8 GEMMs (half the
     weight bytes; ``experts.py``). With ``low_latency``'s fp8 dispatch the rows then reach the experts
-    as they came off the wire, never dequantised.
+    as they came off the wire, never dequantised. ``eplb``: expert load balancing (``EPLBOptions``):
+    each rank holds ``slots_per_rank`` physical expert slots, redundant replicas included, counts the
+    load, and ``rebalance`` moves experts between ranks.
     """
 
     def __init__(
@@ -73,6 +82,7 @@ class MoELayer(nn.Module):
         sm_budget: int | None = None,
         dispatcher_options: dict | None = None,
         expert_dtype: str | None = None,
+        eplb: EPLBOptions | None = None,
     ):
         super().__init__()
         if expert_dtype not in EXPERT_DTYPES:
@@ -83,9 +93,12 @@ class MoELayer(nn.Module):
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.dtype = dtype
         self.overlap = make_overlap(overlap, device, sm_budget=sm_budget) if isinstance(overlap, str) else overlap
-        self.dispatcher = make_dispatcher(
-            dispatcher, cfg.num_experts, EPGroup.from_torch(group), **(dispatcher_options or {})
-        )
+        ep = EPGroup.from_torch(group)
+        self.eplb = eplb
+        # Physical expert slots: the logical experts, plus the redundant replicas under eplb.
+        self.placement: Placement | None = None if eplb is None else initial_placement(cfg.num_experts, ep.size, eplb)
+        num_slots = cfg.num_experts if self.placement is None else self.placement.num_physical
+        self.dispatcher = make_dispatcher(dispatcher, num_slots, ep, **(dispatcher_options or {}))
         self.router = Router(cfg, device=device)
         self.experts = RoutedExperts(
             self.dispatcher.num_local_experts,
@@ -102,12 +115,21 @@ class MoELayer(nn.Module):
             else None
         )
         self.last_traffic = Traffic()  # of the last forward (of both micro-batches after a TBO forward)
+        if self.placement is not None and eplb is not None:
+            self.load_window = LoadWindow(cfg.num_experts, eplb.window, device)
+            self.replicas = ReplicaTable(self.placement, ep.rank, device)
+            self.forwards_since_rebalance = 0
         if seed is not None:  # None: left uninitialised for load_weights (no time spent on random weights)
             self.reset_parameters(seed)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         """``x_TH`` [T, H] in the layer's dtype and device -> ``[T, H]``. T may differ per rank, or be 0."""
-        return run_to_end(self.stages(x_TH))
+        y_TH = run_to_end(self.stages(x_TH))
+        if self.eplb is not None and self.eplb.rebalance_every is not None:
+            self.forwards_since_rebalance += 1
+            if self.forwards_since_rebalance >= self.eplb.rebalance_every:
+                self.rebalance()  # between forwards: every rank counts the same forwards
+        return y_TH
 
     def stages(self, x_TH: torch.Tensor, dispatcher: Dispatcher | None = None) -> Generator[None, None, torch.Tensor]:
         """The forward, pausing (``yield``) while each transfer is in flight; returns ``[T, H]``.
@@ -122,7 +144,8 @@ class MoELayer(nn.Module):
         with dispatcher.hooks.scope() as forward_hooks:  # the strategy's hooks end with this forward
             shared = self.overlap.attach(forward_hooks, self.shared_experts, x_TH)
             topk = self.router(x_TH)
-            pending = dispatcher.dispatch_launch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
+            ids_TK = self._slot_ids(topk.topk_ids_TK)
+            pending = dispatcher.dispatch_launch(x_TH, ids_TK, topk.topk_weights_TK)
             yield  # dispatch in flight
             recv = dispatcher.dispatch_wait(pending)
             expert_y_RH = self.experts.forward_dispatched(recv)  # [R, H], grouped by local expert
@@ -141,23 +164,27 @@ class MoELayer(nn.Module):
         layer's weights and its fp8 dispatch, transport and kernels. Rows reach the experts as the
         layer's own dispatcher delivers them (fp8 kept for FP8 experts)."""
         own = self.dispatcher
-        sibling = make_dispatcher(own.name, self.cfg.num_experts, own.ep, **{**own.options, **options})
+        sibling = make_dispatcher(own.name, own.num_experts, own.ep, **{**own.options, **options})
         sibling.deliver_fp8 = self.experts.fp8 and sibling.sends_fp8
         return sibling
 
     # ---- weights ---------------------------------------------------------------------------------
 
     @property
-    def local_expert_ids(self) -> range:
+    def local_expert_ids(self) -> Sequence[int]:
+        """The logical experts of this rank's slots, in slot order (a range when contiguous)."""
         first = self.dispatcher.first_local_expert
-        return range(first, first + self.dispatcher.num_local_experts)
+        if self.placement is None:
+            return range(first, first + self.dispatcher.num_local_experts)
+        ids = self.placement.rank_logical_ids(self.dispatcher.ep.rank)
+        return range(ids[0], ids[-1] + 1) if list(ids) == list(range(ids[0], ids[-1] + 1)) else ids
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """Seeded random weights; expert e gets the same values on whichever rank owns it (``weights.py``)."""
         seed_weights(self, seed)
 
-    def load_weights(self, weights: MoEWeights, *, expert_ids: range | None = None) -> None:
+    def load_weights(self, weights: MoEWeights, *, expert_ids: Sequence[int] | None = None) -> None:
         """Set every weight from ``weights``.
 
         Routed experts: either all E (``gate_up_proj_E2IH`` [E, 2I, H]; this rank keeps its own
@@ -166,6 +193,69 @@ class MoELayer(nn.Module):
         ``local_expert_ids``, so one rank's read cannot be loaded into another rank's layer.
         """
         load_weights(self, weights, expert_ids)
+
+    # ---- expert load balancing -------------------------------------------------------------------
+
+    def _slot_ids(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """The router's logical ids -> the physical slots to send to (unchanged without eplb); with
+        eplb the routing is first counted into the load window. Device-side only: graph-capturable."""
+        if self.eplb is None:
+            return ids_TK
+        self.load_window.record(ids_TK)
+        return self.replicas.to_physical(ids_TK)
+
+    def expert_load(self, all_ranks: bool = False) -> torch.Tensor:
+        """``[E]`` int64 tokens per logical expert over the load window: this rank's tokens, or with
+        ``all_ranks`` the EP group's (an all-reduce: every rank must call it)."""
+        if self.eplb is None:
+            raise ValueError("expert_load needs expert load balancing; build the layer with eplb=EPLBOptions()")
+        load_E = self.load_window.total()
+        ep = self.dispatcher.ep
+        if all_ranks and ep.size > 1:
+            import torch.distributed as dist
+
+            on_gpu = dist.get_backend(ep.group) == "nccl"
+            total = load_E if on_gpu else load_E.cpu()
+            dist.all_reduce(total, group=ep.group)
+            load_E = total.to(load_E.device)
+        return load_E
+
+    def rebalance(self, placement: Placement | None = None) -> MoveReport:
+        """Move to ``placement`` (default: the one ``eplb.policy`` computes from the EP group's load
+        window), between forwards, on every rank of the EP group: only experts that change rank travel,
+        rank to rank; the weights and replica tables are rewritten in place, so CUDA graphs captured
+        before keep working. All or nothing: on a failure the old placement keeps serving."""
+        if self.eplb is None or self.placement is None:
+            raise ValueError("rebalance needs expert load balancing; build the layer with eplb=EPLBOptions()")
+        ep, old = self.dispatcher.ep, self.placement
+        if placement is None:
+            load_E = self.expert_load(all_ranks=True).double().cpu()
+            placement = placement_for(
+                self.eplb.policy,
+                load_E,
+                ep.size,
+                self.eplb.redundant_per_rank,
+                num_nodes=self.eplb.num_nodes,
+                num_groups=self.cfg.n_group,
+            )
+        sizes = (placement.num_logical, placement.num_ranks, placement.slots_per_rank)
+        if sizes != (old.num_logical, old.num_ranks, old.slots_per_rank):
+            raise ValueError(
+                f"the placement must keep this layer's {old.num_logical} experts on {old.num_ranks} ranks in "
+                f"{old.slots_per_rank} slots each, got {sizes[0]} experts, {sizes[1]} ranks, {sizes[2]} slots; "
+                f"use redundant_per_rank={self.eplb.redundant_per_rank}"
+            )
+        device = self.router.weight.device
+        check_same_placement(placement, ep.group, device)
+        experts = self.experts
+        tensors = [experts.gate_up_proj.data, experts.down_proj.data]
+        if experts.fp8:
+            tensors += [experts.gate_up_proj_scale_inv.data, experts.down_proj_scale_inv.data]
+        report = move_expert_slots(tensors, old, placement, ep.rank, ep.group)
+        self.replicas.update(placement)
+        self.placement = placement
+        self.forwards_since_rebalance = 0
+        return report
 
     def _check_input(self, x_TH: torch.Tensor) -> None:
         if not isinstance(x_TH, torch.Tensor):
@@ -180,3 +270,11 @@ class MoELayer(nn.Module):
         device = self.router.weight.device
         if x_TH.device != device:
             raise ValueError(f"x must be on the layer's device {device}, got {x_TH.device}; use x.to('{device}')")
+
+
+def initial_placement(num_experts: int, num_ranks: int, eplb: EPLBOptions) -> Placement:
+    """Before any load is known: contiguous experts, and the redundant slots (if any) replicating
+    experts as for an even load."""
+    if eplb.redundant_per_rank == 0:
+        return trivial_placement(num_experts, num_ranks)
+    return global_placement(torch.ones(num_experts, dtype=torch.float64), num_ranks, eplb.redundant_per_rank)

@@ -7,6 +7,7 @@ checkpoint read is checked against the experts the rank owns before anything is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,7 +53,7 @@ class LayerParts(Protocol):
     shared_experts: SharedExperts | None
 
     @property
-    def local_expert_ids(self) -> range: ...
+    def local_expert_ids(self) -> Sequence[int]: ...
 
 
 def seeded_normal(
@@ -88,7 +89,7 @@ def seed_weights(layer: LayerParts, seed: int) -> None:
 
 
 @torch.no_grad()
-def load_weights(layer: LayerParts, weights: MoEWeights, expert_ids: range | None = None) -> None:
+def load_weights(layer: LayerParts, weights: MoEWeights, expert_ids: Sequence[int] | None = None) -> None:
     """Copy ``weights`` into ``layer`` (see ``MoELayer.load_weights``); shapes checked before any copy."""
     cfg = layer.cfg
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -109,8 +110,8 @@ def load_weights(layer: LayerParts, weights: MoEWeights, expert_ids: range | Non
         check_shape("gate_up_proj_scale_inv", scales[0], (held, blocks[0], blocks[1]))
         check_shape("down_proj_scale_inv", scales[1], (held, blocks[1], blocks[2]))
     if weights.gate_up_proj_E2IH is layer.experts.gate_up_proj and weights.down_proj_EHI is layer.experts.down_proj:
-        mine = slice(0, 0)  # read straight into this layer (LayerLoader): nothing to copy
-    for local, row in enumerate(range(held)[mine]):  # one expert at a time: a format change copies one matrix
+        mine = []  # read straight into this layer (LayerLoader): nothing to copy
+    for local, row in enumerate(mine):  # one expert at a time: a format change copies one matrix
         layer.experts.set_expert(
             local,
             weights.gate_up_proj_E2IH[row],
@@ -147,21 +148,31 @@ def layer_weights(layer: LayerParts) -> MoEWeights:
     )
 
 
-def expert_rows(held: int, num_experts: int, local: range, expert_ids: range | None) -> slice:
-    """Rows of routed-expert tensors holding ``held`` experts that belong to this rank's ``local`` ones."""
+def expert_rows(
+    held: int, num_experts: int, local: Sequence[int], expert_ids: Sequence[int] | None
+) -> list[int]:
+    """Rows of routed-expert tensors holding ``held`` experts that this rank's slots take, in slot
+    order: ``local`` (this rank's experts, one per slot) from all E rows, or every row when the tensors
+    hold exactly this rank's experts."""
     if expert_ids is None:
         expert_ids = range(num_experts) if held == num_experts else local if held == len(local) else None
     elif len(expert_ids) != held:
         raise ValueError(f"expert_ids must name one expert per row, got {len(expert_ids)} ids for {held} rows")
-    if expert_ids == range(num_experts):
-        return slice(local.start, local.stop)
-    if expert_ids != local:
-        got = f"experts {expert_ids.start}..{expert_ids.stop - 1}" if expert_ids else f"{held} experts"
+    if expert_ids is not None and list(expert_ids) == list(range(num_experts)):
+        return list(local)
+    if expert_ids is None or list(expert_ids) != list(local):
+        got = f"experts {_describe(expert_ids)}" if expert_ids else f"{held} experts"
         raise ValueError(
             f"routed-expert weights must hold all {num_experts} experts or this rank's experts "
-            f"{local.start}..{local.stop - 1}, got {got}; read the experts of layer.local_expert_ids"
+            f"{_describe(local)}, got {got}; read the experts of layer.local_expert_ids"
         )
-    return slice(None)
+    return list(range(held))
+
+
+def _describe(ids: Sequence[int]) -> str:
+    """``3..7`` for a contiguous run, else the ids."""
+    ids = list(ids)
+    return f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
 
 
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:

@@ -33,6 +33,7 @@ import contextlib
 import importlib.util
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -487,10 +488,16 @@ class LayerLoader:
 
     def __init__(self, checkpoint: Checkpoint, layer_index: int):
         self.checkpoint, self.layer_index = checkpoint, layer_index
-        self._reads: dict[tuple[range, torch.dtype, bool], tuple[MoEWeights, ReadReport]] = {}
+        self._reads: dict[tuple[Sequence[int], torch.dtype, bool], tuple[MoEWeights, ReadReport]] = {}
 
     def __call__(self, layer: MoELayer) -> MoELayer:
         experts, key = layer.local_expert_ids, self._key(layer)
+        if not isinstance(experts, range):
+            raise ValueError(
+                f"a checkpoint is read per rank in contiguous experts, but this layer's slots hold experts "
+                f"{list(experts)} (expert load balancing with replicas or a moved placement); load it without "
+                "replicas (eplb redundant_per_rank=0), then rebalance, or load_weights from all experts"
+            )
         if key not in self._reads:  # the first such layer is read into directly: one copy of its experts
             self._reads[key] = self.checkpoint.read_moe_weights(
                 self.layer_index,
@@ -507,7 +514,7 @@ class LayerLoader:
         return self._reads[self._key(layer)][1]
 
     @staticmethod
-    def _key(layer: MoELayer) -> tuple[range, torch.dtype, bool]:
+    def _key(layer: MoELayer) -> tuple[Sequence[int], torch.dtype, bool]:
         return layer.local_expert_ids, layer.dtype, layer.experts.fp8
 
     @property

@@ -1,0 +1,133 @@
+"""What a layer with expert load balancing holds on its device: the load window every forward adds
+its tokens-per-expert counts to, and the replica table that turns the router's logical expert ids
+into physical slot ids before dispatch.
+
+The hard part is CUDA graphs: a captured forward must keep working, with no host sync, after a
+rebalance. So both hold fixed-shape device tensors that are only ever written in place (a new
+placement is copied into the same tables), the window's write position is a device tensor, and the
+table's width is the most replicas any placement of these sizes can give an expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .placement import PLACEMENT_POLICIES, Placement
+
+
+@dataclass(frozen=True)
+class EPLBOptions:
+    """Expert load balancing for one ``MoELayer``.
+
+    ``redundant_per_rank``: extra physical expert slots per rank, for replicas of hot experts (0: the
+    placement may still move experts between ranks). ``policy``: how placements are computed from the
+    load (``placement.PLACEMENT_POLICIES``); ``num_nodes`` for ``hierarchical`` (the expert groups are
+    the model's ``n_group``). ``window``: forwards the load statistics cover. ``rebalance_every``:
+    rebalance automatically after this many forwards, from the window (None: only when asked,
+    ``MoELayer.rebalance``); counted by eager forwards, so a caller that replays CUDA graphs
+    rebalances by hand.
+    """
+
+    redundant_per_rank: int = 0
+    policy: str = "global"
+    window: int = 128
+    rebalance_every: int | None = None
+    num_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.redundant_per_rank < 0:
+            raise ValueError(f"redundant_per_rank must be >= 0, got {self.redundant_per_rank}")
+        if self.policy not in PLACEMENT_POLICIES:
+            raise ValueError(f"policy must be one of {PLACEMENT_POLICIES}, got {self.policy!r}")
+        if self.policy == "trivial" and self.redundant_per_rank:
+            raise ValueError("policy 'trivial' has no replicas; use policy 'global' with redundant_per_rank > 0")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 forward, got {self.window}")
+        if self.rebalance_every is not None and self.rebalance_every < 1:
+            raise ValueError(f"rebalance_every must be >= 1 forward or None, got {self.rebalance_every}")
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
+
+
+class LoadWindow:
+    """Tokens per logical expert over the last ``window`` forwards, on the device.
+
+    ``counts_WE`` [window, E] int64: one row per forward, written round-robin at ``position`` (a
+    device scalar), so recording needs no host read and a CUDA graph can capture it.
+    """
+
+    def __init__(self, num_experts: int, window: int, device: torch.device):
+        self.counts_WE = torch.zeros(window, num_experts, dtype=torch.int64, device=device)
+        self.position = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def record(self, ids_TK: torch.Tensor) -> None:
+        """Add one forward's routing: ``ids_TK`` [T, K] logical ids (< 0: no expert, not counted)."""
+        ids = ids_TK.reshape(-1)
+        valid = (ids >= 0).to(torch.int64)
+        counts_E = torch.zeros_like(self.counts_WE[0]).index_add_(0, ids.clamp(min=0).long(), valid)
+        self.counts_WE.index_copy_(0, self.position, counts_E.unsqueeze(0))
+        self.position.add_(1).remainder_(self.counts_WE.shape[0])
+
+    def total(self) -> torch.Tensor:
+        """``[E]`` int64: tokens per expert over the window (this rank's tokens)."""
+        return self.counts_WE.sum(0)
+
+    def clear(self) -> None:
+        self.counts_WE.zero_()
+        self.position.zero_()
+
+
+class ReplicaTable:
+    """Logical -> physical expert ids for one rank's tokens, under a ``Placement``.
+
+    Each (token t, slot k) of logical expert e goes to e's replica on this rank when there is one (no
+    transfer), else to replica ``(t + k + rank) % replicas(e)``: deterministic, and spread evenly
+    over the replicas (consecutive tokens take the next replica). ``replicas_EW`` [E, W] holds e's physical ids (padded by repeating the first),
+    ``count_E`` [E] how many, ``own_E`` [E] the one on this rank or -1; W is the most replicas any
+    placement of these sizes may give one expert, so a new placement fits the same tensors.
+    """
+
+    def __init__(self, placement: Placement, rank: int, device: torch.device):
+        self.rank, self.num_ranks = rank, placement.num_ranks
+        width = min(placement.num_ranks, 1 + placement.num_redundant)
+        self.replicas_EW = torch.zeros(placement.num_logical, width, dtype=torch.int64, device=device)
+        self.count_E = torch.ones(placement.num_logical, dtype=torch.int64, device=device)
+        self.own_E = torch.full((placement.num_logical,), -1, dtype=torch.int64, device=device)
+        self.update(placement)
+
+    @torch.no_grad()
+    def update(self, placement: Placement) -> None:
+        """Take ``placement`` (same sizes), written into the same tensors."""
+        table = placement.logical_to_physical()  # [E, most replicas], -1 padded
+        count = placement.replica_counts()
+        if table.shape[1] > self.replicas_EW.shape[1] or placement.num_ranks != self.num_ranks:
+            raise ValueError(
+                f"the placement must have the sizes this layer was built for ({self.num_ranks} ranks, at most "
+                f"{self.replicas_EW.shape[1]} replicas per expert), got {placement.num_ranks} ranks and "
+                f"{table.shape[1]} replicas"
+            )
+        padded = torch.where(table >= 0, table, table[:, :1])
+        replicas = padded[:, :1].repeat(1, self.replicas_EW.shape[1])
+        replicas[:, : padded.shape[1]] = padded
+        own = torch.full_like(count, -1)
+        slots = placement.slots_per_rank
+        here = (table >= self.rank * slots) & (table < (self.rank + 1) * slots)
+        has = here.any(1)
+        own[has] = table[has].masked_fill(~here[has], -1).max(1).values
+        self.replicas_EW.copy_(replicas)
+        self.count_E.copy_(count)
+        self.own_E.copy_(own)
+
+    def to_physical(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """``ids_TK`` [T, K] logical ids -> [T, K] physical slot ids, same dtype (< 0 kept)."""
+        t, k = ids_TK.shape
+        logical = ids_TK.clamp(min=0).long()
+        arange = torch.arange(max(t, k), device=ids_TK.device)
+        spread_TK = arange[:t, None] + arange[None, :k] + self.rank
+        pick_TK = spread_TK % self.count_E[logical]
+        physical = self.replicas_EW[logical, pick_TK]
+        own = self.own_E[logical]
+        physical = torch.where(own >= 0, own, physical)
+        return torch.where(ids_TK >= 0, physical, ids_TK.long()).to(ids_TK.dtype)

@@ -1,0 +1,111 @@
+"""Moving expert weights between ranks for a new placement: only the slots whose expert changes rank
+travel, rank to rank in one all-to-all; slots whose expert the rank already holds are copied locally.
+
+The hard part is all-or-nothing: a failure anywhere must leave every rank serving the old placement.
+So every check runs before any transfer (the placement's sizes here, and that every rank was given the
+same placement: one small all-gather), the weights a rank will receive and the local rows it will
+reuse are staged first, the ranks agree that every exchange finished (an all-reduce) and only then
+does each write its slots, in place, so that CUDA graphs captured over the old weights read the new.
+Rows travel as bytes, so FP8 weights and their float32 block scales go in the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .placement import Placement, local_copies, moved_experts
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """What a rebalance moved: slots that changed rank (all ranks), bytes between ranks (all ranks and
+    this rank's sends), slots copied inside a rank."""
+
+    moved_slots: int
+    moved_bytes: int
+    sent_bytes: int
+    local_copies: int
+
+
+def slot_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes one physical slot holds across ``tensors`` (each [S, ...])."""
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+def _rows_as_bytes(tensors: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+    """``[len(slots), slot_bytes]`` uint8: the rows ``slots`` of every tensor, side by side (a copy)."""
+    if not slots:
+        return torch.empty(0, slot_bytes(tensors), dtype=torch.uint8, device=tensors[0].device)
+    index = torch.tensor(slots, device=tensors[0].device)
+    return torch.cat([t.index_select(0, index).reshape(len(slots), -1).view(torch.uint8) for t in tensors], dim=1)
+
+
+def _write_rows(tensors: list[torch.Tensor], slots: list[int], rows_XB: torch.Tensor) -> None:
+    """Write ``rows_XB`` (``_rows_as_bytes`` layout) into rows ``slots`` of ``tensors``, in place."""
+    offset = 0
+    for t in tensors:
+        width = t[0].numel() * t.element_size()
+        for row, slot in enumerate(slots):
+            t[slot].view(-1).view(torch.uint8).copy_(rows_XB[row, offset : offset + width])
+        offset += width
+
+
+def _collective_device(group, device: torch.device) -> torch.device:
+    """Where a small tensor for a collective of ``group`` must live: NCCL takes only GPU tensors."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def check_same_placement(placement: Placement, group, device: torch.device) -> None:
+    """``ValueError`` on every rank unless every rank of ``group`` was given the same placement (one
+    all-gather of a digest; every rank sees the same answer, so none goes on to the transfer alone)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    p2l = placement.physical_to_logical
+    weights = torch.arange(1, p2l.numel() + 1, dtype=torch.float64)
+    digest = torch.tensor([float(p2l.numel()), float((p2l.double() * weights).sum()), float(placement.num_logical)])
+    digest = digest.to(_collective_device(group, device))
+    gathered = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, digest, group=group)
+    differing = [r for r, d in enumerate(gathered) if not torch.equal(d, gathered[0])]
+    if differing:
+        raise ValueError(
+            f"every rank must rebalance to the same placement, but ranks {differing} were given another than "
+            "rank 0; compute it from the all-reduced load (MoELayer.expert_load(all_ranks=True)) or broadcast it"
+        )
+
+
+@torch.no_grad()
+def move_expert_slots(
+    tensors: list[torch.Tensor], old: Placement, new: Placement, rank: int, group=None
+) -> MoveReport:
+    """Rewrite this rank's slots of ``tensors`` (each ``[S, ...]``: the routed experts' weights and
+    scales) from ``old``'s layout to ``new``'s, receiving the experts this rank did not hold.
+
+    Every rank of ``group`` calls it with the same placements. On any failure nothing was written."""
+    moves = moved_experts(old, new)
+    copies = [(dst, src) for r, dst, src in local_copies(old, new) if r == rank and dst != src]
+    world = new.num_ranks
+    mine = old.rank_logical_ids(rank)
+    sends = [(dst_rank, dst_slot) for dst_rank, dst_slot, src in moves if src == rank]
+    send_slots = [mine.index(new.rank_logical_ids(dst_rank)[dst_slot]) for dst_rank, dst_slot in sends]
+    in_splits = [sum(1 for d, _ in sends if d == r) for r in range(world)]
+    # Rows arrive grouped by sender (rank order), each sender's in its send order (by slot here).
+    arriving = sorted((src, dst_slot) for dst_rank, dst_slot, src in moves if dst_rank == rank)
+    out_splits = [sum(1 for s, _ in arriving if s == r) for r in range(world)]
+
+    send_XB = _rows_as_bytes(tensors, send_slots)
+    kept_XB = _rows_as_bytes(tensors, [src for _, src in copies])  # staged: a copy may overwrite its source
+    recv_XB = torch.empty(len(arriving), slot_bytes(tensors), dtype=torch.uint8, device=send_XB.device)
+    if world > 1:
+        dist.all_to_all_single(recv_XB, send_XB, out_splits, in_splits, group=group)
+        done = torch.ones(1, device=_collective_device(group, send_XB.device))
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=group)  # every rank got its rows, or none writes
+        if done.item() != 1:
+            raise RuntimeError("a rank failed to receive its experts; the old placement stays")
+    _write_rows(tensors, [dst for dst, _ in copies], kept_XB)
+    _write_rows(tensors, [dst_slot for _, dst_slot in arriving], recv_XB)
+    per_slot = slot_bytes(tensors)
+    return MoveReport(len(moves), len(moves) * per_slot, len(send_slots) * per_slot, len(copies))
