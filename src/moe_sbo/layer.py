@@ -36,9 +36,9 @@ from torch import nn
 
 from .config import MoEConfig
 from .dispatch import Dispatcher, EPGroup, Traffic, make_dispatcher
-from .eplb.placement import Placement, global_placement, placement_for, trivial_placement
-from .eplb.runtime import EPLBOptions, LoadWindow, ReplicaTable
-from .eplb.transfer import MoveReport, check_same_placement, move_expert_slots
+from .eplb.placement import Placement
+from .eplb.runtime import EPLBOptions, LoadWindow, ReplicaTable, initial_placement
+from .eplb.transfer import MoveReport, all_reduce_load, check_fits, check_same_placement, move_expert_slots
 from .experts import RoutedExperts, SharedExperts
 from .overlap import Overlap, make_overlap
 from .overlap.stages import run_to_end
@@ -210,15 +210,7 @@ class MoELayer(nn.Module):
         if self.eplb is None:
             raise ValueError("expert_load needs expert load balancing; build the layer with eplb=EPLBOptions()")
         load_E = self.load_window.total()
-        ep = self.dispatcher.ep
-        if all_ranks and ep.size > 1:
-            import torch.distributed as dist
-
-            on_gpu = dist.get_backend(ep.group) == "nccl"
-            total = load_E if on_gpu else load_E.cpu()
-            dist.all_reduce(total, group=ep.group)
-            load_E = total.to(load_E.device)
-        return load_E
+        return all_reduce_load(load_E, self.dispatcher.ep.group) if all_ranks else load_E
 
     def rebalance(self, placement: Placement | None = None) -> MoveReport:
         """Move to ``placement`` (default: the one ``eplb.policy`` computes from the EP group's load
@@ -227,31 +219,13 @@ class MoELayer(nn.Module):
         before keep working. All or nothing: on a failure the old placement keeps serving."""
         if self.eplb is None or self.placement is None:
             raise ValueError("rebalance needs expert load balancing; build the layer with eplb=EPLBOptions()")
-        ep, old = self.dispatcher.ep, self.placement
+        ep = self.dispatcher.ep
         if placement is None:
             load_E = self.expert_load(all_ranks=True).double().cpu()
-            placement = placement_for(
-                self.eplb.policy,
-                load_E,
-                ep.size,
-                self.eplb.redundant_per_rank,
-                num_nodes=self.eplb.num_nodes,
-                num_groups=self.cfg.n_group,
-            )
-        sizes = (placement.num_logical, placement.num_ranks, placement.slots_per_rank)
-        if sizes != (old.num_logical, old.num_ranks, old.slots_per_rank):
-            raise ValueError(
-                f"the placement must keep this layer's {old.num_logical} experts on {old.num_ranks} ranks in "
-                f"{old.slots_per_rank} slots each, got {sizes[0]} experts, {sizes[1]} ranks, {sizes[2]} slots; "
-                f"use redundant_per_rank={self.eplb.redundant_per_rank}"
-            )
-        device = self.router.weight.device
-        check_same_placement(placement, ep.group, device)
-        experts = self.experts
-        tensors = [experts.gate_up_proj.data, experts.down_proj.data]
-        if experts.fp8:
-            tensors += [experts.gate_up_proj_scale_inv.data, experts.down_proj_scale_inv.data]
-        report = move_expert_slots(tensors, old, placement, ep.rank, ep.group)
+            placement = self.eplb.placement_for(load_E, ep.size, num_groups=self.cfg.n_group)
+        check_fits(self.placement, placement, self.eplb.redundant_per_rank)
+        check_same_placement(placement, ep.group, self.router.weight.device)
+        report = move_expert_slots(self.experts.slot_tensors(), self.placement, placement, ep.rank, ep.group)
         self.replicas.update(placement)
         self.placement = placement
         self.forwards_since_rebalance = 0
@@ -270,11 +244,3 @@ class MoELayer(nn.Module):
         device = self.router.weight.device
         if x_TH.device != device:
             raise ValueError(f"x must be on the layer's device {device}, got {x_TH.device}; use x.to('{device}')")
-
-
-def initial_placement(num_experts: int, num_ranks: int, eplb: EPLBOptions) -> Placement:
-    """Before any load is known: contiguous experts, and the redundant slots (if any) replicating
-    experts as for an even load."""
-    if eplb.redundant_per_rank == 0:
-        return trivial_placement(num_experts, num_ranks)
-    return global_placement(torch.ones(num_experts, dtype=torch.float64), num_ranks, eplb.redundant_per_rank)

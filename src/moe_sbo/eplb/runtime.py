@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .placement import PLACEMENT_POLICIES, Placement
+from .placement import PLACEMENT_POLICIES, Placement, global_placement, placement_for, trivial_placement
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,21 @@ class EPLBOptions:
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
 
+    def placement_for(self, load_E: torch.Tensor, num_ranks: int, num_groups: int = 1) -> Placement:
+        """This policy's placement for ``load_E`` [E] (the model's ``num_groups`` expert groups, for
+        ``hierarchical``)."""
+        return placement_for(
+            self.policy, load_E, num_ranks, self.redundant_per_rank, num_nodes=self.num_nodes, num_groups=num_groups
+        )
+
+
+def initial_placement(num_experts: int, num_ranks: int, eplb: EPLBOptions) -> Placement:
+    """Before any load is known: contiguous experts, and the redundant slots (if any) replicating
+    experts as for an even load."""
+    if eplb.redundant_per_rank == 0:
+        return trivial_placement(num_experts, num_ranks)
+    return global_placement(torch.ones(num_experts, dtype=torch.float64), num_ranks, eplb.redundant_per_rank)
+
 
 class LoadWindow:
     """Tokens per logical expert over the last ``window`` forwards, on the device.
@@ -84,9 +99,10 @@ class ReplicaTable:
 
     Each (token t, slot k) of logical expert e goes to e's replica on this rank when there is one (no
     transfer), else to replica ``(t + k + rank) % replicas(e)``: deterministic, and spread evenly
-    over the replicas (consecutive tokens take the next replica). ``replicas_EW`` [E, W] holds e's physical ids (padded by repeating the first),
-    ``count_E`` [E] how many, ``own_E`` [E] the one on this rank or -1; W is the most replicas any
-    placement of these sizes may give one expert, so a new placement fits the same tensors.
+    over the replicas (consecutive tokens take the next replica). ``replicas_EW`` [E, W] holds e's
+    physical ids (padded by repeating the first), ``count_E`` [E] how many, ``own_E`` [E] the one on
+    this rank or -1; W is the most replicas any placement of these sizes may give one expert, so a
+    new placement fits the same tensors.
     """
 
     def __init__(self, placement: Placement, rank: int, device: torch.device):

@@ -58,6 +58,27 @@ def _collective_device(group, device: torch.device) -> torch.device:
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
+def all_reduce_load(load_E: torch.Tensor, group=None) -> torch.Tensor:
+    """``load_E`` summed over the ranks of ``group`` (a copy; the input is left as it is)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return load_E.clone()
+    total = load_E.to(_collective_device(group, load_E.device), copy=True)
+    dist.all_reduce(total, group=group)
+    return total.to(load_E.device)
+
+
+def check_fits(old: Placement, new: Placement, redundant_per_rank: int) -> None:
+    """``ValueError`` unless ``new`` keeps ``old``'s experts, ranks and slots per rank (a layer's
+    buffers and graphs are sized for them)."""
+    sizes = (new.num_logical, new.num_ranks, new.slots_per_rank)
+    if sizes != (old.num_logical, old.num_ranks, old.slots_per_rank):
+        raise ValueError(
+            f"the placement must keep this layer's {old.num_logical} experts on {old.num_ranks} ranks in "
+            f"{old.slots_per_rank} slots each, got {sizes[0]} experts, {sizes[1]} ranks, {sizes[2]} slots; "
+            f"use redundant_per_rank={redundant_per_rank}"
+        )
+
+
 def check_same_placement(placement: Placement, group, device: torch.device) -> None:
     """``ValueError`` on every rank unless every rank of ``group`` was given the same placement (one
     all-gather of a digest; every rank sees the same answer, so none goes on to the transfer alone)."""

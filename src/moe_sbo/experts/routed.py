@@ -354,6 +354,11 @@ class RoutedExperts(nn.Module):
                 weight = dequantize_fp8_blocks(weight, scale_inv)
             getattr(self, name)[local].copy_(weight)
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with one row per local expert ([L, ...]): the weights, and the FP8 block scales."""
+        names = ("gate_up_proj", "down_proj") + (("gate_up_proj_scale_inv", "down_proj_scale_inv") if self.fp8 else ())
+        return [getattr(self, name).data for name in names]
+
     def dense_expert(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ``local``'s (gate_up [2I, H], down [H, I]) weights, dequantised to float32 when FP8."""
         if not self.fp8:
