@@ -187,3 +187,32 @@ def test_replica_table_prefers_the_own_rank_and_spreads_the_rest():
     assert set(picks[1]) == {6} and set(picks[5]) == {8} and set(picks[4]) == {7}  # rank 2's own replicas
     assert sorted(picks[0]) == [0] * 5 + [3] * 5  # no replica here: spread evenly over both
     assert torch.equal(table.to_physical(ids), physical)  # deterministic
+
+
+def _fp8_rebalance_rank(device):
+    """FP8 experts: each slot's e4m3 weights and block scales arrive together, byte for byte."""
+    cfg = get_preset("deepseek-v3").with_num_experts(8).replace(hidden_size=256, moe_intermediate_size=128)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = MoELayer(cfg, dispatcher="alltoall", seed=3, expert_dtype="fp8", eplb=EPLBOptions(redundant_per_rank=1))
+    reference = MoELayer(cfg, dispatcher="local", seed=3, expert_dtype="fp8")
+    target = global_placement(zipf_load(cfg.num_experts, 1.5, seed=2), world, 1)
+    report = layer.rebalance(target)
+    names = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+    exact = all(
+        torch.equal(
+            getattr(layer.experts, n)[slot].view(torch.uint8), getattr(reference.experts, n)[e].view(torch.uint8)
+        )
+        for slot, e in enumerate(target.rank_logical_ids(rank))
+        for n in names
+    )
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        close = torch.allclose(layer(x), reference(x), rtol=1e-5, atol=1e-6)
+    return exact, close, report.moved_bytes
+
+
+def test_fp8_experts_move_with_their_scales(ranks2):
+    per_slot = 3 * 256 * 128 + 4 * (2 * 1 * 2 + 2 * 1)  # e4m3 bytes + float32 block scales
+    for exact, close, moved_bytes in ranks2.run(_fp8_rebalance_rank):
+        assert exact and close
+        assert moved_bytes > 0 and moved_bytes % per_slot == 0
