@@ -42,10 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import PRESETS, MoEConfig, get_preset
+    from .eplb.runtime import EPLBOptions
     from .layer import MoELayer
     from .weights import MoEWeights
 
-__all__ = ["PRESETS", "MoEConfig", "MoELayer", "MoEWeights", "get_preset"]
+__all__ = ["PRESETS", "EPLBOptions", "MoEConfig", "MoELayer", "MoEWeights", "get_preset"]
 __version__ = "0.1.0"
 # Imported on first use, not with the package: ``moe-sbo`` must be able to catch a Ctrl-C that
 # arrives while torch is still being imported (the command line imports torch inside ``main``).
@@ -54,6 +55,7 @@ _EXPORTS = {
     "MoEConfig": "config",
     "get_preset": "config",
     "MoELayer": "layer",
+    "EPLBOptions": "eplb.runtime",
     "MoEWeights": "weights",
 }
 

@@ -1,6 +1,7 @@
-"""Expert placement for expert-parallel load balancing (EPLB): which logical expert each physical slot
-of each rank holds, with redundant replicas of hot experts, and which weights move when the placement
-changes (``placement``). Pure torch on the CPU; imports nothing else of the package."""
+"""Expert-parallel load balancing (EPLB): which logical expert each physical slot of each rank holds,
+with redundant replicas of hot experts (``placement``: pure torch on the CPU); what a balanced layer
+holds on its device, the load window and the replica table (``runtime``); and moving expert weights
+between ranks for a new placement (``transfer``). Imports nothing else of the package."""
 
 from .placement import (
     PLACEMENT_POLICIES,
@@ -13,8 +14,14 @@ from .placement import (
     trivial_placement,
     zipf_load,
 )
+from .runtime import EPLBOptions, LoadWindow, ReplicaTable
+from .transfer import MoveReport
 
 __all__ = [
+    "EPLBOptions",
+    "LoadWindow",
+    "MoveReport",
+    "ReplicaTable",
     "PLACEMENT_POLICIES",
     "Placement",
     "global_placement",
