@@ -200,7 +200,8 @@ def _check_group(case: dict, results: list[dict]) -> None:
     assert sent[0] == sent[1] and sent[2] == sent[3], sent  # every byte sent is received in the group
     for r in results:
         d_sent, d_recv, c_sent, c_recv = r["traffic"]
-        if case["dispatcher"] == "alltoall":  # once per (token, remote rank owning one of its experts)
+        # node_aware on one node (the group's default) is its intra-node leg: alltoall's rows
+        if case["dispatcher"] in ("alltoall", "node_aware"):  # once per (token, remote rank owning one of its experts)
             assert d_sent == r["remote_rows"] * (x_bytes + meta_bytes) and c_recv == r["remote_rows"] * x_bytes
         elif case["dispatcher"] == "allgather":  # (P - 1) chunks of the largest T, both ways
             padded = max(q["tokens"] for q in results)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 # The names the string options take (the module docstring says why they live here).
-DISPATCHER_NAMES: tuple[str, ...] = ("allgather", "alltoall", "local", "low_latency")
+DISPATCHER_NAMES: tuple[str, ...] = ("allgather", "alltoall", "local", "low_latency", "node_aware")
 FIXED_MODES: tuple[str, ...] = ("none", "dispatch", "combine", "combine_sm", "split")
 OVERLAP_MODES: tuple[str, ...] = (*FIXED_MODES, "auto")
 DECODE_LOOPS: tuple[str, ...] = ("transformers", "static", "cuda_graph")

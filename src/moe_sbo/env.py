@@ -82,6 +82,19 @@ def local_world_size(default: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
+def ranks_per_node(world_size: int) -> int | None:
+    """``MOE_SBO_RANKS_PER_NODE`` (set by the user, e.g. to let one host act as several nodes), else
+    torchrun's ``LOCAL_WORLD_SIZE`` when it divides ``world_size`` into more than one node; None: one
+    node holds every rank. Every rank must read the same value."""
+    value = os.environ.get("MOE_SBO_RANKS_PER_NODE")
+    if value is not None:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"MOE_SBO_RANKS_PER_NODE must be a whole number >= 1, got {value!r}")
+        return int(value)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return local if 0 < local < world_size and world_size % local == 0 else None
+
+
 def allow_symm_mem_on_shared_gpus() -> None:
     """Let PyTorch's symmetric memory rendezvous accept peers on one device
     (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``), for ranks that share a GPU; set before the

@@ -1,7 +1,8 @@
-"""Dispatchers, one per file, chosen by name: ``local``, ``allgather``, ``alltoall``, ``low_latency``."""
+"""Dispatchers, one per file, chosen by name: ``local``, ``allgather``, ``alltoall``, ``low_latency``,
+``node_aware``."""
 
 from ..config import DISPATCHER_NAMES
-from . import allgather, alltoall, local, low_latency  # noqa: F401  (registers each scheme)
+from . import allgather, alltoall, local, low_latency, node_aware  # noqa: F401  (registers each scheme)
 from .base import (
     DISPATCHERS,
     CombineInput,

@@ -102,7 +102,9 @@ class AllGatherDispatcher(Dispatcher):
         ]
         chunk_bytes = padded * (hidden * x_TH.element_size() + meta.shape[1] * 4)
         traffic = Traffic(
-            dispatch_bytes_sent=(ep.size - 1) * chunk_bytes, dispatch_bytes_recv=(ep.size - 1) * chunk_bytes
+            dispatch_bytes_sent=(ep.size - 1) * chunk_bytes,
+            dispatch_bytes_recv=(ep.size - 1) * chunk_bytes,
+            dispatch_inter_node_sent=(ep.size - ep.node_size) * chunk_bytes,  # counted as if sent to each rank
         )
         return Pending(
             works=works, state=_InFlightDispatch(all_x, all_meta, tokens_per_rank, padded, num_pairs, traffic)
@@ -135,7 +137,9 @@ class AllGatherDispatcher(Dispatcher):
         work = _reduce_scatter_single(out_TH, partial_MH, group=ep.group, async_op=True)
         chunk_bytes = handle.padded_tokens * handle.hidden_size * partial_MH.element_size()
         traffic = Traffic(
-            combine_bytes_sent=(ep.size - 1) * chunk_bytes, combine_bytes_recv=(ep.size - 1) * chunk_bytes
+            combine_bytes_sent=(ep.size - 1) * chunk_bytes,
+            combine_bytes_recv=(ep.size - 1) * chunk_bytes,
+            combine_inter_node_sent=(ep.size - ep.node_size) * chunk_bytes,
         )
         return Pending(works=[work], state=out_TH, traffic=traffic)
 

@@ -23,6 +23,7 @@ from .base import (
     DispatchHandle,
     DispatchInput,
     DispatchOutput,
+    EPGroup,
     Pending,
     Traffic,
     register_dispatcher,
@@ -65,6 +66,13 @@ def _nonzero_static(mask: torch.Tensor, size: int) -> torch.Tensor:
 
 def _remote(counts: tuple[int, ...], rank: int) -> int:
     return sum(counts) - counts[rank]
+
+
+def _other_nodes(counts: tuple[int, ...], ep: EPGroup) -> int:
+    """Of ``counts`` (one per rank), those of ranks on other nodes than this rank's."""
+    g = ep.node_size
+    node = ep.rank // g
+    return sum(counts) - sum(counts[node * g : (node + 1) * g])
 
 
 @register_dispatcher
@@ -121,6 +129,7 @@ class AllToAllDispatcher(Dispatcher):
         traffic = Traffic(
             dispatch_bytes_sent=_remote(send_counts, ep.rank) * row_bytes,
             dispatch_bytes_recv=_remote(recv_counts, ep.rank) * row_bytes,
+            dispatch_inter_node_sent=_other_nodes(send_counts, ep) * row_bytes,
         )
         state = _InFlightDispatch(recv_x, recv_meta, slot_TP, send_counts, recv_counts, num_pairs, num_tokens, traffic)
         return Pending(works=works, state=state)
@@ -154,6 +163,7 @@ class AllToAllDispatcher(Dispatcher):
         traffic = Traffic(
             combine_bytes_sent=_remote(handle.recv_counts, self.ep.rank) * row_bytes,
             combine_bytes_recv=_remote(handle.send_counts, self.ep.rank) * row_bytes,
+            combine_inter_node_sent=_other_nodes(handle.recv_counts, self.ep) * row_bytes,
         )
         return Pending(works=[work], state=back_MH, traffic=traffic)
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..hooks import HookRegistry
 from ..profiling import annotate
 from .layout import ExpertLayout
@@ -54,6 +55,9 @@ class Traffic:
     dispatch_bytes_recv: int = 0
     combine_bytes_sent: int = 0
     combine_bytes_recv: int = 0
+    # Of the bytes sent, those that crossed to another node (``EPGroup.ranks_per_node``).
+    dispatch_inter_node_sent: int = 0
+    combine_inter_node_sent: int = 0
 
     def __add__(self, other: Traffic) -> Traffic:
         # Field by field, spelled out: every combine adds two (dataclasses.fields costs the host more).
@@ -62,7 +66,19 @@ class Traffic:
             self.dispatch_bytes_recv + other.dispatch_bytes_recv,
             self.combine_bytes_sent + other.combine_bytes_sent,
             self.combine_bytes_recv + other.combine_bytes_recv,
+            self.dispatch_inter_node_sent + other.dispatch_inter_node_sent,
+            self.combine_inter_node_sent + other.combine_inter_node_sent,
         )
+
+    @property
+    def inter_node_bytes(self) -> int:
+        """Bytes this rank sent to other nodes (both phases)."""
+        return self.dispatch_inter_node_sent + self.combine_inter_node_sent
+
+    @property
+    def intra_node_bytes(self) -> int:
+        """Bytes this rank sent to other ranks of its own node (both phases)."""
+        return self.bytes_sent - self.inter_node_bytes
 
     @property
     def bytes_sent(self) -> int:
@@ -162,11 +178,33 @@ class Pending:
 
 @dataclass
 class EPGroup:
-    """The expert-parallel group: ``rank`` in ``[0, size)``; ``group=None`` is the default group."""
+    """The expert-parallel group: ``rank`` in ``[0, size)``; ``group=None`` is the default group.
+
+    ``ranks_per_node``: consecutive ranks that share a node (a fast intra-node link); ``None``: all of
+    them (one node). Node-aware dispatch sends across nodes once per destination node, and every
+    dispatcher counts the bytes that cross nodes (``Traffic.inter_node_bytes``) by it.
+    """
 
     group: Any = None
     rank: int = 0
     size: int = 1
+    ranks_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        g = self.ranks_per_node
+        if g is not None and (g < 1 or self.size % g):
+            raise ValueError(
+                f"ranks_per_node must divide the EP size {self.size}, got {g}; set MOE_SBO_RANKS_PER_NODE "
+                "(or torchrun's LOCAL_WORLD_SIZE) to the ranks of one node"
+            )
+
+    @property
+    def node_size(self) -> int:
+        """Ranks per node (the whole group when one node holds it)."""
+        return self.ranks_per_node or self.size
+
+    def node_of(self, rank: int | torch.Tensor) -> int | torch.Tensor:
+        return rank // self.node_size
 
     @classmethod
     def from_torch(cls, group: Any = None) -> EPGroup:
@@ -177,7 +215,8 @@ class EPGroup:
                     "moe_sbo.launch.ranks.init_from_torchrun() (or use LocalRanks) first, or pass group=None"
                 )
             return cls()
-        return cls(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
+        size = dist.get_world_size(group)
+        return cls(group=group, rank=dist.get_rank(group), size=size, ranks_per_node=env.ranks_per_node(size))
 
 
 class Dispatcher:

@@ -307,8 +307,10 @@ class LowLatencyDispatcher(Dispatcher):
                     )
                     for _ in range(self.num_buffers)
                 ]
-            dispatch_bytes = (self.ep.size - 1) * self.capacity * fmt.row_bytes
-            combine_bytes = (self.ep.size - 1) * self.capacity * hidden * dtype.itemsize
+            # Fixed-size blocks, one to each other rank whatever the routing (as on the wire).
+            per_rank = self.capacity * fmt.row_bytes, self.capacity * hidden * dtype.itemsize
+            dispatch_bytes, combine_bytes = ((self.ep.size - 1) * b for b in per_rank)
+            other_nodes = self.ep.size - self.ep.node_size
             sets = self._sets[key] = ShapeSets(
                 fmt=fmt,
                 buffers=buffers,
@@ -316,8 +318,16 @@ class LowLatencyDispatcher(Dispatcher):
                 fused=fused,
                 index_graphs=self.index_graphs and fused,
                 in_place=self.rows_in_place(device),
-                dispatch_traffic=Traffic(dispatch_bytes_sent=dispatch_bytes, dispatch_bytes_recv=dispatch_bytes),
-                combine_traffic=Traffic(combine_bytes_sent=combine_bytes, combine_bytes_recv=combine_bytes),
+                dispatch_traffic=Traffic(
+                    dispatch_bytes_sent=dispatch_bytes,
+                    dispatch_bytes_recv=dispatch_bytes,
+                    dispatch_inter_node_sent=other_nodes * per_rank[0],
+                ),
+                combine_traffic=Traffic(
+                    combine_bytes_sent=combine_bytes,
+                    combine_bytes_recv=combine_bytes,
+                    combine_inter_node_sent=other_nodes * per_rank[1],
+                ),
             )
         return sets
 

@@ -1,0 +1,274 @@
+"""``node_aware``: dispatch and combine in two legs, so that a token crosses to each destination node
+once (DeepEP's internode scheme).
+
+::
+
+    dispatch  leg 1 (across nodes, rail group): token -> the rank with the same local index on each
+                     node that owns one of its experts, with the top-k ids that live on that node
+              leg 2 (inside the node, node group): that rank forwards the row to its node's ranks that
+                     own the experts (once per rank, as ``alltoall`` does)
+    combine   leg 2 back: each expert rank returns one weighted partial sum per row; the forwarding rank
+                     sums them (rank order)
+              leg 1 back: one partial sum per (token, node) crosses back; the sender sums them (node order)
+
+Ranks ``n * G .. n * G + G - 1`` form node n (``ranks_per_node`` G: the option, else the EP group's,
+``MOE_SBO_RANKS_PER_NODE`` or torchrun's ``LOCAL_WORLD_SIZE``). Leg 1 runs over the *rail* group (ranks
+with one local index: the same NIC rail in a cluster), leg 2 over the *node* group (NVLink), each a
+process group of its own, so their transfers run on separate communicators.
+
+The hard part is keeping every contract of a dispatcher with two data-dependent exchanges. The ids are
+checked inside the first count exchange, which spans the whole EP group so that every rank learns of a
+rejected input before any payload moves (a rank on another rail would otherwise wait in leg 2 for a
+peer that already raised). Each phase's in-flight window (the hooks SBO attaches to) is the inter-node
+leg, the slow one: dispatch launches leg 1 and leaves it in flight, its wait runs leg 2; combine runs
+leg 2 back in its launch and leaves leg 1 back in flight. Both sums run in a fixed order, so the output
+is the same bits run to run (and equals the flat dispatchers' up to the summation order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .alltoall import _nonzero_static
+from .base import (
+    REJECTED,
+    CombineInput,
+    Dispatcher,
+    DispatchHandle,
+    DispatchInput,
+    DispatchOutput,
+    EPGroup,
+    Pending,
+    Traffic,
+    register_dispatcher,
+)
+from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
+from .reduce import gather_sum
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One exchange of rows over a group of D ranks: ``slot_YD`` int64 [Y, D] which sent row carried
+    source row y to member d (the sent count where none did); rows sent to / received from each member."""
+
+    slot_YD: torch.Tensor
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+
+    def remote_sent(self, me: int) -> int:
+        return sum(self.send_counts) - self.send_counts[me]
+
+    def remote_recv(self, me: int) -> int:
+        return sum(self.recv_counts) - self.recv_counts[me]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeAwareHandle(DispatchHandle):
+    """``across``: leg 1 (tokens -> nodes, over the rail group); ``inside``: leg 2 (leg 1's received
+    rows -> this node's ranks, over the node group)."""
+
+    across: Leg
+    inside: Leg
+
+
+@dataclass(frozen=True)
+class _InFlightDispatch:
+    recv_x_MH: torch.Tensor
+    recv_meta_M2K: torch.Tensor
+    across: Leg
+    num_tokens: int
+
+
+def _rows_by_member(is_sent_YD: torch.Tensor, num_sent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sent rows in (member, source row) order, as ``all_to_all_single``'s splits expect: (member of
+    each sent row, its source row, ``slot_YD``). ``num_sent`` is known on the host: no sync here."""
+    member_S, source_S = _nonzero_static(is_sent_YD.t(), num_sent).unbind(1)
+    slot_YD = torch.full(is_sent_YD.shape, num_sent, dtype=torch.int64, device=is_sent_YD.device)
+    slot_YD[source_S, member_S] = torch.arange(num_sent, device=is_sent_YD.device)
+    return member_S, source_S, slot_YD
+
+
+def _exchange(recv: torch.Tensor, send: torch.Tensor, leg_recv, leg_send, group, size: int, async_op: bool):
+    """``all_to_all_single`` over ``group`` (a plain copy in a group of one)."""
+    if size == 1:
+        recv.copy_(send)
+        return None
+    return dist.all_to_all_single(recv, send, list(leg_recv), list(leg_send), group=group, async_op=async_op)
+
+
+@register_dispatcher
+class NodeAwareDispatcher(Dispatcher):
+    """Tokens cross to each destination node once, to the same-rail rank, which forwards them inside
+    its node; combine reduces inside the node before crossing back. ``ranks_per_node``: ranks of one
+    node (default: the EP group's, see ``EPGroup.ranks_per_node``)."""
+
+    name = "node_aware"
+    checks_ids_in_count_exchange = True
+
+    def __init__(self, num_experts: int, ep: EPGroup, *, ranks_per_node: int | None = None):
+        if ranks_per_node is not None:
+            ep = EPGroup(ep.group, ep.rank, ep.size, ranks_per_node)  # checks that it divides the size
+        super().__init__(num_experts, ep)
+        g = ep.node_size
+        self.ranks_per_node, self.num_nodes = g, ep.size // g
+        self.node, self.local_rank = divmod(ep.rank, g)
+        self.node_group: Any = None
+        self.rail_group: Any = None
+        if ep.size > 1:
+            members = dist.get_process_group_ranks(ep.group) if ep.group is not None else list(range(ep.size))
+            # Each rank makes only the two groups it belongs to (local synchronisation: the other
+            # ranks need not take part), the node's first, then the rail's, on every rank alike.
+            if g > 1:
+                node = members[self.node * g : (self.node + 1) * g]
+                self.node_group = dist.new_group(node, use_local_synchronization=True)
+            if self.num_nodes > 1:
+                rail = members[self.local_rank :: g]
+                self.rail_group = dist.new_group(rail, use_local_synchronization=True)
+
+    def _announce_rejected_input(self) -> None:
+        if self.ep.size > 1:  # the first count exchange of _launch_dispatch, every count REJECTED
+            send = torch.full((self.ep.size,), REJECTED, dtype=torch.int64, device=self._counts_device())
+            dist.all_to_all_single(torch.empty_like(send), send, group=self.ep.group)
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+
+    def _launch_dispatch(self, inp: DispatchInput) -> Pending:
+        x_TH, ids_TK, g = inp.x_TH, inp.topk_ids_TK.long(), self.ranks_per_node
+        num_tokens, hidden = x_TH.shape
+        ids_ok, owner_TK = self._ids_in_range(ids_TK)
+        node_TK = torch.div(owner_TK, g, rounding_mode="floor")
+        is_sent_TN = torch.zeros(num_tokens, self.num_nodes, dtype=torch.bool, device=x_TH.device)
+        is_sent_TN.scatter_(1, node_TK, True)
+        rows_N = is_sent_TN.sum(dim=0)
+        across = self._exchange_counts_across(rows_N, ids_ok, ids_TK)
+        node_S, token_S, slot_TN = _rows_by_member(is_sent_TN, sum(across[0]))
+        # Each node gets the ids of the experts it holds, -1 for the others (they go elsewhere).
+        ids_SK = torch.where(node_TK[token_S] == node_S[:, None], ids_TK[token_S], -1)
+        send_meta = pack_topk(ids_SK, inp.topk_weights_TK[token_S])
+        send_x = x_TH[token_S]
+        leg = Leg(slot_TN, *across)
+        recv_x = x_TH.new_empty(sum(leg.recv_counts), hidden)
+        recv_meta = send_meta.new_empty(sum(leg.recv_counts), send_meta.shape[1])
+        works = [
+            _exchange(recv_x, send_x, leg.recv_counts, leg.send_counts, self.rail_group, self.num_nodes, True),
+            _exchange(recv_meta, send_meta, leg.recv_counts, leg.send_counts, self.rail_group, self.num_nodes, True),
+        ]
+        state = _InFlightDispatch(recv_x, recv_meta, leg, num_tokens)
+        return Pending(works=[w for w in works if w is not None], state=state)
+
+    def _exchange_counts_across(
+        self, rows_N: torch.Tensor, ids_ok: torch.Tensor, ids_TK: torch.Tensor
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Leg 1's row counts (to / from each node's same-rail rank), exchanged over the whole EP group
+        with REJECTED in place of the counts of a rank whose ids are out of range; one host read."""
+        ep, g = self.ep, self.ranks_per_node
+        if ep.size == 1:
+            rows = tuple(rows_N.tolist()) if bool(ids_ok) else (REJECTED,)
+            self._raise_if_rejected([0] if rows == (REJECTED,) else [], ids_TK)
+            return rows, rows
+        send_W = torch.zeros(ep.size, dtype=torch.int64, device=self._counts_device())
+        send_W[self.local_rank :: g] = rows_N.to(send_W.device)
+        send_W = torch.where(ids_ok.to(send_W.device), send_W, REJECTED)
+        recv_W = torch.empty_like(send_W)
+        dist.all_to_all_single(recv_W, send_W, group=ep.group)
+        counts = torch.cat([rows_N.to(recv_W.device), recv_W]).tolist()
+        received = counts[self.num_nodes :]
+        self._raise_if_rejected([r for r in range(ep.size) if received[r] == REJECTED], ids_TK)
+        return tuple(counts[: self.num_nodes]), tuple(received[self.local_rank :: g])
+
+    def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
+        pending.wait()
+        s: _InFlightDispatch = pending.state
+        g = self.ranks_per_node
+        ids_MK, weights_MK = unpack_topk(s.recv_meta_M2K)
+        valid_MK = ids_MK >= 0
+        member_MK = torch.where(valid_MK, torch.div(ids_MK, self.num_local_experts, rounding_mode="floor") % g, g)
+        is_sent_MG = count_per_key_rows(member_MK, g) > 0
+        pairs_G = count_per_key(member_MK.reshape(-1), g + 1)[:g]
+        inside_counts = self._exchange_counts_inside(is_sent_MG.sum(dim=0), pairs_G)
+        send_counts, recv_counts, num_pairs = inside_counts
+        member_S, row_S, slot_MG = _rows_by_member(is_sent_MG, sum(send_counts))
+        owner_S = self.node * g + member_S
+        send_meta = pack_topk(self._local_ids(ids_MK[row_S], owner_S[:, None]), weights_MK[row_S])
+        send_x = s.recv_x_MH[row_S]
+        recv_x = send_x.new_empty(sum(recv_counts), send_x.shape[1])
+        recv_meta = send_meta.new_empty(sum(recv_counts), send_meta.shape[1])
+        for recv, send in ((recv_x, send_x), (recv_meta, send_meta)):
+            _exchange(recv, send, recv_counts, send_counts, self.node_group, g, async_op=False)
+        inside = Leg(slot_MG, send_counts, recv_counts)
+        local_ids, weights = unpack_topk(recv_meta)
+        layout = group_rows_by_expert(local_ids, weights, self.num_local_experts, num_pairs)
+        row_bytes = recv_x.shape[1] * recv_x.element_size() + recv_meta.shape[1] * 4
+        traffic = Traffic(
+            dispatch_bytes_sent=(s.across.remote_sent(self.node) + inside.remote_sent(self.local_rank)) * row_bytes,
+            dispatch_bytes_recv=(s.across.remote_recv(self.node) + inside.remote_recv(self.local_rank)) * row_bytes,
+            dispatch_inter_node_sent=s.across.remote_sent(self.node) * row_bytes,
+        )
+        handle = NodeAwareHandle(
+            num_tokens=s.num_tokens,
+            hidden_size=recv_x.shape[1],
+            dtype=recv_x.dtype,
+            layout=layout,
+            traffic=traffic,
+            across=s.across,
+            inside=inside,
+        )
+        return self._output(recv_x[layout.row_R], handle)
+
+    def _exchange_counts_inside(
+        self, rows_G: torch.Tensor, pairs_G: torch.Tensor
+    ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """Leg 2's row counts to / from each rank of the node, and the (row, expert) pairs this rank
+        will receive; one host read."""
+        g = self.ranks_per_node
+        send_G2 = torch.stack([rows_G, pairs_G], dim=1)
+        if g == 1:
+            counts = send_G2.reshape(-1).tolist()
+            return (counts[0],), (counts[0],), counts[1]
+        send_G2 = send_G2.to(self._counts_device())
+        recv_G2 = torch.empty_like(send_G2)
+        dist.all_to_all_single(recv_G2, send_G2, group=self.node_group)
+        counts = torch.cat([send_G2[:, 0], recv_G2.t().reshape(-1)]).tolist()
+        return tuple(counts[:g]), tuple(counts[g : 2 * g]), sum(counts[2 * g :])
+
+    # ---- combine ----------------------------------------------------------------------------------
+
+    def _launch_combine(self, inp: CombineInput) -> Pending:
+        handle: NodeAwareHandle = inp.handle  # type: ignore[assignment]
+        inside, across = handle.inside, handle.across
+        # Leg 2 back: one weighted partial sum per row this rank's experts saw, to the forwarding rank.
+        partial_MH = combine_rows(inp.expert_y_RH, handle.layout, handle.dtype)
+        back_MH = partial_MH.new_empty(sum(inside.send_counts), handle.hidden_size)
+        _exchange(
+            back_MH, partial_MH, inside.send_counts, inside.recv_counts, self.node_group, self.ranks_per_node, False
+        )
+        # One row per (token, node): this node's experts summed in rank order, then across.
+        node_sum_MH = gather_sum(back_MH, inside.slot_YD, out_dtype=handle.dtype)
+        home_MH = node_sum_MH.new_empty(sum(across.send_counts), handle.hidden_size)
+        work = _exchange(
+            home_MH, node_sum_MH, across.send_counts, across.recv_counts, self.rail_group, self.num_nodes, True
+        )
+        row_bytes = handle.hidden_size * partial_MH.element_size()
+        inter = across.remote_recv(self.node) * row_bytes
+        traffic = Traffic(
+            combine_bytes_sent=inter + inside.remote_recv(self.local_rank) * row_bytes,
+            combine_bytes_recv=(across.remote_sent(self.node) + inside.remote_sent(self.local_rank)) * row_bytes,
+            combine_inter_node_sent=inter,
+        )
+        return Pending(works=[] if work is None else [work], state=home_MH, traffic=traffic)
+
+    def _wait_combine(self, pending: Pending) -> torch.Tensor:
+        pending.wait()
+        handle: NodeAwareHandle = pending.handle  # type: ignore[assignment]
+        # Each token's returned rows (one per node it went to), summed in float32 in node order.
+        return gather_sum(pending.state, handle.across.slot_YD, out_dtype=handle.dtype)
+
+
+def count_per_key_rows(keys_MK: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[M, num_keys]`` int64: how many of each row's keys take each value (keys == num_keys: none)."""
+    counts = torch.zeros(keys_MK.shape[0], num_keys + 1, dtype=torch.int64, device=keys_MK.device)
+    return counts.scatter_add_(1, keys_MK, torch.ones_like(keys_MK))[:, :num_keys]
