@@ -22,15 +22,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _node_aware_rank(device, ranks_per_node, overlap, preset="tiny"):
-    cfg, rank = get_preset(preset), dist.get_rank()
+def _node_aware_rank(device, ranks_per_node, overlap, chunks=1):
+    cfg, rank = get_preset("tiny"), dist.get_rank()
     x = torch.randn(11 + 3 * rank, cfg.hidden_size, generator=torch.Generator().manual_seed(20 + rank))
     if rank == 1:
         x = x[:0]  # a rank without tokens still takes part in both legs
     os.environ["MOE_SBO_RANKS_PER_NODE"] = str(ranks_per_node)  # the flat layer counts crossings by it too
     try:
         flat = MoELayer(cfg, dispatcher="alltoall", seed=2, overlap=overlap)
-        node = MoELayer(cfg, dispatcher="node_aware", seed=2, overlap=overlap)
+        node = MoELayer(cfg, dispatcher="node_aware", seed=2, overlap=overlap, dispatcher_options={"chunks": chunks})
     finally:
         del os.environ["MOE_SBO_RANKS_PER_NODE"]
     reference = MoELayer(cfg, dispatcher="local", seed=2)
@@ -58,6 +58,16 @@ def _node_aware_rank(device, ranks_per_node, overlap, preset="tiny"):
 def test_equals_the_reference_and_alltoall_under_every_sbo_mode(ranks4, ranks_per_node, overlap):
     for r in ranks4.run(_node_aware_rank, ranks_per_node, overlap):
         assert r["err_ref"] < FLOAT32_TOL and r["err_flat"] < FLOAT32_TOL and r["repeatable"], r
+
+
+@pytest.mark.parametrize("overlap", ["none", "split"])
+def test_chunks_pipelined_across_and_inside_give_the_same_output(ranks4, overlap):
+    """Three chunks (one rank has none of its tokens in some): each crosses and is forwarded on its own,
+    the output and the bytes are those of one chunk."""
+    whole = ranks4.run(_node_aware_rank, 2, overlap, 1)
+    for one, r in zip(whole, ranks4.run(_node_aware_rank, 2, overlap, 3)):
+        assert r["err_ref"] < FLOAT32_TOL and r["repeatable"], r
+        assert r["node"] == one["node"]
 
 
 def test_a_token_crosses_to_each_other_node_once(ranks4):

@@ -68,19 +68,23 @@ class Leg:
 
 @dataclass(frozen=True, kw_only=True)
 class NodeAwareHandle(DispatchHandle):
-    """``across``: leg 1 (tokens -> nodes, over the rail group); ``inside``: leg 2 (leg 1's received
-    rows -> this node's ranks, over the node group)."""
+    """Per token chunk: ``across``, leg 1 (tokens -> nodes, over the rail group), and ``inside``, leg 2
+    (leg 1's received rows -> this node's ranks, over the node group); ``token_chunks`` the chunks'
+    first token; the experts' rows are the chunks' leg-2 rows one after the other."""
 
-    across: Leg
-    inside: Leg
+    across: tuple[Leg, ...]
+    inside: tuple[Leg, ...]
+    token_chunks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class _InFlightDispatch:
+class _Across:
+    """One chunk's leg 1 in flight: its receive buffers and transfers."""
+
+    leg: Leg
     recv_x_MH: torch.Tensor
     recv_meta_M2K: torch.Tensor
-    across: Leg
-    num_tokens: int
+    works: list[Any]
 
 
 def _rows_by_member(is_sent_YD: torch.Tensor, num_sent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,28 +97,40 @@ def _rows_by_member(is_sent_YD: torch.Tensor, num_sent: int) -> tuple[torch.Tens
 
 
 def _exchange(recv: torch.Tensor, send: torch.Tensor, leg_recv, leg_send, group, size: int, async_op: bool):
-    """``all_to_all_single`` over ``group`` (a plain copy in a group of one)."""
+    """``all_to_all_single`` over ``group`` (a plain copy in a group of one); its work, or None."""
     if size == 1:
         recv.copy_(send)
         return None
     return dist.all_to_all_single(recv, send, list(leg_recv), list(leg_send), group=group, async_op=async_op)
 
 
+def _wait_all(works: list[Any]) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
 @register_dispatcher
 class NodeAwareDispatcher(Dispatcher):
     """Tokens cross to each destination node once, to the same-rail rank, which forwards them inside
     its node; combine reduces inside the node before crossing back. ``ranks_per_node``: ranks of one
-    node (default: the EP group's, see ``EPGroup.ranks_per_node``)."""
+    node (default: the EP group's, see ``EPGroup.ranks_per_node``). ``chunks``: the tokens go in this
+    many chunks, every chunk's leg 1 launched at once, so that while a rank forwards chunk c inside its
+    node (leg 2, the node group) chunks c + 1.. still cross (leg 1, the rail group); combine likewise
+    sends chunk c back across while it reduces chunk c + 1 inside the node. Each chunk costs both
+    legs a count exchange (one host read)."""
 
     name = "node_aware"
     checks_ids_in_count_exchange = True
 
-    def __init__(self, num_experts: int, ep: EPGroup, *, ranks_per_node: int | None = None):
+    def __init__(self, num_experts: int, ep: EPGroup, *, ranks_per_node: int | None = None, chunks: int = 1):
         if ranks_per_node is not None:
             ep = EPGroup(ep.group, ep.rank, ep.size, ranks_per_node)  # checks that it divides the size
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
         super().__init__(num_experts, ep)
         g = ep.node_size
-        self.ranks_per_node, self.num_nodes = g, ep.size // g
+        self.ranks_per_node, self.num_nodes, self.chunks = g, ep.size // g, chunks
         self.node, self.local_rank = divmod(ep.rank, g)
         self.node_group: Any = None
         self.rail_group: Any = None
@@ -131,7 +147,7 @@ class NodeAwareDispatcher(Dispatcher):
 
     def _announce_rejected_input(self) -> None:
         if self.ep.size > 1:  # the first count exchange of _launch_dispatch, every count REJECTED
-            send = torch.full((self.ep.size,), REJECTED, dtype=torch.int64, device=self._counts_device())
+            send = torch.full((self.ep.size * self.chunks,), REJECTED, dtype=torch.int64, device=self._counts_device())
             dist.all_to_all_single(torch.empty_like(send), send, group=self.ep.group)
 
     # ---- dispatch ---------------------------------------------------------------------------------
@@ -143,81 +159,101 @@ class NodeAwareDispatcher(Dispatcher):
         node_TK = torch.div(owner_TK, g, rounding_mode="floor")
         is_sent_TN = torch.zeros(num_tokens, self.num_nodes, dtype=torch.bool, device=x_TH.device)
         is_sent_TN.scatter_(1, node_TK, True)
-        rows_N = is_sent_TN.sum(dim=0)
-        across = self._exchange_counts_across(rows_N, ids_ok, ids_TK)
-        node_S, token_S, slot_TN = _rows_by_member(is_sent_TN, sum(across[0]))
-        # Each node gets the ids of the experts it holds, -1 for the others (they go elsewhere).
-        ids_SK = torch.where(node_TK[token_S] == node_S[:, None], ids_TK[token_S], -1)
-        send_meta = pack_topk(ids_SK, inp.topk_weights_TK[token_S])
-        send_x = x_TH[token_S]
-        leg = Leg(slot_TN, *across)
-        recv_x = x_TH.new_empty(sum(leg.recv_counts), hidden)
-        recv_meta = send_meta.new_empty(sum(leg.recv_counts), send_meta.shape[1])
-        works = [
-            _exchange(recv_x, send_x, leg.recv_counts, leg.send_counts, self.rail_group, self.num_nodes, True),
-            _exchange(recv_meta, send_meta, leg.recv_counts, leg.send_counts, self.rail_group, self.num_nodes, True),
-        ]
-        state = _InFlightDispatch(recv_x, recv_meta, leg, num_tokens)
-        return Pending(works=[w for w in works if w is not None], state=state)
+        bounds = [num_tokens * c // self.chunks for c in range(self.chunks + 1)]
+        rows_CN = torch.stack([is_sent_TN[a:b].sum(dim=0) for a, b in zip(bounds, bounds[1:])])
+        counts = self._exchange_counts_across(rows_CN, ids_ok, ids_TK)
+        across = []
+        for c, (send_counts, recv_counts) in enumerate(counts):
+            a = bounds[c]
+            node_S, token_S, slot_TN = _rows_by_member(is_sent_TN[a : bounds[c + 1]], sum(send_counts))
+            token_S = token_S + a
+            # Each node gets the ids of the experts it holds, -1 for the others (they go elsewhere).
+            ids_SK = torch.where(node_TK[token_S] == node_S[:, None], ids_TK[token_S], -1)
+            send_meta = pack_topk(ids_SK, inp.topk_weights_TK[token_S])
+            leg = Leg(slot_TN, send_counts, recv_counts)
+            recv_x = x_TH.new_empty(sum(recv_counts), hidden)
+            recv_meta = send_meta.new_empty(sum(recv_counts), send_meta.shape[1])
+            works = [
+                _exchange(recv_x, x_TH[token_S], recv_counts, send_counts, self.rail_group, self.num_nodes, True),
+                _exchange(recv_meta, send_meta, recv_counts, send_counts, self.rail_group, self.num_nodes, True),
+            ]
+            across.append(_Across(leg, recv_x, recv_meta, works))
+        return Pending(works=[], state=(across, tuple(bounds[:-1]), num_tokens))
 
     def _exchange_counts_across(
-        self, rows_N: torch.Tensor, ids_ok: torch.Tensor, ids_TK: torch.Tensor
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Leg 1's row counts (to / from each node's same-rail rank), exchanged over the whole EP group
-        with REJECTED in place of the counts of a rank whose ids are out of range; one host read."""
-        ep, g = self.ep, self.ranks_per_node
+        self, rows_CN: torch.Tensor, ids_ok: torch.Tensor, ids_TK: torch.Tensor
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Leg 1's row counts per chunk (to / from each node's same-rail rank), exchanged over the whole
+        EP group with REJECTED in place of the counts of a rank whose ids are out of range; one host read."""
+        ep, g, chunks = self.ep, self.ranks_per_node, self.chunks
         if ep.size == 1:
-            rows = tuple(rows_N.tolist()) if bool(ids_ok) else (REJECTED,)
-            self._raise_if_rejected([0] if rows == (REJECTED,) else [], ids_TK)
-            return rows, rows
-        send_W = torch.zeros(ep.size, dtype=torch.int64, device=self._counts_device())
-        send_W[self.local_rank :: g] = rows_N.to(send_W.device)
-        send_W = torch.where(ids_ok.to(send_W.device), send_W, REJECTED)
-        recv_W = torch.empty_like(send_W)
-        dist.all_to_all_single(recv_W, send_W, group=ep.group)
-        counts = torch.cat([rows_N.to(recv_W.device), recv_W]).tolist()
-        received = counts[self.num_nodes :]
-        self._raise_if_rejected([r for r in range(ep.size) if received[r] == REJECTED], ids_TK)
-        return tuple(counts[: self.num_nodes]), tuple(received[self.local_rank :: g])
+            if not bool(ids_ok):
+                self._raise_if_rejected([0], ids_TK)
+            return [((int(n),), (int(n),)) for n in rows_CN[:, 0].tolist()]
+        send_WC = torch.zeros(ep.size, chunks, dtype=torch.int64, device=self._counts_device())
+        send_WC[self.local_rank :: g] = rows_CN.t().to(send_WC.device)
+        send_WC = torch.where(ids_ok.to(send_WC.device), send_WC, REJECTED)
+        recv_WC = torch.empty_like(send_WC)
+        dist.all_to_all_single(recv_WC, send_WC, group=ep.group)
+        sent, received = rows_CN.tolist(), recv_WC.tolist()  # [C][N] and [W][C]
+        self._raise_if_rejected([r for r in range(ep.size) if REJECTED in received[r]], ids_TK)
+        rail = received[self.local_rank :: g]
+        return [(tuple(sent[c]), tuple(rail[n][c] for n in range(self.num_nodes))) for c in range(chunks)]
 
     def _wait_dispatch(self, pending: Pending) -> DispatchOutput:
-        pending.wait()
-        s: _InFlightDispatch = pending.state
-        g = self.ranks_per_node
-        ids_MK, weights_MK = unpack_topk(s.recv_meta_M2K)
-        valid_MK = ids_MK >= 0
-        member_MK = torch.where(valid_MK, torch.div(ids_MK, self.num_local_experts, rounding_mode="floor") % g, g)
-        is_sent_MG = count_per_key_rows(member_MK, g) > 0
-        pairs_G = count_per_key(member_MK.reshape(-1), g + 1)[:g]
-        inside_counts = self._exchange_counts_inside(is_sent_MG.sum(dim=0), pairs_G)
-        send_counts, recv_counts, num_pairs = inside_counts
-        member_S, row_S, slot_MG = _rows_by_member(is_sent_MG, sum(send_counts))
-        owner_S = self.node * g + member_S
-        send_meta = pack_topk(self._local_ids(ids_MK[row_S], owner_S[:, None]), weights_MK[row_S])
-        send_x = s.recv_x_MH[row_S]
-        recv_x = send_x.new_empty(sum(recv_counts), send_x.shape[1])
-        recv_meta = send_meta.new_empty(sum(recv_counts), send_meta.shape[1])
-        for recv, send in ((recv_x, send_x), (recv_meta, send_meta)):
-            _exchange(recv, send, recv_counts, send_counts, self.node_group, g, async_op=False)
-        inside = Leg(slot_MG, send_counts, recv_counts)
-        local_ids, weights = unpack_topk(recv_meta)
+        across_chunks, token_chunks, num_tokens = pending.state
+        inside_legs, xs, metas, num_pairs = [], [], [], 0
+        for chunk in across_chunks:  # chunk c moves inside the node while later chunks still cross
+            _wait_all(chunk.works)
+            leg, x, meta, pairs = self._forward_inside(chunk.recv_x_MH, chunk.recv_meta_M2K)
+            inside_legs.append(leg)
+            xs.append(x)
+            metas.append(meta)
+            num_pairs += pairs
+        recv_x = torch.cat(xs) if len(xs) > 1 else xs[0]
+        local_ids, weights = unpack_topk(torch.cat(metas) if len(metas) > 1 else metas[0])
         layout = group_rows_by_expert(local_ids, weights, self.num_local_experts, num_pairs)
-        row_bytes = recv_x.shape[1] * recv_x.element_size() + recv_meta.shape[1] * 4
+        row_bytes = recv_x.shape[1] * recv_x.element_size() + metas[0].shape[1] * metas[0].element_size()
+        crossed_sent = sum(c.leg.remote_sent(self.node) for c in across_chunks)
+        crossed_recv = sum(c.leg.remote_recv(self.node) for c in across_chunks)
         traffic = Traffic(
-            dispatch_bytes_sent=(s.across.remote_sent(self.node) + inside.remote_sent(self.local_rank)) * row_bytes,
-            dispatch_bytes_recv=(s.across.remote_recv(self.node) + inside.remote_recv(self.local_rank)) * row_bytes,
-            dispatch_inter_node_sent=s.across.remote_sent(self.node) * row_bytes,
+            dispatch_bytes_sent=(crossed_sent + sum(i.remote_sent(self.local_rank) for i in inside_legs)) * row_bytes,
+            dispatch_bytes_recv=(crossed_recv + sum(i.remote_recv(self.local_rank) for i in inside_legs)) * row_bytes,
+            dispatch_inter_node_sent=crossed_sent * row_bytes,
         )
         handle = NodeAwareHandle(
-            num_tokens=s.num_tokens,
+            num_tokens=num_tokens,
             hidden_size=recv_x.shape[1],
             dtype=recv_x.dtype,
             layout=layout,
             traffic=traffic,
-            across=s.across,
-            inside=inside,
+            across=tuple(c.leg for c in across_chunks),
+            inside=tuple(inside_legs),
+            token_chunks=token_chunks,
         )
         return self._output(recv_x[layout.row_R], handle)
+
+    def _forward_inside(
+        self, x_MH: torch.Tensor, meta_M2K: torch.Tensor
+    ) -> tuple[Leg, torch.Tensor, torch.Tensor, int]:
+        """Leg 2 of one chunk: rows that crossed (or stayed on this node) to the node's ranks owning
+        their experts, with ids made local to each; returns (the leg, rows and packed ids received,
+        (row, expert) pairs received)."""
+        g = self.ranks_per_node
+        ids_MK, weights_MK = unpack_topk(meta_M2K)
+        member_MK = torch.where(ids_MK >= 0, torch.div(ids_MK, self.num_local_experts, rounding_mode="floor") % g, g)
+        is_sent_MG = count_per_key_rows(member_MK, g) > 0
+        pairs_G = count_per_key(member_MK.reshape(-1), g + 1)[:g]
+        send_counts, recv_counts, num_pairs = self._exchange_counts_inside(is_sent_MG.sum(dim=0), pairs_G)
+        member_S, row_S, slot_MG = _rows_by_member(is_sent_MG, sum(send_counts))
+        owner_S = self.node * g + member_S
+        send_meta = pack_topk(self._local_ids(ids_MK[row_S], owner_S[:, None]), weights_MK[row_S])
+        send_x = x_MH[row_S]
+        recv_x = send_x.new_empty(sum(recv_counts), send_x.shape[1])
+        recv_meta = send_meta.new_empty(sum(recv_counts), send_meta.shape[1])
+        for recv, send in ((recv_x, send_x), (recv_meta, send_meta)):
+            _exchange(recv, send, recv_counts, send_counts, self.node_group, g, async_op=False)
+        return Leg(slot_MG, send_counts, recv_counts), recv_x, recv_meta, num_pairs
 
     def _exchange_counts_inside(
         self, rows_G: torch.Tensor, pairs_G: torch.Tensor
@@ -239,33 +275,44 @@ class NodeAwareDispatcher(Dispatcher):
 
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: NodeAwareHandle = inp.handle  # type: ignore[assignment]
-        inside, across = handle.inside, handle.across
-        # Leg 2 back: one weighted partial sum per row this rank's experts saw, to the forwarding rank.
+        # One weighted partial sum per row this rank's experts saw, every chunk's rows one after another.
         partial_MH = combine_rows(inp.expert_y_RH, handle.layout, handle.dtype)
-        back_MH = partial_MH.new_empty(sum(inside.send_counts), handle.hidden_size)
-        _exchange(
-            back_MH, partial_MH, inside.send_counts, inside.recv_counts, self.node_group, self.ranks_per_node, False
-        )
-        # One row per (token, node): this node's experts summed in rank order, then across.
-        node_sum_MH = gather_sum(back_MH, inside.slot_YD, out_dtype=handle.dtype)
-        home_MH = node_sum_MH.new_empty(sum(across.send_counts), handle.hidden_size)
-        work = _exchange(
-            home_MH, node_sum_MH, across.send_counts, across.recv_counts, self.rail_group, self.num_nodes, True
-        )
+        homes, works, first = [], [], 0
+        for inside, across in zip(handle.inside, handle.across):
+            rows = sum(inside.recv_counts)
+            # Leg 2 back, to the forwarding rank, which sums this node's experts in rank order; then
+            # one row per (token, node) crosses back while the next chunk is reduced.
+            back_MH = partial_MH.new_empty(sum(inside.send_counts), handle.hidden_size)
+            chunk_MH = partial_MH[first : first + rows]
+            _exchange(
+                back_MH, chunk_MH, inside.send_counts, inside.recv_counts, self.node_group, self.ranks_per_node, False
+            )
+            first += rows
+            node_sum_MH = gather_sum(back_MH, inside.slot_YD, out_dtype=handle.dtype)
+            home_MH = node_sum_MH.new_empty(sum(across.send_counts), handle.hidden_size)
+            homes.append(home_MH)
+            works.append(
+                _exchange(
+                    home_MH, node_sum_MH, across.send_counts, across.recv_counts, self.rail_group, self.num_nodes, True
+                )
+            )
         row_bytes = handle.hidden_size * partial_MH.element_size()
-        inter = across.remote_recv(self.node) * row_bytes
+        crossed = sum(a.remote_recv(self.node) for a in handle.across) * row_bytes
+        inside_sent = sum(i.remote_recv(self.local_rank) for i in handle.inside) * row_bytes
+        inside_recv = sum(i.remote_sent(self.local_rank) for i in handle.inside) * row_bytes
         traffic = Traffic(
-            combine_bytes_sent=inter + inside.remote_recv(self.local_rank) * row_bytes,
-            combine_bytes_recv=(across.remote_sent(self.node) + inside.remote_sent(self.local_rank)) * row_bytes,
-            combine_inter_node_sent=inter,
+            combine_bytes_sent=crossed + inside_sent,
+            combine_bytes_recv=sum(a.remote_sent(self.node) for a in handle.across) * row_bytes + inside_recv,
+            combine_inter_node_sent=crossed,
         )
-        return Pending(works=[] if work is None else [work], state=home_MH, traffic=traffic)
+        return Pending(works=[w for w in works if w is not None], state=homes, traffic=traffic)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         pending.wait()
         handle: NodeAwareHandle = pending.handle  # type: ignore[assignment]
         # Each token's returned rows (one per node it went to), summed in float32 in node order.
-        return gather_sum(pending.state, handle.across.slot_YD, out_dtype=handle.dtype)
+        sums = [gather_sum(home, a.slot_YD, out_dtype=handle.dtype) for home, a in zip(pending.state, handle.across)]
+        return torch.cat(sums) if len(sums) > 1 else sums[0]
 
 
 def count_per_key_rows(keys_MK: torch.Tensor, num_keys: int) -> torch.Tensor:
