@@ -83,6 +83,10 @@ ROUTER_KERNELS = ("auto", "torch", "triton")
 class Router(nn.Module):
     """Gate ``weight [E, H]`` (float32) and, for ``noaux_tc``, ``e_score_correction_bias [E]``.
 
+    ``logit_bias`` [E] float32 or None (default): added to the gate logits before scoring, under every
+    routing method, so it changes the weights as well as the choice. No checkpoint has one (it is not
+    in the state dict); it is the knob a synthetic load skew turns (``routing.skew``).
+
     ``kernel``: ``"torch"`` selects the experts with ``select_experts`` (a dozen small ops);
     ``"triton"`` with ``kernel.select_experts_fused`` (one launch, the same experts and
     weights; on CPU under ``TRITON_INTERPRET=1``); ``"auto"`` (default) with the Triton kernel on CUDA
@@ -94,6 +98,7 @@ class Router(nn.Module):
     the interpreter on CPU (``tests/routing/test_kernel.py``)."""
 
     e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
+    logit_bias: torch.Tensor | None  # a registered buffer, outside the state dict
 
     def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None, kernel: str = "auto"):
         super().__init__()
@@ -104,6 +109,7 @@ class Router(nn.Module):
             "e_score_correction_bias",
             torch.zeros(cfg.num_experts, dtype=torch.float32, device=device),
         )
+        self.register_buffer("logit_bias", None, persistent=False)
 
     @property
     def kernel(self) -> str:
@@ -119,7 +125,7 @@ class Router(nn.Module):
 
     def forward(self, x_TH: torch.Tensor) -> TopkOutput:
         with annotate("router"):
-            logits_TE = F.linear(x_TH.float(), self.weight)
+            logits_TE = F.linear(x_TH.float(), self.weight, self.logit_bias)
             bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
             fused = self._kernel == "triton" or (
                 self._kernel == "auto" and routing_kernels is not None and logits_TE.device.type == "cuda"
