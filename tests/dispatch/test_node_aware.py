@@ -153,3 +153,42 @@ def test_eight_ranks_as_four_or_two_nodes(ranks8, ranks_per_node, overlap):
         assert r["err_ref"] < FLOAT32_TOL and r["err_flat"] < FLOAT32_TOL and r["repeatable"], r
         assert r["node"].dispatch_inter_node_sent == r["crossings"] * r["row_bytes"]
     assert sum(r["flat"].inter_node_bytes for r in results) > sum(r["node"].inter_node_bytes for r in results)
+
+
+def _v3_routing_rank(device):
+    """DeepSeek-V3's routing (256 experts, 8 groups, 4 kept, top-8) at a CPU-sized hidden size, on 8
+    ranks as 4 nodes of 2: crossings per token, flat against node-aware, from the dispatchers' bytes."""
+    cfg = get_preset("deepseek-v3").replace(hidden_size=64, moe_intermediate_size=32)
+    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(dist.get_rank()))
+    os.environ["MOE_SBO_RANKS_PER_NODE"] = "2"
+    try:
+        flat = MoELayer(cfg, dispatcher="alltoall", seed=3)
+        node = MoELayer(cfg, dispatcher="node_aware", seed=3)
+    finally:
+        del os.environ["MOE_SBO_RANKS_PER_NODE"]
+    with torch.no_grad():
+        y_flat, y_node = flat(x), node(x)
+        nodes_TK = node.router(x).topk_ids_TK // (cfg.num_experts // 4)
+    row_bytes = cfg.hidden_size * 4 + 2 * cfg.num_experts_per_tok * 4
+    most_nodes = max(len(set(row)) for row in nodes_TK.tolist())
+    return (
+        flat.last_traffic.dispatch_inter_node_sent / row_bytes / x.shape[0],
+        node.last_traffic.dispatch_inter_node_sent / row_bytes / x.shape[0],
+        most_nodes,
+        _rel(y_node, y_flat),
+    )
+
+
+def test_deepseek_v3_routing_crosses_at_most_four_nodes_and_less_than_flat(ranks8):
+    """Measured crossings per token against the planner's prediction for the same shape (its uniform
+    model; the router spreads over a few more ranks and nodes, ~10 %)."""
+    from moe_sbo.planner.nodes import crossings
+
+    results = ranks8.run(_v3_routing_rank)
+    flat = sum(r[0] for r in results) / len(results)
+    node = sum(r[1] for r in results) / len(results)
+    predicted = crossings(get_preset("deepseek-v3"), 8, gpus_per_node=2)
+    assert all(r[2] <= 4 and r[3] < FLOAT32_TOL for r in results)
+    assert node < flat
+    assert flat == pytest.approx(predicted.flat_internode, rel=0.15)
+    assert node == pytest.approx(predicted.node_aware_internode, rel=0.15)
