@@ -28,7 +28,7 @@ from .base import (
     Traffic,
     register_dispatcher,
 )
-from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
+from .layout import combine_rows, count_per_key, group_rows_by_expert, nonzero_static, pack_topk, unpack_topk
 from .reduce import gather_sum
 
 
@@ -55,13 +55,6 @@ class _InFlightDispatch:
     num_pairs: int
     num_tokens: int
     traffic: Traffic
-
-
-def _nonzero_static(mask: torch.Tensor, size: int) -> torch.Tensor:
-    """``mask.nonzero()`` when the count is already known: no device-to-host read."""
-    if hasattr(torch, "nonzero_static"):
-        return torch.nonzero_static(mask, size=size)
-    return mask.nonzero()
 
 
 def _remote(counts: tuple[int, ...], rank: int) -> int:
@@ -107,7 +100,7 @@ class AllToAllDispatcher(Dispatcher):
         num_pairs = sum(counts[2 * ep.size :])
         # Rows in (destination rank, token) order: what all_to_all_single's splits expect. The row
         # count is known on the host now, so nonzero needs no second host sync.
-        dest_M, send_token_M = _nonzero_static(is_sent_TP.t(), sum(send_counts)).unbind(1)
+        dest_M, send_token_M = nonzero_static(is_sent_TP.t(), sum(send_counts)).unbind(1)
 
         # Where each (token, rank) row went, for combine's sum of the returned rows (M: nowhere).
         slot_TP = torch.full((num_tokens, ep.size), dest_M.shape[0], dtype=torch.int64, device=x_TH.device)

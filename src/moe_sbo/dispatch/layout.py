@@ -44,6 +44,13 @@ def count_per_key(keys_X: torch.Tensor, num_keys: int) -> torch.Tensor:
     return counts.scatter_add_(0, keys_X, torch.ones_like(keys_X))
 
 
+def nonzero_static(mask: torch.Tensor, size: int) -> torch.Tensor:
+    """``mask.nonzero()`` when the count is already known: no device-to-host read."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=size)
+    return mask.nonzero()
+
+
 def group_rows_by_expert(
     local_ids_MK: torch.Tensor,
     weights_MK: torch.Tensor,

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .alltoall import _nonzero_static
 from .base import (
     REJECTED,
     CombineInput,
@@ -46,7 +45,7 @@ from .base import (
     Traffic,
     register_dispatcher,
 )
-from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
+from .layout import combine_rows, count_per_key, group_rows_by_expert, nonzero_static, pack_topk, unpack_topk
 from .reduce import gather_sum
 
 
@@ -90,7 +89,7 @@ class _Across:
 def _rows_by_member(is_sent_YD: torch.Tensor, num_sent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sent rows in (member, source row) order, as ``all_to_all_single``'s splits expect: (member of
     each sent row, its source row, ``slot_YD``). ``num_sent`` is known on the host: no sync here."""
-    member_S, source_S = _nonzero_static(is_sent_YD.t(), num_sent).unbind(1)
+    member_S, source_S = nonzero_static(is_sent_YD.t(), num_sent).unbind(1)
     slot_YD = torch.full(is_sent_YD.shape, num_sent, dtype=torch.int64, device=is_sent_YD.device)
     slot_YD[source_S, member_S] = torch.arange(num_sent, device=is_sent_YD.device)
     return member_S, source_S, slot_YD

@@ -112,7 +112,7 @@ def _overlap(lo_a: int, hi_a: int, lo_b: int, hi_b: int) -> int:
     return max(0, min(hi_a, hi_b) - max(lo_a, lo_b))
 
 
-def _rank_hit_probabilities(cfg: MoEConfig, ep: int) -> list[Fraction]:
+def rank_hit_probabilities(cfg: MoEConfig, ep: int) -> list[Fraction]:
     """P(rank r owns >= 1 of a token's experts), exactly, for every rank r.
 
     Model: the M kept groups are a uniform M-subset of the G groups; the K experts are a uniform
@@ -169,12 +169,12 @@ def node_sizes(ep: int, gpus_per_node: int) -> list[int]:
 
 
 def expected_fanout(cfg: MoEConfig, ep: int, gpus_per_node: int = 8) -> Fanout:
-    """Exact expected destination ranks per token (see ``_rank_hit_probabilities`` for the model).
+    """Exact expected destination ranks per token (see ``rank_hit_probabilities`` for the model).
 
     Remote and intra/inter-node splits average over a uniformly placed source rank s: rank r is
     remote for P - 1 of the P sources, and in s's node for (node size - 1) of them.
     """
-    hits = _rank_hit_probabilities(cfg, ep)
+    hits = rank_hit_probabilities(cfg, ep)
     nodes = node_sizes(ep, gpus_per_node)
     total = sum(hits)
     remote = total * Fraction(ep - 1, ep)

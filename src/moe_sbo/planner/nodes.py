@@ -9,7 +9,7 @@ ranks that need it. Combine mirrors dispatch with one partial sum per crossing.
 What is hard: **crossings under group limits.** DeepSeek-V3 keeps 4 of 8 expert groups per token; when
 the nodes hold whole groups (8 groups over 2, 4 or 8 nodes) a token reaches at most 4 nodes, however
 many ranks. The expected count comes from the same exact model as the flat fan-out
-(``bytes._rank_hit_probabilities`` with nodes in place of ranks: a node is a "rank" owning E / N
+(``bytes.rank_hit_probabilities`` with nodes in place of ranks: a node is a "rank" owning E / N
 experts), so the two are compared under one assumption; ``simulate_fanout`` gives the router's own.
 
 Per GPU and token, with R the expected distinct ranks hit, N nodes of G ranks, and ``n`` the expected
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ..config import MoEConfig
-from .bytes import RowBytes, _rank_hit_probabilities, combine_row_bytes, dispatch_row_bytes
+from .bytes import RowBytes, combine_row_bytes, dispatch_row_bytes, rank_hit_probabilities
 from .inputs import B_PER_US_PER_GBPS
 from .links import Link
 
@@ -69,8 +69,8 @@ def crossings(cfg: MoEConfig, ep: int, gpus_per_node: int = 8) -> Crossings:
             f"EP{ep}; choose an EP size that is a multiple of {gpus_per_node} and divides the experts"
         )
     nodes = ep // gpus_per_node
-    ranks_hit = sum(_rank_hit_probabilities(cfg, ep), Fraction(0))
-    nodes_hit = sum(_rank_hit_probabilities(cfg, nodes), Fraction(0))
+    ranks_hit = sum(rank_hit_probabilities(cfg, ep), Fraction(0))
+    nodes_hit = sum(rank_hit_probabilities(cfg, nodes), Fraction(0))
     return Crossings(
         ep=ep,
         gpus_per_node=gpus_per_node,
