@@ -6,11 +6,13 @@ all-to-all really moves per GPU (``bytes``). ``inputs`` holds the units, hardwar
 ``PlanInputs`` (with the whole-model ``ModelShapes``); ``links`` the bandwidths a plan predicts with
 (datasheet or ``calibrate``d); ``memory`` the weight memory per GPU at given EP sizes, routed experts
 in bf16 and fp8; ``verdicts`` the overlap verdicts (none, SBO, TBO), the allgather/alltoall comparison
-and the ``Plan``. Each module imports only those listed before it: inputs, worked_example, links,
-bytes, memory, verdicts.
+and the ``Plan``; ``balance`` the expert load balance per EP size and placement policy (``moe_sbo.eplb``'s
+placements, imported when asked). Each module imports only those listed before it: inputs,
+worked_example, links, bytes, memory, verdicts; ``balance`` imports none of them.
 Units: ``_B`` bytes, ``_us`` microseconds, ``_GBps`` 1e9 bytes/s.
 """
 
+from .balance import DEFAULT_BALANCE_EP, DEFAULT_REDUNDANT, BalanceRow, LoadBalance, load_balance, nodes_for
 from .bytes import (
     FP8_SCALE_B,
     FP8_SCALE_BLOCK,
@@ -81,6 +83,13 @@ from .verdicts import (
 from .worked_example import SEED_GB_B, SEED_KB_B, SEED_MB_B, SEED_PRINTED, SeedFigure, round_sig, seed_figures
 
 __all__ = [
+    # balance
+    "DEFAULT_BALANCE_EP",
+    "DEFAULT_REDUNDANT",
+    "BalanceRow",
+    "LoadBalance",
+    "load_balance",
+    "nodes_for",
     # inputs
     "B_PER_US_PER_GBPS",
     "DEFAULT_MEMORY_EP",
