@@ -1,7 +1,7 @@
 """``moe-sbo bench``: the sweep's command line. Without ``--tbo`` every dispatcher × overlap mode ×
 token count (``bench_sbo.py``); with ``--tbo`` the decoder layer with and without two-batch overlap
-(``bench_tbo.py``). Each step runs on every rank of one pool; its rows land in the result file as soon
-as it ends.
+(``bench_tbo.py``); with ``--eplb`` expert load balancing on a skewed router (``bench_eplb.py``).
+Each step runs on every rank of one pool; its rows land in the result file as soon as it ends.
 
 The hard part is failing early, and only when it must: every option is checked on the launching
 process before any rank starts, with a per-rank memory estimate (``memory.py``) against what the
@@ -33,6 +33,16 @@ from ..measure.trace import Span, plot_timeline, save_spans
 from ..overlap import OVERLAP_MODES, make_overlap
 from ..streams import check_sm_budget
 from .bench_common import bench_config
+from .bench_eplb import (
+    FILL_FORWARDS,
+    MEASURE_TOKENS,
+    EplbSetup,
+    eplb_bench_rank,
+    eplb_notes,
+    eplb_table,
+    resolve_eplb,
+    summarise_eplb,
+)
 from .bench_sbo import sbo_bench_rank, sbo_legend, sbo_table, summarise, timeline_rank
 from .bench_tbo import TBO_LEGEND, summarise_tbo, tbo_bench_rank, tbo_table, tbo_timeline_rank
 from .memory import check_memory, estimate_rank_bytes
@@ -43,6 +53,7 @@ from .options import (
     make_console,
     print_notes,
     resolve_ranks,
+    write_load_file,
 )
 from .parsers import DEVICE_DEFAULTS, output_file
 
@@ -101,6 +112,7 @@ def run_bench(args: argparse.Namespace) -> int:
         bad = next((v for v in values if v < low), None)
         if bad is not None:
             raise ValueError(f"{flag} must be >= {low}, got {bad}; leave {flag} out for its default")
+    eplb = resolve_eplb(args, ranks, experts_list)
     if args.tbo and not (args.prefill_tokens or args.decode_seqs):
         raise ValueError(
             "--prefill-tokens and --decode-seqs must give at least one size with --tbo, got neither; "
@@ -138,13 +150,25 @@ def run_bench(args: argparse.Namespace) -> int:
         timing="median of CUDA events (host clock on CPU); ranks lined up between forwards; "
         "times are the slowest rank's",
     )
+    if eplb is not None:
+        meta.update(
+            policy=eplb.policy,
+            redundant=eplb.redundant,
+            skew=sorted({t.label for t in eplb.targets.values()}),
+            eplb_window_forwards=FILL_FORWARDS,
+            eplb_measure_tokens=MEASURE_TOKENS,
+            timing="layer_ms: median of CUDA events (host clock on CPU) of eager forwards, ranks lined up "
+            "between forwards, the slowest rank's; t_rebalance_ms: host clock, ranks lined up before and after; "
+            "eplb_overhead: medians of CUDA-graph replays",
+        )
     results = ResultFile(out, meta)
-    steps = _steps(args, experts_list, dispatchers, modes, dtype, ranks)
+    loads: list[list[float]] = []  # --eplb: each step's window load, for --record-load
+    steps = _steps(args, experts_list, dispatchers, modes, dtype, ranks, eplb, loads)
     # The wire's NCCL settings go to the ranks' environment only, before they make their communicator.
     pool = RankPool(ranks, device, environ=EMULATED_INTERNODE_ENV if args.wire == "emulated-internode" else None)
     started = time.perf_counter()
     try:
-        stopped = run_steps(steps, pool, results, console, "tbo" if args.tbo else "sbo")
+        stopped = run_steps(steps, pool, results, console, "tbo" if args.tbo else "eplb" if eplb else "sbo")
         if stopped:
             meta["stopped"] = stopped + ("; no timeline drawn" if args.timeline or args.trace else "")
         elif args.timeline or args.trace:
@@ -157,7 +181,12 @@ def run_bench(args: argparse.Namespace) -> int:
     meta["wall_s"] = round(time.perf_counter() - started, 1)
     meta.update(measured_wire(results.rows))
     results.save()
-    if args.tbo:
+    if eplb is not None:
+        console.print(eplb_table(results.rows))
+        print_notes(console, *eplb_notes(results.rows), cpu_timing_note(device))
+        if eplb.record_load is not None:
+            _record_load(eplb, loads, args, meta, console)
+    elif args.tbo:
         console.print(tbo_table(results.rows))
         print_notes(console, TBO_LEGEND, cpu_timing_note(device))
     else:
@@ -220,6 +249,23 @@ def measured_wire(rows: list[dict]) -> dict:
     return {"wire_all_to_all_GBps": float(f"{size / t_us / 1e3:.3g}"), "wire_all_to_all_bytes": size}
 
 
+def _record_load(eplb: EplbSetup, loads: list[list[float]], args, meta: dict, console: Console) -> None:
+    """``--record-load``: the EP group's tokens per expert, every step's load window summed."""
+    path = eplb.record_load
+    assert path is not None, "called with --record-load"
+    if not loads:
+        console.print(f"[red]no load recorded[/]: every step failed; {escape(str(path))} not written", highlight=False)
+        return
+    load = [float(sum(column)) for column in zip(*loads)]
+    file_meta = {
+        **meta,
+        "what": "tokens per expert routed by the EP group, summed over every step's load window "
+        f"({len(loads)} steps x {meta['eplb_window_forwards']} forwards of fresh tokens)",
+    }
+    write_load_file(path, load, args.preset, file_meta)
+    console.print(f"load of {len(load)} experts written to {path}", highlight=False, soft_wrap=True)
+
+
 def _memory_line(args, experts_list, ranks, dtype, attention, device) -> str:
     """The per-rank memory estimate of the largest setup of the sweep; raises when it cannot fit."""
     if args.tbo:
@@ -227,8 +273,10 @@ def _memory_line(args, experts_list, ranks, dtype, attention, device) -> str:
         kv_tokens = max([*args.prefill_tokens, *(b * (args.kv_len + 1) for b in args.decode_seqs)])
     else:
         tokens, kv_tokens = max(args.tokens), 0
+    # --eplb on CUDA holds two layers at once (with and without statistics, for their overhead).
+    layers = 2 if args.eplb and device == "cuda" else 1
     estimates = [
-        estimate_rank_bytes(bench_config(args.preset, n), ranks, dtype, tokens, attention, kv_tokens)
+        estimate_rank_bytes(bench_config(args.preset, n), ranks, dtype, tokens, attention, kv_tokens, layers=layers)
         for n in experts_list
     ]
     return check_memory(max(estimates, key=lambda e: e.total_B), device, ranks)
@@ -280,9 +328,29 @@ def run_steps(steps: list[Step], pool, results: ResultFile, console: Console, be
     return None
 
 
-def _steps(args, experts_list, dispatchers, modes, dtype, ranks) -> list[Step]:
+def _steps(args, experts_list, dispatchers, modes, dtype, ranks, eplb: EplbSetup | None, loads) -> list[Step]:
     """Every point of the sweep, in order."""
     steps: list[Step] = []
+    if eplb is not None:
+        for n, d, t in ((n, d, t) for n in experts_list for d in dispatchers for t in args.tokens):
+            spec = {
+                **_spec(args, n, d, ["none"], dtype),
+                "redundant": eplb.redundant,
+                "policy": eplb.policy,
+                "num_nodes": eplb.num_nodes,
+                "target": eplb.targets[n].load,
+                "skew": eplb.targets[n].label,
+            }
+            steps.append(
+                Step(
+                    f"E={n} {d} T={t}",
+                    eplb_bench_rank,
+                    (spec, t),
+                    lambda per_rank, spec=spec: summarise_eplb(per_rank, spec, ranks, loads),
+                    {"num_experts": n, "dispatcher": d, "tokens_per_rank": t, "wire": args.wire},
+                )
+            )
+        return steps
     if not args.tbo:
         for n, d, t in ((n, d, t) for n in experts_list for d in dispatchers for t in args.tokens):
             spec = _spec(args, n, d, modes, dtype)

@@ -4,6 +4,10 @@ Each rank builds the reference layer (``local``: all experts, same seed, so the 
 layer per dispatcher, runs its own random tokens through both, and reports the error, the bytes it
 moved and the time of each phase. Phase times come from hooks on the dispatcher: the demo measures
 itself with the same mechanism overlap strategies use, without touching the layer.
+
+With ``--eplb`` every router (the reference's too) is skewed to a Zipf(1) load and each dispatcher's
+layer balances it (``eplb=``, one redundant slot per rank): after the timed forwards fill its load
+window it rebalances, and its output is checked against the reference before and after.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..config import PRESETS, get_preset
 from ..decoder.attention import AttentionConfig, Batch
 from ..decoder.decoder_layer import DecoderLayer
 from ..dispatch import DISPATCHERS, options_for_tokens
+from ..eplb.runtime import EPLBOptions
 from ..hf.checkpoint import Checkpoint, LayerLoader
 from ..launch.group import resolve_device
 from ..launch.ranks import LocalRanks
@@ -31,6 +36,7 @@ from ..layer import MoELayer
 from ..measure.results import result_meta
 from ..overlap import OVERLAP_MODES
 from ..overlap.tbo import tbo_forward
+from .bench_eplb import max_over_mean, received_rows, skew_alike
 from .memory import check_memory, estimate_rank_bytes, memory_fix
 from .options import (
     compact,
@@ -43,6 +49,7 @@ from .options import (
     resolve_expert_dtype,
     resolve_ranks,
     sci,
+    target_load,
 )
 from .parsers import output_file
 from .progress import rank_progress, starting_ranks
@@ -54,6 +61,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # weights, but a summation-order difference before one of the experts' two e4m3 activation
 # quantisations can move a value to the neighbouring e4m3 step (2^-4 relative), a few values per run.
 FP8_TOLERANCE = 2e-2
+DEMO_SKEW = "zipf:1"  # --eplb: the load every router is skewed to
 
 
 def demo_tolerance(dtype: torch.dtype, expert_dtype: str | None) -> float:
@@ -79,6 +87,13 @@ class DemoRow:
     t_experts_us: float
     t_combine_us: float
     t_layer_us: float
+    # --eplb: the rank load (max/mean of the expert rows each rank receives) on the demo's tokens before
+    # and after the rebalance, what moved, and the error after it (the fields above: before it).
+    load_max_over_mean_before: float | None = None
+    load_max_over_mean_after: float | None = None
+    moved_slots: int | None = None
+    moved_bytes: int | None = None
+    rel_err_after_rebalance: float | None = None
 
 
 class PhaseClock:
@@ -116,6 +131,7 @@ def run_demo_rank(
     layer_index: int | None = None,
     tbo: bool = False,
     expert_dtype: str | None = None,
+    eplb: bool = False,
 ) -> list[dict]:
     """One rank's share of the demo (called on every rank by ``LocalRanks.run``): one row per
     dispatcher and overlap mode. With ``checkpoint`` (a model directory) the model and weights are
@@ -123,7 +139,9 @@ def run_demo_rank(
     this rank's experts; the ``local`` reference reads them all. With ``tbo`` each MoE layer sits in a
     decoder layer (attention + MoE) run with two-batch overlap on packed sequences, against the
     ``local`` decoder layer without it; phase times are then micro-batch A's. ``expert_dtype``: of
-    every layer's routed experts, the reference's included (``MoELayer``'s option: None or "fp8")."""
+    every layer's routed experts, the reference's included (``MoELayer``'s option: None or "fp8").
+    ``eplb``: every router skewed to ``DEMO_SKEW``, each layer with load balancing (one redundant slot per
+    rank when there are several), rebalanced after the timed forwards and checked again."""
     load: Callable[[MoELayer], MoELayer]
     if checkpoint:
         if layer_index is None:
@@ -140,8 +158,13 @@ def run_demo_rank(
     generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
     x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
     model, run, run_reference = _models(tbo, tokens, cfg.hidden_size, seed, device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    balance = EPLBOptions(redundant_per_rank=1 if world > 1 else 0, window=iters + 1) if eplb else None
     with torch.inference_mode():
         reference = MoELayer(cfg, dispatcher="local", dtype=dtype, device=device, seed=seed, expert_dtype=expert_dtype)
+        logit_bias_E = None
+        if eplb:
+            _, logit_bias_E = skew_alike(reference, target_load(DEMO_SKEW, cfg.num_experts, cfg.name).load, seed)
         reference_TH = run_reference(model(load(reference)), x_TH)
         rows = []
         progress = rank_progress(rank, len(dispatchers) * len(overlaps), "demo")
@@ -156,8 +179,11 @@ def run_demo_rank(
                     overlap=overlap,
                     dispatcher_options=options_for_tokens(name, tokens),
                     expert_dtype=expert_dtype,
+                    eplb=balance,
                 )
             )
+            if logit_bias_E is not None:
+                layer.router.logit_bias = logit_bias_E.clone()
             clock = PhaseClock(layer)
             wrapped = model(layer)
             samples = []
@@ -179,9 +205,11 @@ def run_demo_rank(
             if overlap == overlaps[0]:
                 first_mode_y_TH = y_TH
             diff = y_TH.float() - reference_TH.float()
-            ref_norm = reference_TH.float().norm().item()
-            rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
+            rel = _rel_err(y_TH, reference_TH)
             traffic = layer.last_traffic
+            balanced = _rebalanced(layer, x_TH, lambda: run(wrapped, x_TH), reference_TH) if eplb else {}
+            tolerance = demo_tolerance(dtype, expert_dtype)
+            ok = rel <= tolerance and balanced.get("rel_err_after_rebalance", 0.0) <= tolerance
             if progress:
                 progress(f"{name} / {overlap}")
             rows.append(
@@ -195,7 +223,7 @@ def run_demo_rank(
                         tokens=tokens,
                         max_abs_err=diff.abs().max().item() if diff.numel() else 0.0,
                         rel_err=rel,
-                        ok=rel <= demo_tolerance(dtype, expert_dtype),
+                        ok=ok,
                         bytes_sent=traffic.bytes_sent,
                         bytes_recv=traffic.bytes_recv,
                         t_route_us=medians[0],
@@ -203,10 +231,33 @@ def run_demo_rank(
                         t_experts_us=medians[2],
                         t_combine_us=medians[3],
                         t_layer_us=medians[4],
+                        **balanced,
                     )
                 )
             )
     return rows
+
+
+def _rel_err(y_TH: torch.Tensor, reference_TH: torch.Tensor) -> float:
+    """Relative L2 error of ``y_TH`` against ``reference_TH`` (absolute when the reference is 0)."""
+    diff = y_TH.float() - reference_TH.float()
+    ref_norm = reference_TH.float().norm().item()
+    return diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
+
+
+def _rebalanced(layer: MoELayer, x_TH: torch.Tensor, forward: Callable[[], torch.Tensor], reference_TH) -> dict:
+    """Rebalance ``layer`` from the forwards its window counted, on every rank: the rank load on
+    ``x_TH`` before and after, what moved, and the error of ``forward()`` after it. A collective."""
+    before = received_rows(layer, [x_TH])
+    report = layer.rebalance()
+    after = received_rows(layer, [x_TH])
+    return {
+        "load_max_over_mean_before": max_over_mean(before),
+        "load_max_over_mean_after": max_over_mean(after),
+        "moved_slots": report.moved_slots,
+        "moved_bytes": report.moved_bytes,
+        "rel_err_after_rebalance": _rel_err(forward(), reference_TH),
+    }
 
 
 def _models(tbo: bool, tokens: int, hidden_size: int, seed: int, device: torch.device):
@@ -255,6 +306,12 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
                 },
             }
         )
+        if first["moved_slots"] is not None:  # --eplb: the group's balance (all-reduced, alike on every rank)
+            summary[-1].update(
+                {k: first[k] for k in ("load_max_over_mean_before", "load_max_over_mean_after", "moved_slots")}
+                | {"moved_bytes": first["moved_bytes"]}
+                | {"rel_err_after_rebalance": max(r["rel_err_after_rebalance"] for r in rows)}
+            )
     return summary
 
 
@@ -274,6 +331,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
     overlaps = _overlap_modes(args.overlap)
+    if args.eplb:
+        _check_eplb(args, names, ranks)
+        if args.dispatcher == "all" and ranks > 1:
+            names = [n for n in names if n != "local"]  # local holds every expert on each rank: nothing to balance
     if args.layer is not None and not args.checkpoint:
         raise ValueError(
             f"--layer picks a layer of --checkpoint, got --layer {args.layer} without one; add --checkpoint DIR "
@@ -303,6 +364,12 @@ def run_demo(args: argparse.Namespace) -> int:
     console.print(memory, highlight=False)
     if args.tbo:
         console.print("  each MoE layer in a decoder layer (attention + MoE), run with two-batch overlap")
+    if args.eplb:
+        console.print(
+            f"  eplb: routers skewed to {DEMO_SKEW}, {1 if ranks > 1 else 0} redundant slot(s) per rank, "
+            "a rebalance after the timed forwards",
+            highlight=False,
+        )
     with starting_ranks(ranks, device):
         workers = LocalRanks(ranks, device=device)
     with workers:
@@ -319,16 +386,26 @@ def run_demo(args: argparse.Namespace) -> int:
             layer_index=args.layer,
             tbo=args.tbo,
             expert_dtype=expert_dtype,
+            eplb=args.eplb,
         )
     rows = summarise(per_rank)
     tolerance = demo_tolerance(getattr(torch, dtype), expert_dtype)
     console.print(demo_table(rows))
     print_notes(
         console,
-        f"ok: rel L2 <= {tolerance:g}; = none: bitwise equal to overlap none",
+        f"ok: rel L2 <= {tolerance:g}"
+        + (" before and after the rebalance" if args.eplb else "")
+        + "; = none: bitwise equal to overlap none",
         "B/rank: mean bytes sent (= received)",
         cpu_timing_note(device),
     )
+    if args.eplb:
+        console.print(eplb_demo_table(rows))
+        print_notes(
+            console,
+            "before, after: max/mean of the expert rows each rank receives, on the demo's tokens (which the",
+            "rebalance's load window counted); moved: expert slots that changed rank; rel L2 after: vs reference",
+        )
     if json_path:
         with open(json_path, "w") as f:
             meta = {**result_meta(device=device, world_size=ranks), "expert_dtype": expert_dtype or dtype}
@@ -356,6 +433,41 @@ def demo_table(rows: list[dict]):
             *(compact(r[k]) for k in ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")),
         )
     return table
+
+
+def eplb_demo_table(rows: list[dict]):
+    """``--eplb``: each layer's rank load before and after its rebalance, what moved, the error after."""
+    columns = [("dispatcher", "left"), ("overlap", "left"), ("before", "right"), ("after", "right")]
+    columns += [("moved", "right"), ("MB", "right"), ("rel L2 after", "right"), ("ok", "left")]
+    table = make_table("expert load balancing: rank load max/mean", columns)
+    for r in rows:
+        table.add_row(
+            r["dispatcher"],
+            r["overlap"],
+            f"{r['load_max_over_mean_before']:.2f}",
+            f"{r['load_max_over_mean_after']:.2f}",
+            str(r["moved_slots"]),
+            f"{r['moved_bytes'] / 1e6:.3g}",
+            sci(r["rel_err_after_rebalance"]),
+            "[green]yes[/]" if r["ok"] else "[red]NO[/]",
+        )
+    return table
+
+
+def _check_eplb(args: argparse.Namespace, names: list[str], ranks: int) -> None:
+    """``--eplb``'s combinations, refused before any rank starts (``ValueError`` naming the fix)."""
+    if args.tbo:
+        raise ValueError("--eplb and --tbo are separate demos, got both; run one, then the other")
+    if args.checkpoint:
+        raise ValueError(
+            "--eplb runs --preset's random weights (a checkpoint is read per rank in contiguous experts), got "
+            "--checkpoint; leave one of them out"
+        )
+    if args.dispatcher == "local" and ranks > 1:
+        raise ValueError(
+            f"--eplb moves experts between ranks, but --dispatcher local holds every expert on each of the {ranks} "
+            "ranks; choose another --dispatcher, or --ranks 1"
+        )
 
 
 def verdict(rows: list[dict], device: str) -> str:

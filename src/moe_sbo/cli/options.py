@@ -8,7 +8,9 @@ launching process, so a bad value is a usage error before any rank starts.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -223,3 +225,70 @@ class Sweep:
         if min(tokens) < 0 or warmup < 0 or iters < 1:
             raise ValueError(f"--tokens must be >= 0 and --iters >= 1, got {tokens} and {iters}")
         return cls(device, warmup, iters, ep_sizes)
+
+
+# ---- expert load: --skew, --load and load files --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetLoad:
+    """A per-expert load a run asked for: ``load`` (one number per expert, mean 1 for ``zipf:S``, tokens
+    for a load file) and ``label`` (``zipf:1.2``, or the file's path)."""
+
+    load: list[float]
+    label: str
+
+
+def target_load(spec: str, num_experts: int, model: str, flag: str = "--skew") -> TargetLoad:
+    """``zipf:S`` or a load file's path -> the load for ``num_experts`` experts of ``model``. Raises
+    ``ValueError`` naming ``flag`` for a bad exponent, a file that is not a load file, or one recorded
+    for another expert count."""
+    if spec.startswith("zipf:"):
+        from ..eplb import zipf_load
+
+        text = spec.removeprefix("zipf:")
+        try:
+            s = float(text)
+        except ValueError:
+            s = float("nan")
+        if not 0 <= s < float("inf"):
+            raise ValueError(
+                f"{flag} zipf:S needs an exponent S >= 0, got {spec!r}; e.g. {flag} zipf:1.2 (zipf:0 is an even load)"
+            )
+        return TargetLoad(zipf_load(num_experts, s, seed=0).tolist(), f"zipf:{s:g}")
+    return TargetLoad(read_load_file(spec, num_experts, model, flag), spec)
+
+
+def read_load_file(path: str, num_experts: int, model: str, flag: str) -> list[float]:
+    """The ``load`` of a file ``write_load_file`` wrote, checked against ``num_experts`` experts of ``model``."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(
+            f"{flag} must be zipf:S or a load file, got {path!r}, which does not exist; "
+            "record one with moe-sbo bench --eplb --record-load PATH, or use zipf:S"
+        ) from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{flag} {path} must be a JSON load file, but it cannot be read: {err}") from None
+    load = doc.get("load") if isinstance(doc, dict) else None
+    if not isinstance(load, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in load):
+        raise ValueError(
+            f'{flag} {path} must hold {{"load": [one number per expert], ...}}, got no such list; '
+            "record one with moe-sbo bench --eplb --record-load PATH"
+        )
+    if len(load) != num_experts:
+        recorded = f" (recorded on {doc['preset']})" if doc.get("preset") else ""
+        raise ValueError(
+            f"{flag} {path} must hold one load per expert of {model} ({num_experts}), got {len(load)}{recorded}; "
+            "use a load recorded with the same model and expert count, or zipf:S"
+        )
+    if not all(math.isfinite(v) and v >= 0 for v in load) or sum(load) <= 0:
+        raise ValueError(f"{flag} {path} must hold finite loads >= 0, not all 0; record it again")
+    return [float(v) for v in load]
+
+
+def write_load_file(path: Path, load: list[float], preset: str, meta: dict) -> None:
+    """``{"meta", "load", "num_experts", "preset"}``: what ``--skew PATH`` and ``plan --load`` read."""
+    doc = {"meta": meta, "load": load, "num_experts": len(load), "preset": preset}
+    path.write_text(json.dumps(doc, indent=1) + "\n")

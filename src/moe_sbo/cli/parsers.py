@@ -39,6 +39,12 @@ RANKS_HELP = (
     "(a functional run: correctness, not wire speed)"
 )
 EXPERT_DTYPES = ("bf16", "fp8")  # --expert-dtype choices; bf16 is the layer's own dtype (expert_dtype=None)
+# --policy choices: moe_sbo.eplb.PLACEMENT_POLICIES, named here without importing torch (a test holds them equal).
+PLACEMENT_POLICY_NAMES = ("trivial", "global", "hierarchical")
+SKEW_HELP = (
+    "the expert load: zipf:S (Zipf popularity of exponent S >= 0 over the experts in a seeded random order; "
+    "zipf:0 is even) or a load file written by bench --eplb --record-load"
+)
 
 
 def add_expert_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -166,6 +172,13 @@ def add_demo_parser(subparsers) -> None:
         default="none",
         help=f"one of {list(OVERLAP_MODES)}, or all; other than none, none runs too for comparison",
     )
+    p.add_argument(
+        "--eplb",
+        action="store_true",
+        help="expert load balancing: each layer with one redundant expert slot per rank (none on one rank), its "
+        "router skewed to a Zipf(1) load; shows the rank load before and after a rebalance, the experts moved, "
+        "and checks the output against the reference both times",
+    )
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
     add_device_arg(p)
     p.add_argument(
@@ -207,10 +220,11 @@ WIRES = ("nvlink", "emulated-internode")
 
 BENCH_DESCRIPTION = """\
 Time the MoE layer on N ranks: every overlap mode x dispatcher x token count (single-batch overlap),
-or with --tbo a decoder layer (attention + MoE) without and with two-batch overlap. Rows go to --out
-(JSON) after every step; a step that fails on a rank becomes an error row, and after a rank is
-killed or runs out of memory the sweep stops. Each mode's efficiency and speedup are measured
-against overlap none.
+or with --tbo a decoder layer (attention + MoE) without and with two-batch overlap, or with --eplb
+expert load balancing on a skewed router (rank load before and after a rebalance, its cost, the
+layer time). Rows go to --out (JSON) after every step; a step that fails on a rank becomes an error
+row, and after a rank is killed or runs out of memory the sweep stops. Each mode's efficiency and
+speedup are measured against overlap none.
 
 Defaults depend on the device: on GPUs a DeepSeek-V3 layer at realistic sizes; on CPU ranks the
 tiny preset at a few tokens, a smoke run of the whole sweep (CPU times are not GPU numbers). Before
@@ -346,6 +360,34 @@ def add_bench_parser(subparsers) -> None:
         "transfer: a number, 'all', or 'auto' (default: all but the SMs the transfer holds, "
         "moe_sbo.overlap.tbo.resolve_gemm_sm_budget); the number used is in every TBO row as tbo_gemm_sm_budget",
     )
+    eplb = p.add_argument_group(
+        "expert load balancing (--eplb): per dispatcher, tokens and redundant count, the router skewed to "
+        "--skew, the rank load and layer time before and after a rebalance (overlap none)"
+    )
+    eplb.add_argument("--eplb", action="store_true", help="bench expert load balancing")
+    eplb.add_argument(
+        "--redundant",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="redundant expert slots per rank, one case each (default: 0 1 2; 0 with --policy trivial or one rank)",
+    )
+    eplb.add_argument("--skew", default=None, metavar="zipf:S|PATH", help=f"{SKEW_HELP} (default: zipf:1)")
+    eplb.add_argument(
+        "--policy",
+        default=None,
+        choices=PLACEMENT_POLICY_NAMES,
+        help="how the rebalance places experts (default: global); hierarchical: nodes of 8 ranks from "
+        "16 ranks on, the model's expert groups",
+    )
+    eplb.add_argument(
+        "--record-load",
+        default=None,
+        metavar="PATH",
+        help="write the EP group's measured tokens per expert (every case's load window, summed) as JSON, "
+        "for --skew PATH and plan --load",
+    )
 
 
 # ---- check ---------------------------------------------------------------------------------------
@@ -464,7 +506,8 @@ PLAN_DESCRIPTION = """\
 The communication-budget planner: bytes per token, per all-to-all and per decode step, the per-GPU
 bandwidth a time-per-output-token target needs, and which overlap (single- or two-batch) fits. With
 no options it reproduces the seed's DeepSeek-V3 decode example line by line, then shows what the
-byte model adds, and the weights each GPU holds at a few EP sizes. Needs no GPU."""
+byte model adds, and the weights each GPU holds at a few EP sizes. With --load (or --skew) also the
+expert load balance each placement policy reaches per EP size. Needs no GPU."""
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -528,6 +571,33 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
             "EP sizes of the weight-memory table, routed experts / EP and the rest replicated (default: "
             f"{' '.join(map(str, planner.DEFAULT_MEMORY_EP))}, those that divide the experts, else --ep)"
         ),
+    )
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument(
+        "--load",
+        metavar="FILE",
+        help="a load file (bench --eplb --record-load): add the expert load balance per EP size, redundant "
+        "count and placement policy, and the predicted gain on the expert time",
+    )
+    load.add_argument("--skew", metavar="zipf:S|FILE", help=f"as --load, from {SKEW_HELP}")
+    parser.add_argument(
+        "--eplb-ep",
+        type=int,
+        nargs="+",
+        metavar="EP",
+        help=(
+            "EP sizes of the load-balance table (default: "
+            f"{' '.join(map(str, planner.DEFAULT_BALANCE_EP))}, those that divide the experts)"
+        ),
+    )
+    parser.add_argument(
+        "--redundant",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="redundant expert slots per rank of the load-balance table (default: "
+        f"{' '.join(map(str, planner.DEFAULT_REDUNDANT))})",
     )
     parser.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: batch vs a2a time and bandwidth")

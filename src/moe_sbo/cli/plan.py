@@ -3,7 +3,9 @@
 With no arguments it reproduces the seed's DeepSeek-V3 decode example line by line (figure, formula,
 seed value, exact value, agreement), then shows what the byte model adds: real row sizes, fan-out,
 transfer times on the chosen hardware, a verdict per overlap mode, and allgather vs alltoall per EP;
-last, the weight memory per GPU at the ``--memory-ep`` sizes, routed experts in bf16 and in fp8.
+then the weight memory per GPU at the ``--memory-ep`` sizes, routed experts in bf16 and in fp8; with
+``--load FILE`` or ``--skew zipf:S``, last, the expert load balance per EP size, redundant count and
+placement policy (``planner.balance``).
 
 The hard part is keeping user mistakes out of tracebacks: every bad input becomes a ``ValueError``
 in ``planner`` ("<name> must <rule>, got <value>; <fix>"); ``run_plan`` prints it and returns 2.
@@ -15,13 +17,14 @@ Wiring: ``parsers.add_plan_parser(subparsers)`` adds the sub-command, ``run_plan
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import planner
-from .options import make_console, make_table
+from .options import make_console, make_table, target_load
 from .parsers import PLAN_DESCRIPTION, HelpFormatter, add_plan_arguments, output_file
 
 
@@ -52,10 +55,15 @@ def run_plan(args: argparse.Namespace) -> int:
         json_path, plot_path = output_file("--json", args.json), output_file("--plot", args.plot)
         inp = inputs_from_args(args)
         calibration = planner.calibrate(args.calibrate, ep=inp.ep) if args.calibrate else None
+        balance = load_balance_from_args(args, inp.model)
         plan = planner.make_plan(inp, calibration)
         print_plan(plan, calibration)
+        if balance is not None:
+            print_load_balance(make_console(), balance)
         if json_path:
             doc = planner.plan_to_json(plan)
+            if balance is not None:
+                doc["load_balance"] = dataclasses.asdict(balance)
             doc["meta"]["arguments"] = {k: v for k, v in vars(args).items() if k != "func"}
             doc["meta"]["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             if calibration is not None:
@@ -72,9 +80,69 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_balance_from_args(args: argparse.Namespace, model) -> planner.LoadBalance | None:
+    """The load-balance table ``--load`` or ``--skew`` asks for (None without either); ``ValueError``
+    for ``--eplb-ep`` or ``--redundant`` without a load, which would be ignored."""
+    spec, flag = (args.load, "--load") if args.load else (args.skew, "--skew")
+    if spec is None:
+        for given, option in ((args.eplb_ep, "--eplb-ep"), (args.redundant, "--redundant")):
+            if given is not None:
+                raise ValueError(
+                    f"{option} sizes the load-balance table, which needs a load, got {option} without one; "
+                    "add --load FILE or --skew zipf:S, or leave it out"
+                )
+        return None
+    if args.load and args.load.startswith("zipf:"):
+        raise ValueError(f"--load must be a load file, got {args.load!r}; use --skew {args.load} for a Zipf load")
+    target = target_load(spec, model.num_experts, model.name, flag)
+    redundant = planner.DEFAULT_REDUNDANT if args.redundant is None else args.redundant
+    return planner.load_balance(model, target.load, target.label, args.eplb_ep, redundant)
+
+
 # --------------------------------------------------------------------------------------------------
 # Printing
 # --------------------------------------------------------------------------------------------------
+
+
+def print_load_balance(console, balance: planner.LoadBalance) -> None:
+    """Max/mean rank load per EP size, redundant count and policy, and the predicted gain on the
+    routed experts' time (trivial's max/mean over the policy's)."""
+    table = make_table(
+        f"Expert load balance, {balance.model}, load {balance.source}: max/mean rank load",
+        [
+            ("EP", "right"),
+            ("redundant", "right"),
+            ("nodes", "right"),
+            ("trivial", "right"),
+            ("global", "right"),
+            ("hierarchical", "right"),
+            ("gain global", "right"),
+            ("gain hier.", "right"),
+        ],
+    )
+
+    def cell(value: float | None, suffix: str = "") -> str:
+        return "n/a" if value is None else f"{value:.2f}{suffix}"
+
+    for row in balance.rows:
+        table.add_row(
+            str(row.ep),
+            str(row.redundant_per_rank),
+            str(row.num_nodes),
+            cell(row.trivial),
+            cell(row.global_),
+            cell(row.hierarchical),
+            cell(row.gain_global, "x"),
+            cell(row.gain_hierarchical, "x"),
+        )
+    console.print(table)
+    for line in (
+        "gain: trivial / policy, the predicted speed-up of the routed experts (all ranks wait for the most",
+        "loaded); redundant: extra expert slots per rank; nodes: of 8 GPUs, for hierarchical",
+        f"the load: {balance.num_experts} experts, the hottest {balance.expert_max_over_mean:.2f}x the mean",
+        *(f"n/a at {note}" for note in balance.notes),
+    ):
+        console.print(line, markup=False, highlight=False)
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:

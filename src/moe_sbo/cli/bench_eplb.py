@@ -1,0 +1,375 @@
+"""``moe-sbo bench --eplb``: expert load balancing measured on a skewed router.
+
+Per (expert count, dispatcher, tokens per rank), on every rank of the EP group, for each
+``--redundant`` count (extra expert slots per rank), on one layer with ``eplb=EPLBOptions(...)``:
+
+1. the router is skewed to the ``--skew`` load (``routing.skew``: a gate-logit bias calibrated on a
+   sample batch drawn alike on every rank; rank 0's bias is broadcast, so every rank routes alike);
+2. ``layer_ms_before``: the layer's median eager time on this rank's tokens (overlap none);
+3. ``load_max_over_mean_before``: the rank load measured from the physical slot ids the routing
+   produces on held-out tokens: expert rows per destination rank, summed over the ranks, max / mean;
+4. ``FILL_FORWARDS`` forwards of fresh tokens fill the load window, then ``rebalance`` computes the
+   policy's placement from it and moves the experts (``t_rebalance_ms``: the group's time, the ranks
+   lined up before and after), and ``moved_slots`` / ``moved_bytes`` say what travelled;
+5. the same measurements after: ``load_max_over_mean_after``, ``layer_ms_after``.
+
+Beside each measured balance the predicted one, ``Placement.balance`` of the window's load under the
+placement before and after (``predicted_max_over_mean_before`` / ``_after``). On CUDA with a dispatcher
+a graph can capture (``low_latency``, or ``local`` on one rank), ``eplb_overhead``: the layer replayed
+from a CUDA graph with ``eplb=EPLBOptions()`` over the same layer without, minus 1: what counting the
+load and mapping logical ids to replicas costs (the target is <= 1 % at 128 tokens per rank).
+
+The hard part is measuring balance honestly: the placement is fitted to the window's tokens, so
+measuring on those would flatter it. The balance is measured on held-out tokens of the same
+distribution, the same ones before and after; the fit's own view is the predicted column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+
+from ..config import MoEConfig
+from ..dispatch import DISPATCHERS
+from ..eplb import placement_for
+from ..eplb.runtime import EPLBOptions
+from ..eplb.transfer import all_reduce_load
+from ..layer import MoELayer
+from ..measure.timing import line_up, time_fn
+from ..planner import nodes_for
+from ..routing.skew import SkewFit, skew_router
+from .bench_common import bench_config, dispatcher_options, row_head
+from .options import TargetLoad, make_table, target_load
+from .parsers import output_file
+
+FILL_FORWARDS = 32  # forwards of fresh tokens that fill the load window before a rebalance
+MEASURE_TOKENS = 4096  # held-out tokens per rank the rank load is measured on, in batches of the case's size
+CALIBRATION_TOKENS = 4096  # the sample batch the router's skew is calibrated on (the same on every rank)
+OVERHEAD_ROUNDS = 3  # alternating graph timings of the layer without and with eplb; the medians are compared
+DEFAULT_SKEW = "zipf:1"
+
+
+@dataclass(frozen=True)
+class EplbSetup:
+    """``--eplb``'s options, resolved and checked before any rank starts: the redundant counts, the
+    policy, the nodes hierarchical placement assumes, the load per expert count, the load file to write."""
+
+    redundant: list[int]
+    policy: str
+    num_nodes: int
+    targets: dict[int, TargetLoad]
+    record_load: Path | None
+
+
+def resolve_eplb(args: argparse.Namespace, ranks: int, experts_list: list[int]) -> EplbSetup | None:
+    """``--eplb``'s options checked (``ValueError`` naming the option and the fix), or None without
+    ``--eplb`` (then none of its options may be given: they would be ignored)."""
+    given = [
+        flag
+        for flag, value in (
+            ("--redundant", args.redundant),
+            ("--skew", args.skew),
+            ("--policy", args.policy),
+            ("--record-load", args.record_load),
+        )
+        if value is not None
+    ]
+    if not args.eplb:
+        if given:
+            raise ValueError(f"{given[0]} is an option of --eplb, got it without --eplb; add --eplb or leave it out")
+        return None
+    if args.tbo:
+        raise ValueError("--eplb and --tbo are separate benches, got both; run one, then the other")
+    for flag, value in (("--timeline", args.timeline), ("--trace", args.trace)):
+        if value is not None:
+            raise ValueError(
+                f"{flag} profiles the overlap modes, which --eplb does not sweep, got both; leave {flag} out"
+            )
+    policy = args.policy or "global"
+    if args.redundant is not None:
+        redundant = args.redundant
+    else:  # replicas need a load to choose them (trivial) and another rank to live on
+        redundant = [0] if policy == "trivial" or ranks == 1 else [0, 1, 2]
+    bad = next((r for r in redundant if r < 0), None)
+    if bad is not None:
+        raise ValueError(f"--redundant must be >= 0 (extra expert slots per rank), got {bad}; e.g. --redundant 0 1 2")
+    if args.record_load and len(experts_list) > 1:
+        raise ValueError(
+            f"--record-load writes the load of one expert count, got --experts {' '.join(map(str, experts_list))}; "
+            "give one --experts value"
+        )
+    num_nodes = nodes_for(ranks)
+    targets = {}
+    for num_experts in experts_list:
+        cfg = bench_config(args.preset, num_experts)
+        targets[num_experts] = target_load(args.skew or DEFAULT_SKEW, num_experts, cfg.name)
+        ones_E = torch.ones(num_experts, dtype=torch.float64)
+        for extra in dict.fromkeys(redundant):
+            try:  # the placements a rebalance may compute must exist for these sizes
+                placement_for(policy, ones_E, ranks, extra, num_nodes=num_nodes, num_groups=cfg.n_group)
+            except ValueError as err:
+                raise ValueError(
+                    f"--redundant {extra} with --policy {policy} on {ranks} ranks and {num_experts} experts cannot "
+                    f"be placed: {err}"
+                ) from None
+    return EplbSetup(
+        list(dict.fromkeys(redundant)), policy, num_nodes, targets, output_file("--record-load", args.record_load)
+    )
+
+
+# ---- on every rank -------------------------------------------------------------------------------
+
+
+def _batch(cfg: MoEConfig, tokens: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
+
+
+def received_rows(layer: MoELayer, batches) -> torch.Tensor:
+    """``[P]`` int64: the expert rows each rank of the EP group receives when every rank routes its
+    ``batches`` (an iterable of ``[T, H]``): the router's picks mapped to physical slots as the layer
+    maps them, counted by the slot's rank, summed over the ranks (a collective)."""
+    placement = layer.placement
+    assert placement is not None, "a layer built with eplb"
+    slots, world = placement.slots_per_rank, placement.num_ranks
+    counts_P = torch.zeros(world, dtype=torch.int64, device=layer.router.weight.device)
+    for x_TH in batches:
+        slot_ids_TK = layer.replicas.to_physical(layer.router(x_TH).topk_ids_TK)
+        destination = (slot_ids_TK // slots).flatten()
+        counts_P.index_add_(0, destination, torch.ones_like(destination))
+    return all_reduce_load(counts_P, layer.dispatcher.ep.group)
+
+
+def max_over_mean(counts: torch.Tensor) -> float:
+    mean = float(counts.double().mean())
+    return float(counts.max()) / mean if mean > 0 else 1.0
+
+
+def skew_alike(layer: MoELayer, target: list[float], seed: int) -> tuple[SkewFit, torch.Tensor]:
+    """Calibrate ``layer``'s router to ``target`` (a load per expert) on ``CALIBRATION_TOKENS`` tokens
+    drawn from ``seed`` alike on every rank; rank 0's bias is broadcast (every rank must route alike,
+    and a GPU's reductions may differ from another's) -> (the fit, the bias). A collective."""
+    device = layer.router.weight.device
+    sample_TH = _batch(layer.cfg, CALIBRATION_TOKENS, seed * 7919 + 104_729, device, torch.float32)
+    fit = skew_router(layer.router, sample_TH, torch.tensor(target, dtype=torch.float64))
+    bias_E = layer.router.logit_bias
+    assert bias_E is not None, "skew_router sets the logit bias"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(bias_E, src=0)
+    return fit, bias_E.clone()
+
+
+def _captures(spec: dict, world: int) -> bool:
+    """Whether ``spec``'s dispatcher can be replayed from a CUDA graph on ``world`` ranks."""
+    return DISPATCHERS[spec["dispatcher"]].graph_capturable or (spec["dispatcher"] == "local" and world == 1)
+
+
+def eplb_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
+    """One rank's rows for one (expert count, dispatcher, tokens per rank): one per redundant count.
+    Run on every rank."""
+    cfg = bench_config(spec["preset"], spec["num_experts"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dtype = getattr(torch, spec["dtype"])
+    warmup, iters = spec["warmup"], spec["iters"]
+    base_seed = spec["seed"] * 7919 + rank * 131 + tokens
+    x_TH = _batch(cfg, tokens, base_seed, device, dtype)
+    held_out = max(1, -(-MEASURE_TOKENS // tokens))
+
+    def held_out_batches():
+        return (_batch(cfg, tokens, base_seed + 1_000_003 * (i + 1), device, dtype) for i in range(held_out))
+
+    def make(eplb: EPLBOptions | None) -> MoELayer:
+        return MoELayer(
+            cfg,
+            dispatcher=spec["dispatcher"],
+            dtype=dtype,
+            device=device,
+            seed=spec["seed"],
+            dispatcher_options=dispatcher_options(spec, tokens),
+            eplb=eplb,
+        )
+
+    rows = []
+    fit: SkewFit | None = None
+    bias_E: torch.Tensor | None = None
+    overhead: dict = {"t_layer_graph_us_plain": None, "t_layer_graph_us_eplb": None, "eplb_overhead": None}
+    graph = device.type == "cuda" and spec["graph"] and tokens <= spec["graph_max_tokens"] and _captures(spec, world)
+    with torch.no_grad():
+        if graph:  # the statistics' cost: graph replays of the same layer with eplb=EPLBOptions() and without
+            layers = {"plain": make(None), "eplb": make(EPLBOptions())}
+            fit, bias_E = skew_alike(layers["plain"], spec["target"], spec["seed"])
+            layers["eplb"].router.logit_bias = bias_E.clone()
+            times: dict[str, list[float]] = {"plain": [], "eplb": []}
+            for _ in range(OVERHEAD_ROUNDS):
+                for name, layer in layers.items():
+                    times[name].append(time_fn(functools.partial(layer, x_TH), device, warmup, iters, True))
+            plain_us, eplb_us = statistics.median(times["plain"]), statistics.median(times["eplb"])
+            overhead = {"t_layer_graph_us_plain": plain_us, "t_layer_graph_us_eplb": eplb_us}
+            overhead["eplb_overhead"] = eplb_us / plain_us - 1
+            del layers
+            torch.cuda.empty_cache()
+        for redundant in spec["redundant"]:
+            eplb = EPLBOptions(
+                redundant_per_rank=redundant, policy=spec["policy"], window=FILL_FORWARDS, num_nodes=spec["num_nodes"]
+            )
+            layer = make(eplb)
+            if bias_E is None:
+                fit, bias_E = skew_alike(layer, spec["target"], spec["seed"])
+            else:
+                layer.router.logit_bias = bias_E.clone()
+            assert fit is not None
+            layer_us_before = time_fn(functools.partial(layer, x_TH), device, warmup, iters, False)
+            before = received_rows(layer, held_out_batches())
+            for i in range(FILL_FORWARDS):  # every row of the window: the timed forwards' counts are gone
+                layer(_batch(cfg, tokens, base_seed + 7 * (i + 1), device, dtype))
+            load_E = layer.expert_load(all_ranks=True).double().cpu()
+            placement_before = layer.placement
+            assert placement_before is not None, "a layer built with eplb"
+            line_up(device)
+            started = time.perf_counter()
+            report = layer.rebalance()
+            line_up(device)  # the whole group's time: the slowest rank's transfer and writes included
+            t_rebalance_ms = (time.perf_counter() - started) * 1e3
+            after = received_rows(layer, held_out_batches())
+            placement_after = layer.placement
+            assert placement_after is not None, "a layer built with eplb"
+            layer_us_after = time_fn(functools.partial(layer, x_TH), device, warmup, iters, False)
+            rows.append(
+                {
+                    "rank": rank,
+                    "tokens": tokens,
+                    "redundant_per_rank": redundant,
+                    "slots_per_rank": placement_after.slots_per_rank,
+                    "load_max_over_mean_before": max_over_mean(before),
+                    "load_max_over_mean_after": max_over_mean(after),
+                    "predicted_max_over_mean_before": placement_before.balance(load_E),
+                    "predicted_max_over_mean_after": placement_after.balance(load_E),
+                    "received_rows_before": before.tolist(),
+                    "received_rows_after": after.tolist(),
+                    "moved_slots": report.moved_slots,
+                    "moved_bytes": report.moved_bytes,
+                    "sent_bytes": report.sent_bytes,
+                    "local_copies": report.local_copies,
+                    "t_rebalance_ms": t_rebalance_ms,
+                    "layer_ms_before": layer_us_before / 1e3,
+                    "layer_ms_after": layer_us_after / 1e3,
+                    "skew_reached": fit.reached,
+                    "skew_target_max_over_mean": fit.target_max_over_mean,
+                    "skew_measured_max_over_mean": fit.measured_max_over_mean,
+                    "skew_most_reachable_max_over_mean": fit.most_reachable_share * cfg.num_experts,
+                    "window_load": load_E.tolist(),
+                    **overhead,
+                }
+            )
+            del layer
+    return rows
+
+
+# ---- rows and table ------------------------------------------------------------------------------
+
+
+def summarise_eplb(per_rank: list[list[dict]], spec: dict, ep: int, loads: list[list[float]]) -> list[dict]:
+    """One row per redundant count: the group's balance (every rank measured the same all-reduced
+    counts), the slowest rank's times, what moved. Appends the step's window load (one per step: every
+    redundant count saw the same tokens) to ``loads``, for ``--record-load``."""
+    rows: list[dict] = []
+    for rank_rows in zip(*per_rank):
+        first = rank_rows[0]
+        if not rows:
+            loads.append(first["window_load"])
+        rows.append(
+            {
+                **row_head("eplb", spec, ep),
+                "tokens_per_rank": first["tokens"],
+                "policy": spec["policy"],
+                "num_nodes": spec["num_nodes"],
+                "skew": spec["skew"],
+                "redundant_per_rank": first["redundant_per_rank"],
+                "slots_per_rank": first["slots_per_rank"],
+                **{k: first[k] for k in first if k.startswith(("load_max", "predicted_", "received_rows", "skew_"))},
+                "moved_slots": first["moved_slots"],
+                "moved_bytes": first["moved_bytes"],
+                "sent_bytes_per_rank": [r["sent_bytes"] for r in rank_rows],
+                "local_copies": sum(r["local_copies"] for r in rank_rows),
+                "t_rebalance_ms": max(r["t_rebalance_ms"] for r in rank_rows),
+                "layer_ms_before": max(r["layer_ms_before"] for r in rank_rows),
+                "layer_ms_after": max(r["layer_ms_after"] for r in rank_rows),
+                "layer_ms_before_per_rank": [round(r["layer_ms_before"], 3) for r in rank_rows],
+                "layer_ms_after_per_rank": [round(r["layer_ms_after"], 3) for r in rank_rows],
+                "window_forwards": FILL_FORWARDS,
+                "measure_tokens_per_rank": max(1, -(-MEASURE_TOKENS // first["tokens"])) * first["tokens"],
+                **_slowest_overhead(rank_rows),
+            }
+        )
+        rows[-1]["speedup_layer"] = rows[-1]["layer_ms_before"] / rows[-1]["layer_ms_after"]
+    return rows
+
+
+def _slowest_overhead(rank_rows: tuple[dict, ...]) -> dict:
+    """The graph timings of the slowest rank (None off CUDA or for a dispatcher no graph captures)."""
+    if rank_rows[0]["t_layer_graph_us_plain"] is None:
+        return {"t_layer_graph_us_plain": None, "t_layer_graph_us_eplb": None, "eplb_overhead": None}
+    plain = max(r["t_layer_graph_us_plain"] for r in rank_rows)
+    with_eplb = max(r["t_layer_graph_us_eplb"] for r in rank_rows)
+    return {"t_layer_graph_us_plain": plain, "t_layer_graph_us_eplb": with_eplb, "eplb_overhead": with_eplb / plain - 1}
+
+
+def eplb_table(rows: list[dict]) -> Table:
+    """The rows as a table that fits 100 columns."""
+    columns = [("E/GPU", "right"), ("dispatcher", "left"), ("tokens", "right"), ("+slots", "right")]
+    columns += [("before", "right"), ("after", "right"), ("pred.", "right"), ("moved", "right"), ("MB", "right")]
+    columns += [("rebal. ms", "right"), ("layer ms", "right"), ("after", "right"), ("stats", "right")]
+    first = next((r for r in rows if "error" not in r), {})
+    title = "expert load balancing: rank load max/mean, measured (slowest rank's times, median)"
+    if first:
+        title = f"expert load balancing, {first['policy']}, skew {first['skew']}: rank load max/mean, measured"
+    table = make_table(title, columns)
+    for r in rows:
+        head = (str(r.get("experts_per_gpu", "")), r.get("dispatcher", ""), str(r.get("tokens_per_rank", "")))
+        if "error" in r:
+            table.add_row(*head, "[red]error[/]", *[""] * (len(columns) - 4))
+            continue
+        overhead = r["eplb_overhead"]
+        table.add_row(
+            *head,
+            str(r["redundant_per_rank"]),
+            f"{r['load_max_over_mean_before']:.2f}",
+            f"{r['load_max_over_mean_after']:.2f}",
+            f"{r['predicted_max_over_mean_after']:.2f}",
+            str(r["moved_slots"]),
+            f"{r['moved_bytes'] / 1e6:.3g}",
+            f"{r['t_rebalance_ms']:.3g}",
+            f"{r['layer_ms_before']:.3g}",
+            f"{r['layer_ms_after']:.3g}",
+            "-" if overhead is None else f"{overhead:+.1%}",
+        )
+    return table
+
+
+def eplb_notes(rows: list[dict]) -> list[str]:
+    """The lines under the table: the columns, then how close the router came to the skew asked for."""
+    notes = [
+        "before, after: max/mean of the expert rows each rank receives (held-out tokens); pred.: the",
+        "placement's balance on the window's load; moved: slots that changed rank; MB: their bytes;",
+        "stats: CUDA-graph layer with eplb=EPLBOptions() / without - 1 (CUDA, graph-capturable dispatchers)",
+    ]
+    seen = set()
+    for r in rows:
+        if "error" in r or (r["num_experts"], r["skew"]) in seen:
+            continue
+        seen.add((r["num_experts"], r["skew"]))
+        notes.append(
+            f"skew {r['skew']} on {r['num_experts']} experts: {r['skew_reached']:.0%} reached; hottest expert "
+            f"{r['skew_measured_max_over_mean']:.2f}x the mean (asked {r['skew_target_max_over_mean']:.2f}x, "
+            f"at most {r['skew_most_reachable_max_over_mean']:.3g}x)"
+        )
+    return notes
