@@ -172,6 +172,23 @@ def _captures(spec: dict, world: int) -> bool:
     return DISPATCHERS[spec["dispatcher"]].graph_capturable or (spec["dispatcher"] == "local" and world == 1)
 
 
+def statistics_overhead(make, spec: dict, x_TH: torch.Tensor) -> tuple[SkewFit, torch.Tensor, dict]:
+    """What the load statistics cost: the layer replayed from a CUDA graph with ``eplb=EPLBOptions()``
+    and without (``make(eplb)`` builds one), skewed alike, ``OVERHEAD_ROUNDS`` alternating medians
+    each -> (the skew's fit, its bias, the timings and ``eplb_overhead`` = with / without - 1)."""
+    device, warmup, iters = x_TH.device, spec["warmup"], spec["iters"]
+    layers = {"plain": make(None), "eplb": make(EPLBOptions())}
+    fit, bias_E = skew_alike(layers["plain"], spec["target"], spec["seed"])
+    layers["eplb"].router.logit_bias = bias_E.clone()
+    times: dict[str, list[float]] = {"plain": [], "eplb": []}
+    for _ in range(OVERHEAD_ROUNDS):
+        for name, layer in layers.items():
+            times[name].append(time_fn(functools.partial(layer, x_TH), device, warmup, iters, True))
+    plain_us, eplb_us = statistics.median(times["plain"]), statistics.median(times["eplb"])
+    overhead = {"t_layer_graph_us_plain": plain_us, "t_layer_graph_us_eplb": eplb_us}
+    return fit, bias_E, {**overhead, "eplb_overhead": eplb_us / plain_us - 1}
+
+
 def eplb_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
     """One rank's rows for one (expert count, dispatcher, tokens per rank): one per redundant count.
     Run on every rank."""
@@ -204,18 +221,14 @@ def eplb_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]
     overhead: dict = {"t_layer_graph_us_plain": None, "t_layer_graph_us_eplb": None, "eplb_overhead": None}
     graph = device.type == "cuda" and spec["graph"] and tokens <= spec["graph_max_tokens"] and _captures(spec, world)
     with torch.no_grad():
-        if graph:  # the statistics' cost: graph replays of the same layer with eplb=EPLBOptions() and without
-            layers = {"plain": make(None), "eplb": make(EPLBOptions())}
-            fit, bias_E = skew_alike(layers["plain"], spec["target"], spec["seed"])
-            layers["eplb"].router.logit_bias = bias_E.clone()
-            times: dict[str, list[float]] = {"plain": [], "eplb": []}
-            for _ in range(OVERHEAD_ROUNDS):
-                for name, layer in layers.items():
-                    times[name].append(time_fn(functools.partial(layer, x_TH), device, warmup, iters, True))
-            plain_us, eplb_us = statistics.median(times["plain"]), statistics.median(times["eplb"])
-            overhead = {"t_layer_graph_us_plain": plain_us, "t_layer_graph_us_eplb": eplb_us}
-            overhead["eplb_overhead"] = eplb_us / plain_us - 1
-            del layers
+        if graph:
+            try:
+                fit, bias_E, overhead = statistics_overhead(make, spec, x_TH)
+            except RuntimeError as err:
+                if world > 1:  # the peers met the same capture: the step fails as one
+                    raise
+                # One rank (local): its capture is not the dispatcher's promise; keep the eager rows.
+                overhead["eplb_overhead_error"] = f"{type(err).__name__}: {str(err)[:300]}"
             torch.cuda.empty_cache()
         for redundant in spec["redundant"]:
             eplb = EPLBOptions(
@@ -310,6 +323,8 @@ def summarise_eplb(per_rank: list[list[dict]], spec: dict, ep: int, loads: list[
                 **_slowest_overhead(rank_rows),
             }
         )
+        if "eplb_overhead_error" in first:  # one rank, a capture that failed: why the column is empty
+            rows[-1]["eplb_overhead_error"] = first["eplb_overhead_error"]
         rows[-1]["speedup_layer"] = rows[-1]["layer_ms_before"] / rows[-1]["layer_ms_after"]
     return rows
 
