@@ -92,7 +92,7 @@ def test_bench_eplb_on_two_ranks_balances_and_records_the_load(tmp_path, capsys)
     assert f"load of 16 experts written to {load}" in printed
     # The recorded load feeds the planner and the next bench.
     assert main(["plan", "--model", "tiny", "--load", str(load), "--eplb-ep", "2", "4"]) == 0
-    assert "Expert load balance, tiny, load " in capsys.readouterr().out
+    assert f"the load: {load}, 16 experts, the hottest " in capsys.readouterr().out
 
 
 def test_bench_eplb_fits_100_columns_and_reads_a_load_file(in_process, capsys, tmp_path):
@@ -145,7 +145,8 @@ def test_plan_skew_prints_the_balance_table_and_writes_it(tmp_path, monkeypatch,
     assert main(["plan", "--skew", "zipf:1", "--json", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1].startswith("verdict: ")
-    start = next(i for i, line in enumerate(lines) if "Expert load balance, deepseek-v3, load zipf:1" in line)
+    start = next(i for i, line in enumerate(lines) if "Expert load balance, deepseek-v3: max/mean rank load" in line)
+    assert "the load: zipf:1, 256 experts, the hottest 41.80x the mean" in lines
     table = [line.split() for line in lines[start + 3 : start + 12]]
     assert [(row[0], row[1], row[2]) for row in table] == [
         (ep, n, nodes) for ep, nodes in (("8", "1"), ("32", "4"), ("64", "8")) for n in ("0", "1", "2")

@@ -108,7 +108,7 @@ def print_load_balance(console, balance: planner.LoadBalance) -> None:
     """Max/mean rank load per EP size, redundant count and policy, and the predicted gain on the
     routed experts' time (trivial's max/mean over the policy's)."""
     table = make_table(
-        f"Expert load balance, {balance.model}, load {balance.source}: max/mean rank load",
+        f"Expert load balance, {balance.model}: max/mean rank load",
         [
             ("EP", "right"),
             ("redundant", "right"),
@@ -139,7 +139,8 @@ def print_load_balance(console, balance: planner.LoadBalance) -> None:
     for line in (
         "gain: trivial / policy, the predicted speed-up of the routed experts (all ranks wait for the most",
         "loaded); redundant: extra expert slots per rank; nodes: of 8 GPUs, for hierarchical",
-        f"the load: {balance.num_experts} experts, the hottest {balance.expert_max_over_mean:.2f}x the mean",
+        f"the load: {balance.source}, {balance.num_experts} experts, the hottest "
+        f"{balance.expert_max_over_mean:.2f}x the mean",
         *(f"n/a at {note}" for note in balance.notes),
     ):
         console.print(line, markup=False, highlight=False)
