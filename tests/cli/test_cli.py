@@ -36,7 +36,11 @@ def test_demo_runs_every_dispatcher_and_matches(tmp_path):
     assert max(len(line) for line in lines if str(out) not in line) <= 100, proc.stdout  # paths are not broken
     assert "= none: bitwise equal to overlap none" in proc.stdout  # the legend of the derived columns
     assert "CPU timings: gloo on" in proc.stdout and f"rows written to {out}" in proc.stdout
-    assert lines[-1] == "4/4 dispatcher x overlap runs match the single-rank reference; 4/4 equal overlap none bitwise"
+    n = len(DISPATCHERS)
+    assert (
+        lines[-1]
+        == f"{n}/{n} dispatcher x overlap runs match the single-rank reference; {n}/{n} equal overlap none bitwise"
+    )
 
 
 def _main_exit(argv, capsys) -> tuple[int, str]:

@@ -12,6 +12,7 @@ from hf_blocks import make_hf_model, write_published_v3
 from in_process import InProcess
 from moe_sbo.cli import bench, check, demo, generate, memory
 from moe_sbo.cli.main import main
+from moe_sbo.dispatch import DISPATCHERS
 
 COMMANDS = ("demo", "bench", "check", "generate", "plan")
 OUTPUT_FLAG = {"demo": "--json", "bench": "--out", "check": "--json", "generate": "--json", "plan": "--json"}
@@ -122,7 +123,8 @@ def test_check_of_a_model_too_large_is_refused_in_one_line(tmp_path, capsys, no_
     assert main(["check", "--checkpoint", str(path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moe-sbo check: error: the memory per rank must be <= the 512 B available")
-    assert "(3 layers x 4 local experts + 8 in the reference, " in err and err.count("\n") == 1
+    layers = len(DISPATCHERS) - 1  # every EP dispatcher (check's default), each a layer
+    assert f"({layers} layers x 4 local experts + 8 in the reference, " in err and err.count("\n") == 1
     assert err.endswith("use one --dispatcher or fewer --tokens, or a GPU\n")
 
 

@@ -103,6 +103,39 @@ def _exchange(recv: torch.Tensor, send: torch.Tensor, leg_recv, leg_send, group,
     return dist.all_to_all_single(recv, send, list(leg_recv), list(leg_send), group=group, async_op=async_op)
 
 
+# Process groups this process made for node_aware, by (default group, ranks): made once and shared by
+# every dispatcher over the same ranks. A layer per model layer, or a new layer per test case, would
+# otherwise open groups never closed; and PyTorch names a locally synchronised group after its ranks
+# alone, so a second group over the same ranks would share the first one's rendezvous keys.
+_SUBGROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def _subgroup(ep: EPGroup, members: tuple[int, ...], ranks: tuple[int, ...]) -> Any:
+    """The group of ``ranks`` (global ranks): the EP group itself when they are all of it."""
+    if ranks == members:
+        return ep.group
+    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    if key not in _SUBGROUPS:
+        _SUBGROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _SUBGROUPS[key]
+
+
+def leg_groups(ep: EPGroup, ranks_per_node: int) -> tuple[Any, Any]:
+    """(node group, rail group) of this rank: the ranks of its node, and the ranks with its local index
+    on every node (None where it would hold this rank alone). Each rank makes only the groups it
+    belongs to (local synchronisation: the other ranks need not take part), the node's first, then
+    the rail's, so the members of a group make it together."""
+    members = tuple(dist.get_process_group_ranks(ep.group) if ep.group is not None else range(ep.size))
+    node, local = divmod(ep.rank, ranks_per_node)
+    node_group: Any = None
+    rail_group: Any = None
+    if ranks_per_node > 1:
+        node_group = _subgroup(ep, members, members[node * ranks_per_node : (node + 1) * ranks_per_node])
+    if ep.size > ranks_per_node:
+        rail_group = _subgroup(ep, members, members[local::ranks_per_node])
+    return node_group, rail_group
+
+
 def _wait_all(works: list[Any]) -> None:
     for work in works:
         if work is not None:
@@ -134,15 +167,7 @@ class NodeAwareDispatcher(Dispatcher):
         self.node_group: Any = None
         self.rail_group: Any = None
         if ep.size > 1:
-            members = dist.get_process_group_ranks(ep.group) if ep.group is not None else list(range(ep.size))
-            # Each rank makes only the two groups it belongs to (local synchronisation: the other
-            # ranks need not take part), the node's first, then the rail's, on every rank alike.
-            if g > 1:
-                node = members[self.node * g : (self.node + 1) * g]
-                self.node_group = dist.new_group(node, use_local_synchronization=True)
-            if self.num_nodes > 1:
-                rail = members[self.local_rank :: g]
-                self.rail_group = dist.new_group(rail, use_local_synchronization=True)
+            self.node_group, self.rail_group = leg_groups(ep, g)
 
     def _announce_rejected_input(self) -> None:
         if self.ep.size > 1:  # the first count exchange of _launch_dispatch, every count REJECTED
