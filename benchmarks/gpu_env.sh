@@ -19,9 +19,9 @@ name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 slug = re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-")
 print(f"{slug}x{torch.cuda.device_count()}")')
 nvidia-smi -L
-# Every GPU-marked test (arguments go to pytest): the log, skip reasons and slowest tests kept as
-# tests_gpu_$TAG.log; the status is pytest's.
-gpu_tests() { "$PYTHON" -m pytest -q -rs --durations=15 -m gpu tests "$@" 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -60; }
+# The GPU-marked tests (arguments: pytest's, paths included; default every test under tests/): the log,
+# skip reasons and slowest tests kept as tests_gpu_$TAG.log; the status is pytest's.
+gpu_tests() { "$PYTHON" -m pytest -q -rs --durations=15 -m gpu "${@:-tests}" 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -60; }
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
 # Ranks that share a GPU (more ranks than GPUs: every multi-rank test on a one-GPU machine) time-slice
 # their CUDA contexts unless a CUDA MPS daemon serves them: device-side waits then take milliseconds, not

@@ -148,9 +148,7 @@ def layer_weights(layer: LayerParts) -> MoEWeights:
     )
 
 
-def expert_rows(
-    held: int, num_experts: int, local: Sequence[int], expert_ids: Sequence[int] | None
-) -> list[int]:
+def expert_rows(held: int, num_experts: int, local: Sequence[int], expert_ids: Sequence[int] | None) -> list[int]:
     """Rows of routed-expert tensors holding ``held`` experts that this rank's slots take, in slot
     order: ``local`` (this rank's experts, one per slot) from all E rows, or every row when the tensors
     hold exactly this rank's experts."""

@@ -99,9 +99,7 @@ def check_same_placement(placement: Placement, group, device: torch.device) -> N
 
 
 @torch.no_grad()
-def move_expert_slots(
-    tensors: list[torch.Tensor], old: Placement, new: Placement, rank: int, group=None
-) -> MoveReport:
+def move_expert_slots(tensors: list[torch.Tensor], old: Placement, new: Placement, rank: int, group=None) -> MoveReport:
     """Rewrite this rank's slots of ``tensors`` (each ``[S, ...]``: the routed experts' weights and
     scales) from ``old``'s layout to ``new``'s, receiving the experts this rank did not hold.
 
