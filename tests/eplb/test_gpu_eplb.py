@@ -23,8 +23,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _skew(layer: MoELayer, seed: int) -> None:
+    """Zipf(1) popularity over the experts, as a gate-logit bias (every routing method reads it)."""
     bias = zipf_load(layer.cfg.num_experts, 1.0, seed=seed).log().float()
-    layer.router.e_score_correction_bias.data.copy_(bias.to(layer.router.weight.device))
+    layer.router.logit_bias = bias.to(layer.router.weight.device)
 
 
 def _cfg(fp8: bool):
