@@ -241,6 +241,7 @@ BENCH = ["bench", "--device", "cpu", "--ranks", "2"]
             "--eplb-ep must be EP sizes that divide the 256 routed experts of deepseek-v3, got [6]; choose among",
         ),
         (["plan", "--skew", "zipf:1", "--redundant", "-1"], "--redundant must be counts >= 0"),
+        ([*BENCH, "--expert-dtype", "fp8"], "--expert-dtype fp8 needs hidden_size and moe_intermediate_size that"),
     ],
 )
 def test_bad_eplb_input_is_refused_in_one_line(argv, message, capsys, no_ranks):

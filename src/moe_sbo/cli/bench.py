@@ -52,6 +52,7 @@ from .options import (
     in_ranks,
     make_console,
     print_notes,
+    resolve_expert_dtype,
     resolve_ranks,
     write_load_file,
 )
@@ -101,6 +102,7 @@ def run_bench(args: argparse.Namespace) -> int:
     experts_list = args.experts or [get_preset(args.preset).num_experts]
     for n in experts_list:
         bench_config(args.preset, n).experts_per_rank(ranks)  # bad sizes raise before any rank starts
+        args.expert_dtype = resolve_expert_dtype(args.expert_dtype, bench_config(args.preset, n))
     for flag, values, low in (
         ("--tokens", args.tokens, 1),
         ("--prefill-tokens", args.prefill_tokens, 1),
@@ -437,6 +439,7 @@ def _spec(args, num_experts, dispatcher, modes, dtype) -> dict:
         "transport": args.transport,
         "index_rows": args.index_rows,
         "wire": args.wire,
+        "expert_dtype": args.expert_dtype,
     }
 
 

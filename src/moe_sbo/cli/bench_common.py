@@ -81,6 +81,7 @@ def row_head(bench: str, spec: dict, ep: int) -> dict:
         "transport": transport,
         **({"index_rows": True} if takes_index_rows(spec) else {}),
         "dtype": spec["dtype"],
+        "expert_dtype": spec.get("expert_dtype") or spec["dtype"],
         "wire": spec["wire"],
     }
 

@@ -213,6 +213,7 @@ def eplb_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]
             seed=spec["seed"],
             dispatcher_options=dispatcher_options(spec, tokens),
             eplb=eplb,
+            expert_dtype=spec.get("expert_dtype"),
         )
 
     rows = []

@@ -64,6 +64,7 @@ def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
         spec["num_experts"],
         spec["dispatcher"],
         spec["dtype"],
+        spec.get("expert_dtype"),
         spec["seed"],
         tuple(sorted(options.items())),
     )
@@ -76,6 +77,7 @@ def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
             device=device,
             seed=spec["seed"],
             dispatcher_options=options,
+            expert_dtype=spec.get("expert_dtype"),
         ),
         device,
     )

@@ -65,6 +65,7 @@ def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
         spec["num_experts"],
         spec["dispatcher"],
         spec["dtype"],
+        spec.get("expert_dtype"),
         spec["seed"],
         tuple(sorted(options.items())),
         spec["heads"],
@@ -81,6 +82,7 @@ def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
             device=device,
             seed=spec["seed"],
             dispatcher_options=options,
+            expert_dtype=spec.get("expert_dtype"),
         )
         attn = AttentionConfig(cfg.hidden_size, spec["heads"], spec["kv_heads"], spec["head_dim"])
         return DecoderLayer(attn, moe, seed=spec["seed"])

@@ -259,6 +259,7 @@ def add_bench_parser(subparsers) -> None:
         metavar="NAME",
         help=_device_default("preset", f"model shapes, one of {', '.join(sorted(PRESETS))}"),
     )
+    add_expert_dtype_arg(p)
     p.add_argument(
         "--experts",
         type=int,
