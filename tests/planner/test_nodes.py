@@ -3,6 +3,8 @@ checked against the router's own routing and the definition of each count."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moe_sbo.config import get_preset
@@ -59,3 +61,25 @@ def test_node_aware_is_faster_where_the_nic_is_the_bottleneck():
 def test_ep_not_whole_nodes_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="multiple of 8"):
         crossings(V3, 12)
+
+
+def test_plan_prints_flat_against_node_aware_and_writes_it(tmp_path, capsys):
+    from moe_sbo.cli.plan import main as plan_main
+
+    out = tmp_path / "plan.json"
+    assert plan_main(["--node-aware-ep", "16", "32", "--batch", "4096", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Flat vs node-aware dispatch, deepseek-v3, 4096 tokens per GPU" in text
+    assert "NVLink 160 GB/s, NIC 50 GB/s per GPU" in text  # the H800 pair, the inputs named
+    rows = json.loads(out.read_text())["node_aware"]
+    assert [r["crossings"]["ep"] for r in rows] == [16, 32]
+    assert all(r["node_aware_us"] < r["flat_us"] for r in rows)
+
+
+def test_plan_refuses_node_aware_sizes_that_are_not_whole_nodes(capsys):
+    from moe_sbo.cli.plan import main as plan_main
+
+    assert plan_main(["--node-aware-ep", "8", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "--node-aware-ep must be EP sizes of two or more whole nodes of 8 GPUs (h800)" in err
+    assert "got [8, 12]" in err

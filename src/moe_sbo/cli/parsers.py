@@ -600,6 +600,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="redundant expert slots per rank of the load-balance table (default: "
         f"{' '.join(map(str, planner.DEFAULT_REDUNDANT))})",
     )
+    parser.add_argument(
+        "--node-aware-ep",
+        type=int,
+        nargs="+",
+        metavar="EP",
+        help="EP sizes (whole nodes of --hw's GPUs) of a table comparing flat and node-aware dispatch: "
+        "crossings per token and dispatch + combine time of --batch tokens per GPU, e.g. 16 32 64 128 256",
+    )
     parser.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: batch vs a2a time and bandwidth")
     parser.add_argument(

@@ -56,14 +56,22 @@ def run_plan(args: argparse.Namespace) -> int:
         inp = inputs_from_args(args)
         calibration = planner.calibrate(args.calibrate, ep=inp.ep) if args.calibrate else None
         balance = load_balance_from_args(args, inp.model)
+        node_aware = node_aware_from_args(args, inp)
         plan = planner.make_plan(inp, calibration)
         print_plan(plan, calibration)
         if balance is not None:
             print_load_balance(make_console(), balance)
+        if node_aware is not None:
+            print_node_aware(make_console(), node_aware, inp)
         if json_path:
             doc = planner.plan_to_json(plan)
             if balance is not None:
                 doc["load_balance"] = dataclasses.asdict(balance)
+            if node_aware is not None:
+                doc["node_aware"] = [
+                    {**dataclasses.asdict(row), "flat_us": row.flat_us, "node_aware_us": row.node_aware_us}
+                    for row in node_aware[1]
+                ]
             doc["meta"]["arguments"] = {k: v for k, v in vars(args).items() if k != "func"}
             doc["meta"]["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             if calibration is not None:
@@ -99,9 +107,67 @@ def load_balance_from_args(args: argparse.Namespace, model) -> planner.LoadBalan
     return planner.load_balance(model, target.load, target.label, args.eplb_ep, redundant)
 
 
+def node_aware_from_args(
+    args: argparse.Namespace, inp: planner.PlanInputs
+) -> tuple[planner.Link, list[planner.NodeAwareRow]] | None:
+    """Flat vs node-aware dispatch at ``--node-aware-ep`` (None without it), on ``--hw``'s links."""
+    if not args.node_aware_ep:
+        return None
+    link = planner.datasheet_link(planner.get_hardware(inp.hw))
+    sizes = tuple(args.node_aware_ep)
+    bad = [ep for ep in sizes if ep % link.gpus_per_node or ep <= link.gpus_per_node or inp.model.num_experts % ep]
+    if bad:
+        raise ValueError(
+            f"--node-aware-ep must be EP sizes of two or more whole nodes of {link.gpus_per_node} GPUs ({inp.hw}) "
+            f"that divide the {inp.model.num_experts} routed experts, got {bad}; e.g. --node-aware-ep 16 32 64"
+        )
+    rows = planner.compare(inp.model, sizes, inp.batch, link, inp.dispatch_dtype, inp.combine_dtype)
+    return link, rows
+
+
 # --------------------------------------------------------------------------------------------------
 # Printing
 # --------------------------------------------------------------------------------------------------
+
+
+def print_node_aware(console, node_aware: tuple[planner.Link, list[planner.NodeAwareRow]], inp) -> None:
+    """Crossings per token and dispatch + combine time, flat (``alltoall``) vs node-aware."""
+    link, rows = node_aware
+    table = make_table(
+        f"Flat vs node-aware dispatch, {inp.model.name}, {inp.batch} tokens per GPU",
+        [
+            ("EP", "right"),
+            ("nodes", "right"),
+            ("nodes/token", "right"),
+            ("crossings flat", "right"),
+            ("node-aware", "right"),
+            ("fewer", "right"),
+            ("flat us", "right"),
+            ("node-aware us", "right"),
+            ("speedup", "right"),
+        ],
+    )
+    for row in rows:
+        c = row.crossings
+        table.add_row(
+            str(c.ep),
+            str(c.num_nodes),
+            f"{c.expected_nodes:.2f} (<= {c.max_nodes})",
+            f"{c.flat_internode:.2f}",
+            f"{c.node_aware_internode:.2f}",
+            f"{c.internode_ratio:.2f}x",
+            f"{row.flat_us:.0f}",
+            f"{row.node_aware_us:.0f}",
+            f"{row.flat_us / row.node_aware_us:.2f}x",
+        )
+    console.print(table)
+    console.print(
+        f"links: NVLink {link.nvlink_GBps:g} GB/s, NIC {link.nic_GBps:g} GB/s per GPU, {link.latency_us:g} us a "
+        f"transfer ({link.source}); dispatch {inp.dispatch_dtype} rows with ids, combine {inp.combine_dtype}. "
+        "crossings: rows per token sent to other nodes (uniform routing with the group limit); node-aware us: "
+        "its two legs per phase pipelined over chunks (the slower leg sets the pace)",
+        highlight=False,
+    )
 
 
 def print_load_balance(console, balance: planner.LoadBalance) -> None:

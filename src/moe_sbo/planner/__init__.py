@@ -6,9 +6,10 @@ all-to-all really moves per GPU (``bytes``). ``inputs`` holds the units, hardwar
 ``PlanInputs`` (with the whole-model ``ModelShapes``); ``links`` the bandwidths a plan predicts with
 (datasheet or ``calibrate``d); ``memory`` the weight memory per GPU at given EP sizes, routed experts
 in bf16 and fp8; ``verdicts`` the overlap verdicts (none, SBO, TBO), the allgather/alltoall comparison
-and the ``Plan``; ``balance`` the expert load balance per EP size and placement policy (``moe_sbo.eplb``'s
+and the ``Plan``; ``nodes`` flat against node-aware dispatch (crossings per token and times on an
+NVLink + NIC pair); ``balance`` the expert load balance per EP size and placement policy (``moe_sbo.eplb``'s
 placements, imported when asked). Each module imports only those listed before it: inputs,
-worked_example, links, bytes, memory, verdicts; ``balance`` imports none of them.
+worked_example, links, bytes, nodes, memory, verdicts; ``balance`` imports none of them.
 Units: ``_B`` bytes, ``_us`` microseconds, ``_GBps`` 1e9 bytes/s.
 """
 
@@ -66,6 +67,7 @@ from .memory import (
     expert_matrix_bytes,
     weight_memory,
 )
+from .nodes import Crossings, NodeAwareRow, PhaseTimes, compare, crossings
 from .verdicts import (
     OverlapVerdict,
     Plan,
@@ -125,6 +127,12 @@ __all__ = [
     "calibrate",
     "datasheet_link",
     "transfer_time_us",
+    # nodes
+    "Crossings",
+    "NodeAwareRow",
+    "PhaseTimes",
+    "compare",
+    "crossings",
     # bytes
     "FP8_SCALE_B",
     "FP8_SCALE_BLOCK",
