@@ -37,7 +37,7 @@ from torch import nn
 from .config import MoEConfig
 from .dispatch import Dispatcher, EPGroup, Traffic, make_dispatcher
 from .eplb.placement import Placement
-from .eplb.runtime import EPLBOptions, LoadWindow, ReplicaTable, initial_placement
+from .eplb.runtime import EPLBOptions, LoadWindow, ReplicaTable, initial_placement, route_to_slots
 from .eplb.transfer import MoveReport, all_reduce_load, check_fits, check_same_placement, move_expert_slots
 from .experts import RoutedExperts, SharedExperts
 from .overlap import Overlap, make_overlap
@@ -201,8 +201,7 @@ class MoELayer(nn.Module):
         eplb the routing is first counted into the load window. Device-side only: graph-capturable."""
         if self.eplb is None:
             return ids_TK
-        self.load_window.record(ids_TK)
-        return self.replicas.to_physical(ids_TK)
+        return route_to_slots(ids_TK, self.load_window, self.replicas)
 
     def expert_load(self, all_ranks: bool = False) -> torch.Tensor:
         """``[E]`` int64 tokens per logical expert over the load window: this rank's tokens, or with

@@ -14,6 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+try:
+    from . import kernels as eplb_kernels
+except ImportError:  # no Triton: the torch path serves
+    eplb_kernels = None  # type: ignore[assignment]
+
 from .placement import PLACEMENT_POLICIES, Placement, global_placement, placement_for, trivial_placement
 
 
@@ -69,28 +74,35 @@ def initial_placement(num_experts: int, num_ranks: int, eplb: EPLBOptions) -> Pl
 class LoadWindow:
     """Tokens per logical expert over the last ``window`` forwards, on the device.
 
-    ``counts_WE`` [window, E] int64: one row per forward, written round-robin at ``position`` (a
-    device scalar), so recording needs no host read and a CUDA graph can capture it.
+    ``counts_RE`` [window + 1, E] int32: one row per forward, written round-robin at ``position`` (a
+    device scalar); the row at ``position`` is the one the next forward fills, kept zero until then.
+    Recording needs no host read, so a CUDA graph can capture it.
     """
 
     def __init__(self, num_experts: int, window: int, device: torch.device):
-        self.counts_WE = torch.zeros(window, num_experts, dtype=torch.int64, device=device)
+        self.counts_RE = torch.zeros(window + 1, num_experts, dtype=torch.int32, device=device)
         self.position = torch.zeros(1, dtype=torch.int64, device=device)
 
     def record(self, ids_TK: torch.Tensor) -> None:
         """Add one forward's routing: ``ids_TK`` [T, K] logical ids (< 0: no expert, not counted)."""
-        ids = ids_TK.reshape(-1)
-        valid = (ids >= 0).to(torch.int64)
-        counts_E = torch.zeros_like(self.counts_WE[0]).index_add_(0, ids.clamp(min=0).long(), valid)
-        self.counts_WE.index_copy_(0, self.position, counts_E.unsqueeze(0))
-        self.position.add_(1).remainder_(self.counts_WE.shape[0])
+        ids = ids_TK.reshape(-1).long()
+        num_experts = self.counts_RE.shape[1]
+        flat = self.position * num_experts + ids.clamp(min=0)
+        self.counts_RE.view(-1).index_add_(0, flat, (ids >= 0).to(torch.int32))
+        self.advance()
+
+    def advance(self) -> None:
+        """The next row becomes the one to fill: ``position`` + 1, that row zeroed (the oldest forward
+        leaves the window)."""
+        self.position.add_(1).remainder_(self.counts_RE.shape[0])
+        self.counts_RE.index_fill_(0, self.position, 0)
 
     def total(self) -> torch.Tensor:
         """``[E]`` int64: tokens per expert over the window (this rank's tokens)."""
-        return self.counts_WE.sum(0)
+        return self.counts_RE.sum(0, dtype=torch.int64)
 
     def clear(self) -> None:
-        self.counts_WE.zero_()
+        self.counts_RE.zero_()
         self.position.zero_()
 
 
@@ -147,3 +159,23 @@ class ReplicaTable:
         own = self.own_E[logical]
         physical = torch.where(own >= 0, own, physical)
         return torch.where(ids_TK >= 0, physical, ids_TK.long()).to(ids_TK.dtype)
+
+
+def route_to_slots(
+    ids_TK: torch.Tensor, window: LoadWindow, table: ReplicaTable, kernels: str = "auto"
+) -> torch.Tensor:
+    """One forward's routing counted into ``window``, and its logical ids [T, K] -> physical slot ids
+    [T, K] under ``table``. ``kernels``: ``"auto"`` two Triton launches on CUDA (``eplb.kernels``),
+    ``"triton"`` those anywhere Triton runs (CPU: its interpreter), ``"torch"`` the torch ops."""
+    if kernels not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
+    fused = kernels == "triton" or (kernels == "auto" and eplb_kernels is not None and ids_TK.device.type == "cuda")
+    if fused:
+        if eplb_kernels is None:
+            raise ValueError("kernels='triton' needs Triton installed; use 'auto' or 'torch'")
+        return eplb_kernels.route_and_count(
+            ids_TK, window.counts_RE, window.position, table.replicas_EW, table.count_E, table.own_E, table.rank
+        )
+    physical_TK = table.to_physical(ids_TK)
+    window.record(ids_TK)
+    return physical_TK
