@@ -4,6 +4,7 @@ output of the layer without TBO on 2 gloo ranks for every dispatcher."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -158,6 +159,21 @@ def test_tbo_with_every_sbo_mode_on_four_ranks(ranks4):
         for mode, r in results.items():
             assert torch.equal(r["tbo"], results["none"]["tbo"]), f"TBO + SBO {mode} differs from TBO alone"
             assert r["rel"] <= 1e-5 and r["leaked"] == 0
+
+
+def _tbo_two_nodes_rank(device):
+    """node_aware with its two legs (4 ranks as 2 nodes): TBO's twin dispatcher shares the leg groups."""
+    os.environ["MOE_SBO_RANKS_PER_NODE"] = "2"
+    try:
+        return _tbo_rank(device, "node_aware", "prefill", ("none", "dispatch", "split"))
+    finally:
+        del os.environ["MOE_SBO_RANKS_PER_NODE"]
+
+
+def test_tbo_with_node_aware_across_two_nodes(ranks4):
+    for results in ranks4.run(_tbo_two_nodes_rank):
+        for mode, r in results.items():
+            assert r["rel"] <= 1e-5 and r["same_as_sequential"] and r["leaked"] == 0, mode
 
 
 def test_two_batch_overlap_needs_two_buffer_sets():
