@@ -126,10 +126,10 @@ def test_wrong_dtype_fails_before_any_collective(ranks2):
         assert "x must have the layer's dtype torch.float32, got torch.bfloat16" in message
 
 
-def _bad_ids_on_one_rank(device, dispatcher, bad_rank):
+def _bad_ids_on_one_rank(device, dispatcher, bad_rank, options=None):
     """Rank ``bad_rank`` passes an out-of-range expert id; the others pass good input."""
     rank = dist.get_rank()
-    layer = MoELayer(get_preset("tiny"), dispatcher=dispatcher, dtype=torch.float32)
+    layer = MoELayer(get_preset("tiny"), dispatcher=dispatcher, dtype=torch.float32, dispatcher_options=options)
     x = torch.randn(5, 64)
     ids = torch.randint(0, 16, (5, 4))
     if rank == bad_rank:
@@ -147,10 +147,14 @@ def _bad_ids_on_one_rank(device, dispatcher, bad_rank):
     return outcome, waited
 
 
-@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-def test_bad_input_on_one_rank_ends_the_forward_on_every_rank(ranks4, dispatcher):
-    """The count exchange carries a "rejected" sentinel: the others raise at once, no extra collective."""
-    results = ranks4.run(_bad_ids_on_one_rank, dispatcher, 2)
+@pytest.mark.parametrize(
+    "dispatcher, options",
+    [("allgather", None), ("alltoall", None), ("node_aware", {"ranks_per_node": 2})],  # rank 2: the other node
+)
+def test_bad_input_on_one_rank_ends_the_forward_on_every_rank(ranks4, dispatcher, options):
+    """The count exchange carries a "rejected" sentinel: the others raise at once, no extra collective
+    (node_aware's first one spans the whole group, so a rank on another rail and node learns of it too)."""
+    results = ranks4.run(_bad_ids_on_one_rank, dispatcher, 2, options)
     assert "topk_ids must lie in [0, 16), got values in [" in results[2][0] and ", 99]" in results[2][0]
     for rank in (0, 1, 3):
         message, waited = results[rank]
