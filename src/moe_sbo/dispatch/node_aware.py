@@ -149,8 +149,8 @@ class NodeAwareDispatcher(Dispatcher):
     node (default: the EP group's, see ``EPGroup.ranks_per_node``). ``chunks``: the tokens go in this
     many chunks, every chunk's leg 1 launched at once, so that while a rank forwards chunk c inside its
     node (leg 2, the node group) chunks c + 1.. still cross (leg 1, the rail group); combine likewise
-    sends chunk c back across while it reduces chunk c + 1 inside the node. Each chunk costs both
-    legs a count exchange (one host read)."""
+    sends chunk c back across while it reduces chunk c + 1 inside the node. Leg 1's counts for every
+    chunk go in one exchange; each chunk costs leg 2 one more (a host read each)."""
 
     name = "node_aware"
     checks_ids_in_count_exchange = True
