@@ -32,6 +32,18 @@ def ranks4():
         yield ranks
 
 
+@pytest.fixture(scope="module")
+def gpu_pools():
+    """``gpu_pools(world)``: CUDA ranks of that EP size, started at their first call and kept for the
+    module (a start costs seconds: CUDA, the group); ranks share GPUs where there are fewer."""
+    from moe_sbo.launch.ranks import RankPool
+
+    started: dict[int, RankPool] = {}
+    yield lambda world: started.setdefault(world, RankPool(world, "cuda"))
+    for pool in started.values():
+        pool.close()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -30,24 +30,13 @@ def _dispatchers_rank(device, preset, tokens):
     return errors
 
 
-@pytest.fixture(scope="module")
-def pools():
-    """Ranks of each EP size, started once for this module (a start costs seconds: CUDA, the group)."""
-    from moe_sbo.launch.ranks import RankPool
-
-    started: dict[int, RankPool] = {}
-    yield lambda world: started.setdefault(world, RankPool(world, "cuda"))
-    for pool in started.values():
-        pool.close()
-
-
 @pytest.mark.parametrize("world", sorted({gpu_world(), 4, 8}))
 @pytest.mark.parametrize("preset, tokens", [("tiny", 37), ("deepseek-v2-lite", 64)])
-def test_dispatchers_match_local_on_gpus(pools, preset, tokens, world):
+def test_dispatchers_match_local_on_gpus(gpu_pools, preset, tokens, world):
     """EP2, EP4 and EP8 on whatever GPUs there are (ranks share them where there are fewer)."""
     if get_preset(preset).num_experts % world:
         pytest.skip(f"{world} ranks do not divide {preset}'s experts")
-    for errors in pools(world).run(_dispatchers_rank, preset, tokens):
+    for errors in gpu_pools(world).run(_dispatchers_rank, preset, tokens):
         assert all(err <= BF16_REL_TOL for err in errors.values()), errors
 
 
@@ -100,9 +89,9 @@ def _repeat_rank(device, dispatcher, overlap, forwards):
 
 
 @pytest.mark.parametrize("overlap", ["none", "combine", "split"])
-def test_every_dispatcher_is_bitwise_deterministic_on_gpu(pools, overlap):
+def test_every_dispatcher_is_bitwise_deterministic_on_gpu(gpu_pools, overlap):
     """No float atomics in any combine: the same input gives the same bits, even with the shared
     experts running beside the reduction (which reordered index_add_'s atomics before)."""
     for dispatcher in ("local", "allgather", "alltoall", "low_latency"):
-        differing = pools(gpu_world()).run(_repeat_rank, dispatcher, overlap, 50)
+        differing = gpu_pools(gpu_world()).run(_repeat_rank, dispatcher, overlap, 50)
         assert differing == [0] * len(differing), (dispatcher, differing)

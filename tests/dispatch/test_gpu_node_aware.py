@@ -38,9 +38,6 @@ def _rank(device, ranks_per_node, chunks):
 
 
 @pytest.mark.parametrize("world, ranks_per_node, chunks", [(4, 2, 1), (4, 2, 3), (8, 2, 1), (8, 4, 2)])
-def test_node_aware_matches_the_reference_on_gpu_ranks(world, ranks_per_node, chunks):
-    from moe_sbo.launch.ranks import LocalRanks
-
-    with LocalRanks(world, device="cuda") as ranks:
-        for errors, repeatable, crossed_right in ranks.run(_rank, ranks_per_node, chunks):
-            assert all(e <= BF16_REL_TOL for e in errors.values()) and repeatable and crossed_right, errors
+def test_node_aware_matches_the_reference_on_gpu_ranks(gpu_pools, world, ranks_per_node, chunks):
+    for errors, repeatable, crossed_right in gpu_pools(world).run(_rank, ranks_per_node, chunks):
+        assert all(e <= BF16_REL_TOL for e in errors.values()) and repeatable and crossed_right, errors

@@ -64,13 +64,10 @@ def _dispatchers_rank(device, fp8):
 
 @pytest.mark.parametrize("world", sorted({gpu_world(), 4}))
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_every_dispatcher_with_replicas_matches_the_plain_layer(world, fp8):
-    from moe_sbo.launch.ranks import LocalRanks
-
-    with LocalRanks(world, device="cuda") as ranks:
-        for errors in ranks.run(_dispatchers_rank, fp8):
-            for name, (before, after, moved) in errors.items():
-                assert before <= BF16_REL_TOL and after <= BF16_REL_TOL and moved > 0, (name, errors)
+def test_every_dispatcher_with_replicas_matches_the_plain_layer(gpu_pools, world, fp8):
+    for errors in gpu_pools(world).run(_dispatchers_rank, fp8):
+        for name, (before, after, moved) in errors.items():
+            assert before <= BF16_REL_TOL and after <= BF16_REL_TOL and moved > 0, (name, errors)
 
 
 def _graph_rank(device):
@@ -114,9 +111,6 @@ def _graph_rank(device):
     return torch.equal(before, eager_before), torch.equal(after, eager_after), report.moved_slots
 
 
-def test_a_graph_captured_before_a_rebalance_replays_the_new_placement():
-    from moe_sbo.launch.ranks import LocalRanks
-
-    with LocalRanks(gpu_world(), device="cuda") as ranks:
-        for same_before, same_after, moved in ranks.run(_graph_rank):
-            assert same_before and same_after and moved > 0
+def test_a_graph_captured_before_a_rebalance_replays_the_new_placement(gpu_pools):
+    for same_before, same_after, moved in gpu_pools(gpu_world()).run(_graph_rank):
+        assert same_before and same_after and moved > 0
