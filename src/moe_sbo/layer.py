@@ -117,7 +117,7 @@ class MoELayer(nn.Module):
         self.last_traffic = Traffic()  # of the last forward (of both micro-batches after a TBO forward)
         if self.placement is not None and eplb is not None:
             self.load_window = LoadWindow(cfg.num_experts, eplb.window, device)
-            self.replicas = ReplicaTable(self.placement, ep.rank, device)
+            self.replicas = ReplicaTable(self.placement, ep.rank, device, ranks_per_node=ep.node_size)
             self.forwards_since_rebalance = 0
         if seed is not None:  # None: left uninitialised for load_weights (no time spent on random weights)
             self.reset_parameters(seed)

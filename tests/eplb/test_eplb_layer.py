@@ -216,3 +216,18 @@ def test_fp8_experts_move_with_their_scales(ranks2):
     for exact, close, moved_bytes in ranks2.run(_fp8_rebalance_rank):
         assert exact and close
         assert moved_bytes > 0 and moved_bytes % per_slot == 0
+
+
+def test_replica_table_prefers_the_own_node_before_other_nodes():
+    # 8 experts on 4 ranks as 2 nodes of 2, 3 slots each.
+    placement = Placement(torch.tensor([0, 1, 2, 3, 4, 5, 0, 6, 7, 1, 4, 6]), num_logical=8, num_ranks=4)
+    ids = torch.tensor([[e] for e in range(8) for _ in range(6)])
+    picks = {}
+    for rank in (0, 3):
+        table = ReplicaTable(placement, rank=rank, device=torch.device("cpu"), ranks_per_node=2)
+        physical = table.to_physical(ids)[:, 0]
+        picks[rank] = {e: sorted(set(physical[ids[:, 0] == e].tolist())) for e in range(8)}
+    # Rank 3 (node 1): expert 0 lives on ranks 0 and 2 -> rank 2's; 1, 4 and 6 on rank 3 itself.
+    assert picks[3] == {0: [6], 1: [9], 2: [2], 3: [3], 4: [10], 5: [5], 6: [11], 7: [8]}
+    # Rank 0 (node 0): expert 6 has no replica on node 0 -> spread over ranks 2 and 3.
+    assert picks[0][6] == [7, 11] and picks[0][0] == [0] and picks[0][4] == [4]

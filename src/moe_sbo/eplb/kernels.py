@@ -25,9 +25,8 @@ def _route_and_count_kernel(
     out_ptr,  # [T * K] physical slot ids, the dtype of ids
     window_ptr,  # [ROWS, E] int32 counts; row ``position`` is this forward's
     position_ptr,  # [1] int64
-    replicas_ptr,  # [E, W] int64 physical ids of each expert's replicas (padded)
-    count_ptr,  # [E] int64 replicas per expert
-    own_ptr,  # [E] int64 the replica on this rank, or -1
+    choices_ptr,  # [E, W] int64 each expert's nearest replicas, physical ids (padded)
+    count_ptr,  # [E] int64 how many
     num_pairs,
     num_experts,
     rank,
@@ -42,12 +41,10 @@ def _route_and_count_kernel(
     expert = tl.where(valid, ids, 0)
     position = tl.load(position_ptr)
     tl.atomic_add(window_ptr + position * num_experts + expert, tl.full([BLOCK], 1, tl.int32), mask=valid)
-    # Replica (t + k + rank) mod replicas(e), unless e has one on this rank.
-    replicas = tl.load(count_ptr + expert, mask=valid, other=1)
-    pick = (offs // K + offs % K + rank) % replicas
-    physical = tl.load(replicas_ptr + expert * W + pick, mask=valid, other=0)
-    own = tl.load(own_ptr + expert, mask=valid, other=-1)
-    physical = tl.where(own >= 0, own, physical)
+    # Choice (t + k + rank) mod choices(e) among the expert's nearest replicas.
+    choices = tl.load(count_ptr + expert, mask=valid, other=1)
+    pick = (offs // K + offs % K + rank) % choices
+    physical = tl.load(choices_ptr + expert * W + pick, mask=valid, other=0)
     out = tl.where(valid, physical, ids)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=in_range)
 
@@ -66,9 +63,8 @@ def route_and_count(
     ids_TK: torch.Tensor,
     window_RE: torch.Tensor,
     position: torch.Tensor,
-    replicas_EW: torch.Tensor,
+    choices_EW: torch.Tensor,
     count_E: torch.Tensor,
-    own_E: torch.Tensor,
     rank: int,
 ) -> torch.Tensor:
     """Count ``ids_TK`` [T, K] into row ``position`` of ``window_RE``, advance the window, and return
@@ -84,14 +80,13 @@ def route_and_count(
             out_TK,
             window_RE,
             position,
-            replicas_EW,
+            choices_EW,
             count_E,
-            own_E,
             num_pairs,
             num_experts,
             rank,
             K=ids.shape[1],
-            W=replicas_EW.shape[1],
+            W=choices_EW.shape[1],
             BLOCK=PAIRS_PER_PROGRAM,
         )
     block = min(triton.next_power_of_2(max(num_experts, 1)), 1024)

@@ -110,43 +110,51 @@ class ReplicaTable:
     """Logical -> physical expert ids for one rank's tokens, under a ``Placement``.
 
     Each (token t, slot k) of logical expert e goes to e's replica on this rank when there is one (no
-    transfer), else to replica ``(t + k + rank) % replicas(e)``: deterministic, and spread evenly
-    over the replicas (consecutive tokens take the next replica). ``replicas_EW`` [E, W] holds e's
-    physical ids (padded by repeating the first), ``count_E`` [E] how many, ``own_E`` [E] the one on
-    this rank or -1; W is the most replicas any placement of these sizes may give one expert, so a
-    new placement fits the same tensors.
+    transfer), else to one of e's replicas on this rank's node (``ranks_per_node``; the fast link),
+    else to one of all of them: choice ``(t + k + rank) % choices(e)``, deterministic and spread
+    evenly (consecutive tokens take the next one). ``choices_EW`` [E, W] holds those physical ids
+    (padded by repeating the first), ``count_E`` [E] how many; W is the most replicas any placement
+    of these sizes may give one expert, so a new placement fits the same tensors.
     """
 
-    def __init__(self, placement: Placement, rank: int, device: torch.device):
+    def __init__(self, placement: Placement, rank: int, device: torch.device, ranks_per_node: int | None = None):
         self.rank, self.num_ranks = rank, placement.num_ranks
+        self.ranks_per_node = ranks_per_node or placement.num_ranks
         width = min(placement.num_ranks, 1 + placement.num_redundant)
-        self.replicas_EW = torch.zeros(placement.num_logical, width, dtype=torch.int64, device=device)
+        self.choices_EW = torch.zeros(placement.num_logical, width, dtype=torch.int64, device=device)
         self.count_E = torch.ones(placement.num_logical, dtype=torch.int64, device=device)
-        self.own_E = torch.full((placement.num_logical,), -1, dtype=torch.int64, device=device)
         self.update(placement)
 
     @torch.no_grad()
     def update(self, placement: Placement) -> None:
         """Take ``placement`` (same sizes), written into the same tensors."""
         table = placement.logical_to_physical()  # [E, most replicas], -1 padded
-        count = placement.replica_counts()
-        if table.shape[1] > self.replicas_EW.shape[1] or placement.num_ranks != self.num_ranks:
+        width = self.choices_EW.shape[1]
+        if table.shape[1] > width or placement.num_ranks != self.num_ranks:
             raise ValueError(
                 f"the placement must have the sizes this layer was built for ({self.num_ranks} ranks, at most "
-                f"{self.replicas_EW.shape[1]} replicas per expert), got {placement.num_ranks} ranks and "
-                f"{table.shape[1]} replicas"
+                f"{width} replicas per expert), got {placement.num_ranks} ranks and {table.shape[1]} replicas"
             )
-        padded = torch.where(table >= 0, table, table[:, :1])
-        replicas = padded[:, :1].repeat(1, self.replicas_EW.shape[1])
-        replicas[:, : padded.shape[1]] = padded
-        own = torch.full_like(count, -1)
-        slots = placement.slots_per_rank
-        here = (table >= self.rank * slots) & (table < (self.rank + 1) * slots)
-        has = here.any(1)
-        own[has] = table[has].masked_fill(~here[has], -1).max(1).values
-        self.replicas_EW.copy_(replicas)
+        rank_of = torch.where(table >= 0, table // placement.slots_per_rank, -1)
+        node = self.rank // self.ranks_per_node
+        # The nearest replicas: on this rank, else on this node, else all of them.
+        here, on_node, anywhere = (
+            (rank_of == self.rank) & (table >= 0),
+            (rank_of >= 0) & (rank_of // self.ranks_per_node == node),
+            table >= 0,
+        )
+        nearest_node = torch.where(on_node.any(1, keepdim=True), on_node, anywhere)
+        chosen = torch.where(here.any(1, keepdim=True), here, nearest_node)
+        # Chosen replicas first (a stable sort keeps them in ascending physical order), padded with the first.
+        order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices
+        ordered = table.gather(1, order)
+        count = chosen.sum(1)
+        keep = torch.arange(table.shape[1])[None, :] < count[:, None]
+        ordered = torch.where(keep, ordered, ordered[:, :1])
+        choices = ordered[:, :1].repeat(1, width)
+        choices[:, : ordered.shape[1]] = ordered
+        self.choices_EW.copy_(choices)
         self.count_E.copy_(count)
-        self.own_E.copy_(own)
 
     def to_physical(self, ids_TK: torch.Tensor) -> torch.Tensor:
         """``ids_TK`` [T, K] logical ids -> [T, K] physical slot ids, same dtype (< 0 kept)."""
@@ -154,10 +162,7 @@ class ReplicaTable:
         logical = ids_TK.clamp(min=0).long()
         arange = torch.arange(max(t, k), device=ids_TK.device)
         spread_TK = arange[:t, None] + arange[None, :k] + self.rank
-        pick_TK = spread_TK % self.count_E[logical]
-        physical = self.replicas_EW[logical, pick_TK]
-        own = self.own_E[logical]
-        physical = torch.where(own >= 0, own, physical)
+        physical = self.choices_EW[logical, spread_TK % self.count_E[logical]]
         return torch.where(ids_TK >= 0, physical, ids_TK.long()).to(ids_TK.dtype)
 
 
@@ -174,7 +179,7 @@ def route_to_slots(
         if eplb_kernels is None:
             raise ValueError("kernels='triton' needs Triton installed; use 'auto' or 'torch'")
         return eplb_kernels.route_and_count(
-            ids_TK, window.counts_RE, window.position, table.replicas_EW, table.count_E, table.own_E, table.rank
+            ids_TK, window.counts_RE, window.position, table.choices_EW, table.count_E, table.rank
         )
     physical_TK = table.to_physical(ids_TK)
     window.record(ids_TK)
