@@ -142,7 +142,8 @@ def run_bench(args: argparse.Namespace) -> int:
     console = make_console()
     if note:
         console.print(note, highlight=False)
-    console.print(_memory_line(args, experts_list, ranks, dtype, attention, device), highlight=False)
+    redundant = max(eplb.redundant) if eplb is not None else 0
+    console.print(_memory_line(args, experts_list, ranks, dtype, attention, device, redundant), highlight=False)
     meta = result_meta(device=device, world_size=ranks, wire=args.wire)
     meta.update(
         preset=args.preset,
@@ -268,17 +269,21 @@ def _record_load(eplb: EplbSetup, loads: list[list[float]], args, meta: dict, co
     console.print(f"load of {len(load)} experts written to {path}", highlight=False, soft_wrap=True)
 
 
-def _memory_line(args, experts_list, ranks, dtype, attention, device) -> str:
-    """The per-rank memory estimate of the largest setup of the sweep; raises when it cannot fit."""
+def _memory_line(args, experts_list, ranks, dtype, attention, device, redundant: int = 0) -> str:
+    """The per-rank memory estimate of the largest setup of the sweep (``redundant``: the most
+    redundant expert slots per rank it runs); raises when it cannot fit."""
     if args.tbo:
         tokens = max([*args.prefill_tokens, *args.decode_seqs])
         kv_tokens = max([*args.prefill_tokens, *(b * (args.kv_len + 1) for b in args.decode_seqs)])
     else:
         tokens, kv_tokens = max(args.tokens), 0
-    # --eplb on CUDA holds two layers at once (with and without statistics, for their overhead).
+    # --eplb on CUDA holds two layers at once (with and without statistics, for their overhead), the
+    # largest with its redundant slots.
     layers = 2 if args.eplb and device == "cuda" else 1
     estimates = [
-        estimate_rank_bytes(bench_config(args.preset, n), ranks, dtype, tokens, attention, kv_tokens, layers=layers)
+        estimate_rank_bytes(
+            bench_config(args.preset, n), ranks, dtype, tokens, attention, kv_tokens, layers=layers, redundant=redundant
+        )
         for n in experts_list
     ]
     return check_memory(max(estimates, key=lambda e: e.total_B), device, ranks)

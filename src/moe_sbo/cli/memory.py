@@ -66,6 +66,7 @@ def estimate_rank_bytes(
     *,
     layers: int = 1,
     reference: bool = False,
+    redundant: int = 0,
 ) -> MemoryEstimate:
     """Per-rank bytes of one layer of ``cfg`` on ``ranks`` ranks at ``tokens`` tokens per rank.
 
@@ -73,11 +74,12 @@ def estimate_rank_bytes(
     ``kv_tokens``. ``layers``: such layers a rank holds at once (``check``: one per dispatcher;
     ``generate``: every MoE layer of the model, whose other weights are not counted). ``reference``:
     one more layer with every routed expert (``demo``'s reference on each rank; ``check``'s, built
-    in the launching process, counted on each rank's share).
+    in the launching process, counted on each rank's share). ``redundant``: extra expert slots per
+    rank (expert load balancing's replicas).
     """
     b = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     h, i, j, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size, cfg.num_experts_per_tok
-    local = cfg.experts_per_rank(ranks)
+    local = cfg.experts_per_rank(ranks) + redundant
     rest = 3 * h * j * b + cfg.num_experts * h * 4  # shared experts; the router is float32
     weights = layers * (local * 3 * h * i * b + rest) + reference * (cfg.num_experts * 3 * h * i * b + rest)
     # Rough: every rank's tokens may land here (allgather; low_latency sizes its double buffers for
