@@ -125,7 +125,12 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
             if isinstance(layer.overlap, AutoOverlap):
                 row["auto_choice"] = layer.overlap.choices.get(bucket_of(tokens), "none")
             traffic = layer.last_traffic
-            row.update(bytes_sent=traffic.bytes_sent, bytes_recv=traffic.bytes_recv)
+            row.update(
+                bytes_sent=traffic.bytes_sent,
+                bytes_recv=traffic.bytes_recv,
+                inter_node_bytes=traffic.inter_node_bytes,
+                intra_node_bytes=traffic.intra_node_bytes,
+            )
             rows.append(row)
             if graph:
                 graph_choice = {}
@@ -169,8 +174,8 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
                 row[key] = round(statistics.mean(r[key] for r in rank_rows))
         row.update(physical_limit(row))
         row["t_layer_us_per_rank"] = [round(r["t_layer_us"], 1) for r in rank_rows]
-        row["bytes_sent"] = round(statistics.mean(r["bytes_sent"] for r in rank_rows))
-        row["bytes_recv"] = round(statistics.mean(r["bytes_recv"] for r in rank_rows))
+        for key in ("bytes_sent", "bytes_recv", "inter_node_bytes", "intra_node_bytes"):
+            row[key] = round(statistics.mean(r[key] for r in rank_rows))
         if "auto_choice" in first:
             row["auto_choice"] = [r["auto_choice"] for r in rank_rows]
         paths = {r.get("expert_path") for r in rank_rows}

@@ -82,6 +82,7 @@ class DemoRow:
     ok: bool
     bytes_sent: int
     bytes_recv: int
+    inter_node_bytes: int  # of bytes_sent, those to other nodes (MOE_SBO_RANKS_PER_NODE)
     t_route_us: float
     t_dispatch_us: float
     t_experts_us: float
@@ -226,6 +227,7 @@ def run_demo_rank(
                         ok=ok,
                         bytes_sent=traffic.bytes_sent,
                         bytes_recv=traffic.bytes_recv,
+                        inter_node_bytes=traffic.inter_node_bytes,
                         t_route_us=medians[0],
                         t_dispatch_us=medians[1],
                         t_experts_us=medians[2],
@@ -300,6 +302,8 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
                 "ok": all(r["ok"] for r in rows),
                 "bytes_sent": round(statistics.mean(r["bytes_sent"] for r in rows)),
                 "bytes_recv": round(statistics.mean(r["bytes_recv"] for r in rows)),
+                "inter_node_bytes": round(statistics.mean(r["inter_node_bytes"] for r in rows)),
+                "intra_node_bytes": round(statistics.mean(r["bytes_sent"] - r["inter_node_bytes"] for r in rows)),
                 **{
                     key: max(r[key] for r in rows)
                     for key in ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")
