@@ -95,8 +95,12 @@ class MoELayer(nn.Module):
         self.overlap = make_overlap(overlap, device, sm_budget=sm_budget) if isinstance(overlap, str) else overlap
         ep = EPGroup.from_torch(group)
         self.eplb = eplb
-        # Physical expert slots: the logical experts, plus the redundant replicas under eplb.
-        self.placement: Placement | None = None if eplb is None else initial_placement(cfg.num_experts, ep.size, eplb)
+        # Physical expert slots: the logical experts, plus the redundant replicas under eplb (``local``
+        # holds every expert on each rank: one rank's placement).
+        slot_ranks = 1 if dispatcher == "local" else ep.size
+        self.placement: Placement | None = None
+        if eplb is not None:
+            self.placement = initial_placement(cfg.num_experts, slot_ranks, eplb)
         num_slots = cfg.num_experts if self.placement is None else self.placement.num_physical
         self.dispatcher = make_dispatcher(dispatcher, num_slots, ep, **(dispatcher_options or {}))
         self.router = Router(cfg, device=device)
@@ -117,6 +121,7 @@ class MoELayer(nn.Module):
         self.last_traffic = Traffic()  # of the last forward (of both micro-batches after a TBO forward)
         if self.placement is not None and eplb is not None:
             self.load_window = LoadWindow(cfg.num_experts, eplb.window, device)
+            ep = self.dispatcher.ep  # node_aware's may set its own ranks_per_node
             self.replicas = ReplicaTable(self.placement, ep.rank, device, ranks_per_node=ep.node_size)
             self.forwards_since_rebalance = 0
         if seed is not None:  # None: left uninitialised for load_weights (no time spent on random weights)

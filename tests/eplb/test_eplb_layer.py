@@ -231,3 +231,17 @@ def test_replica_table_prefers_the_own_node_before_other_nodes():
     assert picks[3] == {0: [6], 1: [9], 2: [2], 3: [3], 4: [10], 5: [5], 6: [11], 7: [8]}
     # Rank 0 (node 0): expert 6 has no replica on node 0 -> spread over ranks 2 and 3.
     assert picks[0][6] == [7, 11] and picks[0][0] == [0] and picks[0][4] == [4]
+
+
+def _local_eplb_rank(device):
+    """``local`` holds every expert on each rank: its placement is one rank's, whatever the group."""
+    cfg = get_preset("tiny")
+    layer = MoELayer(cfg, dispatcher="local", seed=4, eplb=EPLBOptions())
+    plain = MoELayer(cfg, dispatcher="local", seed=4)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with torch.no_grad():
+        return layer.placement.num_ranks, torch.equal(layer(x), plain(x))
+
+
+def test_local_dispatcher_with_eplb_on_a_group_places_one_rank(ranks2):
+    assert ranks2.run(_local_eplb_rank) == [(1, True), (1, True)]
