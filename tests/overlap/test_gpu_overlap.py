@@ -77,6 +77,49 @@ def test_modes_match_none_over_nccl():
                     assert rel <= BF16_REL_TOL, (dispatcher, mode, rel)
 
 
+def _every_mode_rank(device, dispatcher):
+    """Every fixed SBO mode of ``dispatcher`` against the single-rank reference and against none; for
+    low_latency also replayed from a CUDA graph against its eager forward."""
+    cfg, rank = get_preset("tiny"), dist.get_rank()
+    tokens = 24
+    x = torch.randn(tokens - rank, cfg.hidden_size, device=device, generator=torch.Generator(device).manual_seed(rank))
+    x = x.bfloat16()
+    options = options_for_tokens(dispatcher, tokens)
+    out = {}
+    with torch.inference_mode():
+        reference = MoELayer(cfg, dispatcher="local", device=device, seed=8)(x)
+        none = None
+        for mode in FIXED_MODES:
+            layer = MoELayer(
+                cfg, dispatcher=dispatcher, device=device, seed=8, overlap=mode, dispatcher_options=options
+            )
+            y = layer(x)
+            none = y if none is None else none
+            replayed_equal = None
+            if layer.dispatcher.graph_capturable:
+                static_x = torch.zeros(tokens, cfg.hidden_size, device=device, dtype=x.dtype)
+                static_x[: x.shape[0]] = x
+                eager = layer(static_x)
+                graph, static_y = capture_graph(lambda layer=layer, static_x=static_x: layer(static_x))
+                graph.replay()
+                replayed_equal = torch.equal(static_y, eager)
+            out[mode] = (_rel(y, reference), torch.equal(y, none), replayed_equal)
+    return out
+
+
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall", "low_latency", "node_aware"])
+def test_every_dispatcher_and_mode_at_ep4_and_ep8(gpu_pools, world, dispatcher):
+    """EP4 and EP8 on whatever GPUs there are (ranks share them where there are fewer): each fixed mode
+    equals the single-rank reference, the bitwise modes equal none, low_latency's graph replays equal
+    its eager forwards."""
+    for out in gpu_pools(world).run(_every_mode_rank, dispatcher):
+        for mode, (rel, same_as_none, replayed_equal) in out.items():
+            assert rel <= BF16_REL_TOL, (mode, rel)
+            assert same_as_none or mode not in BITWISE_MODES, mode
+            assert replayed_equal in (None, True) or mode == "combine_sm", mode
+
+
 def test_combine_modes_run_shared_experts_on_a_side_stream(tmp_path):
     cfg = get_preset("deepseek-v2-lite")
     x = torch.randn(256, cfg.hidden_size, device="cuda").bfloat16()
