@@ -85,7 +85,9 @@ def ranks4():
 
 
 def _layer(dispatcher: str, overlap: str = "none") -> MoELayer:
-    options = {"max_tokens_per_rank": CAPACITY} if dispatcher == "low_latency" else None
+    options: dict | None = {"max_tokens_per_rank": CAPACITY} if dispatcher == "low_latency" else None
+    if dispatcher == "node_aware":
+        options = {"ranks_per_node": 2}  # on 4 ranks: two nodes, so both legs have groups of their own
     return MoELayer(
         get_preset("tiny"),
         dispatcher=dispatcher,
@@ -246,6 +248,28 @@ def test_a_stalled_rank_is_named_with_every_ranks_phase(ranks2_short_bound, disp
     where = f"rank 0 {survivor_phase}" + (f", rank 1 {VICTIM_PHASE[phase]}" if VICTIM_PHASE[phase] else "")
     assert f"dispatcher phases when the call ended: {where}" in message
     assert all(e < 1e-5 for e in ranks.run(_healthy_rank, dispatcher)), "the group did not recover"
+
+
+@pytest.fixture(scope="module")
+def ranks4_short_bound():
+    with LocalRanks(4, collective_timeout_s=WAIT_BOUND_S, failure_grace_s=0.25) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("phase", ["pre_dispatch", "pre_combine"])
+def test_node_aware_survivors_give_up_at_the_bound_in_either_leg(ranks4_short_bound, phase):
+    """4 ranks as 2 nodes, rank 3 stalls: before its dispatch the others wait in the first count
+    exchange (the whole group); before its combine rank 2 waits in its node's group and rank 1 in its
+    rail's, groups made by node_aware, which carry the same bound."""
+    ranks = ranks4_short_bound
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        ranks.run(_faulty_forward_rank, "node_aware", "none", phase, "stall", 3, False)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert WAIT_BOUND_S <= elapsed < WAIT_BOUND_S + STOP_SLACK_S, f"{elapsed:.1f} s\n{str(err)[:2000]}"
+    assert err.stalled_ranks == (3,) and err.first.gave_up_waiting, str(err)[:2000]
+    assert all(e < 1e-5 for e in ranks.run(_healthy_rank, "node_aware")), "the group did not recover"
 
 
 # ---- the bounded waits themselves -------------------------------------------------------------------------

@@ -27,12 +27,14 @@ is the same bits run to run (and equals the flat dispatchers' up to the summatio
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import env
 from .base import (
     REJECTED,
     CombineInput,
@@ -116,7 +118,10 @@ def _subgroup(ep: EPGroup, members: tuple[int, ...], ranks: tuple[int, ...]) -> 
         return ep.group
     key = (id(dist.distributed_c10d._get_default_group()), ranks)
     if key not in _SUBGROUPS:
-        _SUBGROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+        # The process's wait bound, as the group that joined had it (a new group's default is PyTorch's
+        # 10 or 30 minutes): a dead peer in either leg is reported as in every other collective.
+        timeout = datetime.timedelta(seconds=env.collective_timeout_s())
+        _SUBGROUPS[key] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
     return _SUBGROUPS[key]
 
 
