@@ -242,6 +242,10 @@ BENCH = ["bench", "--device", "cpu", "--ranks", "2"]
         ),
         (["plan", "--skew", "zipf:1", "--redundant", "-1"], "--redundant must be counts >= 0"),
         ([*BENCH, "--expert-dtype", "fp8"], "--expert-dtype fp8 needs hidden_size and moe_intermediate_size that"),
+        (
+            [*BENCH, "--eplb", "--overlap", "split"],
+            "--eplb times the layer with overlap none, got --overlap split; leave --overlap out",
+        ),
     ],
 )
 def test_bad_eplb_input_is_refused_in_one_line(argv, message, capsys, no_ranks):

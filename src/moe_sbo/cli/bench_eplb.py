@@ -88,6 +88,10 @@ def resolve_eplb(args: argparse.Namespace, ranks: int, experts_list: list[int]) 
         return None
     if args.tbo:
         raise ValueError("--eplb and --tbo are separate benches, got both; run one, then the other")
+    if args.overlap != ["all"]:
+        raise ValueError(
+            f"--eplb times the layer with overlap none, got --overlap {' '.join(args.overlap)}; leave --overlap out"
+        )
     for flag, value in (("--timeline", args.timeline), ("--trace", args.trace)):
         if value is not None:
             raise ValueError(

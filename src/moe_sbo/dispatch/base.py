@@ -203,9 +203,6 @@ class EPGroup:
         """Ranks per node (the whole group when one node holds it)."""
         return self.ranks_per_node or self.size
 
-    def node_of(self, rank: int | torch.Tensor) -> int | torch.Tensor:
-        return rank // self.node_size
-
     @classmethod
     def from_torch(cls, group: Any = None) -> EPGroup:
         if not dist.is_available() or not dist.is_initialized():

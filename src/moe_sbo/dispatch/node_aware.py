@@ -271,7 +271,9 @@ class NodeAwareDispatcher(Dispatcher):
         g = self.ranks_per_node
         ids_MK, weights_MK = unpack_topk(meta_M2K)
         member_MK = torch.where(ids_MK >= 0, torch.div(ids_MK, self.num_local_experts, rounding_mode="floor") % g, g)
-        is_sent_MG = count_per_key_rows(member_MK, g) > 0
+        # Column g takes the choices this node does not hold; scatter as alltoall marks its ranks.
+        is_sent_MG = torch.zeros(ids_MK.shape[0], g + 1, dtype=torch.bool, device=ids_MK.device)
+        is_sent_MG = is_sent_MG.scatter_(1, member_MK, True)[:, :g]
         pairs_G = count_per_key(member_MK.reshape(-1), g + 1)[:g]
         send_counts, recv_counts, num_pairs = self._exchange_counts_inside(is_sent_MG.sum(dim=0), pairs_G)
         member_S, row_S, slot_MG = _rows_by_member(is_sent_MG, sum(send_counts))
@@ -342,9 +344,3 @@ class NodeAwareDispatcher(Dispatcher):
         # Each token's returned rows (one per node it went to), summed in float32 in node order.
         sums = [gather_sum(home, a.slot_YD, out_dtype=handle.dtype) for home, a in zip(pending.state, handle.across)]
         return torch.cat(sums) if len(sums) > 1 else sums[0]
-
-
-def count_per_key_rows(keys_MK: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """``[M, num_keys]`` int64: how many of each row's keys take each value (keys == num_keys: none)."""
-    counts = torch.zeros(keys_MK.shape[0], num_keys + 1, dtype=torch.int64, device=keys_MK.device)
-    return counts.scatter_add_(1, keys_MK, torch.ones_like(keys_MK))[:, :num_keys]

@@ -4,8 +4,7 @@ then advance the window (one program).
 
 In torch the same work is about fifteen small ops (``LoadWindow.record``, ``ReplicaTable.to_physical``,
 ``LoadWindow.advance``), each a launch of a few microseconds: at decode sizes they cost the layer
-several percent (7.6 % of a 1.08 ms graph-replayed DeepSeek-V3 layer with 16 experts a rank at 128
-tokens, two ranks sharing one H200). Counts are int32 atomics, which add exactly in any order, so
+several percent (docs/BENCHMARKS.md, "Expert load balancing"). Counts are int32 atomics, which add exactly in any order, so
 the window holds the same numbers as the torch path. Runs under ``TRITON_INTERPRET=1`` on CPU
 tensors (the tests hold it to the torch path).
 """

@@ -219,9 +219,7 @@ def hierarchical_placement(
     load = _checked_load(load_E)
     num_logical = load.numel()
     _check_sizes(num_logical, num_ranks, redundant_per_rank)
-    for name, value in (("num_nodes", num_nodes), ("num_groups", num_groups)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_positive_ints(num_nodes=num_nodes, num_groups=num_groups)
     if num_ranks % num_nodes:
         raise ValueError(
             f"num_ranks={num_ranks} is not a multiple of num_nodes={num_nodes}: every node must hold the same "
@@ -366,10 +364,14 @@ def _checked_load(load_E: torch.Tensor, num_logical: int | None = None) -> torch
     return load
 
 
-def _check_sizes(num_logical: int, num_ranks: int, redundant_per_rank: int) -> None:
-    for name, value in (("num_logical", num_logical), ("num_ranks", num_ranks)):
+def _check_positive_ints(**values: int) -> None:
+    for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_sizes(num_logical: int, num_ranks: int, redundant_per_rank: int) -> None:
+    _check_positive_ints(num_logical=num_logical, num_ranks=num_ranks)
     if not isinstance(redundant_per_rank, int) or isinstance(redundant_per_rank, bool) or redundant_per_rank < 0:
         raise ValueError(f"redundant_per_rank must be an int >= 0 (extra slots per rank), got {redundant_per_rank!r}")
     if num_logical % num_ranks:

@@ -101,10 +101,6 @@ class LoadWindow:
         """``[E]`` int64: tokens per expert over the window (this rank's tokens)."""
         return self.counts_RE.sum(0, dtype=torch.int64)
 
-    def clear(self) -> None:
-        self.counts_RE.zero_()
-        self.position.zero_()
-
 
 class ReplicaTable:
     """Logical -> physical expert ids for one rank's tokens, under a ``Placement``.
