@@ -4,9 +4,9 @@ then advance the window (one program).
 
 In torch the same work is about fifteen small ops (``LoadWindow.record``, ``ReplicaTable.to_physical``,
 ``LoadWindow.advance``), each a launch of a few microseconds: at decode sizes they cost the layer
-several percent (docs/BENCHMARKS.md, "Expert load balancing"). Counts are int32 atomics, which add exactly in any order, so
-the window holds the same numbers as the torch path. Runs under ``TRITON_INTERPRET=1`` on CPU
-tensors (the tests hold it to the torch path).
+several percent (docs/BENCHMARKS.md, "Expert load balancing"). Counts are int32 atomics, which add
+exactly in any order, so the window holds the same numbers as the torch path. Runs under
+``TRITON_INTERPRET=1`` on CPU tensors (the tests hold it to the torch path).
 """
 
 from __future__ import annotations
