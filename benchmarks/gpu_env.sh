@@ -20,8 +20,13 @@ slug = re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-
 print(f"{slug}x{torch.cuda.device_count()}")')
 nvidia-smi -L
 # The GPU-marked tests (arguments: pytest's, paths included; default every test under tests/): the log,
-# skip reasons and slowest tests kept as tests_gpu_$TAG.log; the status is pytest's.
-gpu_tests() { "$PYTHON" -m pytest -q -rs --durations=15 -m gpu "${@:-tests}" 2>&1 | tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -60; }
+# skip reasons and slowest tests kept as tests_gpu_$TAG.log; the status is pytest's. Two test processes
+# (GPU_TEST_WORKERS), each taking whole files, so a file's pool of ranks is started once: most tests
+# wait on their ranks, not on the GPU.
+gpu_tests() {
+  "$PYTHON" -m pytest -q -rs --durations=15 -m gpu -n "${GPU_TEST_WORKERS:-2}" --dist loadfile "${@:-tests}" 2>&1 |
+    tee "$OUT_DIR/tests_gpu_$TAG.log" | tail -60
+}
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
 # Ranks that share a GPU (more ranks than GPUs: every multi-rank test on a one-GPU machine) time-slice
 # their CUDA contexts unless a CUDA MPS daemon serves them: device-side waits then take milliseconds, not
