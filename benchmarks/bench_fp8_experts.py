@@ -27,13 +27,17 @@ interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from moe_sbo.config import get_preset
 from moe_sbo.experts import fp8_gemm
+from moe_sbo.experts.fp8_torch import grouped_scaled_mm, scaled_mm_blockwise_supported
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
@@ -42,22 +46,23 @@ from moe_sbo.quant import kernels as quant_kernels
 from moe_sbo.streams import capture_graph
 from moe_sbo.weights import seeded_normal
 
+
+def _variants(base: fp8_gemm.GemmConfig, *flags: str) -> list[fp8_gemm.GemmConfig]:
+    """``base`` as it is and with each comma-separated set of ``GemmConfig`` flags switched on."""
+    out = [base]
+    for names in flags:
+        out.append(dataclasses.replace(base, **{name: True for name in names.split(",")}))
+    return out
+
+
 SWEEP_CONFIGS = [
-    fp8_gemm.GemmConfig(block_m, block_n, group_m, warps, stages)
-    for block_m, block_n, group_m, warps, stages in [
-        (16, 128, 1, 4, 4),
-        (32, 128, 1, 4, 4),
-        (64, 64, 1, 4, 4),
-        (64, 128, 1, 4, 3),
-        (64, 128, 1, 4, 4),
-        (64, 128, 4, 4, 4),
-        (64, 256, 4, 8, 3),
-        (128, 64, 8, 4, 4),
-        (128, 128, 8, 8, 3),
-        (128, 128, 8, 8, 4),
-        (128, 256, 8, 8, 3),
-        (256, 128, 8, 8, 3),
-    ]
+    *_variants(fp8_gemm.GemmConfig(64, 128, 4, 4, 4), "tma", "tma,warp_specialize", "tma,persistent"),
+    *_variants(fp8_gemm.GemmConfig(128, 128, 8, 8, 3), "tma", "tma,warp_specialize", "tma,persistent"),
+    *_variants(fp8_gemm.GemmConfig(128, 128, 8, 8, 4), "tma", "tma,warp_specialize", "tma,warp_specialize,persistent"),
+    *_variants(fp8_gemm.GemmConfig(128, 128, 8, 4, 3), "tma,warp_specialize"),
+    *_variants(fp8_gemm.GemmConfig(128, 64, 8, 4, 4), "tma"),
+    *_variants(fp8_gemm.GemmConfig(128, 256, 8, 8, 3), "tma"),
+    *_variants(fp8_gemm.GemmConfig(256, 128, 8, 8, 3), "tma"),
 ]
 
 
@@ -122,33 +127,126 @@ def bench_case(fp8, dense, rows_per_expert: int, timer: KernelTimer, device: tor
 
 
 def sweep_case(fp8, rows_per_expert: int, timer: KernelTimer, device: torch.device, dtype) -> list[dict]:
-    """Each GEMM alone under each tile config."""
+    """Each GEMM alone under each tile config (``gate_up_swiglu``: gate_up with SwiGLU and its
+    quantisation in the epilogue; the unfused pair is ``gate_up`` plus ``silu_mul_quantize``), beside
+    the hardware's FP8 rate on the same shape (cuBLAS's row-wise ``torch._scaled_mm`` over all the
+    rows against one expert's weight) and cuBLAS's block-wise GEMM once per expert."""
     num_experts, hidden, inter = fp8.num_local_experts, fp8.gate_up_proj.shape[2], fp8.down_proj.shape[2]
     rows = num_experts * rows_per_expert
     offsets_L = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * rows_per_expert
     generator = torch.Generator(device=device).manual_seed(1)
     q_x, s_x = quant_kernels.quantize_rows(torch.randn(rows, hidden, generator=generator, device=device), offsets_L)
     q_h, s_h = quant_kernels.quantize_rows(torch.randn(rows, inter, generator=generator, device=device), offsets_L)
+    gate_up_R2I = torch.randn(rows, 2 * inter, generator=generator, device=device).to(dtype)
     gemms = {
         "gate_up": (q_x, s_x, fp8.gate_up_proj, fp8.gate_up_proj_scale_inv),
+        "gate_up_swiglu": (q_x, s_x, fp8.gate_up_proj, fp8.gate_up_proj_scale_inv),
         "down": (q_h, s_h, fp8.down_proj, fp8.down_proj_scale_inv),
     }
+    case = {"experts": num_experts, "rows_per_expert": rows_per_expert}
     out = []
+
+    def row(gemm: str, n: int, k: int, fn: Callable[[], object], **extra) -> None:
+        entry = {"bench": "fp8_gemm_config", "gemm": gemm, **case, **extra}
+        try:
+            t_us = timer(fn)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        else:
+            entry.update(t_us=t_us, tflops=2 * rows * n * k / t_us / 1e6, weight_gbps=num_experts * n * k / t_us / 1e3)
+        out.append(entry)
+
     for gemm, (q, s, w, ws) in gemms.items():
-        for config in SWEEP_CONFIGS:
-            row = {"bench": "fp8_gemm_config", "gemm": gemm, "experts": num_experts, "rows_per_expert": rows_per_expert}
-            row.update(vars(config))
-            try:
-                t_us = timer(
-                    lambda q=q, s=s, w=w, ws=ws, c=config: fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, dtype, c)
+        n, k = w.shape[1], w.shape[2]
+        if gemm == "gate_up_swiglu":
+            configs = [c for c in SWEEP_CONFIGS if c.block_n == 128]
+            for config in configs:
+                row(
+                    gemm,
+                    n,
+                    k,
+                    lambda q=q, s=s, w=w, ws=ws, c=config: fp8_gemm.grouped_gemm_swiglu(q, s, w, ws, offsets_L, c),
+                    **vars(config),
                 )
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            else:
-                n, k = w.shape[1], w.shape[2]
-                row.update(t_us=t_us, tflops=2 * rows * n * k / t_us / 1e6, weight_gbps=w.numel() / t_us / 1e3)
-            out.append(row)
+            continue
+        for config in SWEEP_CONFIGS:
+            row(
+                gemm,
+                n,
+                k,
+                lambda q=q, s=s, w=w, ws=ws, c=config: fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, dtype, c),
+                **vars(config),
+            )
+        if device.type == "cuda":
+            # The GPU's FP8 rate on this shape: cuBLAS row-wise over all rows against expert 0's weight.
+            w_KN = w[0].t()
+            ones_R1 = torch.ones(rows, 1, device=device)
+            ones_1N = torch.ones(1, n, device=device)
+            row(
+                gemm,
+                n,
+                k,
+                lambda q=q, w_KN=w_KN: torch._scaled_mm(q, w_KN, ones_R1, ones_1N, out_dtype=dtype),
+                impl="scaled_mm_rowwise",
+            )
+            if scaled_mm_blockwise_supported(device):
+                counts = [rows_per_expert] * num_experts
+                row(
+                    gemm,
+                    n,
+                    k,
+                    lambda q=q, s=s, w=w, ws=ws: grouped_scaled_mm(q, s, w, ws, counts, dtype),
+                    impl="scaled_mm_blockwise_per_expert",
+                )
+    row(
+        "silu_mul_quantize",
+        inter,
+        1,
+        lambda: quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L),
+        impl="silu_mul_quantize",
+    )
     return out
+
+
+def print_sweep(rows: list[dict]) -> None:
+    """The best config per GEMM and size, beside the references, as a table."""
+    table = Table(title="FP8 GEMMs alone (CUDA-graph replay)")
+    for column in (
+        "gemm",
+        "L",
+        "rows/expert",
+        "best config",
+        "µs",
+        "TFLOP/s",
+        "row-wise cuBLAS µs",
+        "vs row-wise",
+        "failed",
+    ):
+        table.add_column(column)
+    keys = sorted({(r["gemm"], r["experts"], r["rows_per_expert"]) for r in rows if r["gemm"] != "silu_mul_quantize"})
+    for gemm, experts, per_expert in keys:
+        same = [r for r in rows if (r["gemm"], r["experts"], r["rows_per_expert"]) == (gemm, experts, per_expert)]
+        ours = [r for r in same if "impl" not in r and "t_us" in r]
+        ref = next((r for r in same if r.get("impl") == "scaled_mm_rowwise" and "t_us" in r), None)
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["t_us"])
+        name = f"{best['block_m']}x{best['block_n']} w{best['num_warps']} s{best['num_stages']}" + "".join(
+            f" {flag}" for flag in ("tma", "warp_specialize", "persistent") if best[flag]
+        )
+        ref_t = ref["t_us"] if ref else None
+        table.add_row(
+            gemm,
+            str(experts),
+            str(per_expert),
+            name,
+            f"{best['t_us']:.1f}",
+            f"{best['tflops']:.0f}",
+            f"{ref_t:.1f}" if ref_t else "-",
+            f"{ref_t / best['t_us']:.2f}" if ref_t else "-",
+            str(sum("error" in r for r in same)),
+        )
+    Console(width=160).print(table)
 
 
 def layer_rows(num_experts: int, tokens_list: list[int], device: torch.device, quick: bool) -> list[dict]:
@@ -211,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=7168)
     parser.add_argument("--intermediate-size", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time each GEMM per tile config")
+    parser.add_argument("--sweep-only", action="store_true", help="only the per-GEMM sweep (no MLP or layer rows)")
     parser.add_argument("--layer-experts", type=int, default=32)
     parser.add_argument("--layer-tokens", type=int, nargs="*", default=[32, 128, 512])
     args = parser.parse_args(argv)
@@ -219,15 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = ResultFile(args.out / "fp8_experts.json", result_meta(device.type, 1))
     timer = KernelTimer(device, args.quick)
+    # Each GEMM alone is the GPU's time: replayed from a graph (a launch's host cost would show below
+    # ~50 µs), as the layer runs it.
+    gemm_timer = KernelTimer(device, args.quick, graph=True)
     results.meta["timer"] = timer.name
+    results.meta["sweep_timer"] = gemm_timer.name
     for num_experts in args.experts:
         fp8, dense = make_experts(num_experts, args.hidden_size, args.intermediate_size, device, dtype)
         for rows_per_expert in [*args.decode_rows, *args.prefill_rows]:
             if num_experts * rows_per_expert > args.max_rows:
                 continue
-            new = bench_case(fp8, dense, rows_per_expert, timer, device, dtype)
-            if args.sweep:
-                new += sweep_case(fp8, rows_per_expert, timer, device, dtype)
+            new = [] if args.sweep_only else bench_case(fp8, dense, rows_per_expert, timer, device, dtype)
+            if args.sweep or args.sweep_only:
+                new += sweep_case(fp8, rows_per_expert, gemm_timer, device, dtype)
+                print(f"sweep L={num_experts} rows/expert={rows_per_expert}: {len(new)} rows", flush=True)
             results.rows.extend(new)
             results.save()
             for row in new:
@@ -246,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         del fp8, dense
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.layer_tokens:
+    if args.sweep or args.sweep_only:
+        print_sweep([row for row in results.rows if row["bench"] == "fp8_gemm_config"])
+    if args.layer_tokens and not args.sweep_only:
         results.rows.extend(layer_rows(args.layer_experts, args.layer_tokens, device, args.quick))
         results.save()
     return 0

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one command for FP8 experts on a GPU machine, from the repo root:  bash benchmarks/run_gpu_fp8.sh
 # PARTS picks sections (default: tests bench): "tests" runs the FP8 GPU tests, "bench" the FP8 vs
-# bf16 routed-expert benchmark on one GPU ("${OUT:-out}/fp8_experts.json"). Extra flags: BENCH_ARGS.
+# bf16 routed-expert benchmark on one GPU ("${OUT:-out}/fp8_experts.json"), "sweep" each GEMM alone per
+# tile config beside cuBLAS's row-wise FP8 rate on the same shape ("${OUT:-out}/fp8_sweep/fp8_experts.json";
+# the data behind fp8_gemm's configs). Extra flags: BENCH_ARGS, SWEEP_ARGS.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 PARTS="${PARTS:-tests bench}"
@@ -13,7 +15,12 @@ for part in $PARTS; do
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
       CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/bench_fp8_experts.py --out "$OUT_DIR" ${BENCH_ARGS:-} \
         2>&1 | tee "$OUT_DIR/bench_fp8_experts_$TAG.log" | tail -60 ;;
-    *) echo "unknown part $part (tests bench)"; exit 2 ;;
+    sweep)
+      # shellcheck disable=SC2086  # SWEEP_ARGS is meant to split into flags
+      CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/bench_fp8_experts.py --out "$OUT_DIR/fp8_sweep" --sweep-only \
+        ${SWEEP_ARGS:---experts 8 --decode-rows 16 128 --prefill-rows 512 2048 4096} \
+        2>&1 | tee "$OUT_DIR/sweep_fp8_$TAG.log" | tail -60 ;;
+    *) echo "unknown part $part (tests bench sweep)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"
 done
