@@ -27,7 +27,6 @@ interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,23 +45,16 @@ from moe_sbo.quant import kernels as quant_kernels
 from moe_sbo.streams import capture_graph
 from moe_sbo.weights import seeded_normal
 
-
-def _variants(base: fp8_gemm.GemmConfig, *flags: str) -> list[fp8_gemm.GemmConfig]:
-    """``base`` as it is and with each comma-separated set of ``GemmConfig`` flags switched on."""
-    out = [base]
-    for names in flags:
-        out.append(dataclasses.replace(base, **{name: True for name in names.split(",")}))
-    return out
-
-
 SWEEP_CONFIGS = [
-    *_variants(fp8_gemm.GemmConfig(64, 128, 4, 4, 4), "tma", "tma,warp_specialize", "tma,persistent"),
-    *_variants(fp8_gemm.GemmConfig(128, 128, 8, 8, 3), "tma", "tma,warp_specialize", "tma,persistent"),
-    *_variants(fp8_gemm.GemmConfig(128, 128, 8, 8, 4), "tma", "tma,warp_specialize", "tma,warp_specialize,persistent"),
-    *_variants(fp8_gemm.GemmConfig(128, 128, 8, 4, 3), "tma,warp_specialize"),
-    *_variants(fp8_gemm.GemmConfig(128, 64, 8, 4, 4), "tma"),
-    *_variants(fp8_gemm.GemmConfig(128, 256, 8, 8, 3), "tma"),
-    *_variants(fp8_gemm.GemmConfig(256, 128, 8, 8, 3), "tma"),
+    fp8_gemm.GemmConfig(block_m, block_n, group_m, warps, stages, tma=tma)
+    for block_m, block_n, group_m, warps, stages in [
+        (64, 128, 4, 4, 4),
+        (128, 128, 8, 8, 3),
+        (128, 128, 8, 8, 4),
+        (128, 64, 8, 4, 4),
+        (128, 256, 8, 8, 3),
+    ]
+    for tma in (False, True)
 ]
 
 
@@ -127,10 +119,9 @@ def bench_case(fp8, dense, rows_per_expert: int, timer: KernelTimer, device: tor
 
 
 def sweep_case(fp8, rows_per_expert: int, timer: KernelTimer, device: torch.device, dtype) -> list[dict]:
-    """Each GEMM alone under each tile config (``gate_up_swiglu``: gate_up with SwiGLU and its
-    quantisation in the epilogue; the unfused pair is ``gate_up`` plus ``silu_mul_quantize``), beside
-    the hardware's FP8 rate on the same shape (cuBLAS's row-wise ``torch._scaled_mm`` over all the
-    rows against one expert's weight) and cuBLAS's block-wise GEMM once per expert."""
+    """Each GEMM alone under each tile config, beside the hardware's FP8 rate on the same shape
+    (cuBLAS's row-wise ``torch._scaled_mm`` over all the rows against one expert's weight) and
+    cuBLAS's block-wise GEMM once per expert; and ``silu_mul_quantize`` between them."""
     num_experts, hidden, inter = fp8.num_local_experts, fp8.gate_up_proj.shape[2], fp8.down_proj.shape[2]
     rows = num_experts * rows_per_expert
     offsets_L = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * rows_per_expert
@@ -140,7 +131,6 @@ def sweep_case(fp8, rows_per_expert: int, timer: KernelTimer, device: torch.devi
     gate_up_R2I = torch.randn(rows, 2 * inter, generator=generator, device=device).to(dtype)
     gemms = {
         "gate_up": (q_x, s_x, fp8.gate_up_proj, fp8.gate_up_proj_scale_inv),
-        "gate_up_swiglu": (q_x, s_x, fp8.gate_up_proj, fp8.gate_up_proj_scale_inv),
         "down": (q_h, s_h, fp8.down_proj, fp8.down_proj_scale_inv),
     }
     case = {"experts": num_experts, "rows_per_expert": rows_per_expert}
@@ -158,17 +148,6 @@ def sweep_case(fp8, rows_per_expert: int, timer: KernelTimer, device: torch.devi
 
     for gemm, (q, s, w, ws) in gemms.items():
         n, k = w.shape[1], w.shape[2]
-        if gemm == "gate_up_swiglu":
-            configs = [c for c in SWEEP_CONFIGS if c.block_n == 128]
-            for config in configs:
-                row(
-                    gemm,
-                    n,
-                    k,
-                    lambda q=q, s=s, w=w, ws=ws, c=config: fp8_gemm.grouped_gemm_swiglu(q, s, w, ws, offsets_L, c),
-                    **vars(config),
-                )
-            continue
         for config in SWEEP_CONFIGS:
             row(
                 gemm,
@@ -231,8 +210,8 @@ def print_sweep(rows: list[dict]) -> None:
         if not ours:
             continue
         best = min(ours, key=lambda r: r["t_us"])
-        name = f"{best['block_m']}x{best['block_n']} w{best['num_warps']} s{best['num_stages']}" + "".join(
-            f" {flag}" for flag in ("tma", "warp_specialize", "persistent") if best[flag]
+        name = f"{best['block_m']}x{best['block_n']} w{best['num_warps']} s{best['num_stages']}" + (
+            " tma" if best["tma"] else ""
         )
         ref_t = ref["t_us"] if ref else None
         table.add_row(

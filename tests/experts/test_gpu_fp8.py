@@ -55,20 +55,17 @@ def test_silu_mul_quantize_matches_torch():
     assert ((got - ref).abs() <= 2.0**-3 * ref.abs() + 1e-6 * s.repeat_interleave(128, 1)).all()
 
 
-KERNEL_CONFIGS = [
-    None,
-    *fp8_gemm.GEMM_CONFIGS,
-    fp8_gemm.GemmConfig(64, 256, 4, 8, 3),
-    fp8_gemm.GemmConfig(64, 64, 1, 4, 4),
-    fp8_gemm.GemmConfig(128, 128, 8, 8, 4, tma=True),
-    fp8_gemm.GemmConfig(128, 128, 8, 8, 3, tma=True, warp_specialize=True),
-    fp8_gemm.GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True),
-    fp8_gemm.GemmConfig(64, 128, 4, 4, 4, tma=True, warp_specialize=True, persistent=True),
-    fp8_gemm.GemmConfig(128, 256, 8, 8, 3, tma=True),
-]
-
-
-@pytest.mark.parametrize("config", KERNEL_CONFIGS)
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        *fp8_gemm.GEMM_CONFIGS,
+        fp8_gemm.GemmConfig(64, 256, 4, 8, 3),
+        fp8_gemm.GemmConfig(64, 64, 1, 4, 4),
+        fp8_gemm.GemmConfig(64, 64, 1, 4, 4, tma=True),
+        fp8_gemm.GemmConfig(128, 256, 8, 8, 3, tma=True),
+    ],
+)
 def test_grouped_gemm_matches_torch_reference(config):
     generator = torch.Generator(device="cuda").manual_seed(0)
     counts, offsets = _counts("cuda", 1, 0, 300, 64, 129, 0, 7, 512)
@@ -84,29 +81,6 @@ def test_grouped_gemm_matches_torch_reference(config):
     # Hopper's FP8 tensor cores accumulate each 128-value K step with ~14 bits (DeepSeek-V3 report,
     # 3.3.2): 1e-4 off the float32 reference here; the kernel adds the steps in float32.
     assert _rel(got[:real], ref[:real]) < 1e-3
-
-
-@pytest.mark.parametrize("config", [c for c in KERNEL_CONFIGS if c is None or c.block_n == 128])
-def test_fused_swiglu_matches_the_unfused_quantisation(config):
-    """gate_up with SwiGLU and its quantisation in the epilogue against torch: the float32 reference
-    GEMM, silu(gate) * up, ``quantize_fp8``; an e4m3 value may land one step off where the kernel's
-    float32 sum (another order) and the reference's straddle a rounding boundary."""
-    generator = torch.Generator(device="cuda").manual_seed(2)
-    counts, offsets = _counts("cuda", 1, 0, 300, 64, 129, 0, 7, 512)
-    rows = int(counts.sum()) + 50
-    inter, k = 512, 2048
-    q, s = quantize_fp8(torch.randn(rows, k, generator=generator, device="cuda"))
-    wq, ws = quantize_fp8_blocks(torch.randn(len(counts), 2 * inter, k, generator=generator, device="cuda") * k**-0.5)
-    got_q, got_s = fp8_gemm.grouped_gemm_swiglu(q, s, wq, ws, offsets, config)
-    gate, up = grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32).chunk(2, dim=-1)
-    ref_q, ref_s = quantize_fp8(F.silu(gate) * up)
-    real = int(offsets[-1])
-    torch.testing.assert_close(got_s[:real], ref_s[:real], rtol=1e-4, atol=0)
-    got = dequantize_fp8(got_q[:real], got_s[:real], torch.float32)
-    ref = dequantize_fp8(ref_q[:real], ref_s[:real], torch.float32)
-    one_step = 2.0**-3 * ref.abs() + 2.0**-9 * got_s[:real].repeat_interleave(128, 1)
-    assert ((got - ref).abs() <= one_step).all()
-    assert (got == ref).float().mean() > 0.99
 
 
 def test_grouped_gemm_with_one_local_expert_matches_torch_reference():

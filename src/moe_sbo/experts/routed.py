@@ -290,13 +290,8 @@ class RoutedExperts(nn.Module):
                 return fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, self.dtype)
 
         q_RH, scales_RQ = quant_kernels.quantize_rows(x_RH, offsets_L) if scales_RQ is None else (x_RH, scales_RQ)
-        if path == "triton" and fp8_gemm.fuse_swiglu(x_RH.shape[0] / self.num_local_experts):
-            q_RI, act_scales_RQ = fp8_gemm.grouped_gemm_swiglu(
-                q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets_L
-            )
-        else:
-            gate_up_R2I = gemm(q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv)
-            q_RI, act_scales_RQ = quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
+        gate_up_R2I = gemm(q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv)
+        q_RI, act_scales_RQ = quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
         return gemm(q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv)
 
     def fp8_path(self, device: torch.device, num_rows: int) -> str:

@@ -45,11 +45,9 @@ from ..streams import compute_capability
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile sizes and pipelining of one grouped GEMM launch (the FP8 kernel's BLOCK_K is always 128,
-    its scale block). ``tma``: the kernel loads its weight tiles, and its row tiles when the
+    its scale block). ``tma``: the dense kernel loads its weight tiles, and its row tiles when the
     rows are contiguous (no ``rows_R``), with the tensor memory accelerator (host-side tensor
-    descriptors; Hopper and later, or Triton's interpreter) instead of per-thread loads. FP8 only:
-    ``warp_specialize`` (with ``tma``) splits the K loop into loading and computing warp groups;
-    ``persistent`` launches one program per SM, each walking tiles, instead of one per tile."""
+    descriptors; Hopper and later, or Triton's interpreter) instead of per-thread loads."""
 
     block_m: int
     block_n: int
@@ -58,17 +56,6 @@ class GemmConfig:
     num_stages: int
     block_k: int = 128
     tma: bool = False
-    warp_specialize: bool = False
-    persistent: bool = False
-
-
-@triton.jit
-def _expert_rows(offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr):
-    """(experts ``[E_P2]``, their first rows, their row ends) from the cumulative ends at ``offsets_ptr``."""
-    offs_e = tl.arange(0, E_P2)
-    ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
-    starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
-    return offs_e, starts_E, ends_E
 
 
 @triton.jit
@@ -76,7 +63,9 @@ def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
     """Program ``pid``'s tile -> (live, expert, rows_M, row_mask_M, pid_n): ``live`` is false past the
     last tile (the caller returns); the tile is rows ``rows_M`` (those under ``row_mask_M`` belong to
     ``expert``) times columns ``pid_n * BLOCK_N`` on."""
-    offs_e, starts_E, ends_E = _expert_rows(offsets_ptr, NUM_EXPERTS, E_P2)
+    offs_e = tl.arange(0, E_P2)
+    ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
+    starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
     m_tiles_E = tl.cdiv(ends_E - starts_E, BLOCK_M)
     tiles_E = m_tiles_E * NUM_N
     tiles_end_E = tl.cumsum(tiles_E, axis=0)
@@ -95,13 +84,6 @@ def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
     pid_n = (t % width) // group_size
     rows_M = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     return live, expert, rows_M, rows_M < row_end, pid_n
-
-
-@triton.jit
-def tile_count(offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_N):
-    """The tiles ``expert_tile`` hands out for the offsets at ``offsets_ptr`` (its ``live`` bound)."""
-    _, starts_E, ends_E = _expert_rows(offsets_ptr, NUM_EXPERTS, E_P2)
-    return tl.sum(tl.cdiv(ends_E - starts_E, BLOCK_M) * NUM_N)
 
 
 def max_tiles(num_rows: int, num_experts: int, n: int, config: GemmConfig) -> int:
