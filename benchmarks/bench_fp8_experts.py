@@ -199,6 +199,7 @@ def print_sweep(rows: list[dict]) -> None:
         "TFLOP/s",
         "row-wise cuBLAS µs",
         "vs row-wise",
+        "block-wise cuBLAS µs",
         "failed",
     ):
         table.add_column(column)
@@ -207,6 +208,7 @@ def print_sweep(rows: list[dict]) -> None:
         same = [r for r in rows if (r["gemm"], r["experts"], r["rows_per_expert"]) == (gemm, experts, per_expert)]
         ours = [r for r in same if "impl" not in r and "t_us" in r]
         ref = next((r for r in same if r.get("impl") == "scaled_mm_rowwise" and "t_us" in r), None)
+        blockwise = next((r for r in same if r.get("impl") == "scaled_mm_blockwise_per_expert" and "t_us" in r), None)
         if not ours:
             continue
         best = min(ours, key=lambda r: r["t_us"])
@@ -223,6 +225,7 @@ def print_sweep(rows: list[dict]) -> None:
             f"{best['tflops']:.0f}",
             f"{ref_t:.1f}" if ref_t else "-",
             f"{ref_t / best['t_us']:.2f}" if ref_t else "-",
+            f"{blockwise['t_us']:.1f}" if blockwise else "-",
             str(sum("error" in r for r in same)),
         )
     Console(width=160).print(table)
