@@ -21,7 +21,8 @@ with the dense experts' tiled GEMM). Each K step of 128 values multiplies e4m3 t
 cores (exact float32 products) and scales the partial sum by the row's activation scale and the
 column block's weight scale, as DeepGEMM and vLLM's ``fused_moe`` do. From 128 rows per expert the
 operand tiles come by the tensor memory accelerator (``GemmConfig.tma``: host-side descriptors over
-the rows and over the weights as ``[L * N, K]``): 6-12 % faster than per-thread loads on H200.
+the rows and over the weights as ``[L * N, K]``): 6-12 % faster than per-thread loads on H200
+(``gemm_config`` says where).
 
 What did not pay, measured on H200 with Triton 3.6 (docs/FP8.md, "Kernel choices"): Triton's warp
 specialisation of the K loop (it compiled only for two-warp-group tiles, and gained 0-4 % there), a
@@ -47,21 +48,24 @@ GROUP_V = tl.constexpr(FP8_GROUP)
 
 # Measured on H200 (``bench_fp8_experts.py --sweep-only``, DeepSeek-V3 dims, docs/FP8.md): 64 x 128 tiles
 # with one warp group win up to 256 rows per expert (weight-read bound, then one weight scale per step
-# keeps the scaling cheap); from there 128 x 128 tiles with two warp groups. Descriptor loads from
-# TMA_MIN_ROWS_PER_EXPERT: measured faster there; below it (weight-bound) they were not measured
-# faster and would add their host-side encoding to eager forwards.
+# keeps the scaling cheap); from there 128 x 128 tiles with two warp groups and four stages. Descriptor
+# loads were 6-12 % faster on the GPU from 128 rows per expert, but Triton encodes the descriptors on
+# the host at each launch: an eager forward of 8 experts x 128 rows took 415 µs with them against a
+# 155 µs replay. So below LARGE_CONFIG they are used only where that cost is paid once, in a CUDA graph
+# capture.
 DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True)
 GEMM_CONFIGS = (DECODE_CONFIG, dataclasses.replace(DECODE_CONFIG, tma=True), LARGE_CONFIG)
 TMA_MIN_ROWS_PER_EXPERT = 128
 
 
-def gemm_config(rows_per_expert: float) -> GemmConfig:
+def gemm_config(rows_per_expert: float, capturing: bool = False) -> GemmConfig:
     """The tiles for ``rows_per_expert`` rows per expert on average (the grid depends on rows only,
-    so a CUDA graph captured at one size keeps its config whatever the routing)."""
+    so a CUDA graph captured at one size keeps its config whatever the routing); ``capturing``: the
+    launch is being captured into a CUDA graph (descriptor loads from ``TMA_MIN_ROWS_PER_EXPERT``)."""
     if rows_per_expert > 256:
         return LARGE_CONFIG
-    return dataclasses.replace(DECODE_CONFIG, tma=rows_per_expert >= TMA_MIN_ROWS_PER_EXPERT)
+    return dataclasses.replace(DECODE_CONFIG, tma=capturing and rows_per_expert >= TMA_MIN_ROWS_PER_EXPERT)
 
 
 @triton.jit
@@ -144,8 +148,9 @@ def grouped_gemm(
     ``w_LNK[l]`` transposed (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``.
 
     ``offsets_L``: int32 cumulative row counts on the device; rows past ``offsets_L[-1]`` are left
-    unwritten. K must be a multiple of 128; ``config`` defaults to ``gemm_config(R / L)``; its ``tma``
-    applies where a descriptor can address the tensor (``tiled_gemm.tma_ready``).
+    unwritten. K must be a multiple of 128; ``config`` defaults to ``gemm_config(R / L, capturing a
+    CUDA graph)``; its ``tma`` applies where a descriptor can address the tensor
+    (``tiled_gemm.tma_ready``).
     """
     num_rows, k = q_RK.shape
     num_experts, n, _ = w_LNK.shape
@@ -156,7 +161,8 @@ def grouped_gemm(
     out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
     if num_rows == 0:
         return out_RN
-    config = config or gemm_config(num_rows / num_experts)
+    capturing = q_RK.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    config = config or gemm_config(num_rows / num_experts, capturing)
     a_tma = config.tma and tma_ready(q_RK)
     b_tma = config.tma and tma_ready(w_LNK)
     _grouped_gemm_kernel[(max_tiles(num_rows, num_experts, n, config),)](
