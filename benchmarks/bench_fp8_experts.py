@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_sbo.config import get_preset
-from moe_sbo.experts import fp8_gemm, fp8_wgmma
+from moe_sbo.experts import fp8_gemm
 from moe_sbo.experts.fp8_torch import grouped_scaled_mm, scaled_mm_blockwise_supported
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
@@ -55,12 +55,6 @@ SWEEP_CONFIGS = [
         (128, 256, 8, 8, 3),
     ]
     for tma in (False, True)
-]
-
-
-WGMMA_SWEEP_CONFIGS = [
-    fp8_gemm.GemmConfig(block_m, 128, 8, warps, stages, tma=True)
-    for block_m, warps, stages in [(128, 8, 4), (128, 8, 3), (64, 4, 4), (64, 4, 6)]
 ]
 
 
@@ -164,16 +158,6 @@ def sweep_case(
                 lambda q=q, s=s, w=w, ws=ws, c=config: fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, dtype, c),
                 **vars(config),
             )
-        if device.type == "cuda" and fp8_wgmma.supported(q, w):
-            for config in WGMMA_SWEEP_CONFIGS:
-                row(
-                    gemm,
-                    n,
-                    k,
-                    lambda q=q, s=s, w=w, ws=ws, c=config: fp8_wgmma.grouped_gemm(q, s, w, ws, offsets_L, dtype, c),
-                    impl="wgmma",
-                    **vars(config),
-                )
         if device.type == "cuda":
             # The GPU's FP8 rate on this shape: cuBLAS row-wise over all rows against expert 0's weight.
             w_KN = w[0].t()
@@ -218,7 +202,6 @@ def print_sweep(rows: list[dict]) -> None:
         "row-wise cuBLAS µs",
         "vs row-wise",
         "block-wise cuBLAS µs",
-        "wgmma µs (TFLOP/s)",
         "failed",
     ):
         table.add_column(column)
@@ -228,9 +211,6 @@ def print_sweep(rows: list[dict]) -> None:
         ours = [r for r in same if "impl" not in r and "t_us" in r]
         ref = next((r for r in same if r.get("impl") == "scaled_mm_rowwise" and "t_us" in r), None)
         blockwise = next((r for r in same if r.get("impl") == "scaled_mm_blockwise_per_expert" and "t_us" in r), None)
-        wgmma = min(
-            (r for r in same if r.get("impl") == "wgmma" and "t_us" in r), key=lambda r: r["t_us"], default=None
-        )
         if not ours:
             continue
         best = min(ours, key=lambda r: r["t_us"])
@@ -248,9 +228,6 @@ def print_sweep(rows: list[dict]) -> None:
             f"{ref_t:.1f}" if ref_t else "-",
             f"{ref_t / best['t_us']:.2f}" if ref_t else "-",
             f"{blockwise['t_us']:.1f}" if blockwise else "-",
-            f"{wgmma['t_us']:.1f} ({wgmma['tflops']:.0f}) {wgmma['block_m']}x128 s{wgmma['num_stages']}"
-            if wgmma
-            else "-",
             str(sum("error" in r for r in same)),
         )
     Console(width=160).print(table)
@@ -317,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate-size", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time each GEMM per tile config")
     parser.add_argument("--sweep-only", action="store_true", help="only the per-GEMM sweep (no MLP or layer rows)")
-    parser.add_argument(
-        "--sweep-chosen", action="store_true", help="sweep only the configs fp8_gemm chooses from (and the wgmma ones)"
-    )
+    parser.add_argument("--sweep-chosen", action="store_true", help="sweep only the configs fp8_gemm chooses from")
     parser.add_argument("--layer-experts", type=int, default=32)
     parser.add_argument("--layer-tokens", type=int, nargs="*", default=[32, 128, 512])
     args = parser.parse_args(argv)

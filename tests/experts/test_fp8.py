@@ -17,10 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import triton
 
 from moe_sbo.config import get_preset
-from moe_sbo.experts import fp8_gemm, fp8_wgmma
+from moe_sbo.experts import fp8_gemm
 from moe_sbo.experts.fp8_torch import grouped_linear_fp8
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
@@ -104,25 +103,6 @@ def test_grouped_gemm_kernel_matches_torch_reference(config):
         ]
     )
     assert _rel(got[:real], dense) < FLOAT32_TOL
-
-
-@interpreted
-@pytest.mark.parametrize("counts", [[3, 0, 70, 1, 0, 9], [0, 0, 0], [129], [1] * 5 + [300]])
-def test_wgmma_tile_schedule_covers_every_row_once_per_column_tile(counts):
-    """The Hopper kernel's schedule (``fp8_wgmma.tile_schedule``): each live tile lies inside one
-    expert's rows, and the live tiles cover every real row once per column tile; the rest are -1."""
-    config = fp8_wgmma.WGMMA_CONFIG
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    num_rows, n = int(offsets[-1]) + 7, 384
-    tiles = fp8_wgmma.tile_schedule(offsets, num_rows, n, config)
-    starts = [0, *offsets[:-1].tolist()]
-    covered = torch.zeros(num_rows, triton.cdiv(n, config.block_n), dtype=torch.int64)
-    for expert, first, end, pid_n in tiles.tolist():
-        if expert < 0:
-            continue
-        assert starts[expert] <= first < end <= offsets[expert] and end - first <= config.block_m
-        covered[first:end, pid_n] += 1
-    assert (covered[: int(offsets[-1])] == 1).all() and (covered[int(offsets[-1]) :] == 0).all()
 
 
 def test_grouped_gemm_refuses_a_k_step_other_than_the_scale_block():
