@@ -50,9 +50,9 @@ GROUP_V = tl.constexpr(FP8_GROUP)
 # with one warp group win up to 256 rows per expert (weight-read bound, then one weight scale per step
 # keeps the scaling cheap); from there 128 x 128 tiles with two warp groups and four stages. Descriptor
 # loads were 6-12 % faster on the GPU from 128 rows per expert, but Triton encodes the descriptors on
-# the host at each launch: an eager forward of 8 experts x 128 rows took 415 µs with them against a
-# 155 µs replay. So below LARGE_CONFIG they are used only where that cost is paid once, in a CUDA graph
-# capture.
+# the host at each launch, and eager forwards with few rows are bound by host time already (8 experts
+# x 64-128 rows: 2.5-2.7x their replay). So below LARGE_CONFIG they are used only where that cost is
+# paid once, in a CUDA graph capture.
 DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True)
 GEMM_CONFIGS = (DECODE_CONFIG, dataclasses.replace(DECODE_CONFIG, tma=True), LARGE_CONFIG)
