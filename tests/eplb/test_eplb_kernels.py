@@ -1,5 +1,6 @@
 """The fused EPLB kernels (``eplb.kernels``, in Triton's CPU interpreter) against the torch path: the same
-physical slot ids and the same load window, forward after forward."""
+physical slot ids and the same load window, forward after forward (several programs per launch, so the
+last one's advance of the window is exercised)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,5 @@ def test_fused_routing_and_counting_equal_the_torch_path(dtype, rank):
         assert got["triton"].dtype == dtype and torch.equal(got["triton"], got["torch"])
         assert torch.equal(windows["triton"].counts_RE, windows["torch"].counts_RE)
         assert torch.equal(windows["triton"].position, windows["torch"].position)
+        assert windows["triton"].ticket.item() == 0  # put back by the last program, for the next forward
     assert windows["torch"].total().sum() == (77 * k - 11) + (513 * k - 74)  # the last 3 forwards' valid ids

@@ -17,7 +17,10 @@ Beside each measured balance the predicted one, ``Placement.balance`` of the win
 placement before and after (``predicted_max_over_mean_before`` / ``_after``). On CUDA with a dispatcher
 a graph can capture (``low_latency``, or ``local`` on one rank), ``eplb_overhead``: the layer replayed
 from a CUDA graph with ``eplb=EPLBOptions()`` over the same layer without, minus 1: what counting the
-load and mapping logical ids to replicas costs (the target is <= 1 % at 128 tokens per rank).
+load and mapping logical ids to replicas costs (the target is <= 1 % at 128 tokens per rank). Beside
+it, measured directly because two layer timings on ranks sharing a GPU differ by more than the
+statistics cost: ``t_stats_graph_us``, the statistics step alone (``route_to_slots``: counting and
+replica choice) replayed from a graph, and ``stats_share`` = that / the plain layer's time.
 
 The hard part is measuring balance honestly: the placement is fitted to the window's tokens, so
 measuring on those would flatter it. The balance is measured on held-out tokens of the same
@@ -40,7 +43,7 @@ from rich.table import Table
 from ..config import MoEConfig
 from ..dispatch import DISPATCHERS
 from ..eplb import placement_for
-from ..eplb.runtime import EPLBOptions
+from ..eplb.runtime import EPLBOptions, route_to_slots
 from ..eplb.transfer import all_reduce_load
 from ..layer import MoELayer
 from ..measure.timing import line_up, time_fn
@@ -53,7 +56,15 @@ from .parsers import output_file
 FILL_FORWARDS = 32  # forwards of fresh tokens that fill the load window before a rebalance
 MEASURE_TOKENS = 4096  # held-out tokens per rank the rank load is measured on, in batches of the case's size
 CALIBRATION_TOKENS = 4096  # the sample batch the router's skew is calibrated on (the same on every rank)
-OVERHEAD_ROUNDS = 3  # alternating graph timings of the layer without and with eplb; the medians are compared
+# The statistics' cost, in each row (None off CUDA or for a dispatcher no graph captures).
+OVERHEAD_FIELDS = (
+    "t_layer_graph_us_plain",
+    "t_layer_graph_us_eplb",
+    "t_stats_graph_us",
+    "eplb_overhead",
+    "stats_share",
+)
+OVERHEAD_ROUNDS = 5  # alternating graph timings of the layer without and with eplb; the medians are compared
 DEFAULT_SKEW = "zipf:1"
 
 
@@ -179,18 +190,26 @@ def _captures(spec: dict, world: int) -> bool:
 def statistics_overhead(make, spec: dict, x_TH: torch.Tensor) -> tuple[SkewFit, torch.Tensor, dict]:
     """What the load statistics cost: the layer replayed from a CUDA graph with ``eplb=EPLBOptions()``
     and without (``make(eplb)`` builds one), skewed alike, ``OVERHEAD_ROUNDS`` alternating medians
-    each -> (the skew's fit, its bias, the timings and ``eplb_overhead`` = with / without - 1)."""
+    each -> (the skew's fit, its bias, the timings and ``eplb_overhead`` = with / without - 1), and the
+    statistics step alone replayed (``t_stats_graph_us``, ``stats_share`` of the plain layer)."""
     device, warmup, iters = x_TH.device, spec["warmup"], spec["iters"]
     layers = {"plain": make(None), "eplb": make(EPLBOptions())}
     fit, bias_E = skew_alike(layers["plain"], spec["target"], spec["seed"])
-    layers["eplb"].router.logit_bias = bias_E.clone()
-    times: dict[str, list[float]] = {"plain": [], "eplb": []}
+    with_eplb = layers["eplb"]
+    with_eplb.router.logit_bias = bias_E.clone()
+    ids_TK = with_eplb.router(x_TH).topk_ids_TK
+
+    def stats_step() -> torch.Tensor:
+        return route_to_slots(ids_TK, with_eplb.load_window, with_eplb.replicas)
+
+    times: dict[str, list[float]] = {"plain": [], "eplb": [], "stats": []}
     for _ in range(OVERHEAD_ROUNDS):
         for name, layer in layers.items():
             times[name].append(time_fn(functools.partial(layer, x_TH), device, warmup, iters, True))
-    plain_us, eplb_us = statistics.median(times["plain"]), statistics.median(times["eplb"])
-    overhead = {"t_layer_graph_us_plain": plain_us, "t_layer_graph_us_eplb": eplb_us}
-    return fit, bias_E, {**overhead, "eplb_overhead": eplb_us / plain_us - 1}
+        times["stats"].append(time_fn(stats_step, device, warmup, iters, True))
+    plain_us, eplb_us, stats_us = (statistics.median(times[name]) for name in ("plain", "eplb", "stats"))
+    overhead = {"t_layer_graph_us_plain": plain_us, "t_layer_graph_us_eplb": eplb_us, "t_stats_graph_us": stats_us}
+    return fit, bias_E, {**overhead, "eplb_overhead": eplb_us / plain_us - 1, "stats_share": stats_us / plain_us}
 
 
 def eplb_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
@@ -223,7 +242,7 @@ def eplb_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]
     rows = []
     fit: SkewFit | None = None
     bias_E: torch.Tensor | None = None
-    overhead: dict = {"t_layer_graph_us_plain": None, "t_layer_graph_us_eplb": None, "eplb_overhead": None}
+    overhead: dict = dict.fromkeys(OVERHEAD_FIELDS)
     graph = device.type == "cuda" and spec["graph"] and tokens <= spec["graph_max_tokens"] and _captures(spec, world)
     with torch.no_grad():
         if graph:
@@ -337,10 +356,17 @@ def summarise_eplb(per_rank: list[list[dict]], spec: dict, ep: int, loads: list[
 def _slowest_overhead(rank_rows: tuple[dict, ...]) -> dict:
     """The graph timings of the slowest rank (None off CUDA or for a dispatcher no graph captures)."""
     if rank_rows[0]["t_layer_graph_us_plain"] is None:
-        return {"t_layer_graph_us_plain": None, "t_layer_graph_us_eplb": None, "eplb_overhead": None}
+        return dict.fromkeys(OVERHEAD_FIELDS)
     plain = max(r["t_layer_graph_us_plain"] for r in rank_rows)
     with_eplb = max(r["t_layer_graph_us_eplb"] for r in rank_rows)
-    return {"t_layer_graph_us_plain": plain, "t_layer_graph_us_eplb": with_eplb, "eplb_overhead": with_eplb / plain - 1}
+    stats_us = max(r["t_stats_graph_us"] for r in rank_rows)
+    return {
+        "t_layer_graph_us_plain": plain,
+        "t_layer_graph_us_eplb": with_eplb,
+        "t_stats_graph_us": stats_us,
+        "eplb_overhead": with_eplb / plain - 1,
+        "stats_share": stats_us / plain,
+    }
 
 
 def eplb_table(rows: list[dict]) -> Table:
@@ -358,7 +384,7 @@ def eplb_table(rows: list[dict]) -> Table:
         if "error" in r:
             table.add_row(*head, "[red]error[/]", *[""] * (len(columns) - 4))
             continue
-        overhead = r["eplb_overhead"]
+        overhead, share = r["eplb_overhead"], r.get("stats_share")
         table.add_row(
             *head,
             str(r["redundant_per_rank"]),
@@ -370,7 +396,7 @@ def eplb_table(rows: list[dict]) -> Table:
             f"{r['t_rebalance_ms']:.3g}",
             f"{r['layer_ms_before']:.3g}",
             f"{r['layer_ms_after']:.3g}",
-            "-" if overhead is None else f"{overhead:+.1%}",
+            "-" if overhead is None else f"{overhead:+.1%}" + ("" if share is None else f" ({share:.1%})"),
         )
     return table
 
@@ -380,7 +406,8 @@ def eplb_notes(rows: list[dict]) -> list[str]:
     notes = [
         "before, after: max/mean of the expert rows each rank receives (held-out tokens); pred.: the",
         "placement's balance on the window's load; moved: slots that changed rank; MB: their bytes;",
-        "stats: CUDA-graph layer with eplb=EPLBOptions() / without - 1 (CUDA, graph-capturable dispatchers)",
+        "stats: CUDA-graph layer with eplb=EPLBOptions() / without - 1 (CUDA, graph-capturable dispatchers);",
+        "in brackets the statistics step alone, replayed, as a share of the layer without",
     ]
     seen = set()
     for r in rows:

@@ -76,12 +76,14 @@ class LoadWindow:
 
     ``counts_RE`` [window + 1, E] int32: one row per forward, written round-robin at ``position`` (a
     device scalar); the row at ``position`` is the one the next forward fills, kept zero until then.
-    Recording needs no host read, so a CUDA graph can capture it.
+    Recording needs no host read, so a CUDA graph can capture it. ``ticket`` [1] int32: the fused
+    kernel's count of finished programs (``eplb.kernels``), zero between forwards.
     """
 
     def __init__(self, num_experts: int, window: int, device: torch.device):
         self.counts_RE = torch.zeros(window + 1, num_experts, dtype=torch.int32, device=device)
         self.position = torch.zeros(1, dtype=torch.int64, device=device)
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
 
     def record(self, ids_TK: torch.Tensor) -> None:
         """Add one forward's routing: ``ids_TK`` [T, K] logical ids (< 0: no expert, not counted)."""
@@ -166,7 +168,7 @@ def route_to_slots(
     ids_TK: torch.Tensor, window: LoadWindow, table: ReplicaTable, kernels: str = "auto"
 ) -> torch.Tensor:
     """One forward's routing counted into ``window``, and its logical ids [T, K] -> physical slot ids
-    [T, K] under ``table``. ``kernels``: ``"auto"`` two Triton launches on CUDA (``eplb.kernels``),
+    [T, K] under ``table``. ``kernels``: ``"auto"`` one Triton launch on CUDA (``eplb.kernels``),
     ``"triton"`` those anywhere Triton runs (CPU: its interpreter), ``"torch"`` the torch ops."""
     if kernels not in ("auto", "triton", "torch"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
@@ -175,7 +177,7 @@ def route_to_slots(
         if eplb_kernels is None:
             raise ValueError("kernels='triton' needs Triton installed; use 'auto' or 'torch'")
         return eplb_kernels.route_and_count(
-            ids_TK, window.counts_RE, window.position, table.choices_EW, table.count_E, table.rank
+            ids_TK, window.counts_RE, window.position, window.ticket, table.choices_EW, table.count_E, table.rank
         )
     physical_TK = table.to_physical(ids_TK)
     window.record(ids_TK)
