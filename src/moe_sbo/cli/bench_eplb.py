@@ -20,7 +20,8 @@ from a CUDA graph with ``eplb=EPLBOptions()`` over the same layer without, minus
 load and mapping logical ids to replicas costs (the target is <= 1 % at 128 tokens per rank). Beside
 it, measured directly because two layer timings on ranks sharing a GPU differ by more than the
 statistics cost: ``t_stats_graph_us``, the statistics step alone (``route_to_slots``: counting and
-replica choice) replayed from a graph, and ``stats_share`` = that / the plain layer's time.
+replica choice), ``STATS_REPEAT`` of them captured in one graph, per step (one step per replay would
+time the graph's launch latency instead), and ``stats_share`` = that / the plain layer's time.
 
 The hard part is measuring balance honestly: the placement is fitted to the window's tokens, so
 measuring on those would flatter it. The balance is measured on held-out tokens of the same
@@ -64,6 +65,7 @@ OVERHEAD_FIELDS = (
     "eplb_overhead",
     "stats_share",
 )
+STATS_REPEAT = 32  # statistics steps in the graph that times them alone
 OVERHEAD_ROUNDS = 5  # alternating graph timings of the layer without and with eplb; the medians are compared
 DEFAULT_SKEW = "zipf:1"
 
@@ -191,7 +193,7 @@ def statistics_overhead(make, spec: dict, x_TH: torch.Tensor) -> tuple[SkewFit, 
     """What the load statistics cost: the layer replayed from a CUDA graph with ``eplb=EPLBOptions()``
     and without (``make(eplb)`` builds one), skewed alike, ``OVERHEAD_ROUNDS`` alternating medians
     each -> (the skew's fit, its bias, the timings and ``eplb_overhead`` = with / without - 1), and the
-    statistics step alone replayed (``t_stats_graph_us``, ``stats_share`` of the plain layer)."""
+    statistics step alone replayed (``t_stats_graph_us`` per step, ``stats_share`` of the plain layer)."""
     device, warmup, iters = x_TH.device, spec["warmup"], spec["iters"]
     layers = {"plain": make(None), "eplb": make(EPLBOptions())}
     fit, bias_E = skew_alike(layers["plain"], spec["target"], spec["seed"])
@@ -199,14 +201,16 @@ def statistics_overhead(make, spec: dict, x_TH: torch.Tensor) -> tuple[SkewFit, 
     with_eplb.router.logit_bias = bias_E.clone()
     ids_TK = with_eplb.router(x_TH).topk_ids_TK
 
-    def stats_step() -> torch.Tensor:
+    def stats_steps() -> torch.Tensor:
+        for _ in range(STATS_REPEAT - 1):
+            route_to_slots(ids_TK, with_eplb.load_window, with_eplb.replicas)
         return route_to_slots(ids_TK, with_eplb.load_window, with_eplb.replicas)
 
     times: dict[str, list[float]] = {"plain": [], "eplb": [], "stats": []}
     for _ in range(OVERHEAD_ROUNDS):
         for name, layer in layers.items():
             times[name].append(time_fn(functools.partial(layer, x_TH), device, warmup, iters, True))
-        times["stats"].append(time_fn(stats_step, device, warmup, iters, True))
+        times["stats"].append(time_fn(stats_steps, device, warmup, iters, True) / STATS_REPEAT)
     plain_us, eplb_us, stats_us = (statistics.median(times[name]) for name in ("plain", "eplb", "stats"))
     overhead = {"t_layer_graph_us_plain": plain_us, "t_layer_graph_us_eplb": eplb_us, "t_stats_graph_us": stats_us}
     return fit, bias_E, {**overhead, "eplb_overhead": eplb_us / plain_us - 1, "stats_share": stats_us / plain_us}
