@@ -53,6 +53,11 @@ SWEEP_CONFIGS = [
         (128, 128, 8, 8, 4),
         (128, 64, 8, 4, 4),
         (128, 256, 8, 8, 3),
+        # decode (weight-read bound): smaller row tiles leave shared memory for deeper pipelines
+        (16, 128, 1, 4, 6),
+        (32, 128, 1, 4, 6),
+        (64, 128, 4, 4, 6),
+        (16, 256, 1, 4, 4),
     ]
     for tma in (False, True)
 ]
