@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_sbo.config import get_preset
-from moe_sbo.experts import fp8_gemm
+from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
 from moe_sbo.experts.fp8_torch import grouped_scaled_mm, scaled_mm_blockwise_supported
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
@@ -60,6 +60,16 @@ SWEEP_CONFIGS = [
         (16, 256, 1, 4, 4),
     ]
     for tma in (False, True)
+]
+
+
+# The warp-specialised sm90 kernel (fp8_gemm_sm90): the default, one more stage, one program per tile,
+# and two consumer warp groups (128-row tiles).
+SM90_SWEEP_CONFIGS = [
+    fp8_gemm_sm90.DEFAULT_CONFIG,
+    fp8_gemm_sm90.WarpSpecializedConfig(stages=5),
+    fp8_gemm_sm90.WarpSpecializedConfig(persistent=False),
+    fp8_gemm_sm90.WarpSpecializedConfig(consumers=2, consumer_regs=232, loader_regs=40),
 ]
 
 
@@ -163,6 +173,19 @@ def sweep_case(
                 lambda q=q, s=s, w=w, ws=ws, c=config: fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, dtype, c),
                 **vars(config),
             )
+        if fp8_gemm_sm90.supported(q, w):
+            for ws_config in SM90_SWEEP_CONFIGS:
+                row(
+                    gemm,
+                    n,
+                    k,
+                    lambda q=q, s=s, w=w, ws=ws, c=ws_config: fp8_gemm_sm90.grouped_gemm(
+                        q, s, w, ws, offsets_L, dtype, c
+                    ),
+                    impl="sm90_ws",
+                    block_m=ws_config.block_m,
+                    **vars(ws_config),
+                )
         if device.type == "cuda":
             # The GPU's FP8 rate on this shape: cuBLAS row-wise over all rows against expert 0's weight.
             w_KN = w[0].t()
@@ -201,11 +224,12 @@ def print_sweep(rows: list[dict]) -> None:
         "gemm",
         "L",
         "rows/expert",
-        "best config",
+        "best Triton config",
         "µs",
         "TFLOP/s",
+        "sm90 µs (TFLOP/s)",
         "row-wise cuBLAS µs",
-        "vs row-wise",
+        "best vs row-wise",
         "block-wise cuBLAS µs",
         "failed",
     ):
@@ -216,9 +240,13 @@ def print_sweep(rows: list[dict]) -> None:
         ours = [r for r in same if "impl" not in r and "t_us" in r]
         ref = next((r for r in same if r.get("impl") == "scaled_mm_rowwise" and "t_us" in r), None)
         blockwise = next((r for r in same if r.get("impl") == "scaled_mm_blockwise_per_expert" and "t_us" in r), None)
+        sm90 = min(
+            (r for r in same if r.get("impl") == "sm90_ws" and "t_us" in r), key=lambda r: r["t_us"], default=None
+        )
         if not ours:
             continue
         best = min(ours, key=lambda r: r["t_us"])
+        best_t = min(best["t_us"], sm90["t_us"]) if sm90 else best["t_us"]
         name = f"{best['block_m']}x{best['block_n']} w{best['num_warps']} s{best['num_stages']}" + (
             " tma" if best["tma"] else ""
         )
@@ -230,8 +258,9 @@ def print_sweep(rows: list[dict]) -> None:
             name,
             f"{best['t_us']:.1f}",
             f"{best['tflops']:.0f}",
+            f"{sm90['t_us']:.1f} ({sm90['tflops']:.0f}) {sm90['consumers']}x64 s{sm90['stages']}" if sm90 else "-",
             f"{ref_t:.1f}" if ref_t else "-",
-            f"{ref_t / best['t_us']:.2f}" if ref_t else "-",
+            f"{ref_t / best_t:.2f}" if ref_t else "-",
             f"{blockwise['t_us']:.1f}" if blockwise else "-",
             str(sum("error" in r for r in same)),
         )
@@ -299,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate-size", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time each GEMM per tile config")
     parser.add_argument("--sweep-only", action="store_true", help="only the per-GEMM sweep (no MLP or layer rows)")
-    parser.add_argument("--sweep-chosen", action="store_true", help="sweep only the configs fp8_gemm chooses from")
+    parser.add_argument(
+        "--sweep-chosen",
+        action="store_true",
+        help="sweep only the configs fp8_gemm chooses from (and the sm90 kernel's)",
+    )
     parser.add_argument("--layer-experts", type=int, default=32)
     parser.add_argument("--layer-tokens", type=int, nargs="*", default=[32, 128, 512])
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_sbo.config import get_preset
-from moe_sbo.experts import fp8_gemm
+from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
 from moe_sbo.experts.fp8_torch import grouped_linear_fp8
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
@@ -103,6 +103,39 @@ def test_grouped_gemm_kernel_matches_torch_reference(config):
         ]
     )
     assert _rel(got[:real], dense) < FLOAT32_TOL
+
+
+@interpreted
+@pytest.mark.parametrize("block_m", [128, 192])
+@pytest.mark.parametrize("counts", [[3, 0, 70, 1, 0, 9], [0, 0, 0], [129], [1] * 5 + [300], [0, 1, 130, 2000, 77]])
+def test_sm90_tile_schedule_covers_every_row_once_per_column_tile(counts, block_m):
+    """The sm90 kernel's schedule (``fp8_gemm_sm90.tile_schedule``, tiles of 2 or 3 warp groups' 64
+    rows): each live tile lies inside one expert's rows, live tiles come before the dead ones (-1)
+    and cover every real row once per column tile."""
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    num_rows, n = int(offsets[-1]) + 7, 384
+    tiles = fp8_gemm_sm90.tile_schedule(offsets, num_rows, n, block_m)
+    starts = [0, *offsets[:-1].tolist()]
+    covered = torch.zeros(num_rows, n // fp8_gemm_sm90.BLOCK_N, dtype=torch.int64)
+    experts = tiles[:, 0].tolist()
+    live = sum(e >= 0 for e in experts)
+    assert all(e >= 0 for e in experts[:live]) and all(e == -1 for e in experts[live:])
+    for expert, first, end, pid_n in tiles[:live].tolist():
+        assert starts[expert] <= first < end <= offsets[expert] and end - first <= block_m
+        covered[first:end, pid_n] += 1
+    assert (covered[: int(offsets[-1])] == 1).all() and (covered[int(offsets[-1]) :] == 0).all()
+
+
+def test_the_sm90_kernel_is_not_chosen_off_hopper_and_refuses_clearly():
+    """CPU tensors (and any GPU but sm90) keep the Triton kernel; a direct call says why it cannot run."""
+    q, s = torch.zeros(600, 256, dtype=torch.float8_e4m3fn), torch.ones(600, 2)
+    wq, ws = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2)
+    assert not fp8_gemm_sm90.supported(q, wq) and not fp8_gemm.use_sm90_kernel(q, wq)
+    offsets = torch.tensor([300, 600], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs Triton's Gluon, an sm90 GPU"):
+        fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
+    with pytest.raises(ValueError, match="consumers must be 2 or 3"):
+        fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32, fp8_gemm_sm90.WarpSpecializedConfig(4))
 
 
 def test_grouped_gemm_refuses_a_k_step_other_than_the_scale_block():

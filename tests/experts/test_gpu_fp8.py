@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_sbo.config import get_preset
-from moe_sbo.experts import fp8_gemm
+from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
 from moe_sbo.experts.fp8_torch import grouped_linear_fp8, grouped_scaled_mm
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
@@ -81,6 +81,71 @@ def test_grouped_gemm_matches_torch_reference(config):
     # Hopper's FP8 tensor cores accumulate each 128-value K step with ~14 bits (DeepSeek-V3 report,
     # 3.3.2): 1e-4 off the float32 reference here; the kernel adds the steps in float32.
     assert _rel(got[:real], ref[:real]) < 1e-3
+
+
+sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or fp8_gemm_sm90.gluon is None,
+    reason="fp8_gemm_sm90 needs an sm90 GPU and Triton's Gluon",
+)
+
+
+@sm90
+@pytest.mark.parametrize(
+    "config",
+    [
+        fp8_gemm_sm90.DEFAULT_CONFIG,
+        fp8_gemm_sm90.WarpSpecializedConfig(consumers=3, stages=5),
+        fp8_gemm_sm90.WarpSpecializedConfig(consumers=3, persistent=False),
+        fp8_gemm_sm90.WarpSpecializedConfig(consumers=2, consumer_regs=232, loader_regs=40),
+    ],
+    ids=["3x64-s4-persistent", "3x64-s5-persistent", "3x64-s4", "2x64-s4-persistent"],
+)
+def test_warp_specialized_gemm_matches_torch_reference(config):
+    """The sm90 kernel against the float32 reference: uneven experts (1 row, none, 300, ...) so tiles
+    end inside an expert, padding rows past the last expert, K of both MLP GEMMs (16 and 56 steps,
+    more than a persistent program's ring holds); and replayed from a CUDA graph after the counts
+    change on the device."""
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    counts, offsets = _counts("cuda", 1, 0, 300, 64, 129, 0, 7, 700)
+    rows = int(counts.sum()) + 50
+    real = int(offsets[-1])
+    for n, k in ((1024, 2048), (256, 7168)):
+        x = torch.randn(rows, k, generator=generator, device="cuda")
+        w = torch.randn(len(counts), n, k, generator=generator, device="cuda") * k**-0.5
+        q, s = quantize_fp8(x)
+        wq, ws = quantize_fp8_blocks(w)
+        ref = grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)
+        got32 = fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32, config)
+        assert _rel(got32[:real], ref[:real]) < 1e-3  # as the Triton kernel: the MMA's own rounding
+        got = fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.bfloat16, config)
+        assert _rel(got[:real], ref[:real]) < 1e-2  # bf16 output rounding on top
+    graph, static = capture_graph(lambda: fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32, config))
+    offsets.copy_(torch.tensor([0, 500, 500, 501, 900, 1100, 1100, 1201], device="cuda", dtype=torch.int32))
+    graph.replay()
+    ref = grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)
+    assert _rel(static[:1201], ref[:1201]) < 1e-3
+
+
+@sm90
+def test_prefill_sizes_run_the_warp_specialized_kernel(monkeypatch):
+    """``fp8_gemm.grouped_gemm`` without a config: the sm90 kernel above 256 rows per expert, the Triton
+    kernel from there down; a config always runs the Triton kernel."""
+    calls = []
+    sm90_gemm = fp8_gemm_sm90.grouped_gemm
+    monkeypatch.setattr(fp8_gemm_sm90, "grouped_gemm", lambda *args: calls.append(1) or sm90_gemm(*args))
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    wq, ws = quantize_fp8_blocks(torch.randn(4, 512, 1024, generator=generator, device="cuda") * 1024**-0.5)
+    for rows_per_expert, sm90_expected in ((257, True), (256, False)):
+        _, offsets = _counts("cuda", *[rows_per_expert] * 4)
+        q, s = quantize_fp8(torch.randn(4 * rows_per_expert, 1024, generator=generator, device="cuda"))
+        assert fp8_gemm.use_sm90_kernel(q, wq) is sm90_expected
+        calls.clear()
+        got = fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
+        assert len(calls) == sm90_expected
+        assert _rel(got, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 1e-3
+        calls.clear()
+        fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32, fp8_gemm.LARGE_CONFIG)
+        assert not calls
 
 
 def test_grouped_gemm_with_one_local_expert_matches_torch_reference():

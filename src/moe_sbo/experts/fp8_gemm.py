@@ -11,9 +11,11 @@ One FP8 expert MLP is four launches::
     silu_mul_quantize   silu(gate) * up -> e4m3 [R, I] and scales [R, I/128] (``quant.kernels``)
     grouped_gemm        down: [R, I] x [L, H, I]^T -> [R, H]
 
-This is the Triton implementation (counts on the device, no host sync, CUDA-graph capturable);
-``fp8_torch.py`` holds the same contract in torch: cuBLAS's block-wise ``torch._scaled_mm`` per expert
-(sm90, counts on the host) and the float32 reference that CPU ranks run.
+This is the Triton implementation (counts on the device, no host sync, CUDA-graph capturable); at
+prefill sizes on Hopper ``grouped_gemm`` hands the same call to ``fp8_gemm_sm90.py``, a
+warp-specialised Gluon kernel 8-14 % faster (``use_sm90_kernel`` says when). ``fp8_torch.py`` holds
+the same contract in torch: cuBLAS's block-wise ``torch._scaled_mm`` per expert (sm90, counts on the
+host) and the float32 reference that CPU ranks run.
 
 The hard part is the schedule without a host sync: device row offsets, a grid sized for the worst
 case, each program finding its expert and tile by a prefix sum (``tiled_gemm.expert_tile``, shared
@@ -41,6 +43,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quant.fp8 import FP8_BLOCK, FP8_GROUP
+from . import fp8_gemm_sm90
 from .tiled_gemm import GemmConfig, expert_tile, max_tiles, tma_ready
 
 GROUP_V = tl.constexpr(FP8_GROUP)
@@ -57,13 +60,21 @@ DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True)
 GEMM_CONFIGS = (DECODE_CONFIG, dataclasses.replace(DECODE_CONFIG, tma=True), LARGE_CONFIG)
 TMA_MIN_ROWS_PER_EXPERT = 128
+LARGE_MIN_ROWS_PER_EXPERT = 256  # above: LARGE_CONFIG, or the sm90 kernel where it runs
+
+
+def use_sm90_kernel(q_RK: torch.Tensor, w_LNK: torch.Tensor) -> bool:
+    """Whether ``grouped_gemm`` without a ``config`` runs ``fp8_gemm_sm90``'s warp-specialised kernel
+    for these operands: prefill sizes (more than ``LARGE_MIN_ROWS_PER_EXPERT`` rows per expert on
+    average) where that kernel runs (sm90, Gluon; ``fp8_gemm_sm90.supported``)."""
+    return q_RK.shape[0] > LARGE_MIN_ROWS_PER_EXPERT * w_LNK.shape[0] and fp8_gemm_sm90.supported(q_RK, w_LNK)
 
 
 def gemm_config(rows_per_expert: float, capturing: bool = False) -> GemmConfig:
     """The tiles for ``rows_per_expert`` rows per expert on average (the grid depends on rows only,
     so a CUDA graph captured at one size keeps its config whatever the routing); ``capturing``: the
     launch is being captured into a CUDA graph (descriptor loads from ``TMA_MIN_ROWS_PER_EXPERT``)."""
-    if rows_per_expert > 256:
+    if rows_per_expert > LARGE_MIN_ROWS_PER_EXPERT:
         return LARGE_CONFIG
     return dataclasses.replace(DECODE_CONFIG, tma=capturing and rows_per_expert >= TMA_MIN_ROWS_PER_EXPERT)
 
@@ -148,9 +159,10 @@ def grouped_gemm(
     ``w_LNK[l]`` transposed (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``.
 
     ``offsets_L``: int32 cumulative row counts on the device; rows past ``offsets_L[-1]`` are left
-    unwritten. K must be a multiple of 128; ``config`` defaults to ``gemm_config(R / L, capturing a
-    CUDA graph)``; its ``tma`` applies where a descriptor can address the tensor
-    (``tiled_gemm.tma_ready``).
+    unwritten. K must be a multiple of 128. Without ``config``: ``fp8_gemm_sm90``'s kernel where
+    ``use_sm90_kernel`` says, else this Triton kernel with ``gemm_config(R / L, capturing a CUDA
+    graph)``; a ``config`` always runs the Triton kernel, its ``tma`` where a descriptor can address
+    the tensor (``tiled_gemm.tma_ready``).
     """
     num_rows, k = q_RK.shape
     num_experts, n, _ = w_LNK.shape
@@ -158,6 +170,8 @@ def grouped_gemm(
         raise ValueError(f"the reduction size must be a multiple of {FP8_BLOCK} for FP8 experts, got {k}")
     if config is not None and config.block_k != FP8_BLOCK:
         raise ValueError(f"FP8 experts step K by their scale block, {FP8_BLOCK}: got block_k={config.block_k}")
+    if config is None and use_sm90_kernel(q_RK, w_LNK):
+        return fp8_gemm_sm90.grouped_gemm(q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, offsets_L, out_dtype)
     out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
     if num_rows == 0:
         return out_RN

@@ -59,10 +59,12 @@ class GemmConfig:
 
 
 @triton.jit
-def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_N, GROUP_M):
-    """Program ``pid``'s tile -> (live, expert, rows_M, row_mask_M, pid_n): ``live`` is false past the
-    last tile (the caller returns); the tile is rows ``rows_M`` (those under ``row_mask_M`` belong to
-    ``expert``) times columns ``pid_n * BLOCK_N`` on."""
+def expert_tile_bounds(
+    pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_N, GROUP_M
+):
+    """Program ``pid``'s tile -> (live, expert, first row, row end, pid_n): ``live`` is false past the
+    last tile (every live tile comes before every dead one); the tile is rows [first row, row end) of
+    ``expert`` (at most BLOCK_M, any size) times columns ``pid_n * BLOCK_N`` on."""
     offs_e = tl.arange(0, E_P2)
     ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
     starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
@@ -82,7 +84,19 @@ def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
     group_size = tl.maximum(tl.minimum(m_tiles - first_m, GROUP_M), 1)  # >= 1: dead programs divide too
     pid_m = first_m + (t % width) % group_size
     pid_n = (t % width) // group_size
-    rows_M = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    first_row = row_start + pid_m * BLOCK_M
+    return live, expert, first_row, tl.minimum(first_row + BLOCK_M, row_end), pid_n
+
+
+@triton.jit
+def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_N, GROUP_M):
+    """Program ``pid``'s tile -> (live, expert, rows_M, row_mask_M, pid_n): ``live`` is false past the
+    last tile (the caller returns); the tile is rows ``rows_M`` (those under ``row_mask_M`` belong to
+    ``expert``) times columns ``pid_n * BLOCK_N`` on."""
+    live, expert, first_row, row_end, pid_n = expert_tile_bounds(
+        pid, offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
+    )
+    rows_M = first_row + tl.arange(0, BLOCK_M)
     return live, expert, rows_M, rows_M < row_end, pid_n
 
 

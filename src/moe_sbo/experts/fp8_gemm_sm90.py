@@ -1,0 +1,355 @@
+"""The block-scaled FP8 grouped GEMM for Hopper (sm90) at prefill sizes, warp-specialised in Gluon
+(Triton's lower-level language): ``fp8_gemm.grouped_gemm``'s contract (e4m3 rows grouped by expert,
+1x128 activation scales, 128x128 weight block scales, counts on the device, no host sync, CUDA-graph
+capturable), which ``fp8_gemm`` hands to this kernel where ``supported`` says it runs.
+
+Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction features, L the experts.
+
+Why warp specialisation. Block scaling multiplies each 128-wide K step's partial product by its
+scales before adding it, so the product must leave the tensor cores after every step ("promotion").
+A kernel whose warps move in lockstep (the Triton kernel: one instruction stream, a CTA barrier per
+pipeline step) leaves the tensor cores idle while it waits for the product and scales it. Here the
+warps of a CTA split into partitions that share nothing but shared memory and mbarriers, as in
+DeepGEMM::
+
+    loader      1 warp        TMA loads of step k's operand tiles into slot k % STAGES of a ring;
+                              waits for the slot's ``empty`` barrier, arms its ``ready`` barrier
+    consumer i  warp group i  rows [64 i, 64 i + 64) of the tile: waits ``ready``, one wgmma
+                              (64 x 128 x 128), waits for its product, arrives on ``empty``,
+                              promotes (one multiply-add per accumulator element)
+
+With three consumers (a 192 x 128 tile) the tensor cores always have another warp group's MMA queued
+while one promotes. Registers are rebalanced between the partitions (``setmaxnreg``): 160 for each
+consumer (its accumulator and one product, 64 each), 24 for the loader. The program is persistent
+(one per SM, looping over tiles): the loader runs ahead into the next tile while the consumers
+store this one.
+
+Measured on H200 at DeepSeek-V3's expert dims, 8 experts x 2048-4096 rows, CUDA-graph replay, same
+run (docs/FP8.md, "Kernel choices"): gate_up 944-956 TFLOP/s and down 830-845 against the Triton
+kernel's 853-864 and 739-769; two consumers (128-row tiles) reached 907 and 776-795, the same
+kernel without promotion 1,118.
+
+The schedule (``tile_schedule``, Triton) writes each tile's (expert, first row, row end, column
+tile) from the device offsets, live tiles first; it runs under ``TRITON_INTERPRET=1`` on CPU (tested
+there). Gluon has no interpreter and the kernel needs sm90's wgmma, TMA and ``setmaxnreg``, so the
+GEMM itself is tested on GPUs only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.fp8 import FP8_BLOCK
+from ..streams import compute_capability, sm_count
+from .tiled_gemm import expert_tile_bounds, tma_ready
+
+try:  # Gluon ships with Triton >= 3.5; some names moved between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared  # 3.9 / 3.6
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+TILE_FIELDS = 4  # expert (-1: no tile), first row, row end, column tile
+ROWS_PER_CONSUMER = 64  # one wgmma's M
+BLOCK_N = 128  # one weight scale block: one weight scale per tile and K step
+# The same numbers for the kernels (a kernel reads only constexpr globals).
+FIELDS_C = tl.constexpr(TILE_FIELDS)
+ROWS_C = tl.constexpr(ROWS_PER_CONSUMER)
+BLOCK_N_C = tl.constexpr(BLOCK_N)
+
+
+@dataclass(frozen=True)
+class WarpSpecializedConfig:
+    """``consumers`` warp groups of 64 rows each (tile: 64 x consumers rows x 128 columns), ``stages``
+    shared-memory slots of operand tiles, ``persistent``: one program per SM looping over tiles;
+    ``consumer_regs`` / ``loader_regs``: registers per thread of each partition (multiples of 8 that
+    fit the SM's 64K with the launch's warps)."""
+
+    consumers: int = 3
+    stages: int = 4
+    persistent: bool = True
+    consumer_regs: int = 160
+    loader_regs: int = 24
+    group_m: int = 8
+
+    @property
+    def block_m(self) -> int:
+        return ROWS_PER_CONSUMER * self.consumers
+
+
+DEFAULT_CONFIG = WarpSpecializedConfig()
+
+
+@triton.jit
+def _schedule_kernel(
+    offsets_ptr, tiles_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_N, GROUP_M
+):
+    pid = tl.program_id(0)
+    live, expert, first_row, row_end, pid_n = expert_tile_bounds(
+        pid, offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
+    )
+    tile = tiles_ptr + pid * FIELDS_C
+    tl.store(tile, tl.where(live, expert, -1))
+    tl.store(tile + 1, first_row)
+    tl.store(tile + 2, row_end)
+    tl.store(tile + 3, pid_n)
+
+
+def tile_schedule(offsets_L: torch.Tensor, num_rows: int, n: int, block_m: int, group_m: int = 8) -> torch.Tensor:
+    """int32 ``[tiles, 4]``: per tile of a grouped GEMM over ``num_rows`` rows, (expert or -1, first row,
+    row end, column tile), from the device offsets (no host read); live tiles first. ``tiles`` is the
+    worst case for ``num_rows`` (every expert's last row tile partial)."""
+    num_experts = offsets_L.shape[0]
+    tiles = (triton.cdiv(num_rows, block_m) + num_experts) * triton.cdiv(n, BLOCK_N)
+    tiles_T4 = torch.empty(tiles, TILE_FIELDS, dtype=torch.int32, device=offsets_L.device)
+    _schedule_kernel[(tiles,)](
+        offsets_L,
+        tiles_T4,
+        NUM_EXPERTS=num_experts,
+        E_P2=triton.next_power_of_2(num_experts),
+        BLOCK_M=block_m,
+        NUM_N=triton.cdiv(n, BLOCK_N),
+        GROUP_M=group_m,
+    )
+    return tiles_T4
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _loader(
+        a_desc,
+        b_desc,
+        a_smem,
+        b_smem,
+        ready,
+        empty,
+        tiles_ptr,
+        num_tiles,
+        N: gl.constexpr,
+        KQ: gl.constexpr,
+        STAGES: gl.constexpr,
+        CONSUMERS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
+    ):
+        """One warp: for each of this program's tiles and each K step ``it`` (counted over all of them),
+        wait until slot it % STAGES is empty, then load the step's row tiles (one [64, 128] box per
+        consumer) and weight tile into it; ``ready`` completes when their bytes have landed."""
+        STAGE_BYTES: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        pid = gl.program_id(0)
+        step = gl.num_programs(0) if PERSISTENT else num_tiles
+        for t in range(pid, num_tiles, step):
+            tile = tiles_ptr + t * FIELDS_C
+            expert = gl.load(tile)
+            if expert >= 0:  # live tiles come first, so this program's live tiles are its first ones
+                row0 = gl.load(tile + 1)
+                b_row = expert * N + gl.load(tile + 3) * BLOCK_N_C
+                base = ((t - pid) // step) * KQ
+                for k in range(KQ):
+                    it = base + k
+                    s = it % STAGES
+                    # A fresh mbarrier counts as having completed the phase before phase 0, so the
+                    # first round of waits (parity 1) passes at once: every slot starts empty.
+                    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(s), STAGE_BYTES)
+                    for i in gl.static_range(CONSUMERS):
+                        tma_load(a_desc, [row0 + 64 * i, k * 128], ready.index(s), a_smem.index(s * CONSUMERS + i))
+                    tma_load(b_desc, [b_row, k * 128], ready.index(s), b_smem.index(s))
+
+    @gluon.jit
+    def _consumer(
+        a_smem,
+        b_smem,
+        ready,
+        empty,
+        a_scale_ptr,
+        b_scale_ptr,
+        c_ptr,
+        tiles_ptr,
+        num_tiles,
+        N: gl.constexpr,
+        KQ: gl.constexpr,
+        STAGES: gl.constexpr,
+        CONSUMERS: gl.constexpr,
+        INDEX: gl.constexpr,
+        PERSISTENT: gl.constexpr,
+    ):
+        """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step:
+        wait for the slot, one wgmma, wait for its product (which also ends this warp group's reads of
+        the slot), release the slot, promote. The other consumers' MMAs keep the tensor cores busy
+        meanwhile: no barrier ties the warp groups together."""
+        NQ: gl.constexpr = N // 128
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N_C, 32]
+        )
+        zero = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
+        pid = gl.program_id(0)
+        step = gl.num_programs(0) if PERSISTENT else num_tiles
+        for t in range(pid, num_tiles, step):
+            tile = tiles_ptr + t * FIELDS_C
+            expert = gl.load(tile)
+            if expert >= 0:
+                row0 = gl.load(tile + 1)
+                row_end = gl.load(tile + 2)
+                pid_n = gl.load(tile + 3)
+                base = ((t - pid) // step) * KQ
+                rows_M = row0 + INDEX * ROWS_C + gl.arange(0, ROWS_C, layout=gl.SliceLayout(1, MMA))
+                row_mask_M = rows_M < row_end
+                a_scales_M = a_scale_ptr + rows_M.to(gl.int64) * KQ
+                b_scales = b_scale_ptr + (expert.to(gl.int64) * NQ + pid_n) * KQ  # [L, N/128, K/128]
+                acc = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
+                # Scales are read one step ahead, so their latency hides behind the wait and the MMA;
+                # rows past the tile read 0.
+                a_scale_M = gl.load(a_scales_M, mask=row_mask_M, other=0.0)
+                b_scale = gl.load(b_scales)
+                for k in range(KQ):
+                    it = base + k
+                    s = it % STAGES
+                    k_next = gl.minimum(k + 1, KQ - 1)  # the last step re-reads its own scales
+                    next_a_scale_M = gl.load(a_scales_M + k_next, mask=row_mask_M, other=0.0)
+                    next_b_scale = gl.load(b_scales + k_next)
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    a_tile = a_smem.index(s * CONSUMERS + INDEX)
+                    b_tile = b_smem.index(s)
+                    product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+                    product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
+                    mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
+                    acc += product * (a_scale_M * b_scale)[:, None]
+                    a_scale_M = next_a_scale_M
+                    b_scale = next_b_scale
+                cols_N = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, MMA))
+                out = c_ptr + rows_M.to(gl.int64)[:, None] * N + cols_N[None, :]
+                gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_mask_M[:, None])
+
+    @gluon.jit
+    def _grouped_gemm_kernel(
+        a_desc,  # [R, K] e4m3, boxes [64, 128]
+        a_scale_ptr,  # [R, K/128] float32
+        b_desc,  # [L * N, K] e4m3, boxes [128, 128]
+        b_scale_ptr,  # [L, N/128, K/128] float32
+        c_ptr,  # [R, N]
+        tiles_ptr,  # [num_tiles, 4] int32 (tile_schedule)
+        num_tiles,
+        N: gl.constexpr,
+        K: gl.constexpr,
+        STAGES: gl.constexpr,
+        CONSUMERS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr,
+    ):
+        KQ: gl.constexpr = K // 128
+        # The row tile as one [64, 128] slot per consumer: a shared-memory block's dims must be powers of 2.
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS, 64, 128], a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N_C, 128], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)  # the loader's expect, completed by the TMA bytes
+            mbarrier.init(empty.index(i), count=CONSUMERS)
+        # The argument tuples are written inline: a tuple held in a variable first turns its constexpr
+        # members into tensors (Triton 3.6), and the partitions need them constexpr. The first pair is
+        # the default partition (the kernel's num_warps=4), the others are workers.
+        # fmt: off
+        if CONSUMERS == 3:
+            gl.warp_specialize(
+                [
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
+                                 N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
+                                 N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
+                                 N, KQ, STAGES, CONSUMERS, 2, PERSISTENT)),
+                    (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
+                               N, KQ, STAGES, CONSUMERS, PERSISTENT)),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
+                                 N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
+                                 N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
+                    (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
+                               N, KQ, STAGES, CONSUMERS, PERSISTENT)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOADER_REGS],
+            )
+        # fmt: on
+
+
+def supported(q_RK: torch.Tensor, w_LNK: torch.Tensor) -> bool:
+    """Whether ``grouped_gemm`` runs for these operands: Gluon importable, an sm90 GPU (Hopper's wgmma,
+    TMA and ``setmaxnreg``), N a multiple of 128, operands a descriptor can address."""
+    return (
+        gluon is not None
+        and q_RK.device.type == "cuda"
+        and compute_capability(q_RK.device) == (9, 0)
+        and q_RK.dtype == w_LNK.dtype == torch.float8_e4m3fn
+        and w_LNK.shape[1] % BLOCK_N == 0
+        and tma_ready(q_RK)
+        and tma_ready(w_LNK)
+    )
+
+
+def grouped_gemm(
+    q_RK: torch.Tensor,
+    scales_RQ: torch.Tensor,
+    w_LNK: torch.Tensor,
+    w_scale_inv_LNQ: torch.Tensor,
+    offsets_L: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: WarpSpecializedConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """``fp8_gemm.grouped_gemm``'s contract on sm90 (``supported`` says where): e4m3 rows ``q_RK``
+    (scales ``[R, K/128]``) grouped by expert times each expert's e4m3 weight ``w_LNK[l]`` transposed
+    (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``. ``offsets_L``: int32
+    cumulative row counts on the device; rows past ``offsets_L[-1]`` are left unwritten."""
+    if config.consumers not in (2, 3):
+        raise ValueError(f"consumers must be 2 or 3 warp groups, got {config.consumers}")
+    if not supported(q_RK, w_LNK):
+        raise ValueError(
+            "fp8_gemm_sm90 needs Triton's Gluon, an sm90 GPU, e4m3 operands, N a multiple of 128 and 16-byte "
+            "aligned operands; use fp8_gemm.grouped_gemm, which falls back to the Triton kernel"
+        )
+    num_rows, k = q_RK.shape
+    num_experts, n, _ = w_LNK.shape
+    if k % FP8_BLOCK:
+        raise ValueError(f"the reduction size must be a multiple of {FP8_BLOCK} for FP8 experts, got {k}")
+    out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
+    if num_rows == 0:
+        return out_RN
+    tiles_T4 = tile_schedule(offsets_L, num_rows, n, config.block_m, config.group_m)
+    num_tiles = tiles_T4.shape[0]
+    grid = min(num_tiles, sm_count(q_RK.device)) if config.persistent else num_tiles
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    _grouped_gemm_kernel[(grid,)](
+        GluonDescriptor.from_tensor(q_RK, [ROWS_PER_CONSUMER, FP8_BLOCK], layout),
+        scales_RQ.contiguous(),
+        GluonDescriptor.from_tensor(w_LNK.view(num_experts * n, k), [BLOCK_N, FP8_BLOCK], layout),
+        w_scale_inv_LNQ.contiguous(),
+        out_RN,
+        tiles_T4,
+        num_tiles,
+        N=n,
+        K=k,
+        STAGES=config.stages,
+        CONSUMERS=config.consumers,
+        PERSISTENT=config.persistent,
+        CONSUMER_REGS=config.consumer_regs,
+        LOADER_REGS=config.loader_regs,
+        num_warps=4,  # the default partition: consumer warp group 0
+    )
+    return out_RN
