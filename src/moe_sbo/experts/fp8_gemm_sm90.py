@@ -290,13 +290,17 @@ if gluon is not None:
         # fmt: on
 
 
+def device_supported(device: torch.device) -> bool:
+    """Whether the kernel runs on ``device``: Gluon importable and an sm90 GPU (Hopper's wgmma, TMA and
+    ``setmaxnreg``)."""
+    return gluon is not None and device.type == "cuda" and compute_capability(device) == (9, 0)
+
+
 def supported(q_RK: torch.Tensor, w_LNK: torch.Tensor) -> bool:
-    """Whether ``grouped_gemm`` runs for these operands: Gluon importable, an sm90 GPU (Hopper's wgmma,
-    TMA and ``setmaxnreg``), N a multiple of 128, operands a descriptor can address."""
+    """Whether ``grouped_gemm`` runs for these operands: ``device_supported``, e4m3, N a multiple of
+    128, operands a descriptor can address."""
     return (
-        gluon is not None
-        and q_RK.device.type == "cuda"
-        and compute_capability(q_RK.device) == (9, 0)
+        device_supported(q_RK.device)
         and q_RK.dtype == w_LNK.dtype == torch.float8_e4m3fn
         and w_LNK.shape[1] % BLOCK_N == 0
         and tma_ready(q_RK)

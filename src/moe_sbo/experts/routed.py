@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 
 try:
     from ..quant import kernels as quant_kernels
-    from . import fp8_gemm, gemv, tiled_gemm
+    from . import fp8_gemm, fp8_gemm_sm90, gemv, tiled_gemm
 except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and refuse CUDA
     fp8_gemm = None  # type: ignore[assignment]
+    fp8_gemm_sm90 = None  # type: ignore[assignment]
     quant_kernels = None  # type: ignore[assignment]
     gemv = None  # type: ignore[assignment]
     tiled_gemm = None  # type: ignore[assignment]
@@ -43,10 +44,12 @@ except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and ref
 FP8_KERNELS = ("auto", "triton", "scaled_mm", "torch")
 # Dense experts: "gemv" and "tiled" force one Triton kernel, "triton" takes the Triton kernel for the rows.
 DENSE_KERNELS = ("auto", "triton", "gemv", "tiled", "torch")
-# From here (rows per expert, on average) "auto" runs cuBLAS's block-wise FP8 GEMMs, one per expert:
-# measured on H200 at DeepSeek-V3 dims, from 2048 rows they compute at 800-1040 TFLOP/s against the
-# Triton kernel's ~710-790, while with fewer rows the calls' host cost (16 calls: ~0.4 ms) is not
-# hidden (docs/BENCHMARKS.md).
+# From here (rows per expert, on average) "auto" runs cuBLAS's block-wise FP8 GEMMs eagerly, one per
+# expert, where the warp-specialised sm90 kernel (``fp8_gemm_sm90``) does not run: measured on H200 at
+# DeepSeek-V3 dims, from 2048 rows they compute at 800-1040 TFLOP/s against the Triton kernel's
+# ~710-790, while with fewer rows the calls' host cost (16 calls: ~0.4 ms) is not hidden. The sm90
+# kernel's MLP, replayed, was as fast as cuBLAS's eager one at 8 experts x 4096 rows and 5-9 % faster
+# at 8-32 experts x 2048 (docs/BENCHMARKS.md), so where it runs "auto" keeps it eagerly too.
 SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # Dense experts on CUDA under "auto", by the real rows to expect per expert (``low_latency`` hands the
 # experts P x C x K rows, C x K of them real on average: ``DispatchOutput.expected_rows``): up to
@@ -104,8 +107,9 @@ class RoutedExperts(nn.Module):
     [L, 2I/128, H/128], ``down_proj_scale_inv`` [L, H/128, I/128]; DeepSeek-V3's format), activations
     quantised per token in 128-value groups, block-scaled GEMMs (H and I must be multiples of 128).
     ``dtype`` is then the activation dtype of the input and output. ``kernels``: for FP8 (see
-    ``fp8_path``) ``"auto"`` on CUDA runs ``fp8_gemm.py``'s Triton grouped GEMM, or at prefill
-    sizes outside graph capture cuBLAS's (``"scaled_mm"``), and ``fp8_torch.grouped_linear_fp8`` off CUDA;
+    ``fp8_path``) ``"auto"`` on CUDA runs ``fp8_gemm.py``'s grouped GEMM (on sm90 at prefill sizes its
+    warp-specialised kernel, ``fp8_gemm_sm90.py``), or at prefill sizes outside graph capture where
+    that kernel does not run cuBLAS's (``"scaled_mm"``), and ``fp8_torch.grouped_linear_fp8`` off CUDA;
     for dense weights (see ``dense_path``) ``"auto"`` runs ``gemv.py`` on CUDA at decode sizes,
     ``tiled_gemm.py`` at mid sizes and ``torch._grouped_mm`` at prefill sizes. ``"triton"``
     forces the Triton kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
@@ -298,7 +302,8 @@ class RoutedExperts(nn.Module):
         """Which FP8 GEMMs a forward of ``num_rows`` rows on ``device`` runs: ``"triton"``
         (``fp8_gemm``: device counts, no host sync, CUDA-graph capturable), ``"scaled_mm"`` (cuBLAS
         per expert, sm90; reads the counts on the host; chosen by ``"auto"`` when not capturing a
-        graph and the rows per expert reach ``SCALED_MM_MIN_ROWS_PER_EXPERT``) or ``"torch"``."""
+        graph, the rows per expert reach ``SCALED_MM_MIN_ROWS_PER_EXPERT`` and ``fp8_gemm_sm90``'s
+        kernel does not run on the device) or ``"torch"``."""
         if self.kernels not in FP8_KERNELS:
             raise ValueError(f"kernels must be one of {FP8_KERNELS}, got {self.kernels!r}")
         if self.kernels == "torch":
@@ -327,7 +332,8 @@ class RoutedExperts(nn.Module):
                 raise RuntimeError("kernels='scaled_mm' needs cuBLAS's block-wise FP8 (sm90); use 'auto' or 'triton'")
             return "scaled_mm"
         large = num_rows >= SCALED_MM_MIN_ROWS_PER_EXPERT * self.num_local_experts
-        if self.kernels == "auto" and blockwise and large and not torch.cuda.is_current_stream_capturing():
+        eager = not torch.cuda.is_current_stream_capturing()
+        if self.kernels == "auto" and blockwise and large and eager and not fp8_gemm_sm90.device_supported(device):
             return "scaled_mm"
         return "triton"
 
