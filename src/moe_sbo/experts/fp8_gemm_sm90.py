@@ -24,10 +24,10 @@ consumer (its accumulator and one product, 64 each), 24 for the loader. The prog
 (one per SM, looping over tiles): the loader runs ahead into the next tile while the consumers
 store this one.
 
-Measured on H200 at DeepSeek-V3's expert dims, 8 experts x 2048-4096 rows, CUDA-graph replay, same
-run (docs/FP8.md, "Kernel choices"): gate_up 944-956 TFLOP/s and down 830-845 against the Triton
-kernel's 853-864 and 739-769; two consumers (128-row tiles) reached 907 and 776-795, the same
-kernel without promotion 1,118.
+Measured on H200 at DeepSeek-V3's expert dims, 8 experts x 2048-4096 rows, CUDA-graph replay, in
+one run (docs/FP8.md, "Kernel choices"): gate_up 928-934 TFLOP/s and down 807-823, against the
+Triton kernel's 841-843 and 757-763 and cuBLAS's row-wise FP8 rate of 1,187-1,207 and 1,038-1,047.
+With two consumers (128-row tiles) the gain over the Triton kernel was a third as large.
 
 The schedule (``tile_schedule``, Triton) writes each tile's (expert, first row, row end, column
 tile) from the device offsets, live tiles first; it runs under ``TRITON_INTERPRET=1`` on CPU (tested
