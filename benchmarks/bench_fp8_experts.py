@@ -12,7 +12,8 @@ HBM as in a model; a graph runs the Triton GEMMs), ``t_eager_us`` the same forwa
 on fp8 rows, ``rel_err_vs_bf16``: ||y_fp8 - y_bf16|| / ||y_bf16|| with the bf16 experts holding the
 dequantised FP8 weights (so the error is the activations' quantisation and the GEMMs' rounding).
 
-Layer rows (``bench="fp8_layer"``): the whole MoE layer at decode on this GPU (EP1, ``low_latency``,
+Layer rows (``bench="fp8_layer"``): the whole MoE layer on this GPU per ``--layer-tokens`` (decode
+sizes, and 4096 tokens: prefill; EP1, ``low_latency``,
 ``--layer-experts`` routed experts: one GPU's share at EP8 of DeepSeek-V3 by default), replayed from a
 CUDA graph, for ``experts`` bf16 or fp8 and ``dispatch`` bf16 or fp8 (fp8 dispatch hands e4m3 rows
 straight to FP8 experts), with ``speedup_vs_bf16`` against bf16 experts and bf16 dispatch.
@@ -268,7 +269,7 @@ def print_sweep(rows: list[dict]) -> None:
 
 
 def layer_rows(num_experts: int, tokens_list: list[int], device: torch.device, quick: bool) -> list[dict]:
-    """The decode layer (EP1, low_latency) per experts x dispatch dtype, graph-replayed."""
+    """The layer (EP1, low_latency) per tokens x experts x dispatch dtype, graph-replayed."""
     cfg = get_preset("deepseek-v3").with_num_experts(num_experts)
     out = []
     for tokens in tokens_list:
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         help="sweep only the configs fp8_gemm chooses from (and the sm90 kernel's)",
     )
     parser.add_argument("--layer-experts", type=int, default=32)
-    parser.add_argument("--layer-tokens", type=int, nargs="*", default=[32, 128, 512])
+    parser.add_argument("--layer-tokens", type=int, nargs="*", default=[32, 128, 4096])
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
