@@ -54,6 +54,8 @@ try:  # Gluon ships with Triton >= 3.5; some names moved between releases
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared  # 3.9 / 3.6
+    # Every operand tile: e4m3 rows of 128 bytes, 128-byte swizzled as wgmma reads them.
+    OPERAND_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -338,11 +340,10 @@ def grouped_gemm(
     tiles_T4 = tile_schedule(offsets_L, num_rows, n, config.block_m, config.group_m)
     num_tiles = tiles_T4.shape[0]
     grid = min(num_tiles, sm_count(q_RK.device)) if config.persistent else num_tiles
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     _grouped_gemm_kernel[(grid,)](
-        GluonDescriptor.from_tensor(q_RK, [ROWS_PER_CONSUMER, FP8_BLOCK], layout),
+        GluonDescriptor.from_tensor(q_RK, [ROWS_PER_CONSUMER, FP8_BLOCK], OPERAND_LAYOUT),
         scales_RQ.contiguous(),
-        GluonDescriptor.from_tensor(w_LNK.view(num_experts * n, k), [BLOCK_N, FP8_BLOCK], layout),
+        GluonDescriptor.from_tensor(w_LNK.view(num_experts * n, k), [BLOCK_N, FP8_BLOCK], OPERAND_LAYOUT),
         w_scale_inv_LNQ.contiguous(),
         out_RN,
         tiles_T4,
