@@ -108,8 +108,10 @@ def test_bench_eplb_trivial_policy_keeps_experts_in_place(in_process, capsys, tm
     out = tmp_path / "trivial.json"
     argv = ["bench", "--eplb", "--ranks", "1", "--dispatcher", "alltoall", "--tokens", "8", "--iters", "1"]
     assert main([*argv, "--policy", "trivial", "--out", str(out), "--device", "cpu"]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
     assert row["policy"] == "trivial" and row["redundant_per_rank"] == 0 and row["moved_slots"] == 0
+    assert result["meta"]["wire"] == row["wire"] == "none"  # one rank: no link between ranks
 
 
 def test_statistics_overhead_times_graph_replays_of_the_layer_with_and_without_eplb(monkeypatch):

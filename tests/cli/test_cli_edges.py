@@ -175,6 +175,12 @@ def test_emulated_wire_takes_nccl_and_refuses_transports_that_bypass_it():
     assert bench.resolve_wire(build_parser().parse_args(["bench"]), "cpu", 2) is None  # nvlink: nothing to set
 
 
+def test_one_rank_crosses_no_wire():
+    """A one-rank run's rows must not claim a link between ranks (the default --wire is nvlink)."""
+    args = build_parser().parse_args(["bench"])
+    assert bench.resolve_wire(args, "cpu", 1) is None and args.wire == "none"
+
+
 def test_bench_refuses_what_cannot_fit_before_any_rank(tmp_path, monkeypatch, capsys, no_ranks):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       4194304 kB\nMemAvailable:   2097152 kB\n")  # 2 GiB

@@ -205,7 +205,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def resolve_wire(args: argparse.Namespace, device: str, ranks: int) -> str | None:
     """Check ``--wire`` before any rank starts; under the emulated wire, ``--transport auto`` becomes
-    ``nccl``; ranks that share GPUs make the wire ``shared-gpu`` (returns the line saying either).
+    ``nccl``; ranks that share GPUs make the wire ``shared-gpu``, one rank ``none`` (returns the line
+    saying either of the first two).
     Raises ``ValueError`` for what cannot emulate it."""
     shared = shared_gpu_note(device, ranks)
     if shared:
@@ -217,6 +218,8 @@ def resolve_wire(args: argparse.Namespace, device: str, ranks: int) -> str | Non
         args.wire = "shared-gpu"
         return shared
     if args.wire != "emulated-internode":
+        if ranks == 1:
+            args.wire = "none"  # one rank: nothing crosses a link between ranks
         return None
     if device != "cuda":
         raise ValueError(

@@ -71,7 +71,7 @@ def shared_gpu_note(device: str, world_size: int) -> str | None:
 
 
 def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
-    """What every result file's ``meta`` records; ``wire`` (``nvlink``, ``emulated-internode``), for
+    """What every result file's ``meta`` records; ``wire`` (``nvlink``, ``emulated-internode``, ``none``), for
     the benchmarks that choose one, names the link the ranks' transfers crossed: ``shared-gpu`` whenever
     CUDA ranks share GPUs (``ranks_per_gpu`` > 1), whatever was asked."""
     cuda = device == "cuda" and torch.cuda.is_available()
