@@ -70,7 +70,10 @@ def entry() -> int:
         # unlink the queues' semaphores (else multiprocessing's resource tracker warns about them).
         for thread in threading.enumerate():
             if thread.name == "QueueFeederThread":
-                thread.join(timeout=1.0)
+                try:
+                    thread.join(timeout=1.0)
+                except RuntimeError:  # listed while still starting (the signal came mid-start): nothing to flush
+                    pass
         gc.collect()
         sys.stdout.flush()
         sys.stderr.flush()
