@@ -19,7 +19,8 @@ CUDA graph, for ``experts`` bf16 or fp8 and ``dispatch`` bf16 or fp8 (fp8 dispat
 straight to FP8 experts), with ``speedup_vs_bf16`` against bf16 experts and bf16 dispatch.
 
 ``--sweep`` adds rows (``bench="fp8_gemm_config"``) timing each GEMM alone for each tile config, the
-data behind ``fp8_gemm.gemm_config``.
+data behind ``fp8_gemm.gemm_config``, and the quantisers between them (``quantize_rows`` of rows read
+through an index: ``gather_then_quantize`` against ``quantize_through_index``).
 
 Usage (GPU): ``python benchmarks/bench_fp8_experts.py --out DIR [--sweep]``. CPU smoke (Triton
 interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out DIR --device cpu --quick``.
@@ -64,14 +65,14 @@ SWEEP_CONFIGS = [
 ]
 
 
-# The warp-specialised sm90 kernel (fp8_gemm_sm90): the default, one more stage, one program per tile,
-# and two consumer warp groups (128-row tiles).
+# The warp-specialised sm90 kernel (fp8_gemm_sm90): three and two consumer warp groups (192- and 128-row
+# tiles), each with and without taking turns, and the three-consumer kernel with one more stage and with
+# one program per tile.
 SM90_SWEEP_CONFIGS = [
-    fp8_gemm_sm90.DEFAULT_CONFIG,
-    fp8_gemm_sm90.WarpSpecializedConfig(stages=5),
-    fp8_gemm_sm90.WarpSpecializedConfig(persistent=False),
-    fp8_gemm_sm90.WarpSpecializedConfig(consumers=2, consumer_regs=232, loader_regs=40),
-]
+    fp8_gemm_sm90.WarpSpecializedConfig(take_turns=take_turns, **consumers)
+    for consumers in ({}, {"consumers": 2, "consumer_regs": 232, "loader_regs": 40})
+    for take_turns in (False, True)
+] + [fp8_gemm_sm90.WarpSpecializedConfig(stages=5), fp8_gemm_sm90.WarpSpecializedConfig(persistent=False)]
 
 
 def make_experts(num_experts: int, hidden: int, inter: int, device: torch.device, dtype: torch.dtype):
@@ -215,6 +216,15 @@ def sweep_case(
         lambda: quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L),
         impl="silu_mul_quantize",
     )
+    # The rows entering gate_up read through an index into a wider receive buffer (low_latency's
+    # index_rows): copied into expert order and then quantised, or quantised where they lie.
+    buffer = torch.randn(rows + num_experts, hidden + 128, generator=generator, device=device).to(dtype)
+    x_view, rows_R = buffer[:, :hidden], torch.randperm(rows + num_experts, device=device)[:rows]
+    for impl, fn in (
+        ("gather_then_quantize", lambda: quant_kernels.quantize_rows(x_view.index_select(0, rows_R), offsets_L)),
+        ("quantize_through_index", lambda: quant_kernels.quantize_rows(x_view, offsets_L, rows_R)),
+    ):
+        row("quantize_rows", hidden, 1, fn, impl=impl)
     return out
 
 
@@ -259,13 +269,19 @@ def print_sweep(rows: list[dict]) -> None:
             name,
             f"{best['t_us']:.1f}",
             f"{best['tflops']:.0f}",
-            f"{sm90['t_us']:.1f} ({sm90['tflops']:.0f}) {sm90['consumers']}x64 s{sm90['stages']}" if sm90 else "-",
+            f"{sm90['t_us']:.1f} ({sm90['tflops']:.0f}) {sm90['consumers']}x64 s{sm90['stages']}"
+            + (" turns" if sm90.get("take_turns") else "")
+            if sm90
+            else "-",
             f"{ref_t:.1f}" if ref_t else "-",
             f"{ref_t / best_t:.2f}" if ref_t else "-",
             f"{blockwise['t_us']:.1f}" if blockwise else "-",
             str(sum("error" in r for r in same)),
         )
     Console(width=160).print(table)
+    for r in rows:
+        if r["gemm"] in ("silu_mul_quantize", "quantize_rows") and "t_us" in r:
+            print(f"{r['impl']:24s} L={r['experts']:3d} rows/expert={r['rows_per_expert']:5d} {r['t_us']:8.1f} us")
 
 
 def layer_rows(num_experts: int, tokens_list: list[int], device: torch.device, quick: bool) -> list[dict]:

@@ -164,6 +164,47 @@ def test_quantisers_match_torch():
     assert _same_modulo_interpreter_carry(q[~one_step], q_ref[~one_step])
 
 
+@interpreted
+def test_quantize_rows_reads_through_an_index_and_a_row_stride():
+    """The gather fused into the quantisation: row r quantises ``x[rows[r]]`` of a strided view (a
+    receive buffer wider than H), as the copy ``x.index_select(0, rows)`` quantised; padding rows
+    past the last offset stay unwritten."""
+    generator = torch.Generator().manual_seed(4)
+    buffer = torch.randn(30, 512, generator=generator)
+    x = buffer[:, :384]  # row stride 512
+    # Index entries of padding rows (past the last offset) may point anywhere: they are never read.
+    rows = torch.cat([torch.randperm(30, generator=generator)[:19], torch.full((2,), 1 << 40)])
+    offsets = torch.tensor([5, 5, 19], dtype=torch.int32)
+    q, s = quant_kernels.quantize_rows(x, offsets, rows)
+    q_ref, s_ref = quantize_fp8(x.index_select(0, rows[:19]))
+    assert q.shape == (21, 384) and s.shape == (21, 3)
+    assert torch.equal(s[:19], s_ref) and _same_modulo_interpreter_carry(q[:19], q_ref)
+    with pytest.raises(ValueError, match="integer"):
+        quant_kernels.quantize_rows(x, offsets, rows.float())
+    with pytest.raises(ValueError, match="contiguous along H"):
+        quant_kernels.quantize_rows(buffer.t(), offsets)
+
+
+@pytest.mark.parametrize("kernels", [pytest.param("triton", marks=interpreted), "torch"])
+def test_fp8_experts_read_rows_through_an_index_as_the_gathered_rows(kernels):
+    """``RoutedExperts.forward`` with ``rows_R`` (``low_latency``'s ``index_rows``): the Triton path
+    quantises the rows where they lie through the index, the torch path gathers them first; both equal
+    the experts on the gathered rows."""
+    generator = torch.Generator().manual_seed(6)
+    experts = RoutedExperts(3, 256, 128, fp8=True)
+    for local in range(3):
+        gate_up, down = torch.randn(256, 256, generator=generator), torch.randn(256, 128, generator=generator)
+        experts.set_expert(local, gate_up, down)
+    experts.kernels = kernels
+    counts = torch.tensor([4, 0, 9])
+    buffer = torch.randn(20, 256, generator=generator)
+    rows = torch.cat([torch.randperm(20, generator=generator)[:13], torch.full((3,), 19)])  # 3 padding rows
+    got = experts(buffer, counts, rows_R=rows)
+    expected = experts(torch.cat([buffer.index_select(0, rows[:13]), torch.zeros(3, 256)]), counts)
+    assert got.shape == (16, 256)
+    torch.testing.assert_close(got[:13], expected[:13], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("preset", ["deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b"])
 def test_fp8_layer_matches_dense_layer_on_dequantised_weights(preset):
     cfg = _small(preset)

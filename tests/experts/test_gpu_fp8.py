@@ -41,6 +41,13 @@ def test_quantize_rows_bits_equal_torch():
     q_ref, s_ref = quantize_fp8(x)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s, s_ref)
+    # Through an index into a wider buffer (low_latency's index_rows): the gathered rows' bits.
+    buffer = torch.zeros(400, 7296, device="cuda", dtype=x.dtype)
+    rows = torch.randperm(400, device="cuda")[:300]
+    buffer[rows, :7168] = x
+    q, s = quant_kernels.quantize_rows(buffer[:, :7168], offsets, rows)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref)
 
 
 def test_silu_mul_quantize_matches_torch():
@@ -97,8 +104,10 @@ sm90 = pytest.mark.skipif(
         fp8_gemm_sm90.WarpSpecializedConfig(consumers=3, stages=5),
         fp8_gemm_sm90.WarpSpecializedConfig(consumers=3, persistent=False),
         fp8_gemm_sm90.WarpSpecializedConfig(consumers=2, consumer_regs=232, loader_regs=40),
+        fp8_gemm_sm90.WarpSpecializedConfig(consumers=3, take_turns=True),
+        fp8_gemm_sm90.WarpSpecializedConfig(consumers=2, consumer_regs=232, loader_regs=40, take_turns=True),
     ],
-    ids=["3x64-s4-persistent", "3x64-s5-persistent", "3x64-s4", "2x64-s4-persistent"],
+    ids=["3x64-s4-persistent", "3x64-s5-persistent", "3x64-s4", "2x64-s4-persistent", "3x64-turns", "2x64-turns"],
 )
 def test_warp_specialized_gemm_matches_torch_reference(config):
     """The sm90 kernel against the float32 reference: uneven experts (1 row, none, 300, ...) so tiles

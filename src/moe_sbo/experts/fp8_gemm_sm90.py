@@ -72,12 +72,14 @@ BLOCK_N_C = tl.constexpr(BLOCK_N)
 class WarpSpecializedConfig:
     """``consumers`` warp groups of 64 rows each (tile: 64 x consumers rows x 128 columns), ``stages``
     shared-memory slots of operand tiles, ``persistent``: one program per SM looping over tiles;
+    ``take_turns``: the consumers issue each K step's MMAs in a fixed order (warp group 0, 1, ...);
     ``consumer_regs`` / ``loader_regs``: registers per thread of each partition (multiples of 8 that
     fit the SM's 64K with the launch's warps)."""
 
     consumers: int = 3
     stages: int = 4
     persistent: bool = True
+    take_turns: bool = False
     consumer_regs: int = 160
     loader_regs: int = 24
     group_m: int = 8
@@ -172,6 +174,7 @@ if gluon is not None:
         b_smem,
         ready,
         empty,
+        turns,
         a_scale_ptr,
         b_scale_ptr,
         c_ptr,
@@ -183,6 +186,7 @@ if gluon is not None:
         CONSUMERS: gl.constexpr,
         INDEX: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        TAKE_TURNS: gl.constexpr,
     ):
         """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step:
         wait for the slot, one wgmma, wait for its product (which also ends this warp group's reads of
@@ -193,6 +197,7 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N_C, 32]
         )
         zero = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
+        FIRST: gl.constexpr = 1 if INDEX == 0 else 0
         pid = gl.program_id(0)
         step = gl.num_programs(0) if PERSISTENT else num_tiles
         for t in range(pid, num_tiles, step):
@@ -219,9 +224,15 @@ if gluon is not None:
                     next_a_scale_M = gl.load(a_scales_M + k_next, mask=row_mask_M, other=0.0)
                     next_b_scale = gl.load(b_scales + k_next)
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    if TAKE_TURNS:
+                        # Warp group 0's turn at step it follows the last one's at it - 1 (its first
+                        # wait passes at once, as on ``empty``); the others follow the one before.
+                        mbarrier.wait(turns.index(INDEX), (it + FIRST) & 1)
                     a_tile = a_smem.index(s * CONSUMERS + INDEX)
                     b_tile = b_smem.index(s)
                     product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+                    if TAKE_TURNS:
+                        mbarrier.arrive(turns.index((INDEX + 1) % CONSUMERS), count=1)
                     product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
                     mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
                     acc += product * (a_scale_M * b_scale)[:, None]
@@ -245,6 +256,7 @@ if gluon is not None:
         STAGES: gl.constexpr,
         CONSUMERS: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        TAKE_TURNS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr,
     ):
@@ -254,9 +266,12 @@ if gluon is not None:
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N_C, 128], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)  # the loader's expect, completed by the TMA bytes
             mbarrier.init(empty.index(i), count=CONSUMERS)
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(turns.index(i), count=1)  # the previous warp group's MMAs issued
         # The argument tuples are written inline: a tuple held in a variable first turns its constexpr
         # members into tensors (Triton 3.6), and the partitions need them constexpr. The first pair is
         # the default partition (the kernel's num_warps=4), the others are workers.
@@ -264,12 +279,12 @@ if gluon is not None:
         if CONSUMERS == 3:
             gl.warp_specialize(
                 [
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
-                                 N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
-                                 N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
-                                 N, KQ, STAGES, CONSUMERS, 2, PERSISTENT)),
+                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, TAKE_TURNS)),
+                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, TAKE_TURNS)),
+                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, TAKE_TURNS)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -279,10 +294,10 @@ if gluon is not None:
         else:
             gl.warp_specialize(
                 [
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
-                                 N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr, num_tiles,
-                                 N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
+                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, TAKE_TURNS)),
+                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, TAKE_TURNS)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -353,6 +368,7 @@ def grouped_gemm(
         STAGES=config.stages,
         CONSUMERS=config.consumers,
         PERSISTENT=config.persistent,
+        TAKE_TURNS=config.take_turns,
         CONSUMER_REGS=config.consumer_regs,
         LOADER_REGS=config.loader_regs,
         num_warps=4,  # the default partition: consumer warp group 0

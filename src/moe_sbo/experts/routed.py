@@ -165,15 +165,14 @@ class RoutedExperts(nn.Module):
         to expect where padding follows them (``DispatchOutput.expected_rows``); the kernels are
         chosen by it (``dense_path``), the counts stay on the device. ``rows_R`` (int [R],
         ``DispatchOutput.expert_rows_R``): the input rows are ``x_RH[rows_R]`` (``x_RH`` is then
-        [X, H], rows contiguous along H); the tiled GEMM reads them through it, the other kernels
-        gather them first.
+        [X, H], rows contiguous along H); the tiled GEMM and FP8 experts' quantisation read them
+        through it, the other kernels gather them first.
         """
         with annotate("routed_experts"):
             offsets_L = num_rows_per_expert_L.to(device=x_RH.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             num_rows = x_RH.shape[0] if rows_R is None else rows_R.shape[0]
             if self.fp8:
-                x_RH = x_RH if rows_R is None else x_RH.index_select(0, rows_R)
-                return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L)
+                return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L, rows_R)
             if scales_RQ is not None:
                 raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
             path = self.dense_path(x_RH, expected_rows, num_rows, indexed=rows_R is not None)
@@ -269,8 +268,14 @@ class RoutedExperts(nn.Module):
         scales_RQ: torch.Tensor | None,
         offsets_L: torch.Tensor,
         num_rows_per_expert_L: torch.Tensor,
+        rows_R: torch.Tensor | None,
     ) -> torch.Tensor:
-        path = self.fp8_path(x_RH.device, x_RH.shape[0])
+        path = self.fp8_path(x_RH.device, x_RH.shape[0] if rows_R is None else rows_R.shape[0])
+        if rows_R is not None and (path == "torch" or scales_RQ is not None):
+            # Rows already quantised, or the torch path: gather them (and their scales) first.
+            x_RH = x_RH.index_select(0, rows_R)
+            scales_RQ = None if scales_RQ is None else scales_RQ.index_select(0, rows_R)
+            rows_R = None
         if path == "torch":
             q_RH, scales_RQ = quantize_fp8(x_RH) if scales_RQ is None else (x_RH, scales_RQ)
             gate_up_R2I = grouped_linear_fp8(
@@ -293,7 +298,10 @@ class RoutedExperts(nn.Module):
             def gemm(q, s, w, ws):
                 return fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, self.dtype)
 
-        q_RH, scales_RQ = quant_kernels.quantize_rows(x_RH, offsets_L) if scales_RQ is None else (x_RH, scales_RQ)
+        if scales_RQ is None:  # through the index where there is one: the gather fused into the quantisation
+            q_RH, scales_RQ = quant_kernels.quantize_rows(x_RH, offsets_L, rows_R)
+        else:
+            q_RH = x_RH
         gate_up_R2I = gemm(q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv)
         q_RI, act_scales_RQ = quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
         return gemm(q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv)

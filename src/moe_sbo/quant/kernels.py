@@ -61,12 +61,26 @@ def _store_quantized(q_row, s_row, h0, q_QV, scale_Q, HIDDEN: tl.constexpr, BLOC
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, last_ptr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+def _quantize_rows_kernel(
+    x_ptr,  # [X, HIDDEN], row stride stride_x
+    rows_ptr,  # [R] int64 source rows when GATHER
+    q_ptr,
+    s_ptr,
+    last_ptr,
+    stride_x,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GATHER: tl.constexpr,
+):
     r = tl.program_id(0)
     if r < tl.load(last_ptr):  # rows past the last expert's end are padding
         h0 = tl.program_id(1) * BLOCK_H
         r64 = r.to(tl.int64)
-        q_QV, scale_Q = quantize_slice(x_ptr + r64 * HIDDEN, h0, HIDDEN, BLOCK_H)
+        if GATHER:
+            src = tl.load(rows_ptr + r64).to(tl.int64)
+        else:
+            src = r64
+        q_QV, scale_Q = quantize_slice(x_ptr + src * stride_x, h0, HIDDEN, BLOCK_H)
         _store_quantized(q_ptr + r64 * HIDDEN, s_ptr + r64 * (HIDDEN // GROUP_V), h0, q_QV, scale_Q, HIDDEN, BLOCK_H)
 
 
@@ -93,15 +107,33 @@ def _empty_quantized(num_rows: int, width: int, device: torch.device) -> tuple[t
     return q, torch.empty(num_rows, width // FP8_GROUP, dtype=torch.float32, device=device)
 
 
-def quantize_rows(x_RH: torch.Tensor, offsets_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x_RH`` -> (e4m3 ``[R, H]``, float32 scales ``[R, H/128]``); rows at or past ``offsets_L[-1]``
-    are left unwritten (they belong to no expert)."""
-    num_rows, hidden = x_RH.shape
-    q_RH, scales_RQ = _empty_quantized(num_rows, hidden, x_RH.device)
+def quantize_rows(
+    x_XH: torch.Tensor, offsets_L: torch.Tensor, rows_R: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_XH`` -> (e4m3 ``[R, H]``, float32 scales ``[R, H/128]``); rows at or past ``offsets_L[-1]``
+    are left unwritten (they belong to no expert). Without ``rows_R`` the rows are ``x_XH`` itself
+    (R = X); with it (an integer ``[R]`` index, as ``DispatchOutput.expert_rows_R``) row r is
+    ``x_XH[rows_R[r]]``: the gather fused into the quantisation, so the rows are read once where they
+    lie instead of copied first. ``x_XH``'s rows may be strided (a view into a wider buffer)."""
+    hidden = x_XH.shape[1]
+    if x_XH.dim() != 2 or x_XH.stride(1) != 1:
+        raise ValueError(f"quantize_rows needs [X, H] rows contiguous along H, got strides {x_XH.stride()}")
+    if rows_R is not None and (rows_R.dtype.is_floating_point or rows_R.dim() != 1):
+        raise ValueError(f"quantize_rows needs rows_R an integer [R] index, got {rows_R.dtype} {tuple(rows_R.shape)}")
+    num_rows = x_XH.shape[0] if rows_R is None else rows_R.shape[0]
+    q_RH, scales_RQ = _empty_quantized(num_rows, hidden, x_XH.device)
     if num_rows:
         block_h = block_h_for_quantize(hidden)
         _quantize_rows_kernel[(num_rows, triton.cdiv(hidden, block_h))](
-            x_RH, q_RH, scales_RQ, offsets_L[-1:], HIDDEN=hidden, BLOCK_H=block_h
+            x_XH,
+            x_XH if rows_R is None else rows_R.contiguous(),
+            q_RH,
+            scales_RQ,
+            offsets_L[-1:],
+            x_XH.stride(0),
+            HIDDEN=hidden,
+            BLOCK_H=block_h,
+            GATHER=rows_R is not None,
         )
     return q_RH, scales_RQ
 
