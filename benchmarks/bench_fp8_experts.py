@@ -29,6 +29,7 @@ interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,13 +67,12 @@ SWEEP_CONFIGS = [
 
 
 # The warp-specialised sm90 kernel (fp8_gemm_sm90): three and two consumer warp groups (192- and 128-row
-# tiles), each with and without taking turns, and the three-consumer kernel with one more stage and with
-# one program per tile.
+# tiles), each reading its scales within the step (the default) and one step ahead.
 SM90_SWEEP_CONFIGS = [
-    fp8_gemm_sm90.WarpSpecializedConfig(take_turns=take_turns, **consumers)
+    dataclasses.replace(fp8_gemm_sm90.DEFAULT_CONFIG, scales_in_step=in_step, **consumers)
     for consumers in ({}, {"consumers": 2, "consumer_regs": 232, "loader_regs": 40})
-    for take_turns in (False, True)
-] + [fp8_gemm_sm90.WarpSpecializedConfig(stages=5), fp8_gemm_sm90.WarpSpecializedConfig(persistent=False)]
+    for in_step in (True, False)
+]
 
 
 def make_experts(num_experts: int, hidden: int, inter: int, device: torch.device, dtype: torch.dtype):

@@ -138,6 +138,16 @@ def test_the_sm90_kernel_is_not_chosen_off_hopper_and_refuses_clearly():
         fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32, fp8_gemm_sm90.WarpSpecializedConfig(4))
 
 
+def test_sm90_kernel_takes_two_consumers_up_to_512_rows_per_expert():
+    """``fp8_gemm_sm90.grouped_gemm`` without a config: 128-row tiles (two consumer warp groups) where
+    192-row tiles would pad more of each expert, three consumers above."""
+    assert fp8_gemm_sm90.config_for(fp8_gemm_sm90.TWO_CONSUMERS_MAX_ROWS_PER_EXPERT).block_m == 128
+    assert fp8_gemm_sm90.config_for(fp8_gemm_sm90.TWO_CONSUMERS_MAX_ROWS_PER_EXPERT + 1).block_m == 192
+    # Registers: each consumer 128 threads, the loader one warp, within the SM's 64K.
+    for config in (fp8_gemm_sm90.DEFAULT_CONFIG, fp8_gemm_sm90.TWO_CONSUMERS_CONFIG):
+        assert config.consumers * 128 * config.consumer_regs + 32 * config.loader_regs <= 65536
+
+
 def test_grouped_gemm_refuses_a_k_step_other_than_the_scale_block():
     q, s = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
     wq, ws = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2)

@@ -4,6 +4,8 @@ experts; skipped without CUDA (``bash benchmarks/run_gpu_fp8.sh`` runs them)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,13 +103,13 @@ sm90 = pytest.mark.skipif(
     "config",
     [
         fp8_gemm_sm90.DEFAULT_CONFIG,
-        fp8_gemm_sm90.WarpSpecializedConfig(consumers=3, stages=5),
-        fp8_gemm_sm90.WarpSpecializedConfig(consumers=3, persistent=False),
+        dataclasses.replace(fp8_gemm_sm90.DEFAULT_CONFIG, stages=5),
+        dataclasses.replace(fp8_gemm_sm90.DEFAULT_CONFIG, persistent=False),
+        fp8_gemm_sm90.TWO_CONSUMERS_CONFIG,
+        fp8_gemm_sm90.WarpSpecializedConfig(),
         fp8_gemm_sm90.WarpSpecializedConfig(consumers=2, consumer_regs=232, loader_regs=40),
-        fp8_gemm_sm90.WarpSpecializedConfig(consumers=3, take_turns=True),
-        fp8_gemm_sm90.WarpSpecializedConfig(consumers=2, consumer_regs=232, loader_regs=40, take_turns=True),
     ],
-    ids=["3x64-s4-persistent", "3x64-s5-persistent", "3x64-s4", "2x64-s4-persistent", "3x64-turns", "2x64-turns"],
+    ids=["3x64-s4", "3x64-s5", "3x64-s4-one-tile-per-program", "2x64-s4", "3x64-scales-ahead", "2x64-scales-ahead"],
 )
 def test_warp_specialized_gemm_matches_torch_reference(config):
     """The sm90 kernel against the float32 reference: uneven experts (1 row, none, 300, ...) so tiles

@@ -37,6 +37,7 @@ GEMM itself is tested on GPUs only.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -72,14 +73,13 @@ BLOCK_N_C = tl.constexpr(BLOCK_N)
 class WarpSpecializedConfig:
     """``consumers`` warp groups of 64 rows each (tile: 64 x consumers rows x 128 columns), ``stages``
     shared-memory slots of operand tiles, ``persistent``: one program per SM looping over tiles;
-    ``take_turns``: the consumers issue each K step's MMAs in a fixed order (warp group 0, 1, ...);
     ``consumer_regs`` / ``loader_regs``: registers per thread of each partition (multiples of 8 that
     fit the SM's 64K with the launch's warps)."""
 
     consumers: int = 3
     stages: int = 4
     persistent: bool = True
-    take_turns: bool = False
+    scales_in_step: bool = False
     consumer_regs: int = 160
     loader_regs: int = 24
     group_m: int = 8
@@ -89,7 +89,17 @@ class WarpSpecializedConfig:
         return ROWS_PER_CONSUMER * self.consumers
 
 
-DEFAULT_CONFIG = WarpSpecializedConfig()
+DEFAULT_CONFIG = WarpSpecializedConfig(scales_in_step=True)
+# Two consumer warp groups (128-row tiles) up to this many rows per expert: 192-row tiles pad more of
+# each expert's rows there (H200, 8 experts x 512 rows: 876 / 752 TFLOP/s against 854 / 707 with three).
+TWO_CONSUMERS_MAX_ROWS_PER_EXPERT = 512
+TWO_CONSUMERS_CONFIG = dataclasses.replace(DEFAULT_CONFIG, consumers=2, consumer_regs=232, loader_regs=40)
+
+
+def config_for(rows_per_expert: float) -> WarpSpecializedConfig:
+    """The kernel's config for ``rows_per_expert`` rows per expert on average (rows only, so a CUDA
+    graph captured at one size keeps it whatever the routing)."""
+    return TWO_CONSUMERS_CONFIG if rows_per_expert <= TWO_CONSUMERS_MAX_ROWS_PER_EXPERT else DEFAULT_CONFIG
 
 
 @triton.jit
@@ -174,7 +184,6 @@ if gluon is not None:
         b_smem,
         ready,
         empty,
-        turns,
         a_scale_ptr,
         b_scale_ptr,
         c_ptr,
@@ -186,7 +195,7 @@ if gluon is not None:
         CONSUMERS: gl.constexpr,
         INDEX: gl.constexpr,
         PERSISTENT: gl.constexpr,
-        TAKE_TURNS: gl.constexpr,
+        SCALES_IN_STEP: gl.constexpr,
     ):
         """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step:
         wait for the slot, one wgmma, wait for its product (which also ends this warp group's reads of
@@ -197,7 +206,6 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N_C, 32]
         )
         zero = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
-        FIRST: gl.constexpr = 1 if INDEX == 0 else 0
         pid = gl.program_id(0)
         step = gl.num_programs(0) if PERSISTENT else num_tiles
         for t in range(pid, num_tiles, step):
@@ -213,31 +221,39 @@ if gluon is not None:
                 a_scales_M = a_scale_ptr + rows_M.to(gl.int64) * KQ
                 b_scales = b_scale_ptr + (expert.to(gl.int64) * NQ + pid_n) * KQ  # [L, N/128, K/128]
                 acc = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
-                # Scales are read one step ahead, so their latency hides behind the wait and the MMA;
-                # rows past the tile read 0.
-                a_scale_M = gl.load(a_scales_M, mask=row_mask_M, other=0.0)
-                b_scale = gl.load(b_scales)
-                for k in range(KQ):
-                    it = base + k
-                    s = it % STAGES
-                    k_next = gl.minimum(k + 1, KQ - 1)  # the last step re-reads its own scales
-                    next_a_scale_M = gl.load(a_scales_M + k_next, mask=row_mask_M, other=0.0)
-                    next_b_scale = gl.load(b_scales + k_next)
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    if TAKE_TURNS:
-                        # Warp group 0's turn at step it follows the last one's at it - 1 (its first
-                        # wait passes at once, as on ``empty``); the others follow the one before.
-                        mbarrier.wait(turns.index(INDEX), (it + FIRST) & 1)
-                    a_tile = a_smem.index(s * CONSUMERS + INDEX)
-                    b_tile = b_smem.index(s)
-                    product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-                    if TAKE_TURNS:
-                        mbarrier.arrive(turns.index((INDEX + 1) % CONSUMERS), count=1)
-                    product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
-                    mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
-                    acc += product * (a_scale_M * b_scale)[:, None]
-                    a_scale_M = next_a_scale_M
-                    b_scale = next_b_scale
+                if SCALES_IN_STEP:
+                    for k in range(KQ):
+                        it = base + k
+                        s = it % STAGES
+                        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                        a_tile = a_smem.index(s * CONSUMERS + INDEX)
+                        b_tile = b_smem.index(s)
+                        product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+                        a_scale_M = gl.load(a_scales_M + k, mask=row_mask_M, other=0.0)
+                        b_scale = gl.load(b_scales + k)
+                        product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
+                        mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
+                        acc += product * (a_scale_M * b_scale)[:, None]
+                else:
+                    # Scales are read one step ahead, so their latency hides behind the wait and the MMA;
+                    # rows past the tile read 0.
+                    a_scale_M = gl.load(a_scales_M, mask=row_mask_M, other=0.0)
+                    b_scale = gl.load(b_scales)
+                    for k in range(KQ):
+                        it = base + k
+                        s = it % STAGES
+                        k_next = gl.minimum(k + 1, KQ - 1)  # the last step re-reads its own scales
+                        next_a_scale_M = gl.load(a_scales_M + k_next, mask=row_mask_M, other=0.0)
+                        next_b_scale = gl.load(b_scales + k_next)
+                        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                        a_tile = a_smem.index(s * CONSUMERS + INDEX)
+                        b_tile = b_smem.index(s)
+                        product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+                        product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
+                        mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
+                        acc += product * (a_scale_M * b_scale)[:, None]
+                        a_scale_M = next_a_scale_M
+                        b_scale = next_b_scale
                 cols_N = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, MMA))
                 out = c_ptr + rows_M.to(gl.int64)[:, None] * N + cols_N[None, :]
                 gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_mask_M[:, None])
@@ -256,7 +272,7 @@ if gluon is not None:
         STAGES: gl.constexpr,
         CONSUMERS: gl.constexpr,
         PERSISTENT: gl.constexpr,
-        TAKE_TURNS: gl.constexpr,
+        SCALES_IN_STEP: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr,
     ):
@@ -266,12 +282,9 @@ if gluon is not None:
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N_C, 128], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)  # the loader's expect, completed by the TMA bytes
             mbarrier.init(empty.index(i), count=CONSUMERS)
-        for i in gl.static_range(CONSUMERS):
-            mbarrier.init(turns.index(i), count=1)  # the previous warp group's MMAs issued
         # The argument tuples are written inline: a tuple held in a variable first turns its constexpr
         # members into tensors (Triton 3.6), and the partitions need them constexpr. The first pair is
         # the default partition (the kernel's num_warps=4), the others are workers.
@@ -279,12 +292,12 @@ if gluon is not None:
         if CONSUMERS == 3:
             gl.warp_specialize(
                 [
-                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, TAKE_TURNS)),
-                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, TAKE_TURNS)),
-                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, TAKE_TURNS)),
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, SCALES_IN_STEP)),
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, SCALES_IN_STEP)),
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, SCALES_IN_STEP)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -294,10 +307,10 @@ if gluon is not None:
         else:
             gl.warp_specialize(
                 [
-                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, TAKE_TURNS)),
-                    (_consumer, (a_smem, b_smem, ready, empty, turns, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, TAKE_TURNS)),
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, SCALES_IN_STEP)),
+                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, SCALES_IN_STEP)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -332,12 +345,15 @@ def grouped_gemm(
     w_scale_inv_LNQ: torch.Tensor,
     offsets_L: torch.Tensor,
     out_dtype: torch.dtype,
-    config: WarpSpecializedConfig = DEFAULT_CONFIG,
+    config: WarpSpecializedConfig | None = None,
 ) -> torch.Tensor:
     """``fp8_gemm.grouped_gemm``'s contract on sm90 (``supported`` says where): e4m3 rows ``q_RK``
     (scales ``[R, K/128]``) grouped by expert times each expert's e4m3 weight ``w_LNK[l]`` transposed
     (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``. ``offsets_L``: int32
-    cumulative row counts on the device; rows past ``offsets_L[-1]`` are left unwritten."""
+    cumulative row counts on the device; rows past ``offsets_L[-1]`` are left unwritten. ``config``
+    defaults to ``config_for(R / L)``."""
+    if config is None:
+        config = config_for(q_RK.shape[0] / w_LNK.shape[0])
     if config.consumers not in (2, 3):
         raise ValueError(f"consumers must be 2 or 3 warp groups, got {config.consumers}")
     if not supported(q_RK, w_LNK):
@@ -368,7 +384,7 @@ def grouped_gemm(
         STAGES=config.stages,
         CONSUMERS=config.consumers,
         PERSISTENT=config.persistent,
-        TAKE_TURNS=config.take_turns,
+        SCALES_IN_STEP=config.scales_in_step,
         CONSUMER_REGS=config.consumer_regs,
         LOADER_REGS=config.loader_regs,
         num_warps=4,  # the default partition: consumer warp group 0
