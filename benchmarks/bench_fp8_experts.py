@@ -67,11 +67,12 @@ SWEEP_CONFIGS = [
 
 
 # The warp-specialised sm90 kernel (fp8_gemm_sm90): three and two consumer warp groups (192- and 128-row
-# tiles), each reading its scales within the step (the default) and one step ahead.
+# tiles), each storing its tile through shared memory in whole lines (the default) and straight from
+# the MMA's registers.
 SM90_SWEEP_CONFIGS = [
-    dataclasses.replace(fp8_gemm_sm90.DEFAULT_CONFIG, scales_in_step=in_step, **consumers)
+    dataclasses.replace(fp8_gemm_sm90.DEFAULT_CONFIG, coalesced_store=coalesced, **consumers)
     for consumers in ({}, {"consumers": 2, "consumer_regs": 232, "loader_regs": 40})
-    for in_step in (True, False)
+    for coalesced in (True, False)
 ]
 
 

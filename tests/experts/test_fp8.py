@@ -138,7 +138,7 @@ def test_the_sm90_kernel_is_not_chosen_off_hopper_and_refuses_clearly():
         fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32, fp8_gemm_sm90.WarpSpecializedConfig(4))
 
 
-def test_sm90_kernel_takes_two_consumers_up_to_512_rows_per_expert():
+def test_sm90_kernel_takes_two_consumers_up_to_1024_rows_per_expert():
     """``fp8_gemm_sm90.grouped_gemm`` without a config: 128-row tiles (two consumer warp groups) where
     192-row tiles would pad more of each expert, three consumers above."""
     assert fp8_gemm_sm90.config_for(fp8_gemm_sm90.TWO_CONSUMERS_MAX_ROWS_PER_EXPERT).block_m == 128
@@ -213,6 +213,38 @@ def test_fp8_experts_read_rows_through_an_index_as_the_gathered_rows(kernels):
     expected = experts(torch.cat([buffer.index_select(0, rows[:13]), torch.zeros(3, 256)]), counts)
     assert got.shape == (16, 256)
     torch.testing.assert_close(got[:13], expected[:13], rtol=0, atol=0)
+
+
+@interpreted
+def test_fp8_layer_quantises_low_latency_rows_in_place_as_the_copy(monkeypatch):
+    """``low_latency`` with ``index_rows`` (bf16 dispatch) feeding FP8 experts: the experts quantise
+    the received rows through the layout's index, and the layer's output equals the layer whose
+    dispatch copies the rows into expert order."""
+    cfg = _small("deepseek-v3")
+    layers = {
+        flag: MoELayer(
+            cfg,
+            dispatcher="low_latency",
+            seed=3,
+            expert_dtype="fp8",
+            dispatcher_options={"max_tokens_per_rank": 16, "kernels": "triton", "index_rows": flag},
+        )
+        for flag in (False, True)
+    }
+    for layer in layers.values():
+        layer.experts.kernels = "triton"
+    indexed = []
+    quantize_rows = quant_kernels.quantize_rows
+    monkeypatch.setattr(
+        quant_kernels,
+        "quantize_rows",
+        lambda x, offsets, rows=None: indexed.append(rows is not None) or quantize_rows(x, offsets, rows),
+    )
+    x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, expected = layers[True](x), layers[False](x)
+    assert indexed == [True, False]
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b"])

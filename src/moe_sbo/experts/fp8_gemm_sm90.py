@@ -79,7 +79,7 @@ class WarpSpecializedConfig:
     consumers: int = 3
     stages: int = 4
     persistent: bool = True
-    scales_in_step: bool = False
+    coalesced_store: bool = False
     consumer_regs: int = 160
     loader_regs: int = 24
     group_m: int = 8
@@ -89,10 +89,11 @@ class WarpSpecializedConfig:
         return ROWS_PER_CONSUMER * self.consumers
 
 
-DEFAULT_CONFIG = WarpSpecializedConfig(scales_in_step=True)
+DEFAULT_CONFIG = WarpSpecializedConfig(coalesced_store=True)
 # Two consumer warp groups (128-row tiles) up to this many rows per expert: 192-row tiles pad more of
-# each expert's rows there (H200, 8 experts x 512 rows: 876 / 752 TFLOP/s against 854 / 707 with three).
-TWO_CONSUMERS_MAX_ROWS_PER_EXPERT = 512
+# each expert's rows there (H200, 8 experts, gate_up / down TFLOP/s: 870 / 747 against 867 / 721 with
+# three at 512 rows per expert, 906 / 767 against 869 / 750 at 1024; three win from 2048).
+TWO_CONSUMERS_MAX_ROWS_PER_EXPERT = 1024
 TWO_CONSUMERS_CONFIG = dataclasses.replace(DEFAULT_CONFIG, consumers=2, consumer_regs=232, loader_regs=40)
 
 
@@ -195,7 +196,7 @@ if gluon is not None:
         CONSUMERS: gl.constexpr,
         INDEX: gl.constexpr,
         PERSISTENT: gl.constexpr,
-        SCALES_IN_STEP: gl.constexpr,
+        COALESCED_STORE: gl.constexpr,
     ):
         """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step:
         wait for the slot, one wgmma, wait for its product (which also ends this warp group's reads of
@@ -221,42 +222,34 @@ if gluon is not None:
                 a_scales_M = a_scale_ptr + rows_M.to(gl.int64) * KQ
                 b_scales = b_scale_ptr + (expert.to(gl.int64) * NQ + pid_n) * KQ  # [L, N/128, K/128]
                 acc = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
-                if SCALES_IN_STEP:
-                    for k in range(KQ):
-                        it = base + k
-                        s = it % STAGES
-                        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                        a_tile = a_smem.index(s * CONSUMERS + INDEX)
-                        b_tile = b_smem.index(s)
-                        product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-                        a_scale_M = gl.load(a_scales_M + k, mask=row_mask_M, other=0.0)
-                        b_scale = gl.load(b_scales + k)
-                        product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
-                        mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
-                        acc += product * (a_scale_M * b_scale)[:, None]
+                for k in range(KQ):
+                    it = base + k
+                    s = it % STAGES
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    a_tile = a_smem.index(s * CONSUMERS + INDEX)
+                    b_tile = b_smem.index(s)
+                    product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+                    # The step's scales are read after its MMA is issued: their latency hides behind the
+                    # MMA, and nothing that waits for them sits between the wgmma instructions (rows past
+                    # the tile read 0).
+                    a_scale_M = gl.load(a_scales_M + k, mask=row_mask_M, other=0.0)
+                    b_scale = gl.load(b_scales + k)
+                    product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
+                    mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
+                    acc += product * (a_scale_M * b_scale)[:, None]
+                if COALESCED_STORE:
+                    # Through shared memory into rows of 16-byte pieces per thread (the compiler's layout
+                    # conversion): whole 128-byte lines per store instead of the MMA layout's 4-byte pieces.
+                    STORE: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+                    value = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), STORE)
+                    rows_S = row0 + INDEX * ROWS_C + gl.arange(0, ROWS_C, layout=gl.SliceLayout(1, STORE))
+                    cols_S = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, STORE))
+                    out = c_ptr + rows_S.to(gl.int64)[:, None] * N + cols_S[None, :]
+                    gl.store(out, value, mask=(rows_S < row_end)[:, None])
                 else:
-                    # Scales are read one step ahead, so their latency hides behind the wait and the MMA;
-                    # rows past the tile read 0.
-                    a_scale_M = gl.load(a_scales_M, mask=row_mask_M, other=0.0)
-                    b_scale = gl.load(b_scales)
-                    for k in range(KQ):
-                        it = base + k
-                        s = it % STAGES
-                        k_next = gl.minimum(k + 1, KQ - 1)  # the last step re-reads its own scales
-                        next_a_scale_M = gl.load(a_scales_M + k_next, mask=row_mask_M, other=0.0)
-                        next_b_scale = gl.load(b_scales + k_next)
-                        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                        a_tile = a_smem.index(s * CONSUMERS + INDEX)
-                        b_tile = b_smem.index(s)
-                        product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-                        product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
-                        mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
-                        acc += product * (a_scale_M * b_scale)[:, None]
-                        a_scale_M = next_a_scale_M
-                        b_scale = next_b_scale
-                cols_N = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, MMA))
-                out = c_ptr + rows_M.to(gl.int64)[:, None] * N + cols_N[None, :]
-                gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_mask_M[:, None])
+                    cols_N = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, MMA))
+                    out = c_ptr + rows_M.to(gl.int64)[:, None] * N + cols_N[None, :]
+                    gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_mask_M[:, None])
 
     @gluon.jit
     def _grouped_gemm_kernel(
@@ -272,7 +265,7 @@ if gluon is not None:
         STAGES: gl.constexpr,
         CONSUMERS: gl.constexpr,
         PERSISTENT: gl.constexpr,
-        SCALES_IN_STEP: gl.constexpr,
+        COALESCED_STORE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr,
     ):
@@ -293,11 +286,11 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, SCALES_IN_STEP)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, COALESCED_STORE)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, SCALES_IN_STEP)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, COALESCED_STORE)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, SCALES_IN_STEP)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, COALESCED_STORE)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -308,9 +301,9 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, SCALES_IN_STEP)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, COALESCED_STORE)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, SCALES_IN_STEP)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, COALESCED_STORE)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -384,7 +377,7 @@ def grouped_gemm(
         STAGES=config.stages,
         CONSUMERS=config.consumers,
         PERSISTENT=config.persistent,
-        SCALES_IN_STEP=config.scales_in_step,
+        COALESCED_STORE=config.coalesced_store,
         CONSUMER_REGS=config.consumer_regs,
         LOADER_REGS=config.loader_regs,
         num_warps=4,  # the default partition: consumer warp group 0

@@ -68,9 +68,10 @@ class LowLatencyOptions:
     ``index_rows`` (default False; fused kernels, activation-dtype rows): leave the received rows
     where the transfer put them instead of copying every (token, local expert) row into expert
     order: the dispatch hands out the receive buffer's rows and the layout's index
-    (``DispatchOutput.expert_rows_R``), and the experts' tiled GEMM reads its rows through it
-    (other kernels gather them first). Refused with ``fp8`` or ``kernels="torch"``, which copy the
-    rows; with ``kernels="auto"`` where the torch path runs (no Triton), the rows are copied as there.
+    (``DispatchOutput.expert_rows_R``), and the experts' tiled GEMM reads its rows through it, as
+    FP8 experts' quantisation does (other kernels gather them first). Refused with ``fp8`` or
+    ``kernels="torch"``, which copy the rows; with ``kernels="auto"`` where the torch path runs (no
+    Triton), the rows are copied as there.
 
     Raises ``ValueError`` when made with a value out of range or a pair that cannot run together.
     """
