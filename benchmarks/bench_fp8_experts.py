@@ -29,7 +29,6 @@ interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,13 +66,8 @@ SWEEP_CONFIGS = [
 
 
 # The warp-specialised sm90 kernel (fp8_gemm_sm90): three and two consumer warp groups (192- and 128-row
-# tiles), each storing its tile through shared memory in whole lines (the default) and straight from
-# the MMA's registers.
-SM90_SWEEP_CONFIGS = [
-    dataclasses.replace(fp8_gemm_sm90.DEFAULT_CONFIG, coalesced_store=coalesced, **consumers)
-    for consumers in ({}, {"consumers": 2, "consumer_regs": 232, "loader_regs": 40})
-    for coalesced in (True, False)
-]
+# tiles; ``config_for`` chooses between them by rows per expert).
+SM90_SWEEP_CONFIGS = [fp8_gemm_sm90.DEFAULT_CONFIG, fp8_gemm_sm90.TWO_CONSUMERS_CONFIG]
 
 
 def make_experts(num_experts: int, hidden: int, inter: int, device: torch.device, dtype: torch.dtype):

@@ -79,7 +79,6 @@ class WarpSpecializedConfig:
     consumers: int = 3
     stages: int = 4
     persistent: bool = True
-    coalesced_store: bool = False
     consumer_regs: int = 160
     loader_regs: int = 24
     group_m: int = 8
@@ -89,10 +88,10 @@ class WarpSpecializedConfig:
         return ROWS_PER_CONSUMER * self.consumers
 
 
-DEFAULT_CONFIG = WarpSpecializedConfig(coalesced_store=True)
+DEFAULT_CONFIG = WarpSpecializedConfig()
 # Two consumer warp groups (128-row tiles) up to this many rows per expert: 192-row tiles pad more of
-# each expert's rows there (H200, 8 experts, gate_up / down TFLOP/s: 870 / 747 against 867 / 721 with
-# three at 512 rows per expert, 906 / 767 against 869 / 750 at 1024; three win from 2048).
+# each expert's rows there (H200, 8 experts, gate_up / down TFLOP/s: 931 / 883 against 932 / 858 with
+# three at 512 rows per expert, 949 / 909 against 928 / 904 at 1024; three win from 2048 by 9-10 %).
 TWO_CONSUMERS_MAX_ROWS_PER_EXPERT = 1024
 TWO_CONSUMERS_CONFIG = dataclasses.replace(DEFAULT_CONFIG, consumers=2, consumer_regs=232, loader_regs=40)
 
@@ -196,7 +195,6 @@ if gluon is not None:
         CONSUMERS: gl.constexpr,
         INDEX: gl.constexpr,
         PERSISTENT: gl.constexpr,
-        COALESCED_STORE: gl.constexpr,
     ):
         """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step:
         wait for the slot, one wgmma, wait for its product (which also ends this warp group's reads of
@@ -206,6 +204,7 @@ if gluon is not None:
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N_C, 32]
         )
+        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # a warp: 2 rows x 128 columns
         zero = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
         pid = gl.program_id(0)
         step = gl.num_programs(0) if PERSISTENT else num_tiles
@@ -237,19 +236,14 @@ if gluon is not None:
                     product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
                     mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
                     acc += product * (a_scale_M * b_scale)[:, None]
-                if COALESCED_STORE:
-                    # Through shared memory into rows of 16-byte pieces per thread (the compiler's layout
-                    # conversion): whole 128-byte lines per store instead of the MMA layout's 4-byte pieces.
-                    STORE: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-                    value = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), STORE)
-                    rows_S = row0 + INDEX * ROWS_C + gl.arange(0, ROWS_C, layout=gl.SliceLayout(1, STORE))
-                    cols_S = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, STORE))
-                    out = c_ptr + rows_S.to(gl.int64)[:, None] * N + cols_S[None, :]
-                    gl.store(out, value, mask=(rows_S < row_end)[:, None])
-                else:
-                    cols_N = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, MMA))
-                    out = c_ptr + rows_M.to(gl.int64)[:, None] * N + cols_N[None, :]
-                    gl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_mask_M[:, None])
+                # The tile leaves through shared memory (the compiler's layout conversion) in 16 bytes
+                # per thread, whole 128-byte lines per store: the MMA layout's own pieces are 4 bytes,
+                # and storing from it was 4-22 % slower (H200, docs/FP8.md).
+                value = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), STORE)
+                rows_S = row0 + INDEX * ROWS_C + gl.arange(0, ROWS_C, layout=gl.SliceLayout(1, STORE))
+                cols_S = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, STORE))
+                out = c_ptr + rows_S.to(gl.int64)[:, None] * N + cols_S[None, :]
+                gl.store(out, value, mask=(rows_S < row_end)[:, None])
 
     @gluon.jit
     def _grouped_gemm_kernel(
@@ -265,7 +259,6 @@ if gluon is not None:
         STAGES: gl.constexpr,
         CONSUMERS: gl.constexpr,
         PERSISTENT: gl.constexpr,
-        COALESCED_STORE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr,
     ):
@@ -286,11 +279,11 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, COALESCED_STORE)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, COALESCED_STORE)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, COALESCED_STORE)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -301,9 +294,9 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, COALESCED_STORE)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, COALESCED_STORE)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -377,7 +370,6 @@ def grouped_gemm(
         STAGES=config.stages,
         CONSUMERS=config.consumers,
         PERSISTENT=config.persistent,
-        COALESCED_STORE=config.coalesced_store,
         CONSUMER_REGS=config.consumer_regs,
         LOADER_REGS=config.loader_regs,
         num_warps=4,  # the default partition: consumer warp group 0
