@@ -15,19 +15,21 @@ DeepGEMM::
     loader      1 warp        TMA loads of step k's operand tiles into slot k % STAGES of a ring;
                               waits for the slot's ``empty`` barrier, arms its ``ready`` barrier
     consumer i  warp group i  rows [64 i, 64 i + 64) of the tile: waits ``ready``, one wgmma
-                              (64 x 128 x 128), waits for its product, arrives on ``empty``,
-                              promotes (one multiply-add per accumulator element)
+                              (64 x 128 x 128), reads the step's scales while it runs, waits for
+                              its product, arrives on ``empty``, promotes (one multiply-add per
+                              accumulator element); at the tile's end stores it in whole lines
 
 With three consumers (a 192 x 128 tile) the tensor cores always have another warp group's MMA queued
-while one promotes. Registers are rebalanced between the partitions (``setmaxnreg``): 160 for each
+while one promotes; up to 1024 rows per expert two (128-row tiles, which pad less of each expert:
+``config_for``). Registers are rebalanced between the partitions (``setmaxnreg``): 160 for each
 consumer (its accumulator and one product, 64 each), 24 for the loader. The program is persistent
 (one per SM, looping over tiles): the loader runs ahead into the next tile while the consumers
 store this one.
 
 Measured on H200 at DeepSeek-V3's expert dims, 8 experts x 2048-4096 rows, CUDA-graph replay, in
-one run (docs/FP8.md, "Kernel choices"): gate_up 928-934 TFLOP/s and down 807-823, against the
-Triton kernel's 841-843 and 757-763 and cuBLAS's row-wise FP8 rate of 1,187-1,207 and 1,038-1,047.
-With two consumers (128-row tiles) the gain over the Triton kernel was a third as large.
+one run (docs/FP8.md, "Kernel choices"): gate_up 1,028-1,036 TFLOP/s and down 1,005-1,013, against
+the Triton kernel's 852-854 and 764-767 and cuBLAS's row-wise FP8 rate of 1,206-1,226 and
+1,055-1,061.
 
 The schedule (``tile_schedule``, Triton) writes each tile's (expert, first row, row end, column
 tile) from the device offsets, live tiles first; it runs under ``TRITON_INTERPRET=1`` on CPU (tested
