@@ -16,7 +16,10 @@ Layer rows (``bench="fp8_layer"``): the whole MoE layer on this GPU per ``--laye
 sizes, and 4096 tokens: prefill; EP1, ``low_latency``,
 ``--layer-experts`` routed experts: one GPU's share at EP8 of DeepSeek-V3 by default), replayed from a
 CUDA graph, for ``experts`` bf16 or fp8 and ``dispatch`` bf16 or fp8 (fp8 dispatch hands e4m3 rows
-straight to FP8 experts), with ``speedup_vs_bf16`` against bf16 experts and bf16 dispatch.
+straight to FP8 experts), with ``speedup_vs_bf16`` against bf16 experts and bf16 dispatch, and on the
+FP8 row ``rel_err_vs_bf16`` against the bf16 layer holding the same weights dequantised. On CUDA the
+fp8 MLP rows and the sweep's rows carry ``ref_scaled_mm_tflops``: the GPU's FP8 rate on the same GEMM
+shapes (cuBLAS's row-wise ``torch._scaled_mm``, replayed in the same run).
 
 ``--sweep`` adds rows (``bench="fp8_gemm_config"``) timing each GEMM alone for each tile config, the
 data behind ``fp8_gemm.gemm_config``, and the quantisers between them (``quantize_rows`` of rows read
@@ -45,7 +48,7 @@ from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import KernelTimer, time_fn
 from moe_sbo.quant import kernels as quant_kernels
 from moe_sbo.streams import capture_graph
-from moe_sbo.weights import seeded_normal
+from moe_sbo.weights import layer_weights, seeded_normal
 
 SWEEP_CONFIGS = [
     fp8_gemm.GemmConfig(block_m, block_n, group_m, warps, stages, tma=tma)
@@ -127,6 +130,19 @@ def bench_case(fp8, dense, rows_per_expert: int, timer: KernelTimer, device: tor
     out[1]["speedup_eager_vs_bf16"] = out[0]["t_eager_us"] / out[1]["t_eager_us"]
     out[1]["eager_path"] = fp8.fp8_path(x_RH.device, x_RH.shape[0])  # a graph always runs "triton"
     out[1]["rel_err_vs_bf16"] = rel_err
+    if device.type == "cuda":
+        # The GPU's FP8 rate on the MLP's two GEMM shapes (cuBLAS row-wise, all rows against expert 0's
+        # weights, replayed), as the MLP's TFLOP/s would be at it.
+        t_ref_us = 0.0
+        for w_NK, k in ((fp8.gate_up_proj[0], hidden), (fp8.down_proj[0], inter)):
+            q_RK = torch.randn(x_RH.shape[0], k, generator=generator, device=device).to(torch.float8_e4m3fn)
+            ones_R1, ones_1N = torch.ones(x_RH.shape[0], 1, device=device), torch.ones(1, w_NK.shape[0], device=device)
+            t_ref_us += graph_time(
+                lambda q=q_RK, w=w_NK, a=ones_R1, b=ones_1N: torch._scaled_mm(q, w.t(), a, b, out_dtype=dtype),
+                timer,
+                device,
+            )
+        out[1]["ref_scaled_mm_tflops"] = flops / t_ref_us / 1e6
     return out
 
 
@@ -220,6 +236,11 @@ def sweep_case(
         ("quantize_through_index", lambda: quant_kernels.quantize_rows(x_view, offsets_L, rows_R)),
     ):
         row("quantize_rows", hidden, 1, fn, impl=impl)
+    for gemm in gemms:
+        ref = next((r for r in out if r["gemm"] == gemm and r.get("impl") == "scaled_mm_rowwise" and "t_us" in r), None)
+        for r in out:
+            if ref and r["gemm"] == gemm and "t_us" in r:
+                r["ref_scaled_mm_tflops"] = ref["tflops"]
     return out
 
 
@@ -279,15 +300,22 @@ def print_sweep(rows: list[dict]) -> None:
             print(f"{r['impl']:24s} L={r['experts']:3d} rows/expert={r['rows_per_expert']:5d} {r['t_us']:8.1f} us")
 
 
-def layer_rows(num_experts: int, tokens_list: list[int], device: torch.device, quick: bool) -> list[dict]:
-    """The layer (EP1, low_latency) per tokens x experts x dispatch dtype, graph-replayed."""
-    cfg = get_preset("deepseek-v3").with_num_experts(num_experts)
+def layer_rows(
+    num_experts: int, tokens_list: list[int], device: torch.device, quick: bool, hidden: int, inter: int
+) -> list[dict]:
+    """The layer (EP1, low_latency, DeepSeek-V3's routing at ``hidden`` x ``inter``) per tokens x
+    experts x dispatch dtype, graph-replayed; the FP8 row's ``rel_err_vs_bf16`` against the bf16
+    layer holding its weights dequantised."""
+    cfg = (
+        get_preset("deepseek-v3").with_num_experts(num_experts).replace(hidden_size=hidden, moe_intermediate_size=inter)
+    )
     out = []
     for tokens in tokens_list:
         x = torch.randn(tokens, cfg.hidden_size, device=device).to(
             torch.bfloat16 if device.type == "cuda" else torch.float32
         )
         base = None
+        reference = None  # the bf16 layer, which takes the FP8 layer's weights dequantised at the end
         for experts, dispatch in (("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")):
             layer = MoELayer(
                 cfg,
@@ -305,19 +333,25 @@ def layer_rows(num_experts: int, tokens_list: list[int], device: torch.device, q
                     graph=device.type == "cuda",
                 )
             base = base or t_us
-            out.append(
-                {
-                    "bench": "fp8_layer",
-                    "experts_dtype": experts,
-                    "dispatch_dtype": dispatch,
-                    "experts": num_experts,
-                    "tokens": tokens,
-                    "rows_per_expert": tokens * cfg.num_experts_per_tok / num_experts,
-                    "graph": device.type == "cuda",
-                    "t_layer_us": t_us,
-                    "speedup_vs_bf16": base / t_us,
-                }
-            )
+            row = {
+                "bench": "fp8_layer",
+                "experts_dtype": experts,
+                "dispatch_dtype": dispatch,
+                "experts": num_experts,
+                "tokens": tokens,
+                "rows_per_expert": tokens * cfg.num_experts_per_tok / num_experts,
+                "graph": device.type == "cuda",
+                "t_layer_us": t_us,
+                "speedup_vs_bf16": base / t_us,
+            }
+            if reference is None:
+                reference = layer
+            elif experts == "fp8":
+                reference.load_weights(layer_weights(layer))
+                with torch.no_grad():
+                    y, y_ref = layer(x).float(), reference(x).float()
+                row["rel_err_vs_bf16"] = ((y - y_ref).norm() / y_ref.norm()).item()
+            out.append(row)
             print(
                 f"layer L={num_experts} tokens={tokens:4d} experts {experts} dispatch {dispatch}: {t_us:8.1f} us "
                 f"({base / t_us:.2f}x)",
@@ -389,7 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep or args.sweep_only:
         print_sweep([row for row in results.rows if row["bench"] == "fp8_gemm_config"])
     if args.layer_tokens and not args.sweep_only:
-        results.rows.extend(layer_rows(args.layer_experts, args.layer_tokens, device, args.quick))
+        results.rows.extend(
+            layer_rows(
+                args.layer_experts, args.layer_tokens, device, args.quick, args.hidden_size, args.intermediate_size
+            )
+        )
         results.save()
     return 0
 
