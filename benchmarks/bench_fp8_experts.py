@@ -19,7 +19,8 @@ CUDA graph, for ``experts`` bf16 or fp8 and ``dispatch`` bf16 or fp8 (fp8 dispat
 straight to FP8 experts), with ``speedup_vs_bf16`` against bf16 experts and bf16 dispatch, and on the
 FP8 row ``rel_err_vs_bf16`` against the bf16 layer holding the same weights dequantised. On CUDA the
 fp8 MLP rows and the sweep's rows carry ``ref_scaled_mm_tflops``: the GPU's FP8 rate on the same GEMM
-shapes (cuBLAS's row-wise ``torch._scaled_mm``, replayed in the same run).
+shapes (cuBLAS's row-wise ``torch._scaled_mm``, replayed in the same run; it multiplies every row by one
+expert's weights, so at decode sizes, where reading all L experts' weights is the cost, it is no floor).
 
 ``--sweep`` adds rows (``bench="fp8_gemm_config"``) timing each GEMM alone for each tile config, the
 data behind ``fp8_gemm.gemm_config``, and the quantisers between them (``quantize_rows`` of rows read
