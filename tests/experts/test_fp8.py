@@ -148,6 +148,23 @@ def test_sm90_kernel_takes_two_consumers_up_to_1024_rows_per_expert():
         assert config.consumers * 128 * config.consumer_regs + 32 * config.loader_regs <= 65536
 
 
+def test_sm90_kernel_runs_from_257_rows_per_expert_eagerly_and_from_128_captured(monkeypatch):
+    """``fp8_gemm.use_sm90_kernel`` by rows per expert (where the kernel runs: here pretended): eager
+    launches pay its descriptors and schedule launch on the host, so they take it only at prefill
+    sizes; a CUDA graph capture pays that once and takes it from 128 rows per expert."""
+    monkeypatch.setattr(fp8_gemm_sm90, "supported", lambda q, w: True)
+    w = torch.empty(4, 128, 128, dtype=torch.float8_e4m3fn)
+    for rows_per_expert, eager, captured in (
+        (127, False, False),
+        (128, False, True),
+        (256, False, True),
+        (257, True, True),
+    ):
+        q = torch.empty(4 * rows_per_expert, 128, dtype=torch.float8_e4m3fn)
+        assert fp8_gemm.use_sm90_kernel(q, w) is eager, rows_per_expert
+        assert fp8_gemm.use_sm90_kernel(q, w, capturing=True) is captured, rows_per_expert
+
+
 def test_grouped_gemm_refuses_a_k_step_other_than_the_scale_block():
     q, s = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
     wq, ws = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2)

@@ -138,7 +138,8 @@ def test_warp_specialized_gemm_matches_torch_reference(config):
 @sm90
 def test_prefill_sizes_run_the_warp_specialized_kernel(monkeypatch):
     """``fp8_gemm.grouped_gemm`` without a config: the sm90 kernel above 256 rows per expert, the Triton
-    kernel from there down; a config always runs the Triton kernel."""
+    kernel from there down (eagerly); captured into a CUDA graph, the sm90 kernel from 128; a config
+    always runs the Triton kernel."""
     calls = []
     sm90_gemm = fp8_gemm_sm90.grouped_gemm
     monkeypatch.setattr(fp8_gemm_sm90, "grouped_gemm", lambda *args: calls.append(1) or sm90_gemm(*args))
@@ -155,6 +156,14 @@ def test_prefill_sizes_run_the_warp_specialized_kernel(monkeypatch):
         calls.clear()
         fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32, fp8_gemm.LARGE_CONFIG)
         assert not calls
+    # Captured into a CUDA graph, from 128 rows per expert; the replay equals the reference.
+    _, offsets = _counts("cuda", *[128] * 4)
+    q, s = quantize_fp8(torch.randn(4 * 128, 1024, generator=generator, device="cuda"))
+    calls.clear()
+    graph, static = capture_graph(lambda: fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32))
+    assert calls  # the capture ran the sm90 kernel
+    graph.replay()
+    assert _rel(static, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 1e-3
 
 
 def test_grouped_gemm_with_one_local_expert_matches_torch_reference():

@@ -61,13 +61,23 @@ LARGE_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_
 GEMM_CONFIGS = (DECODE_CONFIG, dataclasses.replace(DECODE_CONFIG, tma=True), LARGE_CONFIG)
 TMA_MIN_ROWS_PER_EXPERT = 128
 LARGE_MIN_ROWS_PER_EXPERT = 256  # above: LARGE_CONFIG, or the sm90 kernel where it runs
+# Under CUDA-graph capture the sm90 kernel from here (its descriptors and schedule launch cost the host,
+# as descriptor loads do, so eagerly it waits for LARGE_MIN_ROWS_PER_EXPERT): replayed on H200, 8-32
+# experts x 128-256 rows, 8-13 % faster than the best Triton tiles on gate_up and 8-22 % on down
+# (docs/BENCHMARKS.md).
+SM90_CAPTURED_MIN_ROWS_PER_EXPERT = 128
 
 
-def use_sm90_kernel(q_RK: torch.Tensor, w_LNK: torch.Tensor) -> bool:
+def use_sm90_kernel(q_RK: torch.Tensor, w_LNK: torch.Tensor, capturing: bool = False) -> bool:
     """Whether ``grouped_gemm`` without a ``config`` runs ``fp8_gemm_sm90``'s warp-specialised kernel
     for these operands: prefill sizes (more than ``LARGE_MIN_ROWS_PER_EXPERT`` rows per expert on
-    average) where that kernel runs (sm90, Gluon; ``fp8_gemm_sm90.supported``)."""
-    return q_RK.shape[0] > LARGE_MIN_ROWS_PER_EXPERT * w_LNK.shape[0] and fp8_gemm_sm90.supported(q_RK, w_LNK)
+    average; from ``SM90_CAPTURED_MIN_ROWS_PER_EXPERT`` when ``capturing`` a CUDA graph) where that
+    kernel runs (sm90, Gluon; ``fp8_gemm_sm90.supported``)."""
+    rows_per_expert = q_RK.shape[0] / w_LNK.shape[0]
+    large = rows_per_expert > LARGE_MIN_ROWS_PER_EXPERT or (
+        capturing and rows_per_expert >= SM90_CAPTURED_MIN_ROWS_PER_EXPERT
+    )
+    return large and fp8_gemm_sm90.supported(q_RK, w_LNK)
 
 
 def gemm_config(rows_per_expert: float, capturing: bool = False) -> GemmConfig:
@@ -160,9 +170,9 @@ def grouped_gemm(
 
     ``offsets_L``: int32 cumulative row counts on the device; rows past ``offsets_L[-1]`` are left
     unwritten. K must be a multiple of 128. Without ``config``: ``fp8_gemm_sm90``'s kernel where
-    ``use_sm90_kernel`` says, else this Triton kernel with ``gemm_config(R / L, capturing a CUDA
-    graph)``; a ``config`` always runs the Triton kernel, its ``tma`` where a descriptor can address
-    the tensor (``tiled_gemm.tma_ready``).
+    ``use_sm90_kernel`` says (by rows per expert, and whether a CUDA graph is being captured), else
+    this Triton kernel with ``gemm_config(R / L, capturing a CUDA graph)``; a ``config`` always runs
+    the Triton kernel, its ``tma`` where a descriptor can address the tensor (``tiled_gemm.tma_ready``).
     """
     num_rows, k = q_RK.shape
     num_experts, n, _ = w_LNK.shape
@@ -170,12 +180,12 @@ def grouped_gemm(
         raise ValueError(f"the reduction size must be a multiple of {FP8_BLOCK} for FP8 experts, got {k}")
     if config is not None and config.block_k != FP8_BLOCK:
         raise ValueError(f"FP8 experts step K by their scale block, {FP8_BLOCK}: got block_k={config.block_k}")
-    if config is None and use_sm90_kernel(q_RK, w_LNK):
+    capturing = q_RK.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if config is None and use_sm90_kernel(q_RK, w_LNK, capturing):
         return fp8_gemm_sm90.grouped_gemm(q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, offsets_L, out_dtype)
     out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
     if num_rows == 0:
         return out_RN
-    capturing = q_RK.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     config = config or gemm_config(num_rows / num_experts, capturing)
     a_tma = config.tma and tma_ready(q_RK)
     b_tma = config.tma and tma_ready(w_LNK)
