@@ -286,10 +286,7 @@ def print_sweep(rows: list[dict]) -> None:
             name,
             f"{best['t_us']:.1f}",
             f"{best['tflops']:.0f}",
-            f"{sm90['t_us']:.1f} ({sm90['tflops']:.0f}) {sm90['consumers']}x64 s{sm90['stages']}"
-            + (" turns" if sm90.get("take_turns") else "")
-            if sm90
-            else "-",
+            f"{sm90['t_us']:.1f} ({sm90['tflops']:.0f}) {sm90['consumers']}x64 s{sm90['stages']}" if sm90 else "-",
             f"{ref_t:.1f}" if ref_t else "-",
             f"{ref_t / best_t:.2f}" if ref_t else "-",
             f"{blockwise['t_us']:.1f}" if blockwise else "-",

@@ -115,9 +115,12 @@ def quantize_rows(
     (R = X); with it (an integer ``[R]`` index, as ``DispatchOutput.expert_rows_R``) row r is
     ``x_XH[rows_R[r]]``: the gather fused into the quantisation, so the rows are read once where they
     lie instead of copied first. ``x_XH``'s rows may be strided (a view into a wider buffer)."""
-    hidden = x_XH.shape[1]
     if x_XH.dim() != 2 or x_XH.stride(1) != 1:
-        raise ValueError(f"quantize_rows needs [X, H] rows contiguous along H, got strides {x_XH.stride()}")
+        raise ValueError(
+            f"quantize_rows needs [X, H] rows contiguous along H, got shape {tuple(x_XH.shape)} and strides "
+            f"{x_XH.stride()}"
+        )
+    hidden = x_XH.shape[1]
     if rows_R is not None and (rows_R.dtype.is_floating_point or rows_R.dim() != 1):
         raise ValueError(f"quantize_rows needs rows_R an integer [R] index, got {rows_R.dtype} {tuple(rows_R.shape)}")
     num_rows = x_XH.shape[0] if rows_R is None else rows_R.shape[0]
