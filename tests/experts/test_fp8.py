@@ -163,6 +163,36 @@ def test_sm90_kernel_runs_from_257_rows_per_expert_eagerly_and_from_128_captured
         q = torch.empty(4 * rows_per_expert, 128, dtype=torch.float8_e4m3fn)
         assert fp8_gemm.use_sm90_kernel(q, w) is eager, rows_per_expert
         assert fp8_gemm.use_sm90_kernel(q, w, capturing=True) is captured, rows_per_expert
+    # Rows handed over with padding (low_latency: P x C x K rows): chosen by the rows to expect.
+    q = torch.empty(4 * 1024, 128, dtype=torch.float8_e4m3fn)
+    assert not fp8_gemm.use_sm90_kernel(q, w, capturing=True, rows_per_expert=32)
+
+
+@interpreted
+def test_fp8_experts_choose_their_gemms_by_the_rows_to_expect(monkeypatch):
+    """``RoutedExperts.forward`` with ``expected_rows`` (padding after the real rows, as ``low_latency``
+    hands them over): the FP8 GEMMs are chosen for the real rows per expert, not for every row."""
+    experts = RoutedExperts(4, 256, 128, fp8=True)
+    experts.kernels = "triton"
+    generator = torch.Generator().manual_seed(7)
+    for local in range(4):
+        experts.set_expert(
+            local, torch.randn(256, 256, generator=generator), torch.randn(256, 128, generator=generator)
+        )
+    chosen = []
+    grouped_gemm = fp8_gemm.grouped_gemm
+    monkeypatch.setattr(
+        fp8_gemm,
+        "grouped_gemm",
+        lambda *args, **kwargs: chosen.append(kwargs["rows_per_expert"]) or grouped_gemm(*args, **kwargs),
+    )
+    x = torch.randn(64, 256, generator=generator)
+    counts = torch.tensor([3, 0, 5, 2])
+    padded = experts(x, counts, expected_rows=12)
+    assert chosen == [3.0, 3.0]  # 12 real rows to expect over 4 experts, not 64 / 4
+    chosen.clear()
+    torch.testing.assert_close(padded[:10], experts(x[:10], counts)[:10], rtol=0, atol=0)
+    assert chosen == [2.5, 2.5]
 
 
 def test_grouped_gemm_refuses_a_k_step_other_than_the_scale_block():

@@ -68,12 +68,16 @@ LARGE_MIN_ROWS_PER_EXPERT = 256  # above: LARGE_CONFIG, or the sm90 kernel where
 SM90_CAPTURED_MIN_ROWS_PER_EXPERT = 128
 
 
-def use_sm90_kernel(q_RK: torch.Tensor, w_LNK: torch.Tensor, capturing: bool = False) -> bool:
+def use_sm90_kernel(
+    q_RK: torch.Tensor, w_LNK: torch.Tensor, capturing: bool = False, rows_per_expert: float | None = None
+) -> bool:
     """Whether ``grouped_gemm`` without a ``config`` runs ``fp8_gemm_sm90``'s warp-specialised kernel
     for these operands: prefill sizes (more than ``LARGE_MIN_ROWS_PER_EXPERT`` rows per expert on
     average; from ``SM90_CAPTURED_MIN_ROWS_PER_EXPERT`` when ``capturing`` a CUDA graph) where that
-    kernel runs (sm90, Gluon; ``fp8_gemm_sm90.supported``)."""
-    rows_per_expert = q_RK.shape[0] / w_LNK.shape[0]
+    kernel runs (sm90, Gluon; ``fp8_gemm_sm90.supported``). ``rows_per_expert``: the rows to expect
+    per expert (default R / L; ``grouped_gemm``'s)."""
+    if rows_per_expert is None:
+        rows_per_expert = q_RK.shape[0] / w_LNK.shape[0]
     large = rows_per_expert > LARGE_MIN_ROWS_PER_EXPERT or (
         capturing and rows_per_expert >= SM90_CAPTURED_MIN_ROWS_PER_EXPERT
     )
@@ -164,6 +168,7 @@ def grouped_gemm(
     offsets_L: torch.Tensor,
     out_dtype: torch.dtype,
     config: GemmConfig | None = None,
+    rows_per_expert: float | None = None,
 ) -> torch.Tensor:
     """e4m3 rows ``q_RK`` (scales ``[R, K/128]``) grouped by expert times each expert's e4m3 weight
     ``w_LNK[l]`` transposed (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``.
@@ -173,6 +178,9 @@ def grouped_gemm(
     ``use_sm90_kernel`` says (by rows per expert, and whether a CUDA graph is being captured), else
     this Triton kernel with ``gemm_config(R / L, capturing a CUDA graph)``; a ``config`` always runs
     the Triton kernel, its ``tma`` where a descriptor can address the tensor (``tiled_gemm.tma_ready``).
+    ``rows_per_expert`` (default R / L): the rows per expert the kernel and tiles are chosen for, the
+    real rows to expect where padding follows them (``low_latency`` hands over P x C x K rows, C x K of
+    them real on average), as the dense experts choose theirs; the grid still covers all R rows.
     """
     num_rows, k = q_RK.shape
     num_experts, n, _ = w_LNK.shape
@@ -181,12 +189,15 @@ def grouped_gemm(
     if config is not None and config.block_k != FP8_BLOCK:
         raise ValueError(f"FP8 experts step K by their scale block, {FP8_BLOCK}: got block_k={config.block_k}")
     capturing = q_RK.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if config is None and use_sm90_kernel(q_RK, w_LNK, capturing):
-        return fp8_gemm_sm90.grouped_gemm(q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, offsets_L, out_dtype)
+    if rows_per_expert is None:
+        rows_per_expert = num_rows / num_experts
+    if config is None and use_sm90_kernel(q_RK, w_LNK, capturing, rows_per_expert):
+        sm90_config = fp8_gemm_sm90.config_for(rows_per_expert)
+        return fp8_gemm_sm90.grouped_gemm(q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, offsets_L, out_dtype, sm90_config)
     out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
     if num_rows == 0:
         return out_RN
-    config = config or gemm_config(num_rows / num_experts, capturing)
+    config = config or gemm_config(rows_per_expert, capturing)
     a_tma = config.tma and tma_ready(q_RK)
     b_tma = config.tma and tma_ready(w_LNK)
     _grouped_gemm_kernel[(max_tiles(num_rows, num_experts, n, config),)](

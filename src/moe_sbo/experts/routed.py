@@ -163,7 +163,8 @@ class RoutedExperts(nn.Module):
         ``scales_RQ``: given when ``x_RH`` arrives already quantised (e4m3 rows and their float32
         scales per 128 values, from fp8 dispatch); FP8 experts only. ``expected_rows``: the real rows
         to expect where padding follows them (``DispatchOutput.expected_rows``); the kernels are
-        chosen by it (``dense_path``), the counts stay on the device. ``rows_R`` (int [R],
+        chosen by it (``dense_path``; FP8 experts' GEMMs and tiles too), the counts stay on the
+        device. ``rows_R`` (int [R],
         ``DispatchOutput.expert_rows_R``): the input rows are ``x_RH[rows_R]`` (``x_RH`` is then
         [X, H], rows contiguous along H); the tiled GEMM and FP8 experts' quantisation read them
         through it, the other kernels gather them first.
@@ -172,7 +173,8 @@ class RoutedExperts(nn.Module):
             offsets_L = num_rows_per_expert_L.to(device=x_RH.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             num_rows = x_RH.shape[0] if rows_R is None else rows_R.shape[0]
             if self.fp8:
-                return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L, rows_R)
+                rows_per_expert = self._rows_per_expert(num_rows, expected_rows)
+                return self._forward_fp8(x_RH, scales_RQ, offsets_L, num_rows_per_expert_L, rows_R, rows_per_expert)
             if scales_RQ is not None:
                 raise ValueError("scales_RQ is for FP8 experts; these hold dense weights: pass dequantised rows")
             path = self.dense_path(x_RH, expected_rows, num_rows, indexed=rows_R is not None)
@@ -269,8 +271,10 @@ class RoutedExperts(nn.Module):
         offsets_L: torch.Tensor,
         num_rows_per_expert_L: torch.Tensor,
         rows_R: torch.Tensor | None,
+        rows_per_expert: float,
     ) -> torch.Tensor:
-        path = self.fp8_path(x_RH.device, x_RH.shape[0] if rows_R is None else rows_R.shape[0])
+        # Kernels and tiles for the rows to expect (padding excluded), as the dense experts choose.
+        path = self.fp8_path(x_RH.device, round(rows_per_expert * self.num_local_experts))
         if rows_R is not None and (path == "torch" or scales_RQ is not None):
             # Rows already quantised, or the torch path: gather them (and their scales) first.
             x_RH = x_RH.index_select(0, rows_R)
@@ -296,7 +300,7 @@ class RoutedExperts(nn.Module):
         else:
 
             def gemm(q, s, w, ws):
-                return fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, self.dtype)
+                return fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, self.dtype, rows_per_expert=rows_per_expert)
 
         if scales_RQ is None:  # through the index where there is one: the gather fused into the quantisation
             q_RH, scales_RQ = quant_kernels.quantize_rows(x_RH, offsets_L, rows_R)
@@ -307,7 +311,8 @@ class RoutedExperts(nn.Module):
         return gemm(q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv)
 
     def fp8_path(self, device: torch.device, num_rows: int) -> str:
-        """Which FP8 GEMMs a forward of ``num_rows`` rows on ``device`` runs: ``"triton"``
+        """Which FP8 GEMMs a forward of ``num_rows`` rows (the real ones to expect, where padding
+        follows them) on ``device`` runs: ``"triton"``
         (``fp8_gemm``: device counts, no host sync, CUDA-graph capturable), ``"scaled_mm"`` (cuBLAS
         per expert, sm90; reads the counts on the host; chosen by ``"auto"`` when not capturing a
         graph, the rows per expert reach ``SCALED_MM_MIN_ROWS_PER_EXPERT`` and ``fp8_gemm_sm90``'s
