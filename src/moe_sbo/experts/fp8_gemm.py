@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .. import dependent_launch
 from ..quant.fp8 import FP8_BLOCK, FP8_GROUP
 from . import fp8_gemm_sm90
 from .tiled_gemm import GemmConfig, expert_tile, max_tiles, tma_ready
@@ -67,7 +66,6 @@ LARGE_MIN_ROWS_PER_EXPERT = 256  # above: LARGE_CONFIG, or the sm90 kernel where
 # experts x 128-256 rows, 8-13 % faster than the best Triton tiles on gate_up and 8-22 % on down
 # (docs/BENCHMARKS.md).
 SM90_CAPTURED_MIN_ROWS_PER_EXPERT = 128
-PREFETCH_K_STEPS = 0
 
 
 def use_sm90_kernel(
@@ -103,7 +101,6 @@ def _grouped_gemm_kernel(
     b_scale_ptr,
     c_ptr,
     offsets_ptr,
-    w_ptr,  # the weights [L, N, K] as a pointer (b_ptr may be a descriptor): what PREFETCH_K_STEPS reads
     N: tl.constexpr,
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -113,22 +110,11 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
     A_TMA: tl.constexpr,
     B_TMA: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH_K_STEPS: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = GROUP_V  # one activation scale and one weight scale per K step
     KQ: tl.constexpr = K // BLOCK_K
     NQ: tl.constexpr = (N + BLOCK_K - 1) // BLOCK_K
     NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    if PDL and PREFETCH_K_STEPS > 0:
-        # Before the counts can be read (they wait for the kernel before): the first K steps of one
-        # weight tile per program, by program id (expert-major), into L2 while that kernel finishes.
-        pid0 = tl.program_id(0)
-        if pid0 < NUM_EXPERTS * NUM_N:
-            w_rows = tl.minimum((pid0 % NUM_N) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-            w_expert = w_ptr + (pid0 // NUM_N).to(tl.int64) * N * K
-            dependent_launch.prefetch_rows_l2(w_expert + w_rows.to(tl.int64) * K, PREFETCH_K_STEPS * BLOCK_K)
-    dependent_launch.enter(PDL)
     live, expert, offs_m, m_mask, pid_n = expert_tile(
         tl.program_id(0), offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
     )
@@ -221,7 +207,6 @@ def grouped_gemm(
         w_scale_inv_LNQ,
         out_RN,
         offsets_L,
-        w_LNK,
         N=n,
         K=k,
         NUM_EXPERTS=num_experts,
@@ -231,9 +216,7 @@ def grouped_gemm(
         GROUP_M=config.group_m,
         A_TMA=a_tma,
         B_TMA=b_tma,
-        PREFETCH_K_STEPS=min(PREFETCH_K_STEPS, k // FP8_BLOCK),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **dependent_launch.kernel_options(q_RK.device),
     )
     return out_RN

@@ -62,7 +62,6 @@ try:  # Gluon ships with Triton >= 3.5; some names moved between releases
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-PROBE_NO_SCALES = False
 TILE_FIELDS = 4  # expert (-1: no tile), first row, row end, column tile
 ROWS_PER_CONSUMER = 64  # one wgmma's M
 BLOCK_N = 128  # one weight scale block: one weight scale per tile and K step
@@ -198,7 +197,6 @@ if gluon is not None:
         CONSUMERS: gl.constexpr,
         INDEX: gl.constexpr,
         PERSISTENT: gl.constexpr,
-        PROBE_NO_SCALES: gl.constexpr,
     ):
         """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step:
         wait for the slot, one wgmma, wait for its product (which also ends this warp group's reads of
@@ -235,12 +233,8 @@ if gluon is not None:
                     # The step's scales are read after its MMA is issued: their latency hides behind the
                     # MMA, and nothing that waits for them sits between the wgmma instructions (rows past
                     # the tile read 0).
-                    if PROBE_NO_SCALES:
-                        a_scale_M = gl.full([ROWS_C], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA))
-                        b_scale = 1.0
-                    else:
-                        a_scale_M = gl.load(a_scales_M + k, mask=row_mask_M, other=0.0)
-                        b_scale = gl.load(b_scales + k)
+                    a_scale_M = gl.load(a_scales_M + k, mask=row_mask_M, other=0.0)
+                    b_scale = gl.load(b_scales + k)
                     product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
                     mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
                     acc += product * (a_scale_M * b_scale)[:, None]
@@ -269,7 +263,6 @@ if gluon is not None:
         PERSISTENT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr,
-        PROBE_NO_SCALES: gl.constexpr,
     ):
         KQ: gl.constexpr = K // 128
         # The row tile as one [64, 128] slot per consumer: a shared-memory block's dims must be powers of 2.
@@ -288,11 +281,11 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, PROBE_NO_SCALES)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, PROBE_NO_SCALES)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, PROBE_NO_SCALES)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -303,9 +296,9 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, PROBE_NO_SCALES)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
                     (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, PROBE_NO_SCALES)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
                     (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -381,7 +374,6 @@ def grouped_gemm(
         PERSISTENT=config.persistent,
         CONSUMER_REGS=config.consumer_regs,
         LOADER_REGS=config.loader_regs,
-        PROBE_NO_SCALES=PROBE_NO_SCALES,
         num_warps=4,  # the default partition: consumer warp group 0
     )
     return out_RN

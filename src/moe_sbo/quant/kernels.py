@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import dependent_launch
 from .fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX
 
 GROUP_V = tl.constexpr(FP8_GROUP)
@@ -72,9 +71,7 @@ def _quantize_rows_kernel(
     HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,
     GATHER: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    dependent_launch.enter(PDL)
     r = tl.program_id(0)
     if r < tl.load(last_ptr):  # rows past the last expert's end are padding
         h0 = tl.program_id(1) * BLOCK_H
@@ -88,10 +85,7 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(
-    h_ptr, q_ptr, s_ptr, last_ptr, INTER: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr
-):
-    dependent_launch.enter(PDL)
+def _silu_mul_quantize_kernel(h_ptr, q_ptr, s_ptr, last_ptr, INTER: tl.constexpr, BLOCK_H: tl.constexpr):
     r = tl.program_id(0)
     if r < tl.load(last_ptr):
         h0 = tl.program_id(1) * BLOCK_H
@@ -143,7 +137,6 @@ def quantize_rows(
             HIDDEN=hidden,
             BLOCK_H=block_h,
             GATHER=rows_R is not None,
-            **dependent_launch.kernel_options(x_XH.device),
         )
     return q_RH, scales_RQ
 
@@ -155,12 +148,6 @@ def silu_mul_quantize(gate_up_R2I: torch.Tensor, offsets_L: torch.Tensor) -> tup
     if num_rows:
         block_h = block_h_for_quantize(inter)
         _silu_mul_quantize_kernel[(num_rows, triton.cdiv(inter, block_h))](
-            gate_up_R2I,
-            q_RI,
-            scales_RQ,
-            offsets_L[-1:],
-            INTER=inter,
-            BLOCK_H=block_h,
-            **dependent_launch.kernel_options(gate_up_R2I.device),
+            gate_up_R2I, q_RI, scales_RQ, offsets_L[-1:], INTER=inter, BLOCK_H=block_h
         )
     return q_RI, scales_RQ
