@@ -157,8 +157,10 @@ def sweep_case(
     rows = num_experts * rows_per_expert
     offsets_L = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * rows_per_expert
     generator = torch.Generator(device=device).manual_seed(1)
-    q_x, s_x = quant_kernels.quantize_rows(torch.randn(rows, hidden, generator=generator, device=device), offsets_L)
-    q_h, s_h = quant_kernels.quantize_rows(torch.randn(rows, inter, generator=generator, device=device), offsets_L)
+    # Scales K-major, as the MLP's quantisers write them (the sm90 kernel would copy row-major ones).
+    x_RH, h_RI = (torch.randn(rows, width, generator=generator, device=device) for width in (hidden, inter))
+    q_x, s_x = quant_kernels.quantize_rows(x_RH, offsets_L, k_major=True)
+    q_h, s_h = quant_kernels.quantize_rows(h_RI, offsets_L, k_major=True)
     gate_up_R2I = torch.randn(rows, 2 * inter, generator=generator, device=device).to(dtype)
     gemms = {
         "gate_up": (q_x, s_x, fp8.gate_up_proj, fp8.gate_up_proj_scale_inv),
@@ -225,7 +227,7 @@ def sweep_case(
         "silu_mul_quantize",
         inter,
         1,
-        lambda: quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L),
+        lambda: quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L, k_major=True),
         impl="silu_mul_quantize",
     )
     # The rows entering gate_up read through an index into a wider receive buffer (low_latency's
@@ -233,8 +235,11 @@ def sweep_case(
     buffer = torch.randn(rows + num_experts, hidden + 128, generator=generator, device=device).to(dtype)
     x_view, rows_R = buffer[:, :hidden], torch.randperm(rows + num_experts, device=device)[:rows]
     for impl, fn in (
-        ("gather_then_quantize", lambda: quant_kernels.quantize_rows(x_view.index_select(0, rows_R), offsets_L)),
-        ("quantize_through_index", lambda: quant_kernels.quantize_rows(x_view, offsets_L, rows_R)),
+        (
+            "gather_then_quantize",
+            lambda: quant_kernels.quantize_rows(x_view.index_select(0, rows_R), offsets_L, k_major=True),
+        ),
+        ("quantize_through_index", lambda: quant_kernels.quantize_rows(x_view, offsets_L, rows_R, k_major=True)),
     ):
         row("quantize_rows", hidden, 1, fn, impl=impl)
     for gemm in gemms:

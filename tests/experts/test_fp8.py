@@ -24,7 +24,14 @@ from moe_sbo.experts.fp8_torch import grouped_linear_fp8
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.layer import MoELayer
 from moe_sbo.quant import kernels as quant_kernels
-from moe_sbo.quant.fp8 import dequantize_fp8, dequantize_fp8_blocks, quantize_fp8, quantize_fp8_blocks
+from moe_sbo.quant.fp8 import (
+    dequantize_fp8,
+    dequantize_fp8_blocks,
+    empty_k_major_scales,
+    k_major_scales,
+    quantize_fp8,
+    quantize_fp8_blocks,
+)
 from moe_sbo.weights import layer_weights
 
 # FP8 experts vs dense experts on the same (dequantised) weights: the MLP quantises two activations
@@ -81,8 +88,9 @@ def test_weight_blocks_round_trip_with_partial_edge_tiles():
         fp8_gemm.GemmConfig(64, 256, 4, 8, 3, tma=True),
     ],
 )
+@pytest.mark.parametrize("k_major", [False, True], ids=["row-major-scales", "k-major-scales"])
 @interpreted
-def test_grouped_gemm_kernel_matches_torch_reference(config):
+def test_grouped_gemm_kernel_matches_torch_reference(config, k_major):
     generator = torch.Generator().manual_seed(2)
     counts = torch.tensor([3, 0, 70, 1, 0, 9])
     offsets = counts.cumsum(0).to(torch.int32)
@@ -91,7 +99,8 @@ def test_grouped_gemm_kernel_matches_torch_reference(config):
     w = torch.randn(len(counts), 384, 256, generator=generator) * 256**-0.5
     q, s = quantize_fp8(x)
     wq, ws = quantize_fp8_blocks(w)
-    got = fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32, config)
+    s_in = empty_k_major_scales(rows, 2).copy_(s) if k_major else s
+    got = fp8_gemm.grouped_gemm(q, s_in, wq, ws, offsets, torch.float32, config)
     ref = grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)
     real = int(offsets[-1])
     assert _rel(got[:real], ref[:real]) < FLOAT32_TOL
@@ -107,11 +116,15 @@ def test_grouped_gemm_kernel_matches_torch_reference(config):
 
 @interpreted
 @pytest.mark.parametrize("block_m", [128, 192])
-@pytest.mark.parametrize("counts", [[3, 0, 70, 1, 0, 9], [0, 0, 0], [129], [1] * 5 + [300], [0, 1, 130, 2000, 77]])
+@pytest.mark.parametrize(
+    "counts", [[3, 0, 70, 1, 0, 9], [0, 0, 0], [129], [1] * 5 + [300], [0, 1, 130, 2000, 77], [1, 2] * 40]
+)
 def test_sm90_tile_schedule_covers_every_row_once_per_column_tile(counts, block_m):
     """The sm90 kernel's schedule (``fp8_gemm_sm90.tile_schedule``, tiles of 2 or 3 warp groups' 64
-    rows): each live tile lies inside one expert's rows, live tiles come before the dead ones (-1)
-    and cover every real row once per column tile."""
+    rows): each live tile starts on a row that is a multiple of 4 (its scales' TMA box needs 16
+    bytes' alignment) at most 3 rows before its expert's, and ends inside the expert; live tiles come
+    before the dead ones (-1), fit the grid's worst case (many experts of 1-2 rows), and cover every
+    real row once per column tile, counting each tile's rows from its expert's first."""
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
     num_rows, n = int(offsets[-1]) + 7, 384
     tiles = fp8_gemm_sm90.tile_schedule(offsets, num_rows, n, block_m)
@@ -120,9 +133,10 @@ def test_sm90_tile_schedule_covers_every_row_once_per_column_tile(counts, block_
     experts = tiles[:, 0].tolist()
     live = sum(e >= 0 for e in experts)
     assert all(e >= 0 for e in experts[:live]) and all(e == -1 for e in experts[live:])
-    for expert, first, end, pid_n in tiles[:live].tolist():
-        assert starts[expert] <= first < end <= offsets[expert] and end - first <= block_m
-        covered[first:end, pid_n] += 1
+    for expert, first, end, pid_n, begin in tiles[:live].tolist():
+        assert begin == starts[expert] and first % 4 == 0 and begin - 3 <= first < end <= offsets[expert]
+        assert end - first <= block_m
+        covered[max(first, begin) : end, pid_n] += 1
     assert (covered[: int(offsets[-1])] == 1).all() and (covered[int(offsets[-1]) :] == 0).all()
 
 
@@ -203,22 +217,40 @@ def test_grouped_gemm_refuses_a_k_step_other_than_the_scale_block():
         fp8_gemm.grouped_gemm(q, s, wq, ws, torch.tensor([2, 4], dtype=torch.int32), torch.float32, config)
 
 
+@pytest.mark.parametrize("k_major", [False, True], ids=["row-major-scales", "k-major-scales"])
 @interpreted
-def test_quantisers_match_torch():
+def test_quantisers_match_torch(k_major):
+    """Both quantisers against ``quantize_fp8``, their scales row-major or K-major (strides (1, rows
+    rounded up to 4): 40 rows -> 40, 37 -> 40)."""
     generator = torch.Generator().manual_seed(3)
     offsets = torch.tensor([10, 10, 37], dtype=torch.int32)
     x = torch.randn(40, 384, generator=generator) * torch.exp(torch.randn(40, 1, generator=generator))
-    q, s = quant_kernels.quantize_rows(x, offsets)
+    q, s = quant_kernels.quantize_rows(x, offsets, k_major=k_major)
+    assert s.shape == (40, 3) and s.stride() == ((1, 40) if k_major else (3, 1))
     q_ref, s_ref = quantize_fp8(x[:37])
     assert torch.equal(s[:37], s_ref) and _same_modulo_interpreter_carry(q[:37], q_ref)
     h = torch.randn(37, 2 * 256, generator=generator)
-    q, s = quant_kernels.silu_mul_quantize(h, offsets)
+    q, s = quant_kernels.silu_mul_quantize(h, offsets, k_major=k_major)
+    assert s.shape == (37, 2) and s.stride() == ((1, 40) if k_major else (2, 1))
     gate, up = h.chunk(2, dim=-1)
     q_ref, s_ref = quantize_fp8(F.silu(gate) * up)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     # silu as x * sigmoid(x) in the kernel: a last-bit difference may move a value one e4m3 step.
     one_step = (q.float() - q_ref.float()).abs() <= 2.0**-3 * q_ref.float().abs()
     assert _same_modulo_interpreter_carry(q[~one_step], q_ref[~one_step])
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 40])
+def test_k_major_scales_are_read_where_they_lie_and_others_copied(num_rows):
+    """``k_major_scales``: the [Q, X] transpose of K-major scales is a view of them; row-major scales
+    (fp8 dispatch's) are copied into that layout, the row stride rounded up to 4 (16 bytes)."""
+    scales = torch.rand(num_rows, 5)
+    k_major = empty_k_major_scales(num_rows, 5).copy_(scales)
+    view = k_major_scales(k_major)
+    assert view.data_ptr() == k_major.data_ptr() and torch.equal(view, scales.t())
+    copied = k_major_scales(scales)
+    assert torch.equal(copied, scales.t()) and copied.stride() == (-(-num_rows // 4) * 4, 1)
+    assert copied.data_ptr() != scales.data_ptr()
 
 
 @interpreted
@@ -236,6 +268,8 @@ def test_quantize_rows_reads_through_an_index_and_a_row_stride():
     q_ref, s_ref = quantize_fp8(x.index_select(0, rows[:19]))
     assert q.shape == (21, 384) and s.shape == (21, 3)
     assert torch.equal(s[:19], s_ref) and _same_modulo_interpreter_carry(q[:19], q_ref)
+    q_k, s_k = quant_kernels.quantize_rows(x, offsets, rows, k_major=True)
+    assert torch.equal(q_k[:19].float(), q[:19].float()) and torch.equal(s_k[:19], s[:19])
     with pytest.raises(ValueError, match="integer"):
         quant_kernels.quantize_rows(x, offsets, rows.float())
     with pytest.raises(ValueError, match="contiguous along H"):
@@ -285,7 +319,7 @@ def test_fp8_layer_quantises_low_latency_rows_in_place_as_the_copy(monkeypatch):
     monkeypatch.setattr(
         quant_kernels,
         "quantize_rows",
-        lambda x, offsets, rows=None: indexed.append(rows is not None) or quantize_rows(x, offsets, rows),
+        lambda x, offsets, rows=None, **kw: indexed.append(rows is not None) or quantize_rows(x, offsets, rows, **kw),
     )
     x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -78,10 +78,23 @@ def use_sm90_kernel(
     per expert (default R / L; ``grouped_gemm``'s)."""
     if rows_per_expert is None:
         rows_per_expert = q_RK.shape[0] / w_LNK.shape[0]
-    large = rows_per_expert > LARGE_MIN_ROWS_PER_EXPERT or (
+    return sm90_sizes(rows_per_expert, capturing) and fp8_gemm_sm90.supported(q_RK, w_LNK)
+
+
+def sm90_sizes(rows_per_expert: float, capturing: bool) -> bool:
+    """Whether ``rows_per_expert`` rows per expert are the sm90 kernel's sizes (``use_sm90_kernel``)."""
+    return rows_per_expert > LARGE_MIN_ROWS_PER_EXPERT or (
         capturing and rows_per_expert >= SM90_CAPTURED_MIN_ROWS_PER_EXPERT
     )
-    return large and fp8_gemm_sm90.supported(q_RK, w_LNK)
+
+
+def k_major_scales_wanted(device: torch.device, rows_per_expert: float) -> bool:
+    """Whether the MLP's quantisers should write the activation scales K-major
+    (``quant.fp8.empty_k_major_scales``) for a forward of ``rows_per_expert`` rows per expert: where
+    ``grouped_gemm`` runs the sm90 kernel, which loads them so (others it copies first). The Triton
+    kernel reads either layout; at decode sizes it ran 10 % slower on K-major scales (H200)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return fp8_gemm_sm90.device_supported(device) and sm90_sizes(rows_per_expert, capturing)
 
 
 def gemm_config(rows_per_expert: float, capturing: bool = False) -> GemmConfig:
@@ -101,6 +114,8 @@ def _grouped_gemm_kernel(
     b_scale_ptr,
     c_ptr,
     offsets_ptr,
+    a_scale_stride_r,  # the activation scales' strides (row-major or K-major: quant.kernels' k_major)
+    a_scale_stride_q,
     N: tl.constexpr,
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -134,7 +149,7 @@ def _grouped_gemm_kernel(
         first_col = expert * N + pid_n * BLOCK_N
     else:
         b_tile = b_ptr + expert.to(tl.int64) * N * K + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
-    a_scales = a_scale_ptr + rows64 * KQ
+    a_scales = a_scale_ptr + rows64 * a_scale_stride_r
     b_scales = b_scale_ptr + expert.to(tl.int64) * NQ * KQ + (offs_n // BLOCK_K) * KQ
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # A tile at most one weight block wide has one weight scale per K step: a scalar, so each step
@@ -150,7 +165,7 @@ def _grouped_gemm_kernel(
             b = b_ptr.load([first_col, kq * BLOCK_K]).T
         else:
             b = tl.load(b_tile + kq * BLOCK_K, mask=n_mask[None, :], other=0.0)
-        scale_a = tl.load(a_scales + kq, mask=m_mask, other=0.0)
+        scale_a = tl.load(a_scales + kq * a_scale_stride_q, mask=m_mask, other=0.0)
         if ONE_B_SCALE:
             acc += tl.dot(a, b) * (scale_a * tl.load(b_scale_tile + kq))[:, None]
         else:
@@ -170,7 +185,8 @@ def grouped_gemm(
     config: GemmConfig | None = None,
     rows_per_expert: float | None = None,
 ) -> torch.Tensor:
-    """e4m3 rows ``q_RK`` (scales ``[R, K/128]``) grouped by expert times each expert's e4m3 weight
+    """e4m3 rows ``q_RK`` (scales ``[R, K/128]``, row-major or K-major: ``quant.fp8.k_major_scales``;
+    the sm90 kernel copies row-major ones K-major first) grouped by expert times each expert's e4m3 weight
     ``w_LNK[l]`` transposed (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``.
 
     ``offsets_L``: int32 cumulative row counts on the device; rows past ``offsets_L[-1]`` are left
@@ -207,6 +223,7 @@ def grouped_gemm(
         w_scale_inv_LNQ,
         out_RN,
         offsets_L,
+        *scales_RQ.stride(),
         N=n,
         K=k,
         NUM_EXPERTS=num_experts,

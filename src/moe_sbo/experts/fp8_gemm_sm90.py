@@ -12,12 +12,19 @@ pipeline step) leaves the tensor cores idle while it waits for the product and s
 warps of a CTA split into partitions that share nothing but shared memory and mbarriers, as in
 DeepGEMM::
 
-    loader      1 warp        TMA loads of step k's operand tiles into slot k % STAGES of a ring;
-                              waits for the slot's ``empty`` barrier, arms its ``ready`` barrier
+    loader      1 warp        TMA loads of step k's operand tiles and its rows' activation scales
+                              into slot k % STAGES of a ring; waits for the slot's ``empty``
+                              barrier, arms its ``ready`` barrier
     consumer i  warp group i  rows [64 i, 64 i + 64) of the tile: waits ``ready``, one wgmma
-                              (64 x 128 x 128), reads the step's scales while it runs, waits for
+                              (64 x 128 x 128), reads the step's scales while it runs (its rows'
+                              from the slot, the weight block's from global memory), waits for
                               its product, arrives on ``empty``, promotes (one multiply-add per
                               accumulator element); at the tile's end stores it in whole lines
+
+The activation scales come by TMA with the operands, as DeepGEMM's do, so they need the K-major
+layout (``quant.fp8.k_major_scales``: one step's scales of consecutive rows contiguous; the MLP's
+quantisers write them so). Read from global memory by the consumers instead, each step waited for
+them: without those loads the kernel ran 9-20 % faster (H200, docs/FP8.md).
 
 With three consumers (a 192 x 128 tile) the tensor cores always have another warp group's MMA queued
 while one promotes; up to 1024 rows per expert two (128-row tiles, which pad less of each expert:
@@ -46,9 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.fp8 import FP8_BLOCK
+from ..quant.fp8 import FP8_BLOCK, K_MAJOR_ROW_ALIGN, k_major_scales
 from ..streams import compute_capability, sm_count
-from .tiled_gemm import expert_tile_bounds, tma_ready
+from .tiled_gemm import expert_tile_bounds, max_row_tiles, tma_ready
 
 try:  # Gluon ships with Triton >= 3.5; some names moved between releases
     from triton.experimental import gluon
@@ -59,16 +66,21 @@ try:  # Gluon ships with Triton >= 3.5; some names moved between releases
     tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared  # 3.9 / 3.6
     # Every operand tile: e4m3 rows of 128 bytes, 128-byte swizzled as wgmma reads them.
     OPERAND_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    # The activation scales of one K step: a row of float32, unswizzled.
+    SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-TILE_FIELDS = 4  # expert (-1: no tile), first row, row end, column tile
+TILE_FIELDS = 5  # expert (-1: no tile), first row, row end, column tile, the expert's first row
 ROWS_PER_CONSUMER = 64  # one wgmma's M
 BLOCK_N = 128  # one weight scale block: one weight scale per tile and K step
 # The same numbers for the kernels (a kernel reads only constexpr globals).
 FIELDS_C = tl.constexpr(TILE_FIELDS)
 ROWS_C = tl.constexpr(ROWS_PER_CONSUMER)
 BLOCK_N_C = tl.constexpr(BLOCK_N)
+# Tiles start on rows that are multiples of this: a TMA box of the K-major scales must begin on a
+# 16-byte boundary (unaligned starts stopped the kernel with an illegal instruction on H200).
+ROW_ALIGN_C = tl.constexpr(K_MAJOR_ROW_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -110,32 +122,35 @@ def _schedule_kernel(
 ):
     pid = tl.program_id(0)
     live, expert, first_row, row_end, pid_n = expert_tile_bounds(
-        pid, offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
+        pid, offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M, ROW_ALIGN_C
     )
     tile = tiles_ptr + pid * FIELDS_C
     tl.store(tile, tl.where(live, expert, -1))
     tl.store(tile + 1, first_row)
     tl.store(tile + 2, row_end)
     tl.store(tile + 3, pid_n)
+    tl.store(tile + 4, tl.load(offsets_ptr + expert - 1, mask=live & (expert > 0), other=0))
 
 
 def tile_schedule(offsets_L: torch.Tensor, num_rows: int, n: int, block_m: int, group_m: int = 8) -> torch.Tensor:
-    """int32 ``[tiles, 4]``: per tile of a grouped GEMM over ``num_rows`` rows, (expert or -1, first row,
-    row end, column tile), from the device offsets (no host read); live tiles first. ``tiles`` is the
-    worst case for ``num_rows`` (every expert's last row tile partial)."""
+    """int32 ``[tiles, 5]``: per tile of a grouped GEMM over ``num_rows`` rows, (expert or -1, first row,
+    row end, column tile, the expert's first row), from the device offsets (no host read); live tiles
+    first. First rows are multiples of ``K_MAJOR_ROW_ALIGN``, so an expert's first tile may begin
+    with rows of the expert before it, which its store leaves out. ``tiles`` is the worst case for
+    ``num_rows`` (every expert's last row tile partial, every first one starting early)."""
     num_experts = offsets_L.shape[0]
-    tiles = (triton.cdiv(num_rows, block_m) + num_experts) * triton.cdiv(n, BLOCK_N)
-    tiles_T4 = torch.empty(tiles, TILE_FIELDS, dtype=torch.int32, device=offsets_L.device)
+    tiles = max_row_tiles(num_rows, num_experts, block_m, K_MAJOR_ROW_ALIGN) * triton.cdiv(n, BLOCK_N)
+    tiles_T5 = torch.empty(tiles, TILE_FIELDS, dtype=torch.int32, device=offsets_L.device)
     _schedule_kernel[(tiles,)](
         offsets_L,
-        tiles_T4,
+        tiles_T5,
         NUM_EXPERTS=num_experts,
         E_P2=triton.next_power_of_2(num_experts),
         BLOCK_M=block_m,
         NUM_N=triton.cdiv(n, BLOCK_N),
         GROUP_M=group_m,
     )
-    return tiles_T4
+    return tiles_T5
 
 
 if gluon is not None:
@@ -144,8 +159,10 @@ if gluon is not None:
     def _loader(
         a_desc,
         b_desc,
+        s_desc,
         a_smem,
         b_smem,
+        s_smem,
         ready,
         empty,
         tiles_ptr,
@@ -158,8 +175,11 @@ if gluon is not None:
     ):
         """One warp: for each of this program's tiles and each K step ``it`` (counted over all of them),
         wait until slot it % STAGES is empty, then load the step's row tiles (one [64, 128] box per
-        consumer) and weight tile into it; ``ready`` completes when their bytes have landed."""
-        STAGE_BYTES: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        consumer), weight tile and the rows' activation scales for the step into it; ``ready``
+        completes when their bytes have landed."""
+        STAGE_BYTES: gl.constexpr = CONSUMERS * (a_desc.block_type.nbytes + s_desc.block_type.nbytes) + (
+            b_desc.block_type.nbytes
+        )
         pid = gl.program_id(0)
         step = gl.num_programs(0) if PERSISTENT else num_tiles
         for t in range(pid, num_tiles, step):
@@ -178,15 +198,16 @@ if gluon is not None:
                     mbarrier.expect(ready.index(s), STAGE_BYTES)
                     for i in gl.static_range(CONSUMERS):
                         tma_load(a_desc, [row0 + 64 * i, k * 128], ready.index(s), a_smem.index(s * CONSUMERS + i))
+                        tma_load(s_desc, [k, row0 + 64 * i], ready.index(s), s_smem.index(s * CONSUMERS + i))
                     tma_load(b_desc, [b_row, k * 128], ready.index(s), b_smem.index(s))
 
     @gluon.jit
     def _consumer(
         a_smem,
         b_smem,
+        s_smem,
         ready,
         empty,
-        a_scale_ptr,
         b_scale_ptr,
         c_ptr,
         tiles_ptr,
@@ -208,6 +229,10 @@ if gluon is not None:
         )
         STORE: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # a warp: 2 rows x 128 columns
         zero = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
+        # Each slot's scales of each consumer's rows as a plain vector (the TMA box is [1, 64]).
+        scales_slots = s_smem._reinterpret(
+            gl.float32, [STAGES * CONSUMERS, ROWS_C], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
         pid = gl.program_id(0)
         step = gl.num_programs(0) if PERSISTENT else num_tiles
         for t in range(pid, num_tiles, step):
@@ -217,10 +242,8 @@ if gluon is not None:
                 row0 = gl.load(tile + 1)
                 row_end = gl.load(tile + 2)
                 pid_n = gl.load(tile + 3)
+                row_begin = gl.load(tile + 4)
                 base = ((t - pid) // step) * KQ
-                rows_M = row0 + INDEX * ROWS_C + gl.arange(0, ROWS_C, layout=gl.SliceLayout(1, MMA))
-                row_mask_M = rows_M < row_end
-                a_scales_M = a_scale_ptr + rows_M.to(gl.int64) * KQ
                 b_scales = b_scale_ptr + (expert.to(gl.int64) * NQ + pid_n) * KQ  # [L, N/128, K/128]
                 acc = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
                 for k in range(KQ):
@@ -230,10 +253,10 @@ if gluon is not None:
                     a_tile = a_smem.index(s * CONSUMERS + INDEX)
                     b_tile = b_smem.index(s)
                     product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-                    # The step's scales are read after its MMA is issued: their latency hides behind the
-                    # MMA, and nothing that waits for them sits between the wgmma instructions (rows past
-                    # the tile read 0).
-                    a_scale_M = gl.load(a_scales_M + k, mask=row_mask_M, other=0.0)
+                    # The step's scales are read after its MMA is issued, so nothing that waits for them
+                    # sits between the wgmma instructions: the rows' from the slot (shared memory, landed
+                    # with the operands), the weight block's one from global memory (L1 after the first).
+                    a_scale_M = scales_slots.index(s * CONSUMERS + INDEX).load(gl.SliceLayout(1, MMA))
                     b_scale = gl.load(b_scales + k)
                     product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
                     mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
@@ -245,16 +268,16 @@ if gluon is not None:
                 rows_S = row0 + INDEX * ROWS_C + gl.arange(0, ROWS_C, layout=gl.SliceLayout(1, STORE))
                 cols_S = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, STORE))
                 out = c_ptr + rows_S.to(gl.int64)[:, None] * N + cols_S[None, :]
-                gl.store(out, value, mask=(rows_S < row_end)[:, None])
+                gl.store(out, value, mask=((rows_S >= row_begin) & (rows_S < row_end))[:, None])
 
     @gluon.jit
     def _grouped_gemm_kernel(
         a_desc,  # [R, K] e4m3, boxes [64, 128]
-        a_scale_ptr,  # [R, K/128] float32
+        s_desc,  # the activation scales K-major: [K/128, R] float32, boxes [1, 64]
         b_desc,  # [L * N, K] e4m3, boxes [128, 128]
         b_scale_ptr,  # [L, N/128, K/128] float32
         c_ptr,  # [R, N]
-        tiles_ptr,  # [num_tiles, 4] int32 (tile_schedule)
+        tiles_ptr,  # [num_tiles, 5] int32 (tile_schedule)
         num_tiles,
         N: gl.constexpr,
         K: gl.constexpr,
@@ -268,6 +291,7 @@ if gluon is not None:
         # The row tile as one [64, 128] slot per consumer: a shared-memory block's dims must be powers of 2.
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS, 64, 128], a_desc.layout)
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N_C, 128], b_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES * CONSUMERS, 1, ROWS_C], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -280,13 +304,13 @@ if gluon is not None:
         if CONSUMERS == 3:
             gl.warp_specialize(
                 [
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                    (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                    (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                    (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT)),
-                    (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
+                    (_loader, (a_desc, b_desc, s_desc, a_smem, b_smem, s_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
                 [4, 4, 1],
@@ -295,11 +319,11 @@ if gluon is not None:
         else:
             gl.warp_specialize(
                 [
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                    (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
-                    (_consumer, (a_smem, b_smem, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, tiles_ptr,
+                    (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
-                    (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_ptr, num_tiles,
+                    (_loader, (a_desc, b_desc, s_desc, a_smem, b_smem, s_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
                 [4, 1],
@@ -336,7 +360,8 @@ def grouped_gemm(
     config: WarpSpecializedConfig | None = None,
 ) -> torch.Tensor:
     """``fp8_gemm.grouped_gemm``'s contract on sm90 (``supported`` says where): e4m3 rows ``q_RK``
-    (scales ``[R, K/128]``) grouped by expert times each expert's e4m3 weight ``w_LNK[l]`` transposed
+    (scales ``[R, K/128]``; K-major ones, ``quant.fp8.empty_k_major_scales``, are read where they lie,
+    others copied so first) grouped by expert times each expert's e4m3 weight ``w_LNK[l]`` transposed
     (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``. ``offsets_L``: int32
     cumulative row counts on the device; rows past ``offsets_L[-1]`` are left unwritten. ``config``
     defaults to ``config_for(R / L)``."""
@@ -356,16 +381,16 @@ def grouped_gemm(
     out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
     if num_rows == 0:
         return out_RN
-    tiles_T4 = tile_schedule(offsets_L, num_rows, n, config.block_m, config.group_m)
-    num_tiles = tiles_T4.shape[0]
+    tiles_T5 = tile_schedule(offsets_L, num_rows, n, config.block_m, config.group_m)
+    num_tiles = tiles_T5.shape[0]
     grid = min(num_tiles, sm_count(q_RK.device)) if config.persistent else num_tiles
     _grouped_gemm_kernel[(grid,)](
         GluonDescriptor.from_tensor(q_RK, [ROWS_PER_CONSUMER, FP8_BLOCK], OPERAND_LAYOUT),
-        scales_RQ.contiguous(),
+        GluonDescriptor.from_tensor(k_major_scales(scales_RQ), [1, ROWS_PER_CONSUMER], SCALE_LAYOUT),
         GluonDescriptor.from_tensor(w_LNK.view(num_experts * n, k), [BLOCK_N, FP8_BLOCK], OPERAND_LAYOUT),
         w_scale_inv_LNQ.contiguous(),
         out_RN,
-        tiles_T4,
+        tiles_T5,
         num_tiles,
         N=n,
         K=k,

@@ -302,12 +302,15 @@ class RoutedExperts(nn.Module):
             def gemm(q, s, w, ws):
                 return fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, self.dtype, rows_per_expert=rows_per_expert)
 
-        if scales_RQ is None:  # through the index where there is one: the gather fused into the quantisation
-            q_RH, scales_RQ = quant_kernels.quantize_rows(x_RH, offsets_L, rows_R)
+        # Scales K-major where the sm90 kernel runs (it loads them so); through the index where there is
+        # one: the gather fused into the quantisation.
+        k_major = path == "triton" and fp8_gemm.k_major_scales_wanted(x_RH.device, rows_per_expert)
+        if scales_RQ is None:
+            q_RH, scales_RQ = quant_kernels.quantize_rows(x_RH, offsets_L, rows_R, k_major=k_major)
         else:
             q_RH = x_RH
         gate_up_R2I = gemm(q_RH, scales_RQ, self.gate_up_proj, self.gate_up_proj_scale_inv)
-        q_RI, act_scales_RQ = quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L)
+        q_RI, act_scales_RQ = quant_kernels.silu_mul_quantize(gate_up_R2I, offsets_L, k_major=k_major)
         return gemm(q_RI, act_scales_RQ, self.down_proj, self.down_proj_scale_inv)
 
     def fp8_path(self, device: torch.device, num_rows: int) -> str:

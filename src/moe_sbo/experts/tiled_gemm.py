@@ -60,15 +60,26 @@ class GemmConfig:
 
 @triton.jit
 def expert_tile_bounds(
-    pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_N, GROUP_M
+    pid,
+    offsets_ptr,
+    NUM_EXPERTS: tl.constexpr,
+    E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NUM_N,
+    GROUP_M,
+    ALIGN: tl.constexpr = 1,
 ):
     """Program ``pid``'s tile -> (live, expert, first row, row end, pid_n): ``live`` is false past the
     last tile (every live tile comes before every dead one); the tile is rows [first row, row end) of
-    ``expert`` (at most BLOCK_M, any size) times columns ``pid_n * BLOCK_N`` on."""
+    ``expert`` (at most BLOCK_M, any size) times columns ``pid_n * BLOCK_N`` on. ``ALIGN``: each
+    expert's tiles start at its first row rounded down to a multiple of ALIGN, so its first tile may
+    begin with up to ALIGN - 1 rows of the expert before (the caller leaves them out: they are another
+    expert's rows); every first row is then a multiple of ALIGN (BLOCK_M is)."""
     offs_e = tl.arange(0, E_P2)
     ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
-    starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
-    m_tiles_E = tl.cdiv(ends_E - starts_E, BLOCK_M)
+    real_starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
+    starts_E = real_starts_E - real_starts_E % ALIGN
+    m_tiles_E = tl.where(ends_E > real_starts_E, tl.cdiv(ends_E - starts_E, BLOCK_M), 0)
     tiles_E = m_tiles_E * NUM_N
     tiles_end_E = tl.cumsum(tiles_E, axis=0)
     live = pid < tl.sum(tiles_E)
@@ -94,7 +105,7 @@ def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
     last tile (the caller returns); the tile is rows ``rows_M`` (those under ``row_mask_M`` belong to
     ``expert``) times columns ``pid_n * BLOCK_N`` on."""
     live, expert, first_row, row_end, pid_n = expert_tile_bounds(
-        pid, offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M
+        pid, offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M, 1
     )
     rows_M = first_row + tl.arange(0, BLOCK_M)
     return live, expert, rows_M, rows_M < row_end, pid_n
@@ -102,7 +113,13 @@ def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr,
 
 def max_tiles(num_rows: int, num_experts: int, n: int, config: GemmConfig) -> int:
     """The grid of a grouped GEMM over ``num_rows`` rows: every expert's last row tile may be partial."""
-    return (triton.cdiv(num_rows, config.block_m) + num_experts) * triton.cdiv(n, config.block_n)
+    return max_row_tiles(num_rows, num_experts, config.block_m) * triton.cdiv(n, config.block_n)
+
+
+def max_row_tiles(num_rows: int, num_experts: int, block_m: int, align: int = 1) -> int:
+    """The most row tiles ``expert_tile_bounds`` makes of ``num_rows`` rows in ``num_experts`` experts:
+    one partial tile per expert, and with ``align`` up to ``align - 1`` rows more before each expert's."""
+    return triton.cdiv(num_rows + (align - 1) * num_experts, block_m) + num_experts
 
 
 @triton.jit

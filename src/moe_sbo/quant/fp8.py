@@ -43,6 +43,35 @@ def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q_TQV.view(num_tokens, hidden), scales_TQ1.view(num_tokens, hidden // FP8_GROUP)
 
 
+# Activation scales laid out K-major: ``[X, Q]`` views of ``[Q, X rounded up to K_MAJOR_ROW_ALIGN]``
+# storage, each group's scales of consecutive rows contiguous, as Hopper's block-scaled GEMMs load
+# them (the sm90 kernel by TMA, whose row strides are multiples of 16 bytes; cuBLAS and DeepGEMM take
+# the same layout).
+K_MAJOR_ROW_ALIGN = 4
+
+
+def empty_k_major_scales(num_rows: int, groups: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Uninitialised float32 scales ``[X, Q]`` laid out K-major (strides ``(1, X rounded up to 4)``)."""
+    padded = -(-num_rows // K_MAJOR_ROW_ALIGN) * K_MAJOR_ROW_ALIGN
+    return torch.empty(groups, padded, dtype=torch.float32, device=device)[:, :num_rows].t()
+
+
+def k_major_scales(scales_XQ: torch.Tensor) -> torch.Tensor:
+    """``scales_XQ`` transposed, ``[Q, X]`` float32 with unit stride along X and a row stride that is a
+    multiple of ``K_MAJOR_ROW_ALIGN``: a view where ``scales_XQ`` is laid out K-major already
+    (``empty_k_major_scales``, the quantisers' ``k_major`` output), else a copy."""
+    scales_QX = scales_XQ.t()
+    if (
+        scales_XQ.dtype == torch.float32
+        and scales_QX.stride(1) == 1
+        and scales_QX.stride(0) % K_MAJOR_ROW_ALIGN == 0
+        and scales_QX.data_ptr() % 16 == 0
+    ):
+        return scales_QX
+    num_rows, groups = scales_XQ.shape
+    return empty_k_major_scales(num_rows, groups, scales_XQ.device).t().copy_(scales_QX)
+
+
 def dequantize_fp8(q_XH: torch.Tensor, scales_XQ: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of ``quantize_fp8``: ``[X, H]`` in ``dtype``."""
     num_rows, hidden = q_XH.shape

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX
+from .fp8 import FP8_DTYPE, FP8_GROUP, FP8_MAX, empty_k_major_scales
 
 GROUP_V = tl.constexpr(FP8_GROUP)
 E4M3_MAX = tl.constexpr(FP8_MAX)
@@ -52,12 +52,12 @@ def quantize_slice(x_row, h0, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _store_quantized(q_row, s_row, h0, q_QV, scale_Q, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+def _store_quantized(q_row, s_row, s_stride_q, h0, q_QV, scale_Q, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
     offs_q = tl.arange(0, BLOCK_H // GROUP_V)
     q_mask = h0 + offs_q * GROUP_V < HIDDEN
     h_QV = h0 + offs_q[:, None] * GROUP_V + tl.arange(0, GROUP_V)[None, :]
     tl.store(q_row + h_QV, q_QV, mask=q_mask[:, None])
-    tl.store(s_row + h0 // GROUP_V + offs_q, scale_Q, mask=q_mask)
+    tl.store(s_row + (h0 // GROUP_V + offs_q) * s_stride_q, scale_Q, mask=q_mask)
 
 
 @triton.jit
@@ -68,6 +68,8 @@ def _quantize_rows_kernel(
     s_ptr,
     last_ptr,
     stride_x,
+    s_stride_r,
+    s_stride_q,
     HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,
     GATHER: tl.constexpr,
@@ -81,11 +83,13 @@ def _quantize_rows_kernel(
         else:
             src = r64
         q_QV, scale_Q = quantize_slice(x_ptr + src * stride_x, h0, HIDDEN, BLOCK_H)
-        _store_quantized(q_ptr + r64 * HIDDEN, s_ptr + r64 * (HIDDEN // GROUP_V), h0, q_QV, scale_Q, HIDDEN, BLOCK_H)
+        _store_quantized(q_ptr + r64 * HIDDEN, s_ptr + r64 * s_stride_r, s_stride_q, h0, q_QV, scale_Q, HIDDEN, BLOCK_H)
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(h_ptr, q_ptr, s_ptr, last_ptr, INTER: tl.constexpr, BLOCK_H: tl.constexpr):
+def _silu_mul_quantize_kernel(
+    h_ptr, q_ptr, s_ptr, last_ptr, s_stride_r, s_stride_q, INTER: tl.constexpr, BLOCK_H: tl.constexpr
+):
     r = tl.program_id(0)
     if r < tl.load(last_ptr):
         h0 = tl.program_id(1) * BLOCK_H
@@ -98,23 +102,30 @@ def _silu_mul_quantize_kernel(h_ptr, q_ptr, s_ptr, last_ptr, INTER: tl.constexpr
         up_QV = tl.load(gate_row + INTER + h_QV, mask=q_mask[:, None], other=0.0).to(tl.float32)
         act_QV = gate_QV * tl.sigmoid(gate_QV) * up_QV
         q_QV, scale_Q = quantize_values(act_QV)
-        _store_quantized(q_ptr + r64 * INTER, s_ptr + r64 * (INTER // GROUP_V), h0, q_QV, scale_Q, INTER, BLOCK_H)
+        _store_quantized(q_ptr + r64 * INTER, s_ptr + r64 * s_stride_r, s_stride_q, h0, q_QV, scale_Q, INTER, BLOCK_H)
 
 
-def _empty_quantized(num_rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 ``[X, width]`` values and their float32 ``[X, width/128]`` scales, uninitialised."""
+def _empty_quantized(
+    num_rows: int, width: int, device: torch.device, k_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``[X, width]`` values and their float32 ``[X, width/128]`` scales, uninitialised; ``k_major``:
+    the scales laid out K-major (``fp8.empty_k_major_scales``)."""
     q = torch.empty(num_rows, width, dtype=FP8_DTYPE, device=device)
+    if k_major:
+        return q, empty_k_major_scales(num_rows, width // FP8_GROUP, device)
     return q, torch.empty(num_rows, width // FP8_GROUP, dtype=torch.float32, device=device)
 
 
 def quantize_rows(
-    x_XH: torch.Tensor, offsets_L: torch.Tensor, rows_R: torch.Tensor | None = None
+    x_XH: torch.Tensor, offsets_L: torch.Tensor, rows_R: torch.Tensor | None = None, k_major: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x_XH`` -> (e4m3 ``[R, H]``, float32 scales ``[R, H/128]``); rows at or past ``offsets_L[-1]``
     are left unwritten (they belong to no expert). Without ``rows_R`` the rows are ``x_XH`` itself
     (R = X); with it (an integer ``[R]`` index, as ``DispatchOutput.expert_rows_R``) row r is
     ``x_XH[rows_R[r]]``: the gather fused into the quantisation, so the rows are read once where they
-    lie instead of copied first. ``x_XH``'s rows may be strided (a view into a wider buffer)."""
+    lie instead of copied first. ``x_XH``'s rows may be strided (a view into a wider buffer).
+    ``k_major``: the scales laid out K-major (``fp8.empty_k_major_scales``: ``[R, H/128]`` with strides
+    ``(1, R rounded up to 4)``), as the sm90 FP8 GEMM loads them, without a copy."""
     if x_XH.dim() != 2 or x_XH.stride(1) != 1:
         raise ValueError(
             f"quantize_rows needs [X, H] rows contiguous along H, got shape {tuple(x_XH.shape)} and strides "
@@ -124,7 +135,7 @@ def quantize_rows(
     if rows_R is not None and (rows_R.dtype.is_floating_point or rows_R.dim() != 1):
         raise ValueError(f"quantize_rows needs rows_R an integer [R] index, got {rows_R.dtype} {tuple(rows_R.shape)}")
     num_rows = x_XH.shape[0] if rows_R is None else rows_R.shape[0]
-    q_RH, scales_RQ = _empty_quantized(num_rows, hidden, x_XH.device)
+    q_RH, scales_RQ = _empty_quantized(num_rows, hidden, x_XH.device, k_major)
     if num_rows:
         block_h = block_h_for_quantize(hidden)
         _quantize_rows_kernel[(num_rows, triton.cdiv(hidden, block_h))](
@@ -134,6 +145,7 @@ def quantize_rows(
             scales_RQ,
             offsets_L[-1:],
             x_XH.stride(0),
+            *scales_RQ.stride(),
             HIDDEN=hidden,
             BLOCK_H=block_h,
             GATHER=rows_R is not None,
@@ -141,13 +153,16 @@ def quantize_rows(
     return q_RH, scales_RQ
 
 
-def silu_mul_quantize(gate_up_R2I: torch.Tensor, offsets_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SwiGLU of ``gate_up_R2I`` (gate columns first) quantised: (e4m3 ``[R, I]``, scales ``[R, I/128]``)."""
+def silu_mul_quantize(
+    gate_up_R2I: torch.Tensor, offsets_L: torch.Tensor, k_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU of ``gate_up_R2I`` (gate columns first) quantised: (e4m3 ``[R, I]``, scales ``[R, I/128]``;
+    ``k_major`` as ``quantize_rows``')."""
     num_rows, inter = gate_up_R2I.shape[0], gate_up_R2I.shape[1] // 2
-    q_RI, scales_RQ = _empty_quantized(num_rows, inter, gate_up_R2I.device)
+    q_RI, scales_RQ = _empty_quantized(num_rows, inter, gate_up_R2I.device, k_major)
     if num_rows:
         block_h = block_h_for_quantize(inter)
         _silu_mul_quantize_kernel[(num_rows, triton.cdiv(inter, block_h))](
-            gate_up_R2I, q_RI, scales_RQ, offsets_L[-1:], INTER=inter, BLOCK_H=block_h
+            gate_up_R2I, q_RI, scales_RQ, offsets_L[-1:], *scales_RQ.stride(), INTER=inter, BLOCK_H=block_h
         )
     return q_RI, scales_RQ
