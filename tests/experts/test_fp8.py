@@ -183,6 +183,17 @@ def test_sm90_kernel_runs_from_257_rows_per_expert_eagerly_and_from_128_captured
 
 
 @interpreted
+def test_scales_are_quantised_k_major_only_where_the_sm90_kernel_runs(monkeypatch):
+    """``fp8_gemm.k_major_scales_wanted``: K-major scales at the sm90 kernel's sizes on a device it runs
+    on (it loads them so), row-major elsewhere (the Triton kernel's decode GEMMs were slower on them)."""
+    cpu = torch.device("cpu")
+    assert not fp8_gemm.k_major_scales_wanted(cpu, 4096)
+    monkeypatch.setattr(fp8_gemm_sm90, "device_supported", lambda device: True)
+    assert fp8_gemm.k_major_scales_wanted(cpu, fp8_gemm.LARGE_MIN_ROWS_PER_EXPERT + 1)
+    assert not fp8_gemm.k_major_scales_wanted(cpu, fp8_gemm.LARGE_MIN_ROWS_PER_EXPERT)
+    assert not fp8_gemm.k_major_scales_wanted(cpu, 16)
+
+
 def test_fp8_experts_choose_their_gemms_by_the_rows_to_expect(monkeypatch):
     """``RoutedExperts.forward`` with ``expected_rows`` (padding after the real rows, as ``low_latency``
     hands them over): the FP8 GEMMs are chosen for the real rows per expert, not for every row."""
