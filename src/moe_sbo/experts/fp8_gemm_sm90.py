@@ -34,14 +34,13 @@ consumer (its accumulator and one product, 64 each), 24 for the loader. The prog
 store this one.
 
 Measured on H200 at DeepSeek-V3's expert dims, 8 experts x 2048-4096 rows, CUDA-graph replay, in
-one run (docs/FP8.md, "Kernel choices"): gate_up 1,028-1,036 TFLOP/s and down 1,005-1,013, against
-the Triton kernel's 852-854 and 764-767 and cuBLAS's row-wise FP8 rate of 1,206-1,226 and
-1,055-1,061.
+one run (docs/FP8.md, "Kernel choices"): gate_up 1,100-1,116 TFLOP/s and down 1,027-1,032, against
+the Triton kernel's 829-835 and 751 and cuBLAS's row-wise FP8 rate of 1,189-1,201 and 1,043-1,044.
 
 The schedule (``tile_schedule``, Triton) writes each tile's (expert, first row, row end, column
-tile) from the device offsets, live tiles first; it runs under ``TRITON_INTERPRET=1`` on CPU (tested
-there). Gluon has no interpreter and the kernel needs sm90's wgmma, TMA and ``setmaxnreg``, so the
-GEMM itself is tested on GPUs only.
+tile, the expert's first row) from the device offsets, live tiles first, first rows on multiples of
+4; it runs under ``TRITON_INTERPRET=1`` on CPU (tested there). Gluon has no interpreter and the
+kernel needs sm90's wgmma, TMA and ``setmaxnreg``, so the GEMM itself is tested on GPUs only.
 """
 
 from __future__ import annotations
