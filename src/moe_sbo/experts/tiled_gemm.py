@@ -67,7 +67,7 @@ def expert_tile_bounds(
     BLOCK_M: tl.constexpr,
     NUM_N,
     GROUP_M,
-    ALIGN: tl.constexpr = 1,
+    ALIGN: tl.constexpr,
 ):
     """Program ``pid``'s tile -> (live, expert, first row, row end, pid_n): ``live`` is false past the
     last tile (every live tile comes before every dead one); the tile is rows [first row, row end) of
