@@ -33,6 +33,7 @@ interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,8 +71,15 @@ SWEEP_CONFIGS = [
 
 
 # The warp-specialised sm90 kernel (fp8_gemm_sm90): three and two consumer warp groups (192- and 128-row
-# tiles; ``config_for`` chooses between them by rows per expert).
-SM90_SWEEP_CONFIGS = [fp8_gemm_sm90.DEFAULT_CONFIG, fp8_gemm_sm90.TWO_CONSUMERS_CONFIG]
+# tiles; ``config_for`` chooses between them by rows per expert), two with 1, 2 or 4 K steps per turn
+# (each step's MMA issued before the previous product is promoted) and 4 or 5 stages.
+SM90_SWEEP_CONFIGS = [
+    fp8_gemm_sm90.DEFAULT_CONFIG,
+    *(
+        dataclasses.replace(fp8_gemm_sm90.TWO_CONSUMERS_CONFIG, k_unroll=k_unroll, stages=stages)
+        for k_unroll, stages in ((1, 4), (2, 4), (4, 4), (4, 5))
+    ),
+]
 
 
 def make_experts(num_experts: int, hidden: int, inter: int, device: torch.device, dtype: torch.dtype):
@@ -291,7 +299,9 @@ def print_sweep(rows: list[dict]) -> None:
             name,
             f"{best['t_us']:.1f}",
             f"{best['tflops']:.0f}",
-            f"{sm90['t_us']:.1f} ({sm90['tflops']:.0f}) {sm90['consumers']}x64 s{sm90['stages']}" if sm90 else "-",
+            f"{sm90['t_us']:.1f} ({sm90['tflops']:.0f}) {sm90['consumers']}x64 s{sm90['stages']} u{sm90['k_unroll']}"
+            if sm90
+            else "-",
             f"{ref_t:.1f}" if ref_t else "-",
             f"{ref_t / best_t:.2f}" if ref_t else "-",
             f"{blockwise['t_us']:.1f}" if blockwise else "-",

@@ -11,6 +11,7 @@ quantisers' e4m3 values are compared modulo that bug, and the GEMM is fed the to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -150,6 +151,10 @@ def test_the_sm90_kernel_is_not_chosen_off_hopper_and_refuses_clearly():
         fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
     with pytest.raises(ValueError, match="consumers must be 2 or 3"):
         fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32, fp8_gemm_sm90.WarpSpecializedConfig(4))
+    # Two products per warp group fit only two consumers' registers.
+    three_unrolled = dataclasses.replace(fp8_gemm_sm90.DEFAULT_CONFIG, k_unroll=2)
+    with pytest.raises(ValueError, match="k_unroll must be 1, or above 1 with two consumers"):
+        fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32, three_unrolled)
 
 
 def test_sm90_kernel_takes_two_consumers_up_to_1024_rows_per_expert():

@@ -104,21 +104,23 @@ sm90 = pytest.mark.skipif(
     [
         fp8_gemm_sm90.DEFAULT_CONFIG,
         dataclasses.replace(fp8_gemm_sm90.DEFAULT_CONFIG, persistent=False),
-        fp8_gemm_sm90.TWO_CONSUMERS_CONFIG,
-        dataclasses.replace(fp8_gemm_sm90.TWO_CONSUMERS_CONFIG, stages=5),
+        dataclasses.replace(fp8_gemm_sm90.TWO_CONSUMERS_CONFIG, k_unroll=1),
+        dataclasses.replace(fp8_gemm_sm90.TWO_CONSUMERS_CONFIG, k_unroll=2),
+        dataclasses.replace(fp8_gemm_sm90.TWO_CONSUMERS_CONFIG, k_unroll=4, stages=5),
     ],
-    ids=["3x64-s4", "3x64-one-tile-per-program", "2x64-s4", "2x64-s5"],
+    ids=["3x64-s4", "3x64-one-tile-per-program", "2x64-s4-u1", "2x64-s4-u2", "2x64-s5-u4"],
 )
 def test_warp_specialized_gemm_matches_torch_reference(config):
     """The sm90 kernel against the float32 reference: uneven experts (1 row, none, 300, ...) so tiles
     end inside an expert, padding rows past the last expert, K of both MLP GEMMs (16 and 56 steps,
-    more than a persistent program's ring holds); and replayed from a CUDA graph after the counts
+    more than a persistent program's ring holds) and of V2-Lite's down (11 steps: ``k_unroll``'s
+    remainder) and one step; and replayed from a CUDA graph after the counts
     change on the device."""
     generator = torch.Generator(device="cuda").manual_seed(3)
     counts, offsets = _counts("cuda", 1, 0, 300, 64, 129, 0, 7, 700)
     rows = int(counts.sum()) + 50
     real = int(offsets[-1])
-    for n, k in ((1024, 2048), (256, 7168)):
+    for n, k in ((1024, 2048), (256, 7168), (384, 1408), (128, 128)):
         x = torch.randn(rows, k, generator=generator, device="cuda")
         w = torch.randn(len(counts), n, k, generator=generator, device="cuda") * k**-0.5
         q, s = quantize_fp8(x)

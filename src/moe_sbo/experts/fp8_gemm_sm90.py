@@ -87,7 +87,9 @@ class WarpSpecializedConfig:
     """``consumers`` warp groups of 64 rows each (tile: 64 x consumers rows x 128 columns), ``stages``
     shared-memory slots of operand tiles, ``persistent``: one program per SM looping over tiles;
     ``consumer_regs`` / ``loader_regs``: registers per thread of each partition (multiples of 8 that
-    fit the SM's 64K with the launch's warps)."""
+    fit the SM's 64K with the launch's warps); ``k_unroll``: K steps per turn of a consumer's loop,
+    each step's MMA issued before the previous step's product is promoted (above 1 a consumer holds
+    two products: two consumers only, whose 232 registers fit them)."""
 
     consumers: int = 3
     stages: int = 4
@@ -95,6 +97,7 @@ class WarpSpecializedConfig:
     consumer_regs: int = 160
     loader_regs: int = 24
     group_m: int = 8
+    k_unroll: int = 1
 
     @property
     def block_m(self) -> int:
@@ -201,6 +204,62 @@ if gluon is not None:
                     tma_load(b_desc, [b_row, k * 128], ready.index(s), b_smem.index(s))
 
     @gluon.jit
+    def _k_steps(
+        acc,
+        k,
+        base,
+        a_smem,
+        b_smem,
+        scales_slots,
+        ready,
+        empty,
+        b_scales,
+        zero,
+        STEPS: gl.constexpr,
+        STAGES: gl.constexpr,
+        CONSUMERS: gl.constexpr,
+        INDEX: gl.constexpr,
+    ):
+        """K steps ``k .. k + STEPS - 1`` of a consumer's tile (``base``: the tile's first step counted
+        over the program's tiles) added into ``acc``. Each step: wait for its slot, one wgmma, read its
+        scales while the MMA runs (the rows' from the slot, landed with the operands; the weight block's
+        one from global memory, L1 after the first), then the next step's wgmma is issued before this
+        one's product is waited for, the slot released and the product promoted: the tensor cores work
+        on this warp group's next MMA meanwhile. The last step of the call has no next: the steps are
+        unrolled, so no MMA is in flight across a turn of a loop (ptxas would serialise every wgmma)."""
+        SCALE_M: gl.constexpr = gl.SliceLayout(1, zero.type.layout)  # one value per accumulator row
+        it = base + k
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a_tile = a_smem.index(s * CONSUMERS + INDEX)
+        b_tile = b_smem.index(s)
+        product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        scale_M = scales_slots.index(s * CONSUMERS + INDEX).load(SCALE_M) * gl.load(b_scales + k)
+        for u in gl.static_range(STEPS):
+            if u + 1 < STEPS:
+                it_next = it + u + 1
+                s_next = it_next % STAGES
+                mbarrier.wait(ready.index(s_next), (it_next // STAGES) & 1)
+                a_next = a_smem.index(s_next * CONSUMERS + INDEX)
+                b_next = b_smem.index(s_next)
+                product_next = warpgroup_mma(a_next, b_next.permute((1, 0)), zero, use_acc=False, is_async=True)
+                scale_M_next = scales_slots.index(s_next * CONSUMERS + INDEX).load(SCALE_M) * gl.load(
+                    b_scales + k + u + 1
+                )
+                landed, _, _ = warpgroup_mma_wait(1, deps=[product, a_tile, b_tile])  # this step's, not the next
+            else:
+                landed, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
+            mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
+            acc += landed * scale_M[:, None]
+            if u + 1 < STEPS:
+                # A wait that returns at once (the next product may stay in flight) but takes the
+                # accumulator: the promotion stays before the MMA after next, which reuses the product's
+                # registers, instead of sinking to the end and holding a third product's.
+                acc = warpgroup_mma_wait(1, deps=[acc])
+                product, a_tile, b_tile, scale_M, s = product_next, a_next, b_next, scale_M_next, s_next
+        return acc
+
+    @gluon.jit
     def _consumer(
         a_smem,
         b_smem,
@@ -217,6 +276,7 @@ if gluon is not None:
         CONSUMERS: gl.constexpr,
         INDEX: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        K_UNROLL: gl.constexpr,
     ):
         """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step:
         wait for the slot, one wgmma, wait for its product (which also ends this warp group's reads of
@@ -245,21 +305,12 @@ if gluon is not None:
                 base = ((t - pid) // step) * KQ
                 b_scales = b_scale_ptr + (expert.to(gl.int64) * NQ + pid_n) * KQ  # [L, N/128, K/128]
                 acc = gl.zeros([ROWS_C, BLOCK_N_C], gl.float32, layout=MMA)
-                for k in range(KQ):
-                    it = base + k
-                    s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    a_tile = a_smem.index(s * CONSUMERS + INDEX)
-                    b_tile = b_smem.index(s)
-                    product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-                    # The step's scales are read after its MMA is issued, so nothing that waits for them
-                    # sits between the wgmma instructions: the rows' from the slot (shared memory, landed
-                    # with the operands), the weight block's one from global memory (L1 after the first).
-                    a_scale_M = scales_slots.index(s * CONSUMERS + INDEX).load(gl.SliceLayout(1, MMA))
-                    b_scale = gl.load(b_scales + k)
-                    product, _, _ = warpgroup_mma_wait(0, deps=[product, a_tile, b_tile])
-                    mbarrier.arrive(empty.index(s), count=1)  # one arrive per warp group
-                    acc += product * (a_scale_M * b_scale)[:, None]
+                for k in range(0, KQ - KQ % K_UNROLL, K_UNROLL):
+                    acc = _k_steps(acc, k, base, a_smem, b_smem, scales_slots, ready, empty, b_scales, zero,
+                                   K_UNROLL, STAGES, CONSUMERS, INDEX)  # fmt: skip
+                for k in range(KQ - KQ % K_UNROLL, KQ):
+                    acc = _k_steps(acc, k, base, a_smem, b_smem, scales_slots, ready, empty, b_scales, zero,
+                                   1, STAGES, CONSUMERS, INDEX)  # fmt: skip
                 # The tile leaves through shared memory (the compiler's layout conversion) in 16 bytes
                 # per thread, whole 128-byte lines per store: the MMA layout's own pieces are 4 bytes,
                 # and storing from it was 4-22 % slower (H200, docs/FP8.md).
@@ -283,6 +334,7 @@ if gluon is not None:
         STAGES: gl.constexpr,
         CONSUMERS: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        K_UNROLL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr,
     ):
@@ -304,11 +356,11 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, K_UNROLL)),
                     (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, K_UNROLL)),
                     (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, K_UNROLL)),
                     (_loader, (a_desc, b_desc, s_desc, a_smem, b_smem, s_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -319,9 +371,9 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, K_UNROLL)),
                     (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
-                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT)),
+                                 num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, K_UNROLL)),
                     (_loader, (a_desc, b_desc, s_desc, a_smem, b_smem, s_smem, ready, empty, tiles_ptr, num_tiles,
                                N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
@@ -368,6 +420,11 @@ def grouped_gemm(
         config = config_for(q_RK.shape[0] / w_LNK.shape[0])
     if config.consumers not in (2, 3):
         raise ValueError(f"consumers must be 2 or 3 warp groups, got {config.consumers}")
+    if config.k_unroll < 1 or (config.k_unroll > 1 and config.consumers != 2):
+        raise ValueError(
+            f"k_unroll must be 1, or above 1 with two consumers (two products per warp group need their "
+            f"registers), got k_unroll={config.k_unroll} with {config.consumers} consumers"
+        )
     if not supported(q_RK, w_LNK):
         raise ValueError(
             "fp8_gemm_sm90 needs Triton's Gluon, an sm90 GPU, e4m3 operands, N a multiple of 128 and 16-byte "
@@ -396,6 +453,7 @@ def grouped_gemm(
         STAGES=config.stages,
         CONSUMERS=config.consumers,
         PERSISTENT=config.persistent,
+        K_UNROLL=config.k_unroll,
         CONSUMER_REGS=config.consumer_regs,
         LOADER_REGS=config.loader_regs,
         num_warps=4,  # the default partition: consumer warp group 0
