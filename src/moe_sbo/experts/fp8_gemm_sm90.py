@@ -105,11 +105,15 @@ class WarpSpecializedConfig:
 
 
 DEFAULT_CONFIG = WarpSpecializedConfig()
-# Two consumer warp groups (128-row tiles) up to this many rows per expert: 192-row tiles pad more of
-# each expert's rows there (H200, 8 experts, gate_up / down TFLOP/s: 931 / 883 against 932 / 858 with
-# three at 512 rows per expert, 949 / 909 against 928 / 904 at 1024; three win from 2048 by 9-10 %).
+# Two consumer warp groups (128-row tiles) up to this many rows per expert, four K steps per turn
+# (each step's MMA issued before the previous product is promoted) and five stages. H200, one run,
+# gate_up / down TFLOP/s, 8 experts: at 1024 rows per expert 1,096 / 941 against 1,002 / 908 with one
+# step per turn and 1,029 / 917 with three consumers (192-row tiles pad more of each expert); at 256,
+# 975 / 851 against 869 / 792; from 2048 three consumers win (1,111 / 1,025 against 1,104 / 967).
 TWO_CONSUMERS_MAX_ROWS_PER_EXPERT = 1024
-TWO_CONSUMERS_CONFIG = dataclasses.replace(DEFAULT_CONFIG, consumers=2, consumer_regs=232, loader_regs=40)
+TWO_CONSUMERS_CONFIG = dataclasses.replace(
+    DEFAULT_CONFIG, consumers=2, stages=5, consumer_regs=232, loader_regs=40, k_unroll=4
+)
 
 
 def config_for(rows_per_expert: float) -> WarpSpecializedConfig:
