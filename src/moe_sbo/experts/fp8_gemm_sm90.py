@@ -18,8 +18,9 @@ DeepGEMM::
     consumer i  warp group i  rows [64 i, 64 i + 64) of the tile: waits ``ready``, one wgmma
                               (64 x 128 x 128), reads the step's scales while it runs (its rows'
                               from the slot, the weight block's from global memory), waits for
-                              its product, arrives on ``empty``, promotes (one multiply-add per
-                              accumulator element); at the tile's end stores it in whole lines
+                              its product (two consumers: after issuing the next step's wgmma),
+                              arrives on ``empty``, promotes (one multiply-add per accumulator
+                              element); at the tile's end stores it in whole lines
 
 The activation scales come by TMA with the operands, as DeepGEMM's do, so they need the K-major
 layout (``quant.fp8.k_major_scales``: one step's scales of consecutive rows contiguous; the MLP's
@@ -28,14 +29,17 @@ them: without those loads the kernel ran 9-20 % faster (H200, docs/FP8.md).
 
 With three consumers (a 192 x 128 tile) the tensor cores always have another warp group's MMA queued
 while one promotes; up to 1024 rows per expert two (128-row tiles, which pad less of each expert:
-``config_for``). Registers are rebalanced between the partitions (``setmaxnreg``): 160 for each
-consumer (its accumulator and one product, 64 each), 24 for the loader. The program is persistent
-(one per SM, looping over tiles): the loader runs ahead into the next tile while the consumers
-store this one.
+``config_for``), each of which issues its next step's MMA before promoting a product (``k_unroll``
+steps per turn of its loop, two products in flight), so its own MMA fills the gap. Registers are
+rebalanced between the partitions (``setmaxnreg``): 160 for each of three consumers (the accumulator
+and one product, 64 each) and 24 for the loader; 232 for each of two (two products) and 40.
+The program is persistent (one per SM, looping over tiles): the loader runs ahead into the next
+tile while the consumers store this one.
 
-Measured on H200 at DeepSeek-V3's expert dims, 8 experts x 2048-4096 rows, CUDA-graph replay, in
-one run (docs/FP8.md, "Kernel choices"): gate_up 1,100-1,116 TFLOP/s and down 1,027-1,032, against
-the Triton kernel's 829-835 and 751 and cuBLAS's row-wise FP8 rate of 1,189-1,201 and 1,043-1,044.
+Measured on H200 at DeepSeek-V3's expert dims, 8 experts, CUDA-graph replay, in one run (docs/FP8.md,
+"Kernel choices"): gate_up 1,111-1,127 TFLOP/s and down 1,025-1,033 at 2048-4096 rows per expert,
+1,096 and 941 at 1024, against the Triton kernel's 823-830 and 736-749 and cuBLAS's row-wise FP8 rate
+on the same shapes of 1,186-1,210 and 1,022-1,045.
 
 The schedule (``tile_schedule``, Triton) writes each tile's (expert, first row, row end, column
 tile, the expert's first row) from the device offsets, live tiles first, first rows on multiples of
