@@ -286,10 +286,11 @@ if gluon is not None:
         PERSISTENT: gl.constexpr,
         K_UNROLL: gl.constexpr,
     ):
-        """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step:
-        wait for the slot, one wgmma, wait for its product (which also ends this warp group's reads of
-        the slot), release the slot, promote. The other consumers' MMAs keep the tensor cores busy
-        meanwhile: no barrier ties the warp groups together."""
+        """Warp group INDEX: rows [64 INDEX, 64 INDEX + 64) of each of this program's tiles. Per K step
+        (``_k_steps``, K_UNROLL steps per turn): wait for the slot, one wgmma, wait for its product
+        (which also ends this warp group's reads of the slot), release the slot, promote. The other
+        consumers' MMAs keep the tensor cores busy meanwhile, and with K_UNROLL > 1 this one's next:
+        no barrier ties the warp groups together."""
         NQ: gl.constexpr = N // 128
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N_C, 32]
