@@ -472,3 +472,27 @@ def test_capturing_the_nccl_transport_over_a_gloo_group_is_refused(ranks2):
     for message in ranks2.run(_capture_over_gloo):
         assert "this group is gloo (ranks sharing a GPU), which a CUDA graph cannot capture" in message
         assert "use transport='symm_mem'" in message
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs POSIX signal masks")
+def test_a_ctrl_c_while_the_fork_server_starts_is_kept_for_the_launcher(monkeypatch):
+    """A SIGINT landing while the fork server is forked and exec'd (here: sent from inside that call)
+    reaches the launcher once the call returns, as a KeyboardInterrupt; ignored for that instant, it
+    was lost and the interrupted command ran on. The server's own copy is held, not acted on."""
+    import threading
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    seen_blocked = []
+
+    def ensure_running():
+        seen_blocked.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()))
+        os.kill(os.getpid(), signal.SIGINT)  # held while the server starts
+
+    monkeypatch.setattr(forkserver, "ensure_running", ensure_running)
+    with pytest.raises(KeyboardInterrupt):
+        launch_ranks._start_forkserver(None)
+        time.sleep(1)  # a lost signal would leave the call to end normally here
+    assert seen_blocked == [True]
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # the mask is restored

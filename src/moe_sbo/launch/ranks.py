@@ -158,19 +158,21 @@ def _context(device: str) -> mp.context.SpawnContext | mp.context.ForkServerCont
 
 
 def _start_forkserver(ctx: mp.context.ForkServerContext) -> None:
-    """Start the fork server with SIGINT ignored for the instant of its fork and exec, so that its
-    interpreter starts ignoring it too (the preloaded ``forkserver_signals`` keeps it so); a Ctrl-C
-    in those few milliseconds is lost to the launcher, not turned into the server's traceback."""
+    """Start the fork server with SIGINT blocked for the instant of its fork and exec. The server
+    inherits the mask, so a Ctrl-C reaching the group then waits in it until the preloaded
+    ``forkserver_signals`` ignores SIGINT (which discards it) and unblocks it: no traceback from the
+    server. The launcher keeps its own pending Ctrl-C and takes it when the mask is restored, so it is
+    not lost (ignoring SIGINT for that instant lost it, and a command interrupted then ran on)."""
     from multiprocessing import forkserver
 
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()  # signal dispositions can only be changed from the main thread
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        forkserver.ensure_running()  # a thread's mask is its own; the main thread takes the signals
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class LocalRanks:
