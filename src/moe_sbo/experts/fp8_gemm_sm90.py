@@ -212,6 +212,31 @@ if gluon is not None:
                     tma_load(b_desc, [b_row, k * 128], ready.index(s), b_smem.index(s))
 
     @gluon.jit
+    def _issue_step(
+        it,
+        a_smem,
+        b_smem,
+        scales_slots,
+        ready,
+        b_scale,
+        zero,
+        STAGES: gl.constexpr,
+        CONSUMERS: gl.constexpr,
+        INDEX: gl.constexpr,
+    ):
+        """Step ``it`` (counted over the program's tiles) of a consumer: wait for its slot, issue its
+        wgmma, and read its scales while the MMA runs (the rows' from the slot, landed with the
+        operands; the weight block's ``b_scale`` from global memory, L1 after the first) -> (the
+        product in flight, its operand tiles, its scales [64], its slot)."""
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a_tile = a_smem.index(s * CONSUMERS + INDEX)
+        b_tile = b_smem.index(s)
+        product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        scales = scales_slots.index(s * CONSUMERS + INDEX).load(gl.SliceLayout(1, zero.type.layout))
+        return product, a_tile, b_tile, scales * gl.load(b_scale), s
+
+    @gluon.jit
     def _k_steps(
         acc,
         k,
@@ -229,30 +254,21 @@ if gluon is not None:
         INDEX: gl.constexpr,
     ):
         """K steps ``k .. k + STEPS - 1`` of a consumer's tile (``base``: the tile's first step counted
-        over the program's tiles) added into ``acc``. Each step: wait for its slot, one wgmma, read its
-        scales while the MMA runs (the rows' from the slot, landed with the operands; the weight block's
-        one from global memory, L1 after the first), then the next step's wgmma is issued before this
-        one's product is waited for, the slot released and the product promoted: the tensor cores work
-        on this warp group's next MMA meanwhile. The last step of the call has no next: the steps are
-        unrolled, so no MMA is in flight across a turn of a loop (ptxas would serialise every wgmma)."""
-        SCALE_M: gl.constexpr = gl.SliceLayout(1, zero.type.layout)  # one value per accumulator row
+        over the program's tiles) added into ``acc``. Each step is issued (``_issue_step``), then the
+        next step's wgmma before this one's product is waited for, the slot released and the product
+        promoted: the tensor cores work on this warp group's next MMA meanwhile. The last step of the
+        call has no next: the steps are unrolled, so no MMA is in flight across a turn of a loop
+        (ptxas would serialise every wgmma)."""
         it = base + k
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        a_tile = a_smem.index(s * CONSUMERS + INDEX)
-        b_tile = b_smem.index(s)
-        product = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-        scale_M = scales_slots.index(s * CONSUMERS + INDEX).load(SCALE_M) * gl.load(b_scales + k)
+        product, a_tile, b_tile, scale_M, s = _issue_step(
+            it, a_smem, b_smem, scales_slots, ready, b_scales + k, zero, STAGES, CONSUMERS, INDEX
+        )
         for u in gl.static_range(STEPS):
             if u + 1 < STEPS:
-                it_next = it + u + 1
-                s_next = it_next % STAGES
-                mbarrier.wait(ready.index(s_next), (it_next // STAGES) & 1)
-                a_next = a_smem.index(s_next * CONSUMERS + INDEX)
-                b_next = b_smem.index(s_next)
-                product_next = warpgroup_mma(a_next, b_next.permute((1, 0)), zero, use_acc=False, is_async=True)
-                scale_M_next = scales_slots.index(s_next * CONSUMERS + INDEX).load(SCALE_M) * gl.load(
-                    b_scales + k + u + 1
+                step_next = it + u + 1
+                b_scale_next = b_scales + k + u + 1
+                product_next, a_next, b_next, scale_M_next, s_next = _issue_step(
+                    step_next, a_smem, b_smem, scales_slots, ready, b_scale_next, zero, STAGES, CONSUMERS, INDEX
                 )
                 landed, _, _ = warpgroup_mma_wait(1, deps=[product, a_tile, b_tile])  # this step's, not the next
             else:
