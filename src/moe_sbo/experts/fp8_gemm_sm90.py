@@ -102,8 +102,6 @@ class WarpSpecializedConfig:
     loader_regs: int = 24
     group_m: int = 8
     k_unroll: int = 1
-    l2_prefetch: int = 0
-    l2_prefetch_chunk: int = 4
 
     @property
     def block_m(self) -> int:
@@ -168,23 +166,10 @@ def tile_schedule(offsets_L: torch.Tensor, num_rows: int, n: int, block_m: int, 
 if gluon is not None:
 
     @gluon.jit
-    def _prefetch_l2(addresses):
-        """Ask L2 for the 128-byte line of each address, without waiting for it."""
-        return gl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [addresses],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @gluon.jit
     def _loader(
         a_desc,
         b_desc,
         s_desc,
-        w_ptr,
         a_smem,
         b_smem,
         s_smem,
@@ -197,8 +182,6 @@ if gluon is not None:
         STAGES: gl.constexpr,
         CONSUMERS: gl.constexpr,
         PERSISTENT: gl.constexpr,
-        PREFETCH: gl.constexpr,
-        PREFETCH_CHUNK: gl.constexpr,
     ):
         """One warp: for each of this program's tiles and each K step ``it`` (counted over all of them),
         wait until slot it % STAGES is empty, then load the step's row tiles (one [64, 128] box per
@@ -207,8 +190,6 @@ if gluon is not None:
         STAGE_BYTES: gl.constexpr = CONSUMERS * (a_desc.block_type.nbytes + s_desc.block_type.nbytes) + (
             b_desc.block_type.nbytes
         )
-        ROWS_LAYOUT: gl.constexpr = gl.BlockedLayout([BLOCK_N_C // 32], [32], [1], [0])
-        tile_rows = gl.arange(0, BLOCK_N_C, layout=ROWS_LAYOUT)
         pid = gl.program_id(0)
         step = gl.num_programs(0) if PERSISTENT else num_tiles
         for t in range(pid, num_tiles, step):
@@ -217,13 +198,8 @@ if gluon is not None:
             if expert >= 0:  # live tiles come first, so this program's live tiles are its first ones
                 row0 = gl.load(tile + 1)
                 b_row = expert * N + gl.load(tile + 3) * BLOCK_N_C
-                w_rows = w_ptr + (b_row + tile_rows).to(gl.int64) * (KQ * 128)
                 base = ((t - pid) // step) * KQ
                 for k in range(KQ):
-                    if PREFETCH > 0:
-                        if (k % PREFETCH_CHUNK == 0) & (k + PREFETCH + PREFETCH_CHUNK <= KQ):
-                            for j in gl.static_range(PREFETCH_CHUNK):
-                                _prefetch_l2(w_rows + (k + PREFETCH + j) * 128)
                     it = base + k
                     s = it % STAGES
                     # A fresh mbarrier counts as having completed the phase before phase 0, so the
@@ -374,7 +350,6 @@ if gluon is not None:
         a_desc,  # [R, K] e4m3, boxes [64, 128]
         s_desc,  # the activation scales K-major: [K/128, R] float32, boxes [1, 64]
         b_desc,  # [L * N, K] e4m3, boxes [128, 128]
-        w_ptr,  # the same weights as b_desc, [L * N, K] e4m3
         b_scale_ptr,  # [L, N/128, K/128] float32
         c_ptr,  # [R, N]
         tiles_ptr,  # [num_tiles, 5] int32 (tile_schedule)
@@ -387,8 +362,6 @@ if gluon is not None:
         K_UNROLL: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr,
-        PREFETCH: gl.constexpr,
-        PREFETCH_CHUNK: gl.constexpr,
     ):
         KQ: gl.constexpr = K // 128
         # The row tile as one [64, 128] slot per consumer: a shared-memory block's dims must be powers of 2.
@@ -413,8 +386,8 @@ if gluon is not None:
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, K_UNROLL)),
                     (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 2, PERSISTENT, K_UNROLL)),
-                    (_loader, (a_desc, b_desc, s_desc, w_ptr, a_smem, b_smem, s_smem, ready, empty, tiles_ptr,
-                               num_tiles, N, KQ, STAGES, CONSUMERS, PERSISTENT, PREFETCH, PREFETCH_CHUNK)),
+                    (_loader, (a_desc, b_desc, s_desc, a_smem, b_smem, s_smem, ready, empty, tiles_ptr, num_tiles,
+                               N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
                 [4, 4, 1],
                 [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
@@ -426,8 +399,8 @@ if gluon is not None:
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 0, PERSISTENT, K_UNROLL)),
                     (_consumer, (a_smem, b_smem, s_smem, ready, empty, b_scale_ptr, c_ptr, tiles_ptr,
                                  num_tiles, N, KQ, STAGES, CONSUMERS, 1, PERSISTENT, K_UNROLL)),
-                    (_loader, (a_desc, b_desc, s_desc, w_ptr, a_smem, b_smem, s_smem, ready, empty, tiles_ptr,
-                               num_tiles, N, KQ, STAGES, CONSUMERS, PERSISTENT, PREFETCH, PREFETCH_CHUNK)),
+                    (_loader, (a_desc, b_desc, s_desc, a_smem, b_smem, s_smem, ready, empty, tiles_ptr, num_tiles,
+                               N, KQ, STAGES, CONSUMERS, PERSISTENT)),
                 ],
                 [4, 1],
                 [CONSUMER_REGS, LOADER_REGS],
@@ -496,7 +469,6 @@ def grouped_gemm(
         GluonDescriptor.from_tensor(q_RK, [ROWS_PER_CONSUMER, FP8_BLOCK], OPERAND_LAYOUT),
         GluonDescriptor.from_tensor(k_major_scales(scales_RQ), [1, ROWS_PER_CONSUMER], SCALE_LAYOUT),
         GluonDescriptor.from_tensor(w_LNK.view(num_experts * n, k), [BLOCK_N, FP8_BLOCK], OPERAND_LAYOUT),
-        w_LNK,
         w_scale_inv_LNQ.contiguous(),
         out_RN,
         tiles_T5,
@@ -509,8 +481,6 @@ def grouped_gemm(
         K_UNROLL=config.k_unroll,
         CONSUMER_REGS=config.consumer_regs,
         LOADER_REGS=config.loader_regs,
-        PREFETCH=config.l2_prefetch,
-        PREFETCH_CHUNK=config.l2_prefetch_chunk,
         num_warps=4,  # the default partition: consumer warp group 0
     )
     return out_RN
