@@ -27,6 +27,7 @@ from ..profiling import annotate
 from ..quant.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8, quantize_fp8_blocks, sizes_off_blocks
 from ..streams import compute_capability
 from .fp8_torch import grouped_linear_fp8, grouped_scaled_mm, scaled_mm_blockwise_supported
+from .swiglu import swiglu
 
 if TYPE_CHECKING:
     from ..dispatch.base import DispatchOutput
@@ -111,8 +112,9 @@ class RoutedExperts(nn.Module):
     warp-specialised kernel, ``fp8_gemm_sm90.py``), or at prefill sizes outside graph capture where
     that kernel does not run cuBLAS's (``"scaled_mm"``), and ``fp8_torch.grouped_linear_fp8`` off CUDA;
     for dense weights (see ``dense_path``) ``"auto"`` runs ``gemv.py`` on CUDA at decode sizes,
-    ``tiled_gemm.py`` at mid sizes and ``torch._grouped_mm`` at prefill sizes. ``"triton"``
-    forces the Triton kernels (on CPU under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path.
+    ``tiled_gemm.py`` at mid sizes and ``torch._grouped_mm`` at prefill sizes, with SwiGLU between
+    them as one Triton launch on CUDA (``swiglu.py``). ``"triton"`` forces the Triton kernels (on CPU
+    under ``TRITON_INTERPRET=1``), ``"torch"`` the torch path (torch's SwiGLU too).
     """
 
     gate_up_proj: nn.Parameter  # [L, 2I, H]
@@ -180,23 +182,23 @@ class RoutedExperts(nn.Module):
             path = self.dense_path(x_RH, expected_rows, num_rows, indexed=rows_R is not None)
             if rows_R is not None and path != "tiled":  # only the tiled GEMM reads through an index
                 x_RH, rows_R = x_RH.index_select(0, rows_R), None
+            # SwiGLU between the GEMMs: one Triton launch where the GEMMs are Triton's and on CUDA
+            # (``swiglu``), torch's two off CUDA and under kernels="torch".
             if path == "gemv":
                 gate_up_R2I = gemv.grouped_gemv(x_RH, self.gate_up_proj, offsets_L)
-                gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-                return gemv.grouped_gemv(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
+                return gemv.grouped_gemv(swiglu(gate_up_R2I, offsets_L, kernel=True), self.down_proj, offsets_L)
             if path == "tiled":
                 # The tiles for the rows to expect (padding excluded), not for every row handed over.
                 tiles = tiled_gemm.dense_config(self._rows_per_expert(num_rows, expected_rows), x_RH.element_size())
                 gemm = functools.partial(tiled_gemm.grouped_gemm, config=tiles)
                 gate_up_R2I = gemm(x_RH, self.gate_up_proj, offsets_L, rows_R=rows_R)
-                gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-                return gemm(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L)
+                return gemm(swiglu(gate_up_R2I, offsets_L, kernel=True), self.down_proj, offsets_L)
             use_grouped_mm = self.use_grouped_mm
             if use_grouped_mm is None:
                 use_grouped_mm = grouped_mm_supported(x_RH)
             gate_up_R2I = grouped_linear(x_RH, self.gate_up_proj, offsets_L, use_grouped_mm)
-            gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-            return grouped_linear(F.silu(gate_RI) * up_RI, self.down_proj, offsets_L, use_grouped_mm)
+            act_RI = swiglu(gate_up_R2I, offsets_L, kernel=False if self.kernels == "torch" else None)
+            return grouped_linear(act_RI, self.down_proj, offsets_L, use_grouped_mm)
 
     def forward_dispatched(self, recv: DispatchOutput) -> torch.Tensor:
         """``forward`` on what a dispatch delivered: its rows (read through its index when it has one,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..profiling import annotate
+from .swiglu import swiglu
 
 
 class SharedExperts(nn.Module):
@@ -36,8 +37,7 @@ class SharedExperts(nn.Module):
     def up_and_activate(self, x_TH: torch.Tensor) -> torch.Tensor:
         """First half: ``silu(x gate^T) * (x up^T)`` -> ``[T, J]``."""
         with annotate("shared_experts"):
-            gate_TJ, up_TJ = F.linear(x_TH, self.gate_up_proj).chunk(2, dim=-1)
-            return F.silu(gate_TJ) * up_TJ
+            return swiglu(F.linear(x_TH, self.gate_up_proj))
 
     def down(self, h_TJ: torch.Tensor) -> torch.Tensor:
         """Second half: ``h down^T`` -> ``[T, H]``."""
