@@ -27,12 +27,13 @@ def _check_kernel(device: str, dtype: torch.dtype, num_rows: int, inter: int, la
     offsets = torch.tensor([last // 2, last], dtype=torch.int32, device=device)
     got = swiglu(gate_up, offsets, kernel=True)
     assert got.shape == (num_rows, inter) and got.dtype == dtype
-    # One rounding to the output dtype: within half a unit in its last place of float32's value.
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(got[:last].float(), _float32_swiglu(gate_up[:last]), rtol=eps, atol=1e-6)
+    # One rounding to the output dtype: within half a unit in its last place of float32's value (a
+    # few units of float32's own on CUDA, whose exp the kernel takes approximately).
+    rtol = max(torch.finfo(dtype).eps, 1e-5)
+    torch.testing.assert_close(got[:last].float(), _float32_swiglu(gate_up[:last]), rtol=rtol, atol=1e-6)
     # torch's two launches round twice: within a unit in the last place of the kernel's.
     torch.testing.assert_close(
-        swiglu(gate_up[:last], kernel=False).float(), got[:last].float(), rtol=2 * eps, atol=1e-6
+        swiglu(gate_up[:last], kernel=False).float(), got[:last].float(), rtol=2 * rtol, atol=1e-6
     )
 
 
