@@ -70,3 +70,12 @@ def test_kernel_without_cuda_or_interpreter_is_refused(monkeypatch):
 def test_kernel_on_cuda_matches_float32_torch(dtype):
     # DeepSeek-V3's expert width, rows of a padded low_latency buffer.
     _check_kernel("cuda", dtype, 300, 2048, 257)
+
+
+@pytest.mark.gpu
+def test_autograd_keeps_torch_on_cuda():
+    gate_up = torch.randn(4, 64, device="cuda", requires_grad=True)
+    swiglu(gate_up).sum().backward()  # the kernel has no backward: torch's ops carry the gradient
+    gate, up = gate_up.detach().chunk(2, dim=-1)
+    expected = torch.cat([up * torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate))), F.silu(gate)], dim=-1)
+    torch.testing.assert_close(gate_up.grad, expected)

@@ -61,15 +61,17 @@ def swiglu(
     """``silu(gate) * up`` of ``gate_up_R2I`` (``[R, 2I]``, the gate's columns first, each row contiguous)
     -> ``[R, I]`` in its dtype. ``kernel``: run the Triton kernel (True: on CUDA, or on CPU under
     ``TRITON_INTERPRET=1`` as the other Triton kernels' CPU tests do; default: on CUDA where Triton is
-    installed) or torch's two launches. ``offsets_L``: int32 cumulative row counts on the device; the
-    kernel leaves rows at or past ``offsets_L[-1]`` unwritten."""
+    installed, unless autograd records the call, since the kernel has no backward) or torch's two
+    launches. ``offsets_L``: int32 cumulative row counts on the device; the kernel leaves rows at or
+    past ``offsets_L[-1]`` unwritten."""
     if gate_up_R2I.dim() != 2 or gate_up_R2I.shape[1] % 2 or gate_up_R2I.stride(1) != 1:
         raise ValueError(
             f"swiglu needs [R, 2I] rows contiguous along their features, got shape {tuple(gate_up_R2I.shape)} and "
             f"strides {gate_up_R2I.stride()}"
         )
-    if kernel is None:
-        kernel = triton is not None and gate_up_R2I.device.type == "cuda"
+    if kernel is None:  # the kernel has no backward: torch's ops where autograd records
+        recording = torch.is_grad_enabled() and gate_up_R2I.requires_grad
+        kernel = triton is not None and gate_up_R2I.device.type == "cuda" and not recording
     elif kernel and (triton is None or (gate_up_R2I.device.type != "cuda" and not env.triton_interpreting())):
         raise RuntimeError("swiglu's kernel needs Triton and CUDA tensors, or TRITON_INTERPRET=1 on CPU")
     if not kernel:
