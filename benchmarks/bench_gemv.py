@@ -15,7 +15,9 @@ it re-reads each weight slice per 16 rows), ``experts_with_rows``; ``t_floor_us`
 experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB buffer reads HBM at in the same
 run; the MLP's FLOPs at ``mm_tflops``, a dense 8192 x 7168 x 4096 bf16 ``torch.mm`` in the same run),
 each time's ratio to it, and ``rel_err_*`` (||kernel - grouped_mm|| / ||grouped_mm||). The data
-behind ``experts.GEMV_MAX_ROWS_PER_EXPERT`` and ``experts.TILED_MAX_ROWS_PER_EXPERT``.
+behind ``experts.GEMV_MAX_ROWS_PER_EXPERT`` and ``experts.TILED_MAX_ROWS_PER_EXPERT``. SwiGLU between
+the GEMMs alone on ``[R, 2I]`` rows: ``t_swiglu_us`` (``experts.swiglu``, one launch),
+``t_swiglu_torch_us`` (torch's two) and ``t_swiglu_floor_us`` (3 x R x I bf16 values at ``read_gbps``).
 
 ``--sweep`` writes instead rows (``bench="dense_gemm_config"``, ``OUT/dense_gemm_config.json``) timing
 each GEMM of the MLP (gate_up, down) alone through the tiled GEMM under each tile config of
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from moe_sbo.experts.routed import RoutedExperts
+from moe_sbo.experts.swiglu import swiglu
 from moe_sbo.experts.tiled_gemm import GemmConfig, grouped_gemm
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import KernelTimer, memory_read_us
@@ -234,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_floor_ratio"] = t / floor_us
                 if name != "grouped_mm":
                     row[f"rel_err_{name}"] = ((outs[name].float() - ref).norm() / ref.norm()).item()
+            # SwiGLU between the GEMMs alone, one launch against torch's two, beside its floor: gate and
+            # up read once, the product written once, at the run's read rate.
+            gate_up = torch.randn(num_rows, 2 * args.intermediate, dtype=torch.bfloat16, device="cuda")
+            offsets_L = counts_dev.cumsum(0, dtype=torch.int32)
+            row["t_swiglu_us"] = timer(lambda: swiglu(gate_up, offsets_L))
+            row["t_swiglu_torch_us"] = timer(lambda: swiglu(gate_up, offsets_L, kernel=False))
+            row["t_swiglu_floor_us"] = 3 * num_rows * args.intermediate * 2 / (gbps * 1e3)
             best = min(times, key=times.__getitem__)
             row["fastest"] = best
             if "gemv" in times:
