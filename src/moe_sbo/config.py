@@ -4,7 +4,7 @@ names the library's string options take (dispatchers, overlap modes, decode loop
 The hard part is that the published models disagree on routing: softmax greedy (V2-Lite, Qwen3),
 softmax group-limited greedy with the group score = the group's best expert (V2), and sigmoid
 ``noaux_tc`` with a selection-only bias and group score = sum of the group's top-2 (V3, Kimi-K2).
-``MoEConfig`` names each of these knobs once; ``routing.py`` interprets them.
+``MoEConfig`` names each of these knobs once; ``routing/router.py`` interprets them.
 
 The names are plain tuples, importable without torch (as this whole module is): the command line
 offers them in its ``--help`` before torch, seconds to import, is loaded. The modules that implement

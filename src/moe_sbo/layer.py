@@ -22,7 +22,7 @@ strategy (``overlap=``) decides where the shared experts run by attaching hooks 
 for the length of one forward (``moe_sbo.overlap.sbo``); the layer only reads their output at the end.
 The hard part is that the forward must pause while a transfer is in flight: it is written as a
 generator of stages (``stages``) that yields there, so two-batch overlap can run another micro-batch's
-work in the gap, and ``forward`` simply runs it to the end (``stages.py``). Weights, seeded and
+work in the gap, and ``forward`` simply runs it to the end (``overlap/stages.py``). Weights, seeded and
 loaded, are ``weights.py``'s.
 """
 
@@ -63,7 +63,7 @@ class MoELayer(nn.Module):
     are for checking results, where float32 differs from a reference only by summation order).
     ``expert_dtype``: ``None`` (the routed experts' weights in ``dtype``) or ``"fp8"``: e4m3 weights
     with one scale per 128x128 block, as DeepSeek-V3 ships them, in block-scaled FP8 GEMMs (half the
-    weight bytes; ``experts.py``). With ``low_latency``'s fp8 dispatch the rows then reach the experts
+    weight bytes; docs/FP8.md). With ``low_latency``'s fp8 dispatch the rows then reach the experts
     as they came off the wire, never dequantised. ``eplb``: expert load balancing (``EPLBOptions``):
     each rank holds ``slots_per_rank`` physical expert slots, redundant replicas included, counts the
     load, and ``rebalance`` moves experts between ranks.
@@ -139,9 +139,9 @@ class MoELayer(nn.Module):
     def stages(self, x_TH: torch.Tensor, dispatcher: Dispatcher | None = None) -> Generator[None, None, torch.Tensor]:
         """The forward, pausing (``yield``) while each transfer is in flight; returns ``[T, H]``.
 
-        ``forward`` runs it straight through. Two-batch overlap (``model/tbo.py``) interleaves two
+        ``forward`` runs it straight through. Two-batch overlap (``overlap/tbo.py``) interleaves two
         of these, micro-batch B's with ``dispatcher=`` a twin of ``self.dispatcher`` (its own hooks,
-        the same buffers: ``model.tbo.dispatcher_for(layer, 1)``).
+        the same buffers: ``overlap.tbo.dispatcher_for(layer, 1)``).
         """
         self._check_input(x_TH)
         if dispatcher is None:
@@ -165,7 +165,7 @@ class MoELayer(nn.Module):
         """A dispatcher of this layer's scheme over its EP group, for the same experts: the layer's
         dispatcher options, ``options`` replacing any of them. E.g. a ``low_latency`` capacity
         (``max_tokens_per_rank``) for half the batch, which two-batch overlap's micro-batches use
-        (``model.tbo.tbo_forward(..., dispatcher=)``) so that each sends half-size blocks, with the
+        (``overlap.tbo.tbo_forward(..., dispatcher=)``) so that each sends half-size blocks, with the
         layer's weights and its fp8 dispatch, transport and kernels. Rows reach the experts as the
         layer's own dispatcher delivers them (fp8 kept for FP8 experts)."""
         own = self.dispatcher

@@ -30,7 +30,7 @@ class MoEWeights:
     this rank's experts in order, instead of E; ``MoELayer.load_weights`` accepts either.
     FP8 routed experts: the two tensors are float8 e4m3 and ``gate_up_proj_scale_inv`` [E, 2I/128,
     H/128] and ``down_proj_scale_inv`` [E, H/128, I/128] hold one float32 scale per 128x128 block
-    (``fp8.py``); a layer with dense experts dequantises them, one with FP8 experts keeps them.
+    (``quant/fp8.py``); a layer with dense experts dequantises them, one with FP8 experts keeps them.
     """
 
     router_weight_EH: torch.Tensor

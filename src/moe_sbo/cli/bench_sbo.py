@@ -20,7 +20,7 @@ Per-rank medians become one row per mode: times are the slowest rank's. In each 
 ``efficiency = (t_none - t_mode) / min(t_shared, t_comm)`` (1.0: the shorter side fully hidden),
 ``speedup_vs_none = t_none / t_mode`` and ``t_ideal_us = t_none - min(t_shared, t_comm)`` (the layer
 time if the overlap were perfect and free). ``--timeline`` profiles one forward per mode at one size
-and draws one lane per CUDA stream (``moe_sbo.trace``); ``--trace`` keeps the Chrome traces.
+and draws one lane per CUDA stream (``moe_sbo.measure.trace``); ``--trace`` keeps the Chrome traces.
 
 The hard part is comparing modes fairly: every mode runs on the same layer object (same weights),
 the same input and the same ranks, interleaved in one run, and ``auto`` is given its exploration

@@ -1,8 +1,8 @@
 """``moe-sbo check``: one MoE layer of a real checkpoint, every dispatcher, against ``transformers``.
 
-Each rank reads only its own experts of layer N from the checkpoint (``checkpoint.py``), builds one
+Each rank reads only its own experts of layer N from the checkpoint (``hf/checkpoint.py``), builds one
 layer per dispatcher and runs its own random tokens through them. The parent process builds
-``transformers``' own MoE block for the model (``hf.reference_moe_block``) on the whole layer, read
+``transformers``' own MoE block for the model (``hf.reference.reference_moe_block``) on the whole layer, read
 from the same files, and runs the same tokens through it. Tolerance, relative L2 error
 ‖y − ref‖ / ‖ref‖ per rank: 1e-5 with ``--dtype float32`` (only summation order differs),
 2e-2 with ``--dtype bfloat16`` (activations and weights rounded; the reference stays float32),

@@ -118,7 +118,7 @@ class DispatchOutput:
 
     ``expert_x_RH`` [R, H]; ``num_rows_per_expert_L`` int64 [L] on the same device; ``handle`` for
     combine. ``expert_scales_RQ``: None, or (when the dispatcher ``deliver_fp8``) float32 [R, H/128]
-    and ``expert_x_RH`` is e4m3, as it came off the wire (``moe_sbo/fp8.py``'s activation format).
+    and ``expert_x_RH`` is e4m3, as it came off the wire (``quant/fp8.py``'s activation format).
     ``expected_rows``: where padding rows follow the real ones (``low_latency``'s fixed layout), how
     many real rows to expect without reading the counts (what the experts choose their kernels by);
     None when every row is real.

@@ -88,7 +88,7 @@ class PackedBatch(Protocol):
 
 
 class TwoBatchLayer(Protocol):
-    """A layer two-batch overlap can run (``decoder.DecoderLayer`` is one): its forward is a generator
+    """A layer two-batch overlap can run (``decoder.decoder_layer.DecoderLayer`` is one): its forward is a generator
     of stages that pauses while its MoE's transfers are in flight, and it splits its own batch, since
     only the layer knows what a micro-batch of its tokens must carry (sequences, cache slots)."""
 

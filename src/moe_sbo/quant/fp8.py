@@ -7,7 +7,7 @@ Legend: see ``moe_sbo/__init__.py``; lowercase ``q`` and ``ou`` count groups and
 Both are the scales FP8 tensor-core GEMMs consume (DeepGEMM, vLLM's block-FP8 ``fused_moe``): the
 product of two 128-value groups is exact in float32, so a GEMM multiplies each K-block's partial sum
 by one activation scale and one weight scale. ``low_latency``'s fp8 dispatch sends activations in
-this format; the routed experts (``fp8_gemm.py``) read them, and their weights, without dequantising.
+this format; the routed experts (``experts/fp8_gemm.py``) read them, and their weights, without dequantising.
 """
 
 from __future__ import annotations

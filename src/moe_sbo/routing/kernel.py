@@ -2,7 +2,7 @@
 
 Legend: see ``moe_sbo/__init__.py``; G groups of ``experts_per_group`` experts, padded to GP.
 
-``routing.select_experts`` is 12-16 small torch ops (scores, bias, group scores, group top-k, a mask,
+``routing.router.select_experts`` is 12-16 small torch ops (scores, bias, group scores, group top-k, a mask,
 expert top-k, gather, normalise, scale): at decode sizes each is a launch of a few microseconds on
 the device and ~15 us of host time in an eager forward, about 250 us of host time for DeepSeek-V3's
 router. Here one program owns a token: it loads the token's E logits as a [G, GP] tile and does the
@@ -116,7 +116,7 @@ def _select_experts_kernel(
 def select_experts_fused(
     logits_TE: torch.Tensor, cfg: MoEConfig, e_score_correction_bias_E: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``routing.select_experts`` in one launch: ``(topk_ids_TK int64, topk_weights_TK float32)``."""
+    """``routing.router.select_experts`` in one launch: ``(topk_ids_TK int64, topk_weights_TK float32)``."""
     logits_TE = logits_TE.float().contiguous()
     tokens, experts = logits_TE.shape
     k = cfg.num_experts_per_tok

@@ -95,7 +95,7 @@ class Router(nn.Module):
     and from 574 to 427 µs of device time at 4096 tokens (docs/BENCHMARKS.md, "Router").
     Settable after construction (``router.kernel``), checked either way. The kernel is held to the
     torch ops for top-1 to top-8 under each shipped preset's routing, compiled on the GPU and under
-    the interpreter on CPU (``tests/routing/test_kernel.py``)."""
+    the interpreter on CPU (``tests/routing/test_routing_kernels.py``)."""
 
     e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
     logit_bias: torch.Tensor | None  # a registered buffer, outside the state dict
