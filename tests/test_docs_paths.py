@@ -5,7 +5,8 @@ module, class and function docstring under ``src/``. What is checked, and how it
 prose and from other projects' names:
 
 - a path under ``src/``, ``benchmarks/``, ``docs/`` or ``tests/`` (anywhere in the text): the file or
-  folder exists; a ``:LINE`` after it is ignored;
+  folder exists; a ``:LINE`` after it is ignored; a path starting ``../`` stays inside the
+  repository (its users have nothing beside it);
 - a path ``a/b.py`` without those roots: relative to ``src/moe_sbo`` (``experts/routed.py``), ``src``,
   the repository root, or (in a docstring) its module's folder or one above it; first folders of
   other projects are skipped;
@@ -54,6 +55,7 @@ FOREIGN = {
 }  # fmt: skip
 GLOB = set("*{}<>[]")
 
+UP_RE = re.compile(r"(?<![\w./-])((?:\.\./)+[\w./-]*\w)")
 PATH_RE = re.compile(r"(?<![\w./-])((?:src|benchmarks|docs|tests)/[\w./-]*\w)")
 REL_PY_RE = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)+[A-Za-z_]\w*\.py)\b")
 BARE_FILE_RE = re.compile(r"(?<![\w./-])([A-Za-z_][\w-]*\.(?:py|sh))\b")
@@ -155,6 +157,10 @@ def _bare_file_exists(name: str, t: Text) -> bool:
 
 
 def _path_problems(t: Text) -> Iterator[str]:
+    for m in UP_RE.finditer(t.text):  # ``../x``: from the citing file's folder, inside the repository
+        target = (t.path.parent / m.group(1)).resolve()
+        if ROOT not in target.parents or not target.exists():
+            yield f"{t.where(m.start(1))}: {m.group(1)} is not a file of this repository"
     for m in PATH_RE.finditer(t.text):
         if not _globbed(t.text, m.start(1), m.end(1)) and not (ROOT / m.group(1)).exists():
             yield f"{t.where(m.start(1))}: {m.group(1)} does not exist"
@@ -376,17 +382,17 @@ def test_the_matchers_find_what_they_should() -> None:
         "`fp8_gemm.no_such_name`, `RoutedExperts.no_such_method`; fine: `src/moe_sbo/layer.py`,\n"
         "`experts/routed.py:104`, `soak.py`, `run_gpu_*.sh`, `soak_cpu.json`, [c](FP8.md#kernel-choices),\n"
         "`moe_sbo.launch.group.init_from_torchrun`, `fp8_gemm.grouped_gemm`, `RoutedExperts.fp8_path`,\n"
-        "`layer.rebalance()`, `torch.cuda.synchronize`.\n"
+        "`layer.rebalance()`, `torch.cuda.synchronize`; and ../shared/STYLE.md.\n"
     )
     t = Text(doc, 10, text, markdown=True)
     found = [*_path_problems(t), *_link_problems(t), *_name_problems(t)]
     stale = [
         "src/moe_sbo/no_such.py", "experts/no_such.py", "no_such_script.sh", "gone_h200x1.json",
         "#no-such-heading", "NO_SUCH.md", "moe_sbo.launch.ranks.init_from_torchrun",
-        "fp8_gemm.no_such_name", "RoutedExperts.no_such_method",
+        "fp8_gemm.no_such_name", "RoutedExperts.no_such_method", "../shared/STYLE.md",
     ]  # fmt: skip
     for citation in stale:
         assert any(citation in p for p in found), f"{citation} not reported: {found}"
     assert len(found) == len(stale), found
-    assert found[0].startswith("docs/BENCHMARKS.md:10:")
+    assert any(p.startswith("docs/BENCHMARKS.md:10: src/moe_sbo/no_such.py") for p in found), found
     assert _slug("FP8 routed experts — 1× H200") == "fp8-routed-experts--1-h200"

@@ -622,4 +622,4 @@ def test_cli_other_model_with_calibration(tmp_path, capsys):
     doc = json.loads(json_path.read_text())
     assert doc["link"]["nvlink_GBps"] == pytest.approx(100.0) and doc["link"]["latency_us"] == pytest.approx(5.0)
     assert doc["bytes_per_a2a"]["seed_printed"] is None
-    assert "Seed convention on your inputs" in capsys.readouterr().out
+    assert "The published budget's convention on your inputs" in capsys.readouterr().out

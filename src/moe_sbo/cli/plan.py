@@ -1,7 +1,8 @@
 """``moe-sbo plan``: the communication-budget planner on the command line (model in ``planner/``).
 
-With no arguments it reproduces the seed's DeepSeek-V3 decode example line by line (figure, formula,
-seed value, exact value, agreement), then shows what the byte model adds: real row sizes, fan-out,
+With no arguments it reproduces the published DeepSeek-V3 decode budget (a worked example from a public
+analysis of SGLang's overlap with DeepEP) line by line (figure, formula, published value, exact value,
+agreement), then shows what the byte model adds: real row sizes, fan-out,
 transfer times on the chosen hardware, a verdict per overlap mode, and allgather vs alltoall per EP;
 then the weight memory per GPU at the ``--memory-ep`` sizes, routed experts in bf16 and in fp8; with
 ``--load FILE`` or ``--skew zipf:S``, last, the expert load balance per EP size, redundant count and
@@ -223,13 +224,13 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
     inp, model = plan.inputs, plan.bytes
 
     title = (
-        "Seed example (DeepSeek-V3 decode), line by line"
+        "Published DeepSeek-V3 decode budget, line by line"
         if inp.is_seed_example
-        else f"Seed convention on your inputs ({inp.model.name})"
+        else f"The published budget's convention on your inputs ({inp.model.name})"
     )
-    columns = [("figure", "left"), ("formula", "left"), ("seed", "right"), ("exact", "right")]
+    columns = [("figure", "left"), ("formula", "left"), ("published", "right"), ("exact", "right")]
     table = make_table(title, [*columns, ("exact SI", "right"), ("agreement", "right")])
-    table.caption = "seed, exact: seed units, KB = 1024 B, MB = 1000 KB, GB = 1000 MB (the seed's own arithmetic)"
+    table.caption = "published, exact: its units, KB = 1024 B, MB = 1000 KB, GB = 1000 MB (its own arithmetic)"
     for fig in plan.seed:
         seed_cell = (
             f"{fig.seed_printed:g} {fig.seed_unit}"
@@ -439,7 +440,7 @@ def write_plot(plan: planner.Plan, path: Path) -> None:
         marker="s",
         ms=3,
         ls=":",
-        label="seed convention: step / TPOT",
+        label="published convention: step / TPOT",
     )
     tbo = [(p.batch, p.tbo_required_GBps) for p in points if p.tbo_required_GBps is not None]
     if tbo and inp.micro_batches == 2:

@@ -1,8 +1,9 @@
 """Communication-budget planner: model shape + batch + SLO + hardware -> bytes, bandwidth, overlap verdicts.
 
-It starts from the seed's back-of-envelope decode analysis for DeepSeek-V3 and keeps two things side by
-side: the seed's own figures, evaluated exactly in its convention (``worked_example``), and what a DeepEP-style
-all-to-all really moves per GPU (``bytes``). ``inputs`` holds the units, hardware table and
+It starts from the published back-of-envelope decode budget for DeepSeek-V3 (a worked example from a
+public analysis of SGLang's overlap with DeepEP) and keeps two things side by side: that example's own
+figures, evaluated exactly in its convention (``worked_example``), and what a DeepEP-style all-to-all
+really moves per GPU (``bytes``). ``inputs`` holds the units, hardware table and
 ``PlanInputs`` (with the whole-model ``ModelShapes``); ``links`` the bandwidths a plan predicts with
 (datasheet or ``calibrate``d); ``memory`` the weight memory per GPU at given EP sizes, routed experts
 in bf16 and fp8; ``verdicts`` the overlap verdicts (none, SBO, TBO), the allgather/alltoall comparison

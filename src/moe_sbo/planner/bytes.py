@@ -248,7 +248,7 @@ def simulate_fanout(cfg: MoEConfig, ep: int, num_tokens: int = 20000, seed: int 
 
 @dataclass(frozen=True)
 class ByteModel:
-    """What one GPU sends per decode step under the byte model (the seed's quantities, refined).
+    """What one GPU sends per decode step under the byte model (the worked example's quantities, refined).
 
     Per all-to-all: one micro-batch (``tokens_per_a2a`` = ceil(batch / micro_batches)) x the expected
     remote ranks x the row. Per layer and step: the whole batch (all micro-batches).

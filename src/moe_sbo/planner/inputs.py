@@ -1,6 +1,6 @@
 """The planner's inputs: units, the hardware table, the model (preset or ``config.json``), ``PlanInputs``.
 
-What is hard: one ``layers`` input, two conventions. The seed counts an all-to-all in every layer
+What is hard: one ``layers`` input, two conventions. The worked example counts an all-to-all in every layer
 (``num_hidden_layers``, 61 for DeepSeek-V3); the byte model counts the MoE layers only
 (``num_hidden_layers - first_k_dense_replace``, 58). ``layers=None`` keeps both (``seed_layers`` /
 ``model_layers``); an explicit ``layers`` sets both. Every input no plan can use is refused as the
@@ -33,7 +33,7 @@ from ..config import PRESETS, MoEConfig, divisors
 
 B_PER_US_PER_GBPS = 1e3  # 1 GB/s moves 1e3 bytes every microsecond.
 
-# The inputs the seed's worked example uses (DeepSeek-V3, batch 256, TPOT 20 ms, 61 layers, T = 320 us
+# The inputs the worked example uses (DeepSeek-V3, batch 256, TPOT 20 ms, 61 layers, T = 320 us
 # attention and t = 120 us MoE per layer, FP8 "7 KB" tokens).
 SEED_INPUTS: dict[str, Any] = dict(
     model="deepseek-v3",
@@ -81,7 +81,7 @@ class Hardware:
 
 
 # Sources:
-# - H800 NVLink ~160 GB/s per direction is *measured*: the seed quotes it; DeepEP's README
+# - H800 NVLink ~160 GB/s per direction is *measured*: the worked example quotes it; DeepEP's README
 #   (github.com/deepseek-ai/DeepEP, "Normal kernels" table) measures 153 GB/s dispatch / 158 GB/s combine
 #   intranode EP8 on H800 (nominal H800 NVLink is 400 GB/s bidirectional).
 # - H100/H200 SXM NVLink-4: 18 links x 50 GB/s = 900 GB/s bidirectional = 450 GB/s per direction
@@ -103,7 +103,7 @@ HARDWARE: dict[str, Hardware] = {
         bf16_TFLOPs=989.0,
         fp8_TFLOPs=1979.0,
         hbm_GBps=3350.0,
-        source="seed; DeepEP README intranode 153/158 GB/s",
+        source="published decode analysis; DeepEP README intranode 153/158 GB/s",
     ),
     "h100": Hardware(
         "h100",
@@ -352,11 +352,11 @@ def load_shapes(spec: str) -> ModelShapes | None:
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """Everything a plan depends on. Defaults are the seed's worked example at EP8 on H800.
+    """Everything a plan depends on. Defaults are the worked example at EP8 on H800.
 
-    ``layers``: layers that run an all-to-all; ``None`` means the seed convention counts every layer
-    (``num_hidden_layers``, 61 for V3, as the seed does) and the byte model counts the MoE layers only
-    (``num_hidden_layers - first_k_dense_replace``, 58 for V3). ``attn_us`` / ``moe_us``: the seed's T
+    ``layers``: layers that run an all-to-all; ``None`` means the worked example's convention counts every layer
+    (``num_hidden_layers``, 61 for V3, as the worked example does) and the byte model counts the MoE layers only
+    (``num_hidden_layers - first_k_dense_replace``, 58 for V3). ``attn_us`` / ``moe_us``: the worked example's T
     and t, per layer, taken as given in every mode. ``micro_batches``: 1 (no TBO) or 2 (TBO).
     ``memory_ep``: the EP sizes of the weight-memory line (``None``: see ``memory_ep_sizes``);
     ``shapes``: the whole-model sizes it uses (``None``: see ``model_shapes``).
@@ -403,7 +403,7 @@ class PlanInputs:
 
     @property
     def is_seed_example(self) -> bool:
-        """True when the inputs are the seed's, so its printed figures apply."""
+        """True when the inputs are the worked example's, so its printed figures apply."""
         return (
             self.model == PRESETS[SEED_INPUTS["model"]]
             and self.batch == SEED_INPUTS["batch"]

@@ -1,11 +1,11 @@
 """Overlap verdicts and the plan: for each mode (none, SBO, TBO) a window, the work to hide in it, the rest.
 
-What is hard: the windows come from the seed's own T and t and the link's predicted transfer times, but
+What is hard: the windows come from the worked example's own T and t and the link's predicted transfer times, but
 the work SBO hides behind a transfer -- the shared-expert MLP -- is an *estimate*: a roofline at the
 datasheet peak, scaled by ``SHARED_EXPERT_EFFICIENCY`` from this project's own H200 probe
 (``shared_expert_time_us``). Each verdict's explanation names the numbers it used, so an estimate is never
 read as a measurement. ``scheme_comparison`` sets allgather against alltoall on the same link; ``make_plan``
-and ``plan_to_json`` gather everything, with the seed's figures beside the byte model's and the weight
+and ``plan_to_json`` gather everything, with the worked example's figures beside the byte model's and the weight
 memory per GPU (``memory.weight_memory``).
 """
 
@@ -120,7 +120,7 @@ def overlap_verdicts(inp: PlanInputs, model: ByteModel, link: Link, hw: Hardware
                 )
             )
 
-    # TBO: with two micro-batches, each a2a must finish in (T - t) / 2 (the seed's rule).
+    # TBO: with two micro-batches, each a2a must finish in (T - t) / 2 (the worked example's rule).
     if inp.micro_batches == 2:
         window = (inp.attn_us - inp.moe_us) / 2
         td = a2a_time_us(model.tokens_per_a2a, model.dispatch_row, fan, link)
@@ -258,7 +258,7 @@ def make_plan(inp: PlanInputs, calibration: Calibration | None = None) -> Plan:
 
 
 def plan_to_json(plan: Plan) -> dict:
-    """Inputs, the six seed quantities (seed convention and rounding beside the byte model), the rest."""
+    """Inputs, the worked example's six quantities (its convention and rounding beside the byte model), the rest."""
     inp, model = plan.inputs, plan.bytes
     seed = {fig.key: fig for fig in plan.seed}
 
@@ -290,7 +290,7 @@ def plan_to_json(plan: Plan) -> dict:
     return {
         "meta": {
             "tool": "moe_sbo.planner",
-            "units": "bytes, us, GBps = 1e9 B/s; seed units KB=1024 B, MB=1000 KB, GB=1000 MB",
+            "units": "bytes, us, GBps = 1e9 B/s; worked-example units KB=1024 B, MB=1000 KB, GB=1000 MB",
         },
         "inputs": inputs,
         "model_config": asdict(inp.model),

@@ -1,17 +1,17 @@
-"""The seed's worked example, reproduced: its six figures from their formulas, beside what it printed.
+"""The worked example, reproduced: its six figures from their formulas, beside what it printed.
 
-The seed's back-of-envelope decode analysis for DeepSeek-V3: a token is "7 KB", one all-to-all of 256
-tokens is "1.78 MB", dispatch + combine "3.56 MB" per layer, 61 layers "218 MB" per decode step,
-"10.9 GB/s" per GPU at TPOT 20 ms, and each all-to-all must finish in (T - t) / 2 = 100 us when two
-micro-batches overlap attention with MoE (its inputs: ``inputs.SEED_INPUTS``). Here it is evaluated
-exactly in the **seed convention** -- ``hidden_size`` bytes per token, one send per token, the same
-bytes for dispatch and combine -- so each figure can be checked (they agree within 1 %); ``bytes``
-holds what an all-to-all really moves.
+The published back-of-envelope decode budget for DeepSeek-V3 (a worked example from a public analysis of
+SGLang's overlap with DeepEP): a token is "7 KB", one all-to-all of 256 tokens is "1.78 MB", dispatch +
+combine "3.56 MB" per layer, 61 layers "218 MB" per decode step, "10.9 GB/s" per GPU at TPOT 20 ms, and
+each all-to-all must finish in (T - t) / 2 = 100 us when two micro-batches overlap attention with MoE
+(its inputs: ``inputs.SEED_INPUTS``). Here it is evaluated exactly in **its convention** --
+``hidden_size`` bytes per token, one send per token, the same bytes for dispatch and combine -- so each
+figure can be checked (they agree within 1 %); ``bytes`` holds what an all-to-all really moves.
 
-What is hard: **units.** The seed mixes conventions: 1 KB = 1024 B (7168 B = "7 KB") but 1 MB = 1000 KB
-(256 x 7 KB = 1792 KB = "1.78 MB") and 1 GB = 1000 MB. Judged in SI units "1.78 MB" is 3.0 % below
+What is hard: **units.** The example mixes conventions: 1 KB = 1024 B (7168 B = "7 KB") but 1 MB = 1000
+KB (256 x 7 KB = 1792 KB = "1.78 MB") and 1 GB = 1000 MB. Judged in SI units "1.78 MB" is 3.0 % below
 1.835 MB; judged in its own units it is 0.7 % below 1.792. Everything in the planner is kept in bytes;
-the seed's units appear only in ``seed_figures`` and in the ``seed_*`` fields of the JSON.
+the worked example's units appear only in ``seed_figures`` and in the ``seed_*`` fields of the JSON.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 from .inputs import ELEMENT_B, PlanInputs
 
-# The seed's own arithmetic: KB = 1024 B, then MB = 1000 KB and GB = 1000 MB (see module docstring).
+# The worked example's own arithmetic: KB = 1024 B, then MB = 1000 KB and GB = 1000 MB (see module docstring).
 SEED_KB_B = 1024
 SEED_MB_B = 1000 * SEED_KB_B
 SEED_GB_B = 1000 * SEED_MB_B
 
-# The figures exactly as the seed prints them: key -> (value, the seed's unit). These are the reference
+# The figures exactly as the worked example prints them: key -> (value, its unit). These are the reference
 # the planner is checked against, not results: every exact value is computed by ``seed_figures``.
 SEED_PRINTED = {
     "bytes_per_token": (7.0, "KB"),
@@ -40,11 +40,11 @@ SEED_PRINTED = {
 
 @dataclass(frozen=True)
 class SeedFigure:
-    """One figure of the seed's example: its formula, the exact value, and the seed's rounding.
+    """One figure of the worked example: its formula, the exact value, and the worked example's rounding.
 
-    ``exact``: in bytes, bytes/s or us (``exact_unit``); ``exact_seed_units``: the same in the seed's
+    ``exact``: in bytes, bytes/s or us (``exact_unit``); ``exact_seed_units``: the same in the worked example's
     units (KB = 1024 B, MB = 1000 KB, GB = 1000 MB); ``seed_rounded``: that to 3 significant figures;
-    ``seed_printed``: what the seed wrote (only for the seed's own inputs); ``agreement``:
+    ``seed_printed``: what it printed (only for the worked example's own inputs); ``agreement``:
     seed_printed / exact_seed_units - 1; ``exact_si``: the exact value in SI units.
     """
 
@@ -69,9 +69,9 @@ def round_sig(value: float, digits: int = 3) -> float:
 
 
 def seed_figures(inp: PlanInputs) -> list[SeedFigure]:
-    """The seed's six figures, each from its formula on ``inp`` in the seed's convention.
+    """The worked example's six figures, each from its formula on ``inp`` in the worked example's convention.
 
-    Seed convention: a token is H elements of the dispatch dtype (FP8: H bytes), sent once, the same
+    The worked example's convention: a token is H elements of the dispatch dtype (FP8: H bytes), sent once, the same
     bytes for dispatch and combine, every layer counted, the whole batch in one all-to-all.
     """
     cfg = inp.model
