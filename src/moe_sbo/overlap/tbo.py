@@ -180,9 +180,8 @@ def tbo_forward(
     None: all; ``"auto"``, the default: all but the transfer's, ``resolve_gemm_sm_budget``). Under TBO one
     micro-batch's GEMMs run while the other's transfer holds some SMs, and a persistent GEMM
     (``torch._grouped_mm``'s CUTLASS kernel launches one CTA per SM it plans for) then waits with its
-    last CTAs for the transfer's SMs to free: a budget that leaves them out avoids it (on 2x H200 over
-    an inter-node-class wire, TBO at 4096-16384 prefill tokens per rank went from 1.04-1.12x to
-    1.17-1.29x the layer without TBO: docs/BENCHMARKS.md)."""
+    last CTAs for the transfer's SMs to free: a budget that leaves them out avoids it (measured:
+    docs/BENCHMARKS.md, "Two-batch overlap")."""
     split = layer.split_micro_batches(x_TH, batch, cache, threshold=threshold, min_prefill_tokens=min_prefill_tokens)
     dispatcher_a = layer.moe.dispatcher if dispatcher is None else dispatcher
     _check_serves(dispatcher_a, layer.moe)

@@ -90,9 +90,8 @@ class Router(nn.Module):
     ``kernel``: ``"torch"`` selects the experts with ``select_experts`` (a dozen small ops);
     ``"triton"`` with ``kernel.select_experts_fused`` (one launch, the same experts and
     weights; on CPU under ``TRITON_INTERPRET=1``); ``"auto"`` (default) with the Triton kernel on CUDA
-    tensors when Triton is installed and with ``select_experts`` otherwise. On an H200 the kernel
-    took DeepSeek-V3's router (gate GEMM included) from 430 to 126 µs of host time per eager call
-    and from 574 to 427 µs of device time at 4096 tokens (docs/BENCHMARKS.md, "Router").
+    tensors when Triton is installed and with ``select_experts`` otherwise: for grouped routing one
+    launch costs the host and the device less than a dozen (docs/BENCHMARKS.md, "Router").
     Settable after construction (``router.kernel``), checked either way. The kernel is held to the
     torch ops for top-1 to top-8 under each shipped preset's routing, compiled on the GPU and under
     the interpreter on CPU (``tests/routing/test_routing_kernels.py``)."""
