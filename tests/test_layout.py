@@ -1,8 +1,9 @@
 """The package's layout rules: every module imports alone, no import loops, arrows point down.
 
-Rooms, top to bottom: ``cli`` (the command line) may import anything; ``planner``, ``measure``,
-``launch`` and ``hf`` import the core and nothing above them (the planner may also read ``hf``
-configs, ``measure`` name ``launch``'s errors); the core (the root modules, ``routing``, ``experts``,
+Rooms, top to bottom: ``cli`` (the command line) may import anything; ``bench`` (the benchmark
+modes' runners) the core and every tool room but ``cli``; ``planner``, ``measure``, ``launch`` and
+``hf`` import the core and nothing above them (the planner may also read ``hf`` configs, ``measure``
+start ``launch``'s ranks); the core (the root modules, ``routing``, ``experts``,
 ``quant``, ``dispatch``, ``overlap``, ``decoder``) imports only the core. Imports are read from
 the source (``ast``), lazy ones inside functions included, ``if TYPE_CHECKING:`` blocks excluded.
 """
@@ -15,9 +16,16 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "moe_sbo"
-TOOLS = ("cli", "measure", "planner", "hf", "launch")
+TOOLS = ("cli", "bench", "measure", "planner", "hf", "launch")
 # What each tool room may import besides the core (and itself).
-TOOL_MAY_IMPORT = {"cli": set(TOOLS), "planner": {"hf"}, "measure": {"launch"}, "hf": set(), "launch": set()}
+TOOL_MAY_IMPORT = {
+    "cli": set(TOOLS),
+    "bench": {"measure", "launch", "hf", "planner"},
+    "planner": {"hf"},
+    "measure": {"launch"},
+    "hf": set(),
+    "launch": set(),
+}
 
 
 def _module_name(path: Path) -> str:

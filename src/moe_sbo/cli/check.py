@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 
 import torch
 import torch.distributed as dist
@@ -31,25 +30,14 @@ from rich.markup import escape
 
 from ..dispatch import DISPATCHERS
 from ..hf.checkpoint import Checkpoint, LayerLoader
-from ..launch.group import resolve_device
-from ..launch.ranks import LocalRanks
 from ..layer import MoELayer
+from ..measure.memory import check_memory, estimate_rank_bytes, memory_fix
+from ..measure.options import compact, make_table, print_notes, resolve_expert_dtype, sci
+from ..measure.progress import rank_progress
 from ..measure.results import result_meta
+from ..measure.run import prepare, write_json
 from ..quant.fp8 import dequantize_fp8_blocks
 from ..weights import MoEWeights
-from .memory import check_memory, estimate_rank_bytes, memory_fix
-from .options import (
-    compact,
-    in_ranks,
-    make_console,
-    make_table,
-    print_notes,
-    resolve_expert_dtype,
-    resolve_ranks,
-    sci,
-)
-from .parsers import output_file
-from .progress import rank_progress, starting_ranks
 
 # Relative L2 error allowed against transformers' float32 module, per --dtype.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -85,9 +73,8 @@ def check_inputs(seed: int, ranks: int, tokens: int, hidden_size: int, dtype: to
 
 def run_check(args: argparse.Namespace) -> int:
     """Run the check; print the table; write ``--json``. Returns 0 (all within tolerance) or 1."""
-    json_path = output_file("--json", args.json)  # every command: its output's folder made first
-    device = resolve_device(args.device)
-    ranks = resolve_ranks(args.ranks, device)
+    run, (json_path,) = prepare(args.device, args.ranks, ("--json", args.json))
+    device, ranks, console = run.device, run.count, run.console
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     names = check_dispatchers(args.dispatcher, ranks)
@@ -105,7 +92,6 @@ def run_check(args: argparse.Namespace) -> int:
     estimate = estimate_rank_bytes(cfg, ranks, args.dtype, args.tokens, layers=len(names), reference=True)
     memory = check_memory(estimate, device, ranks, fix=memory_fix(device, "one --dispatcher or fewer --tokens"))
 
-    console = make_console()
     console.print(
         f"[bold]moe-sbo check[/]: {escape(str(checkpoint.path))} ({checkpoint.model_type}), layer {layer}",
         soft_wrap=True,  # the path is printed whole
@@ -116,12 +102,7 @@ def run_check(args: argparse.Namespace) -> int:
         f"routed experts {experts}"
     )
     console.print(memory, highlight=False)
-    with starting_ranks(ranks, device):
-        workers = LocalRanks(ranks, device=device)
-    with workers:
-        per_rank = workers.run(
-            in_ranks(check_rank), str(checkpoint.path), layer, names, inputs, args.dtype, expert_dtype=expert_dtype
-        )
+    per_rank = run.run(check_rank, str(checkpoint.path), layer, names, inputs, args.dtype, expert_dtype=expert_dtype)
     references = reference_outputs(checkpoint, layer, inputs, fp8_experts=expert_dtype == "fp8")
     rows = compare(per_rank, references, names, tolerance, args.tokens)
 
@@ -146,9 +127,7 @@ def run_check(args: argparse.Namespace) -> int:
             "layer": layer,
             "expert_dtype": expert_dtype or args.dtype,
         }
-        with open(json_path, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        console.print(f"rows written to {args.json}", highlight=False, soft_wrap=True)  # paths unbroken
+        write_json(json_path, {"meta": meta, "rows": rows}, console, f"rows written to {args.json}")
     console.print(verdict(rows, tolerance), highlight=False)
     return 0 if all(r["ok"] for r in rows) else 1
 

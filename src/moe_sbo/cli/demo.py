@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -24,35 +23,30 @@ import torch
 import torch.distributed as dist
 from rich.markup import escape
 
+from ..bench.eplb import max_over_mean, received_rows, skew_alike
 from ..config import PRESETS, get_preset
 from ..decoder.attention import AttentionConfig, Batch
 from ..decoder.decoder_layer import DecoderLayer
 from ..dispatch import DISPATCHERS, options_for_tokens
 from ..eplb.runtime import EPLBOptions
 from ..hf.checkpoint import Checkpoint, LayerLoader
-from ..launch.group import resolve_device
-from ..launch.ranks import LocalRanks
 from ..layer import MoELayer
-from ..measure.results import result_meta
-from ..overlap import OVERLAP_MODES
-from ..overlap.tbo import tbo_forward
-from .bench_eplb import max_over_mean, received_rows, skew_alike
-from .memory import check_memory, estimate_rank_bytes, memory_fix
-from .options import (
+from ..measure.memory import check_memory, estimate_rank_bytes, memory_fix
+from ..measure.options import (
     compact,
     cpu_timing_note,
     default_dtype_name,
-    in_ranks,
-    make_console,
     make_table,
     print_notes,
     resolve_expert_dtype,
-    resolve_ranks,
     sci,
     target_load,
 )
-from .parsers import output_file
-from .progress import rank_progress, starting_ranks
+from ..measure.progress import rank_progress
+from ..measure.results import result_meta
+from ..measure.run import prepare, write_json
+from ..overlap import OVERLAP_MODES
+from ..overlap.tbo import tbo_forward
 
 # Relative L2 error allowed against the reference, per dtype: float32 differs only by summation
 # order; bf16 by rounding of the activations that cross the wire and of the GEMM outputs.
@@ -323,9 +317,8 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    json_path = output_file("--json", args.json)  # every command: its output's folder made first
-    device = resolve_device(args.device)
-    ranks = resolve_ranks(args.ranks, device)
+    run, (json_path,) = prepare(args.device, args.ranks, ("--json", args.json))
+    device, ranks, console = run.device, run.count, run.console
     names = sorted(DISPATCHERS) if args.dispatcher == "all" else [args.dispatcher]
     for name in names:
         if name not in DISPATCHERS:
@@ -357,7 +350,6 @@ def run_demo(args: argparse.Namespace) -> int:
         estimate, device, ranks, fix=memory_fix(device, "--preset tiny, a smaller --checkpoint or fewer --tokens")
     )
 
-    console = make_console()
     source = f"{args.checkpoint} layer {args.layer}" if args.checkpoint else f"preset {args.preset}"
     experts = ", fp8 experts" if expert_dtype else ""
     console.print(
@@ -374,24 +366,21 @@ def run_demo(args: argparse.Namespace) -> int:
             "a rebalance after the timed forwards",
             highlight=False,
         )
-    with starting_ranks(ranks, device):
-        workers = LocalRanks(ranks, device=device)
-    with workers:
-        per_rank = workers.run(
-            in_ranks(run_demo_rank),
-            args.preset,
-            names,
-            args.tokens,
-            args.seed,
-            dtype,
-            args.iters,
-            overlaps,
-            checkpoint=args.checkpoint,
-            layer_index=args.layer,
-            tbo=args.tbo,
-            expert_dtype=expert_dtype,
-            eplb=args.eplb,
-        )
+    per_rank = run.run(
+        run_demo_rank,
+        args.preset,
+        names,
+        args.tokens,
+        args.seed,
+        dtype,
+        args.iters,
+        overlaps,
+        checkpoint=args.checkpoint,
+        layer_index=args.layer,
+        tbo=args.tbo,
+        expert_dtype=expert_dtype,
+        eplb=args.eplb,
+    )
     rows = summarise(per_rank)
     tolerance = demo_tolerance(getattr(torch, dtype), expert_dtype)
     console.print(demo_table(rows))
@@ -411,10 +400,8 @@ def run_demo(args: argparse.Namespace) -> int:
             "rebalance's load window counted); moved: expert slots that changed rank; rel L2 after: vs reference",
         )
     if json_path:
-        with open(json_path, "w") as f:
-            meta = {**result_meta(device=device, world_size=ranks), "expert_dtype": expert_dtype or dtype}
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        console.print(f"rows written to {args.json}", highlight=False, soft_wrap=True)  # paths unbroken
+        meta = {**result_meta(device=device, world_size=ranks), "expert_dtype": expert_dtype or dtype}
+        write_json(json_path, {"meta": meta, "rows": rows}, console, f"rows written to {args.json}")
     console.print(verdict(rows, device), highlight=False)
     # On CPU every mode must equal none bitwise; on GPU the SM budget may pick other GEMM kernels.
     return 0 if all(r["ok"] and (r["same_as_none"] or device == "cuda") for r in rows) else 1

@@ -14,7 +14,6 @@ vocabulary, a tokenizer when text is given) and the options are checked here fir
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -27,20 +26,18 @@ from ..hf.config import model_family
 from ..hf.generate import check_prompt_ids, generate, prefill_tokens
 from ..hf.model import WHOLE_MODEL_FAMILIES, load_model
 from ..launch.group import init_from_torchrun, resolve_device
-from ..launch.ranks import LocalRanks
-from ..measure.results import result_meta
-from .memory import check_memory, estimate_rank_bytes, memory_fix
-from .options import (
+from ..measure.memory import check_memory, estimate_rank_bytes, memory_fix
+from ..measure.options import (
     default_dtype_name,
-    in_ranks,
     make_console,
     make_table,
     print_notes,
     resolve_expert_dtype,
     resolve_ranks,
 )
-from .parsers import output_file
-from .progress import rank_progress, starting_ranks
+from ..measure.progress import rank_progress
+from ..measure.results import result_meta
+from ..measure.run import Ranks, output_file, write_json
 
 
 def parse_prompt_ids(texts: list[str], vocab_size: int) -> list[list[int]]:
@@ -104,10 +101,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return 0
         per_rank = gathered
     else:
-        with starting_ranks(ranks, device):
-            workers = LocalRanks(ranks, device=device)
-        with workers:
-            per_rank = workers.run(in_ranks(generate_rank), shares, **options)
+        per_rank = Ranks(device, ranks, make_console()).run(generate_rank, shares, **options)
     _report(args, checkpoint, prompts, per_rank, tokenizer, device, ranks)
     return 0
 
@@ -248,5 +242,4 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
         meta.update(dispatcher=args.dispatcher, overlap=args.overlap, max_new_tokens=args.max_new_tokens)
         meta.update(decode=args.decode, mla=args.mla)
         rows = [{"prompt": i, "prompt_ids": prompts[i], "token_ids": ids} for i, ids in sorted(outputs.items())]
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ranks": per_rank}, indent=1))
-        console.print(f"written to {args.json}", highlight=False, soft_wrap=True)
+        write_json(Path(args.json), {"meta": meta, "rows": rows, "ranks": per_rank}, console, f"written to {args.json}")

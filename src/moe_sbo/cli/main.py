@@ -5,7 +5,7 @@
 
 Every subcommand checks its options before any rank starts; a bad value exits 2 with a message
 naming it, a failing rank exits 1 with that rank's traceback. ``--help`` texts are the parsers' own
-plain-text descriptions (``parsers.py``), not these docstrings.
+plain-text descriptions (``parsers/``), not these docstrings.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 
 from .. import env
 from ..launch.signals import signals_deferred
-from .parsers import build_parser
+from .parsers import parse_args
 
 # The subcommands (and torch) are imported inside ``_run``, where a Ctrl-C is caught: at the prompt a
 # user may interrupt while torch is still importing, and must get one line, not a traceback (or an
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     command = next((a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-")), "")
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         command = args.command
         return _run(args)
     except KeyboardInterrupt:
@@ -92,8 +92,8 @@ def _run(args: argparse.Namespace) -> int:
     # Held while torch and Triton import: a signal inside their native libraries can abort the process.
     with signals_deferred():
         from ..launch.failures import RankError
+        from ..measure.options import configure_logging, log_level
         from . import bench, check, demo, generate, plan
-        from .options import configure_logging, log_level
 
     configure_logging(log_level(args.verbose, args.log_level))
 

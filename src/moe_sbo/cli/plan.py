@@ -11,7 +11,7 @@ placement policy (``planner.balance``).
 The hard part is keeping user mistakes out of tracebacks: every bad input becomes a ``ValueError``
 in ``planner`` ("<name> must <rule>, got <value>; <fix>"); ``run_plan`` prints it and returns 2.
 
-Wiring: ``parsers.add_plan_parser(subparsers)`` adds the sub-command, ``run_plan(args)`` runs it;
+Wiring: ``parsers.plan.add_arguments(parser)`` adds its options, ``run_plan(args)`` runs it;
 ``python -m moe_sbo.cli.plan [flags]`` works on its own.
 """
 
@@ -25,8 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import planner
-from .options import make_console, make_table, target_load
-from .parsers import PLAN_DESCRIPTION, HelpFormatter, add_plan_arguments, output_file
+from ..measure.options import make_console, make_table, target_load
+from ..measure.run import output_file
+from .parsers import plan as plan_parser
+from .parsers.common import HelpFormatter
 
 
 def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
@@ -463,9 +465,9 @@ def write_plot(plan: planner.Plan, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_sbo.cli.plan", description=PLAN_DESCRIPTION, formatter_class=HelpFormatter
+        prog="python -m moe_sbo.cli.plan", description=plan_parser.DESCRIPTION, formatter_class=HelpFormatter
     )
-    add_plan_arguments(parser)
+    plan_parser.add_arguments(parser)
     return run_plan(parser.parse_args(argv))
 
 

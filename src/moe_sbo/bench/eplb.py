@@ -1,4 +1,4 @@
-"""``moe-sbo bench --eplb``: expert load balancing measured on a skewed router.
+"""``moe-sbo bench eplb``: expert load balancing measured on a skewed router.
 
 Per (expert count, dispatcher, tokens per rank), on every rank of the EP group, for each
 ``--redundant`` count (extra expert slots per rank), on one layer with ``eplb=EPLBOptions(...)``:
@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..config import MoEConfig
@@ -47,12 +49,13 @@ from ..eplb import placement_for
 from ..eplb.runtime import EPLBOptions, route_to_slots
 from ..eplb.transfer import all_reduce_load
 from ..layer import MoELayer
+from ..measure.options import TargetLoad, cpu_timing_note, make_table, print_notes, target_load, write_load_file
+from ..measure.run import output_file
 from ..measure.timing import line_up, time_fn
 from ..planner import nodes_for
 from ..routing.skew import SkewFit, skew_router
-from .bench_common import bench_config, dispatcher_options, row_head
-from .options import TargetLoad, make_table, target_load
-from .parsers import output_file
+from .common import bench_config, dispatcher_options, row_head
+from .sweep import Step, prepare
 
 FILL_FORWARDS = 32  # forwards of fresh tokens that fill the load window before a rebalance
 MEASURE_TOKENS = 4096  # held-out tokens per rank the rank load is measured on, in batches of the case's size
@@ -72,7 +75,7 @@ DEFAULT_SKEW = "zipf:1"
 
 @dataclass(frozen=True)
 class EplbSetup:
-    """``--eplb``'s options, resolved and checked before any rank starts: the redundant counts, the
+    """``bench eplb``'s options, resolved and checked before any rank starts: the redundant counts, the
     policy, the nodes hierarchical placement assumes, the load per expert count, the load file to write."""
 
     redundant: list[int]
@@ -82,34 +85,8 @@ class EplbSetup:
     record_load: Path | None
 
 
-def resolve_eplb(args: argparse.Namespace, ranks: int, experts_list: list[int]) -> EplbSetup | None:
-    """``--eplb``'s options checked (``ValueError`` naming the option and the fix), or None without
-    ``--eplb`` (then none of its options may be given: they would be ignored)."""
-    given = [
-        flag
-        for flag, value in (
-            ("--redundant", args.redundant),
-            ("--skew", args.skew),
-            ("--policy", args.policy),
-            ("--record-load", args.record_load),
-        )
-        if value is not None
-    ]
-    if not args.eplb:
-        if given:
-            raise ValueError(f"{given[0]} is an option of --eplb, got it without --eplb; add --eplb or leave it out")
-        return None
-    if args.tbo:
-        raise ValueError("--eplb and --tbo are separate benches, got both; run one, then the other")
-    if args.overlap != ["all"]:
-        raise ValueError(
-            f"--eplb times the layer with overlap none, got --overlap {' '.join(args.overlap)}; leave --overlap out"
-        )
-    for flag, value in (("--timeline", args.timeline), ("--trace", args.trace)):
-        if value is not None:
-            raise ValueError(
-                f"{flag} profiles the overlap modes, which --eplb does not sweep, got both; leave {flag} out"
-            )
+def resolve_eplb(args: argparse.Namespace, ranks: int, experts_list: list[int]) -> EplbSetup:
+    """The mode's own options checked (``ValueError`` naming the option and the fix)."""
     policy = args.policy or "global"
     if args.redundant is not None:
         redundant = args.redundant
@@ -424,3 +401,65 @@ def eplb_notes(rows: list[dict]) -> list[str]:
             f"at most {r['skew_most_reachable_max_over_mean']:.3g}x)"
         )
     return notes
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench eplb``: every expert count x dispatcher x token count, a row per redundant count."""
+    sweep = prepare(args)
+    device, ranks = sweep.ranks.device, sweep.ranks.count
+    eplb = resolve_eplb(args, ranks, sweep.experts)
+    # On CUDA a rank holds two layers at once (with and without statistics, for their overhead), the
+    # largest with its redundant slots.
+    sweep.check_memory(max(args.tokens), layers=2 if device == "cuda" else 1, redundant=max(eplb.redundant))
+    loads: list[list[float]] = []  # each step's window load, for --record-load
+    steps = []
+    for n, d, t in ((n, d, t) for n in sweep.experts for d in sweep.dispatchers for t in args.tokens):
+        spec = {
+            **sweep.spec(n, d, ["none"]),
+            "redundant": eplb.redundant,
+            "policy": eplb.policy,
+            "num_nodes": eplb.num_nodes,
+            "target": eplb.targets[n].load,
+            "skew": eplb.targets[n].label,
+        }
+        fields = {"num_experts": n, "dispatcher": d, "tokens_per_rank": t, "wire": args.wire}
+        summary = functools.partial(summarise_eplb, spec=spec, ep=ranks, loads=loads)
+        steps.append(Step(f"E={n} {d} T={t}", eplb_bench_rank, (spec, t), summary, fields))
+    meta = {
+        "policy": eplb.policy,
+        "redundant": eplb.redundant,
+        "skew": sorted({t.label for t in eplb.targets.values()}),
+        "eplb_window_forwards": FILL_FORWARDS,
+        "eplb_measure_tokens": MEASURE_TOKENS,
+        "timing": "layer_ms: median of CUDA events (host clock on CPU) of eager forwards, ranks lined up "
+        "between forwards, the slowest rank's; t_rebalance_ms: host clock, ranks lined up before and after; "
+        "eplb_overhead: medians of CUDA-graph replays",
+    }
+
+    def report(rows: list[dict], file_meta: dict) -> None:
+        sweep.ranks.console.print(eplb_table(rows))
+        print_notes(sweep.ranks.console, *eplb_notes(rows), cpu_timing_note(device))
+        if eplb.record_load is not None:
+            _record_load(eplb, loads, args, file_meta, sweep.ranks.console)
+
+    return sweep.run("eplb", steps, report, meta=meta)
+
+
+def _record_load(eplb: EplbSetup, loads: list[list[float]], args, meta: dict, console: Console) -> None:
+    """``--record-load``: the EP group's tokens per expert, every step's load window summed."""
+    path = eplb.record_load
+    assert path is not None, "called with --record-load"
+    if not loads:
+        console.print(f"[red]no load recorded[/]: every step failed; {escape(str(path))} not written", highlight=False)
+        return
+    load = [float(sum(column)) for column in zip(*loads)]
+    file_meta = {
+        **meta,
+        "what": "tokens per expert routed by the EP group, summed over every step's load window "
+        f"({len(loads)} steps x {meta['eplb_window_forwards']} forwards of fresh tokens)",
+    }
+    write_load_file(path, load, args.preset, file_meta)
+    console.print(f"load of {len(load)} experts written to {path}", highlight=False, soft_wrap=True)

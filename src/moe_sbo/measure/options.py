@@ -26,7 +26,6 @@ from rich.table import Table
 from ..config import PRESETS, MoEConfig
 from ..launch.group import resolve_device
 from ..quant.fp8 import FP8_BLOCK, sizes_off_blocks
-from .parsers import RANKS_HELP
 
 # ---- printing ------------------------------------------------------------------------------------
 
@@ -181,7 +180,13 @@ def resolve_expert_dtype(choice: str | None, cfg: MoEConfig) -> str | None:
 def add_rank_args(p: argparse.ArgumentParser, preset: str = "tiny") -> None:
     """The options a one-setup driver (soak, validation cost) shares: device, rank count, preset, dtype."""
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--ranks", type=int, default=None, help=RANKS_HELP)
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="ranks to start (default: every GPU on CUDA, 2 on CPU); more ranks than GPUs share them round-robin "
+        "(a functional run: correctness, not wire speed)",
+    )
     p.add_argument("--preset", default=preset, choices=sorted(PRESETS))
     p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
 
@@ -267,7 +272,7 @@ def read_load_file(path: str, num_experts: int, model: str, flag: str) -> list[f
     except FileNotFoundError:
         raise ValueError(
             f"{flag} must be zipf:S or a load file, got {path!r}, which does not exist; "
-            "record one with moe-sbo bench --eplb --record-load PATH, or use zipf:S"
+            "record one with moe-sbo bench eplb --record-load PATH, or use zipf:S"
         ) from None
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{flag} {path} must be a JSON load file, but it cannot be read: {err}") from None
@@ -275,7 +280,7 @@ def read_load_file(path: str, num_experts: int, model: str, flag: str) -> list[f
     if not isinstance(load, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in load):
         raise ValueError(
             f'{flag} {path} must hold {{"load": [one number per expert], ...}}, got no such list; '
-            "record one with moe-sbo bench --eplb --record-load PATH"
+            "record one with moe-sbo bench eplb --record-load PATH"
         )
     if len(load) != num_experts:
         recorded = f" (recorded on {doc['preset']})" if doc.get("preset") else ""

@@ -70,7 +70,7 @@ def estimate_rank_bytes(
 ) -> MemoryEstimate:
     """Per-rank bytes of one layer of ``cfg`` on ``ranks`` ranks at ``tokens`` tokens per rank.
 
-    ``attention`` (``bench --tbo``): the decoder layer's attention weights and a KV cache of
+    ``attention`` (``bench tbo``): the decoder layer's attention weights and a KV cache of
     ``kv_tokens``. ``layers``: such layers a rank holds at once (``check``: one per dispatcher;
     ``generate``: every MoE layer of the model, whose other weights are not counted). ``reference``:
     one more layer with every routed expert (``demo``'s reference on each rank; ``check``'s, built

@@ -1,4 +1,4 @@
-"""``moe-sbo bench`` (without ``--tbo``): single-batch overlap measured, every dispatcher × every
+"""``moe-sbo bench sbo``: single-batch overlap measured, every dispatcher × every
 overlap mode × token count.
 
 For each (expert count, dispatcher, tokens per rank), on every rank of the EP group:
@@ -29,6 +29,8 @@ forwards before it is timed, so its row is what it settled on.
 
 from __future__ import annotations
 
+import argparse
+import functools
 import statistics
 
 import torch
@@ -36,10 +38,11 @@ import torch.distributed as dist
 from rich.table import Table
 
 from ..layer import MoELayer
+from ..measure.options import compact, cpu_timing_note, in_ranks, make_table, print_notes
 from ..measure.timing import SPANS, line_up, time_fn, time_layer
 from ..overlap import AutoOverlap, make_overlap
 from ..overlap.auto import bucket_of
-from .bench_common import (
+from .common import (
     bench_config,
     cached,
     dispatcher_options,
@@ -49,7 +52,7 @@ from .bench_common import (
     resolved_path,
     row_head,
 )
-from .options import compact, make_table
+from .sweep import Step, Sweep, draw_timeline, prepare
 
 # Span of time_layer that is the shared experts only in mode none; in other modes it is the final add.
 PHASE_SPANS = tuple(name for name, _, _ in SPANS if name != "t_shared_us")
@@ -210,6 +213,38 @@ def timeline_rank(device: torch.device, spec: dict, tokens: int, trace_prefix: s
 
 
 # ---- command line --------------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench sbo``: every expert count x dispatcher x token count, each mode's rows."""
+    sweep = prepare(args)
+    ranks = sweep.ranks.count
+    sweep.check_memory(max(args.tokens))
+    steps = []
+    for n, d, t in ((n, d, t) for n in sweep.experts for d in sweep.dispatchers for t in args.tokens):
+        spec = sweep.spec(n, d, sweep.modes)
+        fields = {"num_experts": n, "experts_per_gpu": n // ranks, "dispatcher": d, "tokens_per_rank": t}
+        summary = functools.partial(summarise, spec=spec, ep=ranks)
+        steps.append(Step(f"E={n} {d} T={t}", sbo_bench_rank, (spec, t), summary, {**fields, "wire": args.wire}))
+
+    def report(rows: list[dict], meta: dict) -> None:
+        sweep.ranks.console.print(sbo_table(rows))
+        print_notes(sweep.ranks.console, sbo_legend(rows), cpu_timing_note(sweep.ranks.device))
+
+    return sweep.run("sbo", steps, report, draw=functools.partial(_timeline, sweep))
+
+
+def _timeline(sweep: Sweep, pool) -> None:
+    """Profile one forward per mode of the first expert count, per dispatcher; draw the lanes, keep the traces."""
+    args = sweep.args
+    size = args.timeline_tokens or max([t for t in args.tokens if t <= 4096] or [min(args.tokens)])
+    spans = {}
+    for dispatcher in sweep.dispatchers:
+        spec = sweep.spec(sweep.experts[0], dispatcher, sweep.modes)
+        per_mode = pool.run(in_ranks(timeline_rank), spec, size, args.trace)[0]
+        spans.update({f"{dispatcher} / {mode}": s for mode, s in per_mode.items()})
+    title = f"{args.preset}, EP{sweep.ranks.count}, {size} tokens/rank, {sweep.ranks.device}"
+    draw_timeline(args, spans, title, "<case>.json", sweep.ranks.console)
 
 
 def sbo_table(rows: list[dict]) -> Table:

@@ -1,4 +1,4 @@
-"""``moe-sbo bench --tbo``: the decoder layer (attention + MoE) with and without two-batch overlap.
+"""``moe-sbo bench tbo``: the decoder layer (attention + MoE) with and without two-batch overlap.
 
 Per regime and size, on every rank, the same layer and inputs run as: every SBO mode asked for,
 each without TBO and with TBO at every stage delay of ``--delay`` (``none`` without TBO is the
@@ -16,6 +16,7 @@ alone), ``t_wire_us`` (raw NCCL ``all_to_all_single`` of each phase's bytes, wit
 
 from __future__ import annotations
 
+import argparse
 import functools
 import random
 import statistics
@@ -25,17 +26,20 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
+from ..config import get_preset
 from ..decoder.attention import AttentionConfig, Batch, KVCache
 from ..decoder.decoder_layer import DecoderLayer
 from ..decoder.micro_batches import split_batch
 from ..dispatch import Dispatcher
 from ..layer import MoELayer
+from ..measure.options import compact, cpu_timing_note, in_ranks, make_table, print_notes
 from ..measure.timing import time_fn
 from ..overlap import make_overlap
 from ..overlap.auto import bucket_of
 from ..overlap.tbo import resolve_gemm_sm_budget, tbo_forward
 from ..overlap.tbo_auto import AutoTbo
-from .bench_common import (
+from ..streams import check_sm_budget
+from .common import (
     bench_config,
     cached,
     dispatcher_options,
@@ -45,7 +49,7 @@ from .bench_common import (
     resolved_path,
     row_head,
 )
-from .options import compact, make_table
+from .sweep import Step, Sweep, draw_timeline, prepare
 
 
 def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int = 4096) -> list[int]:
@@ -314,3 +318,48 @@ def tbo_timeline_rank(device: torch.device, spec: dict, regime: str, size: int, 
             )
         layer.moe.overlap = make_overlap("none", device)
     return spans
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench tbo``: every expert count x dispatcher x prefill or decode size, each case's rows."""
+    sweep = prepare(args, drop_auto=True)
+    if not (args.prefill_tokens or args.decode_seqs):
+        raise ValueError(
+            "--prefill-tokens and --decode-seqs must give at least one size, got neither; leave one out for its default"
+        )
+    if isinstance(args.tbo_gemm_sm_budget, int):
+        check_sm_budget(torch.device(sweep.ranks.device), args.tbo_gemm_sm_budget)
+    attention = AttentionConfig(get_preset(args.preset).hidden_size, args.heads, args.kv_heads, args.head_dim)
+    tokens = max([*args.prefill_tokens, *args.decode_seqs])
+    kv_tokens = max([*args.prefill_tokens, *(b * (args.kv_len + 1) for b in args.decode_seqs)])
+    sweep.check_memory(tokens, attention, kv_tokens)
+    ranks, steps = sweep.ranks.count, []
+    sizes = [("prefill", t) for t in args.prefill_tokens] + [("decode", b) for b in args.decode_seqs]
+    for n, d, (regime, size) in ((n, d, s) for n in sweep.experts for d in sweep.dispatchers for s in sizes):
+        spec = sweep.spec(n, d, sweep.modes)
+        fields = {"num_experts": n, "dispatcher": d, "regime": regime, "size": size, "wire": args.wire}
+        summary = functools.partial(summarise_tbo, spec=spec, ep=ranks)
+        steps.append(Step(f"E={n} {d} {regime} {size}", tbo_bench_rank, (spec, regime, size), summary, fields))
+
+    def report(rows: list[dict], meta: dict) -> None:
+        sweep.ranks.console.print(tbo_table(rows))
+        print_notes(sweep.ranks.console, TBO_LEGEND, cpu_timing_note(sweep.ranks.device))
+
+    return sweep.run("tbo", steps, report, draw=functools.partial(_timeline, sweep))
+
+
+def _timeline(sweep: Sweep, pool) -> None:
+    """Profile one forward without and with TBO of the first expert count, per dispatcher; draw the
+    lanes, keep the traces."""
+    args = sweep.args
+    regime, size = ("prefill", args.prefill_tokens[0]) if args.prefill_tokens else ("decode", args.decode_seqs[-1])
+    spans = {}
+    for dispatcher in sweep.dispatchers:
+        spec = sweep.spec(sweep.experts[0], dispatcher, sweep.modes)
+        per_case = pool.run(in_ranks(tbo_timeline_rank), spec, regime, size, args.trace)[0]
+        spans.update({f"{dispatcher} / {case}": s for case, s in per_case.items()})
+    title = f"{args.preset} decoder layer, EP{sweep.ranks.count}, {regime} {size}/rank, {sweep.ranks.device}"
+    draw_timeline(args, spans, title, "tbo.<case>.json", sweep.ranks.console)

@@ -1,0 +1,69 @@
+"""``moe-sbo bench <mode>``: the registry of bench modes and the ``bench`` parser, one subparser per mode.
+
+Each mode names its parser module (torch-free, in this package: ``add_arguments(parser)`` and a
+plain-text ``DESCRIPTION``) and its runner module (``moe_sbo.bench.<mode>``: ``main(args) -> int``),
+which ``cli.bench`` imports only when that mode runs, so ``--help`` of every mode answers without torch.
+A mode is added here and nowhere else in the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from .common import HelpFormatter
+
+# mode -> (one-line help, parser module, runner module).
+BENCH_MODES: dict[str, tuple[str, str, str]] = {
+    "sbo": ("overlap modes x dispatchers x token counts", "moe_sbo.cli.parsers.bench_sbo", "moe_sbo.bench.sbo"),
+    "tbo": (
+        "a decoder layer (attention + MoE) without and with two-batch overlap",
+        "moe_sbo.cli.parsers.bench_tbo",
+        "moe_sbo.bench.tbo",
+    ),
+    "eplb": (
+        "expert load balancing on a skewed router: rank load and layer time before and after a rebalance",
+        "moe_sbo.cli.parsers.bench_eplb",
+        "moe_sbo.bench.eplb",
+    ),
+}
+DEFAULT_MODE = "sbo"  # ``moe-sbo bench [options]`` with no mode runs it
+# Flags that chose a mode before modes were positional: refused with the spelling that replaces them.
+MODE_FLAGS = {"--tbo": "tbo", "--eplb": "eplb"}
+
+SUMMARY = "time the layer on N ranks, one mode each: sbo (the default), tbo, eplb (GPUs; CPU: a smoke run)"
+
+
+def description() -> str:
+    """``moe-sbo bench --help``'s text: the modes, one line each."""
+    width = max(map(len, BENCH_MODES))
+    modes = "\n".join(f"  {mode:<{width}}  {help_}" for mode, (help_, _, _) in BENCH_MODES.items())
+    return (
+        "Benchmarks of the MoE layer on N local ranks (GPUs; on CPU ranks a quick smoke run), one mode each:\n"
+        f"{modes}\n\n"
+        f"moe-sbo bench with no mode runs {DEFAULT_MODE}. Options of one mode: moe-sbo bench MODE --help."
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One subparser per mode of ``BENCH_MODES``, its options added by its parser module."""
+    parser.usage = "%(prog)s [-h] [MODE] [options]"  # MODE: its list is in the description
+    modes = parser.add_subparsers(dest="mode", metavar="MODE", help=argparse.SUPPRESS, prog="moe-sbo bench")
+    for mode, (help_, parser_module, _) in BENCH_MODES.items():
+        module = importlib.import_module(parser_module)
+        sub = modes.add_parser(mode, help=help_, description=module.DESCRIPTION, formatter_class=HelpFormatter)
+        module.add_arguments(sub)
+
+
+def with_mode(argv: list[str]) -> list[str]:
+    """``argv`` (what follows ``bench``) with ``DEFAULT_MODE`` put first when it names no mode.
+    ``ValueError`` for a flag that chose a mode before modes were positional (``--tbo``, ``--eplb``)."""
+    old = next((a for a in argv if a in MODE_FLAGS), None)
+    if old is not None and argv[0] not in BENCH_MODES:
+        raise ValueError(
+            f"the bench mode is a word after bench, not a flag, got {old}; "
+            f"run moe-sbo bench {MODE_FLAGS[old]} [options] (modes: {', '.join(BENCH_MODES)})"
+        )
+    if argv and (argv[0] in BENCH_MODES or argv[0] in ("-h", "--help") or not argv[0].startswith("-")):
+        return argv  # a mode, bench's own help, or a word argparse refuses as an unknown mode
+    return [DEFAULT_MODE, *argv]
