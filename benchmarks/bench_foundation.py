@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, get_preset
 from moe_sbo.experts.routed import RoutedExperts, grouped_mm_supported
 from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import SPANS, KernelTimer, time_layer, time_raw_all_to_all
 

@@ -46,13 +46,13 @@ import torch
 import torch.distributed as dist
 
 from bench_foundation import _fmt
-from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig, get_preset
 from moe_sbo.dispatch.low_latency import RowFormat
 from moe_sbo.env import triton_interpreting
 from moe_sbo.experts.routed import DENSE_KERNELS
 from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import Stamps, line_up, time_fn, time_layer, time_raw_all_to_all
 from moe_sbo.streams import capture_graph

@@ -50,11 +50,11 @@ from bench_low_latency import (
     time_back_to_back,
     time_graphs,
 )
-from moe_sbo.cli.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.config import PRESETS, MoEConfig
 from moe_sbo.dispatch.low_latency import RowFormat, kernels
 from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure.options import Sweep, add_sweep_args, default_dtype_name
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, line_up, time_fn, time_layer
 

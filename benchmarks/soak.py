@@ -48,13 +48,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_sbo.cli.options import add_rank_args, default_dtype_name, resolve_ranks, result_path
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import DISPATCHERS
 from moe_sbo.launch.failures import RankError
 from moe_sbo.launch.group import resolve_device
 from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure.options import add_rank_args, default_dtype_name, resolve_ranks, result_path
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import line_up
 from moe_sbo.overlap import OVERLAP_MODES

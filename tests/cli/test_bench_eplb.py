@@ -1,4 +1,4 @@
-"""Expert load balancing on the command line: ``bench --eplb`` on 2 CPU ranks (rows, balance measured
+"""Expert load balancing on the command line: ``bench eplb`` on 2 CPU ranks (rows, balance measured
 before and after, a load file that ``--skew`` and ``plan --load`` read back), ``plan --skew/--load``,
 ``demo --eplb``, widths, and bad input refused in one line before any rank starts. CPU times show that
 the commands work, not what a GPU measures."""
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from in_process import InProcess
-from moe_sbo.cli import bench, bench_eplb, demo
+from moe_sbo.bench import eplb as bench_eplb
 from moe_sbo.cli.main import main
-from moe_sbo.cli.parsers import PLACEMENT_POLICY_NAMES
+from moe_sbo.cli.parsers.common import PLACEMENT_POLICY_NAMES
 from moe_sbo.config import get_preset
 from moe_sbo.eplb import PLACEMENT_POLICIES, zipf_load
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure import run
 
 WIDTH = 100
 
@@ -28,16 +29,16 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("ranks were started for bad input")
 
-    monkeypatch.setattr(demo, "LocalRanks", refuse)
-    monkeypatch.setattr(bench, "RankPool", refuse)
+    monkeypatch.setattr(run, "LocalRanks", refuse)
+    monkeypatch.setattr(run, "RankPool", refuse)
 
 
 @pytest.fixture
 def in_process(monkeypatch):
     """A terminal wider than the output must be (rich folds nothing); one rank, in this process."""
     monkeypatch.setenv("COLUMNS", str(2 * WIDTH))
-    monkeypatch.setattr(demo, "LocalRanks", InProcess)
-    monkeypatch.setattr(bench, "RankPool", InProcess)
+    monkeypatch.setattr(run, "LocalRanks", InProcess)
+    monkeypatch.setattr(run, "RankPool", InProcess)
 
 
 def _fits(text: str) -> list[str]:
@@ -55,12 +56,12 @@ def test_the_parser_names_every_placement_policy():
     assert PLACEMENT_POLICY_NAMES == PLACEMENT_POLICIES
 
 
-# ---- bench --eplb --------------------------------------------------------------------------------
+# ---- bench eplb ---------------------------------------------------------------------------------
 
 
 def test_bench_eplb_on_two_ranks_balances_and_records_the_load(tmp_path, capsys):
     out, load = tmp_path / "eplb.json", tmp_path / "load.json"
-    argv = ["bench", "--eplb", "--device", "cpu", "--ranks", "2", "--dispatcher", "alltoall", "--tokens", "16"]
+    argv = ["bench", "eplb", "--device", "cpu", "--ranks", "2", "--dispatcher", "alltoall", "--tokens", "16"]
     argv += ["--redundant", "0", "1", "--warmup", "0", "--iters", "2", "--out", str(out), "--record-load", str(load)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
@@ -97,7 +98,7 @@ def test_bench_eplb_on_two_ranks_balances_and_records_the_load(tmp_path, capsys)
 
 def test_bench_eplb_fits_100_columns_and_reads_a_load_file(in_process, capsys, tmp_path):
     skew = _load_file(tmp_path / "load.json", [8.0, 1.0] + [2.0] * 14)
-    argv = ["bench", "--eplb", "--ranks", "1", "--dispatcher", "local", "--tokens", "8", "--iters", "1"]
+    argv = ["bench", "eplb", "--ranks", "1", "--dispatcher", "local", "--tokens", "8", "--iters", "1"]
     assert main([*argv, "--skew", skew, "--policy", "hierarchical", "--device", "cpu"]) == 0
     lines = _fits(capsys.readouterr().out.replace(skew, "LOAD"))
     assert lines[-1] == "1 rows, 0 errors; not written (no --out)"
@@ -106,7 +107,7 @@ def test_bench_eplb_fits_100_columns_and_reads_a_load_file(in_process, capsys, t
 
 def test_bench_eplb_trivial_policy_keeps_experts_in_place(in_process, capsys, tmp_path):
     out = tmp_path / "trivial.json"
-    argv = ["bench", "--eplb", "--ranks", "1", "--dispatcher", "alltoall", "--tokens", "8", "--iters", "1"]
+    argv = ["bench", "eplb", "--ranks", "1", "--dispatcher", "alltoall", "--tokens", "8", "--iters", "1"]
     assert main([*argv, "--policy", "trivial", "--out", str(out), "--device", "cpu"]) == 0
     result = json.loads(out.read_text())
     (row,) = result["rows"]
@@ -188,39 +189,31 @@ def test_demo_eplb_fits_100_columns(in_process, capsys):
 # ---- refused before any rank starts --------------------------------------------------------------
 
 BENCH = ["bench", "--device", "cpu", "--ranks", "2"]
+EPLB = ["bench", "eplb", "--device", "cpu", "--ranks", "2"]
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (
-            [*BENCH, "--eplb", "--skew", "zipf:x"],
+            [*EPLB, "--skew", "zipf:x"],
             "--skew zipf:S needs an exponent S >= 0, got 'zipf:x'; e.g. --skew zipf:1.2 (zipf:0 is an even load)",
         ),
         (
-            [*BENCH, "--eplb", "--redundant", "-1"],
+            [*EPLB, "--redundant", "-1"],
             "--redundant must be >= 0 (extra expert slots per rank), got -1; e.g. --redundant 0 1 2",
         ),
-        ([*BENCH, "--eplb", "--tbo"], "--eplb and --tbo are separate benches, got both; run one, then the other"),
         (
-            [*BENCH, "--redundant", "1"],
-            "--redundant is an option of --eplb, got it without --eplb; add --eplb or leave it out",
-        ),
-        (
-            [*BENCH, "--eplb", "--timeline", "t.png"],
-            "--timeline profiles the overlap modes, which --eplb does not sweep, got both; leave --timeline out",
-        ),
-        (
-            [*BENCH, "--eplb", "--experts", "16", "8", "--record-load", "load.json"],
+            [*EPLB, "--experts", "16", "8", "--record-load", "load.json"],
             "--record-load writes the load of one expert count, got --experts 16 8; give one --experts value",
         ),
         (
-            [*BENCH, "--eplb", "--policy", "trivial", "--redundant", "1"],
+            [*EPLB, "--policy", "trivial", "--redundant", "1"],
             "--redundant 1 with --policy trivial on 2 ranks and 16 experts cannot be placed: policy 'trivial' places "
             "no redundant experts",
         ),
         (
-            [*BENCH, "--eplb", "--redundant", "9"],
+            [*EPLB, "--redundant", "9"],
             "--redundant 9 with --policy global on 2 ranks and 16 experts cannot be placed: redundant_per_rank=9 "
             "asks for 18 extra replicas",
         ),
@@ -251,10 +244,6 @@ BENCH = ["bench", "--device", "cpu", "--ranks", "2"]
         ),
         (["plan", "--skew", "zipf:1", "--redundant", "-1"], "--redundant must be counts >= 0"),
         ([*BENCH, "--expert-dtype", "fp8"], "--expert-dtype fp8 needs hidden_size and moe_intermediate_size that"),
-        (
-            [*BENCH, "--eplb", "--overlap", "split"],
-            "--eplb times the layer with overlap none, got --overlap split; leave --overlap out",
-        ),
     ],
 )
 def test_bad_eplb_input_is_refused_in_one_line(argv, message, capsys, no_ranks):
@@ -263,11 +252,28 @@ def test_bad_eplb_input_is_refused_in_one_line(argv, message, capsys, no_ranks):
     assert err.startswith(f"moe-sbo {argv[0]}: error: {message}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        ([*EPLB, "--tbo"], "--tbo"),
+        ([*BENCH, "--redundant", "1"], "--redundant"),
+        ([*EPLB, "--timeline", "t.png"], "--timeline"),
+        ([*EPLB, "--overlap", "split"], "--overlap"),
+    ],
+)
+def test_an_option_of_another_bench_mode_is_a_usage_error(argv, option, capsys, no_ranks):
+    """Each mode has its own parser: what another mode takes is refused, not ignored."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"error: unrecognized arguments: {option}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["bench", "plan"])
 def test_a_load_file_of_another_model_is_refused_naming_both(command, tmp_path, capsys, no_ranks):
     skew = _load_file(tmp_path / "v3.json", [1.0] * 256, preset="deepseek-v3")
     flag = "--skew" if command == "bench" else "--load"
-    argv = [*BENCH, "--eplb"] if command == "bench" else ["plan", "--model", "tiny"]
+    argv = [*EPLB] if command == "bench" else ["plan", "--model", "tiny"]
     assert main([*argv, flag, skew]) == 2
     assert capsys.readouterr().err == (
         f"moe-sbo {command}: error: {flag} {skew} must hold one load per expert of tiny (16), got 256 "
@@ -288,6 +294,6 @@ def test_a_bad_load_file_is_refused(content, message, tmp_path, capsys, no_ranks
     path = tmp_path / "load.json"
     if content is not None:
         path.write_text(content)
-    assert main([*BENCH, "--eplb", "--skew", str(path)]) == 2
+    assert main([*EPLB, "--skew", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moe-sbo bench: error: " + message.format(path=path)), err

@@ -1,5 +1,6 @@
-"""Smoke test of ``moe-sbo bench`` on 2 CPU ranks: every dispatcher x every mode gets a row with the
-result-file fields, efficiency and speedup are computed against ``none``, and the timeline is drawn.
+"""Smoke test of ``moe-sbo bench`` (``sbo``, the default mode, and ``tbo``) on 2 CPU ranks: every
+dispatcher x every mode gets a row with the result-file fields, efficiency and speedup are computed
+against ``none``, and the timeline is drawn.
 It checks that the benchmark works, not what it measures (CPU times are not GPU numbers)."""
 
 from __future__ import annotations
@@ -96,19 +97,25 @@ def test_bench_sweep_rows_and_timeline(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--overlap", "sideways"], "--overlap must be among"),
-        (["--dispatcher", "deepep"], "--dispatcher must be among"),
-        (["--ranks", "3"], "divisible by the EP size"),
-        (["--ranks", "0"], "--ranks must be >= 1, got 0; leave it out for the default"),
-        (["--tbo", "--prefill-tokens", "--decode-seqs"], "must give at least one size with --tbo, got neither"),
-        (["--tokens", "0"], "--tokens must be >= 1, got 0; leave --tokens out for its default"),
-        (["--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
-        (["--transport", "copy_engine"], "--transport copy_engine needs CUDA and >= 2 ranks"),
-        (["--index-rows", "--dispatcher", "alltoall"], "--index-rows is an option of the low_latency dispatcher"),
+        (["sbo", "--overlap", "sideways"], "--overlap must be among"),
+        (["sbo", "--dispatcher", "deepep"], "--dispatcher must be among"),
+        (["sbo", "--ranks", "3"], "divisible by the EP size"),
+        (["sbo", "--ranks", "0"], "--ranks must be >= 1, got 0; leave it out for the default"),
+        (["tbo", "--prefill-tokens", "--decode-seqs"], "--decode-seqs must give at least one size, got neither"),
+        (["tbo", "--delay", "-1"], "--delay must be >= 0, got -1"),
+        (["eplb", "--tokens", "0"], "--tokens must be >= 1, got 0; leave --tokens out for its default"),
+        (["sbo", "--tokens", "0"], "--tokens must be >= 1, got 0; leave --tokens out for its default"),
+        (["sbo", "--transport", "symm_mem"], "--transport symm_mem needs CUDA and >= 2 ranks"),
+        (["tbo", "--transport", "copy_engine"], "--transport copy_engine needs CUDA and >= 2 ranks"),
+        (
+            ["sbo", "--index-rows", "--dispatcher", "alltoall"],
+            "--index-rows is an option of the low_latency dispatcher",
+        ),
     ],
 )
 def test_bench_bad_input_exits_2(argv, message, capsys):
-    assert main(["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", *argv]) == 2
+    mode, *options = argv
+    assert main(["bench", mode, "--device", "cpu", "--ranks", "2", "--preset", "tiny", *options]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -117,7 +124,7 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
     code = main(
         [
             "bench",
-            "--tbo",
+            "tbo",
             "--device",
             "cpu",
             "--ranks",
@@ -192,7 +199,7 @@ def test_bench_tbo_rows_per_delay_and_timeline(tmp_path):
 
 
 def _tbo_capacity_rank(device, lengths_per_rank):
-    from moe_sbo.cli.bench_tbo import _decoder, _tbo_dispatcher
+    from moe_sbo.bench.tbo import _decoder, _tbo_dispatcher
     from moe_sbo.decoder.attention import Batch
 
     spec = {

@@ -16,6 +16,7 @@ from moe_sbo.config import PRESETS
 from moe_sbo.hf.checkpoint import Checkpoint
 from moe_sbo.launch import ranks as launch_ranks
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure import run
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,7 @@ def no_ranks(monkeypatch):
         raise AssertionError("a rank pool was started for bad input")
 
     monkeypatch.setattr(launch_ranks, "LocalRanks", refuse)
-    monkeypatch.setattr(check_cli, "LocalRanks", refuse)  # the name the command calls
-    monkeypatch.setattr(demo_cli, "LocalRanks", refuse)
+    monkeypatch.setattr(run, "LocalRanks", refuse)  # the name the commands call
 
 
 P = "model.layers.1.mlp."

@@ -16,14 +16,18 @@ import torch
 from rich.console import Console
 
 import moe_sbo
-from moe_sbo.cli import bench, check, demo, memory, options
-from moe_sbo.cli.bench_sbo import sbo_legend, sbo_table
-from moe_sbo.cli.bench_tbo import tbo_table
-from moe_sbo.cli.main import build_parser, main
+from moe_sbo.bench import sweep
+from moe_sbo.bench.sbo import sbo_legend, sbo_table
+from moe_sbo.bench.tbo import tbo_table
+from moe_sbo.cli import check, demo
+from moe_sbo.cli.main import main
+from moe_sbo.cli.parsers import build_parser, parse_args
+from moe_sbo.cli.parsers.bench import BENCH_MODES
 from moe_sbo.cli.plan import main as plan_main
 from moe_sbo.config import get_preset
 from moe_sbo.launch.failures import RankError, RankFailure
 from moe_sbo.layer import MoELayer
+from moe_sbo.measure import memory, options, run
 from moe_sbo.measure.results import ResultFile
 
 COMMANDS = ("demo", "bench", "check", "generate", "plan")
@@ -44,8 +48,8 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("ranks were started for bad input")
 
-    for module, name in ((demo, "LocalRanks"), (check, "LocalRanks"), (bench, "RankPool")):
-        monkeypatch.setattr(module, name, refuse)
+    monkeypatch.setattr(run, "LocalRanks", refuse)
+    monkeypatch.setattr(run, "RankPool", refuse)
 
 
 # ---- --version, python -m, help -----------------------------------------------------------------
@@ -64,7 +68,8 @@ def test_parsers_are_built_without_importing_torch():
     """--help, --version and usage errors answer in a tenth of a second: torch (seconds) is imported
     only when a command runs. A fresh process, since this one has torch loaded already."""
     code = (
-        "import sys; from moe_sbo.cli.main import build_parser; build_parser().format_help(); "
+        "import sys; from moe_sbo.cli.parsers import build_parser, parse_args; build_parser().format_help(); "
+        f"[parse_args(['bench', mode, '--out', 'x.json']) for mode in {sorted(BENCH_MODES)!r}]; "
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'rich', 'transformers')); "
         "print(heavy)"
     )
@@ -120,13 +125,17 @@ def test_ranks_below_one_is_refused_in_one_line(command, ranks, capsys, no_ranks
 
 
 def test_bench_defaults_depend_on_the_device_and_keep_given_values():
-    args = build_parser().parse_args(["bench", "--tokens", "7"])
-    bench.resolve_defaults(args, "cpu")
-    assert (args.preset, args.tokens, args.warmup, args.iters) == ("tiny", [7], 1, 3)  # --tokens kept
+    args = parse_args(["bench", "--tokens", "7"])  # no mode: sbo
+    sweep.resolve_defaults(args, "cpu")
+    assert (args.mode, args.preset, args.tokens, args.warmup, args.iters) == ("sbo", "tiny", [7], 1, 3)  # --tokens kept
+    args = parse_args(["bench", "tbo"])
+    sweep.resolve_defaults(args, "cpu")
     assert (args.prefill_tokens, args.decode_seqs, args.kv_len, args.heads) == ([128], [4, 16], 64, 4)
-    args = build_parser().parse_args(["bench", "--decode-seqs"])  # empty: no decode sizes, kept
-    bench.resolve_defaults(args, "cuda")
+    args = parse_args(["bench", "sbo"])
+    sweep.resolve_defaults(args, "cuda")
     assert (args.preset, args.tokens, args.warmup, args.iters) == ("deepseek-v3", [128, 512, 2048, 4096, 8192], 5, 20)
+    args = parse_args(["bench", "tbo", "--decode-seqs"])  # empty: no decode sizes, kept
+    sweep.resolve_defaults(args, "cuda")
     assert (args.decode_seqs, args.prefill_tokens, args.heads, args.kv_heads) == ([], [4096, 8192], 128, 8)
 
 
@@ -164,21 +173,21 @@ def test_bench_refuses_the_emulated_wire_on_cpu_in_one_line(capsys, no_ranks):
 
 
 def test_emulated_wire_takes_nccl_and_refuses_transports_that_bypass_it():
-    args = build_parser().parse_args(["bench", "--wire", "emulated-internode"])
-    assert "transport nccl" in bench.resolve_wire(args, "cuda", 2) and args.transport == "nccl"
+    args = parse_args(["bench", "--wire", "emulated-internode"])
+    assert "transport nccl" in sweep.resolve_wire(args, "cuda", 2) and args.transport == "nccl"
     for transport in ("symm_mem", "copy_engine"):
-        args = build_parser().parse_args(["bench", "--wire", "emulated-internode", "--transport", transport])
+        args = parse_args(["bench", "tbo", "--wire", "emulated-internode", "--transport", transport])
         with pytest.raises(ValueError, match=f"--transport {transport} writes the peer's memory over NVLink"):
-            bench.resolve_wire(args, "cuda", 2)
+            sweep.resolve_wire(args, "cuda", 2)
     with pytest.raises(ValueError, match="needs >= 2 ranks, got 1"):
-        bench.resolve_wire(build_parser().parse_args(["bench", "--wire", "emulated-internode"]), "cuda", 1)
-    assert bench.resolve_wire(build_parser().parse_args(["bench"]), "cpu", 2) is None  # nvlink: nothing to set
+        sweep.resolve_wire(parse_args(["bench", "eplb", "--wire", "emulated-internode"]), "cuda", 1)
+    assert sweep.resolve_wire(parse_args(["bench"]), "cpu", 2) is None  # nvlink: nothing to set
 
 
 def test_one_rank_crosses_no_wire():
     """A one-rank run's rows must not claim a link between ranks (the default --wire is nvlink)."""
-    args = build_parser().parse_args(["bench"])
-    assert bench.resolve_wire(args, "cpu", 1) is None and args.wire == "none"
+    args = parse_args(["bench"])
+    assert sweep.resolve_wire(args, "cpu", 1) is None and args.wire == "none"
 
 
 def test_bench_refuses_what_cannot_fit_before_any_rank(tmp_path, monkeypatch, capsys, no_ranks):
@@ -221,7 +230,7 @@ class _Pool:
 
 def _steps(n):
     return [
-        bench.Step(f"step {i}", None, (), lambda per_rank, i=i: [{"step": i}], {"tokens_per_rank": i}) for i in range(n)
+        sweep.Step(f"step {i}", None, (), lambda per_rank, i=i: [{"step": i}], {"tokens_per_rank": i}) for i in range(n)
     ]
 
 
@@ -235,7 +244,7 @@ def _steps(n):
 )
 def test_sweep_stops_after_a_rank_is_killed_or_runs_out_of_memory(fatal):
     results, pool = ResultFile(None, {}), _Pool([[[]], fatal, [[]], [[]]])
-    stopped = bench.run_steps(_steps(4), pool, results, Console(file=open(os.devnull, "w")), "sbo")
+    stopped = sweep.run_steps(_steps(4), pool, results, Console(file=open(os.devnull, "w")), "sbo")
     assert pool.calls == 2 and results.errors == 1 and len(results.rows) == 2
     assert results.rows[1]["step"] == "step 1" and results.rows[1]["tokens_per_rank"] == 1
     assert stopped.startswith(f"sweep stopped after step step 1: rank {fatal.first.rank} ")
@@ -244,7 +253,7 @@ def test_sweep_stops_after_a_rank_is_killed_or_runs_out_of_memory(fatal):
 
 def test_sweep_goes_on_after_an_ordinary_failure():
     results, pool = ResultFile(None, {}), _Pool([_died(0, "ValueError: bad", kind="raised"), [[]], [[]]])
-    assert bench.run_steps(_steps(3), pool, results, Console(file=open(os.devnull, "w")), "sbo") is None
+    assert sweep.run_steps(_steps(3), pool, results, Console(file=open(os.devnull, "w")), "sbo") is None
     assert pool.calls == 3 and results.errors == 1
 
 
@@ -344,9 +353,9 @@ def test_module_entry_logs_in_ranks_and_timeline_is_quiet(tmp_path):
         "--log-level",
         "debug",
         "bench",
+        "tbo",
         "--device",
         "cpu",
-        "--tbo",
         "--dispatcher",
         "alltoall",
         "--overlap",

@@ -12,8 +12,8 @@ from rich.console import Console
 
 from hf_blocks import make_hf_model, write_published_v3
 from in_process import InProcess
-from moe_sbo.cli import bench, check, demo, generate, progress
 from moe_sbo.cli.main import main
+from moe_sbo.measure import progress, run
 
 WIDTH = 100
 
@@ -22,8 +22,8 @@ WIDTH = 100
 def narrow(monkeypatch):
     """A terminal wider than the output must be (rich folds nothing); the ranks in this process."""
     monkeypatch.setenv("COLUMNS", str(2 * WIDTH))
-    for module, name in ((demo, "LocalRanks"), (check, "LocalRanks"), (generate, "LocalRanks"), (bench, "RankPool")):
-        monkeypatch.setattr(module, name, InProcess)
+    monkeypatch.setattr(run, "LocalRanks", InProcess)
+    monkeypatch.setattr(run, "RankPool", InProcess)
 
 
 def _fits(text: str, path=None) -> list[str]:

@@ -10,9 +10,9 @@ import pytest
 
 from hf_blocks import make_hf_model, write_published_v3
 from in_process import InProcess
-from moe_sbo.cli import bench, check, demo, generate, memory
 from moe_sbo.cli.main import main
 from moe_sbo.dispatch import DISPATCHERS
+from moe_sbo.measure import memory, run
 
 COMMANDS = ("demo", "bench", "check", "generate", "plan")
 OUTPUT_FLAG = {"demo": "--json", "bench": "--out", "check": "--json", "generate": "--json", "plan": "--json"}
@@ -25,8 +25,8 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("ranks were started for bad input")
 
-    for module, name in ((demo, "LocalRanks"), (check, "LocalRanks"), (generate, "LocalRanks"), (bench, "RankPool")):
-        monkeypatch.setattr(module, name, refuse)
+    monkeypatch.setattr(run, "LocalRanks", refuse)
+    monkeypatch.setattr(run, "RankPool", refuse)
 
 
 def _required(command: str, tmp_path) -> list[str]:
@@ -74,7 +74,7 @@ def test_the_output_folder_is_made_before_any_work(command, tmp_path, monkeypatc
 
 
 def test_demo_writes_its_json_into_a_new_folder(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(demo, "LocalRanks", InProcess)
+    monkeypatch.setattr(run, "LocalRanks", InProcess)
     out = tmp_path / "new" / "rows.json"
     argv = ["demo", "--ranks", "1", "--dispatcher", "local", "--tokens", "4", "--iters", "1", "--json", str(out)]
     assert main([*argv, "--device", "cpu"]) == 0
@@ -164,18 +164,19 @@ def test_generate_ids_outside_the_vocabulary_are_named(qwen3_dir, capsys, no_ran
 @pytest.mark.parametrize(
     "argv, line",
     [
-        (["--tokens", "-1"], "--tokens must be >= 1, got -1; leave --tokens out for its default"),
-        (["--tokens", "16", "0", "64"], "--tokens must be >= 1, got 0; leave --tokens out for its default"),
-        (["--iters", "0"], "--iters must be >= 1, got 0; leave --iters out for its default"),
-        (["--warmup", "-2"], "--warmup must be >= 0, got -2; leave --warmup out for its default"),
+        (["sbo", "--tokens", "-1"], "--tokens must be >= 1, got -1; leave --tokens out for its default"),
+        (["eplb", "--tokens", "16", "0", "64"], "--tokens must be >= 1, got 0; leave --tokens out for its default"),
+        (["sbo", "--iters", "0"], "--iters must be >= 1, got 0; leave --iters out for its default"),
+        (["tbo", "--warmup", "-2"], "--warmup must be >= 0, got -2; leave --warmup out for its default"),
         (
-            ["--tbo", "--decode-seqs", "4", "-3"],
+            ["tbo", "--decode-seqs", "4", "-3"],
             "--decode-seqs must be >= 1, got -3; leave --decode-seqs out for its default",
         ),
     ],
 )
 def test_bench_names_the_wrong_value(argv, line, capsys, no_ranks):
-    assert main(["bench", "--device", "cpu", *argv]) == 2
+    mode, *options = argv
+    assert main(["bench", mode, "--device", "cpu", *options]) == 2
     assert capsys.readouterr().err == f"moe-sbo bench: error: {line}\n"
 
 

@@ -420,7 +420,7 @@ def test_under_mps_ranks_sharing_a_gpu_join_without_a_warning(fake_group, one_gp
 
 
 def test_more_ranks_than_gpus_are_accepted(one_gpu):
-    from moe_sbo.cli.options import resolve_ranks
+    from moe_sbo.measure.options import resolve_ranks
 
     assert resolve_ranks(4, "cuda") == 4  # not refused: the ranks share the GPU
 
@@ -447,7 +447,7 @@ def test_shared_gpu_runs_are_labelled_and_auto_transport_resolves_to_symmetric_m
 def test_bench_refuses_the_emulated_wire_on_shared_gpus_and_labels_the_rest(one_gpu):
     import argparse
 
-    from moe_sbo.cli.bench import resolve_wire
+    from moe_sbo.bench.sweep import resolve_wire
 
     args = argparse.Namespace(wire="emulated-internode", transport="auto")
     with pytest.raises(ValueError, match="needs a GPU per rank .* got 2 ranks on 1 GPU"):

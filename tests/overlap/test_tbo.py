@@ -290,7 +290,7 @@ def test_the_default_gemm_sm_budget_leaves_out_the_sms_the_transfer_holds(monkey
 def test_bench_reads_a_tbo_gemm_sm_budget_as_a_number_auto_or_all():
     import argparse
 
-    from moe_sbo.cli.parsers import gemm_sm_budget_arg
+    from moe_sbo.cli.parsers.bench_tbo import gemm_sm_budget_arg
 
     assert [gemm_sm_budget_arg(t) for t in ("128", "auto", "all")] == [128, "auto", None]
     for bad in ("0", "-4", "most"):

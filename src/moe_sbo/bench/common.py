@@ -1,4 +1,4 @@
-"""What the ``bench`` subcommand's SBO and TBO sweeps share: the setup of a row, one cached layer
+"""What the bench modes' rank functions share: the setup of a row, one cached layer
 per rank, the physical references of a row (compute floor, raw wire), and one profiled forward
 turned into timeline spans.
 

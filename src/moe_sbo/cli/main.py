@@ -1,5 +1,5 @@
 """``moe-sbo``: the command line, one module per subcommand: ``demo`` (dispatchers vs one rank),
-``bench`` (overlap modes on GPUs or CPU ranks), ``check`` (a real checkpoint's MoE layer vs
+``bench <mode>`` (timings on GPUs or CPU ranks), ``check`` (a real checkpoint's MoE layer vs
 ``transformers``), ``generate`` (a whole model with expert-parallel MoE layers), ``plan``
 (communication budget).
 

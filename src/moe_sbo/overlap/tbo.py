@@ -44,7 +44,7 @@ log = logging.getLogger("moe_sbo.tbo")
 BALANCE_THRESHOLD = 0.48
 # Below this many tokens a prefill is not worth splitting (each half would be launch-bound).
 MIN_PREFILL_TOKENS = 64
-# Stages micro-batch A runs before B starts, per regime (measure: ``moe-sbo bench --tbo``).
+# Stages micro-batch A runs before B starts, per regime (measure: ``moe-sbo bench tbo``).
 DEFAULT_DELAY = {"decode": 0, "prefill": 0}
 # Micro-batch B's dispatcher per micro-batch A's, dropped with it.
 _TWINS: weakref.WeakKeyDictionary[Dispatcher, Dispatcher] = weakref.WeakKeyDictionary()

@@ -4,7 +4,7 @@ ranks (max over mean of the rank loads), and what that predicts for the MoE's ex
 Every rank waits for the most loaded one at combine, so at a fixed total the routed experts' time
 scales with the max over mean of the rank loads: ``gain`` = trivial's max/mean ÷ the policy's is the
 predicted speed-up of that phase. Not counted: the weights the redundant slots hold and the transfer a
-rebalance costs (``moe-sbo bench --eplb`` measures both). Placements are ``moe_sbo.eplb``'s (imported
+rebalance costs (``moe-sbo bench eplb`` measures both). Placements are ``moe_sbo.eplb``'s (imported
 when a plan asks, so the planner imports no torch until then).
 
 The hard part is which placements exist: ``hierarchical`` puts whole expert groups on nodes
