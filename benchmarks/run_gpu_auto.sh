@@ -17,13 +17,13 @@ start=$SECONDS
 echo "== tests: $((SECONDS - start)) s"
 for wire in nvlink emulated-internode; do
   start=$SECONDS
-  "$PYTHON" -m moe_sbo.cli bench --wire "$wire" --ranks 2 --dispatcher low_latency --transport nccl --experts 16 64 \
+  "$PYTHON" -m moe_sbo.cli bench sbo --wire "$wire" --ranks 2 --dispatcher low_latency --transport nccl --experts 16 64 \
     --tokens 128 --graph-max-tokens 512 --out "$OUT_DIR/sbo_decode_${wire}_$TAG.json" \
     2>&1 | tee "$OUT_DIR/sbo_decode_${wire}_$TAG.log" | tail -28
   echo "== sbo $wire: $((SECONDS - start)) s"
 done
 start=$SECONDS
-"$PYTHON" -m moe_sbo.cli bench --tbo --wire emulated-internode --ranks 2 --dispatcher low_latency --transport nccl \
+"$PYTHON" -m moe_sbo.cli bench tbo --wire emulated-internode --ranks 2 --dispatcher low_latency --transport nccl \
   --experts 64 16 --overlap none combine_sm --delay 0 --auto-tbo --prefill-tokens 4096 16384 --decode-seqs 128 \
   --kv-len 2048 --out "$OUT_DIR/tbo_default_budget_emulated-internode_$TAG.json" \
   2>&1 | tee "$OUT_DIR/tbo_default_budget_emulated-internode_$TAG.log" | tail -30

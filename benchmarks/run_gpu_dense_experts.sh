@@ -16,7 +16,7 @@
 #    layout's index ("index_rows"), eager and replayed (file low_latency_index_rows_<tag>.json).
 # 6. mid: the tiled GEMM from 129 to 512 rows per expert in layers: bench_low_latency.py at EP1 with the
 #    experts' kernels left to "auto" and forced to torch._grouped_mm, 32 experts per GPU at 512-4096
-#    tokens and 8 at 256-1024 (files low_latency_mid{32,8}_<tag>.json), then moe-sbo bench --tbo at
+#    tokens and 8 at 256-1024 (files low_latency_mid{32,8}_<tag>.json), then moe-sbo bench tbo at
 #    4096 prefill tokens, 32 and 8 experts (file tbo_mid_<tag>.json: each micro-batch's 512 rows per
 #    expert on the tiled GEMM).
 # 7. draw: bench_gemv.py over 8 and 32 experts at 64-1024 rows per expert, the rows drawn at random and
@@ -73,7 +73,7 @@ if [[ " $PARTS " == *" mid "* ]]; then
   run_script mid8 low_latency_mid8 bench_low_latency.py --ranks 1 --experts-per-gpu 8 --tokens 256 512 1024 \
     --fp8 off --kernels triton --transports nccl --baselines --expert-kernels auto torch
   start=$SECONDS
-  "$PYTHON" -m moe_sbo.cli bench --tbo --device cuda --experts 32 8 --dispatcher low_latency --overlap none \
+  "$PYTHON" -m moe_sbo.cli bench tbo --device cuda --experts 32 8 --dispatcher low_latency --overlap none \
     --prefill-tokens 4096 --decode-seqs 128 --warmup 3 --iters 10 --out "$OUT_DIR/tbo_mid_$TAG.json" \
     2>&1 | tee "$OUT_DIR/tbo_mid_$TAG.log" | tail -20
   echo "== tbo: $((SECONDS - start)) s"

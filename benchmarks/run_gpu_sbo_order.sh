@@ -9,8 +9,8 @@ source "$(dirname "$0")/gpu_env.sh"
 if [ "$GPUS" -lt 2 ]; then echo "run_gpu_sbo_order.sh needs >= 2 GPUs, found $GPUS"; exit 2; fi
 COMMON=(--ranks 2 --dispatcher low_latency --transport nccl --experts 16 --tokens 128 --graph-max-tokens 512)
 for wire in nvlink emulated-internode; do
-  "$PYTHON" -m moe_sbo.cli bench --wire "$wire" "${COMMON[@]}" --overlap auto split combine_sm combine dispatch none \
+  "$PYTHON" -m moe_sbo.cli bench sbo --wire "$wire" "${COMMON[@]}" --overlap auto split combine_sm combine dispatch none \
     --out "$OUT_DIR/sbo_decode_reversed_${wire}_$TAG.json" 2>&1 | grep -E "^ +8 " | tee "$OUT_DIR/sbo_decode_reversed_${wire}_$TAG.log"
 done
-"$PYTHON" -m moe_sbo.cli bench --wire nvlink "${COMMON[@]}" --out "$OUT_DIR/sbo_decode_repeat_nvlink_$TAG.json" \
+"$PYTHON" -m moe_sbo.cli bench sbo --wire nvlink "${COMMON[@]}" --out "$OUT_DIR/sbo_decode_repeat_nvlink_$TAG.json" \
   2>&1 | grep -E "^ +8 " | tee "$OUT_DIR/sbo_decode_repeat_nvlink_$TAG.log"

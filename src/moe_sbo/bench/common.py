@@ -66,6 +66,36 @@ def takes_index_rows(spec: dict) -> bool:
     return bool(spec.get("index_rows")) and "index_rows" in dispatcher_option_names(spec["dispatcher"])
 
 
+def layer_key(kind: str, spec: dict, options: dict) -> tuple:
+    """What tells one cached layer of ``kind`` (``moe``, ``decoder``) from another: ``spec``'s model,
+    dispatcher, dtypes and seed, and the dispatcher ``options`` it was built with."""
+    return (
+        kind,
+        spec["preset"],
+        spec["num_experts"],
+        spec["dispatcher"],
+        spec["dtype"],
+        spec.get("expert_dtype"),
+        spec["seed"],
+        tuple(sorted(options.items())),
+    )
+
+
+def make_layer(device: torch.device, spec: dict, options: dict, **kwargs) -> MoELayer:
+    """``spec``'s MoE layer on ``device``, its dispatcher built with ``options``; ``kwargs``: more of
+    ``MoELayer``'s keywords (``eplb``)."""
+    return MoELayer(
+        bench_config(spec["preset"], spec["num_experts"]),
+        dispatcher=spec["dispatcher"],
+        dtype=getattr(torch, spec["dtype"]),
+        device=device,
+        seed=spec["seed"],
+        dispatcher_options=options,
+        expert_dtype=spec.get("expert_dtype"),
+        **kwargs,
+    )
+
+
 def row_head(bench: str, spec: dict, ep: int) -> dict:
     """The fields every SBO and TBO row opens with: the setup it measured, the wire included."""
     cfg = bench_config(spec["preset"], spec["num_experts"])

@@ -54,7 +54,7 @@ from ..measure.run import output_file
 from ..measure.timing import line_up, time_fn
 from ..planner import nodes_for
 from ..routing.skew import SkewFit, skew_router
-from .common import bench_config, dispatcher_options, row_head
+from .common import bench_config, dispatcher_options, make_layer, row_head
 from .sweep import Step, prepare
 
 FILL_FORWARDS = 32  # forwards of fresh tokens that fill the load window before a rebalance
@@ -209,16 +209,7 @@ def eplb_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]
         return (_batch(cfg, tokens, base_seed + 1_000_003 * (i + 1), device, dtype) for i in range(held_out))
 
     def make(eplb: EPLBOptions | None) -> MoELayer:
-        return MoELayer(
-            cfg,
-            dispatcher=spec["dispatcher"],
-            dtype=dtype,
-            device=device,
-            seed=spec["seed"],
-            dispatcher_options=dispatcher_options(spec, tokens),
-            eplb=eplb,
-            expert_dtype=spec.get("expert_dtype"),
-        )
+        return make_layer(device, spec, dispatcher_options(spec, tokens), eplb=eplb)
 
     rows = []
     fit: SkewFit | None = None

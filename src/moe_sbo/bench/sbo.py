@@ -43,10 +43,11 @@ from ..measure.timing import SPANS, line_up, time_fn, time_layer
 from ..overlap import AutoOverlap, make_overlap
 from ..overlap.auto import bucket_of
 from .common import (
-    bench_config,
     cached,
     dispatcher_options,
     floor_and_wire,
+    layer_key,
+    make_layer,
     physical_limit,
     profile_spans,
     resolved_path,
@@ -61,29 +62,7 @@ PHASE_SPANS = tuple(name for name, _, _ in SPANS if name != "t_shared_us")
 def _layer(device: torch.device, spec: dict, tokens: int) -> MoELayer:
     """The rank's layer for ``spec`` (its capacity sized for ``tokens`` where the dispatcher has one)."""
     options = dispatcher_options(spec, tokens)
-    key = (
-        "moe",
-        spec["preset"],
-        spec["num_experts"],
-        spec["dispatcher"],
-        spec["dtype"],
-        spec.get("expert_dtype"),
-        spec["seed"],
-        tuple(sorted(options.items())),
-    )
-    return cached(
-        key,
-        lambda: MoELayer(
-            bench_config(spec["preset"], spec["num_experts"]),
-            dispatcher=spec["dispatcher"],
-            dtype=getattr(torch, spec["dtype"]),
-            device=device,
-            seed=spec["seed"],
-            dispatcher_options=options,
-            expert_dtype=spec.get("expert_dtype"),
-        ),
-        device,
-    )
+    return cached(layer_key("moe", spec, options), lambda: make_layer(device, spec, options), device)
 
 
 def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:

@@ -31,7 +31,6 @@ from ..decoder.attention import AttentionConfig, Batch, KVCache
 from ..decoder.decoder_layer import DecoderLayer
 from ..decoder.micro_batches import split_batch
 from ..dispatch import Dispatcher
-from ..layer import MoELayer
 from ..measure.options import compact, cpu_timing_note, in_ranks, make_table, print_notes
 from ..measure.timing import time_fn
 from ..overlap import make_overlap
@@ -40,10 +39,11 @@ from ..overlap.tbo import resolve_gemm_sm_budget, tbo_forward
 from ..overlap.tbo_auto import AutoTbo
 from ..streams import check_sm_budget
 from .common import (
-    bench_config,
     cached,
     dispatcher_options,
     floor_and_wire,
+    layer_key,
+    make_layer,
     physical_limit,
     profile_spans,
     resolved_path,
@@ -63,32 +63,11 @@ def prefill_lengths(tokens: int, seed: int, shortest: int = 1024, longest: int =
 
 def _decoder(device: torch.device, spec: dict, capacity: int) -> DecoderLayer:
     options = dispatcher_options(spec, capacity)
-    key = (
-        "decoder",
-        spec["preset"],
-        spec["num_experts"],
-        spec["dispatcher"],
-        spec["dtype"],
-        spec.get("expert_dtype"),
-        spec["seed"],
-        tuple(sorted(options.items())),
-        spec["heads"],
-        spec["kv_heads"],
-        spec["head_dim"],
-    )
+    key = (*layer_key("decoder", spec, options), spec["heads"], spec["kv_heads"], spec["head_dim"])
 
     def make() -> DecoderLayer:
-        cfg = bench_config(spec["preset"], spec["num_experts"])
-        moe = MoELayer(
-            cfg,
-            dispatcher=spec["dispatcher"],
-            dtype=getattr(torch, spec["dtype"]),
-            device=device,
-            seed=spec["seed"],
-            dispatcher_options=options,
-            expert_dtype=spec.get("expert_dtype"),
-        )
-        attn = AttentionConfig(cfg.hidden_size, spec["heads"], spec["kv_heads"], spec["head_dim"])
+        moe = make_layer(device, spec, options)
+        attn = AttentionConfig(moe.cfg.hidden_size, spec["heads"], spec["kv_heads"], spec["head_dim"])
         return DecoderLayer(attn, moe, seed=spec["seed"])
 
     return cached(key, make, device)
