@@ -217,7 +217,7 @@ def _tbo_capacity_rank(device, lengths_per_rank):
     layer = _decoder(device, spec, 100)  # the whole-batch layer, as the bench sizes it (--prefill-tokens)
     dispatcher, capacity = _tbo_dispatcher(layer, spec, batch)
     # The TBO dispatcher runs on the layer's own weights: no second layer.
-    return capacity, dispatcher.capacity, layer.moe.dispatcher.capacity
+    return capacity, dispatcher.settings.max_tokens_per_rank, layer.moe.dispatcher.settings.max_tokens_per_rank
 
 
 def test_bench_tbo_sizes_every_rank_for_the_largest_micro_batch_of_any_rank(ranks2):

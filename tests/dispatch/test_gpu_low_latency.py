@@ -87,7 +87,7 @@ def _sync_free_rank(device, capacity, kernels, transport):
     generator = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(capacity, cfg.hidden_size, generator=generator, device=device).bfloat16()
     with torch.inference_mode():
-        for _ in range(layer.dispatcher.num_buffers):
+        for _ in range(layer.dispatcher.settings.num_buffers):
             # warm-up, outside the checked region: allocates the buffers and captures each buffer
             # set's index graphs (a capture synchronises the device once)
             layer(x)

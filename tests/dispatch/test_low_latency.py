@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, make_dispatcher, mask_padding_tokens
+from moe_sbo.dispatch.low_latency import dispatcher as ll_dispatcher
 from moe_sbo.dispatch.low_latency.reference import group_slots_by_expert, plan_send, reduce_pairs
 from moe_sbo.hooks import HOOK_EVENTS
 from moe_sbo.layer import MoELayer
@@ -363,7 +364,7 @@ def _staged_rank(device):
                 d = layer.dispatcher
                 pendings = [d.dispatch_launch(x, t.topk_ids_TK, t.topk_weights_TK) for x, t in zip(xs, topks)]
                 recvs = [d.dispatch_wait(p) for p in pendings]
-                assert all((r.expert_rows_R is not None) == d.index_rows for r in recvs)
+                assert all((r.expert_rows_R is not None) == d.settings.index_rows for r in recvs)
                 outs = [layer.experts.forward_dispatched(r) for r in recvs]
                 ys[name] = [d.combine(y, r.handle) for y, r in zip(outs, recvs)]
             for i, x in enumerate(xs):
@@ -509,6 +510,86 @@ def test_buffer_bytes_is_what_the_buffers_take(fp8, kernels, fixed_rows):
     assert len(rows) == (2 if fixed_rows else 0)
     allocated = sum(t.numel() * t.element_size() for t in buffers + staged + rows)
     assert allocated == d.buffer_bytes(*key[1:], device="cpu")
+
+
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the fused paths run the kernels")
+PHASES = ("launch_dispatch", "wait_dispatch", "launch_combine", "wait_combine")
+
+
+def _forward(d, x_TH, ids_TK, weights_TK):
+    recv = d.dispatch(x_TH, ids_TK, weights_TK)
+    return d.combine(recv.rows_RH() * 2, recv.handle)
+
+
+def _record(calls, path, monkeypatch):
+    """Every phase of ``path`` (this object, not its class) appends (path, phase) to ``calls``."""
+    for phase in PHASES:
+        run = getattr(path, phase)
+        monkeypatch.setattr(path, phase, lambda *a, run=run, phase=phase: calls.append((path, phase)) or run(*a))
+
+
+@pytest.mark.parametrize(
+    "options, eager, captured",
+    [
+        ({"kernels": "torch"}, "TorchPath", "TorchPath"),
+        pytest.param({"kernels": "triton", "index_graphs": False}, "FusedPath", "FusedPath", marks=INTERPRETED),
+        pytest.param({"kernels": "triton"}, "ReplayedPath", "FusedPath", marks=INTERPRETED),
+    ],
+)
+def test_the_path_is_chosen_once_per_shape_and_runs_every_phase(monkeypatch, options, eager, captured):
+    """The shape's first forward chooses its path (and the one a caller's capture runs); after it,
+    each phase runs that object and nothing decides again: the choice's inputs and the table's
+    ``supports`` raise if asked, and both buffer sets' forwards give the first forward's y."""
+    d = make_dispatcher("low_latency", 8, EPGroup(), max_tokens_per_rank=8, **options)
+    gen = torch.Generator().manual_seed(3)
+    x, ids, weights = torch.randn(6, 64, generator=gen), torch.randint(-1, 8, (6, 2), generator=gen), torch.rand(6, 2)
+    with torch.inference_mode():
+        first = _forward(d, x, ids, weights)
+    sets = d.shape_sets(torch.device("cpu"), torch.float32, 64, 2)
+    assert (type(sets.path).__name__, type(sets.capture_path).__name__) == (eager, captured)
+
+    def decided(*args):
+        raise AssertionError("a phase chose its path again")
+
+    monkeypatch.setattr(d, "uses_triton", decided)
+    monkeypatch.setattr(d, "transport_for", decided)
+    for path_type in ll_dispatcher.PATHS:
+        monkeypatch.setattr(path_type, "supports", staticmethod(decided))
+    calls: list = []
+    _record(calls, sets.path, monkeypatch)
+    with torch.inference_mode():
+        for _ in range(2):  # each buffer set
+            assert torch.equal(_forward(d, x, ids, weights), first)
+    assert calls == [(sets.path, phase) for phase in PHASES] * 2
+
+
+@INTERPRETED
+@pytest.mark.parametrize("captured_phases", [("dispatch", "combine"), ("combine",)])
+def test_a_callers_capture_runs_the_shapes_capture_path(monkeypatch, captured_phases):
+    """Inside a caller's CUDA-graph capture (faked here: CPU has none) a replayed shape's launches run
+    its ``FusedPath``, the kernels launched directly, and each wait runs what its launch ran; a
+    combine captured after an eager (replayed) dispatch reads the replayed layout. Same y."""
+    x, ids, weights = torch.randn(5, 64), torch.randint(-1, 8, (5, 2)), torch.rand(5, 2)
+    replayed, direct = (
+        make_dispatcher("low_latency", 8, EPGroup(), max_tokens_per_rank=8, kernels="triton", index_graphs=flag)
+        for flag in (True, False)
+    )
+    with torch.inference_mode():
+        want = _forward(direct, x, ids, weights)
+        sets = replayed.shape_sets(torch.device("cpu"), torch.float32, 64, 2)
+        calls: list = []
+        for path in (sets.path, sets.capture_path):
+            _record(calls, path, monkeypatch)
+        monkeypatch.setattr(ll_dispatcher, "capturing", lambda device: "dispatch" in captured_phases)
+        recv = replayed.dispatch(x, ids, weights)
+        monkeypatch.setattr(ll_dispatcher, "capturing", lambda device: True)
+        got = replayed.combine(recv.rows_RH() * 2, recv.handle)
+    assert torch.equal(got, want)
+    dispatch_path = sets.capture_path if "dispatch" in captured_phases else sets.path
+    expected = [(dispatch_path, "launch_dispatch"), (dispatch_path, "wait_dispatch")]
+    assert calls == expected + [(sets.capture_path, "launch_combine"), (sets.capture_path, "wait_combine")]
+    assert (sets.graphs[0].pack is None) == ("dispatch" in captured_phases)  # no index graph ran
+    assert sets.graphs[0].combine is None and sets.graphs[0].combine_end is None
 
 
 def test_copy_engine_refuses_cpu_tensors_before_any_transfer():

@@ -15,6 +15,7 @@ from moe_sbo.decoder.attention import AttentionConfig, Batch
 from moe_sbo.decoder.decoder_layer import DecoderLayer
 from moe_sbo.decoder.micro_batches import split_batch
 from moe_sbo.dispatch import DISPATCHERS
+from moe_sbo.dispatch.low_latency import LowLatencyOptions
 from moe_sbo.layer import MoELayer
 from moe_sbo.overlap import FIXED_MODES
 from moe_sbo.overlap.stages import run_interleaved, run_to_end
@@ -369,6 +370,6 @@ def test_a_sibling_dispatcher_keeps_the_layers_options_and_replaces_the_ones_giv
         dispatcher_options={"max_tokens_per_rank": 128, "fp8": True, "num_buffers": 3, "kernels": "torch"},
     )
     half = moe.sibling_dispatcher(max_tokens_per_rank=64)
-    assert (half.capacity, half.fp8, half.num_buffers, half.kernels) == (64, True, 3, "torch")
+    assert half.settings == LowLatencyOptions(max_tokens_per_rank=64, fp8=True, num_buffers=3, kernels="torch")
     assert half.options == {"max_tokens_per_rank": 64, "fp8": True, "num_buffers": 3, "kernels": "torch"}
-    assert moe.dispatcher.capacity == 128  # the layer's own is untouched
+    assert moe.dispatcher.settings.max_tokens_per_rank == 128  # the layer's own is untouched

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
 from .addresses import CallerAddresses, stage_inputs
 from .graphs import PieceGraph, Staging
+from .kernels import KernelLayout, expert_layout, gather_rows, pack_rows_checked, reduce_pairs, sum_returned
 from .transport import Buffers, Destinations
 from .wire import RowFormat
 
@@ -47,7 +47,7 @@ def pack_graph(
 
     def pack() -> None:
         stage_inputs(addresses, x_CH, ids_CK, weights_CK)
-        kernels.pack_rows_checked(
+        pack_rows_checked(
             x_CH, ids_CK, weights_CK, dst, slot_CP, fmt, num_local_experts, capacity, num_experts, two_pass
         )
         if in_graph:
@@ -75,12 +75,12 @@ def layout_graph(
     received_SB = recv_SB[:num_slots]
     addresses = None if in_place else CallerAddresses(recv_SB, 2)  # the rows, then their scales
 
-    def end_and_layout() -> kernels.KernelLayout:
+    def end_and_layout() -> KernelLayout:
         if barrier is not None:  # the pack graph started a symmetric-memory transfer
             barrier.wait()
-        fixed = kernels.expert_layout(received_SB, fmt, rank, num_local_experts, two_pass)
+        fixed = expert_layout(received_SB, fmt, rank, num_local_experts, two_pass)
         if not in_place:
-            kernels.gather_rows(recv_SB, fixed, fmt, keep_fp8=keep_fp8, addresses=addresses)
+            gather_rows(recv_SB, fixed, fmt, keep_fp8=keep_fp8, addresses=addresses)
         return fixed
 
     return PieceGraph(end_and_layout, capture=recv_SB.device.type == "cuda", addresses=addresses)
@@ -98,7 +98,7 @@ def combine_graph(bufs: Buffers, layout: PieceGraph, fmt: RowFormat, *, capacity
     y_like = torch.empty(1, fmt.hidden, dtype=fmt.dtype, device=recv_SB.device)  # its dtype and H
 
     def reduce_and_send() -> None:
-        kernels.reduce_pairs(y_like, layout.outputs, recv_SB, fmt, dst, capacity, addresses=addresses)
+        reduce_pairs(y_like, layout.outputs, recv_SB, fmt, dst, capacity, addresses=addresses)
         if in_graph:
             exchange.start()
 
@@ -116,6 +116,6 @@ def combine_end_graph(bufs: Buffers, staging: Staging, dtype: torch.dtype) -> Pi
     def end_and_sum() -> None:
         if barrier is not None:  # the combine graph's kernel wrote into the peers' buffers
             barrier.wait()
-        kernels.sum_returned(recv_SH, slot_CP, y_like, addresses)
+        sum_returned(recv_SH, slot_CP, y_like, addresses)
 
     return PieceGraph(end_and_sum, capture=recv_SH.device.type == "cuda", addresses=addresses)

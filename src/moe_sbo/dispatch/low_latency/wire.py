@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ...quant.fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8, quantize_fp8
+from ..base import Traffic
 
 ROW_ALIGN_BYTES = 16  # packed rows are a multiple of this many bytes
 
@@ -115,3 +116,24 @@ class RowFormat:
         ids[num_tokens] = -1
         self.weights(rows)[:num_tokens] = weights_TK
         return rows
+
+
+def block_traffic(fmt: RowFormat, capacity: int, num_ranks: int, node_size: int) -> tuple[Traffic, Traffic]:
+    """The bytes one rank moves per phase -> (dispatch's, combine's): a fixed-size block to each other
+    rank whatever the routing, (P - 1) * C * B and (P - 1) * C * H * elem; the blocks to ranks of
+    other nodes (all but ``node_size`` ranks) cross nodes."""
+    per_rank = capacity * fmt.row_bytes, capacity * fmt.hidden * fmt.dtype.itemsize
+    dispatch_bytes, combine_bytes = ((num_ranks - 1) * b for b in per_rank)
+    other_nodes = num_ranks - node_size
+    return (
+        Traffic(
+            dispatch_bytes_sent=dispatch_bytes,
+            dispatch_bytes_recv=dispatch_bytes,
+            dispatch_inter_node_sent=other_nodes * per_rank[0],
+        ),
+        Traffic(
+            combine_bytes_sent=combine_bytes,
+            combine_bytes_recv=combine_bytes,
+            combine_inter_node_sent=other_nodes * per_rank[1],
+        ),
+    )
