@@ -42,7 +42,7 @@ are replayed next by round n + num_buffers, which reuses round n's buffers as it
 captured on its piece's first call, right after that call ran eagerly (which compiled the kernels);
 capture synchronises the device once. The barrier in a graph waits on the device; nothing in a graph
 talks to the peers from the host, so ranks capture independently. Under a caller's own capture (a
-whole forward in a CUDA graph) the dispatcher runs the kernels directly instead, and on CPU (the
+whole forward in a CUDA graph) the kernels run directly instead (``fused.FusedPath``), and on CPU (the
 Triton interpreter) the same staged path runs without capture, which is what the CPU tests exercise.
 """
 

@@ -7,7 +7,7 @@ The hard part is what a piece may hold. A captured graph keeps its piece's funct
 buffer set lives, so a piece holds the set's tensors and fixed numbers, never the dispatcher (a
 reference cycle would keep a deleted layer's buffers alive until the next garbage collection), and
 reads everything that changes per forward (the caller's tensors, T) through its ``CallerAddresses``
-table. The host side of each phase (staging, table values, replay, the works) is the dispatcher's.
+table. The host side of each phase (staging, table values, replay, the works) is ``fused.ReplayedPath``'s.
 """
 
 from __future__ import annotations
