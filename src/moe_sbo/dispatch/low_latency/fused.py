@@ -22,8 +22,7 @@ from ..base import DispatchInput
 from ..reduce import gather_sum
 from .addresses import readable
 from .graphs import RoundGraphs, Staging
-from .kernels import KernelLayout, expert_layout, expert_rows, gather_rows, pack_rows_checked, two_pass
-from .kernels import reduce_pairs as reduce_pairs_fused
+from .kernels import KernelLayout, expert_layout, expert_rows, gather_rows, pack_rows_checked, reduce_pairs, two_pass
 from .paths import Path, PathSpec, Received, Round
 from .pieces import combine_end_graph, combine_graph, layout_graph, pack_graph
 from .reference import FixedLayout
@@ -72,7 +71,7 @@ class FusedPath(Path):
     def launch_combine(self, expert_y_RH: torch.Tensor, r: Round, fixed: FixedLayout | KernelLayout) -> list:
         bufs, fmt = r.buffers, self.spec.fmt
         assert bufs.combine_dst is not None, "buffers made where Triton imports have destinations"
-        reduce_pairs_fused(
+        reduce_pairs(
             expert_y_RH.to(fmt.dtype).contiguous(),  # the blocks hold the activation dtype
             cast(KernelLayout, fixed),
             bufs.dispatch_recv_SB,
