@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
-from moe_sbo.dispatch.base import Traffic
 from moe_sbo.dispatch.layout import combine_rows, group_rows_by_expert, pack_topk, unpack_topk
+from moe_sbo.dispatch.records import Traffic
 from moe_sbo.layer import MoELayer
 
 ROUTINGS = {

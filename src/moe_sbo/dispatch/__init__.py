@@ -3,21 +3,9 @@
 
 from ..config import DISPATCHER_NAMES
 from . import allgather, alltoall, local, low_latency, node_aware  # noqa: F401  (registers each scheme)
-from .base import (
-    DISPATCHERS,
-    CombineInput,
-    Dispatcher,
-    DispatchHandle,
-    DispatchInput,
-    DispatchOutput,
-    EPGroup,
-    Pending,
-    Traffic,
-    dispatcher_option_names,
-    make_dispatcher,
-    options_for_tokens,
-)
+from .base import DISPATCHERS, Dispatcher, EPGroup, dispatcher_option_names, make_dispatcher, options_for_tokens
 from .low_latency import LowLatencyDispatcher, mask_padding_tokens
+from .records import CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Pending, Traffic
 
 # The command line lists the names before torch is imported (``moe_sbo.config``): the two must agree.
 assert sorted(DISPATCHERS) == sorted(DISPATCHER_NAMES), (

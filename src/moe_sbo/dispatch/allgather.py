@@ -15,18 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .base import (
-    REJECTED,
-    CombineInput,
-    Dispatcher,
-    DispatchHandle,
-    DispatchInput,
-    DispatchOutput,
-    Pending,
-    Traffic,
-    register_dispatcher,
-)
+from .base import REJECTED, Dispatcher, register_dispatcher
 from .layout import combine_rows, count_per_key, group_rows_by_expert, pack_topk, unpack_topk
+from .records import CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Pending, Traffic
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 (the GPU image) has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

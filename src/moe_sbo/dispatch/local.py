@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-from .base import (
-    CombineInput,
-    Dispatcher,
-    DispatchHandle,
-    DispatchInput,
-    DispatchOutput,
-    EPGroup,
-    Pending,
-    Traffic,
-    register_dispatcher,
-)
+from .base import Dispatcher, EPGroup, register_dispatcher
 from .layout import combine_rows, group_rows_by_expert
+from .records import CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Pending, Traffic
 
 
 @register_dispatcher

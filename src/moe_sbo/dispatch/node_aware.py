@@ -35,19 +35,9 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from .base import (
-    REJECTED,
-    CombineInput,
-    Dispatcher,
-    DispatchHandle,
-    DispatchInput,
-    DispatchOutput,
-    EPGroup,
-    Pending,
-    Traffic,
-    register_dispatcher,
-)
+from .base import REJECTED, Dispatcher, EPGroup, register_dispatcher
 from .layout import combine_rows, count_per_key, group_rows_by_expert, nonzero_static, pack_topk, unpack_topk
+from .records import CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Pending, Traffic
 from .reduce import gather_sum
 
 

@@ -30,7 +30,7 @@ from .fp8_torch import grouped_linear_fp8, grouped_scaled_mm, scaled_mm_blockwis
 from .swiglu import swiglu
 
 if TYPE_CHECKING:
-    from ..dispatch.base import DispatchOutput
+    from ..dispatch.records import DispatchOutput
 
 try:
     from ..quant import kernels as quant_kernels

@@ -48,16 +48,8 @@ import torch.distributed as dist
 from ...hooks import HookFn
 from ...quant.fp8 import FP8_GROUP
 from ...streams import capturing
-from ..base import (
-    CombineInput,
-    Dispatcher,
-    DispatchHandle,
-    DispatchInput,
-    DispatchOutput,
-    EPGroup,
-    Pending,
-    register_dispatcher,
-)
+from ..base import Dispatcher, EPGroup, register_dispatcher
+from ..records import CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Pending
 from ..reduce import interpreting_triton
 from .graphs import RoundGraphs, Staging
 from .options import LowLatencyOptions, check_built_alike

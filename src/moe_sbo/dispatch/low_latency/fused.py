@@ -18,7 +18,7 @@ from typing import ClassVar, cast
 
 import torch
 
-from ..base import DispatchInput
+from ..records import DispatchInput
 from ..reduce import gather_sum
 from .addresses import readable
 from .graphs import RoundGraphs, Staging

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
-from ..base import DispatchInput, Traffic
+from ..records import DispatchInput, Traffic
 from ..reduce import gather_sum
 from .graphs import RoundGraphs
 from .reference import FixedLayout, group_slots_by_expert, plan_send, reduce_pairs

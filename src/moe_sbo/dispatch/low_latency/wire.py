@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ...quant.fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8, quantize_fp8
-from ..base import Traffic
+from ..records import Traffic
 
 ROW_ALIGN_BYTES = 16  # packed rows are a multiple of this many bytes
 
