@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_blocks import make_hf_model, quantize_fp8_blocks, write_broken_v3, write_checkpoint, write_published_v3
 from moe_sbo.config import PRESETS
-from moe_sbo.hf import checkpoint as checkpoint_module
+from moe_sbo.hf import assembly as assembly_module
 from moe_sbo.hf.checkpoint import Checkpoint, LayerLoader
 from moe_sbo.hf.config import config_from_hf, moe_layer_indices
 from moe_sbo.hf.reference import reference_moe_block, weights_from_hf_moe
@@ -264,8 +264,8 @@ def test_fp8_read_copies_the_stored_bytes_and_scales(tmp_path, monkeypatch):
     def no_quantize(*args):
         raise AssertionError("FP8-stored 128x128 experts must be copied as stored, not requantised")
 
-    monkeypatch.setattr(checkpoint_module, "dequantize_fp8_blocks", dequantize)
-    monkeypatch.setattr(checkpoint_module, "quantize_fp8_blocks", no_quantize)
+    monkeypatch.setattr(assembly_module, "dequantize_fp8_blocks", dequantize)
+    monkeypatch.setattr(assembly_module, "quantize_fp8_blocks", no_quantize)
     weights, report = Checkpoint(path).read_moe_weights(1, range(2, 4), dtype=torch.float32, fp8_experts=True)
     i = FP8_SIZES["inter"]
     assert weights.gate_up_proj_E2IH.dtype == weights.down_proj_EHI.dtype == torch.float8_e4m3fn

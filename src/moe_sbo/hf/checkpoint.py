@@ -18,7 +18,8 @@ or, in place of the per-expert tensors, stacked ones as ``transformers`` 5 holds
 Any of these weights may be stored as float8 e4m3 beside a float32 ``{name}_scale_inv`` holding one
 scale per 128x128 block (DeepSeek-V3/R1's published format); they are dequantised on load, unless
 the routed experts are read for FP8 experts (``fp8_experts=True``): those then keep their stored
-bytes and scales (dense-stored ones are quantised, one tensor read at a time).
+bytes and scales (dense-stored ones are quantised, one tensor read at a time). This module plans,
+checks and makes the reads; ``assembly.py`` puts each tensor read into its part of ``MoEWeights``.
 
 The hard part is reading little: a rank opens only the files holding its own experts (and the router
 and shared experts every rank needs) and reads from them only its tensors, or its rows of a stacked
@@ -41,8 +42,9 @@ import torch
 
 from ..config import MoEConfig
 from ..layer import MoELayer
-from ..quant.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks, sizes_off_blocks
+from ..quant.fp8 import FP8_BLOCK, sizes_off_blocks
 from ..weights import MoEWeights, layer_weights
+from .assembly import Assembler
 from .config import config_from_hf, model_family, moe_layer_indices, resolve_moe_layer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -183,18 +185,9 @@ class Checkpoint:
         ):
             raise ValueError(f"expert_ids must be a contiguous range inside [0, {num_experts}), got {expert_ids!r}")
         pieces = self._pieces(layer, expert_ids)
-        tensors: dict[str, torch.Tensor] = {}
-        if into is not None:
-            targets = {
-                "gate_up": into.gate_up_proj_E2IH,
-                "down": into.down_proj_EHI,
-                "gate_up_scale": into.gate_up_proj_scale_inv,
-                "down_scale": into.down_proj_scale_inv,
-            }
-            tensors.update({name: t for name, t in targets.items() if t is not None})
-        sink = _Assembler(self.moe_config, len(expert_ids), dtype, tensors, self.fp8_block, fp8_experts)
+        sink = Assembler(self.moe_config, len(expert_ids), dtype, self.fp8_block, fp8_experts, into)
         files, names, nbytes = self._read(pieces, sink)
-        return _weights(tensors), ReadReport(layer, expert_ids, files, names, nbytes)
+        return sink.weights(), ReadReport(layer, expert_ids, files, names, nbytes)
 
     def _check_fp8_sizes(self) -> None:
         """``ValueError`` unless the routed experts tile into whole 128x128 blocks: gate and up rows are
@@ -253,7 +246,7 @@ class Checkpoint:
 
     # ---- reading --------------------------------------------------------------------------------
 
-    def _read(self, pieces: list[_Piece], sink: _Assembler | None) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    def _read(self, pieces: list[_Piece], sink: Assembler | None) -> tuple[tuple[str, ...], tuple[str, ...], int]:
         """Check ``pieces`` against the file headers, then (with a ``sink``) read them into it.
 
         Returns (files opened, tensors read, bytes read). Files are opened once each, in the order
@@ -287,7 +280,7 @@ class Checkpoint:
                     scale_inv = self._load_alone(scale)
                     nbytes += scale_inv.numel() * STORED_BYTES[scale_stored]
                     names.append(scale.name)
-                sink.put(p, tensor, scale_inv)
+                sink.put(p.target, p.index, tensor, scale_inv)
                 names.append(p.name)
             return tuple(opened), tuple(names), nbytes
 
@@ -372,107 +365,6 @@ def _open(path: Path):
 def _load(f, p: _Piece) -> torch.Tensor:
     """Read ``p`` from open file ``f``: the whole tensor, or only its ``rows`` (a memory-mapped slice)."""
     return f.get_tensor(p.name) if p.rows is None else f.get_slice(p.name)[p.rows]
-
-
-class _Assembler:
-    """Collects read tensors into the ``MoEWeights`` parts, allocating each part on first use.
-
-    ``fp8_experts``: the routed-expert parts ``gate_up`` and ``down`` are e4m3 with their 128x128
-    block scales in ``gate_up_scale`` and ``down_scale``; every other part is dense.
-    """
-
-    ROUTED = ("gate_up", "down")
-
-    def __init__(
-        self,
-        cfg: MoEConfig,
-        num_local: int,
-        dtype: torch.dtype | None,
-        out: dict[str, torch.Tensor],
-        stored_block: tuple[int, int] = DEFAULT_FP8_BLOCK,
-        fp8_experts: bool = False,
-    ):
-        h, i, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
-        self.shapes = {
-            "router": (cfg.num_experts, h),
-            "bias": (cfg.num_experts,),
-            "gate_up": (num_local, 2 * i, h),
-            "down": (num_local, h, i),
-            "shared_gate_up": (2 * s, h),
-            "shared_down": (h, s),
-        }
-        if fp8_experts:
-            for name in self.ROUTED:
-                *rows, out_features, in_features = self.shapes[name]
-                self.shapes[name + "_scale"] = (*rows, -(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
-        self.dtype, self.out = dtype, out
-        self.stored_block, self.fp8_experts = stored_block, fp8_experts
-
-    def put(self, p: _Piece, tensor: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
-        """Place ``tensor`` (read as stored; ``scale_inv``: its block scales when stored as FP8)."""
-        if self.fp8_experts and p.target in self.ROUTED:
-            self._put_fp8(p, tensor, scale_inv)
-            return
-        if scale_inv is not None:
-            tensor = dequantize_fp8_blocks(tensor, scale_inv, self.stored_block)
-        if p.target in ("router", "bias"):
-            dtype = torch.float32
-        else:
-            dtype = self.dtype or (torch.bfloat16 if scale_inv is not None else tensor.dtype)
-        self._part(p.target, dtype)[p.index].copy_(tensor)
-
-    def _put_fp8(self, p: _Piece, tensor: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
-        """A routed-expert piece into the e4m3 part and its scales: one matrix at a time, so a stacked
-        tensor's rows are converted one expert at a time (a float32 copy of one matrix at most)."""
-        weight, scales = self._part(p.target, FP8_DTYPE), self._part(p.target + "_scale", torch.float32)
-        if tensor.dim() == 3:  # rows of a stacked [L, O, U] tensor, one expert each
-            matrices = [
-                ((*p.index, row), tensor[row], None if scale_inv is None else scale_inv[row])
-                for row in range(tensor.shape[0])
-            ]
-        else:  # one expert's [O, U] (all of down, or the gate or up rows of gate_up)
-            matrices = [(p.index, tensor, scale_inv)]
-        for index, matrix, matrix_scale in matrices:
-            if matrix_scale is not None and self.stored_block == (FP8_BLOCK, FP8_BLOCK):
-                q, q_scale = matrix, matrix_scale  # as stored: the bytes are copied, never widened
-            else:
-                if matrix_scale is not None:  # another block size: back to float32, one matrix
-                    matrix = dequantize_fp8_blocks(matrix, matrix_scale, self.stored_block)
-                q, q_scale = quantize_fp8_blocks(matrix)
-            weight[index].copy_(q)
-            scales[_block_index(index)].copy_(q_scale)
-
-    def _part(self, target: str, dtype: torch.dtype) -> torch.Tensor:
-        if target not in self.out:
-            self.out[target] = torch.empty(self.shapes[target], dtype=dtype)
-        part = self.out[target]
-        if tuple(part.shape) != self.shapes[target] or part.dtype != dtype:  # a given ``into`` tensor
-            raise ValueError(
-                f"the tensor to read {target} into must be {self.shapes[target]} {dtype}, got "
-                f"{tuple(part.shape)} {part.dtype}; pass the weights of a layer with these experts and dtype"
-            )
-        return part
-
-
-def _block_index(index: tuple) -> tuple:
-    """A value index into a routed-expert tensor as an index into its block scales: expert rows stay,
-    slices of output features (gate or up rows, whole blocks) are counted in 128-row blocks."""
-    return tuple(
-        slice(item.start // FP8_BLOCK, item.stop // FP8_BLOCK) if isinstance(item, slice) else item for item in index
-    )
-
-
-def _weights(parts: dict[str, torch.Tensor]) -> MoEWeights:
-    return MoEWeights(
-        router_weight_EH=parts["router"],
-        e_score_correction_bias_E=parts.get("bias"),
-        gate_up_proj_E2IH=parts["gate_up"],
-        down_proj_EHI=parts["down"],
-        shared_gate_up_proj_2JH=parts.get("shared_gate_up"),
-        shared_down_proj_HJ=parts.get("shared_down"),
-        gate_up_proj_scale_inv=parts.get("gate_up_scale"),
-        down_proj_scale_inv=parts.get("down_scale"),
-    )
 
 
 class LayerLoader:
