@@ -1,6 +1,7 @@
-"""EPLB expert placement (``eplb/placement.py``): every policy's invariants over seeded random loads,
-the packing against exhaustive search on small cases, hierarchical's groups and nodes, the balance
-targets on Zipf loads, where moved weights come from, and the errors of bad input."""
+"""EPLB expert placement (``eplb/placement.py``, its packing ``eplb/packing.py``): every policy's
+invariants over seeded random loads, the packing against exhaustive search on small cases,
+hierarchical's groups and nodes, the balance targets on Zipf loads, where moved weights come from,
+and the errors of bad input."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from moe_sbo.eplb import (
     trivial_placement,
     zipf_load,
 )
-from moe_sbo.eplb import placement as placement_module
+from moe_sbo.eplb.packing import pack_items
 
 
 def _loads(generator: torch.Generator, num_logical: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -219,7 +220,7 @@ def test_packing_keeps_the_rest_placeable():
     water-filling replication never makes such inputs in the random tests; the guard is for safety.)"""
     weights = [10.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]
     copies = [1, 1, 1, 1, 1, 1, 3]
-    bins = placement_module._pack_items(weights, copies, 3, 3)
+    bins = pack_items(weights, copies, 3, 3)
     assert all(len(b) == 3 for b in bins) and all(6 in b for b in bins)
     assert sorted(len(set(b)) for b in bins) == [3, 3, 3]
     assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4, 5, 6, 6, 6]

@@ -1,7 +1,8 @@
 """Expert-parallel load balancing (EPLB): which logical expert each physical slot of each rank holds,
-with redundant replicas of hot experts (``placement``: pure torch on the CPU); what a balanced layer
-holds on its device, the load window and the replica table (``runtime``); and moving expert weights
-between ranks for a new placement (``transfer``). Imports nothing else of the package."""
+with redundant replicas of hot experts (``placement``, packing them onto ranks with ``packing``: on the
+CPU); what a balanced layer holds on its device, the load window and the replica table (``runtime``);
+and moving expert weights between ranks for a new placement (``transfer``). Imports nothing else of
+the package."""
 
 from .placement import (
     PLACEMENT_POLICIES,
