@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"bench": "router", "preset": preset, "experts": cfg.num_experts, "tokens": tokens}
             picks = {}
             for kernel in ("torch", "triton"):
-                router.kernel = kernel
+                router.kernels = kernel
                 with torch.inference_mode():
                     picks[kernel] = router(x).topk_ids_TK.sort(dim=-1).values
                     row[f"t_host_{kernel}_us"] = host_us(lambda: router(x), args.host_calls, device)

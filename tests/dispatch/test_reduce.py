@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_sbo.dispatch.reduce import gather_sum, interpreting_triton, triton, uses_triton
+from moe_sbo.dispatch.reduce import gather_sum
+from moe_sbo.kernel_choice import HAS_TRITON, interpreting, use_triton
 
-PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(triton is None, reason="needs Triton"))]
+PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="needs Triton"))]
 
 
 def reference(src_XH, index_YK, weight_X):
@@ -46,7 +47,7 @@ def test_gather_sum_equals_the_reference(kernels, dtype, shape):
         torch.testing.assert_close(out.double(), reference(src, index, weight), rtol=1e-5, atol=1e-5)
         rounded = gather_sum(src, index, weight, out_dtype=dtype, kernels=kernels)
         assert rounded.dtype == dtype
-        if kernels == "triton" and interpreting_triton():
+        if kernels == "triton" and interpreting():
             # Triton's CPU interpreter converts float32 to bfloat16 by truncation, not to nearest.
             torch.testing.assert_close(rounded.float(), out.to(dtype).float(), rtol=2**-7, atol=0)
         else:
@@ -70,7 +71,7 @@ def test_gather_sum_edges(kernels):
 
 
 def test_paths_agree():
-    if triton is None:
+    if not HAS_TRITON:
         pytest.skip("needs Triton")
     generator = torch.Generator().manual_seed(3)
     src, index, weight = random_case(generator, 12, 8, 30, 200, torch.bfloat16)
@@ -84,9 +85,9 @@ def test_paths_agree():
 
 def test_kernel_choice(monkeypatch):
     cpu = torch.device("cpu")
-    assert not uses_triton(cpu, "auto") and not uses_triton(cpu, "torch")
+    assert not use_triton("auto", cpu) and not use_triton("torch", cpu)
     with pytest.raises(ValueError, match="kernels must be"):
-        uses_triton(cpu, "cuda")
+        gather_sum(torch.randn(2, 16), torch.zeros(1, 1, dtype=torch.int64), kernels="cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         gather_sum(torch.randn(2, 16), torch.zeros(1, 1, dtype=torch.int64), kernels="triton")

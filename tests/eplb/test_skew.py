@@ -89,7 +89,7 @@ def test_the_logit_bias_shifts_the_logits_in_both_router_kernels():
     router.logit_bias = torch.zeros(16)
     router.logit_bias[3] = -50.0  # expert 3 ranks below every other, whatever the token
     for kernel in ("torch", "triton"):
-        router.kernel = kernel
+        router.kernels = kernel
         assert not bool((router(x_TH).topk_ids_TK == 3).any()), kernel
     router.logit_bias = None
     assert bool((router(x_TH).topk_ids_TK == 3).any())  # without it expert 3 is picked

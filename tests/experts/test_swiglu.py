@@ -25,7 +25,7 @@ def _check_kernel(device: str, dtype: torch.dtype, num_rows: int, inter: int, la
     gate_up = torch.randn(num_rows, 2 * inter, generator=generator, device=device).mul(3).to(dtype)
     gate_up[last:] = float("nan")
     offsets = torch.tensor([last // 2, last], dtype=torch.int32, device=device)
-    got = swiglu(gate_up, offsets, kernel=True)
+    got = swiglu(gate_up, offsets, kernels="triton")
     assert got.shape == (num_rows, inter) and got.dtype == dtype
     # One rounding to the output dtype: within half a unit in its last place of float32's value (a
     # few units of float32's own on CUDA, whose exp the kernel takes approximately).
@@ -33,7 +33,7 @@ def _check_kernel(device: str, dtype: torch.dtype, num_rows: int, inter: int, la
     torch.testing.assert_close(got[:last].float(), _float32_swiglu(gate_up[:last]), rtol=rtol, atol=1e-6)
     # torch's two launches round twice: within a unit in the last place of the kernel's.
     torch.testing.assert_close(
-        swiglu(gate_up[:last], kernel=False).float(), got[:last].float(), rtol=2 * rtol, atol=1e-6
+        swiglu(gate_up[:last], kernels="torch").float(), got[:last].float(), rtol=2 * rtol, atol=1e-6
     )
 
 
@@ -49,7 +49,7 @@ def test_torch_path_off_cuda_and_under_kernels_torch():
     gate_up = torch.randn(4, 48)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(swiglu(gate_up), F.silu(gate) * up)  # CPU: the kernel is not the default
-    assert torch.equal(swiglu(gate_up, kernel=False), F.silu(gate) * up)
+    assert torch.equal(swiglu(gate_up, kernels="torch"), F.silu(gate) * up)
 
 
 def test_bad_input_names_the_problem():
@@ -61,8 +61,8 @@ def test_bad_input_names_the_problem():
 
 def test_kernel_without_cuda_or_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        swiglu(torch.randn(2, 8), kernel=True)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        swiglu(torch.randn(2, 8), kernels="triton")
 
 
 @pytest.mark.gpu

@@ -94,7 +94,7 @@ def test_a_router_with_the_triton_kernel_gives_the_layer_the_same_output():
     layer = MoELayer(get_preset("tiny"), dispatcher="local", seed=3)
     x = torch.randn(29, layer.cfg.hidden_size)
     want = layer(x)
-    layer.router.kernel = "triton"
+    layer.router.kernels = "triton"
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
 
 
@@ -106,7 +106,7 @@ def test_the_default_router_kernel_runs_torch_on_cpu_even_under_the_interpreter(
 
     monkeypatch.setattr(routing_kernels, "select_experts_fused", refuse)
     router = Router(get_preset("tiny"))
-    assert router.kernel == "auto"
+    assert router.kernels == "auto"
     with torch.no_grad():
         router.weight.normal_()
     out = router(torch.randn(5, router.cfg.hidden_size))
@@ -114,8 +114,21 @@ def test_the_default_router_kernel_runs_torch_on_cpu_even_under_the_interpreter(
 
 
 def test_an_unknown_router_kernel_is_refused():
-    with pytest.raises(ValueError, match="kernel"):
-        Router(get_preset("tiny"), kernel="cuda")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        Router(get_preset("tiny"), kernels="cuda")
+
+
+def test_the_former_kernel_keyword_still_chooses_the_router_kernel():
+    with pytest.warns(DeprecationWarning, match="kernels="):
+        router = Router(get_preset("tiny"), kernel="torch")
+    assert router.kernels == "torch"
+
+
+def test_the_triton_router_kernel_is_refused_where_triton_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    router = Router(get_preset("tiny"), kernels="triton")
+    with pytest.raises(ValueError, match="kernels='triton' needs Triton and CUDA tensors"):
+        router(torch.randn(2, router.cfg.hidden_size))
 
 
 @pytest.mark.gpu
@@ -134,9 +147,9 @@ def test_fused_selection_on_cuda_equals_the_torch_router_and_replays_from_a_grap
     fused = routing_kernels.select_experts_fused
     monkeypatch.setattr(routing_kernels, "select_experts_fused", lambda *a: calls.append(1) or fused(*a))
     with torch.inference_mode():
-        router.kernel = "torch"
+        router.kernels = "torch"
         want = router(x)
-        router.kernel = "auto"  # the default: the Triton kernel on CUDA
+        router.kernels = "auto"  # the default: the Triton kernel on CUDA
         got = router(x)
         assert calls == [1]
         out: list = []

@@ -24,13 +24,11 @@ from typing import Protocol
 
 import torch
 
-from .. import env
+from ..kernel_choice import HAS_TRITON, next_power_of_2, use_triton
 
-try:
+if HAS_TRITON:  # else the torch path serves; kernels="triton" then raises
     import triton
     import triton.language as tl
-except ImportError:  # the torch path serves; kernels="triton" then raises
-    triton = None
 
 
 class AddressTable(Protocol):
@@ -42,12 +40,7 @@ class AddressTable(Protocol):
     table: torch.Tensor
 
 
-def interpreting_triton() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``; the CPU tests use it)."""
-    return env.triton_interpreting()
-
-
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _gather_sum_kernel(
@@ -92,23 +85,7 @@ if triton is not None:
 def block_h_for(hidden: int, k_p2: int, min_block: int = 16) -> int:
     """Columns per program for kernels that hold ``k_p2`` (a power of two) rows of a block in
     registers: at most 1024 (7 steps for DeepSeek-V3's 7168) and at most 8192 float32 values in all."""
-    return max(min(triton.next_power_of_2(max(hidden, 1)), 8192 // k_p2, 1024), min_block)
-
-
-def uses_triton(device: torch.device, kernels: str = "auto") -> bool:
-    """Whether ``gather_sum(kernels=...)`` runs the Triton kernel on ``device``: ``"auto"`` on CUDA
-    when Triton imports, ``"triton"`` on CUDA or under Triton's interpreter, ``"torch"`` never."""
-    if kernels not in ("auto", "triton", "torch"):
-        raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
-    if kernels == "torch" or (kernels == "auto" and triton is None):
-        return False
-    if kernels == "triton" and (triton is None or (device.type != "cuda" and not interpreting_triton())):
-        missing = "" if triton else " and no Triton"
-        raise ValueError(
-            "kernels='triton' needs Triton and CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU "
-            f"interpreter); got {device} tensors{missing}: use 'auto' or 'torch'"
-        )
-    return device.type == "cuda" or kernels == "triton"
+    return max(min(next_power_of_2(max(hidden, 1)), 8192 // k_p2, 1024), min_block)
 
 
 def launch_gather_sum(
@@ -164,7 +141,7 @@ def gather_sum(
     if num_src == 0 or top_k == 0:
         return out_YH.zero_()
     index_YK = index_YK.long()  # the kernel's row offsets index * H must not wrap at 2**31
-    if uses_triton(src_XH.device, kernels):
+    if use_triton(kernels, src_XH.device):
         weights = None if weight_X is None else weight_X.contiguous()
         launch_gather_sum(src_XH.contiguous(), index_YK.contiguous(), weights, out_YH)
         return out_YH

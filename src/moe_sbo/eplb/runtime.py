@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    from . import kernels as eplb_kernels
-except ImportError:  # no Triton: the torch path serves
-    eplb_kernels = None  # type: ignore[assignment]
-
+from ..kernel_choice import HAS_TRITON, use_triton
 from .placement import PLACEMENT_POLICIES, Placement, global_placement, placement_for, trivial_placement
+
+if HAS_TRITON:
+    from . import kernels as eplb_kernels
 
 
 @dataclass(frozen=True)
@@ -168,14 +167,10 @@ def route_to_slots(
     ids_TK: torch.Tensor, window: LoadWindow, table: ReplicaTable, kernels: str = "auto"
 ) -> torch.Tensor:
     """One forward's routing counted into ``window``, and its logical ids [T, K] -> physical slot ids
-    [T, K] under ``table``. ``kernels``: ``"auto"`` one Triton launch on CUDA (``eplb.kernels``),
-    ``"triton"`` those anywhere Triton runs (CPU: its interpreter), ``"torch"`` the torch ops."""
-    if kernels not in ("auto", "triton", "torch"):
-        raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
-    fused = kernels == "triton" or (kernels == "auto" and eplb_kernels is not None and ids_TK.device.type == "cuda")
-    if fused:
-        if eplb_kernels is None:
-            raise ValueError("kernels='triton' needs Triton installed; use 'auto' or 'torch'")
+    [T, K] under ``table``. ``kernels`` (``kernel_choice.use_triton``): ``"auto"`` one Triton launch
+    on CUDA (``eplb.kernels``), ``"triton"`` that launch anywhere Triton runs (CPU: its interpreter),
+    ``"torch"`` the torch ops."""
+    if use_triton(kernels, ids_TK.device):
         return eplb_kernels.route_and_count(
             ids_TK, window.counts_RE, window.position, window.ticket, table.choices_EW, table.count_E, table.rank
         )

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import env
+from ..kernel_choice import HAS_TRITON, interpreting
 from ..profiling import annotate
 from ..quant.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8, quantize_fp8_blocks, sizes_off_blocks
 from ..streams import compute_capability
@@ -32,10 +32,10 @@ from .swiglu import swiglu
 if TYPE_CHECKING:
     from ..dispatch.records import DispatchOutput
 
-try:
+if HAS_TRITON:
     from ..quant import kernels as quant_kernels
     from . import fp8_gemm, fp8_gemm_sm90, gemv, tiled_gemm
-except ImportError:  # no Triton: FP8 experts run the torch path on CPU, and refuse CUDA
+else:  # no Triton: FP8 experts run the torch path on CPU, and refuse CUDA
     fp8_gemm = None  # type: ignore[assignment]
     fp8_gemm_sm90 = None  # type: ignore[assignment]
     quant_kernels = None  # type: ignore[assignment]
@@ -186,18 +186,18 @@ class RoutedExperts(nn.Module):
             # (``swiglu``), torch's two off CUDA and under kernels="torch".
             if path == "gemv":
                 gate_up_R2I = gemv.grouped_gemv(x_RH, self.gate_up_proj, offsets_L)
-                return gemv.grouped_gemv(swiglu(gate_up_R2I, offsets_L, kernel=True), self.down_proj, offsets_L)
+                return gemv.grouped_gemv(swiglu(gate_up_R2I, offsets_L, kernels="triton"), self.down_proj, offsets_L)
             if path == "tiled":
                 # The tiles for the rows to expect (padding excluded), not for every row handed over.
                 tiles = tiled_gemm.dense_config(self._rows_per_expert(num_rows, expected_rows), x_RH.element_size())
                 gemm = functools.partial(tiled_gemm.grouped_gemm, config=tiles)
                 gate_up_R2I = gemm(x_RH, self.gate_up_proj, offsets_L, rows_R=rows_R)
-                return gemm(swiglu(gate_up_R2I, offsets_L, kernel=True), self.down_proj, offsets_L)
+                return gemm(swiglu(gate_up_R2I, offsets_L, kernels="triton"), self.down_proj, offsets_L)
             use_grouped_mm = self.use_grouped_mm
             if use_grouped_mm is None:
                 use_grouped_mm = grouped_mm_supported(x_RH)
             gate_up_R2I = grouped_linear(x_RH, self.gate_up_proj, offsets_L, use_grouped_mm)
-            act_RI = swiglu(gate_up_R2I, offsets_L, kernel=False if self.kernels == "torch" else None)
+            act_RI = swiglu(gate_up_R2I, offsets_L, kernels="torch" if self.kernels == "torch" else "auto")
             return grouped_linear(act_RI, self.down_proj, offsets_L, use_grouped_mm)
 
     def forward_dispatched(self, recv: DispatchOutput) -> torch.Tensor:
@@ -258,7 +258,7 @@ class RoutedExperts(nn.Module):
             path = kernel_by_rows(rows_per_expert, indexed)
             # The tiled GEMM's tiles were measured for bf16 on sm90+ (elsewhere they may not fit).
             return "grouped_mm" if path == "tiled" and not grouped_mm_supported(x_RH) else path
-        if x_RH.device.type != "cuda" and not env.triton_interpreting():
+        if x_RH.device.type != "cuda" and not interpreting():
             raise RuntimeError(
                 f"kernels={self.kernels!r} needs CUDA tensors, or TRITON_INTERPRET=1 with triton installed"
             )
@@ -330,7 +330,7 @@ class RoutedExperts(nn.Module):
             if self.kernels == "scaled_mm":
                 raise RuntimeError("kernels='scaled_mm' needs an sm90 CUDA device; use 'auto' or 'torch' on CPU")
             if self.kernels == "triton":
-                if fp8_gemm is None or not env.triton_interpreting():
+                if fp8_gemm is None or not interpreting():
                     raise RuntimeError(
                         "kernels='triton' needs CUDA tensors, or TRITON_INTERPRET=1 (Triton's CPU interpreter) "
                         "with triton installed"

@@ -21,18 +21,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import env
+from ..kernel_choice import HAS_TRITON, use_triton
 
-try:
+if HAS_TRITON:  # else torch's two launches everywhere
     import triton
     import triton.language as tl
-except ImportError:  # no Triton: torch's two launches everywhere
-    triton = None
 
 BLOCK_I = 1024  # outputs per program: enough work per launch slot
 
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _swiglu_kernel(
@@ -56,26 +54,21 @@ if triton is not None:
             tl.store(out_ptr + r.to(tl.int64) * stride_out_r + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu(
-    gate_up_R2I: torch.Tensor, offsets_L: torch.Tensor | None = None, kernel: bool | None = None
-) -> torch.Tensor:
+def swiglu(gate_up_R2I: torch.Tensor, offsets_L: torch.Tensor | None = None, kernels: str = "auto") -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up_R2I`` (``[R, 2I]``, the gate's columns first, each row contiguous)
-    -> ``[R, I]`` in its dtype. ``kernel``: run the Triton kernel (True: on CUDA, or on CPU under
-    ``TRITON_INTERPRET=1`` as the other Triton kernels' CPU tests do; default: on CUDA where Triton is
-    installed, unless autograd records the call, since the kernel has no backward) or torch's two
-    launches. ``offsets_L``: int32 cumulative row counts on the device; the kernel leaves rows at or
-    past ``offsets_L[-1]`` unwritten."""
+    -> ``[R, I]`` in its dtype. ``kernels`` (``kernel_choice``'s vocabulary): ``"triton"`` runs the
+    Triton kernel (on CUDA, or on CPU under ``TRITON_INTERPRET=1`` as the other Triton kernels' CPU
+    tests do), ``"auto"`` runs it on CUDA where Triton imports unless autograd records the call (the
+    kernel has no backward), ``"torch"`` runs torch's two launches. ``offsets_L``: int32 cumulative
+    row counts on the device; the kernel leaves rows at or past ``offsets_L[-1]`` unwritten."""
     if gate_up_R2I.dim() != 2 or gate_up_R2I.shape[1] % 2 or gate_up_R2I.stride(1) != 1:
         raise ValueError(
             f"swiglu needs [R, 2I] rows contiguous along their features, got shape {tuple(gate_up_R2I.shape)} and "
             f"strides {gate_up_R2I.stride()}"
         )
-    if kernel is None:  # the kernel has no backward: torch's ops where autograd records
-        recording = torch.is_grad_enabled() and gate_up_R2I.requires_grad
-        kernel = triton is not None and gate_up_R2I.device.type == "cuda" and not recording
-    elif kernel and (triton is None or (gate_up_R2I.device.type != "cuda" and not env.triton_interpreting())):
-        raise RuntimeError("swiglu's kernel needs Triton and CUDA tensors, or TRITON_INTERPRET=1 on CPU")
-    if not kernel:
+    # The kernel has no backward: "auto" keeps torch's ops where autograd records.
+    recording = kernels == "auto" and torch.is_grad_enabled() and gate_up_R2I.requires_grad
+    if recording or not use_triton(kernels, gate_up_R2I.device):
         gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
         return F.silu(gate_RI) * up_RI
     num_rows, inter = gate_up_R2I.shape[0], gate_up_R2I.shape[1] // 2

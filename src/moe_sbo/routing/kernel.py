@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..config import MoEConfig
-from ..lanes import lanes
+from ..kernel_choice import lanes
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Below every finite score, above the padding's -inf; a constexpr, as a compiled kernel reads no plain global.

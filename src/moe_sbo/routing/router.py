@@ -11,20 +11,19 @@ All scoring is done in float32 whatever the activation dtype, as the reference m
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import env
 from ..config import MoEConfig
+from ..kernel_choice import HAS_TRITON, check_kernels, use_triton
 from ..profiling import annotate
 
-try:
+if HAS_TRITON:
     from . import kernel as routing_kernels
-except ImportError:  # no Triton: the torch router only
-    routing_kernels = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -77,9 +76,6 @@ def select_experts(
     return TopkOutput(topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK)
 
 
-ROUTER_KERNELS = ("auto", "torch", "triton")
-
-
 class Router(nn.Module):
     """Gate ``weight [E, H]`` (float32) and, for ``noaux_tc``, ``e_score_correction_bias [E]``.
 
@@ -87,22 +83,33 @@ class Router(nn.Module):
     routing method, so it changes the weights as well as the choice. No checkpoint has one (it is not
     in the state dict); it is the knob a synthetic load skew turns (``routing.skew``).
 
-    ``kernel``: ``"torch"`` selects the experts with ``select_experts`` (a dozen small ops);
-    ``"triton"`` with ``kernel.select_experts_fused`` (one launch, the same experts and
-    weights; on CPU under ``TRITON_INTERPRET=1``); ``"auto"`` (default) with the Triton kernel on CUDA
-    tensors when Triton is installed and with ``select_experts`` otherwise: for grouped routing one
-    launch costs the host and the device less than a dozen (docs/BENCHMARKS.md, "Router").
-    Settable after construction (``router.kernel``), checked either way. The kernel is held to the
-    torch ops for top-1 to top-8 under each shipped preset's routing, compiled on the GPU and under
-    the interpreter on CPU (``tests/routing/test_routing_kernels.py``)."""
+    ``kernels`` (``kernel_choice``'s vocabulary): ``"torch"`` selects the experts with
+    ``select_experts`` (a dozen small ops); ``"triton"`` with ``kernel.select_experts_fused`` (one
+    launch, the same experts and weights; on CPU under ``TRITON_INTERPRET=1``); ``"auto"`` (default)
+    with the Triton kernel on CUDA tensors when Triton is installed and with ``select_experts``
+    otherwise: for grouped routing one launch costs the host and the device less than a dozen
+    (docs/BENCHMARKS.md, "Router"). Settable after construction (``router.kernels``), checked either
+    way; ``kernel=`` is the keyword's former spelling, still taken (with a ``DeprecationWarning``). The
+    kernel is held to the torch ops for top-1 to top-8 under each shipped preset's routing, compiled on
+    the GPU and under the interpreter on CPU (``tests/routing/test_routing_kernels.py``)."""
 
     e_score_correction_bias: torch.Tensor  # a registered buffer (nn.Module types it Tensor | Module)
     logit_bias: torch.Tensor | None  # a registered buffer, outside the state dict
 
-    def __init__(self, cfg: MoEConfig, device: torch.device | str | None = None, kernel: str = "auto"):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        device: torch.device | str | None = None,
+        kernels: str = "auto",
+        *,
+        kernel: str | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
-        self.kernel = kernel
+        if kernel is not None:
+            warnings.warn("Router(kernel=) is now spelled Router(kernels=)", DeprecationWarning, stacklevel=2)
+            kernels = kernel
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32, device=device))
         self.register_buffer(
             "e_score_correction_bias",
@@ -111,28 +118,21 @@ class Router(nn.Module):
         self.register_buffer("logit_bias", None, persistent=False)
 
     @property
-    def kernel(self) -> str:
-        return self._kernel
+    def kernels(self) -> str:
+        return self._kernels
 
-    @kernel.setter
-    def kernel(self, kernel: str) -> None:
-        if kernel not in ROUTER_KERNELS:
-            raise ValueError(f"the router kernel must be one of {ROUTER_KERNELS}, got {kernel!r}")
-        if kernel == "triton" and routing_kernels is None:
-            raise ValueError("the router kernel 'triton' needs triton installed; use kernel='torch'")
-        self._kernel = kernel
+    @kernels.setter
+    def kernels(self, kernels: str) -> None:
+        check_kernels(kernels)
+        if kernels == "triton" and not HAS_TRITON:
+            raise ValueError("the router's kernels='triton' needs triton installed; use kernels='torch'")
+        self._kernels = kernels
 
     def forward(self, x_TH: torch.Tensor) -> TopkOutput:
         with annotate("router"):
             logits_TE = F.linear(x_TH.float(), self.weight, self.logit_bias)
             bias_E = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
-            fused = self._kernel == "triton" or (
-                self._kernel == "auto" and routing_kernels is not None and logits_TE.device.type == "cuda"
-            )
-            if fused:
-                assert routing_kernels is not None  # the setter checked, or "auto" did
-                if logits_TE.device.type != "cuda" and not env.triton_interpreting():
-                    raise RuntimeError("router kernel 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+            if use_triton(self._kernels, logits_TE.device):
                 ids_TK, weights_TK = routing_kernels.select_experts_fused(logits_TE, self.cfg, bias_E)
                 return TopkOutput(topk_ids_TK=ids_TK, topk_weights_TK=weights_TK)
             return select_experts(logits_TE, self.cfg, bias_E)

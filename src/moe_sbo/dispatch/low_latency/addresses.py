@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import torch
 
-try:
+from ...kernel_choice import HAS_TRITON
+
+if HAS_TRITON:  # else the torch path serves; index graphs need the fused kernels
     import triton
     import triton.language as tl
-except ImportError:  # the torch path serves; index graphs need the fused kernels
-    triton = None
 
 # Words after a table's values: the sequence number of the host's last write, then its echo.
 _SEQ, _ECHO = 0, 1
@@ -135,7 +135,7 @@ def stage_inputs(
     )
 
 
-if triton is not None:
+if HAS_TRITON:
     # host_offset is never specialised (a constexpr 1 would have no dtype) and widened before the
     # multiply: Triton passes an offset below 2**31 as int32, where * 16 would wrap.
     @triton.jit(do_not_specialize=["host_offset"])

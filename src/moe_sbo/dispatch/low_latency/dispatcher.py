@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 
 from ...hooks import HookFn
+from ...kernel_choice import HAS_TRITON, interpreting
 from ...quant.fp8 import FP8_GROUP
 from ...streams import capturing
 from ..base import Dispatcher, EPGroup, register_dispatcher
 from ..records import CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Pending
-from ..reduce import interpreting_triton
 from .graphs import RoundGraphs, Staging
 from .options import LowLatencyOptions, check_built_alike
 from .paths import Path, PathSpec, Round, ShapeSets, TorchPath
@@ -58,15 +58,14 @@ from .reference import FixedLayout
 from .transport import Buffers, RoundCounter, allocate_buffers, peers_reachable
 from .wire import RowFormat, block_traffic
 
-try:  # Triton comes with CUDA builds of torch; without it the torch path runs
+if HAS_TRITON:  # Triton comes with CUDA builds of torch; without it the torch path runs
     from .fused import FusedPath, ReplayedPath
-except ImportError:  # pragma: no cover - depends on the environment
-    HAS_FUSED_KERNELS = False  # whether Triton imports here (a fact of the process)
-    PATHS: tuple[type[Path], ...] = (TorchPath,)
-else:
-    HAS_FUSED_KERNELS = True
+
     # The rule table: a shape runs the first path that supports it (``paths.py`` has the table).
-    PATHS = (ReplayedPath, FusedPath, TorchPath)
+    PATHS: tuple[type[Path], ...] = (ReplayedPath, FusedPath, TorchPath)
+else:  # pragma: no cover - depends on the environment
+    PATHS = (TorchPath,)
+HAS_FUSED_KERNELS = HAS_TRITON  # whether Triton imports here (a fact of the process)
 
 if TYPE_CHECKING:
     from .kernels import KernelLayout
@@ -163,7 +162,7 @@ class LowLatencyDispatcher(Dispatcher):
         """Whether a forward on ``device`` runs the fused Triton kernels."""
         if self.settings.kernels == "torch" or not HAS_FUSED_KERNELS:
             return False
-        return device.type == "cuda" or (self.settings.kernels == "triton" and interpreting_triton())
+        return device.type == "cuda" or (self.settings.kernels == "triton" and interpreting())
 
     def transport_for(self, device: torch.device) -> str:
         """The transport a forward on ``device`` uses (``"auto"`` resolved; the same on every rank)."""

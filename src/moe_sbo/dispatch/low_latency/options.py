@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...kernel_choice import interpreting
 from ...quant.fp8 import FP8_GROUP
 from ..base import EPGroup
-from ..reduce import interpreting_triton
 
 KERNELS = ("auto", "triton", "torch")
 TRANSPORTS = ("auto", "nccl", "symm_mem", "copy_engine")
@@ -145,7 +145,7 @@ class LowLatencyOptions:
                 f"the fused low_latency kernels need rows of a multiple of 16 bytes, got H = {hidden} x "
                 f"{x_TH.element_size()} bytes; use kernels='torch' for this model"
             )
-        if self.kernels == "triton" and device.type != "cuda" and not interpreting_triton():
+        if self.kernels == "triton" and device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1, Triton's CPU interpreter), got x on "
                 f"{device}; use kernels='auto' or 'torch' here"

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ....lanes import lanes
+from ....kernel_choice import lanes
 from ...reduce import block_h_for, launch_gather_sum
 from ..addresses import CallerAddresses
 from ..transport import Destinations

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ....lanes import lanes
+from ....kernel_choice import lanes
 from ....quant.fp8 import FP8_GROUP
 from ....quant.kernels import GROUP_V, quantize_slice
 from ..transport import Destinations
