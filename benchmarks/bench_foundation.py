@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import PRESETS, get_preset
-from moe_sbo.experts.routed import RoutedExperts, grouped_mm_supported
+from moe_sbo.experts.routed import RoutedExperts
+from moe_sbo.experts.routes import GROUPED_MM
+from moe_sbo.experts.select import Conditions
 from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.options import Sweep, add_sweep_args, default_dtype_name
@@ -200,7 +202,7 @@ def grouped_gemm_rank(
                 rows_total = num_experts * rows_per_expert
                 x_RH = randn(rows_total, h)
                 counts_L = torch.full((num_experts,), rows_per_expert, dtype=torch.int64, device=device)
-                use_grouped_mm = grouped_mm_supported(x_RH)
+                use_grouped_mm = GROUPED_MM.supports(Conditions.of(x_RH, False, rows_per_expert)) is None
                 t_experts = timer(lambda: experts(x_RH, counts_L))
                 flops = 2 * rows_total * 3 * h * i  # gate_up (2I·H) + down (H·I) per row
                 # Dense GEMMs of exactly the same FLOPs: [rows, H]x[H, 2I] and [rows, I]x[I, H].

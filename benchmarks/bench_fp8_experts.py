@@ -43,8 +43,10 @@ from rich.table import Table
 
 from moe_sbo.config import get_preset
 from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
-from moe_sbo.experts.fp8_torch import grouped_scaled_mm, scaled_mm_blockwise_supported
+from moe_sbo.experts.fp8_torch import grouped_scaled_mm
 from moe_sbo.experts.routed import RoutedExperts
+from moe_sbo.experts.routes import SCALED_MM
+from moe_sbo.experts.select import Conditions
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.results import ResultFile, result_meta
 from moe_sbo.measure.timing import KernelTimer, time_fn
@@ -137,7 +139,7 @@ def bench_case(fp8, dense, rows_per_expert: int, timer: KernelTimer, device: tor
         )
     out[1]["speedup_vs_bf16"] = out[0]["t_us"] / out[1]["t_us"]
     out[1]["speedup_eager_vs_bf16"] = out[0]["t_eager_us"] / out[1]["t_eager_us"]
-    out[1]["eager_path"] = fp8.fp8_path(x_RH.device, x_RH.shape[0])  # a graph always runs "triton"
+    out[1]["eager_path"] = fp8.route(x_RH).name  # a graph never runs "scaled_mm"
     out[1]["rel_err_vs_bf16"] = rel_err
     if device.type == "cuda":
         # The GPU's FP8 rate on the MLP's two GEMM shapes (cuBLAS row-wise, all rows against expert 0's
@@ -222,7 +224,7 @@ def sweep_case(
                 lambda q=q, w_KN=w_KN: torch._scaled_mm(q, w_KN, ones_R1, ones_1N, out_dtype=dtype),
                 impl="scaled_mm_rowwise",
             )
-            if scaled_mm_blockwise_supported(device):
+            if SCALED_MM.supports(Conditions.of(q, True, rows_per_expert)) is None:
                 counts = [rows_per_expert] * num_experts
                 row(
                     gemm,

@@ -1,5 +1,5 @@
 """Dense routed experts from decode to prefill sizes: ``gemv_kernels``' grouped GEMV,
-``grouped_gemm_kernels``' tiled grouped GEMM and ``torch._grouped_mm``, one GPU, DeepSeek-V3 dims,
+``tiled_gemm``' tiled grouped GEMM and ``torch._grouped_mm``, one GPU, DeepSeek-V3 dims,
 against the weight-read floor and the compute floor measured in the same run.
 
 Rows (``bench="gemv"``, ``OUT/gemv.json``) per experts on the GPU (L: 8, 16, 32 by default; EP2's
@@ -15,7 +15,7 @@ it re-reads each weight slice per 16 rows), ``experts_with_rows``; ``t_floor_us`
 experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB buffer reads HBM at in the same
 run; the MLP's FLOPs at ``mm_tflops``, a dense 8192 x 7168 x 4096 bf16 ``torch.mm`` in the same run),
 each time's ratio to it, and ``rel_err_*`` (||kernel - grouped_mm|| / ||grouped_mm||). The data
-behind ``experts.GEMV_MAX_ROWS_PER_EXPERT`` and ``experts.TILED_MAX_ROWS_PER_EXPERT``. SwiGLU between
+behind ``experts.select.GEMV_MAX_ROWS_PER_EXPERT`` and ``TILED_MAX_ROWS_PER_EXPERT``. SwiGLU between
 the GEMMs alone on ``[R, 2I]`` rows: ``t_swiglu_us`` (``experts.swiglu``, one launch),
 ``t_swiglu_torch_us`` (torch's two) and ``t_swiglu_floor_us`` (3 x R x I bf16 values at ``read_gbps``).
 
@@ -23,7 +23,7 @@ the GEMMs alone on ``[R, 2I]`` rows: ``t_swiglu_us`` (``experts.swiglu``, one la
 each GEMM of the MLP (gate_up, down) alone through the tiled GEMM under each tile config of
 ``SWEEP_CONFIGS``, equal rows per expert, with
 ``tflops`` and ``t_floor_us`` (that GEMM's weight read or FLOPs, whichever takes longer at the run's
-rates): the data behind ``grouped_gemm_kernels.dense_config``.
+rates): the data behind ``tiled_gemm.dense_config``.
 
 Usage (GPU): ``python benchmarks/bench_gemv.py --out DIR [--sweep]``.
 """
@@ -39,7 +39,8 @@ import torch
 
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.experts.swiglu import swiglu
-from moe_sbo.experts.tiled_gemm import GemmConfig, grouped_gemm
+from moe_sbo.experts.tiled_gemm import grouped_gemm
+from moe_sbo.experts.tiles import GemmConfig
 from moe_sbo.measure.results import result_meta
 from moe_sbo.measure.timing import KernelTimer, memory_read_us
 
@@ -62,7 +63,7 @@ POINTER_CONFIGS = [
         (256, 128, 8, 8, 3, 64),
     ]
 ]
-# The same tiles with tensor-descriptor loads (``grouped_gemm_kernels.dense_config``'s from 256 rows per expert).
+# The same tiles with tensor-descriptor loads (``tiled_gemm.dense_config``'s from 256 rows per expert).
 SWEEP_CONFIGS = POINTER_CONFIGS + [dataclasses.replace(c, tma=True) for c in POINTER_CONFIGS]
 
 

@@ -18,7 +18,7 @@ per rank (capacity = tokens unless ``--capacity``):
   the mean of back-to-back layer replays (decode throughput rather than isolated latency).
 - ``dispatcher="low_latency"``, ``graph=False``: the same layer run eagerly, phases from hook events.
 - Each once per ``--expert-kernels`` choice (``expert_kernels``, default ``auto``), and ``expert_path``:
-  dense experts' GEMMs at the row's P x C x K rows (``RoutedExperts.dense_path``; FP8 rows have none).
+  dense experts' GEMMs at the row's P x C x K rows (``RoutedExperts.route``; FP8 rows have none).
 - ``dispatcher="allgather"`` / ``"alltoall"``, ``graph=False``: those read sizes on the host, so they
   run eagerly (phases from hook events), with raw ``all_to_all_single`` on their mean bytes beside.
 
@@ -49,7 +49,7 @@ from bench_foundation import _fmt
 from moe_sbo.config import PRESETS, MoEConfig, get_preset
 from moe_sbo.dispatch.low_latency import RowFormat
 from moe_sbo.env import triton_interpreting
-from moe_sbo.experts.routed import DENSE_KERNELS
+from moe_sbo.experts.select import DENSE_KERNELS
 from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
 from moe_sbo.measure.options import Sweep, add_sweep_args, default_dtype_name
@@ -173,9 +173,9 @@ def low_latency_rank(
                 }
                 if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for both
                     rows_like = torch.empty(expert_rows, 0, dtype=dtype, device=device)
-                    common["expert_path"] = layer.experts.dense_path(
+                    common["expert_path"] = layer.experts.route(
                         rows_like, cap * cfg.num_experts_per_tok, indexed=layer.dispatcher.rows_in_place(device)
-                    )
+                    ).name
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
                     ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)

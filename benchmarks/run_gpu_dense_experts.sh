@@ -4,13 +4,13 @@
 #    share the grouped GEMM's tile schedule), tests/test_gpu.py and the one-GPU low_latency tests.
 # 2. gemv: bench_gemv.py, the routed MLP through the grouped GEMV, the tiled grouped GEMM and
 #    torch._grouped_mm, 8/16/32 experts, 8 to 32768 rows, beside the read and compute floors
-#    (file gemv_<tag>.json): the data behind experts.GEMV_MAX_ROWS_PER_EXPERT and TILED_MAX_ROWS_PER_EXPERT.
+#    (file gemv_<tag>.json): the data behind experts.select.GEMV_MAX_ROWS_PER_EXPERT and TILED_MAX_ROWS_PER_EXPERT.
 # 3. layer: bench_low_latency.py at EP1, the low_latency MoE layer (eager and CUDA-graph replays) with
 #    the experts' kernels left to "auto", forced to the GEMV and to torch._grouped_mm, 8 and 32 experts
 #    per GPU (files low_latency_experts{8,32}_<tag>.json).
 # 4. sweep: bench_gemv.py --sweep, each GEMM of the MLP through the tiled GEMM under each tile config,
 #    8 and 32 experts, 16-512 rows per expert (file dense_gemm_config_<tag>.json): the data behind
-#    grouped_gemm_kernels.dense_config.
+#    tiled_gemm.dense_config.
 # 5. index: bench_low_latency.py at EP1 with 32 experts per GPU, 256-4096 tokens, the received rows copied
 #    into expert order (index graphs "on") against left in place for the tiled GEMM to read through the
 #    layout's index ("index_rows"), eager and replayed (file low_latency_index_rows_<tag>.json).

@@ -10,10 +10,11 @@ experts' GEMM routes, ``experts.select``). The router, the routed experts, SwiGL
 the ``low_latency`` dispatcher and EPLB's per-forward work all take ``kernels=`` and ask
 ``use_triton`` (or ``triton_runs_on``) here.
 
-Why a root module: the gate is read by five rooms of the core (``routing``, ``experts``, ``quant``,
-``dispatch``, ``eplb``), so it must sit below all of them, and the root is the core's floor. It holds
-what was ``lanes.py`` (the widths of Triton kernel axes, which every Triton kernel of those rooms
-shares): the root keeps its count of modules, and the two facts about Triton kernels live together.
+Why a root module: the gate is read by the rooms of the core that have Triton kernels (``routing``,
+``experts``, ``dispatch``, ``eplb``), so it must sit below all of them, and the root is the core's
+floor. The widths of Triton kernel axes (``lanes``), which the kernels of those rooms share, live here
+too rather than in a root module of their own: the root stays at ten modules, and what every Triton
+kernel of the package needs to know is in one place.
 
 The hard part is that the answer must not depend on import order or on which kernel module was
 imported first: ``HAS_TRITON`` is decided once, here, by importing Triton itself; a kernel module

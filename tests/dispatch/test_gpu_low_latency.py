@@ -241,7 +241,7 @@ def test_fused_kernels_equal_torch_path_on_gpu(fp8, transport, capacity):
 
 @pytest.mark.parametrize("capacity", [128, 640])
 def test_fused_kernels_with_one_expert_per_token_equal_torch_path_on_gpu(capacity):
-    """Top-1: the kernels' top-k axis has one real lane (``moe_sbo.lanes`` pads it to two)."""
+    """Top-1: the kernels' top-k axis has one real lane (``kernel_choice.lanes`` pads it to two)."""
     with _ranks() as ranks:
         for r in ranks.run(_fused_vs_torch_rank, False, "nccl", capacity, 1):
             assert r["ids"] and r["payload"] and r["layout"] and r["x"] and r["finite"], r

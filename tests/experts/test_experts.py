@@ -1,5 +1,5 @@
-"""Grouped GEMMs (``torch._grouped_mm``, ``gemv_kernels``' Triton kernel for few rows per expert,
-``grouped_gemm_kernels``' tiled one for more) and the per-expert fallback against a per-token reference."""
+"""The dense routes (``torch._grouped_mm``, ``gemv``'s Triton kernel for few rows per expert,
+``tiled_gemm``'s tiled one for more, and the per-expert loop) against a per-token reference."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_sbo.experts.routed import (
-    GEMV_MAX_ROWS_PER_EXPERT,
-    TILED_MAX_ROWS_PER_EXPERT,
-    RoutedExperts,
-    grouped_mm_supported,
-    kernel_by_rows,
-)
+from moe_sbo.experts.routed import RoutedExperts
+from moe_sbo.experts.routes import GROUPED_MM
+from moe_sbo.experts.select import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT, Conditions
 from moe_sbo.experts.shared import SharedExperts
-from moe_sbo.experts.tiled_gemm import TMA_MIN_ROWS_PER_EXPERT, GemmConfig, dense_config, grouped_gemm
+from moe_sbo.experts.tiled_gemm import TMA_MIN_ROWS_PER_EXPERT, dense_config, grouped_gemm
+from moe_sbo.experts.tiles import GemmConfig
 
 
 def _reference(x_RH, counts, gate_up, down):
@@ -30,14 +27,14 @@ def _reference(x_RH, counts, gate_up, down):
     return torch.stack(out) if out else x_RH.new_zeros(0, down.shape[1])
 
 
-@pytest.mark.parametrize("use_grouped_mm", [True, False])
+@pytest.mark.parametrize("kernels", ["grouped_mm", "expert_loop"])
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [9, 0, 0, 0], [0, 0, 0, 2]])
-def test_routed_experts_match_per_token_reference(use_grouped_mm, counts):
+def test_routed_experts_match_per_token_reference(kernels, counts):
     experts = RoutedExperts(4, 32, 16)
     with torch.no_grad():
         experts.gate_up_proj.normal_()
         experts.down_proj.normal_()
-        experts.use_grouped_mm = use_grouped_mm
+        experts.kernels = kernels
         x = torch.randn(sum(counts), 32)
         got = experts(x, torch.tensor(counts))
         expected = _reference(x, counts, experts.gate_up_proj, experts.down_proj)
@@ -60,7 +57,7 @@ def test_gemv_kernel_matches_per_token_reference_and_skips_padding(counts):
         x = torch.cat([torch.randn(real, 40, device=device), torch.full((5, 40), float("nan"), device=device)])
         got = experts(x, torch.tensor(counts))
         expected = _reference(x[:real], counts, experts.gate_up_proj, experts.down_proj)
-    assert experts.dense_path(x) == "gemv"
+    assert experts.route(x).name == "gemv"
     # Outputs reach ~100 with unit weights; another float32 summation order moves them by ~1e-4.
     torch.testing.assert_close(got[:real], expected, rtol=1e-4, atol=1e-3)
 
@@ -161,45 +158,37 @@ def test_tiled_kernel_refuses_mismatched_shapes():
         grouped_gemm(torch.randn(4, 8), torch.randn(2, 6, 8), offsets, rows_R=torch.zeros(4))
 
 
-def test_routed_experts_choose_their_kernel_by_rows():
+def test_routed_experts_choose_their_route_by_rows():
+    """``RoutedExperts.route`` on this machine's device (the rule table itself, on faked devices, is
+    ``test_select.py``'s): the rows per expert to expect, the rows handed over, the index."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     experts = RoutedExperts(4, 40, 24, device=device)
     sizes = [4 * GEMV_MAX_ROWS_PER_EXPERT, 4 * GEMV_MAX_ROWS_PER_EXPERT + 1, 4 * TILED_MAX_ROWS_PER_EXPERT + 1]
     rows = [torch.empty(n, 40, device=device, dtype=torch.bfloat16) for n in sizes]
-    on_cuda = ["gemv", "tiled" if grouped_mm_supported(rows[0]) else "grouped_mm", "grouped_mm"]
-    assert [experts.dense_path(x) for x in rows] == (on_cuda if device == "cuda" else ["grouped_mm"] * 3)
-    # "auto" runs the tiled GEMM only where its tiles were measured (bf16, sm90+): float32 rows do not.
-    assert experts.dense_path(rows[1].float()) == "grouped_mm"
+    grouped = GROUPED_MM.supports(Conditions.of(rows[0], False, 1)) is None
+    torch_route = "grouped_mm" if grouped else "expert_loop"
+    on_cuda = ["gemv", "tiled" if grouped else torch_route, torch_route]
+    names = [experts.route(x).name for x in rows]
+    assert names == (on_cuda if device == "cuda" else ["grouped_mm"] * 3)
+    # "auto" runs the tiled GEMM only where its tiles were chosen (bf16, sm90+): float32 rows do not.
+    assert experts.route(rows[1].float()).name == ("expert_loop" if device == "cuda" else "grouped_mm")
     # Rows read through an index: the tiled GEMM above the GEMV's sizes, which torch._grouped_mm
     # could run only on a copy; the row count is the index's, not the buffer's.
-    indexed = [experts.dense_path(rows[0], num_rows=n, indexed=True) for n in sizes]
+    indexed = [experts.route(rows[0], num_rows=n, indexed=True).name for n in sizes]
     assert indexed == (["gemv", on_cuda[1], on_cuda[1]] if device == "cuda" else ["grouped_mm"] * 3)
-    assert [kernel_by_rows(r, indexed=True) for r in (1, 100, 10_000)] == ["gemv", "tiled", "tiled"]
-    assert kernel_by_rows(10_000) == "grouped_mm"
-    assert (kernel_by_rows(512), kernel_by_rows(513)) == ("tiled", "grouped_mm")
     experts.kernels = "triton"
-    assert [experts.dense_path(x) for x in rows] == ["gemv", "tiled", "tiled"]
+    assert [experts.route(x).name for x in rows] == ["gemv", "tiled", "tiled"]
     # Padding after the real rows: the rule counts the rows to expect, never more than are there.
-    assert experts.dense_path(rows[2], expected_rows=sizes[0]) == "gemv"
-    assert experts.dense_path(rows[0], expected_rows=10 * sizes[2]) == "gemv"
+    assert experts.route(rows[2], expected_rows=sizes[0]).name == "gemv"
+    assert experts.route(rows[0], expected_rows=10 * sizes[2]).name == "gemv"
     experts.kernels = "tiled"
-    assert experts.dense_path(rows[0]) == "tiled"
+    assert experts.route(rows[0]).name == "tiled"
     experts.kernels = "scaled_mm"
-    with pytest.raises(ValueError, match="for dense experts"):
-        experts.dense_path(rows[0])
-
-
-def test_routed_experts_without_triton_refuse_a_triton_kernel(monkeypatch):
-    import moe_sbo.experts.routed as experts_module
-
-    monkeypatch.setattr(experts_module, "gemv", None)
-    experts = RoutedExperts(4, 40, 24)
-    x = torch.empty(8, 40)
-    assert experts.dense_path(x) == "grouped_mm"  # "auto" falls back to torch
-    for kernels in ("triton", "gemv", "tiled"):
-        experts.kernels = kernels
-        with pytest.raises(RuntimeError, match="needs Triton"):
-            experts.dense_path(x)
+    with pytest.raises(ValueError, match="'scaled_mm' route for dense experts, which is for FP8 weights"):
+        experts.route(rows[0])
+    experts.kernels = "cuda"
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        experts.route(rows[0])
 
 
 def test_routed_experts_tiled_path_matches_per_token_reference():
@@ -241,7 +230,7 @@ def test_grouped_mm_on_gpu_matches_fallback_in_bf16():
         tiled = experts(x, counts)
         experts.kernels = "torch"
         fast = experts(x, counts)
-        experts.use_grouped_mm = False
+        experts.kernels = "expert_loop"
         slow = experts(x, counts)
     for got in (gemv, tiled, fast):
         rel = ((got.float() - slow.float()).norm() / slow.float().norm()).item()

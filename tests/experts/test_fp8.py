@@ -23,6 +23,8 @@ from moe_sbo.config import get_preset
 from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
 from moe_sbo.experts.fp8_torch import grouped_linear_fp8
 from moe_sbo.experts.routed import RoutedExperts
+from moe_sbo.experts.routes import FP8_SM90, FP8_TRITON, ExpertRows
+from moe_sbo.experts.select import Conditions
 from moe_sbo.layer import MoELayer
 from moe_sbo.quant import kernels as quant_kernels
 from moe_sbo.quant.fp8 import (
@@ -145,7 +147,8 @@ def test_the_sm90_kernel_is_not_chosen_off_hopper_and_refuses_clearly():
     """CPU tensors (and any GPU but sm90) keep the Triton kernel; a direct call says why it cannot run."""
     q, s = torch.zeros(600, 256, dtype=torch.float8_e4m3fn), torch.ones(600, 2)
     wq, ws = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2)
-    assert not fp8_gemm_sm90.supported(q, wq) and not fp8_gemm.use_sm90_kernel(q, wq)
+    assert not fp8_gemm_sm90.supported(q, wq)
+    assert "needs Triton's Gluon and an sm90 GPU" in FP8_SM90.supports(Conditions.of(q, True, 300))
     offsets = torch.tensor([300, 600], dtype=torch.int32)
     with pytest.raises(ValueError, match="needs Triton's Gluon, an sm90 GPU"):
         fp8_gemm_sm90.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
@@ -167,36 +170,30 @@ def test_sm90_kernel_takes_two_consumers_up_to_1024_rows_per_expert():
         assert config.consumers * 128 * config.consumer_regs + 32 * config.loader_regs <= 65536
 
 
-def test_sm90_kernel_runs_from_257_rows_per_expert_eagerly_and_from_128_captured(monkeypatch):
-    """``fp8_gemm.use_sm90_kernel`` by rows per expert (where the kernel runs: here pretended): eager
-    launches pay its descriptors and schedule launch on the host, so they take it only at prefill
-    sizes; a CUDA graph capture pays that once and takes it from 128 rows per expert."""
-    monkeypatch.setattr(fp8_gemm_sm90, "supported", lambda q, w: True)
-    w = torch.empty(4, 128, 128, dtype=torch.float8_e4m3fn)
-    for rows_per_expert, eager, captured in (
-        (127, False, False),
-        (128, False, True),
-        (256, False, True),
-        (257, True, True),
-    ):
-        q = torch.empty(4 * rows_per_expert, 128, dtype=torch.float8_e4m3fn)
-        assert fp8_gemm.use_sm90_kernel(q, w) is eager, rows_per_expert
-        assert fp8_gemm.use_sm90_kernel(q, w, capturing=True) is captured, rows_per_expert
-    # Rows handed over with padding (low_latency: P x C x K rows): chosen by the rows to expect.
-    q = torch.empty(4 * 1024, 128, dtype=torch.float8_e4m3fn)
-    assert not fp8_gemm.use_sm90_kernel(q, w, capturing=True, rows_per_expert=32)
-
-
 @interpreted
-def test_scales_are_quantised_k_major_only_where_the_sm90_kernel_runs(monkeypatch):
-    """``fp8_gemm.k_major_scales_wanted``: K-major scales at the sm90 kernel's sizes on a device it runs
-    on (it loads them so), row-major elsewhere (the Triton kernel's decode GEMMs were slower on them)."""
-    cpu = torch.device("cpu")
-    assert not fp8_gemm.k_major_scales_wanted(cpu, 4096)
-    monkeypatch.setattr(fp8_gemm_sm90, "device_supported", lambda device: True)
-    assert fp8_gemm.k_major_scales_wanted(cpu, fp8_gemm.LARGE_MIN_ROWS_PER_EXPERT + 1)
-    assert not fp8_gemm.k_major_scales_wanted(cpu, fp8_gemm.LARGE_MIN_ROWS_PER_EXPERT)
-    assert not fp8_gemm.k_major_scales_wanted(cpu, 16)
+def test_the_sm90_route_quantises_k_major_and_takes_the_triton_kernel_for_operands_it_cannot_address(monkeypatch):
+    """``fp8_sm90`` quantises the scales K-major (the sm90 kernel loads them so; ``fp8_triton`` keeps
+    them row-major) and, for operands ``fp8_gemm_sm90.supported`` refuses (here: CPU tensors), runs
+    the Triton kernel on them: the same outputs as ``fp8_triton``."""
+    generator = torch.Generator().manual_seed(8)
+    experts = RoutedExperts(2, 256, 128, fp8=True)
+    for local in range(2):
+        experts.set_expert(
+            local, torch.randn(256, 256, generator=generator), torch.randn(256, 128, generator=generator)
+        )
+    counts = torch.tensor([5, 3])
+    rows = ExpertRows(torch.randn(8, 256, generator=generator), counts.cumsum(0).to(torch.int32), counts, 4.0)
+    k_majors = []
+    quantize_rows = quant_kernels.quantize_rows
+    monkeypatch.setattr(
+        quant_kernels,
+        "quantize_rows",
+        lambda *a, k_major: k_majors.append(k_major) or quantize_rows(*a, k_major=k_major),
+    )
+    with torch.no_grad():
+        sm90, triton = FP8_SM90.run(experts, rows), FP8_TRITON.run(experts, rows)
+    assert k_majors == [True, False]
+    torch.testing.assert_close(sm90, triton, rtol=0, atol=0)
 
 
 def test_fp8_experts_choose_their_gemms_by_the_rows_to_expect(monkeypatch):
@@ -411,5 +408,5 @@ def test_bad_fp8_input_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="need both gate_up_proj_scale_inv and down_proj_scale_inv"):
         fp8.load_weights(type(weights)(**{**vars(weights), "down_proj_scale_inv": None}))
     fp8.experts.kernels = "scaled_mm"
-    with pytest.raises(RuntimeError, match="needs an sm90 CUDA device"):
+    with pytest.raises(ValueError, match="needs an sm90 CUDA device"):
         fp8(torch.zeros(2, 256))

@@ -5,6 +5,7 @@ experts; skipped without CUDA (``bash benchmarks/run_gpu_fp8.sh`` runs them)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from moe_sbo.config import get_preset
 from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
 from moe_sbo.experts.fp8_torch import grouped_linear_fp8, grouped_scaled_mm
 from moe_sbo.experts.routed import RoutedExperts
+from moe_sbo.experts.routes import FP8_SM90, FP8_TRITON, ExpertRows
+from moe_sbo.experts.select import Conditions, choose
 from moe_sbo.layer import MoELayer
 from moe_sbo.quant import kernels as quant_kernels
 from moe_sbo.quant.fp8 import dequantize_fp8, empty_k_major_scales, quantize_fp8, quantize_fp8_blocks
@@ -143,30 +146,35 @@ def test_warp_specialized_gemm_matches_torch_reference(config):
 
 @sm90
 def test_prefill_sizes_run_the_warp_specialized_kernel(monkeypatch):
-    """``fp8_gemm.grouped_gemm`` without a config: the sm90 kernel above 256 rows per expert, the Triton
-    kernel from there down (eagerly); captured into a CUDA graph, the sm90 kernel from 128; a config
-    always runs the Triton kernel."""
+    """FP8 experts choose ``fp8_sm90`` above 256 rows per expert and ``fp8_triton`` from there down
+    (eagerly); captured into a CUDA graph, ``fp8_sm90`` from 128. ``fp8_sm90``'s GEMM runs the sm90
+    kernel, ``fp8_triton``'s (``fp8_gemm.grouped_gemm``) never does."""
     calls = []
     sm90_gemm = fp8_gemm_sm90.grouped_gemm
     monkeypatch.setattr(fp8_gemm_sm90, "grouped_gemm", lambda *args: calls.append(1) or sm90_gemm(*args))
     generator = torch.Generator(device="cuda").manual_seed(4)
     wq, ws = quantize_fp8_blocks(torch.randn(4, 512, 1024, generator=generator, device="cuda") * 1024**-0.5)
-    for rows_per_expert, sm90_expected in ((257, True), (256, False)):
-        _, offsets = _counts("cuda", *[rows_per_expert] * 4)
+    weights = types.SimpleNamespace(dtype=torch.float32)
+    for rows_per_expert, expected in ((257, FP8_SM90), (256, FP8_TRITON)):
+        counts, offsets = _counts("cuda", *[rows_per_expert] * 4)
         q, s = quantize_fp8(torch.randn(4 * rows_per_expert, 1024, generator=generator, device="cuda"))
-        assert fp8_gemm.use_sm90_kernel(q, wq) is sm90_expected
+        assert choose(Conditions.of(q, True, rows_per_expert), "auto") is expected
+        rows = ExpertRows(q, offsets, counts, rows_per_expert)
         calls.clear()
-        got = fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
-        assert len(calls) == sm90_expected
+        got = expected.gemm(q, s, wq, ws, weights, rows)
+        assert len(calls) == (expected is FP8_SM90)
         assert _rel(got, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 1e-3
         calls.clear()
-        fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32, fp8_gemm.LARGE_CONFIG)
+        fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32)
         assert not calls
     # Captured into a CUDA graph, from 128 rows per expert; the replay equals the reference.
-    _, offsets = _counts("cuda", *[128] * 4)
+    counts, offsets = _counts("cuda", *[128] * 4)
     q, s = quantize_fp8(torch.randn(4 * 128, 1024, generator=generator, device="cuda"))
+    captured = dataclasses.replace(Conditions.of(q, True, 128), capture=True)
+    assert choose(captured, "auto") is FP8_SM90 and choose(Conditions.of(q, True, 128), "auto") is FP8_TRITON
+    rows = ExpertRows(q, offsets, counts, 128.0)
     calls.clear()
-    graph, static = capture_graph(lambda: fp8_gemm.grouped_gemm(q, s, wq, ws, offsets, torch.float32))
+    graph, static = capture_graph(lambda: FP8_SM90.gemm(q, s, wq, ws, weights, rows))
     assert calls  # the capture ran the sm90 kernel
     graph.replay()
     assert _rel(static, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 1e-3
@@ -204,8 +212,8 @@ def test_eager_prefill_runs_cublas_only_where_the_sm90_kernel_does_not():
         experts.set_expert(e, torch.randn(1024, 1024, device="cuda") / 32, torch.randn(1024, 512, device="cuda") / 23)
     counts = torch.tensor([2500, 1800, 2201, 1700], device="cuda")  # >= 2048 rows per expert on average
     x = torch.randn(int(counts.sum()), 1024, device="cuda").bfloat16()
-    expected = "triton" if fp8_gemm_sm90.device_supported(x.device) else "scaled_mm"
-    assert experts.fp8_path(x.device, x.shape[0]) == expected
+    expected = "fp8_sm90" if fp8_gemm_sm90.device_supported(x.device) else "scaled_mm"
+    assert experts.route(x).name == expected
     with torch.no_grad():
         eager = experts(x, counts)
         graph, static_y = capture_graph(lambda: experts(x, counts))  # capture: the device-count kernels

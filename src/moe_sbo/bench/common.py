@@ -187,7 +187,7 @@ def floor_and_wire(
     """The compute floor (router, routed experts on one dispatch's rows of ``topk``, shared experts,
     each alone) and, with peers, raw ``all_to_all_single`` of each phase's bytes: one rank's share of
     a row; and for dense experts ``expert_path``, the routed experts' GEMMs for those rows
-    (``RoutedExperts.dense_path``)."""
+    (``RoutedExperts.dispatched_route``)."""
     device = x_TH.device
     graph = device.type == "cuda"  # the parts' own GPU time, without launch gaps
     recv = layer.dispatcher.dispatch(x_TH, topk.topk_ids_TK, topk.topk_weights_TK)
@@ -203,7 +203,7 @@ def floor_and_wire(
     }
     layer.dispatcher.combine(routed(), recv.handle)  # close the round it opened
     if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for eager and replay
-        out["expert_path"] = layer.experts.dispatched_path(recv)
+        out["expert_path"] = layer.experts.dispatched_route(recv).name
     traffic = layer.dispatcher.last_traffic
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

@@ -11,26 +11,19 @@ One FP8 expert MLP is four launches::
     silu_mul_quantize   silu(gate) * up -> e4m3 [R, I] and scales [R, I/128] (``quant.kernels``)
     grouped_gemm        down: [R, I] x [L, H, I]^T -> [R, H]
 
-This is the Triton implementation (counts on the device, no host sync, CUDA-graph capturable); at
-prefill sizes on Hopper ``grouped_gemm`` hands the same call to ``fp8_gemm_sm90.py``, a
-warp-specialised Gluon kernel 22-37 % faster from 1024 rows per expert (``use_sm90_kernel`` says
-when). ``fp8_torch.py`` holds the same contract in torch: cuBLAS's block-wise ``torch._scaled_mm``
-per expert (sm90, counts on the host) and the float32 reference that CPU ranks run.
+This is the Triton implementation (counts on the device, no host sync, CUDA-graph capturable). The
+other implementations of the same contract: ``fp8_gemm_sm90.py``, a warp-specialised Gluon kernel for
+Hopper at prefill sizes, and ``fp8_torch.py``, cuBLAS's block-wise ``torch._scaled_mm`` per expert
+(sm90, counts on the host) and the float32 reference that CPU ranks run. Which one runs is
+``experts.select``'s rule.
 
 The hard part is the schedule without a host sync: device row offsets, a grid sized for the worst
-case, each program finding its expert and tile by a prefix sum (``tiled_gemm.expert_tile``, shared
-with the dense experts' tiled GEMM). Each K step of 128 values multiplies e4m3 tiles on the tensor
-cores (exact float32 products) and scales the partial sum by the row's activation scale and the
-column block's weight scale, as DeepGEMM and vLLM's ``fused_moe`` do. From 128 rows per expert the
-operand tiles come by the tensor memory accelerator (``GemmConfig.tma``: host-side descriptors over
-the rows and over the weights as ``[L * N, K]``): 6-12 % faster than per-thread loads on H200
-(``gemm_config`` says where).
-
-What did not pay, measured on H200 with Triton 3.6 (docs/FP8.md, "Kernel choices"): Triton's warp
-specialisation of the K loop (it compiled only for two-warp-group tiles, and gained 0-4 % there), a
-persistent grid (-19 to +1 %), and SwiGLU with its quantisation in gate_up's epilogue (two
-accumulators: as fast as the separate ``silu_mul_quantize`` launch without descriptors, 30-40 %
-slower with them).
+case, each program finding its expert and tile by a prefix sum (``tiles.expert_tile``, shared with
+the dense experts' tiled GEMM). Each K step of 128 values multiplies e4m3 tiles on the tensor cores
+(exact float32 products) and scales the partial sum by the row's activation scale and the column
+block's weight scale, as DeepGEMM and vLLM's ``fused_moe`` do. Operand tiles come by the tensor
+memory accelerator (``GemmConfig.tma``: host-side descriptors over the rows and over the weights as
+``[L * N, K]``) where ``gemm_config`` says.
 """
 
 from __future__ import annotations
@@ -43,58 +36,21 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quant.fp8 import FP8_BLOCK, FP8_GROUP
-from . import fp8_gemm_sm90
-from .tiled_gemm import GemmConfig, expert_tile, max_tiles, tma_ready
+from .tiles import GemmConfig, expert_tile, max_tiles, tma_ready
 
 GROUP_V = tl.constexpr(FP8_GROUP)
 
 
-# Measured on H200 (``bench_fp8_experts.py --sweep-only``, DeepSeek-V3 dims, docs/FP8.md): 64 x 128 tiles
-# with one warp group win up to 256 rows per expert (weight-read bound, then one weight scale per step
-# keeps the scaling cheap); from there 128 x 128 tiles with two warp groups and four stages. Descriptor
-# loads were 6-12 % faster on the GPU from 128 rows per expert, but Triton encodes the descriptors on
-# the host at each launch, and eager forwards with few rows are bound by host time already (8 experts
-# x 64-128 rows: 2.5-2.7x their replay). So below LARGE_CONFIG they are used only where that cost is
-# paid once, in a CUDA graph capture.
+# Tiles (``bench_fp8_experts.py --sweep-only`` chose them; docs/FP8.md): 64 x 128 tiles with one warp
+# group up to LARGE_MIN_ROWS_PER_EXPERT rows per expert (weight-read bound, and one weight scale per K
+# step keeps the scaling cheap), 128 x 128 tiles with two warp groups and four stages above. Descriptor
+# loads from TMA_MIN_ROWS_PER_EXPERT, but Triton encodes the descriptors on the host at each launch, so
+# below LARGE_CONFIG they are used only where that cost is paid once, in a CUDA graph capture.
 DECODE_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True)
 GEMM_CONFIGS = (DECODE_CONFIG, dataclasses.replace(DECODE_CONFIG, tma=True), LARGE_CONFIG)
 TMA_MIN_ROWS_PER_EXPERT = 128
-LARGE_MIN_ROWS_PER_EXPERT = 256  # above: LARGE_CONFIG, or the sm90 kernel where it runs
-# Under CUDA-graph capture the sm90 kernel from here (its descriptors and schedule launch cost the host,
-# as descriptor loads do, so eagerly it waits for LARGE_MIN_ROWS_PER_EXPERT): replayed on H200, 8-32
-# experts x 128-256 rows, 8-13 % faster than the best Triton tiles on gate_up and 8-22 % on down
-# (docs/BENCHMARKS.md).
-SM90_CAPTURED_MIN_ROWS_PER_EXPERT = 128
-
-
-def use_sm90_kernel(
-    q_RK: torch.Tensor, w_LNK: torch.Tensor, capturing: bool = False, rows_per_expert: float | None = None
-) -> bool:
-    """Whether ``grouped_gemm`` without a ``config`` runs ``fp8_gemm_sm90``'s warp-specialised kernel
-    for these operands: prefill sizes (more than ``LARGE_MIN_ROWS_PER_EXPERT`` rows per expert on
-    average; from ``SM90_CAPTURED_MIN_ROWS_PER_EXPERT`` when ``capturing`` a CUDA graph) where that
-    kernel runs (sm90, Gluon; ``fp8_gemm_sm90.supported``). ``rows_per_expert``: the rows to expect
-    per expert (default R / L; ``grouped_gemm``'s)."""
-    if rows_per_expert is None:
-        rows_per_expert = q_RK.shape[0] / w_LNK.shape[0]
-    return sm90_sizes(rows_per_expert, capturing) and fp8_gemm_sm90.supported(q_RK, w_LNK)
-
-
-def sm90_sizes(rows_per_expert: float, capturing: bool) -> bool:
-    """Whether ``rows_per_expert`` rows per expert are the sm90 kernel's sizes (``use_sm90_kernel``)."""
-    return rows_per_expert > LARGE_MIN_ROWS_PER_EXPERT or (
-        capturing and rows_per_expert >= SM90_CAPTURED_MIN_ROWS_PER_EXPERT
-    )
-
-
-def k_major_scales_wanted(device: torch.device, rows_per_expert: float) -> bool:
-    """Whether the MLP's quantisers should write the activation scales K-major
-    (``quant.fp8.empty_k_major_scales``) for a forward of ``rows_per_expert`` rows per expert: where
-    ``grouped_gemm`` runs the sm90 kernel, which loads them so (others it copies first). The Triton
-    kernel reads either layout; at decode sizes the MLP ran 7-10 % slower on K-major scales (H200)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return fp8_gemm_sm90.device_supported(device) and sm90_sizes(rows_per_expert, capturing)
+LARGE_MIN_ROWS_PER_EXPERT = 256
 
 
 def gemm_config(rows_per_expert: float, capturing: bool = False) -> GemmConfig:
@@ -190,13 +146,11 @@ def grouped_gemm(
     ``w_LNK[l]`` transposed (block scales ``[L, N/128, K/128]``) -> ``[R, N]`` in ``out_dtype``.
 
     ``offsets_L``: int32 cumulative row counts on the device; rows past ``offsets_L[-1]`` are left
-    unwritten. K must be a multiple of 128. Without ``config``: ``fp8_gemm_sm90``'s kernel where
-    ``use_sm90_kernel`` says (by rows per expert, and whether a CUDA graph is being captured), else
-    this Triton kernel with ``gemm_config(R / L, capturing a CUDA graph)``; a ``config`` always runs
-    the Triton kernel, its ``tma`` where a descriptor can address the tensor (``tiled_gemm.tma_ready``).
-    ``rows_per_expert`` (default R / L): the rows per expert the kernel and tiles are chosen for, the
-    real rows to expect where padding follows them (``low_latency`` hands over P x C x K rows, C x K of
-    them real on average), as the dense experts choose theirs; the grid still covers all R rows.
+    unwritten. K must be a multiple of 128. ``config`` defaults to ``gemm_config(rows_per_expert,
+    capturing a CUDA graph)``; its ``tma`` applies where a descriptor can address the tensor
+    (``tiles.tma_ready``). ``rows_per_expert`` (default R / L): the rows per expert the tiles are
+    chosen for, the real rows to expect where padding follows them (``low_latency`` hands over
+    P x C x K rows, C x K of them real on average); the grid still covers all R rows.
     """
     num_rows, k = q_RK.shape
     num_experts, n, _ = w_LNK.shape
@@ -207,9 +161,6 @@ def grouped_gemm(
     capturing = q_RK.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if rows_per_expert is None:
         rows_per_expert = num_rows / num_experts
-    if config is None and use_sm90_kernel(q_RK, w_LNK, capturing, rows_per_expert):
-        sm90_config = fp8_gemm_sm90.config_for(rows_per_expert)
-        return fp8_gemm_sm90.grouped_gemm(q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, offsets_L, out_dtype, sm90_config)
     out_RN = torch.empty(num_rows, n, dtype=out_dtype, device=q_RK.device)
     if num_rows == 0:
         return out_RN

@@ -1,7 +1,8 @@
 """The block-scaled FP8 grouped GEMM for Hopper (sm90) at prefill sizes, warp-specialised in Gluon
 (Triton's lower-level language): ``fp8_gemm.grouped_gemm``'s contract (e4m3 rows grouped by expert,
 1x128 activation scales, 128x128 weight block scales, counts on the device, no host sync, CUDA-graph
-capturable), which ``fp8_gemm`` hands to this kernel where ``supported`` says it runs.
+capturable). ``experts.select`` runs it at prefill sizes where ``device_supported`` says it runs;
+the route falls back to ``fp8_gemm`` for operands ``supported`` refuses.
 
 Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction features, L the experts.
 
@@ -24,8 +25,8 @@ DeepGEMM::
 
 The activation scales come by TMA with the operands, as DeepGEMM's do, so they need the K-major
 layout (``quant.fp8.k_major_scales``: one step's scales of consecutive rows contiguous; the MLP's
-quantisers write them so). Read from global memory by the consumers instead, each step waited for
-them: without those loads the kernel ran 9-20 % faster (H200, docs/FP8.md).
+quantisers write them so): read from global memory by the consumers instead, each step would wait
+for them.
 
 With three consumers (a 192 x 128 tile) the tensor cores always have another warp group's MMA queued
 while one promotes; up to 1024 rows per expert two (128-row tiles, which pad less of each expert:
@@ -34,12 +35,8 @@ steps per turn of its loop, two products in flight), so its own MMA fills the ga
 rebalanced between the partitions (``setmaxnreg``): 160 for each of three consumers (the accumulator
 and one product, 64 each) and 24 for the loader; 232 for each of two (two products) and 40.
 The program is persistent (one per SM, looping over tiles): the loader runs ahead into the next
-tile while the consumers store this one.
-
-Measured on H200 at DeepSeek-V3's expert dims, 8 experts, CUDA-graph replay, in one run (docs/FP8.md,
-"Kernel choices"): gate_up 1,111-1,127 TFLOP/s and down 1,025-1,033 at 2048-4096 rows per expert,
-1,096 and 941 at 1024, against the Triton kernel's 823-830 and 736-749 and cuBLAS's row-wise FP8 rate
-on the same shapes of 1,186-1,210 and 1,022-1,045.
+tile while the consumers store this one. Its rates against the Triton kernel and cuBLAS are in
+docs/FP8.md.
 
 The schedule (``tile_schedule``, Triton) writes each tile's (expert, first row, row end, column
 tile, the expert's first row) from the device offsets, live tiles first, first rows on multiples of
@@ -58,7 +55,7 @@ import triton.language as tl
 
 from ..quant.fp8 import FP8_BLOCK, K_MAJOR_ROW_ALIGN, k_major_scales
 from ..streams import compute_capability, sm_count
-from .tiled_gemm import expert_tile_bounds, max_row_tiles, tma_ready
+from .tiles import expert_tile_bounds, max_row_tiles, tma_ready
 
 try:  # Gluon ships with Triton >= 3.5; some names moved between releases
     from triton.experimental import gluon
@@ -109,11 +106,9 @@ class WarpSpecializedConfig:
 
 
 DEFAULT_CONFIG = WarpSpecializedConfig()
-# Two consumer warp groups (128-row tiles) up to this many rows per expert, four K steps per turn
-# (each step's MMA issued before the previous product is promoted) and five stages. H200, one run,
-# gate_up / down TFLOP/s, 8 experts: at 1024 rows per expert 1,096 / 941 against 1,002 / 908 with one
-# step per turn and 1,029 / 917 with three consumers (192-row tiles pad more of each expert); at 256,
-# 975 / 851 against 869 / 792; from 2048 three consumers win (1,111 / 1,025 against 1,104 / 967).
+# Two consumer warp groups (128-row tiles, which pad less of each expert than 192-row ones) up to this
+# many rows per expert, four K steps per turn (each step's MMA issued before the previous product is
+# promoted) and five stages; three consumers above (``bench_fp8_experts.py`` chose the bound).
 TWO_CONSUMERS_MAX_ROWS_PER_EXPERT = 1024
 TWO_CONSUMERS_CONFIG = dataclasses.replace(
     DEFAULT_CONFIG, consumers=2, stages=5, consumer_regs=232, loader_regs=40, k_unroll=4
@@ -338,7 +333,7 @@ if gluon is not None:
                                    1, STAGES, CONSUMERS, INDEX)  # fmt: skip
                 # The tile leaves through shared memory (the compiler's layout conversion) in 16 bytes
                 # per thread, whole 128-byte lines per store: the MMA layout's own pieces are 4 bytes,
-                # and storing from it was 4-22 % slower (H200, docs/FP8.md).
+                # and storing from it is slower.
                 value = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), STORE)
                 rows_S = row0 + INDEX * ROWS_C + gl.arange(0, ROWS_C, layout=gl.SliceLayout(1, STORE))
                 cols_S = pid_n * BLOCK_N_C + gl.arange(0, BLOCK_N_C, layout=gl.SliceLayout(0, STORE))

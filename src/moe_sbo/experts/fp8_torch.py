@@ -10,8 +10,6 @@ The hard part is cuBLAS's row alignment: it takes row counts in multiples of 4 a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..quant.fp8 import dequantize_fp8, dequantize_fp8_blocks
@@ -46,13 +44,6 @@ def grouped_linear_fp8(
 SCALED_MM_ROW_ALIGN = 4  # cuBLAS's block-wise FP8 GEMM refuses row counts that are not multiples of 4
 
 
-@functools.cache  # asked on every FP8 forward: the device query once per device
-def scaled_mm_blockwise_supported(device: torch.device) -> bool:
-    """Whether ``torch._scaled_mm`` runs DeepSeek's block-wise recipe (1x128 activations, 128x128
-    weights) here: cuBLAS implements it for sm90 (Hopper) only."""
-    return device.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) == (9, 0)
-
-
 def grouped_scaled_mm(
     q_RK: torch.Tensor,
     scales_RQ: torch.Tensor,
@@ -64,9 +55,8 @@ def grouped_scaled_mm(
     """``grouped_linear_fp8`` by cuBLAS: one block-scaled ``torch._scaled_mm`` per expert (sm90).
 
     ``counts``: each expert's rows, on the host (so the caller has read them from the device once);
-    ``q_RK`` needs at least 4 rows.
-    At prefill sizes cuBLAS's FP8 kernels outrun the Triton grouped GEMM (1000+ TFLOP/s on H200);
-    each call costs host time, so with few rows per expert the Triton kernel wins.
+    ``q_RK`` needs at least 4 rows. Each call costs host time, so ``experts.select`` runs this
+    route only eagerly and from ``SCALED_MM_MIN_ROWS_PER_EXPERT`` rows per expert.
     """
     num_rows = q_RK.shape[0]
     if num_rows < SCALED_MM_ROW_ALIGN:

@@ -4,14 +4,14 @@ the memory's speed, and an expert with no rows is not read at all.
 Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction features, L the experts.
 
 At decode a rank's routed experts see a handful of rows each (8 tokens x top-8 over 32 experts: about
-two), so their GEMMs are weight reads: DeepSeek-V3's 16 experts per GPU at EP2 are 1.4 GB per layer,
-0.3 ms at the H200's 4.8 TB/s. ``torch._grouped_mm``, built for row tiles of 64-128, took 1.6-1.9x
-that read at 8-128 rows on H200 (docs/BENCHMARKS.md). Here one program owns an expert and ``BLOCK_N`` output
-columns: it reads the expert's row range from the device offsets (no host sync, so a CUDA graph
-captured at one R replays for any routing), returns at once for an empty expert, and otherwise
-streams its [BLOCK_N, K] weight slice once through ``tl.dot`` with all of the expert's rows (in
-blocks of ``BLOCK_M``; past the first block the slice is read again, so this kernel is for small R:
-``experts.GEMV_MAX_ROWS_PER_EXPERT``). float32 accumulation, the activation dtype out, as ``torch._grouped_mm``.
+two), so their GEMMs are weight reads, and ``torch._grouped_mm``, built for row tiles of 64-128, takes
+longer than the weight read there (docs/BENCHMARKS.md, "Dense routed experts"). Here one program owns an
+expert and ``BLOCK_N`` output columns: it reads the expert's row range from the device offsets (no
+host sync, so a CUDA graph captured at one R replays for any routing), returns at once for an empty
+expert, and otherwise streams its [BLOCK_N, K] weight slice once through ``tl.dot`` with all of the
+expert's rows (in blocks of ``BLOCK_M``; past the first block the slice is read again, so this kernel
+is for small R: ``experts.select.GEMV_MAX_ROWS_PER_EXPERT``). float32 accumulation, the activation
+dtype out, as ``torch._grouped_mm``.
 Runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests hold it to a per-token reference).
 """
 

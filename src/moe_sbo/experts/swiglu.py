@@ -2,13 +2,10 @@
 
 Legend: see ``moe_sbo/__init__.py``.
 
-torch computes it as two launches (``F.silu(gate)``, then the product), each a pass over memory: at
-DeepSeek-V3's dims and 4096 tokens per layer (32 experts at EP1, 32,768 expert rows) those two took
-418 µs of the dense routed experts' forward on H200, where one fused pass reads the gate and up
-halves once and writes the result once. Measured in one call on H200, it made the bf16 routed MLP
-3-6 % faster and the bf16 layer at 4096 tokens 3 % (docs/BENCHMARKS.md). The kernel computes in float32 and
-rounds once; torch rounds silu's output and then the product, so the two differ by at most a unit
-in the last place of the output dtype.
+torch computes it as two launches (``F.silu(gate)``, then the product), each a pass over memory; one
+fused pass reads the gate and up halves once and writes the result once (its gain on the routed MLP
+is in docs/BENCHMARKS.md). The kernel computes in float32 and rounds once; torch rounds silu's output
+and then the product, so the two differ by at most a unit in the last place of the output dtype.
 
 Each program computes ``BLOCK_I`` outputs of one row; rows at or past ``offsets_L[-1]`` (padding
 behind the experts' rows) are neither read nor written, so a CUDA graph captured at one R replays

@@ -1,25 +1,15 @@
-"""A Triton tiled grouped GEMM for dense (bf16) routed experts, and the tile schedule it shares with
-``fp8_gemm.py``'s FP8 grouped GEMM.
+"""A Triton tiled grouped GEMM for dense (bf16) routed experts: row tiles of 64 or 128 rows, each
+weight tile read once per row tile.
 
 Legend: see ``moe_sbo/__init__.py``; N and K are a GEMM's output and reduction features, L the experts.
 
-Between decode (``gemv.py``: a few rows per expert, one weight read) and prefill
-(``torch._grouped_mm``: thousands of rows per expert, FLOP-bound) lie the batches whose experts see
-tens to hundreds of rows each. There ``torch._grouped_mm`` ran 1.4-2.6x its floor (the weight read or
-the FLOPs, whichever takes longer) on H200 at 16-128 rows per expert, and this kernel, whose row
-tiles of 64 or 128 rows read each weight tile once per tile, 1.04-1.8x, 1.06-1.45x faster
-(docs/BENCHMARKS.md, "Dense experts"); ``experts.RoutedExperts`` picks between the three by rows.
-
-The hard part is the schedule without a host sync (``expert_tile``): the row counts per expert live
-on the device (``offsets_L``: int32 cumulative ends, as ``torch._grouped_mm`` takes them). The grid is
-sized for the worst case (ceil(R / BLOCK_M) + L row tiles, times the column tiles); each program
-reads the L offsets, finds its expert and tile by a prefix sum over the experts' tile counts, and
-programs past the last tile return at once. So a launch depends only on R, and a CUDA graph captured
-at one R replays for any routing. Tiles inside an expert are swizzled in groups of ``GROUP_M`` row
-tiles so neighbouring programs share weight tiles in L2. From 256 rows per expert the weight tiles
-(and contiguous row tiles) come through tensor descriptors (``GemmConfig.tma``), which brings the
-kernel level with ``torch._grouped_mm`` at prefill sizes; the descriptors are encoded on the host per
-launch, so smaller batches, which gain nothing from them, keep per-thread loads.
+It serves the batches between decode (``gemv.py``: a few rows per expert, one weight read) and
+prefill (``torch._grouped_mm``: thousands of rows per expert, FLOP-bound), whose experts see tens to
+hundreds of rows each; ``experts.select`` holds the rule (``TILED_MAX_ROWS_PER_EXPERT``). Its tiles
+come from ``tiles.py``'s schedule (no host sync: a CUDA graph captured at one R replays for any
+routing). From ``TMA_MIN_ROWS_PER_EXPERT`` rows per expert the weight tiles (and contiguous row tiles)
+come through tensor descriptors (``GemmConfig.tma``); the descriptors are encoded on the host per
+launch, so smaller batches keep per-thread loads.
 
 ``rows_R`` (optional) makes the GEMM read its A rows through an index: row r of the product is
 ``x[rows_R[r]]`` times its expert's weights, so rows grouped by expert need not be copied out of a
@@ -32,94 +22,13 @@ tests hold them to a per-row reference there.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..streams import compute_capability
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile sizes and pipelining of one grouped GEMM launch (the FP8 kernel's BLOCK_K is always 128,
-    its scale block). ``tma``: the dense kernel loads its weight tiles, and its row tiles when the
-    rows are contiguous (no ``rows_R``), with the tensor memory accelerator (host-side tensor
-    descriptors; Hopper and later, or Triton's interpreter) instead of per-thread loads."""
-
-    block_m: int
-    block_n: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    block_k: int = 128
-    tma: bool = False
-
-
-@triton.jit
-def expert_tile_bounds(
-    pid,
-    offsets_ptr,
-    NUM_EXPERTS: tl.constexpr,
-    E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    NUM_N,
-    GROUP_M,
-    ALIGN: tl.constexpr,
-):
-    """Program ``pid``'s tile -> (live, expert, first row, row end, pid_n): ``live`` is false past the
-    last tile (every live tile comes before every dead one); the tile is rows [first row, row end) of
-    ``expert`` (at most BLOCK_M, any size) times columns ``pid_n * BLOCK_N`` on. ``ALIGN``: each
-    expert's tiles start at its first row rounded down to a multiple of ALIGN, so its first tile may
-    begin with up to ALIGN - 1 rows of the expert before (the caller leaves them out: they are another
-    expert's rows); every first row is then a multiple of ALIGN (BLOCK_M is)."""
-    offs_e = tl.arange(0, E_P2)
-    ends_E = tl.load(offsets_ptr + offs_e, mask=offs_e < NUM_EXPERTS, other=0)
-    real_starts_E = tl.load(offsets_ptr + offs_e - 1, mask=(offs_e > 0) & (offs_e < NUM_EXPERTS), other=0)
-    starts_E = real_starts_E - real_starts_E % ALIGN
-    m_tiles_E = tl.where(ends_E > real_starts_E, tl.cdiv(ends_E - starts_E, BLOCK_M), 0)
-    tiles_E = m_tiles_E * NUM_N
-    tiles_end_E = tl.cumsum(tiles_E, axis=0)
-    live = pid < tl.sum(tiles_E)
-    expert = tl.sum((tiles_end_E <= pid).to(tl.int32))
-    mine_E = offs_e == expert
-    t = pid - tl.sum(tl.where(mine_E, tiles_end_E - tiles_E, 0))
-    row_start = tl.sum(tl.where(mine_E, starts_E, 0))
-    row_end = tl.sum(tl.where(mine_E, ends_E, 0))
-    m_tiles = tl.sum(tl.where(mine_E, m_tiles_E, 0))
-    # GROUP_M row tiles sweep the columns together, so their weight tiles are read once into L2.
-    width = GROUP_M * NUM_N
-    first_m = (t // width) * GROUP_M
-    group_size = tl.maximum(tl.minimum(m_tiles - first_m, GROUP_M), 1)  # >= 1: dead programs divide too
-    pid_m = first_m + (t % width) % group_size
-    pid_n = (t % width) // group_size
-    first_row = row_start + pid_m * BLOCK_M
-    return live, expert, first_row, tl.minimum(first_row + BLOCK_M, row_end), pid_n
-
-
-@triton.jit
-def expert_tile(pid, offsets_ptr, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_N, GROUP_M):
-    """Program ``pid``'s tile -> (live, expert, rows_M, row_mask_M, pid_n): ``live`` is false past the
-    last tile (the caller returns); the tile is rows ``rows_M`` (those under ``row_mask_M`` belong to
-    ``expert``) times columns ``pid_n * BLOCK_N`` on."""
-    live, expert, first_row, row_end, pid_n = expert_tile_bounds(
-        pid, offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M, NUM_N, GROUP_M, 1
-    )
-    rows_M = first_row + tl.arange(0, BLOCK_M)
-    return live, expert, rows_M, rows_M < row_end, pid_n
-
-
-def max_tiles(num_rows: int, num_experts: int, n: int, config: GemmConfig) -> int:
-    """The grid of a grouped GEMM over ``num_rows`` rows: every expert's last row tile may be partial."""
-    return max_row_tiles(num_rows, num_experts, config.block_m) * triton.cdiv(n, config.block_n)
-
-
-def max_row_tiles(num_rows: int, num_experts: int, block_m: int, align: int = 1) -> int:
-    """The most row tiles ``expert_tile_bounds`` makes of ``num_rows`` rows in ``num_experts`` experts:
-    one partial tile per expert, and with ``align`` up to ``align - 1`` rows more before each expert's."""
-    return triton.cdiv(num_rows + (align - 1) * num_experts, block_m) + num_experts
+from .tiles import GemmConfig, expert_tile, max_tiles, tma_ready
 
 
 @triton.jit
@@ -186,11 +95,10 @@ def _grouped_gemm_kernel(
     tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# Tile configs chosen by ``benchmarks/bench_gemv.py --sweep`` on H200 (docs/BENCHMARKS.md, "Dense routed
+# Tile configs (``benchmarks/bench_gemv.py --sweep`` chose them; docs/BENCHMARKS.md, "Dense routed
 # experts"): 64 x 128 tiles with one warp group up to 64 rows per expert, 128 x 256 tiles with two warp
-# groups from 128. Descriptor loads pay only from TMA_MIN_ROWS_PER_EXPERT: below it they gain nothing
-# on the GPU and their per-launch host cost would show in eager forwards. One program per tile: a
-# persistent grid measured no faster.
+# groups above. Descriptor loads from TMA_MIN_ROWS_PER_EXPERT: below it they gain nothing on the GPU
+# and their per-launch host cost would show in eager forwards. One program per tile.
 SMALL_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, block_k=64)
 LARGE_CONFIG = GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=4, block_k=64)
 TMA_MIN_ROWS_PER_EXPERT = 256
@@ -205,16 +113,6 @@ def dense_config(rows_per_expert: float, element_size: int = 2) -> GemmConfig:
     if rows_per_expert >= TMA_MIN_ROWS_PER_EXPERT:
         config = dataclasses.replace(config, tma=True)
     return config if element_size <= 2 else dataclasses.replace(config, num_stages=2)
-
-
-def tma_ready(t: torch.Tensor) -> bool:
-    """Whether a descriptor can address ``t`` (a tensor-memory-accelerator tile load): 16-byte aligned
-    base and strides (the last dimension contiguous), on a Hopper-or-later GPU or in Triton's
-    interpreter (CPU tensors)."""
-    if t.device.type == "cuda" and compute_capability(t.device) < (9, 0):
-        return False
-    size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
 
 
 def grouped_gemm(
