@@ -170,7 +170,7 @@ def test_prefill_sizes_run_the_warp_specialized_kernel(monkeypatch):
     # Captured into a CUDA graph, from 128 rows per expert; the replay equals the reference.
     counts, offsets = _counts("cuda", *[128] * 4)
     q, s = quantize_fp8(torch.randn(4 * 128, 1024, generator=generator, device="cuda"))
-    captured = dataclasses.replace(Conditions.of(q, True, 128), capture=True)
+    captured = Conditions.of(q, True, 128)._replace(capture=True)
     assert choose(captured, "auto") is FP8_SM90 and choose(Conditions.of(q, True, 128), "auto") is FP8_TRITON
     rows = ExpertRows(q, offsets, counts, 128.0)
     calls.clear()

@@ -4,8 +4,6 @@ capture, index; Triton, its interpreter and Gluon present or not), so nothing he
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -148,7 +146,7 @@ def test_each_route_says_why_it_cannot_run():
         (TILED, cuda(fp8=True)): "is for dense (not FP8) weights",
         (GROUPED_MM, cuda(dtype=F32)): "runs on CUDA for bf16 on sm90 or newer, got torch.float32 on sm90",
         (GROUPED_MM, cuda(capability=A100)): "runs on CUDA for bf16 on sm90 or newer, got torch.bfloat16 on sm80",
-        (GROUPED_MM, dataclasses.replace(cpu(), device_type="mps")): "runs on CUDA and CPU tensors, got mps",
+        (GROUPED_MM, cpu()._replace(device_type="mps")): "runs on CUDA and CPU tensors, got mps",
         (EXPERT_LOOP, cuda(capture=True)): "reads the counts on the host",
         (FP8_TRITON, cuda()): "is for FP8 weights",
         (FP8_TRITON, cuda(capability=A100, fp8=True)): "needs FP8 tensor cores (sm89 or newer), got sm80",

@@ -28,9 +28,9 @@ they pass (``Rows``), so it is evaluated once per (device, dtype, rows bucket, c
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -60,9 +60,9 @@ DENSE_KERNELS = ("auto", "torch", "triton", "gemv", "tiled", "grouped_mm", "expe
 FP8_KERNELS = ("auto", "torch", "triton", "fp8_triton", "fp8_sm90", "scaled_mm", "fp8_torch")
 
 
-@dataclass(frozen=True)
-class Rows:
-    """The thresholds of rows per expert that the rule table reads, and which of them r passes."""
+class Rows(NamedTuple):
+    """The thresholds of rows per expert that the rule table reads, and which of them r passes (a
+    tuple: built on every forward, so cheap to make and to hash)."""
 
     gemv: bool  # r <= GEMV_MAX_ROWS_PER_EXPERT
     tiled: bool  # r <= TILED_MAX_ROWS_PER_EXPERT
@@ -74,21 +74,21 @@ class Rows:
     def of(cls, rows_per_expert: float) -> Rows:
         r = rows_per_expert
         return cls(
-            gemv=r <= GEMV_MAX_ROWS_PER_EXPERT,
-            tiled=r <= TILED_MAX_ROWS_PER_EXPERT,
-            sm90=r > SM90_MIN_ROWS_PER_EXPERT,
-            sm90_captured=r >= SM90_CAPTURED_MIN_ROWS_PER_EXPERT,
-            scaled_mm=r >= SCALED_MM_MIN_ROWS_PER_EXPERT,
+            r <= GEMV_MAX_ROWS_PER_EXPERT,
+            r <= TILED_MAX_ROWS_PER_EXPERT,
+            r > SM90_MIN_ROWS_PER_EXPERT,
+            r >= SM90_CAPTURED_MIN_ROWS_PER_EXPERT,
+            r >= SCALED_MM_MIN_ROWS_PER_EXPERT,
         )
 
 
-@dataclass(frozen=True)
-class Conditions:
-    """What the choice depends on: the rows' ``device_type`` and CUDA ``capability`` (None off CUDA),
-    their ``dtype``, whether the weights are ``fp8``, the ``rows`` per expert to expect (as the
-    thresholds they pass), whether a CUDA graph is being captured (``capture``), whether the rows are
-    read through an index (``indexed``), and this process's ``triton`` (imports), ``interpreting``
-    (``TRITON_INTERPRET=1``) and ``gluon`` (the sm90 kernel's language imports)."""
+class Conditions(NamedTuple):
+    """What the choice depends on (a tuple, as ``Rows``): the rows' ``device_type`` and CUDA
+    ``capability`` (None off CUDA), their ``dtype``, whether the weights are ``fp8``, the ``rows`` per
+    expert to expect (as the thresholds they pass), whether a CUDA graph is being captured
+    (``capture``), whether the rows are read through an index (``indexed``), and this process's
+    ``triton`` (imports), ``interpreting`` (``TRITON_INTERPRET=1``; read off CUDA only) and ``gluon``
+    (the sm90 kernel's language imports)."""
 
     device_type: str
     capability: tuple[int, int] | None
@@ -110,22 +110,25 @@ class Conditions:
     def of(cls, x_RH: torch.Tensor, fp8: bool, rows_per_expert: float, indexed: bool = False) -> Conditions:
         """The conditions of a forward on rows like ``x_RH``."""
         device = x_RH.device
-        cuda = device.type == "cuda"
+        device_type = device.type
+        cuda = device_type == "cuda"
         return cls(
-            device_type=device.type,
-            capability=compute_capability(device) if cuda else None,
-            dtype=x_RH.dtype,
-            fp8=fp8,
-            rows=Rows.of(rows_per_expert),
-            capture=cuda and torch.cuda.is_current_stream_capturing(),
-            indexed=indexed,
-            interpreting=interpreting(),
+            device_type,
+            compute_capability(device) if cuda else None,
+            x_RH.dtype,
+            fp8,
+            Rows.of(rows_per_expert),
+            cuda and torch.cuda.is_current_stream_capturing(),
+            indexed,
+            HAS_TRITON,
+            not cuda and interpreting(),  # it matters off CUDA only
+            HAS_GLUON,
         )
 
 
 def _torch_dense(c: Conditions, swiglu: str) -> Route:
     route = GROUPED_MM if GROUPED_MM.supports(c) is None else EXPERT_LOOP
-    return route if swiglu == "auto" else dataclasses.replace(route, swiglu=swiglu)
+    return route if swiglu == "auto" else replace(route, swiglu=swiglu)
 
 
 def _rule(c: Conditions, kernels: str) -> Route:
