@@ -5,7 +5,6 @@ experts; skipped without CUDA (``bash benchmarks/run_gpu_fp8.sh`` runs them)."""
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import pytest
 import torch
@@ -154,14 +153,13 @@ def test_prefill_sizes_run_the_warp_specialized_kernel(monkeypatch):
     monkeypatch.setattr(fp8_gemm_sm90, "grouped_gemm", lambda *args: calls.append(1) or sm90_gemm(*args))
     generator = torch.Generator(device="cuda").manual_seed(4)
     wq, ws = quantize_fp8_blocks(torch.randn(4, 512, 1024, generator=generator, device="cuda") * 1024**-0.5)
-    weights = types.SimpleNamespace(dtype=torch.float32)
     for rows_per_expert, expected in ((257, FP8_SM90), (256, FP8_TRITON)):
         counts, offsets = _counts("cuda", *[rows_per_expert] * 4)
         q, s = quantize_fp8(torch.randn(4 * rows_per_expert, 1024, generator=generator, device="cuda"))
         assert choose(Conditions.of(q, True, rows_per_expert), "auto") is expected
         rows = ExpertRows(q, offsets, counts, rows_per_expert)
         calls.clear()
-        got = expected.gemm(q, s, wq, ws, weights, rows)
+        got = expected.gemm((q, s), (wq, ws), torch.float32, rows)
         assert len(calls) == (expected is FP8_SM90)
         assert _rel(got, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 1e-3
         calls.clear()
@@ -174,7 +172,7 @@ def test_prefill_sizes_run_the_warp_specialized_kernel(monkeypatch):
     assert choose(captured, "auto") is FP8_SM90 and choose(Conditions.of(q, True, 128), "auto") is FP8_TRITON
     rows = ExpertRows(q, offsets, counts, 128.0)
     calls.clear()
-    graph, static = capture_graph(lambda: FP8_SM90.gemm(q, s, wq, ws, weights, rows))
+    graph, static = capture_graph(lambda: FP8_SM90.gemm((q, s), (wq, ws), torch.float32, rows))
     assert calls  # the capture ran the sm90 kernel
     graph.replay()
     assert _rel(static, grouped_linear_fp8(q, s, wq, ws, offsets, torch.float32)) < 1e-3

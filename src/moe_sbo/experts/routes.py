@@ -3,18 +3,18 @@ what sits between them), each saying what it supports.
 
 Legend: see ``moe_sbo/__init__.py``.
 
-==============  =====  ====================================================================  =======
-route           FP8    GEMMs                                                                 capture
-==============  =====  ====================================================================  =======
-``gemv``        no     ``gemv.grouped_gemv``: Triton, one weight read per expert             yes
-``tiled``       no     ``tiled_gemm.grouped_gemm``: Triton row tiles; reads rows via index   yes
-``grouped_mm``  no     ``torch._grouped_mm`` (bf16 on sm90+ CUDA, CPU)                       yes
-``expert_loop`` no     one ``F.linear`` per expert (counts read on the host)                 no
-``fp8_triton``  yes    ``fp8_gemm.grouped_gemm``: Triton, device counts                      yes
-``fp8_sm90``    yes    ``fp8_gemm_sm90.grouped_gemm``: warp-specialised Gluon, sm90          yes
-``scaled_mm``   yes    ``fp8_torch.grouped_scaled_mm``: cuBLAS per expert, sm90 (host)       no
-``fp8_torch``   yes    ``fp8_torch.grouped_linear_fp8``: float32 reference (host counts)     no
-==============  =====  ====================================================================  =======
+===============  ===  ===================================================================  =======
+route            FP8  GEMMs                                                                capture
+===============  ===  ===================================================================  =======
+``gemv``         no   ``gemv.grouped_gemv``: Triton, one weight read per expert            yes
+``tiled``        no   ``tiled_gemm.grouped_gemm``: Triton row tiles; reads rows via index  yes
+``grouped_mm``   no   ``torch._grouped_mm`` (bf16 on sm90+ CUDA, CPU)                      yes
+``expert_loop``  no   one ``F.linear`` per expert (counts read on the host)                no
+``fp8_triton``   yes  ``fp8_gemm.grouped_gemm``: Triton, device counts                     yes
+``fp8_sm90``     yes  ``fp8_gemm_sm90.grouped_gemm``: warp-specialised Gluon, sm90         yes
+``scaled_mm``    yes  ``fp8_torch.grouped_scaled_mm``: cuBLAS per expert, sm90 (host)      no
+``fp8_torch``    yes  ``fp8_torch.grouped_linear_fp8``: float32 reference (host counts)    no
+===============  ===  ===================================================================  =======
 
 Between the GEMMs the dense routes run SwiGLU (``swiglu.py``: one Triton launch where the GEMMs are
 Triton's, ``"auto"`` or torch's for the torch GEMMs); the FP8 routes but ``fp8_torch`` quantise
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..kernel_choice import HAS_TRITON
 from ..quant.fp8 import quantize_fp8
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
     from .select import Conditions
 
 HAS_GLUON = HAS_TRITON and fp8_gemm_sm90.gluon is not None  # the sm90 kernel's language imports
+
+
+Quantized = tuple[Tensor, Tensor]  # e4m3 values and their float32 scales
 
 
 class ExpertWeights(Protocol):
@@ -124,7 +128,8 @@ class DenseRoute(Route):
 
     swiglu: str = "auto"
 
-    def gemm(self, x_RK: torch.Tensor, w_LNK: torch.Tensor, rows: ExpertRows, rows_R: torch.Tensor | None):
+    def gemm(self, x_RK: Tensor, w_LNK: Tensor, rows: ExpertRows, rows_R: Tensor | None) -> Tensor:
+        """``x_RK`` (read through ``rows_R`` where given) times each expert's ``w_LNK[l]`` transposed."""
         raise NotImplementedError
 
     def run(self, weights: ExpertWeights, rows: ExpertRows) -> torch.Tensor:
@@ -138,7 +143,7 @@ class Gemv(DenseRoute):
     def requires(self, c: Conditions) -> str | None:
         return _needs_triton(c)
 
-    def gemm(self, x_RK, w_LNK, rows, rows_R):
+    def gemm(self, x_RK: Tensor, w_LNK: Tensor, rows: ExpertRows, rows_R: Tensor | None) -> Tensor:
         return gemv.grouped_gemv(x_RK, w_LNK, rows.offsets_L)
 
 
@@ -147,7 +152,7 @@ class Tiled(DenseRoute):
     def requires(self, c: Conditions) -> str | None:
         return _needs_triton(c)
 
-    def gemm(self, x_RK, w_LNK, rows, rows_R):
+    def gemm(self, x_RK: Tensor, w_LNK: Tensor, rows: ExpertRows, rows_R: Tensor | None) -> Tensor:
         # The tiles for the rows to expect (padding excluded), not for every row handed over.
         config = tiled_gemm.dense_config(rows.rows_per_expert, x_RK.element_size())
         return tiled_gemm.grouped_gemm(x_RK, w_LNK, rows.offsets_L, rows_R=rows_R, config=config)
@@ -164,7 +169,7 @@ class GroupedMM(DenseRoute):
             return None
         return None if c.device_type == "cpu" else f"runs on CUDA and CPU tensors, got {c.device_type}"
 
-    def gemm(self, x_RK, w_LNK, rows, rows_R):
+    def gemm(self, x_RK: Tensor, w_LNK: Tensor, rows: ExpertRows, rows_R: Tensor | None) -> Tensor:
         return torch._grouped_mm(x_RK, w_LNK.transpose(-2, -1), offs=rows.offsets_L)
 
 
@@ -173,7 +178,7 @@ class ExpertLoop(DenseRoute):
     def requires(self, c: Conditions) -> str | None:
         return _host_counts(c)
 
-    def gemm(self, x_RK, w_LNK, rows, rows_R):
+    def gemm(self, x_RK: Tensor, w_LNK: Tensor, rows: ExpertRows, rows_R: Tensor | None) -> Tensor:
         out_RN = x_RK.new_empty(x_RK.shape[0], w_LNK.shape[1])
         start = 0
         for expert, end in enumerate(rows.offsets_L.tolist()):
@@ -198,24 +203,26 @@ class QuantizedRoute(Route):
             return f"needs FP8 tensor cores (sm89 or newer), got sm{c.sm}; use expert_dtype=None"
         return _needs_triton(c)
 
-    def gemm(self, q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, weights: ExpertWeights, rows: ExpertRows):
+    def gemm(self, q: Quantized, w: Quantized, out_dtype: torch.dtype, rows: ExpertRows) -> Tensor:
+        """e4m3 rows ``q`` (``[R, K]`` and their scales ``[R, K/128]``) grouped by expert times each
+        expert's block-scaled e4m3 weight ``w`` (``[L, N, K]``, ``[L, N/128, K/128]``) transposed ->
+        ``[R, N]`` in ``out_dtype``."""
         raise NotImplementedError
 
     def run(self, weights: ExpertWeights, rows: ExpertRows) -> torch.Tensor:
         q_RH, scales_RQ = rows.x_RH, rows.scales_RQ
         if scales_RQ is None:  # through the index where there is one: the gather fused into the quantisation
             q_RH, scales_RQ = quant_kernels.quantize_rows(rows.x_RH, rows.offsets_L, rows.rows_R, k_major=self.k_major)
-        gate_up_R2I = self.gemm(q_RH, scales_RQ, weights.gate_up_proj, weights.gate_up_proj_scale_inv, weights, rows)
-        q_RI, act_scales_RQ = quant_kernels.silu_mul_quantize(gate_up_R2I, rows.offsets_L, k_major=self.k_major)
-        return self.gemm(q_RI, act_scales_RQ, weights.down_proj, weights.down_proj_scale_inv, weights, rows)
+        gate_up = (weights.gate_up_proj, weights.gate_up_proj_scale_inv)
+        gate_up_R2I = self.gemm((q_RH, scales_RQ), gate_up, weights.dtype, rows)
+        act_RI = quant_kernels.silu_mul_quantize(gate_up_R2I, rows.offsets_L, k_major=self.k_major)
+        return self.gemm(act_RI, (weights.down_proj, weights.down_proj_scale_inv), weights.dtype, rows)
 
 
 @dataclass(frozen=True)
 class FP8Triton(QuantizedRoute):
-    def gemm(self, q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, weights, rows):
-        return fp8_gemm.grouped_gemm(
-            q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, rows.offsets_L, weights.dtype, rows_per_expert=rows.rows_per_expert
-        )
+    def gemm(self, q: Quantized, w: Quantized, out_dtype: torch.dtype, rows: ExpertRows) -> Tensor:
+        return fp8_gemm.grouped_gemm(*q, *w, rows.offsets_L, out_dtype, rows_per_expert=rows.rows_per_expert)
 
 
 @dataclass(frozen=True)
@@ -227,13 +234,11 @@ class FP8SM90(FP8Triton):
             return f"needs Triton's Gluon and an sm90 GPU, got {c.device_type} (sm{c.sm}, Gluon {c.gluon})"
         return None
 
-    def gemm(self, q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, weights, rows):
-        if not fp8_gemm_sm90.supported(q_RK, w_LNK):  # operands a descriptor cannot address
-            return super().gemm(q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, weights, rows)
+    def gemm(self, q: Quantized, w: Quantized, out_dtype: torch.dtype, rows: ExpertRows) -> Tensor:
+        if not fp8_gemm_sm90.supported(q[0], w[0]):  # operands a descriptor cannot address
+            return super().gemm(q, w, out_dtype, rows)
         config = fp8_gemm_sm90.config_for(rows.rows_per_expert)
-        return fp8_gemm_sm90.grouped_gemm(
-            q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, rows.offsets_L, weights.dtype, config
-        )
+        return fp8_gemm_sm90.grouped_gemm(*q, *w, rows.offsets_L, out_dtype, config)
 
 
 @dataclass(frozen=True)
@@ -243,8 +248,8 @@ class ScaledMM(QuantizedRoute):
             return f"needs an sm90 CUDA device (cuBLAS's block-wise FP8), got {c.device_type} (sm{c.sm})"
         return _host_counts(c) or super().requires(c)
 
-    def gemm(self, q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, weights, rows):
-        return grouped_scaled_mm(q_RK, scales_RQ, w_LNK, w_scale_inv_LNQ, rows.counts_L.tolist(), weights.dtype)
+    def gemm(self, q: Quantized, w: Quantized, out_dtype: torch.dtype, rows: ExpertRows) -> Tensor:
+        return grouped_scaled_mm(*q, *w, rows.counts_L.tolist(), out_dtype)
 
 
 @dataclass(frozen=True)
