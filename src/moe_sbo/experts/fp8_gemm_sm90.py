@@ -448,7 +448,7 @@ def grouped_gemm(
     if not supported(q_RK, w_LNK):
         raise ValueError(
             "fp8_gemm_sm90 needs Triton's Gluon, an sm90 GPU, e4m3 operands, N a multiple of 128 and 16-byte "
-            "aligned operands; use fp8_gemm.grouped_gemm, which falls back to the Triton kernel"
+            "aligned operands; use fp8_gemm.grouped_gemm (the Triton kernel) for these"
         )
     num_rows, k = q_RK.shape
     num_experts, n, _ = w_LNK.shape
