@@ -24,7 +24,7 @@ prose and from other projects' names:
   it reaches (instance attributes assigned in the class's source count); a logger's name
   (``logging.getLogger("moe_sbo.tbo")`` in the source) counts too;
 - a dotted name in code that starts with a module of the package (``fp8_gemm.grouped_gemm``,
-  ``quant.kernels.quantize_rows``) or a class of it (``RoutedExperts.fp8_path``): the same, from any
+  ``quant.kernels.quantize_rows``) or a class of it (``RoutedExperts.route``): the same, from any
   module or class of that name. Roots the source also uses as variable names (``layer``,
   ``dispatcher``, ``experts``: ``layer.rebalance()`` is a method of an instance) are not read as
   module names, nor are names the docs' code examples assign (``auto = AutoTbo(...)``).
@@ -394,7 +394,7 @@ def test_the_matchers_find_what_they_should() -> None:
         "[a](BENCHMARKS.md#no-such-heading), [b](NO_SUCH.md), `moe_sbo.launch.ranks.init_from_torchrun()`,\n"
         "`fp8_gemm.no_such_name`, `RoutedExperts.no_such_method`; fine: `src/moe_sbo/layer.py`,\n"
         "`experts/routed.py:104`, `soak.py`, `run_gpu_*.sh`, `soak_cpu.json`, [c](FP8.md#kernel-choices),\n"
-        "`moe_sbo.launch.group.init_from_torchrun`, `fp8_gemm.grouped_gemm`, `RoutedExperts.fp8_path`,\n"
+        "`moe_sbo.launch.group.init_from_torchrun`, `fp8_gemm.grouped_gemm`, `RoutedExperts.route`,\n"
         "`layer.rebalance()`, `torch.cuda.synchronize`; and ../shared/STYLE.md.\n"
     )
     t = Text(doc, 10, text, markdown=True)
