@@ -49,7 +49,7 @@ from .tiled_gemm import GemmConfig, expert_tile, max_tiles, tma_ready
 GROUP_V = tl.constexpr(FP8_GROUP)
 
 
-# Measured on H200 (``bench_fp8_experts.py --sweep-only``, DeepSeek-V3 dims, docs/FP8.md): 64 x 128 tiles
+# Measured on H200 (``moe-sbo bench fp8-experts --sweep-only``, DeepSeek-V3 dims, docs/FP8.md): 64 x 128 tiles
 # with one warp group win up to 256 rows per expert (weight-read bound, then one weight scale per step
 # keeps the scaling cheap); from there 128 x 128 tiles with two warp groups and four stages. Descriptor
 # loads were 6-12 % faster on the GPU from 128 rows per expert, but Triton encodes the descriptors on

@@ -57,7 +57,7 @@ SCALED_MM_MIN_ROWS_PER_EXPERT = 2048
 # GEMV_MAX_ROWS_PER_EXPERT ``gemv``' GEMV, up to TILED_MAX_ROWS_PER_EXPERT ``tiled_gemm``' tiled GEMM,
 # above ``torch._grouped_mm``; rows read through an index (``low_latency``'s ``index_rows``) take the
 # tiled GEMM at any size above the GEMV's, since ``torch._grouped_mm`` would need them copied first.
-# The thresholds come from ``benchmarks/bench_gemv.py`` on H200 (docs/BENCHMARKS.md, "Dense routed
+# The thresholds come from ``moe-sbo bench dense-experts`` on H200 (docs/BENCHMARKS.md, "Dense routed
 # experts").
 GEMV_MAX_ROWS_PER_EXPERT = 8
 TILED_MAX_ROWS_PER_EXPERT = 512

@@ -186,7 +186,7 @@ def _grouped_gemm_kernel(
     tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# Tile configs chosen by ``benchmarks/bench_gemv.py --sweep`` on H200 (docs/BENCHMARKS.md, "Dense routed
+# Tile configs chosen by ``moe-sbo bench dense-experts --sweep`` on H200 (docs/BENCHMARKS.md, "Dense routed
 # experts"): 64 x 128 tiles with one warp group up to 64 rows per expert, 128 x 256 tiles with two warp
 # groups from 128. Descriptor loads pay only from TMA_MIN_ROWS_PER_EXPERT: below it they gain nothing
 # on the GPU and their per-launch host cost would show in eager forwards. One program per tile: a

@@ -1,0 +1,1 @@
+"""Each ``moe-sbo bench`` mode's options, one torch-free module per mode: ``add_arguments(parser)``."""
