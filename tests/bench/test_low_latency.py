@@ -105,3 +105,14 @@ def test_cpu_smoke_expert_kernels(tmp_path):
     rows = json.loads((tmp_path / "low_latency.json").read_text())["rows"]
     assert [(r["expert_kernels"], r["expert_path"]) for r in rows] == [("tiled", "tiled"), ("torch", "grouped_mm")]
     assert all("error" not in r and r["t_layer_us"] > 0 for r in rows), rows
+
+
+def test_choices_named_without_torch_are_the_runners():
+    """The parser names ``--expert-kernels`` and ``--fp8``'s choices without importing torch: they
+    must be ``RoutedExperts``' kernels and the runner's fp8 settings."""
+    from moe_sbo.bench import low_latency
+    from moe_sbo.cli.parsers import bench_low_latency
+    from moe_sbo.experts.routed import DENSE_KERNELS
+
+    assert bench_low_latency.EXPERT_KERNELS == DENSE_KERNELS
+    assert bench_low_latency.FP8_CHOICES == tuple(sorted(low_latency.FP8_CHOICES))

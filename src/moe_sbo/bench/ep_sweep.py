@@ -1,33 +1,13 @@
-"""The options the EP-size sweeps share (``foundation``, ``low-latency``, ``prefill``), and their
-resolution before any rank starts.
-
-The hard part is ``--help``: the modes' parsers call ``add_ep_sweep_args``, so this module imports
-nothing heavy at its top; ``EpSweep.from_args`` imports torch when a run starts.
-"""
+"""The options the EP-size sweeps share (``foundation``, ``low-latency``, ``prefill``; their parsers
+call ``cli.parsers.common.add_ep_sweep_args``), resolved and checked before any rank starts."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-
-def default_dtype_name(device: str) -> str:
-    """The activation dtype a run uses unless told: bf16 on GPUs, float32 on CPU ranks."""
-    return "bfloat16" if device == "cuda" else "float32"
-
-
-def add_ep_sweep_args(p: argparse.ArgumentParser, file_name: str, iters: int) -> None:
-    """The options of the EP-size sweeps; ``iters``: the default timed calls (``--quick``: 3)."""
-    p.add_argument("--out", required=True, help=f"directory for {file_name}")
-    p.add_argument(
-        "--ranks", type=int, nargs="+", default=None, help="EP sizes, one pool each (default: every GPU; 2 on CPU)"
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; --quick 1)")
-    p.add_argument("--iters", type=int, default=None, help=f"timed calls (default {iters}; --quick 3)")
-    p.add_argument("--quick", action="store_true", help="few iterations: a smoke run, not a measurement")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(default_iters=iters)
+from ..launch.group import resolve_device
+from ..measure.options import default_ep_size, resolve_ranks
 
 
 @dataclass(frozen=True)
@@ -42,19 +22,10 @@ class EpSweep:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, tokens: list[int]) -> EpSweep:
-        import torch
-
-        from ..launch.group import resolve_device
-
         device = resolve_device(args.device)
         warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
         iters = args.iters if args.iters is not None else (3 if args.quick else args.default_iters)
-        if args.ranks and min(args.ranks) < 1:
-            raise ValueError(
-                f"--ranks must be >= 1, got {min(args.ranks)}; leave it out for the default (every GPU on CUDA, "
-                "2 on CPU)"
-            )
-        ep_sizes = list(args.ranks) if args.ranks else [torch.cuda.device_count() if device == "cuda" else 2]
+        ep_sizes = [resolve_ranks(p, device) for p in args.ranks] if args.ranks else [default_ep_size(device)]
         if min(tokens) < 0 or warmup < 0 or iters < 1:
             raise ValueError(f"--tokens must be >= 0 and --iters >= 1, got {tokens} and {iters}")
         return cls(device, warmup, iters, ep_sizes)

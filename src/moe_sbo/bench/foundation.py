@@ -43,9 +43,10 @@ from ..config import MoEConfig, get_preset
 from ..experts.routed import RoutedExperts, grouped_mm_supported
 from ..launch.ranks import RankPool
 from ..layer import MoELayer
+from ..measure.options import default_dtype_name
 from ..measure.results import ResultFile, result_meta
 from ..measure.timing import SPANS, KernelTimer, time_layer, time_raw_all_to_all
-from .ep_sweep import EpSweep, default_dtype_name
+from .ep_sweep import EpSweep
 
 # ---- the layer benchmark (runs on every rank) -------------------------------------------------------
 

@@ -50,10 +50,11 @@ from ..dispatch.low_latency import LowLatencyDispatcher, RowFormat
 from ..env import triton_interpreting
 from ..launch.ranks import RankPool
 from ..layer import MoELayer
+from ..measure.options import default_dtype_name
 from ..measure.results import ResultFile, result_meta
 from ..measure.timing import Stamps, line_up, time_fn, time_layer
 from ..streams import capture_graph
-from .ep_sweep import EpSweep, default_dtype_name
+from .ep_sweep import EpSweep
 from .foundation import bench_console, bench_table, fmt, layer_bench_rank
 
 TARGETS = {"tokens_per_rank": 128, "t_dispatch_us": 60.0, "t_combine_us": 80.0, "overhead_vs_nccl": 1.2}

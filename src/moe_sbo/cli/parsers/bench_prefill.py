@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ...bench.ep_sweep import add_ep_sweep_args
 from ...config import PRESETS
+from .common import add_ep_sweep_args
 
 DEFAULT_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
 

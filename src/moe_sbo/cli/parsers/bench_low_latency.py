@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ...bench.ep_sweep import add_ep_sweep_args
 from ...config import PRESETS
+from .common import add_ep_sweep_args
 
 # RoutedExperts' DENSE_KERNELS, named here without importing torch (a test holds them equal).
 EXPERT_KERNELS = ("auto", "triton", "gemv", "tiled", "torch")
