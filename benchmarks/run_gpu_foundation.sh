@@ -6,4 +6,4 @@ set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 gpu_tests || true
 # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
-"$PYTHON" benchmarks/bench_foundation.py --out "$OUT_DIR" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench_foundation.log"
+"$PYTHON" -m moe_sbo bench foundation --out "$OUT_DIR" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench_foundation.log"

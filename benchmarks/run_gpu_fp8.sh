@@ -13,11 +13,11 @@ for part in $PARTS; do
     tests) "$PYTHON" -m pytest -q -s tests/experts/test_gpu_fp8.py 2>&1 | tee "$OUT_DIR/tests_gpu_fp8_$TAG.log" | tail -30 ;;
     bench)
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
-      CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/bench_fp8_experts.py --out "$OUT_DIR" ${BENCH_ARGS:-} \
+      CUDA_VISIBLE_DEVICES=0 "$PYTHON" -m moe_sbo bench fp8-experts --out "$OUT_DIR" ${BENCH_ARGS:-} \
         2>&1 | tee "$OUT_DIR/bench_fp8_experts_$TAG.log" | tail -60 ;;
     sweep)
       # shellcheck disable=SC2086  # SWEEP_ARGS is meant to split into flags
-      CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/bench_fp8_experts.py --out "$OUT_DIR/fp8_sweep" --sweep-only \
+      CUDA_VISIBLE_DEVICES=0 "$PYTHON" -m moe_sbo bench fp8-experts --out "$OUT_DIR/fp8_sweep" --sweep-only \
         ${SWEEP_ARGS:---experts 8 --decode-rows 16 128 --prefill-rows 512 2048 4096} \
         2>&1 | tee "$OUT_DIR/sweep_fp8_$TAG.log" | tail -60 ;;
     *) echo "unknown part $part (tests bench sweep)"; exit 2 ;;

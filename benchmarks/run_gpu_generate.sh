@@ -15,10 +15,10 @@ for part in $PARTS; do
   case "$part" in
     tests) "$PYTHON" -m pytest -q tests/hf/test_gpu_hf_model.py tests/experts/test_experts.py 2>&1 \
       | tee "$OUT_DIR/tests_gpu_hf_model_$TAG.log" | tail -25 ;;
-    gemv) "$PYTHON" benchmarks/bench_gemv.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench_gemv_$TAG.log" | tail -10 ;;
+    gemv) "$PYTHON" -m moe_sbo bench dense-experts --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench_gemv_$TAG.log" | tail -10 ;;
     bench)
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
-      "$PYTHON" benchmarks/bench_generate.py --out "$OUT_DIR" --checkpoint-dir "${CHECKPOINT_DIR:-/tmp}" \
+      "$PYTHON" -m moe_sbo bench generate --out "$OUT_DIR" --checkpoint-dir "${CHECKPOINT_DIR:-/tmp}" \
         ${BENCH_ARGS:-} 2>&1 | grep -v -e "Loading weights" -e "Writing model" | tee "$OUT_DIR/bench_generate_$TAG.log" | tail -20 ;;
     *) echo "unknown part $part (tests gemv bench)"; exit 2 ;;
   esac

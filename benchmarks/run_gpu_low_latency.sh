@@ -7,4 +7,4 @@ set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 "$PYTHON" -m pytest -q tests/dispatch/test_gpu_low_latency.py tests/dispatch/test_low_latency.py 2>&1 | tee "$OUT_DIR/tests_low_latency.log" | tail -30 || true
 # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
-"$PYTHON" benchmarks/bench_low_latency.py --out "$OUT_DIR" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench_low_latency.log"
+"$PYTHON" -m moe_sbo bench low-latency --out "$OUT_DIR" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench_low_latency.log"

@@ -17,15 +17,15 @@ for part in $PARTS; do
       | tee "$OUT_DIR/tests_gpu_low_latency_$TAG.log" | tail -25 ;;
     bench)
       # shellcheck disable=SC2086  # BENCH_ARGS is meant to split into flags
-      "$PYTHON" benchmarks/bench_prefill.py --out "$OUT_DIR" --plot "$OUT_DIR/prefill_$TAG.png" ${BENCH_ARGS:-} \
+      "$PYTHON" -m moe_sbo bench prefill --out "$OUT_DIR" --plot "$OUT_DIR/prefill_$TAG.png" ${BENCH_ARGS:-} \
         2>&1 | tee "$OUT_DIR/bench_prefill_$TAG.log" | tail -60 ;;
     decode)
-      "$PYTHON" benchmarks/bench_low_latency.py --out "$OUT_DIR" --tokens 128 --fp8 off --kernels triton \
+      "$PYTHON" -m moe_sbo bench low-latency --out "$OUT_DIR" --tokens 128 --fp8 off --kernels triton \
         --transports symm_mem nccl --index-graphs on off --baselines 2>&1 | tee "$OUT_DIR/bench_decode_$TAG.log" | tail -20 ;;
     router)
       "$PYTHON" -m pytest -q -rfxX tests/routing/test_routing_kernels.py -m gpu 2>&1 \
         | tee "$OUT_DIR/tests_router_$TAG.log" | tail -15
-      "$PYTHON" benchmarks/bench_router.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench_router_$TAG.log" | tail -25 ;;
+      "$PYTHON" -m moe_sbo bench router --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench_router_$TAG.log" | tail -25 ;;
     *) echo "unknown part $part (tests bench decode router)"; exit 2 ;;
   esac
   echo "== $part: $((SECONDS - start)) s"

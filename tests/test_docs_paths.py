@@ -13,7 +13,7 @@ prose and from other projects' names:
 - a bare ``name.py`` or ``name.sh`` in code (`` `x` `` in Markdown, ````x```` in docstrings): in
   Markdown, some file of the repository has that name; in a docstring, a module in its module's
   folder or one above it (as relative imports name it), or a file outside the package
-  (``bench_gemv.py``);
+  (``soak.py``);
 - a result file name (``*_h200x1.json``, ``*_cpu.json``, any ``_h<N>x<M>`` or ``_cpu`` name ending in
   ``.json``, ``.txt`` or ``.log``): it is in ``benchmarks/results/``; and each file there is quoted by
   a doc (``docs/*.md``, ``README.md`` or ``CHANGELOG.md``);

@@ -41,7 +41,7 @@ from .tiles import GemmConfig, expert_tile, max_tiles, tma_ready
 GROUP_V = tl.constexpr(FP8_GROUP)
 
 
-# Tiles (``bench_fp8_experts.py --sweep-only`` chose them; docs/FP8.md): 64 x 128 tiles with one warp
+# Tiles (``moe-sbo bench fp8-experts --sweep-only`` chose them; docs/FP8.md): 64 x 128 tiles with one warp
 # group up to LARGE_MIN_ROWS_PER_EXPERT rows per expert (weight-read bound, and one weight scale per K
 # step keeps the scaling cheap), 128 x 128 tiles with two warp groups and four stages above. Descriptor
 # loads from TMA_MIN_ROWS_PER_EXPERT, but Triton encodes the descriptors on the host at each launch, so

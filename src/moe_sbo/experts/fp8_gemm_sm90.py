@@ -108,7 +108,7 @@ class WarpSpecializedConfig:
 DEFAULT_CONFIG = WarpSpecializedConfig()
 # Two consumer warp groups (128-row tiles, which pad less of each expert than 192-row ones) up to this
 # many rows per expert, four K steps per turn (each step's MMA issued before the previous product is
-# promoted) and five stages; three consumers above (``bench_fp8_experts.py`` chose the bound).
+# promoted) and five stages; three consumers above (``moe-sbo bench fp8-experts`` chose the bound).
 TWO_CONSUMERS_MAX_ROWS_PER_EXPERT = 1024
 TWO_CONSUMERS_CONFIG = dataclasses.replace(
     DEFAULT_CONFIG, consumers=2, stages=5, consumer_regs=232, loader_regs=40, k_unroll=4

@@ -20,7 +20,7 @@ being the real rows to expect per expert (padding excluded: ``DispatchOutput.exp
   FP8: ``fp8_sm90`` or ``fp8_triton``). ``"torch"``: ``grouped_mm`` or ``expert_loop`` with torch's
   SwiGLU, or ``fp8_torch``. A route's name forces that route.
 
-The thresholds come from ``benchmarks/bench_gemv.py`` and ``benchmarks/bench_fp8_experts.py``
+The thresholds come from ``moe-sbo bench dense-experts`` and ``moe-sbo bench fp8-experts``
 (docs/BENCHMARKS.md, "Dense routed experts"; docs/FP8.md). The hard part is that a forward must not
 pay for the choice: ``choose`` is cached on ``Conditions``, whose rows enter only as the thresholds
 they pass (``Rows``), so it is evaluated once per (device, dtype, rows bucket, capture).

@@ -95,7 +95,7 @@ def _grouped_gemm_kernel(
     tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# Tile configs (``benchmarks/bench_gemv.py --sweep`` chose them; docs/BENCHMARKS.md, "Dense routed
+# Tile configs (``moe-sbo bench dense-experts --sweep`` chose them; docs/BENCHMARKS.md, "Dense routed
 # experts"): 64 x 128 tiles with one warp group up to 64 rows per expert, 128 x 256 tiles with two warp
 # groups above. Descriptor loads from TMA_MIN_ROWS_PER_EXPERT: below it they gain nothing on the GPU
 # and their per-launch host cost would show in eager forwards. One program per tile.

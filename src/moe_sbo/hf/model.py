@@ -151,7 +151,7 @@ def _read_dense(
     """Every tensor of the checkpoint but the MoE blocks' (read by ``LayerLoader``) and layers past
     ``num_layers`` (DeepSeek-V3's multi-token-prediction layer: generation does not run it), one at a
     time, FP8 ones dequantised, in ``dtype`` on ``device``. Peak host memory: what the rank keeps
-    plus one tensor (measured: ``benchmarks/measure_load_memory.py``)."""
+    plus one tensor (measured: ``moe-sbo bench load-memory``)."""
     from safetensors import safe_open
 
     def wanted(name: str) -> bool:

@@ -24,7 +24,6 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import PRESETS, MoEConfig
-from ..launch.group import resolve_device
 from ..quant.fp8 import FP8_BLOCK, sizes_off_blocks
 
 # ---- printing ------------------------------------------------------------------------------------
@@ -195,41 +194,6 @@ def result_path(out: str, stem: str, device: str) -> Path:
     """``out`` as given, or ``out/<stem>_<device>.json`` when it names a directory."""
     path = Path(out)
     return path / f"{stem}_{device}.json" if path.is_dir() else path
-
-
-def add_sweep_args(p: argparse.ArgumentParser, file_name: str, iters: int) -> None:
-    """The options of the EP-size sweeps (``bench_foundation``, ``bench_low_latency``); ``iters``: the
-    default timed calls (``--quick``: 3)."""
-    p.add_argument("--out", required=True, help=f"directory for {file_name}")
-    p.add_argument(
-        "--ranks", type=int, nargs="+", default=None, help="EP sizes, one pool each (default: every GPU; 2 on CPU)"
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; --quick 1)")
-    p.add_argument("--iters", type=int, default=None, help=f"timed calls (default {iters}; --quick 3)")
-    p.add_argument("--quick", action="store_true", help="few iterations: a smoke run, not a measurement")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(default_iters=iters)
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """``add_sweep_args``' options resolved and checked before any rank starts."""
-
-    device: str
-    warmup: int
-    iters: int
-    ep_sizes: list[int]
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, tokens: list[int]) -> Sweep:
-        device = resolve_device(args.device)
-        warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
-        iters = args.iters if args.iters is not None else (3 if args.quick else args.default_iters)
-        ep_sizes = [resolve_ranks(p, device) for p in args.ranks] if args.ranks else [default_ep_size(device)]
-        if min(tokens) < 0 or warmup < 0 or iters < 1:
-            raise ValueError(f"--tokens must be >= 0 and --iters >= 1, got {tokens} and {iters}")
-        return cls(device, warmup, iters, ep_sizes)
 
 
 # ---- expert load: --skew, --load and load files --------------------------------------------------

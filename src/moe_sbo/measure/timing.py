@@ -97,7 +97,7 @@ class KernelTimer:
     ``graph`` (CUDA): ``triton.testing.do_bench_cudagraph`` instead, the calls replayed from one CUDA
     graph: the GPU's time alone, as a layer replayed from a graph runs them. Launched from the host,
     a call of a few Triton kernels can take longer than its kernels do (each launch costs an H200
-    host 15-50 µs); for the routed MLP the two agreed within 8 % (``bench_gemv.py --graph``). L2 is
+    host 15-50 µs); for the routed MLP the two agreed within 8 % (``bench dense-experts --graph``). L2 is
     not cleared, which changes nothing for weights larger than it (the routed experts' here)."""
 
     def __init__(self, device: torch.device, quick: bool, graph: bool = False):

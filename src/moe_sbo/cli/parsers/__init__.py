@@ -26,7 +26,8 @@ Expert-parallel MoE layers with communication/computation overlap, on local rank
 
 subcommands:
   demo    run every dispatcher on local ranks and compare it with a single-rank layer
-  bench   time the layer on N ranks: sbo (overlap modes x dispatchers x token counts), tbo, eplb
+  bench   benchmarks on N ranks, one mode each: sbo (overlap modes x dispatchers x token counts),
+          tbo, eplb, foundation, low-latency, prefill, dense-experts, fp8-experts, router, ...
   check   run one MoE layer of a Hugging Face checkpoint against transformers' own module
   generate  generate with a Hugging Face MoE model whose MoE layers are expert parallel
   plan    communication budget: bytes, bandwidth and which overlap fits (no GPU needed)

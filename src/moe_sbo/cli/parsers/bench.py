@@ -26,12 +26,52 @@ BENCH_MODES: dict[str, tuple[str, str, str]] = {
         "moe_sbo.cli.parsers.bench_eplb",
         "moe_sbo.bench.eplb",
     ),
+    "foundation": (
+        "the eager dispatchers per phase per EP size; grouped GEMM against dense GEMMs",
+        "moe_sbo.cli.parsers.bench_foundation",
+        "moe_sbo.bench.foundation",
+    ),
+    "low-latency": (
+        "low_latency at decode sizes, eager and replayed, against raw NCCL",
+        "moe_sbo.cli.parsers.bench_low_latency",
+        "moe_sbo.bench.low_latency",
+    ),
+    "prefill": (
+        "low_latency at prefill sizes against the wire and the compute floor",
+        "moe_sbo.cli.parsers.bench_prefill",
+        "moe_sbo.bench.prefill",
+    ),
+    "dense-experts": (
+        "dense routed experts on one GPU: grouped GEMV, tiled GEMM, torch._grouped_mm (CUDA)",
+        "moe_sbo.cli.parsers.bench_dense_experts",
+        "moe_sbo.bench.dense_experts",
+    ),
+    "fp8-experts": (
+        "FP8 routed experts against bf16 on one GPU: the MLP, the layer, the GEMMs",
+        "moe_sbo.cli.parsers.bench_fp8_experts",
+        "moe_sbo.bench.fp8_experts",
+    ),
+    "router": (
+        "the router's expert selection: torch ops against the fused Triton kernel",
+        "moe_sbo.cli.parsers.bench_router",
+        "moe_sbo.bench.router",
+    ),
+    "generate": (
+        "a whole DeepSeek-V3-shaped model: transformers against moe-sbo on N ranks",
+        "moe_sbo.cli.parsers.bench_generate",
+        "moe_sbo.bench.generate",
+    ),
+    "load-memory": (
+        "host memory a rank adds while loading a whole model (CPU ranks)",
+        "moe_sbo.cli.parsers.bench_load_memory",
+        "moe_sbo.bench.load_memory",
+    ),
 }
 DEFAULT_MODE = "sbo"  # ``moe-sbo bench [options]`` with no mode runs it
 # Flags that chose a mode before modes were positional: refused with the spelling that replaces them.
 MODE_FLAGS = {"--tbo": "tbo", "--eplb": "eplb"}
 
-SUMMARY = "time the layer on N ranks, one mode each: sbo (the default), tbo, eplb (GPUs; CPU: a smoke run)"
+SUMMARY = "benchmarks on N ranks, one mode each: sbo (the default), tbo, eplb, ... (GPUs; CPU: a smoke run)"
 
 
 def description() -> str:

@@ -135,3 +135,18 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-max-tokens", type=int, default=512, help="largest tokens/rank timed as graph replays")
     p.add_argument("--out", default=None, help="JSON file for {meta, rows} (default: none written)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+
+
+def add_ep_sweep_args(p: argparse.ArgumentParser, file_name: str, iters: int) -> None:
+    """The options of the EP-size sweeps (``bench foundation``, ``low-latency``, ``prefill``; resolved by
+    ``bench.ep_sweep.EpSweep``); ``iters``: the default timed calls (``--quick``: 3)."""
+    p.add_argument("--out", required=True, help=f"directory for {file_name}")
+    p.add_argument(
+        "--ranks", type=int, nargs="+", default=None, help="EP sizes, one pool each (default: every GPU; 2 on CPU)"
+    )
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; --quick 1)")
+    p.add_argument("--iters", type=int, default=None, help=f"timed calls (default {iters}; --quick 3)")
+    p.add_argument("--quick", action="store_true", help="few iterations: a smoke run, not a measurement")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(default_iters=iters)

@@ -1,4 +1,4 @@
-"""Foundation benchmark (issue 2): the expert-parallel MoE layer per phase, and the routed-expert GEMM.
+"""Foundation benchmark: the expert-parallel MoE layer per phase, and the routed-expert GEMM.
 
 Two measurements, both written to ``OUT/foundation.json`` as ``{"meta", "rows"}`` result files:
 
@@ -21,8 +21,8 @@ dispatch. Per-rank medians are aggregated as the slowest rank (the layer is as f
 rank); bytes are the mean over ranks, and both bandwidths divide the same byte count, so
 ``ratio = (t_ref_dispatch + t_ref_combine) / (t_dispatch + t_combine)``.
 
-Usage (GPU): ``python benchmarks/bench_foundation.py --out DIR [--ranks 4] [--tokens 128 4096]``.
-CPU smoke: ``python benchmarks/bench_foundation.py --out DIR --device cpu --preset tiny --quick --ranks 2``.
+Usage (GPU): ``moe-sbo bench foundation --out DIR [--ranks 4] [--tokens 128 4096]``.
+CPU smoke: ``moe-sbo bench foundation --out DIR --device cpu --preset tiny --quick --ranks 2``.
 """
 
 from __future__ import annotations
@@ -32,37 +32,42 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 
-from moe_sbo.config import PRESETS, get_preset
-from moe_sbo.experts.routed import RoutedExperts
-from moe_sbo.experts.routes import GROUPED_MM
-from moe_sbo.experts.select import Conditions
-from moe_sbo.launch.ranks import RankPool
-from moe_sbo.layer import MoELayer
-from moe_sbo.measure.options import Sweep, add_sweep_args, default_dtype_name
-from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import SPANS, KernelTimer, time_layer, time_raw_all_to_all
+from ..config import MoEConfig, get_preset
+from ..experts.routed import RoutedExperts
+from ..experts.routes import GROUPED_MM
+from ..experts.select import Conditions
+from ..launch.ranks import RankPool
+from ..layer import MoELayer
+from ..measure.options import default_dtype_name
+from ..measure.results import ResultFile, result_meta
+from ..measure.timing import SPANS, KernelTimer, time_layer, time_raw_all_to_all
+from .ep_sweep import EpSweep
 
-DISPATCHERS = ("allgather", "alltoall")
 # ---- the layer benchmark (runs on every rank) -------------------------------------------------------
 
 
 def layer_bench_rank(
     device: torch.device,
-    preset: str,
+    cfg: MoEConfig,
     dispatcher: str,
     tokens_list: list[int],
-    dtype_name: str,
+    dtype_name: str | None,
     warmup: int,
     iters: int,
     seed: int,
 ) -> list[dict]:
-    """One rank's rows for one dispatcher, every token count. Called on every rank by ``LocalRanks.run``."""
-    cfg = get_preset(preset)
-    dtype = getattr(torch, dtype_name)
+    """One rank's eager rows for one dispatcher, every token count: each phase's median from hook
+    events, the four byte counts, and raw ``all_to_all_single`` on the mean bytes beside
+    (``ref_t_*_us``, ``ref_bytes``). ``dtype_name`` None: the device's default. Called on every rank
+    by ``RankPool.run``."""
+    dtype = getattr(torch, dtype_name or default_dtype_name(device.type))
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     with torch.inference_mode():
@@ -84,8 +89,8 @@ def layer_bench_rank(
             if world > 1:
                 # Raw NCCL (gloo on CPU) on the same bytes, the mean over ranks of each phase.
                 sent = (traffic.dispatch_bytes_sent, traffic.combine_bytes_sent)
-                times, chunks = time_raw_all_to_all(sent, dtype, device, warmup, iters, seed, rule="mean")
-                row["ref_t_dispatch_us"], row["ref_t_combine_us"] = times
+                ref_times, chunks = time_raw_all_to_all(sent, dtype, device, warmup, iters, seed, rule="mean")
+                row["ref_t_dispatch_us"], row["ref_t_combine_us"] = ref_times
                 row["ref_bytes"] = sum(chunks) * (world - 1) * dtype.itemsize
             rows.append(row)
         del layer
@@ -179,7 +184,7 @@ def grouped_gemm_rank(
         del a, b
         experts: RoutedExperts | None = None
         for regime, num_experts, rows_per_expert in cases:
-            row = {
+            row: dict[str, Any] = {
                 "bench": "grouped_gemm",
                 "preset": preset,
                 "regime": regime,
@@ -247,29 +252,10 @@ def grouped_gemm_rank(
 # ---- driver -----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_sweep_args(p, "foundation.json", iters=30)
-    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096], help="tokens per rank")
-    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
-    p.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=list(DISPATCHERS))
-    p.add_argument(
-        "--dtype", default=None, choices=["bfloat16", "float32"], help="default: bfloat16 on CUDA, float32 on CPU"
-    )
-    p.add_argument(
-        "--gemm-ep",
-        type=int,
-        default=4,
-        help="EP size whose experts per GPU the grouped-GEMM rows use (default 4: 64 for V3)",
-    )
-    p.add_argument("--skip", nargs="*", default=[], choices=["layer", "gemm"], help="parts to leave out")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench foundation``: the layer per phase per EP size, then the grouped GEMM; 1 if a step failed."""
     # Bad input raises here, before any rank starts.
-    sweep = Sweep.from_args(args, args.tokens)
+    sweep = EpSweep.from_args(args, args.tokens)
     device, warmup, iters, ep_sizes = sweep.device, sweep.warmup, sweep.iters, sweep.ep_sizes
     dtype_name = args.dtype or default_dtype_name(device)
     cfg = get_preset(args.preset)
@@ -305,9 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.add_timed_step(
                         f"ep={p} {name}",
                         lambda: summarise_layer(
-                            pool.run(
-                                layer_bench_rank, args.preset, name, args.tokens, dtype_name, warmup, iters, args.seed
-                            ),
+                            pool.run(layer_bench_rank, cfg, name, args.tokens, dtype_name, warmup, iters, args.seed),
                             args.preset,
                             name,
                             dtype_name,
@@ -331,36 +315,36 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if results.errors else 0
 
 
-def _fmt(value, spec: str = ".0f") -> str:
+def fmt(value: float | None, spec: str = ".0f") -> str:
+    """``value`` in ``spec``, "-" for None."""
     return "-" if value is None else format(value, spec)
 
 
-def print_tables(rows: list[dict], meta: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def bench_console(width: int) -> Console:
+    """A console as wide as the terminal, or ``width`` columns when piped (a log keeps whole rows)."""
+    return Console(width=None if sys.stdout.isatty() else width)
 
-    console = Console(width=None if sys.stdout.isatty() else 150)
+
+def bench_table(title: str, columns: str, left: tuple[str, ...]) -> Table:
+    """A borderless table of ``columns`` (names separated by ", "): those in ``left`` left-justified,
+    the others (numbers) right-justified."""
+    table = Table(title=title, box=None)
+    for col in columns.split(", "):
+        table.add_column(col, justify="left" if col in left else "right")
+    return table
+
+
+def print_tables(rows: list[dict], meta: dict) -> None:
+    console = bench_console(150)
     console.print(
         f"{meta.get('gpu') or meta['device']} ×{meta['world_size']}, torch {meta['torch']}, "
         f"nccl {meta['nccl']}, {meta['preset']}, {meta['iters']} iters (median)"
     )
-    layer = Table(title="MoE layer per phase, µs (slowest rank); algbw = dispatch+combine bytes/time", box=None)
-    for col in (
-        "ep",
-        "T/rank",
-        "disp",
-        "route",
-        "dispatch",
-        "experts",
-        "combine",
-        "shared",
-        "layer",
-        "MB sent",
-        "GB/s",
-        "ref GB/s",
-        "ratio",
-    ):
-        layer.add_column(col, justify="left" if col == "disp" else "right")
+    layer = bench_table(
+        "MoE layer per phase, µs (slowest rank); algbw = dispatch+combine bytes/time",
+        "ep, T/rank, disp, route, dispatch, experts, combine, shared, layer, MB sent, GB/s, ref GB/s, ratio",
+        left=("disp",),
+    )
     for r in rows:
         if r["bench"] != "moe_layer":
             continue
@@ -373,18 +357,20 @@ def print_tables(rows: list[dict], meta: dict) -> None:
             str(r["tokens_per_rank"]),
             r["dispatcher"],
             *(
-                _fmt(r[k])
+                fmt(r[k])
                 for k in ("t_route_us", "t_dispatch_us", "t_routed_us", "t_combine_us", "t_shared_us", "t_layer_us")
             ),
             f"{r['bytes_sent'] / 1e6:.2f}",
-            _fmt(r["algbw_GBps"], ".3g"),
-            _fmt(r["ref_algbw_GBps"], ".3g"),
+            fmt(r["algbw_GBps"], ".3g"),
+            fmt(r["ref_algbw_GBps"], ".3g"),
             "-" if ratio is None else f"[{'green' if ratio >= 0.85 else 'red'}]{ratio:.2f}[/]",
         )
     console.print(layer)
-    gemm = Table(title="routed experts (grouped GEMM) vs dense GEMM, same run", box=None)
-    for col in ("regime", "L", "rows/exp", "µs", "TFLOP/s", "mm-only", "dense", "same-FLOPs", "ratio", "wt GB/s"):
-        gemm.add_column(col, justify="left" if col == "regime" else "right")
+    gemm = bench_table(
+        "routed experts (grouped GEMM) vs dense GEMM, same run",
+        "regime, L, rows/exp, µs, TFLOP/s, mm-only, dense, same-FLOPs, ratio, wt GB/s",
+        left=("regime",),
+    )
     for r in rows:
         if r["bench"] != "grouped_gemm":
             continue
@@ -396,16 +382,12 @@ def print_tables(rows: list[dict], meta: dict) -> None:
             r["regime"],
             str(r["experts_per_gpu"]),
             str(r["rows_per_expert"]),
-            _fmt(r["t_routed_us"]),
-            _fmt(r["tflops"], ".3g"),
-            _fmt(r.get("tflops_grouped_mm_only"), ".3g"),
-            _fmt(r["dense_tflops"], ".3g"),
-            _fmt(r["dense_same_flops_tflops"], ".3g"),
+            fmt(r["t_routed_us"]),
+            fmt(r["tflops"], ".3g"),
+            fmt(r.get("tflops_grouped_mm_only"), ".3g"),
+            fmt(r["dense_tflops"], ".3g"),
+            fmt(r["dense_same_flops_tflops"], ".3g"),
             f"[{'green' if ratio >= 0.7 else 'red'}]{ratio:.2f}[/]",
-            _fmt(r["weight_read_GBps"], ".3g"),
+            fmt(r["weight_read_GBps"], ".3g"),
         )
     console.print(gemm)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

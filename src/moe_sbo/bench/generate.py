@@ -29,8 +29,8 @@ reads them all), ``layer_tpot_us`` (TPOT / layers) beside
 tokens equal ``transformers``' for the first ``--compare-tokens``; bf16 on different kernels may drift
 later, docs/MODELS.md).
 
-Usage (GPU): ``python benchmarks/bench_generate.py --out DIR``; CPU smoke:
-``python benchmarks/bench_generate.py --out DIR --device cpu --tiny --decode transformers static``.
+Usage (GPU): ``moe-sbo bench generate --out DIR``; CPU smoke:
+``moe-sbo bench generate --out DIR --device cpu --tiny --decode transformers static``.
 """
 
 from __future__ import annotations
@@ -44,15 +44,13 @@ from statistics import median
 
 import torch
 
-from moe_sbo.config import DECODE_LOOPS, MLA_STEPS
-from moe_sbo.hf.generate import generate, prefill_tokens
-from moe_sbo.hf.model import load_model
-from moe_sbo.launch.ranks import LocalRanks
-from moe_sbo.measure.results import result_meta
-from moe_sbo.measure.timing import memory_read_us
-from moe_sbo.overlap import OVERLAP_MODES
-from moe_sbo.planner.inputs import SEED_INPUTS
-from moe_sbo.planner.inputs import load_model as load_plan_model
+from ..hf.generate import generate, prefill_tokens
+from ..hf.model import load_model
+from ..launch.ranks import LocalRanks
+from ..measure.results import result_meta
+from ..measure.timing import memory_read_us
+from ..planner.inputs import SEED_INPUTS
+from ..planner.inputs import load_model as load_plan_model
 
 # moe-sbo plan's per-layer share of a token's time for DeepSeek-V3: 20 ms TPOT over its 61 layers.
 PLANNER_LAYER_SHARE_US = SEED_INPUTS["tpot_ms"] * 1e3 / load_plan_model(SEED_INPUTS["model"]).num_hidden_layers
@@ -101,7 +99,7 @@ def write_checkpoint(path: Path, args, device: str) -> None:
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+        model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     with torch.no_grad():  # a trained router's correction bias is not zero
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
@@ -133,7 +131,7 @@ def transformers_row(path: Path, prompts, args, device: str) -> dict:
 
     before = peak_rss_mb()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]
     grown = peak_rss_mb() - before
     experts_implementation = getattr(model.config, "_experts_implementation", None)
     # Warm-up: the same generation once. cuDNN builds an attention plan per sequence length (~10 ms
@@ -247,39 +245,10 @@ def moe_sbo_rows(path: Path, prompts, args, baseline: dict) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="small dims (CPU smoke)")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 1], help="moe-sbo rows at each EP size")
-    parser.add_argument(
-        "--dispatcher",
-        nargs="+",
-        default=["alltoall", "low_latency"],
-        help="prefill dispatchers at EP > 1 (EP1: local)",
-    )
-    parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
-    parser.add_argument(
-        "--mla",
-        nargs="+",
-        default=["absorbed"],
-        choices=MLA_STEPS,
-        help="MLA decode step: latent-space attention (load_model's absorb_mla) or transformers' own",
-    )
-    parser.add_argument("--overlap", default="none", choices=list(OVERLAP_MODES), help="the MoE layers' overlap mode")
-    parser.add_argument("--compare-tokens", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3, help="timed generations per row (the row: their median)")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="where to write it (default: a temp dir)")
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench generate``: write the checkpoint, then the transformers row and moe-sbo's."""
     if args.device != "cuda" and "cuda_graph" in args.decode:
-        parser.error("--decode cuda_graph needs --device cuda")
+        raise ValueError("--decode cuda_graph needs --device cuda; leave cuda_graph out of --decode on CPU")
     args.out.mkdir(parents=True, exist_ok=True)
     timer = "transformers decode: host clock, CUDA synchronised per token; static and cuda_graph: CUDA events"
     meta = {**result_meta(args.device, max(args.ranks)), "timer": timer}
@@ -295,7 +264,3 @@ def main(argv: list[str] | None = None) -> int:
         rows = [baseline, *moe_sbo_rows(path, prompts, args, baseline)]
     (args.out / "generate.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,21 +1,21 @@
-"""Smoke test of ``benchmarks/bench_fp8_experts.py``: its CPU mode (the torch path, small dims,
+"""Smoke test of ``moe-sbo bench fp8-experts``: its CPU mode (the torch path, small dims,
 ``--quick``) runs in a subprocess, exits 0 and writes ``fp8_experts.json`` with the fields its rows
-promise (docs/BENCHMARKS.md). It checks that the script works, not what it measures (benchmarks are
+promise (docs/BENCHMARKS.md). It checks that the mode works, not what it measures (benchmarks are
 not tests); the GPU-only fields (``ref_scaled_mm_tflops``) are written on CUDA."""
 
 from __future__ import annotations
 
 import json
 
-from bench_scripts import run_bench_script
+from bench_modes import run_mode
 
 MLP_FIELDS = ("weight_dtype", "experts", "rows_per_expert", "t_us", "t_eager_us", "tflops", "weight_gbps")
 FP8_MLP_FIELDS = ("speedup_vs_bf16", "speedup_eager_vs_bf16", "eager_path", "rel_err_vs_bf16")
 
 
 def test_cpu_smoke_writes_mlp_and_layer_rows(tmp_path):
-    run_bench_script(
-        "bench_fp8_experts.py",
+    run_mode(
+        "fp8-experts",
         *("--out", str(tmp_path), "--device", "cpu", "--quick", "--experts", "4", "--decode-rows", "4"),
         *("--prefill-rows", "16", "--hidden-size", "256", "--intermediate-size", "128"),
         *("--layer-experts", "8", "--layer-tokens", "16"),

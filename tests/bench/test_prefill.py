@@ -1,18 +1,18 @@
-"""Smoke test of ``benchmarks/bench_prefill.py``: its CPU mode (2 gloo ranks, H = 256, ``--quick``)
+"""Smoke test of ``moe-sbo bench prefill``: its CPU mode (2 gloo ranks, H = 256, ``--quick``)
 runs in a subprocess, exits 0, and writes ``prefill.json`` whose eager ``low_latency`` row carries the
 host time of each dispatcher call, the compute floor and the wire reference. It checks that the
-script works, not what it measures (benchmarks are not tests)."""
+mode works, not what it measures (benchmarks are not tests)."""
 
 from __future__ import annotations
 
 import json
 
-from bench_scripts import run_bench_script
+from bench_modes import run_mode
 
 
 def test_cpu_smoke_writes_host_floor_and_wire_fields(tmp_path):
-    run_bench_script(
-        "bench_prefill.py",
+    run_mode(
+        "prefill",
         "--out",
         str(tmp_path),
         "--device",

@@ -23,8 +23,8 @@ routed experts (grouped GEMM on the rows this rank received) + shared experts, e
 the same tokens (replayed from CUDA graphs on GPUs), with ``floor_ratio`` = ``t_layer_us /
 t_floor_us``. Times are the slowest rank's medians. ``--plot`` draws dispatch and combine GB/s against tokens per path.
 
-Usage (GPU): ``python benchmarks/bench_prefill.py --out DIR [--plot DIR/prefill.png]``. CPU smoke:
-``python benchmarks/bench_prefill.py --out DIR --device cpu --quick --hidden-size 256 --experts-per-gpu 4
+Usage (GPU): ``moe-sbo bench prefill --out DIR [--plot DIR/prefill.png]``. CPU smoke:
+``moe-sbo bench prefill --out DIR --device cpu --quick --hidden-size 256 --experts-per-gpu 4
 --tokens 8 16``.
 """
 
@@ -35,30 +35,33 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from bench_low_latency import (
+from ..config import MoEConfig
+from ..dispatch.low_latency import LowLatencyDispatcher, RowFormat, kernels
+from ..launch.ranks import RankPool
+from ..layer import MoELayer
+from ..measure.results import ResultFile, result_meta
+from ..measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, line_up, time_fn, time_layer
+from .ep_sweep import EpSweep
+from .low_latency import (
     EAGER_SPANS,
     baseline_rank,
     bench_config,
     capture,
+    low_latency_layer,
     raw_all_to_all,
+    row_labels,
     summarise,
     time_back_to_back,
     time_graphs,
 )
-from moe_sbo.config import PRESETS, MoEConfig
-from moe_sbo.dispatch.low_latency import RowFormat, kernels
-from moe_sbo.launch.ranks import RankPool
-from moe_sbo.layer import MoELayer
-from moe_sbo.measure.options import Sweep, add_sweep_args, default_dtype_name
-from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import DISPATCHER_CALLS, dispatcher_call_host_us, line_up, time_fn, time_layer
 
-DEFAULT_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
 TARGETS = {"tokens_per_rank": 4096, "phase_vs_wire": 1.2, "floor_ratio": 1.10}
 
 
@@ -159,28 +162,19 @@ def prefill_rank(
                 previous = kernels.TWO_PASS_MIN_CAPACITY
                 kernels.TWO_PASS_MIN_CAPACITY = 1 if plan == "two_pass" else tokens + 1
                 try:
-                    layer = MoELayer(
-                        cfg,
-                        dispatcher="low_latency",
-                        dtype=dtype,
-                        device=device,
-                        seed=seed,
-                        dispatcher_options={
-                            "max_tokens_per_rank": tokens,
-                            "transport": transport,
-                            "index_graphs": index_graphs,
-                        },
-                    )
+                    options = {"max_tokens_per_rank": tokens, "transport": transport, "index_graphs": index_graphs}
+                    layer = low_latency_layer(cfg, dtype, device, seed, options)
                     if not floor:
                         floor = floor_us(layer, x_TH, warmup, iters)
+                    fused = cast(LowLatencyDispatcher, layer.dispatcher).uses_triton(device)
                     common = {
                         "rank": rank,
                         "tokens": tokens,
                         "capacity": tokens,
                         "transport": transport,
                         "plan": plan,
-                        "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
-                        "index_graphs": index_graphs and layer.dispatcher.uses_triton(device),
+                        "kernels": "triton" if fused else "torch",
+                        "index_graphs": index_graphs and fused,
                         "dispatch_dtype": str(dtype).removeprefix("torch."),
                         **refs,
                         **floor,
@@ -189,7 +183,7 @@ def prefill_rank(
                     common.update(dataclasses.asdict(layer.last_traffic))  # the four byte counts
                     host = host_phase_us(layer, x_TH, iters)
                     # Forwards issued back to back, as in a model (the host runs ahead of the GPU).
-                    b2b = time_back_to_back(lambda layer=layer: layer(x_TH), device, iters)
+                    b2b = time_back_to_back(partial(layer, x_TH), device, iters)
                     eager_row = {**common, "graph": False, **{k: eager[k] for k in EAGER_SPANS}, **host}
                     rows.append({**eager_row, "t_layer_b2b_us": b2b})
                     if cuda and index_graphs:  # a caller's capture bypasses index_graphs: once per path
@@ -280,40 +274,9 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_sweep_args(p, "prefill.json", iters=20)
-    p.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS, help="tokens per rank")
-    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
-    p.add_argument("--experts-per-gpu", type=int, default=32, help="routed experts per GPU (E = this x EP)")
-    p.add_argument("--hidden-size", type=int, default=None, help="override the preset's H (smoke runs)")
-    p.add_argument(
-        "--transports",
-        nargs="+",
-        default=["symm_mem", "copy_engine", "nccl"],
-        choices=["nccl", "symm_mem", "copy_engine"],
-        help="low_latency transports (CUDA, EP > 1 for symm_mem and copy_engine; skipped otherwise)",
-    )
-    p.add_argument(
-        "--one-pass-max",
-        type=int,
-        default=4096,
-        help="also run the one-pass (decode) kernels up to this many tokens, for comparison",
-    )
-    p.add_argument(
-        "--no-direct-launches",
-        dest="direct_launches",
-        action="store_false",
-        help="skip the eager rows with index_graphs=False (the kernels launched on every forward)",
-    )
-    p.add_argument("--baselines", nargs="*", default=["alltoall"], choices=["allgather", "alltoall"])
-    p.add_argument("--plot", default=None, help="PNG: GB/s against tokens per path")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    sweep = Sweep.from_args(args, args.tokens)  # bad input raises here, before any rank starts
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench prefill``: per EP size the low_latency paths, then the baselines; 1 if a step failed."""
+    sweep = EpSweep.from_args(args, args.tokens)  # bad input raises here, before any rank starts
     device, warmup, iters, ep_sizes = sweep.device, sweep.warmup, sweep.iters, sweep.ep_sizes
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -333,13 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for p in ep_sizes:
         cfg = bench_config(args.preset, args.experts_per_gpu, p, args.hidden_size)
-        common = {
-            "preset": args.preset,
-            "experts_per_gpu": args.experts_per_gpu,
-            "num_experts": cfg.num_experts,
-            "hidden_size": cfg.hidden_size,
-            "dtype": default_dtype_name(device),
-        }
+        common = row_labels(args, cfg, device)
         transports = [t for t in args.transports if t == "nccl" or (device == "cuda" and p > 1)]
         pool = RankPool(p, device)
         jobs: list[tuple[str, Callable, tuple]] = [
@@ -382,7 +339,3 @@ def main(argv: list[str] | None = None) -> int:
             f"+{row.get('host_combine_wait_us') or 0:.0f}"
         )
     return 1 if results.errors else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -26,8 +26,8 @@ expert's weights, so at decode sizes, where reading all L experts' weights is th
 data behind ``fp8_gemm.gemm_config``, and the quantisers between them (``quantize_rows`` of rows read
 through an index: ``gather_then_quantize`` against ``quantize_through_index``).
 
-Usage (GPU): ``python benchmarks/bench_fp8_experts.py --out DIR [--sweep]``. CPU smoke (Triton
-interpreter): ``TRITON_INTERPRET=1 python benchmarks/bench_fp8_experts.py --out DIR --device cpu --quick``.
+Usage (GPU): ``moe-sbo bench fp8-experts --out DIR [--sweep]``. CPU smoke (Triton interpreter):
+``TRITON_INTERPRET=1 moe-sbo bench fp8-experts --out DIR --device cpu --quick``.
 """
 
 from __future__ import annotations
@@ -35,24 +35,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
+from functools import partial
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from moe_sbo.config import get_preset
-from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
-from moe_sbo.experts.fp8_torch import grouped_scaled_mm
-from moe_sbo.experts.routed import RoutedExperts
-from moe_sbo.experts.routes import SCALED_MM
-from moe_sbo.experts.select import Conditions
-from moe_sbo.layer import MoELayer
-from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import KernelTimer, time_fn
-from moe_sbo.quant import kernels as quant_kernels
-from moe_sbo.streams import capture_graph
-from moe_sbo.weights import layer_weights, seeded_normal
+from ..config import get_preset
+from ..experts import fp8_gemm, fp8_gemm_sm90
+from ..experts.fp8_torch import grouped_scaled_mm
+from ..experts.routed import RoutedExperts
+from ..experts.routes import SCALED_MM
+from ..experts.select import Conditions
+from ..layer import MoELayer
+from ..measure.results import ResultFile, result_meta
+from ..measure.timing import KernelTimer, time_fn
+from ..quant import kernels as quant_kernels
+from ..streams import capture_graph
+from ..weights import layer_weights, seeded_normal
 
 SWEEP_CONFIGS = [
     fp8_gemm.GemmConfig(block_m, block_n, group_m, warps, stages, tma=tma)
@@ -121,8 +121,8 @@ def bench_case(fp8, dense, rows_per_expert: int, timer: KernelTimer, device: tor
     out = []
     for name, experts in (("bf16", dense), ("fp8", fp8)):
         with torch.no_grad():
-            t_us = graph_time(lambda experts=experts: experts(x_RH, counts_L), timer, device)
-            t_eager_us = timer(lambda experts=experts: experts(x_RH, counts_L))
+            t_us = graph_time(lambda: experts(x_RH, counts_L), timer, device)
+            t_eager_us = timer(lambda: experts(x_RH, counts_L))
         weight_bytes = num_experts * 3 * hidden * inter * (1 if name == "fp8" else 2)
         out.append(
             {
@@ -149,7 +149,7 @@ def bench_case(fp8, dense, rows_per_expert: int, timer: KernelTimer, device: tor
             q_RK = torch.randn(x_RH.shape[0], k, generator=generator, device=device).to(torch.float8_e4m3fn)
             ones_R1, ones_1N = torch.ones(x_RH.shape[0], 1, device=device), torch.ones(1, w_NK.shape[0], device=device)
             t_ref_us += graph_time(
-                lambda q=q_RK, w=w_NK, a=ones_R1, b=ones_1N: torch._scaled_mm(q, w.t(), a, b, out_dtype=dtype),
+                lambda: torch._scaled_mm(q_RK, w_NK.t(), ones_R1, ones_1N, out_dtype=dtype),
                 timer,
                 device,
             )
@@ -196,7 +196,7 @@ def sweep_case(
                 gemm,
                 n,
                 k,
-                lambda q=q, s=s, w=w, ws=ws, c=config: fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, dtype, c),
+                lambda: fp8_gemm.grouped_gemm(q, s, w, ws, offsets_L, dtype, config),
                 **vars(config),
             )
         if fp8_gemm_sm90.supported(q, w):
@@ -205,9 +205,7 @@ def sweep_case(
                     gemm,
                     n,
                     k,
-                    lambda q=q, s=s, w=w, ws=ws, c=ws_config: fp8_gemm_sm90.grouped_gemm(
-                        q, s, w, ws, offsets_L, dtype, c
-                    ),
+                    lambda: fp8_gemm_sm90.grouped_gemm(q, s, w, ws, offsets_L, dtype, ws_config),
                     impl="sm90_ws",
                     block_m=ws_config.block_m,
                     **vars(ws_config),
@@ -221,7 +219,7 @@ def sweep_case(
                 gemm,
                 n,
                 k,
-                lambda q=q, w_KN=w_KN: torch._scaled_mm(q, w_KN, ones_R1, ones_1N, out_dtype=dtype),
+                lambda: torch._scaled_mm(q, w_KN, ones_R1, ones_1N, out_dtype=dtype),
                 impl="scaled_mm_rowwise",
             )
             if SCALED_MM.supports(Conditions.of(q, True, rows_per_expert)) is None:
@@ -230,7 +228,7 @@ def sweep_case(
                     gemm,
                     n,
                     k,
-                    lambda q=q, s=s, w=w, ws=ws: grouped_scaled_mm(q, s, w, ws, counts, dtype),
+                    lambda: grouped_scaled_mm(q, s, w, ws, counts, dtype),
                     impl="scaled_mm_blockwise_per_expert",
                 )
     row(
@@ -341,7 +339,7 @@ def layer_rows(
             )
             with torch.no_grad():
                 t_us = time_fn(
-                    lambda layer=layer: layer(x),
+                    partial(layer, x),
                     device,
                     3 if quick else 20,
                     5 if quick else 200,
@@ -376,27 +374,9 @@ def layer_rows(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="short timings (CPU smoke)")
-    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--decode-rows", type=int, nargs="*", default=[16, 32, 64, 128, 256])
-    parser.add_argument("--prefill-rows", type=int, nargs="*", default=[512, 1024, 2048, 4096])
-    parser.add_argument("--max-rows", type=int, default=65536, help="skip cases with more rows in all")
-    parser.add_argument("--hidden-size", type=int, default=7168)
-    parser.add_argument("--intermediate-size", type=int, default=2048)
-    parser.add_argument("--sweep", action="store_true", help="also time each GEMM per tile config")
-    parser.add_argument("--sweep-only", action="store_true", help="only the per-GEMM sweep (no MLP or layer rows)")
-    parser.add_argument(
-        "--sweep-chosen",
-        action="store_true",
-        help="sweep only the configs fp8_gemm chooses from (and the sm90 kernel's)",
-    )
-    parser.add_argument("--layer-experts", type=int, default=32)
-    parser.add_argument("--layer-tokens", type=int, nargs="*", default=[32, 128, 4096])
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench fp8-experts``: the MLP rows per experts and rows per expert (and the sweep's),
+    then the layer rows."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args.out.mkdir(parents=True, exist_ok=True)
@@ -445,7 +425,3 @@ def main(argv: list[str] | None = None) -> int:
         )
         results.save()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

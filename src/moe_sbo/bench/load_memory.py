@@ -6,7 +6,7 @@ bytes), then loads it on ``--ranks`` fresh CPU ranks (gloo) and reports, per ran
 its peak resident set (``ru_maxrss``) during the load, the bytes it must hold, and the largest
 tensor of the checkpoint. Prints one JSON object; ``--out`` writes it too.
 
-Usage (CPU): ``python benchmarks/measure_load_memory.py [--ranks 2] [--out FILE]``.
+Usage (CPU): ``moe-sbo bench load-memory [--ranks 2] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from bench_generate import deepseek_v3_config
-from moe_sbo.hf.model import load_model
-from moe_sbo.launch.ranks import LocalRanks
+from ..hf.model import load_model
+from ..launch.ranks import LocalRanks
+from .generate import deepseek_v3_config
 
 
 def write_checkpoint(path: Path, experts: int, layers: int) -> None:
@@ -51,13 +51,8 @@ def load_rank(device, path: str) -> dict:
     return {"peak_rss_growth_mb": (after - before) / 1024, "held_mb": held / 2**20}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench load-memory``: write the checkpoint, load it on the ranks, print the result."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
         write_checkpoint(path, args.experts, args.layers)
@@ -82,7 +77,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,13 +1,13 @@
-"""Smoke test of ``benchmarks/bench_low_latency.py``: its CPU mode (2 gloo ranks, ``tiny`` at H = 128 so
+"""Smoke test of ``moe-sbo bench low-latency``: its CPU mode (2 gloo ranks, ``tiny`` at H = 128 so
 fp8 applies, ``--quick``) runs in a subprocess, exits 0, and writes ``low_latency.json`` with the
-result-file fields, positive times and the fixed-block bytes. It checks that the script works, not
+result-file fields, positive times and the fixed-block bytes. It checks that the mode works, not
 what it measures (benchmarks are not tests)."""
 
 from __future__ import annotations
 
 import json
 
-from bench_scripts import run_bench_script
+from bench_modes import run_mode
 
 FIELDS = (
     "bench",
@@ -32,8 +32,8 @@ FIELDS = (
 
 
 def test_cpu_smoke_writes_result_file(tmp_path):
-    proc = run_bench_script(
-        "bench_low_latency.py",
+    proc = run_mode(
+        "low-latency",
         "--out",
         str(tmp_path),
         "--device",
@@ -79,8 +79,8 @@ def test_cpu_smoke_writes_result_file(tmp_path):
 def test_cpu_smoke_index_graph_settings(tmp_path):
     """``--index-graphs on fixed_rows off`` (fused kernels under Triton's interpreter): one eager row
     per setting, each saying how it ran."""
-    run_bench_script(
-        *("bench_low_latency.py", "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny"),
+    run_mode(
+        *("low-latency", "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny"),
         *("--hidden-size", "128", "--experts-per-gpu", "4", "--quick", "--ranks", "2", "--tokens", "4"),
         *("--kernels", "triton", "--transports", "nccl", "--fp8", "off", "--baselines"),
         *("--index-graphs", "on", "fixed_rows", "off"),
@@ -95,8 +95,8 @@ def test_cpu_smoke_index_graph_settings(tmp_path):
 def test_cpu_smoke_expert_kernels(tmp_path):
     """``--expert-kernels tiled torch``: one eager row per choice, each naming the routed experts'
     GEMMs that ran (the tiled Triton GEMM under the interpreter, torch's grouped GEMM)."""
-    run_bench_script(
-        *("bench_low_latency.py", "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny"),
+    run_mode(
+        *("low-latency", "--out", str(tmp_path), "--device", "cpu", "--preset", "tiny"),
         *("--hidden-size", "128", "--experts-per-gpu", "4", "--quick", "--ranks", "1", "--tokens", "4"),
         *("--kernels", "torch", "--transports", "nccl", "--fp8", "off", "--baselines"),
         *("--expert-kernels", "tiled", "torch"),
@@ -105,3 +105,14 @@ def test_cpu_smoke_expert_kernels(tmp_path):
     rows = json.loads((tmp_path / "low_latency.json").read_text())["rows"]
     assert [(r["expert_kernels"], r["expert_path"]) for r in rows] == [("tiled", "tiled"), ("torch", "grouped_mm")]
     assert all("error" not in r and r["t_layer_us"] > 0 for r in rows), rows
+
+
+def test_choices_named_without_torch_are_the_runners():
+    """The parser names ``--expert-kernels`` and ``--fp8``'s choices without importing torch: they
+    must be ``RoutedExperts``' kernels and the runner's fp8 settings."""
+    from moe_sbo.bench import low_latency
+    from moe_sbo.cli.parsers import bench_low_latency
+    from moe_sbo.experts.select import DENSE_KERNELS
+
+    assert bench_low_latency.EXPERT_KERNELS == DENSE_KERNELS
+    assert bench_low_latency.FP8_CHOICES == tuple(sorted(low_latency.FP8_CHOICES))

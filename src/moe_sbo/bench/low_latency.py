@@ -1,4 +1,4 @@
-"""Low-latency benchmark (issue 6): the ``low_latency`` dispatcher at decode sizes, replayed from CUDA
+"""Low-latency benchmark: the ``low_latency`` dispatcher at decode sizes, replayed from CUDA
 graphs, beside raw NCCL on the same bytes and the ``allgather``/``alltoall`` dispatchers, in one run.
 
 Model: DeepSeek-V3 dims (H 7168, I 2048, top-8, one shared expert) with ``--experts-per-gpu`` routed
@@ -26,8 +26,8 @@ Timing: every timed call is preceded by a line-up (synchronize + barrier) outsid
 spans are CUDA events on the current stream (host clock on CPU); medians over ``--iters``; the row
 holds the slowest rank's median. On CPU (``--device cpu``, gloo) nothing is captured: a smoke run.
 
-Usage (GPU): ``python benchmarks/bench_low_latency.py --out DIR``; the issue's run is 4 GPUs.
-CPU smoke: ``python benchmarks/bench_low_latency.py --out DIR --device cpu --preset tiny --hidden-size 128
+Usage (GPU): ``moe-sbo bench low-latency --out DIR [--ranks 4]``.
+CPU smoke: ``moe-sbo bench low-latency --out DIR --device cpu --preset tiny --hidden-size 128
 --experts-per-gpu 4 --quick --tokens 4 16``.
 """
 
@@ -37,25 +37,25 @@ import argparse
 import dataclasses
 import itertools
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from bench_foundation import _fmt
-from moe_sbo.config import PRESETS, MoEConfig, get_preset
-from moe_sbo.dispatch.low_latency import RowFormat
-from moe_sbo.env import triton_interpreting
-from moe_sbo.experts.select import DENSE_KERNELS
-from moe_sbo.launch.ranks import RankPool
-from moe_sbo.layer import MoELayer
-from moe_sbo.measure.options import Sweep, add_sweep_args, default_dtype_name
-from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import Stamps, line_up, time_fn, time_layer, time_raw_all_to_all
-from moe_sbo.streams import capture_graph
+from ..config import MoEConfig, get_preset
+from ..dispatch.low_latency import LowLatencyDispatcher, RowFormat
+from ..env import triton_interpreting
+from ..launch.ranks import RankPool
+from ..layer import MoELayer
+from ..measure.options import default_dtype_name
+from ..measure.results import ResultFile, result_meta
+from ..measure.timing import Stamps, line_up, time_fn, time_layer
+from ..streams import capture_graph
+from .ep_sweep import EpSweep
+from .foundation import bench_console, bench_table, fmt, layer_bench_rank
 
 TARGETS = {"tokens_per_rank": 128, "t_dispatch_us": 60.0, "t_combine_us": 80.0, "overhead_vs_nccl": 1.2}
 FP8_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -74,10 +74,28 @@ def bench_config(preset: str, experts_per_gpu: int, ep: int, hidden_size: int | 
     return cfg if hidden_size is None else cfg.replace(hidden_size=hidden_size)
 
 
+def row_labels(args: argparse.Namespace, cfg: MoEConfig, device: str) -> dict[str, Any]:
+    """What every row of one EP size says about its model: preset, experts per GPU and in all, H, dtype."""
+    return {
+        "preset": args.preset,
+        "experts_per_gpu": args.experts_per_gpu,
+        "num_experts": cfg.num_experts,
+        "hidden_size": cfg.hidden_size,
+        "dtype": default_dtype_name(device),
+    }
+
+
+def low_latency_layer(
+    cfg: MoEConfig, dtype: torch.dtype, device: torch.device, seed: int, options: dict[str, Any]
+) -> MoELayer:
+    """The MoE layer of ``cfg`` on the ``low_latency`` dispatcher, ``options`` its dispatcher options."""
+    return MoELayer(cfg, dispatcher="low_latency", dtype=dtype, device=device, seed=seed, dispatcher_options=options)
+
+
 # ---- timing ------------------------------------------------------------------------------------------
 
 
-def capture(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[], None], object]:
+def capture(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[], object], Any]:
     """``fn`` as a CUDA graph (warmed up off the capture stream first) -> (replay, its static output).
     On CPU nothing is captured: the replay is ``fn`` itself."""
     if device.type != "cuda":
@@ -140,41 +158,32 @@ def low_latency_rank(
             settings = itertools.product(fp8_modes, paths, index_graphs, expert_kernels)
             for fp8, (kernels, transport), setting, experts_kernels in settings:
                 graphs, fixed_rows, index_rows = setting != "off", setting == "fixed_rows", setting == "index_rows"
-                layer = MoELayer(
-                    cfg,
-                    dispatcher="low_latency",
-                    dtype=dtype,
-                    device=device,
-                    seed=seed,
-                    dispatcher_options={
-                        "max_tokens_per_rank": cap,
-                        "fp8": fp8,
-                        "kernels": kernels,
-                        "transport": transport,
-                        "index_graphs": graphs,
-                        "fixed_expert_rows": fixed_rows,
-                        "index_rows": index_rows,
-                    },
+                options = dict(
+                    max_tokens_per_rank=cap, fp8=fp8, kernels=kernels, transport=transport, index_graphs=graphs
                 )
+                options.update(fixed_expert_rows=fixed_rows, index_rows=index_rows)
+                layer = low_latency_layer(cfg, dtype, device, seed, options)
                 layer.experts.kernels = experts_kernels
+                dispatcher = cast(LowLatencyDispatcher, layer.dispatcher)
+                fused = dispatcher.uses_triton(device)
                 fmt = RowFormat.make(cfg.hidden_size, cfg.num_experts_per_tok, dtype, fp8)
                 expert_rows = dist.get_world_size() * cap * cfg.num_experts_per_tok  # P x C x K, padding included
-                common = {
+                common: dict[str, Any] = {
                     "rank": rank,
                     "tokens": tokens,
                     "capacity": cap,
                     "transport": transport,
-                    "kernels": "triton" if layer.dispatcher.uses_triton(device) else "torch",
-                    "index_graphs": graphs and layer.dispatcher.uses_triton(device),
-                    **({"fixed_expert_rows": True} if fixed_rows and layer.dispatcher.uses_triton(device) else {}),
-                    **({"index_rows": True} if index_rows and layer.dispatcher.uses_triton(device) else {}),
+                    "kernels": "triton" if fused else "torch",
+                    "index_graphs": graphs and fused,
+                    **({"fixed_expert_rows": True} if fixed_rows and fused else {}),
+                    **({"index_rows": True} if index_rows and fused else {}),
                     "dispatch_dtype": "float8_e4m3fn" if fp8 else str(dtype).removeprefix("torch."),
                     "expert_kernels": experts_kernels,
                 }
                 if not layer.experts.fp8:  # FP8 experts choose by graph capture too: no one path for both
                     rows_like = torch.empty(expert_rows, 0, dtype=dtype, device=device)
                     common["expert_path"] = layer.experts.route(
-                        rows_like, cap * cfg.num_experts_per_tok, indexed=layer.dispatcher.rows_in_place(device)
+                        rows_like, cap * cfg.num_experts_per_tok, indexed=dispatcher.rows_in_place(device)
                     ).name
                 if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
@@ -216,38 +225,11 @@ def time_graphs(layer: MoELayer, x_TH: torch.Tensor, warmup: int, iters: int) ->
 def baseline_rank(
     device: torch.device, cfg: MoEConfig, dispatcher: str, tokens_list: list[int], warmup: int, iters: int, seed: int
 ) -> list[dict]:
-    """One rank's eager rows for a variable-size dispatcher, raw all-to-all on its mean bytes beside."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = []
-    with torch.inference_mode():
-        layer = MoELayer(cfg, dispatcher=dispatcher, dtype=dtype, device=device, seed=seed)
-        for tokens in tokens_list:
-            generator = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 131 + tokens)
-            x_TH = torch.randn(tokens, cfg.hidden_size, generator=generator, device=device).to(dtype)
-            times = time_layer(layer, x_TH, warmup, iters)
-            traffic = layer.last_traffic
-            row = {
-                "rank": rank,
-                "tokens": tokens,
-                "dispatch_dtype": str(dtype).removeprefix("torch."),
-                "graph": False,
-                **{k: times[k] for k in EAGER_SPANS},
-                "dispatch_bytes_sent": traffic.dispatch_bytes_sent,
-                "dispatch_bytes_recv": traffic.dispatch_bytes_recv,
-                "combine_bytes_sent": traffic.combine_bytes_sent,
-                "combine_bytes_recv": traffic.combine_bytes_recv,
-            }
-            if world > 1:
-                # Raw NCCL on the same bytes, the mean over ranks of each phase.
-                sent = (traffic.dispatch_bytes_sent, traffic.combine_bytes_sent)
-                times, _ = time_raw_all_to_all(sent, dtype, device, warmup, iters, seed, rule="mean")
-                row["ref_t_dispatch_us"], row["ref_t_combine_us"] = times
-            rows.append(row)
-        del layer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return rows
+    """One rank's eager rows for a variable-size dispatcher, raw all-to-all on its mean bytes beside
+    (``foundation.layer_bench_rank``'s rows in the device's dtype, labelled as this benchmark's)."""
+    rows = layer_bench_rank(device, cfg, dispatcher, tokens_list, None, warmup, iters, seed)
+    dtype_name = default_dtype_name(device.type)
+    return [{**row, "dispatch_dtype": dtype_name, "graph": False} for row in rows]
 
 
 # ---- summary -----------------------------------------------------------------------------------------
@@ -316,55 +298,10 @@ def summarise(per_rank: list[list[dict]], common: dict, dispatcher: str) -> list
 # ---- driver ------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_sweep_args(p, "low_latency.json", iters=50)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 64, 128, 256], help="tokens per rank")
-    p.add_argument(
-        "--capacity", type=int, default=None, help="max_tokens_per_rank for every row (default: each row's token count)"
-    )
-    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
-    p.add_argument("--experts-per-gpu", type=int, default=8, help="routed experts per GPU (E = this x EP)")
-    p.add_argument("--hidden-size", type=int, default=None, help="override the preset's H (smoke runs)")
-    p.add_argument("--fp8", default="both", choices=sorted(FP8_CHOICES), help="low_latency dispatch in fp8")
-    p.add_argument(
-        "--kernels",
-        nargs="+",
-        default=["triton", "torch"],
-        choices=["triton", "torch"],
-        help="low_latency kernel paths (triton: fused kernels, CUDA or TRITON_INTERPRET=1; torch: the reference chain)",
-    )
-    p.add_argument(
-        "--transports",
-        nargs="+",
-        default=["nccl", "symm_mem"],
-        choices=["nccl", "symm_mem"],
-        help="low_latency transports (symm_mem: fused kernels on CUDA; skipped otherwise)",
-    )
-    p.add_argument(
-        "--index-graphs",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off", "fixed_rows", "index_rows"],
-        help="low_latency's index_graphs option (fixed_rows: on, with fixed_expert_rows; index_rows: on, with "
-        "index_rows, the experts reading the received rows in place), each setting its own "
-        "eager rows (replayed rows once per path, and for index_rows)",
-    )
-    p.add_argument(
-        "--expert-kernels",
-        nargs="+",
-        default=["auto"],
-        choices=list(DENSE_KERNELS),
-        help="the routed experts' kernels (RoutedExperts.kernels), each its own rows; bf16 experts",
-    )
-    p.add_argument("--baselines", nargs="*", default=["allgather", "alltoall"], choices=["allgather", "alltoall"])
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench low-latency``: per EP size the low_latency rows, then the baselines'; 1 if a step failed."""
     # Bad input raises here, before any rank starts.
-    sweep = Sweep.from_args(args, args.tokens)
+    sweep = EpSweep.from_args(args, args.tokens)
     device, warmup, iters, ep_sizes = sweep.device, sweep.warmup, sweep.iters, sweep.ep_sizes
     if args.capacity is not None and args.capacity < max(args.tokens):
         raise ValueError(f"--capacity must be >= the largest --tokens {max(args.tokens)}, got {args.capacity}")
@@ -403,13 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for p in ep_sizes:
         cfg = configs[p]
-        common = {
-            "preset": args.preset,
-            "experts_per_gpu": args.experts_per_gpu,
-            "num_experts": cfg.num_experts,
-            "hidden_size": cfg.hidden_size,
-            "dtype": default_dtype_name(device),
-        }
+        common = row_labels(args, cfg, device)
         pool = RankPool(p, device)
         # Paths that cannot run here are left out, not failed: no Triton kernels on CPU (unless Triton's
         # interpreter runs them, TRITON_INTERPRET=1: a smoke run). At EP 1 symm_mem writes the rank's
@@ -418,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = [
             (k, t) for k in kernels for t in args.transports if t == "nccl" or (k == "triton" and device == "cuda")
         ]
-        jobs = [
+        jobs: list[tuple[str, Callable[..., list[dict]], tuple]] = [
             (
                 "low_latency",
                 low_latency_rank,
@@ -464,33 +395,16 @@ def _setting_label(row: dict) -> str:
 
 
 def print_table(rows: list[dict], meta: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=None if sys.stdout.isatty() else 170)
+    console = bench_console(170)
     console.print(
         f"{meta.get('gpu') or meta['device']} x{meta['world_size']}, torch {meta['torch']}, nccl "
         f"{meta['nccl']}; {meta['model_note']}; {meta['iters']} iters (median, slowest rank)"
     )
-    table = Table(title="low-latency decode: µs per phase; ref = raw all_to_all_single on the same bytes", box=None)
-    for col in (
-        "ep",
-        "T",
-        "dispatcher",
-        "path",
-        "wire",
-        "graph",
-        "dispatch",
-        "ref",
-        "x",
-        "combine",
-        "ref",
-        "x",
-        "layer",
-        "b2b",
-        "KB sent",
-    ):
-        table.add_column(col, justify="left" if col in ("dispatcher", "path", "wire") else "right")
+    table = bench_table(
+        "low-latency decode: µs per phase; ref = raw all_to_all_single on the same bytes",
+        "ep, T, dispatcher, path, wire, graph, dispatch, ref, x, combine, ref, x, layer, b2b, KB sent",
+        left=("dispatcher", "path", "wire"),
+    )
     for r in rows:
         if "error" in r:
             table.add_row(str(r["ep"]), "-", r["dispatcher"], "[red]error[/]")
@@ -498,7 +412,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
         at_target = r["tokens_per_rank"] == TARGETS["tokens_per_rank"] and r["graph"]
 
         def mark(value, key, limit):
-            text = _fmt(r.get(key), ".2f" if key.endswith("overhead") else ".0f")
+            text = fmt(r.get(key), ".2f" if key.endswith("overhead") else ".0f")
             if not at_target or value is None:
                 return text
             return f"[{'green' if value <= limit else 'red'}]{text}[/]"
@@ -511,17 +425,13 @@ def print_table(rows: list[dict], meta: dict) -> None:
             r["dispatch_dtype"],
             "y" if r["graph"] else "n",
             mark(r["t_dispatch_us"], "t_dispatch_us", TARGETS["t_dispatch_us"]),
-            _fmt(r.get("ref_t_dispatch_us")),
+            fmt(r.get("ref_t_dispatch_us")),
             mark(r.get("dispatch_overhead"), "dispatch_overhead", TARGETS["overhead_vs_nccl"]),
             mark(r["t_combine_us"], "t_combine_us", TARGETS["t_combine_us"]),
-            _fmt(r.get("ref_t_combine_us")),
+            fmt(r.get("ref_t_combine_us")),
             mark(r.get("combine_overhead"), "combine_overhead", TARGETS["overhead_vs_nccl"]),
-            _fmt(r["t_layer_us"]),
-            _fmt(r.get("t_layer_b2b_us")),
+            fmt(r["t_layer_us"]),
+            fmt(r.get("t_layer_b2b_us")),
             f"{r['bytes_sent'] / 1e3:.1f}",
         )
     console.print(table)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,13 @@
-"""Smoke test of ``benchmarks/bench_foundation.py``: its CPU mode (2 gloo ranks, ``tiny``, ``--quick``)
+"""Smoke test of ``moe-sbo bench foundation``: its CPU mode (2 gloo ranks, ``tiny``, ``--quick``)
 runs in a subprocess, exits 0, and writes ``foundation.json`` with the result-file fields
-(docs/BENCHMARKS.md) and positive times. It checks that the script works, not what it measures
+(docs/BENCHMARKS.md) and positive times. It checks that the mode works, not what it measures
 (benchmarks are not tests)."""
 
 from __future__ import annotations
 
 import json
 
-from bench_scripts import run_bench_script
+from bench_modes import run_mode
 
 LAYER_FIELDS = (
     "bench",
@@ -40,8 +40,8 @@ GEMM_FIELDS = (
 
 
 def test_cpu_smoke_writes_result_file(tmp_path):
-    proc = run_bench_script(
-        "bench_foundation.py",
+    proc = run_mode(
+        "foundation",
         "--out",
         str(tmp_path),
         "--device",

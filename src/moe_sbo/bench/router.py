@@ -1,4 +1,4 @@
-"""The router's expert selection: ``routing.select_experts`` (torch ops) against
+"""The router's expert selection: ``routing.router.select_experts`` (torch ops) against
 ``routing.kernel.select_experts_fused`` (one Triton launch), same logits, one GPU.
 
 Rows (``bench="router"``, ``OUT/router.json``) per preset and token count: ``t_graph_torch_us`` and
@@ -8,8 +8,8 @@ replayed from a CUDA graph: device time, launch gaps included; None on CPU), ``t
 without a sync, which is what an eager forward pays on the host), and ``same_experts`` (the two
 paths picked the same set for every token).
 
-Usage (GPU): ``python benchmarks/bench_router.py --out DIR``; CPU smoke (Triton's interpreter, host
-times meaningless): ``python benchmarks/bench_router.py --out DIR --device cpu --tokens 4 --host-calls 2``.
+Usage (GPU): ``moe-sbo bench router --out DIR``; CPU smoke (Triton's interpreter, host times
+meaningless): ``moe-sbo bench router --out DIR --device cpu --tokens 4 --host-calls 2``.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 
-from moe_sbo.config import get_preset
-from moe_sbo.measure.results import result_meta
-from moe_sbo.measure.timing import time_fn
-from moe_sbo.routing.router import Router
+from ..config import get_preset
+from ..measure.results import result_meta
+from ..measure.timing import time_fn
+from ..routing.router import Router
 
 
-def host_us(fn, calls: int, device: torch.device) -> float:
+def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     """Mean host µs per call over ``calls`` back-to-back calls (the device runs behind)."""
     fn()
     if device.type == "cuda":
@@ -41,14 +41,8 @@ def host_us(fn, calls: int, device: torch.device) -> float:
     return took / calls * 1e6
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--presets", nargs="+", default=["deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b"])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512, 4096, 16384])
-    parser.add_argument("--host-calls", type=int, default=200)
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench router``: both selections per preset and token count."""
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     graph = device.type == "cuda"
@@ -75,7 +69,3 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / "router.json"
     out.write_text(json.dumps({"meta": result_meta(args.device, 1), "rows": rows}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

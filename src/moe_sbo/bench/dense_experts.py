@@ -25,7 +25,7 @@ each GEMM of the MLP (gate_up, down) alone through the tiled GEMM under each til
 ``tflops`` and ``t_floor_us`` (that GEMM's weight read or FLOPs, whichever takes longer at the run's
 rates): the data behind ``tiled_gemm.dense_config``.
 
-Usage (GPU): ``python benchmarks/bench_gemv.py --out DIR [--sweep]``.
+Usage (GPU): ``moe-sbo bench dense-experts --out DIR [--sweep]``.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from moe_sbo.experts.routed import RoutedExperts
-from moe_sbo.experts.swiglu import swiglu
-from moe_sbo.experts.tiled_gemm import grouped_gemm
-from moe_sbo.experts.tiles import GemmConfig
-from moe_sbo.measure.results import result_meta
-from moe_sbo.measure.timing import KernelTimer, memory_read_us
+from ..experts.routed import RoutedExperts
+from ..experts.swiglu import swiglu
+from ..experts.tiled_gemm import grouped_gemm
+from ..experts.tiles import GemmConfig
+from ..measure.results import result_meta
+from ..measure.timing import KernelTimer, memory_read_us
 
 READ_PROBE_BYTES = 1 << 31  # the buffer the read rate is measured on: 2 GB, far past L2
 PATHS = {"gemv": "gemv", "tiled": "tiled", "grouped_mm": "torch"}  # row key -> RoutedExperts.kernels
@@ -65,9 +65,6 @@ POINTER_CONFIGS = [
 ]
 # The same tiles with tensor-descriptor loads (``tiled_gemm.dense_config``'s from 256 rows per expert).
 SWEEP_CONFIGS = POINTER_CONFIGS + [dataclasses.replace(c, tma=True) for c in POINTER_CONFIGS]
-
-
-DRAWS = ("random", "equal")
 
 
 def row_counts(num_experts: int, num_rows: int, draw: str) -> torch.Tensor:
@@ -93,7 +90,9 @@ def pick_configs(patterns: list[str] | None) -> list[GemmConfig]:
         return SWEEP_CONFIGS
     picked = [c for c in SWEEP_CONFIGS if any(p in config_name(c) for p in patterns)]
     if not picked:
-        raise SystemExit(f"no tile config matches {patterns}; names look like {config_name(SWEEP_CONFIGS[0])}")
+        raise ValueError(
+            f"--configs must match a tile config, got {patterns}; names look like {config_name(SWEEP_CONFIGS[0])}"
+        )
     return picked
 
 
@@ -126,16 +125,21 @@ def sweep_case(
         w = torch.randn(num_experts, n, k, dtype=torch.bfloat16, device=device) * k**-0.5
         floor_us = max(w.numel() * 2 / (gbps * 1e3), 2 * rows * n * k / (tflops * 1e6))
         for config in [None, *configs]:
-            row = {"bench": "dense_gemm_config", "gemm": gemm, "experts": num_experts, "rows_per_expert": per_expert}
+            row: dict[str, Any] = {
+                "bench": "dense_gemm_config",
+                "gemm": gemm,
+                "experts": num_experts,
+                "rows_per_expert": per_expert,
+            }
             if config is None:
                 row["kernel"] = "grouped_mm"
             else:
                 row.update(kernel="tiled", config=config_name(config), **vars(config))
             try:
                 if config is None:
-                    t_us = timer(lambda x=x, w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets_L))
+                    t_us = timer(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets_L))
                 else:
-                    t_us = timer(lambda x=x, w=w, c=config: grouped_gemm(x, w, offsets_L, config=c))
+                    t_us = timer(lambda: grouped_gemm(x, w, offsets_L, config=config))
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             else:
@@ -155,26 +159,9 @@ def sweep_case(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--experts", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument(
-        "--rows", type=int, nargs="+", default=[8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
-    )
-    parser.add_argument("--gemv-max-rows", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--sweep", action="store_true", help="time each GEMM under each tile config instead")
-    parser.add_argument("--rows-per-expert", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
-    parser.add_argument(
-        "--draw", choices=DRAWS, default="random", help="rows on random experts, or R / L on every expert"
-    )
-    parser.add_argument("--configs", nargs="+", help="sweep only the tile configs whose names contain one of these")
-    parser.add_argument(
-        "--graph", action="store_true", help="time each kernel replayed from a CUDA graph (its GPU time alone)"
-    )
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """``moe-sbo bench dense-experts``: the routed MLP per path, experts and rows (``--sweep``: each
+    GEMM per tile config)."""
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     timer = KernelTimer(device, quick=False, graph=args.graph)
@@ -255,7 +242,3 @@ def main(argv: list[str] | None = None) -> int:
     meta = result_meta("cuda", 1)
     (args.out / "gemv.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
