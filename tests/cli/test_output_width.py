@@ -211,10 +211,10 @@ def test_plan_is_short_by_default_the_table_asked_for_first_and_its_detail_behin
     assert main(["plan"]) == 0
     short = capsys.readouterr().out.splitlines()
     assert len(short) <= 40 and short[0].lstrip().startswith("Byte model: deepseek-v3")
-    assert not any("Seed example" in line for line in short)
+    assert not any("Published DeepSeek-V3 decode budget" in line for line in short)
     assert main(["plan", "--detail"]) == 0
     detail = capsys.readouterr().out
-    assert "Seed example (DeepSeek-V3 decode), line by line" in detail.splitlines()[0]
+    assert "Published DeepSeek-V3 decode budget, line by line" in detail.splitlines()[0]
     assert "allgather vs alltoall" in detail and "Weight memory per GPU" in detail
     for argv, title in (
         (["--node-aware-ep", "16", "32"], "Flat vs node-aware dispatch"),
