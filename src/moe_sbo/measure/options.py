@@ -233,10 +233,11 @@ def cpu_timing_note(device: str) -> str | None:
 
 
 def print_notes(console: Console, *notes: str | None) -> None:
-    """Legend and notes under a table, dimmed, one note each, wrapped at the console's width (None: skipped)."""
+    """Legend and notes under a table, dimmed, one note each, wrapped at the console's width or
+    ``TABLE_WIDTH``, the narrower (None: skipped)."""
     for note in notes:
         if note:
-            console.print(note, style="dim", highlight=False)
+            console.print(note, style="dim", highlight=False, width=min(console.width, TABLE_WIDTH))
 
 
 # ---- logging -------------------------------------------------------------------------------------
