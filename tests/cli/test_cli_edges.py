@@ -55,13 +55,48 @@ def no_ranks(monkeypatch):
 # ---- --version, python -m, help -----------------------------------------------------------------
 
 
-def test_version(capsys):
+def test_version_reports_the_environment(capsys):
+    """The version line first (what scripts read), then Python, torch, Triton, CUDA, NCCL and the GPU."""
+    import platform
+
+    import torch
+
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out == f"moe-sbo {moe_sbo.__version__}\n"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"moe-sbo {moe_sbo.__version__}" and len(lines) == 3
+    assert lines[1].startswith(f"Python {platform.python_version()}, torch {torch.__version__}, Triton ")
+    assert lines[2].startswith(f"CUDA {torch.version.cuda or 'none'}, NCCL ") and ", GPU " in lines[2]
     proc = subprocess.run([sys.executable, "-m", "moe_sbo.cli", "--version"], capture_output=True, text=True)
-    assert proc.returncode == 0 and proc.stdout == f"moe-sbo {moe_sbo.__version__}\n"  # the old entry point too
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0] == f"moe-sbo {moe_sbo.__version__}"  # the old entry
+
+
+def test_version_does_not_import_torch():
+    """--version answers at once: its report comes from package metadata, torch is not imported."""
+    code = (
+        "import sys; from moe_sbo.cli.main import main\n"
+        "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'rich', 'transformers')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]"
+
+
+def test_every_subcommand_help_ends_with_examples_the_parser_accepts():
+    """Each --help shows 2-3 real command lines; each parses (torchrun's after ``-m moe_sbo``)."""
+    import shlex
+
+    parser = build_parser()
+    for name, sub in _subparsers(parser).items():
+        text = sub.format_help()
+        examples = text.split("examples:\n")[1].splitlines()
+        assert 2 <= len(examples) <= 3 and all(len(line) <= 100 for line in examples), name
+        for line in examples:
+            argv = shlex.split(line.split("  #")[0].split(" | ")[0])
+            argv = argv[argv.index("moe_sbo") + 1 :] if argv[0] == "torchrun" else argv[1:]
+            assert argv[0] == name and parse_args(argv).command == name, line
 
 
 def test_parsers_are_built_without_importing_torch():
@@ -280,7 +315,8 @@ def _width(table) -> int:
 def test_tables_fit_100_columns_with_the_widest_values():
     big = {"max_abs_err": 1.23e-12, "rel_err": 2.34e-12, "ok": False, "same_as_none": False, "bytes_sent": 123e6}
     times = dict.fromkeys(("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us"), 999_000.0)
-    demo_rows = [{"dispatcher": "low_latency", "overlap": "combine_sm", **big, **times}]
+    nodes = {"inter_node_bytes": 0, "nodes": 1, "ranks_per_node": 2}
+    demo_rows = [{"dispatcher": "low_latency", "overlap": "combine_sm", **big, **times, **nodes}]
     assert _width(demo.demo_table(demo_rows)) <= 100
     sbo = {
         "experts_per_gpu": 384,
@@ -322,7 +358,7 @@ def test_console_takes_the_terminal_width(monkeypatch):
 
 def test_plan_fits_100_columns(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "100")
-    assert plan_main([]) == 0
+    assert plan_main(["--detail"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "10.9 GB/s" in out  # numbers are never folded

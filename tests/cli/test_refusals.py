@@ -63,14 +63,59 @@ def test_an_output_path_naming_a_folder_is_refused(command, tmp_path, capsys, no
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_the_output_folder_is_made_before_any_work(command, tmp_path, monkeypatch, capsys):
-    """Every subcommand makes its output's folder first (so nothing fails after the work); here the
-    work is refused at once (a missing checkpoint, a bad size) and the folder is there already."""
+def test_a_command_refused_for_bad_input_makes_no_output_folder(command, tmp_path, monkeypatch, capsys):
+    """The output path is checked first, but nothing is made before the work: a command refused at
+    once (a missing checkpoint, a bad size) leaves no folder behind."""
     out = tmp_path / "new" / "folder" / "rows.json"
     bad = {"demo": ["--tokens", "-1"], "bench": ["--iters", "0"], "plan": ["--batch", "0"]}.get(command, [])
     argv = [command, OUTPUT_FLAG[command], str(out), *_required(command, tmp_path), *_prompt(command), *bad]
     assert main([*argv, *(["--device", "cpu"] if command != "plan" else [])]) == 2
-    assert out.parent.is_dir() and not out.exists()
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(command, capsys, no_ranks, tmp_path):
+    """Found before any rank starts, in one line, whoever runs it (root included: the check writes
+    a file there and removes it, not only reads permission bits); /proc takes no new file."""
+    out = "/proc/moe-sbo-test/rows.json"
+    argv = [command, OUTPUT_FLAG[command], out, *_required(command, tmp_path), *_prompt(command)]
+    assert main([*argv, *(["--device", "cpu"] if command != "plan" else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-sbo {command}: error: {OUTPUT_FLAG[command]} must be a path this user can write, ")
+    assert err.endswith(" in /proc; choose another path\n") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag", ["--plot", "--timeline", "--trace", "--record-load"])
+def test_standard_output_is_for_json_only(flag, capsys, no_ranks):
+    argv = ["plan"] if flag == "--plot" else ["bench", "eplb" if flag == "--record-load" else "sbo", "--device", "cpu"]
+    assert main([*argv, flag, "-"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: {flag} must name a file, got -; standard output takes JSON only (--json -, --out -)\n"
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_dash_writes_the_json_to_standard_output_and_the_rest_to_stderr(command, qwen3_dir, monkeypatch, capsys):
+    """``--json -`` (``bench --out -``): standard output holds the JSON document alone, for a pipe;
+    tables and the verdict go to stderr; no file named ``-`` is made."""
+    monkeypatch.setattr(run, "LocalRanks", InProcess)
+    monkeypatch.setattr(run, "RankPool", InProcess)
+    monkeypatch.chdir(qwen3_dir.parent)
+    argv = {
+        "demo": ["demo", "--ranks", "1", "--dispatcher", "local", "--tokens", "4", "--iters", "1"],
+        "bench": ["bench", "--ranks", "1", "--dispatcher", "local", "--overlap", "none", "--tokens", "4"],
+        "check": ["check", "--checkpoint", str(qwen3_dir), "--ranks", "1", "--tokens", "4"],
+        "generate": ["generate", "--checkpoint", str(qwen3_dir), "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+        "plan": ["plan"],
+    }[command]
+    extra = ["--iters", "1", "--no-graph"] if command == "bench" else []
+    extra += ["--ranks", "1"] if command == "generate" else []
+    assert main([*argv, *extra, OUTPUT_FLAG[command], "-", *(["--device", "cpu"] if command != "plan" else [])]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["meta"] and ("rows" in doc or command == "plan")
+    assert "written to standard output" in err and err.splitlines()[-1].startswith(("verdict", "1 ", "2 ", "1/1"))
+    assert not (qwen3_dir.parent / "-").exists()
 
 
 def test_demo_writes_its_json_into_a_new_folder(tmp_path, monkeypatch, capsys):
@@ -123,8 +168,9 @@ def test_check_of_a_model_too_large_is_refused_in_one_line(tmp_path, capsys, no_
     assert main(["check", "--checkpoint", str(path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moe-sbo check: error: the memory per rank must be <= the 512 B available")
-    layers = len(DISPATCHERS) - 1  # every EP dispatcher (check's default), each a layer
-    assert f"({layers} layers x 4 local experts + 8 in the reference, " in err and err.count("\n") == 1
+    layers = len(DISPATCHERS) - 1  # every EP dispatcher (check's default), each a copy of the layer
+    assert f"({layers} copies of the layer, one per dispatcher, x 4 local experts + 8 in the reference, " in err
+    assert err.count("\n") == 1
     assert err.endswith("use one --dispatcher or fewer --tokens, or a GPU\n")
 
 

@@ -83,3 +83,27 @@ def test_plan_refuses_node_aware_sizes_that_are_not_whole_nodes(capsys):
     err = capsys.readouterr().err
     assert "--node-aware-ep must be EP sizes of two or more whole nodes of 8 GPUs (h800)" in err
     assert "got [8, 12]" in err
+
+
+def test_node_verdicts_judge_the_faster_dispatch_by_the_plans_windows():
+    """Each EP size: the faster of flat and node-aware, by how much, and whether its slower phase
+    fits the serial window (TPOT/layers - T - t) / 2 of the batch and TBO's (T - t) / 2 of a
+    micro-batch, recomputed here from the node table."""
+    from moe_sbo import planner
+
+    inp = planner.PlanInputs(model=V3, batch=128, tpot_ms=40)
+    plan = planner.make_plan(inp)
+    link = datasheet_link(get_hardware(inp.hw))
+    verdicts = planner.node_verdicts(plan, link, (16, 32))
+    serial_window = (40_000 / plan.bytes.layers - inp.attn_us - inp.moe_us) / 2
+    tbo_window = (inp.attn_us - inp.moe_us) / 2
+    for v, row, micro in zip(verdicts, compare(V3, (16, 32), 128, link), compare(V3, (16, 32), 64, link)):
+        assert v.faster == "node-aware" and v.speedup == pytest.approx(row.flat_us / row.node_aware_us)
+        slower = max(row.dispatch.node_aware_pipelined_us, row.combine.node_aware_pipelined_us)
+        assert v.serial_fits == (slower <= serial_window)
+        micro_slower = max(micro.dispatch.node_aware_pipelined_us, micro.combine.node_aware_pipelined_us)
+        assert v.tbo_fits == (micro_slower <= tbo_window)
+    line = planner.node_verdict_line(plan, verdicts)
+    assert line.startswith("verdict across nodes: node-aware ") and "faster at every EP size" in line
+    at_20_ms = planner.make_plan(planner.PlanInputs(model=V3, batch=128))  # compute alone exceeds 20 ms
+    assert planner.node_verdict_line(at_20_ms, verdicts).endswith("; compute alone exceeds the TPOT")

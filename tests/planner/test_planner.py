@@ -547,7 +547,7 @@ def test_calibrate_median_algbw_when_one_size(tmp_path):
 
 def test_cli_default_reproduces_the_seed_and_writes_json_and_png(tmp_path, capsys):
     json_path, png_path = tmp_path / "plan.json", tmp_path / "plan.png"
-    assert plan_main(["--json", str(json_path), "--plot", str(png_path)]) == 0
+    assert plan_main(["--detail", "--json", str(json_path), "--plot", str(png_path)]) == 0
     out = capsys.readouterr().out
     for figure in ("7 KB", "1.78 MB", "3.56 MB", "218 MB", "10.9 GB/s", "100 us"):
         assert figure in out
@@ -617,9 +617,25 @@ def test_cli_other_model_with_calibration(tmp_path, capsys):
         "1",
         "--json",
         str(json_path),
+        "--detail",
     ]
     assert plan_main(argv) == 0
     doc = json.loads(json_path.read_text())
     assert doc["link"]["nvlink_GBps"] == pytest.approx(100.0) and doc["link"]["latency_us"] == pytest.approx(5.0)
     assert doc["bytes_per_a2a"]["seed_printed"] is None
     assert "The published budget's convention on your inputs" in capsys.readouterr().out
+
+
+def test_no_overlap_fits_when_compute_alone_exceeds_the_tpot():
+    """The worked example's inputs: 58 MoE layers x (T + t = 440 us) = 25.5 ms of compute, over the 20 ms
+    TPOT: whatever an overlap hides, the step misses it, and the verdict says so (not "fits")."""
+    plan = planner.make_plan(planner.PlanInputs(model=PRESETS["deepseek-v3"]))
+    assert plan.compute_ms == pytest.approx(58 * 440 / 1000) and plan.compute_exceeds_tpot
+    assert any(v.fits for v in plan.verdicts if v.mode != "none")  # each window alone would hide its work
+    assert planner.closing_verdict(plan) == (
+        "verdict: no overlap fits: compute alone is 25.5 ms (58 x 440 us) > 20 ms TPOT"
+    )
+    relaxed = planner.make_plan(planner.PlanInputs(model=PRESETS["deepseek-v3"], tpot_ms=40))
+    assert not relaxed.compute_exceeds_tpot
+    assert planner.closing_verdict(relaxed).startswith("verdict: serial a2a fits the 40 ms TPOT; overlaps that fit:")
+    assert planner.plan_to_json(plan)["verdict"] == planner.closing_verdict(plan)

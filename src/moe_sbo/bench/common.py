@@ -176,6 +176,7 @@ def profile_spans(run: Callable[[], object], device: torch.device, rank: int, tr
         return []
     with tempfile.TemporaryDirectory() as tmp:
         path = trace_path or str(Path(tmp) / "trace.json")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # --trace: checked writable before the work
         prof.export_chrome_trace(path)
         with open(path) as f:
             return [vars(s) for s in spans_from_trace(json.load(f))]

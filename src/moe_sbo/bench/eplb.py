@@ -50,7 +50,7 @@ from ..eplb.runtime import EPLBOptions, route_to_slots
 from ..eplb.transfer import all_reduce_load
 from ..layer import MoELayer
 from ..measure.options import TargetLoad, cpu_timing_note, make_table, print_notes, target_load, write_load_file
-from ..measure.run import output_file
+from ..measure.run import output_path
 from ..measure.timing import line_up, time_fn
 from ..planner import nodes_for
 from ..routing.skew import SkewFit, skew_router
@@ -115,7 +115,7 @@ def resolve_eplb(args: argparse.Namespace, ranks: int, experts_list: list[int]) 
                     f"be placed: {err}"
                 ) from None
     return EplbSetup(
-        list(dict.fromkeys(redundant)), policy, num_nodes, targets, output_file("--record-load", args.record_load)
+        list(dict.fromkeys(redundant)), policy, num_nodes, targets, output_path("--record-load", args.record_load)
     )
 
 

@@ -231,7 +231,7 @@ def sbo_table(rows: list[dict]) -> Table:
     ``t_none - min(shared, comm)``), and CUDA-graph rows are marked ``*`` after the mode."""
     columns = [("E/GPU", "right"), ("tokens", "right"), ("dispatcher", "left"), ("overlap", "left")]
     columns += [(title, "right") for title, _ in TIMES] + [("× none", "right"), ("efficiency", "right")]
-    table = make_table("single-batch overlap (µs: slowest rank, median)", columns)
+    table = make_table("single-batch overlap (µs: slowest rank, median)", columns, optional=("shared", "comm"))
     for row in rows:
         head = (str(row.get("experts_per_gpu", "")), str(row.get("tokens_per_rank", "")), row.get("dispatcher", ""))
         if "error" in row:

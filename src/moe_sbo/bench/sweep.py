@@ -31,8 +31,8 @@ from ..dispatch import DISPATCHERS
 from ..launch.failures import RankError
 from ..measure.memory import check_memory, estimate_rank_bytes
 from ..measure.options import default_dtype_name, in_ranks, resolve_expert_dtype
-from ..measure.results import ResultFile, result_meta, shared_gpu_note
-from ..measure.run import Ranks
+from ..measure.results import ResultFile, StandardOutput, result_meta, shared_gpu_note
+from ..measure.run import Ranks, output_path
 from ..measure.run import prepare as prepare_ranks
 from ..measure.trace import Span, plot_timeline, save_spans
 from ..overlap import OVERLAP_MODES, make_overlap
@@ -73,7 +73,7 @@ class Sweep:
 
     args: argparse.Namespace
     ranks: Ranks
-    out: Path | None
+    out: Path | StandardOutput | None  # --out: a file, standard output (-), or none
     note: str | None
     dispatchers: list[str]
     modes: list[str]
@@ -184,10 +184,9 @@ class Sweep:
 def prepare(args: argparse.Namespace, drop_auto: bool = False) -> Sweep:
     """A mode's shared options checked, before any rank starts (``ValueError`` naming the option and
     the fix), and its defaults filled in ``args``. ``drop_auto``: ``--overlap all`` leaves ``auto`` out."""
-    timeline, trace = getattr(args, "timeline", None), getattr(args, "trace", None)
-    ranks, (out, _, _) = prepare_ranks(
-        args.device, args.ranks, ("--out", args.out), ("--timeline", timeline), ("--trace", trace)
-    )
+    ranks, (out,) = prepare_ranks(args.device, args.ranks, ("--out", args.out))
+    output_path("--timeline", getattr(args, "timeline", None))  # files only: "-" is for JSON
+    output_path("--trace", getattr(args, "trace", None))
     device = ranks.device
     note = resolve_wire(args, device, ranks.count)
     resolve_defaults(args, device)

@@ -89,7 +89,15 @@ def run_check(args: argparse.Namespace) -> int:
     inputs = check_inputs(args.seed, ranks, args.tokens, cfg.hidden_size, dtype)
     tolerance = check_tolerance(args.dtype, expert_dtype)
     # Each rank holds one layer per dispatcher; the reference (every expert) is built here, beside them.
-    estimate = estimate_rank_bytes(cfg, ranks, args.dtype, args.tokens, layers=len(names), reference=True)
+    estimate = estimate_rank_bytes(
+        cfg,
+        ranks,
+        args.dtype,
+        args.tokens,
+        layers=len(names),
+        reference=True,
+        layers_are="copies of the layer, one per dispatcher,",
+    )
     memory = check_memory(estimate, device, ranks, fix=memory_fix(device, "one --dispatcher or fewer --tokens"))
 
     console.print(
@@ -127,8 +135,8 @@ def run_check(args: argparse.Namespace) -> int:
             "layer": layer,
             "expert_dtype": expert_dtype or args.dtype,
         }
-        write_json(json_path, {"meta": meta, "rows": rows}, console, f"rows written to {args.json}")
-    console.print(verdict(rows, tolerance), highlight=False)
+        write_json(json_path, {"meta": meta, "rows": rows}, console, f"rows written to {json_path}")
+    console.print(verdict(rows, tolerance), highlight=False, soft_wrap=True)  # one line, for scripts
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -77,6 +77,8 @@ class DemoRow:
     bytes_sent: int
     bytes_recv: int
     inter_node_bytes: int  # of bytes_sent, those to other nodes (MOE_SBO_RANKS_PER_NODE)
+    ranks_per_node: int  # the node size the dispatcher assumed (the whole group: one node)
+    nodes: int  # nodes its group spans (local: 1, every rank on its own)
     t_route_us: float
     t_dispatch_us: float
     t_experts_us: float
@@ -222,6 +224,8 @@ def run_demo_rank(
                         bytes_sent=traffic.bytes_sent,
                         bytes_recv=traffic.bytes_recv,
                         inter_node_bytes=traffic.inter_node_bytes,
+                        ranks_per_node=layer.dispatcher.ep.node_size,
+                        nodes=layer.dispatcher.ep.size // layer.dispatcher.ep.node_size,
                         t_route_us=medians[0],
                         t_dispatch_us=medians[1],
                         t_experts_us=medians[2],
@@ -297,6 +301,8 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
                 "bytes_sent": round(statistics.mean(r["bytes_sent"] for r in rows)),
                 "bytes_recv": round(statistics.mean(r["bytes_recv"] for r in rows)),
                 "inter_node_bytes": round(statistics.mean(r["inter_node_bytes"] for r in rows)),
+                "ranks_per_node": first["ranks_per_node"],
+                "nodes": first["nodes"],
                 "intra_node_bytes": round(statistics.mean(r["bytes_sent"] - r["inter_node_bytes"] for r in rows)),
                 **{
                     key: max(r[key] for r in rows)
@@ -389,30 +395,34 @@ def run_demo(args: argparse.Namespace) -> int:
         f"ok: rel L2 <= {tolerance:g}"
         + (" before and after the rebalance" if args.eplb else "")
         + "; = none: bitwise equal to overlap none",
-        "B/rank: mean bytes sent (= received)",
+        "B/rank: mean bytes sent (= received)" + ("; inter B: of them, to other nodes" if _nodes(rows) > 1 else ""),
+        nodes_note(rows, ranks),
         cpu_timing_note(device),
     )
     if args.eplb:
         console.print(eplb_demo_table(rows))
         print_notes(
             console,
-            "before, after: max/mean of the expert rows each rank receives, on the demo's tokens (which the",
+            "before, after: max/mean of the expert rows each rank receives, on the demo's tokens (which the "
             "rebalance's load window counted); moved: expert slots that changed rank; rel L2 after: vs reference",
         )
     if json_path:
         meta = {**result_meta(device=device, world_size=ranks), "expert_dtype": expert_dtype or dtype}
-        write_json(json_path, {"meta": meta, "rows": rows}, console, f"rows written to {args.json}")
-    console.print(verdict(rows, device), highlight=False)
+        write_json(json_path, {"meta": meta, "rows": rows}, console, f"rows written to {json_path}")
+    console.print(verdict(rows, device), highlight=False, soft_wrap=True)  # one line, for scripts
     # On CPU every mode must equal none bitwise; on GPU the SM budget may pick other GEMM kernels.
     return 0 if all(r["ok"] and (r["same_as_none"] or device == "cuda") for r in rows) else 1
 
 
 def demo_table(rows: list[dict]):
-    """The summary rows as a table that fits 100 columns (times: the slowest rank's medians, µs)."""
+    """The summary rows as a table that fits 100 columns (times: the slowest rank's medians, µs);
+    with several nodes, the bytes each rank sent to other nodes beside those it sent."""
+    inter = _nodes(rows) > 1
     columns = [("dispatcher", "left"), ("overlap", "left"), ("|err| max/rel", "right"), ("ok", "left")]
-    columns += [("= none", "left"), ("B/rank", "right")]
+    columns += [("= none", "left"), ("B/rank", "right"), *([("inter B", "right")] if inter else [])]
     columns += [(phase, "right") for phase in ("route", "dispatch", "experts", "combine", "layer")]
-    table = make_table("each dispatcher vs the single-rank reference (µs: slowest rank, median)", columns)
+    title = "each dispatcher vs the single-rank reference (µs: slowest rank, median)"
+    table = make_table(title, columns, optional=("route",))
     for r in rows:
         table.add_row(
             r["dispatcher"],
@@ -421,9 +431,32 @@ def demo_table(rows: list[dict]):
             "[green]yes[/]" if r["ok"] else "[red]NO[/]",
             "yes" if r["same_as_none"] else "no",
             compact(r["bytes_sent"]),
+            *([compact(r["inter_node_bytes"])] if inter else []),
             *(compact(r[k]) for k in ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")),
         )
     return table
+
+
+def _nodes(rows: list[dict]) -> int:
+    """The most nodes any dispatcher saw the ranks as (1: one node holds them all)."""
+    return max((r["nodes"] for r in rows), default=1)
+
+
+def nodes_note(rows: list[dict], ranks: int) -> str | None:
+    """With ``node_aware`` among the dispatchers, or several nodes: the node count the dispatchers
+    assumed and where it comes from."""
+    if not any(r["dispatcher"] == "node_aware" for r in rows) and _nodes(rows) == 1:
+        return None
+    nodes = _nodes(rows)
+    per_node = next(r["ranks_per_node"] for r in rows if r["nodes"] == nodes)
+    if nodes == 1:
+        return (
+            f"nodes: 1 of {ranks} ranks, no byte crosses nodes; MOE_SBO_RANKS_PER_NODE=1 makes each rank a node"
+            if ranks > 1
+            else None
+        )
+    each = f"{per_node} rank" + ("s" if per_node > 1 else "")
+    return f"nodes: {nodes} of {each} each (MOE_SBO_RANKS_PER_NODE or torchrun's LOCAL_WORLD_SIZE)"
 
 
 def eplb_demo_table(rows: list[dict]):

@@ -36,7 +36,7 @@ from ..measure.options import (
     resolve_ranks,
 )
 from ..measure.progress import rank_progress
-from ..measure.results import result_meta
+from ..measure.results import STDOUT, result_meta
 from ..measure.run import Ranks, output_file, write_json
 
 
@@ -61,7 +61,7 @@ def share_prompts(prompts: list[list[int]], ranks: int) -> list[list[tuple[int, 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Check everything, run the ranks, print and write the results. Returns 0."""
-    output_file("--json", args.json)  # every command: its output's folder made first
+    json_path = output_file("--json", args.json)  # every command: its output checked first
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     checkpoint = Checkpoint(args.checkpoint)
@@ -79,7 +79,7 @@ def run_generate(args: argparse.Namespace) -> int:
     # Every rank holds all MoE layers' shared experts and its share of their routed experts.
     cfg, dtype = checkpoint.moe_config, args.dtype or default_dtype_name(device)
     most_tokens = max(prefill_tokens([ids for _, ids in share]) for share in shares)
-    estimate = estimate_rank_bytes(cfg, ranks, dtype, most_tokens, layers=cfg.num_moe_layers)
+    estimate = estimate_rank_bytes(cfg, ranks, dtype, most_tokens, layers=cfg.num_moe_layers, layers_are="MoE layers")
     check_memory(estimate, device, ranks, fix=memory_fix(device, "a smaller model or more --ranks"))
     options = {
         "path": str(checkpoint.path),
@@ -102,7 +102,7 @@ def run_generate(args: argparse.Namespace) -> int:
         per_rank = gathered
     else:
         per_rank = Ranks(device, ranks, make_console()).run(generate_rank, shares, **options)
-    _report(args, checkpoint, prompts, per_rank, tokenizer, device, ranks)
+    _report(args, checkpoint, prompts, per_rank, tokenizer, device, ranks, json_path)
     return 0
 
 
@@ -205,8 +205,8 @@ def _prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[
     return encoded
 
 
-def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: int) -> None:
-    console = make_console()
+def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: int, json_path) -> None:
+    console = make_console(stdout_taken=json_path is STDOUT)
     console.print(
         f"[bold]moe-sbo generate[/]: {escape(str(checkpoint.path))} ({checkpoint.model_type})",
         soft_wrap=True,  # the path is printed whole
@@ -221,8 +221,12 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
         for index, ids in zip(result["prompts"], result["token_ids"]):
             outputs.setdefault(index, ids)  # a prompt given once runs on every rank: same tokens
     for index, ids in sorted(outputs.items()):
-        shown = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ",".join(map(str, ids))
-        console.print(f"[bold]prompt {index}[/]: {shown}", highlight=False, soft_wrap=True)
+        head = f"prompt {index}: "
+        if tokenizer is not None:
+            console.print(f"[bold]{head}[/]" + escape(tokenizer.decode(ids, skip_special_tokens=True)), highlight=False)
+            continue
+        lines = wrap_ids(ids, console.width - len(head))
+        console.print(f"[bold]{head}[/]" + ("\n" + " " * len(head)).join(lines), highlight=False)
     table = make_table(
         "per rank",
         [("rank", "right"), ("prompts", "right"), ("prefill ms", "right"), ("TPOT ms", "right"), ("tok/s", "right")],
@@ -237,9 +241,34 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
         )
     console.print(table)
     print_notes(console, "TPOT: mean time per output token after the first; tok/s: a rank's new tokens / its time")
-    if args.json:
+    if json_path:
         meta = {**result_meta(device=device, world_size=ranks), "checkpoint": str(checkpoint.path)}
         meta.update(dispatcher=args.dispatcher, overlap=args.overlap, max_new_tokens=args.max_new_tokens)
         meta.update(decode=args.decode, mla=args.mla)
         rows = [{"prompt": i, "prompt_ids": prompts[i], "token_ids": ids} for i, ids in sorted(outputs.items())]
-        write_json(Path(args.json), {"meta": meta, "rows": rows, "ranks": per_rank}, console, f"written to {args.json}")
+        write_json(json_path, {"meta": meta, "rows": rows, "ranks": per_rank}, console, f"written to {json_path}")
+    console.print(result_line(outputs, per_rank), highlight=False, soft_wrap=True)  # one line, for scripts
+
+
+def wrap_ids(ids: list[int], width: int) -> list[str]:
+    """``ids`` as ``1,2,3`` (as ``--prompt-ids`` takes them), in lines of at most ``width`` columns,
+    broken after a comma, never inside an id."""
+    lines, line = [], ""
+    for i, token in enumerate(ids):
+        part = str(token) + ("," if i < len(ids) - 1 else "")
+        if line and len(line) + len(part) > width:
+            lines.append(line)
+            line = ""
+        line += part
+    return [*lines, line]
+
+
+def result_line(outputs: dict[int, list[int]], per_rank: list[dict]) -> str:
+    """The closing line: what was generated, and the slowest rank's prefill and time per token."""
+    new = sum(len(ids) for ids in outputs.values())
+    prefill_ms = max(r["prefill_s"] for r in per_rank) * 1e3
+    tpot_ms = max(r["tpot_s"] for r in per_rank) * 1e3
+    return (
+        f"{new} new tokens for {len(outputs)} prompt(s) on {len(per_rank)} ranks; slowest rank: prefill "
+        f"{prefill_ms:.1f} ms, TPOT {tpot_ms:.2f} ms"
+    )

@@ -1,12 +1,12 @@
 """``moe-sbo plan``: the communication-budget planner on the command line (model in ``planner/``).
 
-With no arguments it reproduces the published DeepSeek-V3 decode budget (a worked example from a public
-analysis of SGLang's overlap with DeepEP) line by line (figure, formula, published value, exact value,
-agreement), then shows what the byte model adds: real row sizes, fan-out,
-transfer times on the chosen hardware, a verdict per overlap mode, and allgather vs alltoall per EP;
-then the weight memory per GPU at the ``--memory-ep`` sizes, routed experts in bf16 and in fp8; with
-``--load FILE`` or ``--skew zipf:S``, last, the expert load balance per EP size, redundant count and
-placement policy (``planner.balance``).
+It prints what was asked for first (``--node-aware-ep``: flat vs node-aware dispatch; ``--load FILE``
+or ``--skew zipf:S``: the expert load balance per EP size, redundant count and placement policy;
+``--memory-ep``: the weight memory per GPU), then the byte model (row sizes, fan-out, bytes per
+token, a2a, layer and step, the bandwidth) and a verdict per overlap mode, and last the closing
+verdict (``planner.closing_verdict``). ``--detail`` adds the published DeepSeek-V3 decode budget (a
+worked example from a public analysis of SGLang's overlap with DeepEP) line by line, why each
+verdict, allgather vs alltoall per EP and the weight memory.
 
 The hard part is keeping user mistakes out of tracebacks: every bad input becomes a ``ValueError``
 in ``planner`` ("<name> must <rule>, got <value>; <fix>"); ``run_plan`` prints it and returns 2.
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import planner
 from ..measure.options import make_console, make_table, target_load
-from ..measure.run import output_file
+from ..measure.results import STDOUT, dump_json
+from ..measure.run import output_file, output_path
 from .parsers import plan as plan_parser
 from .parsers.common import HelpFormatter
 
@@ -52,20 +52,30 @@ def inputs_from_args(args: argparse.Namespace) -> planner.PlanInputs:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Run the planner; print tables; write ``--json`` / ``--plot``. Returns 0, or 2 on bad input."""
+    """Run the planner; print what was asked for first, then the byte model and the overlap
+    verdicts (``--detail``: everything), the verdict last; write ``--json`` / ``--plot``. Returns 0,
+    or 2 on bad input."""
     try:
-        # every command: its outputs' folders made first
-        json_path, plot_path = output_file("--json", args.json), output_file("--plot", args.plot)
+        json_path = output_file("--json", args.json)  # every command: its outputs checked first
+        plot_path = output_path("--plot", args.plot)
         inp = inputs_from_args(args)
         calibration = planner.calibrate(args.calibrate, ep=inp.ep) if args.calibrate else None
         balance = load_balance_from_args(args, inp.model)
         node_aware = node_aware_from_args(args, inp)
         plan = planner.make_plan(inp, calibration)
-        print_plan(plan, calibration)
-        if balance is not None:
-            print_load_balance(make_console(), balance)
+        console = make_console(stdout_taken=json_path is STDOUT)
+        # What was asked for, first: the tables of --node-aware-ep, --load / --skew, --memory-ep.
+        node_line = None
         if node_aware is not None:
-            print_node_aware(make_console(), node_aware, inp)
+            print_node_aware(console, node_aware, inp)
+            node_line = planner.node_verdict_line(plan, planner.node_verdicts(plan, node_aware[0], node_aware[2]))
+        if balance is not None:
+            print_load_balance(console, balance)
+        if args.memory_ep is not None:
+            print_weight_memory(console, plan.weight_memory)
+        print_plan(console, plan, calibration, detail=args.detail)
+        if args.detail and args.memory_ep is None:
+            print_weight_memory(console, plan.weight_memory)
         if json_path:
             doc = planner.plan_to_json(plan)
             if balance is not None:
@@ -75,16 +85,25 @@ def run_plan(args: argparse.Namespace) -> int:
                     {**dataclasses.asdict(row), "flat_us": row.flat_us, "node_aware_us": row.node_aware_us}
                     for row in node_aware[1]
                 ]
+                doc["node_verdict"] = node_line
             doc["meta"]["arguments"] = {k: v for k, v in vars(args).items() if k != "func"}
             doc["meta"]["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             if calibration is not None:
                 doc["calibration"] = vars(calibration)
-            json_path.write_text(json.dumps(doc, indent=2) + "\n")
-            print(f"plan written to {json_path}")
+            dump_json(json_path, doc, indent=2)
+            console.print(f"plan written to {json_path}", highlight=False, soft_wrap=True)
         if plot_path:
             write_plot(plan, plot_path)
-            print(f"plot written to {args.plot}")
-        print(closing_verdict(plan))
+            console.print(f"plot written to {plot_path}", highlight=False, soft_wrap=True)
+        if not args.detail:
+            console.print(
+                "--detail: worked example, why each verdict, allgather vs alltoall, weight memory",
+                style="dim",
+                highlight=False,
+            )
+        if node_line:
+            console.print(node_line, highlight=False, soft_wrap=True)
+        console.print(planner.closing_verdict(plan), highlight=False, soft_wrap=True)  # one line, for scripts
     except ValueError as exc:
         print(f"moe-sbo plan: error: {exc}", file=sys.stderr)
         return 2
@@ -112,8 +131,9 @@ def load_balance_from_args(args: argparse.Namespace, model) -> planner.LoadBalan
 
 def node_aware_from_args(
     args: argparse.Namespace, inp: planner.PlanInputs
-) -> tuple[planner.Link, list[planner.NodeAwareRow]] | None:
-    """Flat vs node-aware dispatch at ``--node-aware-ep`` (None without it), on ``--hw``'s links."""
+) -> tuple[planner.Link, list[planner.NodeAwareRow], tuple[int, ...]] | None:
+    """Flat vs node-aware dispatch at ``--node-aware-ep`` (None without it), on ``--hw``'s links:
+    the link, a row per EP size, the sizes."""
     if not args.node_aware_ep:
         return None
     link = planner.datasheet_link(planner.get_hardware(inp.hw))
@@ -125,7 +145,7 @@ def node_aware_from_args(
             f"that divide the {inp.model.num_experts} routed experts, got {bad}; e.g. --node-aware-ep 16 32 64"
         )
     rows = planner.compare(inp.model, sizes, inp.batch, link, inp.dispatch_dtype, inp.combine_dtype)
-    return link, rows
+    return link, rows, sizes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -133,9 +153,11 @@ def node_aware_from_args(
 # --------------------------------------------------------------------------------------------------
 
 
-def print_node_aware(console, node_aware: tuple[planner.Link, list[planner.NodeAwareRow]], inp) -> None:
+def print_node_aware(
+    console, node_aware: tuple[planner.Link, list[planner.NodeAwareRow], tuple[int, ...]], inp
+) -> None:
     """Crossings per token and dispatch + combine time, flat (``alltoall``) vs node-aware."""
-    link, rows = node_aware
+    link, rows, _ = node_aware
     table = make_table(
         f"Flat vs node-aware dispatch, {inp.model.name}, {inp.batch} tokens per GPU",
         [
@@ -221,17 +243,33 @@ def _fmt(value: float | None, digits: int = 4) -> str:
     return f"{value:,.{digits}g}" if abs(value) < 1e6 else f"{value:,.0f}"
 
 
-def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = None) -> None:
-    console = make_console()
-    inp, model = plan.inputs, plan.bytes
+def print_plan(console, plan: planner.Plan, calibration: planner.Calibration | None = None, detail: bool = False):
+    """The byte model and the overlap verdicts; ``detail``: first the published worked example, the
+    verdicts with why, then allgather vs alltoall."""
+    if detail:
+        print_worked_example(console, plan)
+    print_byte_model(console, plan)
+    print_verdicts(console, plan, detail)
+    if detail:
+        print_schemes(console, plan)
+    for note in plan.notes:
+        console.print(f"note: {note}", highlight=False)
+    if calibration is not None:
+        console.print(
+            f"calibrated: {calibration.GBps:.1f} GB/s, latency {calibration.latency_us:.1f} us ({calibration.method})"
+        )
 
+
+def print_worked_example(console, plan: planner.Plan) -> None:
+    """The worked example's six figures, each in its units beside the exact value, and their agreement."""
+    inp = plan.inputs
     title = (
         "Published DeepSeek-V3 decode budget, line by line"
         if inp.is_seed_example
         else f"The published budget's convention on your inputs ({inp.model.name})"
     )
     columns = [("figure", "left"), ("formula", "left"), ("published", "right"), ("exact", "right")]
-    table = make_table(title, [*columns, ("exact SI", "right"), ("agreement", "right")])
+    table = make_table(title, [*columns, ("exact SI", "right"), ("agreement", "right")], wrap=("formula",))
     table.caption = "published, exact: its units, KB = 1024 B, MB = 1000 KB, GB = 1000 MB (its own arithmetic)"
     for fig in plan.seed:
         seed_cell = (
@@ -254,10 +292,15 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
         )
     console.print(table)
 
+
+def print_byte_model(console, plan: planner.Plan) -> None:
+    """What one GPU sends: row sizes, fan-out, bytes per token, a2a, layer and step, the bandwidth."""
+    inp, model = plan.inputs, plan.bytes
     fan = model.fanout
     rows = make_table(
         f"Byte model: {inp.model.name}, EP{inp.ep}, batch {inp.batch}, {plan.link.source}",
         [("quantity", "left"), ("value", "right"), ("how", "left")],
+        wrap=("how",),
     )
     d, c = model.dispatch_row, model.combine_row
     rows.add_row(
@@ -290,18 +333,29 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
     rows.add_row("communication per step", f"{plan.comm_ms_per_step:.2f} ms", "if nothing overlapped")
     console.print(rows)
 
+
+def print_verdicts(console, plan: planner.Plan, detail: bool) -> None:
+    """Per overlap mode: its window, the work to hide in it, what is left; ``detail``: and why."""
+    headers = ["mode", "window us", "work us", "left us", "verdict", *(["why"] if detail else [])]
     verdicts = make_table(
-        f"Overlap verdicts on {plan.hardware.name}",
-        [
-            (c, "right" if c.endswith("us") else "left")
-            for c in ("mode", "window us", "work us", "left us", "verdict", "why")
-        ],
+        f"Overlap verdicts on {plan.hardware.name} (per layer)",
+        [(c, "right" if c.endswith("us") else "left") for c in headers],
+        wrap=("why",) if detail else (),
     )
     for v in plan.verdicts:
         verdict = "n/a" if v.fits is None else ("fits" if v.fits else "does not fit")
-        verdicts.add_row(v.mode, _fmt(v.window_us), _fmt(v.work_us), _fmt(v.left_us), verdict, v.explanation)
+        why = [v.explanation] if detail else []
+        verdicts.add_row(v.mode, _fmt(v.window_us), _fmt(v.work_us), _fmt(v.left_us), verdict, *why)
     console.print(verdicts)
+    if not detail:
+        for v in plan.verdicts:
+            if v.fits is None:
+                console.print(f"{v.mode}: {v.explanation}", style="dim", highlight=False)
 
+
+def print_schemes(console, plan: planner.Plan) -> None:
+    """allgather + reduce-scatter against alltoall, per EP size."""
+    inp = plan.inputs
     schemes = make_table(
         f"allgather vs alltoall, per GPU per layer, batch {inp.batch}: {plan.schemes.note}",
         [
@@ -320,29 +374,6 @@ def print_plan(plan: planner.Plan, calibration: planner.Calibration | None = Non
             f"{r.alltoall_us:.0f}",
         )
     console.print(schemes)
-    print_weight_memory(console, plan.weight_memory)
-    for note in plan.notes:
-        console.print(f"note: {note}")
-    if calibration is not None:
-        console.print(
-            f"calibrated: {calibration.GBps:.1f} GB/s, latency {calibration.latency_us:.1f} us ({calibration.method})"
-        )
-
-
-def closing_verdict(plan: planner.Plan) -> str:
-    """The plan's last line, the verdicts table in one line of at most 100 columns: whether the
-    batch's all-to-all fits its share of the TPOT run serially (mode none), and which overlaps fit
-    their window (or, when none does, the closest and by how much it misses)."""
-    judged = {v.mode: v for v in plan.verdicts if v.fits is not None and v.left_us is not None}
-    serial = judged.pop("none", None)
-    line = "verdict: " + (
-        f"serial a2a {'fits' if serial.fits else 'misses'} the {plan.inputs.tpot_ms:g} ms TPOT; " if serial else ""
-    )
-    fitting = [mode for mode, v in judged.items() if v.fits]
-    if fitting or not judged:
-        return line + f"overlaps that fit: {', '.join(fitting) or 'none judged'}"
-    closest = max(judged.values(), key=lambda v: v.left_us or 0.0)
-    return line + f"no overlap fits (closest: {closest.mode}, {-(closest.left_us or 0.0):.0f} us/layer short)"
 
 
 def print_weight_memory(console, memory: planner.WeightMemory) -> None:

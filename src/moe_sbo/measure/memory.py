@@ -33,6 +33,7 @@ class MemoryEstimate:
     dtype: str
     layers: int = 1
     reference_experts: int = 0  # of a reference layer beside them (every expert), or 0
+    layers_are: str = "layers"  # what the ``layers`` are, as the estimate's description says it
 
     @property
     def total_B(self) -> int:
@@ -40,7 +41,7 @@ class MemoryEstimate:
 
     def describe(self, sep: str = ", ") -> str:
         """What the estimate counts; ``sep`` between the weights and the activations."""
-        held = f"{self.layers} layers x " if self.layers > 1 else ""
+        held = f"{self.layers} {self.layers_are} x " if self.layers > 1 else ""
         reference = f" + {self.reference_experts} in the reference" if self.reference_experts else ""
         return (
             f"weights {size(self.weights_B)} ({held}{self.local_experts} local experts{reference}, shared "
@@ -67,6 +68,7 @@ def estimate_rank_bytes(
     layers: int = 1,
     reference: bool = False,
     redundant: int = 0,
+    layers_are: str = "layers",
 ) -> MemoryEstimate:
     """Per-rank bytes of one layer of ``cfg`` on ``ranks`` ranks at ``tokens`` tokens per rank.
 
@@ -75,7 +77,8 @@ def estimate_rank_bytes(
     ``generate``: every MoE layer of the model, whose other weights are not counted). ``reference``:
     one more layer with every routed expert (``demo``'s reference on each rank; ``check``'s, built
     in the launching process, counted on each rank's share). ``redundant``: extra expert slots per
-    rank (expert load balancing's replicas).
+    rank (expert load balancing's replicas). ``layers_are``: what the description calls the layers
+    (``check``'s are copies of one layer, not the model's layers).
     """
     b = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     h, i, j, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size, cfg.num_experts_per_tok
@@ -89,7 +92,7 @@ def estimate_rank_bytes(
         n, a, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
         weights += (2 * n + 2 * a) * d * h * b  # q, k, v, o projections
         activations += 2 * kv_tokens * a * d * b + 4 * tokens * n * d * b  # KV cache, q and scores
-    return MemoryEstimate(weights, activations, local, dtype, layers, reference * cfg.num_experts)
+    return MemoryEstimate(weights, activations, local, dtype, layers, reference * cfg.num_experts, layers_are)
 
 
 def available_bytes(device: str, ranks: int) -> tuple[int, str] | None:

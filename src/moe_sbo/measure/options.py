@@ -20,30 +20,186 @@ from typing import Any
 
 import torch
 from rich import box
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
+from rich.text import Text
 
 from ..config import PRESETS, MoEConfig
 from ..quant.fp8 import FP8_BLOCK, sizes_off_blocks
+from .results import dump_json
 
 # ---- printing ------------------------------------------------------------------------------------
 
 TABLE_WIDTH = 100  # every table must fit this many columns without folding a number
 
 
-def make_console() -> Console:
-    """A console as wide as the terminal; piped, ``COLUMNS`` or 100 (rich would assume 80, and fold)."""
-    return Console(width=shutil.get_terminal_size((TABLE_WIDTH, 24)).columns)
+def make_console(stdout_taken: bool = False) -> Console:
+    """A console as wide as the terminal; piped, ``COLUMNS`` or 100 (rich would assume 80, and fold).
+    ``stdout_taken``: a JSON document goes to standard output (``--json -``), so the rest goes to stderr."""
+    return Console(width=shutil.get_terminal_size((TABLE_WIDTH, 24)).columns, stderr=stdout_taken)
 
 
-def make_table(title: str, columns: list[tuple[str, str]]) -> Table:
+# Header words a narrow layout may shorten, each named in a legend under the table.
+HEADER_ABBREVIATIONS = {
+    "dispatch": "disp",
+    "combine": "comb",
+    "experts": "exp",
+    "efficiency": "eff",
+    "tokens": "tok",
+    "redundant": "red",
+    "hierarchical": "hier",
+}
+
+
+def make_table(
+    title: str, columns: list[tuple[str, str]], *, wrap: tuple[str, ...] = (), optional: tuple[str, ...] = ()
+) -> FitTable:
     """A table compact enough for 100 columns: no frame, a rule under the header, one space between
-    columns. ``columns``: (header, justify); right-justified (numeric) columns never wrap, the others
-    may when the terminal is narrower than the table."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
-    for header, justify in columns:
-        table.add_column(header, justify=justify, no_wrap=justify == "right")  # type: ignore[arg-type]
-    return table
+    columns. ``columns``: (header, justify): right-justified columns hold numbers, left-justified
+    ones names; ``wrap``: headers of the columns that hold prose, wrapped to what is left;
+    ``optional``: headers of the columns a narrow terminal may leave out, the first named first.
+    ``FitTable`` lays it out for the width it is printed at."""
+    return FitTable(title, columns, wrap=wrap, optional=optional)
+
+
+class FitTable(Table):
+    """A table that never cuts a number or a name, whatever the terminal's width.
+
+    Rich, given a table wider than the terminal, shortens every column alike, and ``combine`` and
+    ``combine_sm`` both become ``combi…``. Laid out at print time instead, a table wider than the
+    console is narrowed a step at a time, only as far as it must, each step said under the table:
+    headers wrap at their spaces; a column whose rows all hold one value becomes one line ("every
+    row: ..."); header words shorten (``HEADER_ABBREVIATIONS``, with a legend); ``optional`` columns
+    are left out, then, should it still not fit, number columns from the right (each named). Names
+    and numbers keep their whole width; only prose (``wrap``) folds.
+    """
+
+    def __init__(
+        self,
+        title: str,
+        columns: list[tuple[str, str]],
+        *,
+        wrap: tuple[str, ...] = (),
+        optional: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
+        headers = [header for header, _ in columns]
+        for name in (*wrap, *optional):
+            if name not in headers:
+                raise ValueError(f"wrap and optional must name columns of {headers}, got {name!r}")
+        for header, justify in columns:
+            self.add_column(header, justify=justify, no_wrap=header not in wrap)  # type: ignore[arg-type]
+        self.wrap, self.optional = wrap, optional
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        table, notes = self.fitted(console, options.max_width)
+        yield table
+        for note in notes:
+            yield Text(note, style="dim")
+
+    def fitted(self, console: Console, width: int) -> tuple[Table, list[str]]:
+        """This table laid out for ``width`` columns, and the lines that say what the layout changed."""
+        kept = [list(column.cells) for column in self.columns]  # as given: markup and all
+        rows = [[_plain(console, cell) for cell in cells] for cells in kept]
+        headers = [str(column.header) for column in self.columns]
+        cells_w = [max((_width(text) for text in column), default=0) for column in rows]
+        prose = [header in self.wrap for header in headers]
+        shown = [True] * len(headers)
+        head_w = [_width(header) for header in headers]
+        wrapped = [False] * len(headers)
+        notes: list[str] = []
+
+        def col_w(i: int) -> int:
+            header = _words_width(headers[i]) if wrapped[i] else head_w[i]
+            if prose[i]:  # folds to the longest word of its cells, or of its header
+                return max(header, max((_words_width(text) for text in rows[i]), default=0))
+            return max(header, cells_w[i])
+
+        def total() -> int:
+            widths = [col_w(i) for i in range(len(headers)) if shown[i]]
+            return sum(widths) + len(widths) - 1
+
+        # 1. headers wrap at their spaces, the widest saving first
+        for i in sorted(range(len(headers)), key=lambda i: _words_width(headers[i]) - head_w[i]):
+            if total() <= width:
+                break
+            wrapped[i] = True
+        # 2. a column holding one value in every row (but the rows' first name) becomes a line
+        if total() > width and len(self.rows) > 1:
+            folded = []
+            name = next((i for i, column in enumerate(self.columns) if column.justify != "right"), None)
+            for i in range(len(headers)):
+                if total() <= width:
+                    break
+                if i != name and not prose[i] and len(set(rows[i])) == 1 and rows[i][0]:
+                    shown[i] = False
+                    folded.append(f"{headers[i]} {rows[i][0]}")
+            if folded:
+                notes.append("every row: " + "; ".join(folded))
+        # 3. header words shorten, where that narrows the column
+        legend: list[str] = []
+        for i in range(len(headers)):
+            if total() <= width:
+                break
+            short = " ".join(HEADER_ABBREVIATIONS.get(word, word) for word in headers[i].split(" "))
+            if not shown[i] or short == headers[i]:
+                continue
+            before, full = col_w(i), headers[i]
+            headers[i], head_w[i] = short, _width(short)
+            if col_w(i) < before:
+                legend += [f"{s}: {w}" for w, s in HEADER_ABBREVIATIONS.items() if s in short.split(" ")]
+            else:
+                headers[i], head_w[i] = full, _width(full)
+        if legend:
+            notes.append("; ".join(dict.fromkeys(legend)))
+        # 4. optional columns are left out, then (a last resort) numbers from the right
+        left_out = []
+        original = [str(column.header) for column in self.columns]
+        numbers = [i for i, column in reversed(list(enumerate(self.columns))) if column.justify == "right"]
+        for i in [original.index(name) for name in self.optional] + numbers:
+            if total() <= width:
+                break
+            if shown[i]:
+                shown[i] = False
+                left_out.append(original[i])
+        if left_out:
+            notes.append(f"left out at {width} columns: {', '.join(left_out)} (a wider terminal shows them)")
+        for i in range(len(headers)):  # a header wrapped before a later step made room: whole again
+            wrapped[i] = False
+            if total() > width:
+                wrapped[i] = True
+
+        table = Table(
+            title=self.title, caption=self.caption, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0)
+        )
+        for i, column in enumerate(self.columns):
+            if not shown[i]:
+                continue
+            if prose[i]:
+                table.add_column(headers[i], justify=column.justify, overflow="fold", min_width=col_w(i))
+            else:
+                table.add_column(headers[i], justify=column.justify, width=col_w(i), overflow="fold")
+        for r in range(len(self.rows)):
+            table.add_row(*(cells[r] for i, cells in enumerate(kept) if shown[i]))
+        return table, notes
+
+
+def _plain(console: Console, cell: object) -> str:
+    """A cell's text without its markup."""
+    if isinstance(cell, Text):
+        return cell.plain
+    return console.render_str(cell).plain if isinstance(cell, str) else str(cell)
+
+
+def _width(text: str) -> int:
+    """Terminal columns of ``text``'s widest line."""
+    return max((cell_len(line) for line in text.split("\n")), default=0)
+
+
+def _words_width(text: str) -> int:
+    """Terminal columns of ``text``'s widest word (what it needs, wrapped at its spaces)."""
+    return max((cell_len(word) for word in text.split()), default=0)
 
 
 def compact(value: float | None) -> str:
@@ -76,10 +232,11 @@ def cpu_timing_note(device: str) -> str | None:
 
 
 def print_notes(console: Console, *notes: str | None) -> None:
-    """Legend and notes under a table, dimmed, one line each (None: skipped)."""
+    """Legend and notes under a table, dimmed, one note each, wrapped at the console's width or
+    ``TABLE_WIDTH``, the narrower (None: skipped)."""
     for note in notes:
         if note:
-            console.print(note, style="dim", highlight=False)
+            console.print(note, style="dim", highlight=False, width=min(console.width, TABLE_WIDTH))
 
 
 # ---- logging -------------------------------------------------------------------------------------
@@ -259,5 +416,4 @@ def read_load_file(path: str, num_experts: int, model: str, flag: str) -> list[f
 
 def write_load_file(path: Path, load: list[float], preset: str, meta: dict) -> None:
     """``{"meta", "load", "num_experts", "preset"}``: what ``--skew PATH`` and ``plan --load`` read."""
-    doc = {"meta": meta, "load": load, "num_experts": len(load), "preset": preset}
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    dump_json(path, {"meta": meta, "load": load, "num_experts": len(load), "preset": preset})

@@ -1,5 +1,6 @@
 """Result files: ``{"meta": {...}, "rows": [...]}``, the ``meta`` block every one carries (command,
-commit, GPU, versions, date), and ``ResultFile``, which every benchmark driver fills one step at a time.
+commit, GPU, date, and the versions: moe-sbo, Python, torch, Triton, CUDA, NCCL), and
+``ResultFile``, which every benchmark driver fills one step at a time.
 
 The hard part is losing nothing: a sweep's step can fail on one rank, so the file is rewritten after
 every step and a failed step becomes an error row instead of ending the sweep.
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..launch.group import ranks_per_gpu
+from .environment import environment
 
 
 def source_digest(root: Path | None = None) -> str:
@@ -76,6 +78,7 @@ def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
     CUDA ranks share GPUs (``ranks_per_gpu`` > 1), whatever was asked."""
     cuda = device == "cuda" and torch.cuda.is_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    env = environment(gpus=False)  # the GPU and NCCL below are the ones torch ran with
     meta = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": git_commit(),
@@ -85,7 +88,11 @@ def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "world_size": world_size,
+        "moe_sbo": env["moe_sbo"],
+        "python": env["python"],
         "torch": torch.__version__,
+        "triton": env["triton"],
+        "cuda": torch.version.cuda,
         "nccl": nccl,
     }
     if cuda:
@@ -97,30 +104,60 @@ def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
     return meta
 
 
-def write_results(path, meta: dict, rows: list[dict]) -> None:
+class StandardOutput:
+    """An output path given as ``-``: the document goes to standard output, once, whole (``STDOUT``)."""
+
+    def __str__(self) -> str:
+        return "standard output"
+
+
+STDOUT = StandardOutput()
+
+
+def dump_json(target: Path | str | StandardOutput, doc: dict, indent: int = 1) -> None:
+    """``doc`` as JSON to ``target``: a file (its folder made now: the command checked before any
+    work that it can be written), or standard output."""
+    text = json.dumps(doc, indent=indent) + "\n"
+    if isinstance(target, StandardOutput):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def write_results(path: Path | str | StandardOutput, meta: dict, rows: list[dict]) -> None:
     """``{"meta", "rows"}`` to ``path``, floats to 4 significant digits (medians: more
     digits are noise). Benchmarks call it after every step, so a run cut short keeps what it measured."""
     rounded = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()} for row in rows]
-    Path(path).write_text(json.dumps({"meta": meta, "rows": rounded}, indent=1))
+    dump_json(path, {"meta": meta, "rows": rounded})
 
 
 @dataclass
 class ResultFile:
-    """A benchmark's rows and meta, written to ``path`` (if any) after every step.
+    """A benchmark's rows and meta, written to ``path`` (if any) after every step (standard output:
+    once, by the last ``save``).
 
     ``add_step`` turns a failed step (a rank raised: ``RankError``) into an error row instead of
     ending the sweep, so one bad configuration never loses the others' measurements. ``errors``
     counts the error rows, a step's own or the ones its rows carry.
     """
 
-    path: Path | None
+    path: Path | StandardOutput | None
     meta: dict
     rows: list[dict] = field(default_factory=list)
     errors: int = 0
 
     def save(self) -> None:
+        """Write the file now (standard output: the whole document, so call it once, at the end)."""
         if self.path is not None:
             write_results(self.path, self.meta, self.rows)
+
+    def _save_step(self) -> None:
+        """After a step: the file rewritten; standard output waits for ``save`` at the end."""
+        if not isinstance(self.path, StandardOutput):
+            self.save()
 
     def add_step(self, run: Callable[[], list[dict]], error_row: dict) -> str | None:
         """Append ``run()``'s rows, or ``error_row`` plus the failure if a rank failed; save. Returns
@@ -134,7 +171,7 @@ class ResultFile:
             new_rows = [{**error_row, "error": failure}]
         self.rows.extend(new_rows)
         self.errors += sum("error" in row for row in new_rows)
-        self.save()
+        self._save_step()
         return failure
 
     def add_timed_step(self, label: str, run: Callable[[], list[dict]], error_row: dict, started: float) -> None:

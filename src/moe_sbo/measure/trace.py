@@ -96,6 +96,7 @@ def _innermost(spans: list[tuple[float, float, str]], t: float) -> str | None:
 
 
 def save_spans(spans_by_title: dict[str, list[Span]], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked writable before the work, made now
     with open(path, "w") as f:
         json.dump({title: [asdict(s) for s in spans] for title, spans in spans_by_title.items()}, f)
 
@@ -143,5 +144,6 @@ def plot_timeline(spans_by_title: dict[str, list[Span]], path: str | Path, title
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked writable before the work, made now
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -63,7 +63,8 @@ log = logging.getLogger("moe_sbo.overlap")
 # NCCL on NVLink Hopper runs up to 32 channels, one CTA (one SM) each; leave those to communication.
 DEFAULT_COMM_SMS = 32
 # Modes whose CPU version gives up the overlap (no side stream on CPU).
-_SEQUENTIAL_ON_CPU = {"combine": "no side stream on CPU: the shared experts run at pre_combine, in program order"}
+# The line it logs fits 100 columns.
+_SEQUENTIAL_ON_CPU = {"combine": "no side stream, so the shared experts run at pre_combine, in program order"}
 _said: set[str] = set()
 
 

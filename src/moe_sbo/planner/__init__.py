@@ -70,13 +70,17 @@ from .memory import (
 )
 from .nodes import Crossings, NodeAwareRow, PhaseTimes, compare, crossings
 from .verdicts import (
+    NodeVerdict,
     OverlapVerdict,
     Plan,
     SchemeComparison,
     SchemeRow,
     SharedExpertEstimate,
     SweepPoint,
+    closing_verdict,
     make_plan,
+    node_verdict_line,
+    node_verdicts,
     overlap_verdicts,
     plan_to_json,
     scheme_comparison,
@@ -172,6 +176,10 @@ __all__ = [
     "make_plan",
     "overlap_verdicts",
     "plan_to_json",
+    "closing_verdict",
+    "NodeVerdict",
+    "node_verdicts",
+    "node_verdict_line",
     "scheme_comparison",
     "shared_expert_time_us",
     "sweep_batches",

@@ -222,6 +222,16 @@ class Plan:
     weight_memory: WeightMemory
     notes: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def compute_ms(self) -> float:
+        """Compute alone per decode step: MoE layers x (T + t), ms."""
+        return self.bytes.layers * (self.inputs.attn_us + self.inputs.moe_us) / 1000
+
+    @property
+    def compute_exceeds_tpot(self) -> bool:
+        """Compute alone takes longer than the TPOT: no overlap can meet it, whatever it hides."""
+        return self.inputs.attn_us > 0 and self.compute_ms > self.inputs.tpot_ms
+
 
 def make_plan(inp: PlanInputs, calibration: Calibration | None = None) -> Plan:
     hw = get_hardware(inp.hw)
@@ -235,11 +245,6 @@ def make_plan(inp: PlanInputs, calibration: Calibration | None = None) -> Plan:
             f"EP{inp.ep} spans {math.ceil(inp.ep / hw.gpus_per_node)} nodes: "
             f"{model.fanout.expected_internode_ranks:.2f} of {model.fanout.expected_remote_ranks:.2f} remote "
             f"ranks per token go through the {link.nic_GBps:g} GB/s NIC"
-        )
-    if inp.attn_us and model.layers * (inp.attn_us + inp.moe_us) > inp.tpot_ms * 1000:
-        notes.append(
-            f"compute alone, layers x (T + t) = {model.layers} x {inp.attn_us + inp.moe_us:g} us = "
-            f"{model.layers * (inp.attn_us + inp.moe_us) / 1000:.1f} ms, exceeds TPOT {inp.tpot_ms:g} ms"
         )
     return Plan(
         inputs=inp,
@@ -255,6 +260,99 @@ def make_plan(inp: PlanInputs, calibration: Calibration | None = None) -> Plan:
         weight_memory=weight_memory(inp.model, inp.memory_ep_sizes, inp.model_shapes),
         notes=tuple(notes),
     )
+
+
+def closing_verdict(plan: Plan) -> str:
+    """The plan's last line, at most 100 columns: when compute alone exceeds the TPOT, that no
+    overlap fits (whatever each hides); else whether the batch's all-to-all fits its share of the
+    TPOT run serially (mode none), and which overlaps fit their window (or, when none does, the
+    closest and by how much it misses)."""
+    inp = plan.inputs
+    if plan.compute_exceeds_tpot:
+        return (
+            f"verdict: no overlap fits: compute alone is {plan.compute_ms:.1f} ms "
+            f"({plan.bytes.layers} x {inp.attn_us + inp.moe_us:g} us) > {inp.tpot_ms:g} ms TPOT"
+        )
+    judged = {v.mode: v for v in plan.verdicts if v.fits is not None and v.left_us is not None}
+    serial = judged.pop("none", None)
+    line = "verdict: " + (
+        f"serial a2a {'fits' if serial.fits else 'misses'} the {inp.tpot_ms:g} ms TPOT; " if serial else ""
+    )
+    fitting = [mode for mode, v in judged.items() if v.fits]
+    if fitting or not judged:
+        return line + f"overlaps that fit: {', '.join(fitting) or 'none judged'}"
+    closest = max(judged.values(), key=lambda v: v.left_us or 0.0)
+    return line + f"no overlap fits (closest: {closest.mode}, {-(closest.left_us or 0.0):.0f} us/layer short)"
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """Flat against node-aware dispatch at one EP size of whole nodes, judged by the windows the
+    plan judges ``--ep`` by: the faster of the two, by how much, and whether its slower phase fits
+    the serial window ((TPOT/layers - T - t) / 2, the batch) and TBO's ((T - t) / 2, a micro-batch)."""
+
+    ep: int
+    num_nodes: int
+    faster: str  # "node-aware" or "flat"
+    speedup: float  # the slower's dispatch + combine / the faster's, of the batch
+    serial_fits: bool
+    tbo_fits: bool | None  # None with one micro-batch
+
+
+def node_verdicts(plan: Plan, link: Link, ep_sizes: tuple[int, ...]) -> list[NodeVerdict]:
+    """``NodeVerdict`` per EP size of ``ep_sizes`` (whole nodes of ``link.gpus_per_node``) on ``link``."""
+    from .nodes import compare
+
+    inp, layers = plan.inputs, plan.bytes.layers
+    serial_window = (inp.tpot_ms * 1000.0 / layers - inp.attn_us - inp.moe_us) / 2
+    tbo_window = (inp.attn_us - inp.moe_us) / 2
+    args = (inp.dispatch_dtype, inp.combine_dtype)
+    batch = compare(inp.model, ep_sizes, inp.batch, link, *args)
+    micro = compare(inp.model, ep_sizes, plan.bytes.tokens_per_a2a, link, *args)
+    verdicts = []
+    for row, micro_row in zip(batch, micro):
+        aware = row.node_aware_us < row.flat_us
+
+        def slower_phase(r) -> float:
+            phases = (r.dispatch, r.combine)
+            return max(p.node_aware_pipelined_us if aware else p.flat_us for p in phases)
+
+        verdicts.append(
+            NodeVerdict(
+                ep=row.crossings.ep,
+                num_nodes=row.crossings.num_nodes,
+                faster="node-aware" if aware else "flat",
+                speedup=max(row.flat_us, row.node_aware_us) / min(row.flat_us, row.node_aware_us),
+                serial_fits=slower_phase(row) <= serial_window,
+                tbo_fits=slower_phase(micro_row) <= tbo_window if inp.micro_batches == 2 else None,
+            )
+        )
+    return verdicts
+
+
+def node_verdict_line(plan: Plan, verdicts: list[NodeVerdict]) -> str:
+    """One line for the node table, before the closing verdict: where node-aware dispatch is faster
+    and by how much, and at which EP sizes the faster dispatch fits serially or under TBO (unless
+    compute alone exceeds the TPOT: then nothing fits, as the closing verdict says)."""
+
+    def eps(items: list[NodeVerdict]) -> str:
+        if len(items) == len(verdicts) > 1:
+            return "every EP size"
+        return "EP" + "/".join(str(v.ep) for v in items) if items else "no EP size"
+
+    aware = [v for v in verdicts if v.faster == "node-aware"]
+    if aware:
+        low, high = min(v.speedup for v in aware), max(v.speedup for v in aware)
+        gain = f"{low:.2f}x" if round(low, 2) == round(high, 2) else f"{low:.2f}-{high:.2f}x"
+        line = f"verdict across nodes: node-aware {gain} faster at {eps(aware)}"
+    else:
+        line = "verdict across nodes: flat is faster at every EP size"
+    if plan.compute_exceeds_tpot:
+        return line + "; compute alone exceeds the TPOT"
+    line += f"; serial a2a fits at {eps([v for v in verdicts if v.serial_fits])}"
+    if any(v.tbo_fits is not None for v in verdicts):
+        line += f"; tbo at {eps([v for v in verdicts if v.tbo_fits])}"
+    return line
 
 
 def plan_to_json(plan: Plan) -> dict:
@@ -338,6 +436,8 @@ def plan_to_json(plan: Plan) -> dict:
         },
         "weight_memory": asdict(plan.weight_memory) | {"shapes": asdict(shapes) if shapes is not None else None},
         "notes": list(plan.notes),
+        "compute_ms_per_step": plan.compute_ms,
+        "verdict": closing_verdict(plan),
     }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ... import __version__
+from ..usage import VersionAction
 from . import bench, check, demo, generate, plan
 from .common import HelpFormatter, add_command
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"moe-sbo {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument(
         "-v", "--verbose", action="count", default=None, help="log the library's INFO messages; -vv: DEBUG too"
     )

@@ -43,4 +43,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_expert_dtype_arg(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows}; -: standard output)")

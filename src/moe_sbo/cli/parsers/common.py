@@ -7,6 +7,7 @@ import argparse
 
 from ...bench.defaults import DEVICE_DEFAULTS, WIRES
 from ...config import DISPATCHER_NAMES, PRESETS
+from ..usage import EXAMPLES
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -46,7 +47,9 @@ SKEW_HELP = (
 
 def add_command(subparsers, name: str, summary: str, description: str) -> argparse.ArgumentParser:
     """A subcommand's parser: ``summary`` for the list, ``description`` (plain text) for its --help."""
-    return subparsers.add_parser(name, help=summary, description=description, formatter_class=HelpFormatter)
+    return subparsers.add_parser(
+        name, help=summary, description=description, epilog=EXAMPLES.get(name), formatter_class=HelpFormatter
+    )
 
 
 def add_expert_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -133,7 +136,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=None, help=device_default("iters", "timed calls"))
     p.add_argument("--no-graph", action="store_true", help="no CUDA-graph rows")
     p.add_argument("--graph-max-tokens", type=int, default=512, help="largest tokens/rank timed as graph replays")
-    p.add_argument("--out", default=None, help="JSON file for {meta, rows} (default: none written)")
+    p.add_argument("--out", default=None, help="JSON file for {meta, rows}; -: standard output (default: none written)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
 
 

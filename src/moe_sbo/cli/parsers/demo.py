@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_expert_dtype_arg(parser)
     parser.add_argument("--iters", type=int, default=5, help="timed forwards per dispatcher (after one warm-up)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows})")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON ({meta, rows}; -: standard output)")
     parser.add_argument(
         "--checkpoint",
         metavar="DIR",

@@ -57,4 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA, float32 on CPU"
     )
     add_expert_dtype_arg(parser)
-    parser.add_argument("--json", metavar="PATH", help="write prompts, new tokens and timings as JSON")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write prompts, new tokens and timings as JSON (-: standard output)"
+    )

@@ -8,13 +8,15 @@ from ... import planner
 from ...config import PRESETS
 from .common import SKEW_HELP
 
-SUMMARY = "communication budget: bytes, bandwidth and overlap feasibility (seed example by default)"
+SUMMARY = "communication budget: bytes, bandwidth and overlap feasibility (--detail: the worked example)"
 DESCRIPTION = """\
 The communication-budget planner: bytes per token, per all-to-all and per decode step, the per-GPU
-bandwidth a time-per-output-token target needs, and which overlap (single- or two-batch) fits. With
-no options it reproduces the seed's DeepSeek-V3 decode example line by line, then shows what the
-byte model adds, and the weights each GPU holds at a few EP sizes. With --load (or --skew) also the
-expert load balance each placement policy reaches per EP size. Needs no GPU."""
+bandwidth a time-per-output-token target needs, and which overlap (single- or two-batch) fits; the
+verdict is the last line. The tables asked for come first: --load (or --skew) the expert load
+balance each placement policy reaches per EP size, --node-aware-ep flat against node-aware dispatch,
+--memory-ep the weights each GPU holds. --detail adds the published DeepSeek-V3 decode budget (a
+worked example) line by line, why each overlap fits or not, allgather against alltoall and the
+weight memory. Needs no GPU."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="EP sizes (whole nodes of --hw's GPUs) of a table comparing flat and node-aware dispatch: "
         "crossings per token and dispatch + combine time of --batch tokens per GPU, e.g. 16 32 64 128 256",
     )
-    parser.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
+    parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="also the worked example, why each verdict, allgather vs alltoall and the weight memory per GPU",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write inputs and results as JSON (-: standard output)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: batch vs a2a time and bandwidth")
     parser.add_argument(
         "--calibrate",
