@@ -50,6 +50,7 @@ from bench_low_latency import (
     time_back_to_back,
     time_graphs,
 )
+from moe_sbo.bench.sweep import wire_label
 from moe_sbo.config import PRESETS, MoEConfig
 from moe_sbo.dispatch.low_latency import RowFormat, kernels
 from moe_sbo.launch.ranks import RankPool
@@ -204,12 +205,13 @@ def prefill_rank(
     return rows
 
 
-def finish(rows: list[dict], per_rank: list[list[dict]]) -> list[dict]:
-    """``summarise``'s rows plus what this benchmark adds: plan, floor, wire and host times."""
+def finish(rows: list[dict], per_rank: list[list[dict]], wire: str) -> list[dict]:
+    """``summarise``'s rows plus what this benchmark adds: plan, floor, wire (``wire``: the link's
+    label, ``wire_label``) and host times."""
     for row, rank_rows in zip(rows, zip(*per_rank)):
         first = rank_rows[0]
         row["bench"] = "prefill"
-        row["wire"] = "nvlink"
+        row["wire"] = wire
         for key in ("plan", "index_graphs"):
             if key in first:
                 row[key] = first[key]
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 def step(fn=fn, fn_args=fn_args, name=name) -> list[dict]:
                     per_rank = pool.run(fn, *fn_args)
-                    return finish(summarise(per_rank, common, name), per_rank)
+                    return finish(summarise(per_rank, common, name), per_rank, wire_label(device, p))
 
                 results.add_timed_step(
                     f"ep={p} {name}", step, {"bench": "prefill", **common, "ep": p, "dispatcher": name}, started

@@ -83,7 +83,7 @@ def test_demo_and_check_show_progress_on_stderr_and_keep_stdout(narrow, monkeypa
     on stderr; stdout still ends with the verdict line."""
     drawn = io.StringIO()
     terminal = Console(file=drawn, force_terminal=True, width=WIDTH)
-    monkeypatch.setattr(progress, "_stderr_console", lambda: terminal)
+    monkeypatch.setattr(progress, "progress_console", lambda: terminal)
     argv = ["demo", "--ranks", "1", "--dispatcher", "local", "--overlap", "split", "--tokens", "4", "--iters", "1"]
     assert main([*argv, "--device", "cpu"]) == 0
     out = capsys.readouterr().out

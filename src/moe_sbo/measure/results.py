@@ -71,9 +71,9 @@ def shared_gpu_note(device: str, world_size: int) -> str | None:
 
 
 def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
-    """What every result file's ``meta`` records; ``wire`` (``nvlink``, ``emulated-internode``, ``none``), for
-    the benchmarks that choose one, names the link the ranks' transfers crossed: ``shared-gpu`` whenever
-    CUDA ranks share GPUs (``ranks_per_gpu`` > 1), whatever was asked."""
+    """What every result file's ``meta`` records; ``wire`` (``nvlink``, ``gloo-cpu``, ``emulated-internode``,
+    ``none``, ...: ``bench.defaults.WIRE_LABELS``), for the benchmarks that record one, names the link the
+    ranks' transfers crossed: ``shared-gpu`` whenever CUDA ranks share GPUs (``ranks_per_gpu`` > 1)."""
     cuda = device == "cuda" and torch.cuda.is_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
     meta = {
@@ -101,7 +101,10 @@ def write_results(path, meta: dict, rows: list[dict]) -> None:
     """``{"meta", "rows"}`` to ``path``, floats to 4 significant digits (medians: more
     digits are noise). Benchmarks call it after every step, so a run cut short keeps what it measured."""
     rounded = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()} for row in rows]
-    Path(path).write_text(json.dumps({"meta": meta, "rows": rounded}, indent=1))
+    # Written beside it, then renamed over it: a run cut short mid-write leaves the previous file whole.
+    temporary = Path(f"{path}.tmp")
+    temporary.write_text(json.dumps({"meta": meta, "rows": rounded}, indent=1))
+    temporary.replace(path)
 
 
 @dataclass
