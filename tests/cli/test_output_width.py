@@ -50,7 +50,8 @@ def test_check_fits_100_columns(narrow, capsys, tmp_path):
 def test_bench_fits_100_columns(narrow, capsys):
     argv = ["bench", "--ranks", "1", "--dispatcher", "local", "--overlap", "none", "split", "--tokens", "4"]
     assert main([*argv, "--iters", "1", "--no-graph", "--device", "cpu"]) == 0
-    assert _fits(capsys.readouterr().out)[-1].startswith("2 rows, 0 errors; not written")
+    lines = _fits(capsys.readouterr().out)
+    assert lines[-2].startswith("2 rows, 0 errors; not written") and lines[-1].startswith("best: 4 tokens local/")
 
 
 def test_generate_fits_100_columns(narrow, capsys, tmp_path):

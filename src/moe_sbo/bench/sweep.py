@@ -268,10 +268,11 @@ def resolve_wire(args: argparse.Namespace, device: str, ranks: int) -> str | Non
             )
         args.wire = "shared-gpu"
         return shared
-    label = wire_label(device, ranks)
-    if args.wire != "emulated-internode" and label != "emulated-internode":
-        args.wire = label
-        return None
+    if args.wire != "emulated-internode":
+        label = wire_label(device, ranks)
+        if label != "emulated-internode":
+            args.wire = label
+            return None
     asked = "--wire emulated-internode" if args.wire == "emulated-internode" else "NCCL_P2P_DISABLE=1"
     args.wire = "emulated-internode"
     if device != "cuda":

@@ -10,7 +10,6 @@ DESCRIPTION = f"""\
 Time expert load balancing on N ranks, the router skewed to --skew: per
 dispatcher, tokens and redundant count, the rank load and the layer time
 before and after a rebalance.
-
 {SWEEP_NOTES}"""
 
 

@@ -10,7 +10,6 @@ from .common import SWEEP_NOTES, add_sweep_arguments, add_tokens_arg
 DESCRIPTION = f"""\
 Time the MoE layer on N ranks: every overlap mode x dispatcher x token count,
 each mode's speedup over overlap none, and last the best mode per token count.
-
 {SWEEP_NOTES}"""
 
 

@@ -10,7 +10,6 @@ from .common import SWEEP_NOTES, add_sweep_arguments, device_default
 DESCRIPTION = f"""\
 Time a decoder layer (attention + MoE) on N ranks without and with two-batch
 overlap, per overlap mode x dispatcher x size, against no TBO and overlap none.
-
 {SWEEP_NOTES}"""
 
 
