@@ -458,7 +458,8 @@ def best_balance(rows: list[dict]) -> list[str]:
     for experts, at in best.items():
         parts = [
             f"{tokens} tokens {r['dispatcher']} +{r['redundant_per_rank']} slots: load max/mean "
-            f"{r['load_max_over_mean_before']:.2f} -> {r['load_max_over_mean_after']:.2f}, layer {r['speedup_layer']:.2f}x"
+            f"{r['load_max_over_mean_before']:.2f} -> {r['load_max_over_mean_after']:.2f}, "
+            f"layer {r['speedup_layer']:.2f}x"
             for tokens, r in at.items()
         ]
         head = "best balance" if len(best) == 1 else f"best balance at {experts} experts/GPU"
