@@ -253,10 +253,10 @@ def bandwidth(row: dict) -> dict:
             value = rate(sent, t_us)
             if value is not None:
                 out[key] = value
-    phases = [row.get(f"t_{phase}_us") for phase in ("dispatch", "combine")]
-    both = rate(
-        row.get("dispatch_bytes_sent", 0) + row.get("combine_bytes_sent", 0), None if None in phases else sum(phases)
-    )
-    if both is not None:
-        out["comm_GBps"] = both
+    t_dispatch_us, t_combine_us = row.get("t_dispatch_us"), row.get("t_combine_us")
+    if t_dispatch_us is not None and t_combine_us is not None:
+        sent = row.get("dispatch_bytes_sent", 0) + row.get("combine_bytes_sent", 0)
+        both = rate(sent, t_dispatch_us + t_combine_us)
+        if both is not None:
+            out["comm_GBps"] = both
     return out
