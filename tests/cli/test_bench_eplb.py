@@ -101,7 +101,8 @@ def test_bench_eplb_fits_100_columns_and_reads_a_load_file(in_process, capsys, t
     argv = ["bench", "eplb", "--ranks", "1", "--dispatcher", "local", "--tokens", "8", "--iters", "1"]
     assert main([*argv, "--skew", skew, "--policy", "hierarchical", "--device", "cpu"]) == 0
     lines = _fits(capsys.readouterr().out.replace(skew, "LOAD"))
-    assert lines[-1] == "1 rows, 0 errors; not written (no --out)"
+    assert lines[-2] == "1 rows, 0 errors; not written (no --out)"
+    assert lines[-1].startswith("best balance: 8 tokens local +0 slots: load max/mean ")
     assert any(line.startswith("skew LOAD on 16 experts: ") for line in lines)
 
 

@@ -83,3 +83,25 @@ def test_a_mode_runs_its_runner_main_and_returns_its_status(mode, monkeypatch):
     seen = []
     monkeypatch.setattr(runner, "main", lambda args: seen.append(args.mode) or 7)
     assert main(["bench", mode, "--out", "x.json"]) == 7 and seen == [mode]
+
+
+@pytest.mark.parametrize("mode", ["sbo", "tbo", "eplb"])
+def test_each_mode_help_is_a_screenful_at_80_columns(mode, monkeypatch):
+    """A mode's --help fits an 80x50 terminal: grouped options, one line each where it can; the
+    reference detail is in docs/BENCH_OPTIONS.md, which the help names."""
+    monkeypatch.setenv("COLUMNS", "80")
+    sub = _mode_parsers()[mode]
+    lines = sub.format_help().splitlines()
+    assert len(lines) <= 50 and max(map(len, lines)) <= 80, (len(lines), max(lines, key=len))
+    titles = [group.title for group in sub._action_groups if group._group_actions]
+    assert titles[:4] == ["what to time", "ranks and wire", "timing", "output"] and max(map(len, titles)) <= 80
+    assert "docs/BENCH_OPTIONS.md" in "\n".join(lines)
+    for action in sub._actions:  # every option listed, -h among them
+        assert any(line.lstrip().startswith(action.option_strings[0]) for line in lines), action.option_strings
+
+
+def test_bench_help_fits_80_columns(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 80

@@ -5,13 +5,19 @@ It checks that the benchmark works, not what it measures (CPU times are not GPU 
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 import torch.distributed as dist
+from rich.console import Console
 
+from in_process import InProcess
+from moe_sbo.bench import sweep
 from moe_sbo.cli.main import main
+from moe_sbo.cli.parsers import parse_args
 from moe_sbo.dispatch import DISPATCHERS
+from moe_sbo.measure import progress, run
 from moe_sbo.measure.trace import load_spans
 from moe_sbo.overlap import OVERLAP_MODES
 
@@ -236,3 +242,93 @@ def test_bench_index_rows_reach_low_latency_and_its_rows(tmp_path):
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["index_rows"] is True and r["dispatcher"] == "low_latency" for r in rows)
+
+
+# ---- what a sweep prints and records -------------------------------------------------------------
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """A terminal wider than the output (rich folds nothing); one rank, in this process."""
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr(run, "LocalRanks", InProcess)
+    monkeypatch.setattr(run, "RankPool", InProcess)
+
+
+def test_bench_default_output_is_short_and_ends_on_the_best_mode(tmp_path, capsys):
+    """Two expert counts x 2 dispatchers x 2 token counts x 2 modes: one summary line per expert
+    count, token count and dispatcher (not per mode), GB/s beside the time, a few lines of context, and
+    last the best mode per expert count; the rows record the wire the run crossed and their GB/s."""
+    out = tmp_path / "sbo.json"
+    argv = ["bench", "--device", "cpu", "--ranks", "2", "--preset", "tiny", "--experts", "16", "8"]
+    argv += ["--dispatcher", "alltoall", "low_latency", "--overlap", "none", "split", "--tokens", "4", "8"]
+    assert main([*argv, "--warmup", "0", "--iters", "1", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("E/GPU"))
+    assert header.split() == ["E/GPU", "tokens", "dispatcher", "none", "µs", "split", "GB/s"]
+    assert len(lines) <= 20 and "weights" not in "\n".join(lines)  # the memory's parts: --detail
+    assert lines[-3] == f"16 rows, 0 errors; written to {out}"
+    assert lines[-2].startswith("best at 8 experts/GPU: 4 tokens ") and "; 8 tokens " in lines[-2]
+    assert lines[-1].startswith("best at 4 experts/GPU: 4 tokens ")
+    result = json.loads(out.read_text())
+    assert result["meta"]["summary"] == lines[-2:]
+    assert result["meta"]["partial"] is False and "partial_reason" not in result["meta"]  # the sweep ended
+    assert result["meta"]["wire"] == "gloo-cpu" and {r["wire"] for r in result["rows"]} == {"gloo-cpu"}
+    for row in result["rows"]:
+        for phase in ("dispatch", "combine"):
+            expected = row[f"{phase}_bytes_sent"] / row[f"t_{phase}_us"] / 1e3
+            assert row[f"{phase}_GBps"] == pytest.approx(expected, rel=1e-2) and expected > 0
+            assert row[f"ref_{phase}_GBps"] > 0  # the raw all_to_all_single of the same bytes
+        both = (row["dispatch_bytes_sent"] + row["combine_bytes_sent"]) / (row["t_dispatch_us"] + row["t_combine_us"])
+        assert row["comm_GBps"] == pytest.approx(both / 1e3, rel=1e-2)
+        assert row["dispatch_bytes_sent"] + row["combine_bytes_sent"] == row["bytes_sent"]
+
+
+def test_bench_detail_adds_every_mode_and_phase(in_process, capsys):
+    argv = ["bench", "--device", "cpu", "--ranks", "1", "--dispatcher", "local", "--overlap", "none", "split"]
+    assert main([*argv, "--tokens", "4", "--iters", "1", "--detail"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[1].startswith("  weights") and lines[2].startswith("  activations")  # the memory's parts
+    assert "single-batch overlap (µs: slowest rank, median)" in printed  # the per-mode table and its phases
+    rows = [line.split() for line in lines if line.split()[:3] == ["16", "4", "local"]]
+    # The summary's line (time with none, split's speedup, GB/s), then a line per mode with its phases.
+    assert [len(row) for row in rows] == [6, 12, 12] and [row[3] for row in rows[1:]] == ["none", "split"]
+    assert rows[0][-1] == "-"  # one rank: no byte crosses a link, so no GB/s is claimed
+    assert lines[-1].startswith("best: 4 tokens local/")
+
+
+def test_bench_progress_is_on_stderr_and_off_stdout(in_process, monkeypatch, capsys):
+    """On a terminal the sweep's bar is drawn on stderr (``progress.progress_console``, as every
+    command's); stdout holds the tables and ends on the conclusion, with no bar left in it."""
+    drawn = io.StringIO()
+    terminal = Console(file=drawn, force_terminal=True, width=100)
+    monkeypatch.setattr(progress, "progress_console", lambda: terminal)
+    argv = ["bench", "--device", "cpu", "--ranks", "1", "--dispatcher", "local", "--overlap", "none", "split"]
+    assert main([*argv, "--tokens", "4", "8", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "E=16 local T=8" in drawn.getvalue() and "━" in drawn.getvalue()
+    assert "E=16 local" not in out and "━" not in out and "%" not in out
+    assert out.splitlines()[-1].startswith("best: 4 tokens local/")
+
+
+def test_wire_label_says_what_the_run_crosses(monkeypatch):
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    assert sweep.wire_label("cpu", 1) == "none" and sweep.wire_label("cuda", 1) == "none"
+    assert sweep.wire_label("cpu", 4) == "gloo-cpu"
+    monkeypatch.setattr(sweep, "shared_gpu_note", lambda device, ranks: "2 ranks share 1 GPU(s)")
+    assert sweep.wire_label("cuda", 2) == "shared-gpu"
+    monkeypatch.setattr(sweep, "shared_gpu_note", lambda device, ranks: None)
+    for peers, label in ((True, "nvlink"), (False, "host-memory")):
+        monkeypatch.setattr(sweep, "peer_to_peer", lambda ranks, peers=peers: peers)
+        assert sweep.wire_label("cuda", 2) == label
+        args = parse_args(["bench"])
+        assert sweep.resolve_wire(args, "cuda", 2) is None and args.wire == label
+    # NCCL_P2P_DISABLE=1 in the environment (the ranks inherit it) is the emulated wire, --wire or not.
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    assert sweep.wire_label("cuda", 2) == "emulated-internode" and sweep.wire_label("cpu", 2) == "gloo-cpu"
+    args = parse_args(["bench"])
+    assert sweep.resolve_wire(args, "cuda", 2).startswith("NCCL_P2P_DISABLE=1: low_latency uses --transport nccl")
+    assert args.wire == "emulated-internode" and args.transport == "nccl"
+    with pytest.raises(ValueError, match="got it with NCCL_P2P_DISABLE=1; use --transport nccl"):
+        sweep.resolve_wire(parse_args(["bench", "--transport", "symm_mem"]), "cuda", 2)

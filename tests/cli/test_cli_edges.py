@@ -182,8 +182,9 @@ def test_bench_on_cpu_without_sizes_is_a_quick_tiny_sweep(tmp_path, capsys):
     assert result["meta"]["preset"] == "tiny" and result["meta"]["iters"] == 3 and result["meta"]["world_size"] == 2
     assert {r["tokens_per_rank"] for r in result["rows"]} == {16, 64}
     assert result["meta"]["wall_s"] < 60
-    # The wire: named in the meta and in every row; the physical references ride along.
-    assert result["meta"]["wire"] == "nvlink" and all(r["wire"] == "nvlink" for r in result["rows"])
+    # The wire: the one the run crossed (gloo on CPU ranks, not --wire's default nvlink), named in the
+    # meta and in every row; the physical references ride along.
+    assert result["meta"]["wire"] == "gloo-cpu" and all(r["wire"] == "gloo-cpu" for r in result["rows"])
     assert all(r["t_wire_us"] > 0 and r["t_floor_us"] > 0 for r in result["rows"])
     for r in result["rows"]:
         assert r["t_limit_us"] == max(r["t_floor_us"], r["t_wire_us"])
@@ -192,9 +193,10 @@ def test_bench_on_cpu_without_sizes_is_a_quick_tiny_sweep(tmp_path, capsys):
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert lines[0].startswith("memory per rank, estimated: ") and "MemAvailable / 2 ranks" in lines[0]
-    assert lines[1].startswith("  weights") and lines[2].startswith("  activations") and "(rough)" in lines[2]
-    assert "× none: t(none)/t; efficiency:" in printed and "CPU timings: gloo on" in printed
-    assert lines[-1] == f"4 rows, 0 errors; written to {out}"  # the path whole, however long
+    assert "weights" not in printed  # the estimate's parts: --detail
+    assert "each mode: t(none)/t" in printed and "CPU timings: gloo on" in printed
+    assert lines[-2] == f"4 rows, 0 errors; written to {out}"  # the path whole, however long
+    assert lines[-1].startswith("best: 16 tokens alltoall/") and "; 64 tokens alltoall/" in lines[-1]
     assert max(len(line) for line in lines[:-1]) <= 100
 
 
@@ -216,7 +218,8 @@ def test_emulated_wire_takes_nccl_and_refuses_transports_that_bypass_it():
             sweep.resolve_wire(args, "cuda", 2)
     with pytest.raises(ValueError, match="needs >= 2 ranks, got 1"):
         sweep.resolve_wire(parse_args(["bench", "eplb", "--wire", "emulated-internode"]), "cuda", 1)
-    assert sweep.resolve_wire(parse_args(["bench"]), "cpu", 2) is None  # nvlink: nothing to set
+    args = parse_args(["bench"])
+    assert sweep.resolve_wire(args, "cpu", 2) is None and args.wire == "gloo-cpu"  # not the default nvlink
 
 
 def test_one_rank_crosses_no_wire():
@@ -408,7 +411,8 @@ def test_module_entry_logs_in_ranks_and_timeline_is_quiet(tmp_path):
     assert "rank 1: moe_sbo.tbo: DEBUG: two-batch overlap off for this batch" in proc.stderr
     assert "USDT" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stdout + proc.stderr
     assert f"timeline: {png} (spans: {png.with_suffix('.spans.json')})" in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "2 rows, 0 errors; not written (no --out)"
+    assert proc.stdout.splitlines()[-2] == "2 rows, 0 errors; not written (no --out)"
+    assert proc.stdout.splitlines()[-1] == "best: prefill 8 alltoall/none no TBO 1.00x"
     assert max(len(line) for line in proc.stdout.splitlines() if str(tmp_path) not in line) <= 100  # paths unbroken
 
 

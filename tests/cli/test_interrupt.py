@@ -5,11 +5,13 @@ terminal's Ctrl-C) or to the command alone (``timeout``, ``kill``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,9 +66,12 @@ def _importing_torch(pid: int) -> bool:
         return False
 
 
-def _interrupt(argv: list[str], delay_s: float, signum: int, whole_group: bool) -> tuple[int, str, float, list]:
+def _interrupt(
+    argv: list[str], delay_s: float | Callable[[], bool], signum: int, whole_group: bool
+) -> tuple[int, str, float, list]:
     """Run ``moe-sbo argv``, send ``signum`` ``delay_s`` after it started (0: as soon as it maps
-    libtorch, i.e. mid-import), and return (exit status, stderr, seconds to exit, live leftovers)."""
+    libtorch, i.e. mid-import; a function: as soon as it returns True, polled), and return (exit
+    status, stderr, seconds to exit, live leftovers)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "moe_sbo", *argv],
         stdout=subprocess.PIPE,
@@ -74,7 +79,11 @@ def _interrupt(argv: list[str], delay_s: float, signum: int, whole_group: bool) 
         text=True,
         start_new_session=True,  # its own group, as a terminal's foreground job
     )
-    if delay_s:
+    if callable(delay_s):
+        deadline = time.monotonic() + 120
+        while not delay_s() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    elif delay_s:
         time.sleep(delay_s)
     else:
         while not _importing_torch(proc.pid) and proc.poll() is None:
@@ -138,6 +147,31 @@ def test_bench_ends_cleanly_on_ctrl_c_mid_sweep():
     code, err, took, left = _interrupt(argv, 4.0, signal.SIGINT, True)
     assert code == 130 and err.strip().endswith("moe-sbo bench: interrupted (SIGINT)"), err
     assert "Traceback" not in err and took <= EXIT_BOUND_S and not left, (took, left)
+
+
+@pytest.mark.parametrize("signum, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_bench_file_cut_short_says_it_is_partial(tmp_path, signum, whole_group):
+    """A sweep's file is written after every step: until the sweep ends it says ``partial: true``
+    (``running``), and cut short by a signal after the first step, ``interrupted``, its rows whole."""
+    out = tmp_path / "sbo.json"
+    argv = ["bench", "--device", "cpu", "--dispatcher", "alltoall", "--overlap", "none", "--iters", "150"]
+    argv += ["--tokens", "4", "8", "16", "32", "64", "--out", str(out)]
+    metas = []
+
+    def first_step_written() -> bool:
+        try:
+            doc = json.loads(out.read_text())
+        except (OSError, ValueError):
+            return False
+        metas.append(doc["meta"])
+        return bool(doc["rows"])
+
+    code, err, took, left = _interrupt(argv, first_step_written, signum, whole_group)
+    assert code == 128 + signum and "Traceback" not in err and took <= EXIT_BOUND_S and not left, (err, left)
+    assert metas[-1]["partial"] is True and metas[-1]["partial_reason"] == "running"
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["partial"] is True and doc["meta"]["partial_reason"] == "interrupted"
+    assert 1 <= len({row["tokens_per_rank"] for row in doc["rows"]}) < 5 and "wall_s" in doc["meta"]
 
 
 @pytest.mark.gpu  # two ranks: on GPUs of their own, or sharing one

@@ -173,7 +173,8 @@ def test_check_fits_100_columns(narrow, capsys, tmp_path):
 def test_bench_fits_100_columns(narrow, capsys):
     argv = ["bench", "--ranks", "1", "--dispatcher", "local", "--overlap", "none", "split", "--tokens", "4"]
     assert main([*argv, "--iters", "1", "--no-graph", "--device", "cpu"]) == 0
-    assert _fits(capsys.readouterr().out)[-1].startswith("2 rows, 0 errors; not written")
+    lines = _fits(capsys.readouterr().out)
+    assert lines[-2].startswith("2 rows, 0 errors; not written") and lines[-1].startswith("best: 4 tokens local/")
 
 
 def test_generate_fits_100_columns(narrow, capsys, tmp_path):
@@ -242,7 +243,7 @@ def test_demo_and_check_show_progress_on_stderr_and_keep_stdout(narrow, monkeypa
     on stderr; stdout still ends with the verdict line."""
     drawn = io.StringIO()
     terminal = Console(file=drawn, force_terminal=True, width=WIDTH)
-    monkeypatch.setattr(progress, "_stderr_console", lambda: terminal)
+    monkeypatch.setattr(progress, "progress_console", lambda: terminal)
     argv = ["demo", "--ranks", "1", "--dispatcher", "local", "--overlap", "split", "--tokens", "4", "--iters", "1"]
     assert main([*argv, "--device", "cpu"]) == 0
     out = capsys.readouterr().out

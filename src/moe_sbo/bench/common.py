@@ -232,3 +232,32 @@ def physical_limit(row: dict) -> dict:
     out["t_limit_us"] = max(out["t_floor_us"], out.get("t_wire_us", 0.0))
     out["limit_ratio"] = row["t_layer_us"] / out["t_limit_us"] if out["t_limit_us"] > 0 else None
     return out
+
+
+def bandwidth(row: dict) -> dict:
+    """Algorithmic GB/s of a summarised row: the bytes one rank sent (mean over the ranks) over a time
+    (the slowest rank's). ``dispatch_GBps``, ``combine_GBps``: over the layer's phase times;
+    ``comm_GBps``: both phases over their summed time; ``ref_dispatch_GBps``, ``ref_combine_GBps``: over
+    the raw ``all_to_all_single`` of the same bytes. A value is left out where its time is unknown
+    (CUDA-graph rows time the layer only) or no byte crossed (one rank)."""
+    out = {}
+
+    def rate(sent: float | None, t_us: float | None) -> float | None:
+        return sent / t_us / 1e3 if sent and t_us else None  # B/µs = MB/s
+
+    for phase in ("dispatch", "combine"):
+        sent = row.get(f"{phase}_bytes_sent")
+        for key, t_us in (
+            (f"{phase}_GBps", row.get(f"t_{phase}_us")),
+            (f"ref_{phase}_GBps", row.get(f"ref_t_{phase}_us")),
+        ):
+            value = rate(sent, t_us)
+            if value is not None:
+                out[key] = value
+    t_dispatch_us, t_combine_us = row.get("t_dispatch_us"), row.get("t_combine_us")
+    if t_dispatch_us is not None and t_combine_us is not None:
+        sent = row.get("dispatch_bytes_sent", 0) + row.get("combine_bytes_sent", 0)
+        both = rate(sent, t_dispatch_us + t_combine_us)
+        if both is not None:
+            out["comm_GBps"] = both
+    return out

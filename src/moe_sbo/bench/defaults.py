@@ -23,3 +23,13 @@ DEVICE_DEFAULTS: dict[str, tuple[Any, Any]] = {
 
 # Links a sweep can run over (``--wire``); what emulated-internode changes: ``sweep.EMULATED_INTERNODE_ENV``.
 WIRES = ("nvlink", "emulated-internode")
+# What the ``wire`` of a result (meta and rows) can say: the link the run's transfers crossed, derived
+# from the run (``sweep.resolve_wire``), not from --wire alone.
+WIRE_LABELS = {
+    "nvlink": "one GPU per rank, with peer access (NVLink, or PCIe peer-to-peer): NCCL's P2P transport",
+    "emulated-internode": "one GPU per rank, NCCL_P2P_DISABLE=1: NCCL through host memory",
+    "host-memory": "one GPU per rank, no peer access between them: NCCL through host memory",
+    "shared-gpu": "CUDA ranks sharing GPUs: a functional run, not wire speed",
+    "gloo-cpu": "CPU ranks: gloo through the host's memory and loopback",
+    "none": "one rank: nothing crosses a link",
+}

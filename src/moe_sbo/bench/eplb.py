@@ -322,6 +322,9 @@ def summarise_eplb(per_rank: list[list[dict]], spec: dict, ep: int, loads: list[
         if "eplb_overhead_error" in first:  # one rank, a capture that failed: why the column is empty
             rows[-1]["eplb_overhead_error"] = first["eplb_overhead_error"]
         rows[-1]["speedup_layer"] = rows[-1]["layer_ms_before"] / rows[-1]["layer_ms_after"]
+        # Algorithmic GB/s of the rebalance: the most bytes a rank sent / the group's time.
+        sent = max(rows[-1]["sent_bytes_per_rank"])
+        rows[-1]["rebalance_GBps"] = sent / rows[-1]["t_rebalance_ms"] / 1e6 if sent else None
     return rows
 
 
@@ -436,7 +439,32 @@ def main(args: argparse.Namespace) -> int:
         if eplb.record_load is not None:
             _record_load(eplb, loads, args, file_meta, sweep.ranks.console)
 
-    return sweep.run("eplb", steps, report, meta=meta)
+    return sweep.run("eplb", steps, report, best_balance, meta=meta)
+
+
+def best_balance(rows: list[dict]) -> list[str]:
+    """The sweep's conclusion, a line per expert count: at each token count, the best balance a
+    rebalance reached (rank load max/mean before and after, the redundant slots and dispatcher that
+    reached it) and the layer's speedup there."""
+    best: dict[int, dict[int, dict]] = {}
+    for row in rows:
+        if "error" in row:
+            continue
+        at = best.setdefault(row["experts_per_gpu"], {})
+        tokens = row["tokens_per_rank"]
+        if tokens not in at or row["load_max_over_mean_after"] < at[tokens]["load_max_over_mean_after"]:
+            at[tokens] = row
+    lines = []
+    for experts, at in best.items():
+        parts = [
+            f"{tokens} tokens {r['dispatcher']} +{r['redundant_per_rank']} slots: load max/mean "
+            f"{r['load_max_over_mean_before']:.2f} -> {r['load_max_over_mean_after']:.2f}, "
+            f"layer {r['speedup_layer']:.2f}x"
+            for tokens, r in at.items()
+        ]
+        head = "best balance" if len(best) == 1 else f"best balance at {experts} experts/GPU"
+        lines.append(f"{head}: {'; '.join(parts)}")
+    return lines or ["best balance: nothing measured (every step failed)"]
 
 
 def _record_load(eplb: EplbSetup, loads: list[list[float]], args, meta: dict, console: Console) -> None:

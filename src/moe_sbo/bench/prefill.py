@@ -61,6 +61,7 @@ from .low_latency import (
     time_back_to_back,
     time_graphs,
 )
+from .sweep import wire_label
 
 TARGETS = {"tokens_per_rank": 4096, "phase_vs_wire": 1.2, "floor_ratio": 1.10}
 
@@ -198,12 +199,13 @@ def prefill_rank(
     return rows
 
 
-def finish(rows: list[dict], per_rank: list[list[dict]]) -> list[dict]:
-    """``summarise``'s rows plus what this benchmark adds: plan, floor, wire and host times."""
+def finish(rows: list[dict], per_rank: list[list[dict]], wire: str) -> list[dict]:
+    """``summarise``'s rows plus what this benchmark adds: plan, floor, wire (``wire``: the link's
+    label, ``wire_label``) and host times."""
     for row, rank_rows in zip(rows, zip(*per_rank)):
         first = rank_rows[0]
         row["bench"] = "prefill"
-        row["wire"] = "nvlink"
+        row["wire"] = wire
         for key in ("plan", "index_graphs"):
             if key in first:
                 row[key] = first[key]
@@ -312,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
 
                 def step(fn=fn, fn_args=fn_args, name=name) -> list[dict]:
                     per_rank = pool.run(fn, *fn_args)
-                    return finish(summarise(per_rank, common, name), per_rank)
+                    return finish(summarise(per_rank, common, name), per_rank, wire_label(device, p))
 
                 results.add_timed_step(
                     f"ep={p} {name}", step, {"bench": "prefill", **common, "ep": p, "dispatcher": name}, started

@@ -43,6 +43,7 @@ from ..measure.timing import SPANS, line_up, time_fn, time_layer
 from ..overlap import AutoOverlap, make_overlap
 from ..overlap.auto import bucket_of
 from .common import (
+    bandwidth,
     cached,
     dispatcher_options,
     floor_and_wire,
@@ -108,6 +109,8 @@ def sbo_bench_rank(device: torch.device, spec: dict, tokens: int) -> list[dict]:
                 row["auto_choice"] = layer.overlap.choices.get(bucket_of(tokens), "none")
             traffic = layer.last_traffic
             row.update(
+                dispatch_bytes_sent=traffic.dispatch_bytes_sent,
+                combine_bytes_sent=traffic.combine_bytes_sent,
                 bytes_sent=traffic.bytes_sent,
                 bytes_recv=traffic.bytes_recv,
                 inter_node_bytes=traffic.inter_node_bytes,
@@ -155,6 +158,7 @@ def summarise(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]:
             elif key.endswith("_bytes_sent"):
                 row[key] = round(statistics.mean(r[key] for r in rank_rows))
         row.update(physical_limit(row))
+        row.update(bandwidth(row))
         row["t_layer_us_per_rank"] = [round(r["t_layer_us"], 1) for r in rank_rows]
         for key in ("bytes_sent", "bytes_recv", "inter_node_bytes", "intra_node_bytes"):
             row[key] = round(statistics.mean(r[key] for r in rank_rows))
@@ -207,10 +211,15 @@ def main(args: argparse.Namespace) -> int:
         steps.append(Step(f"E={n} {d} T={t}", sbo_bench_rank, (spec, t), summary, {**fields, "wire": args.wire}))
 
     def report(rows: list[dict], meta: dict) -> None:
-        sweep.ranks.console.print(sbo_table(rows))
-        print_notes(sweep.ranks.console, sbo_legend(rows), cpu_timing_note(sweep.ranks.device))
+        console = sweep.ranks.console
+        console.print(sbo_summary_table(rows))
+        print_notes(console, *summary_legend(rows))
+        if args.detail:
+            console.print(sbo_table(rows))
+            print_notes(console, sbo_legend(rows))
+        print_notes(console, cpu_timing_note(sweep.ranks.device))
 
-    return sweep.run("sbo", steps, report, draw=functools.partial(_timeline, sweep))
+    return sweep.run("sbo", steps, report, best_modes, draw=functools.partial(_timeline, sweep))
 
 
 def _timeline(sweep: Sweep, pool) -> None:
@@ -265,3 +274,65 @@ def sbo_legend(rows: list[dict]) -> str:
     if any(row.get("graph") for row in rows):
         legend += "; *: CUDA graph"
     return legend
+
+
+def summary_legend(rows: list[dict]) -> list[str]:
+    """The lines under the summary table: what its columns mean."""
+    graph = "; *: CUDA-graph replays" if any(row.get("graph") for row in rows) else ""
+    return [
+        f"each mode: t(none)/t, > 1 is faster than none{graph}; every phase: --detail",
+        "GB/s: bytes a rank sent / its dispatch + combine time, overlap none",
+    ]
+
+
+def gbps(value: float | None) -> str:
+    """A bandwidth in at most 6 characters: 3 significant digits, 2 under 1 GB/s ("-" for None)."""
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if value >= 1 else f"{value:.2g}"
+
+
+def sbo_summary_table(rows: list[dict]) -> Table:
+    """One line per expert count, token count and dispatcher (and CUDA graph or not, marked ``*``): the
+    layer time with overlap ``none``, each other mode's speedup over it, and the algorithmic GB/s of
+    its dispatch and combine. Narrow: about 80 columns with every mode."""
+    modes = list(dict.fromkeys(r["overlap"] for r in rows if "error" not in r and r["overlap"] != "none"))
+    columns = [("E/GPU", "right"), ("tokens", "right"), ("dispatcher", "left"), ("none µs", "right")]
+    columns += [(mode, "right") for mode in modes] + [("GB/s", "right")]
+    table = make_table("single-batch overlap: layer time and speedup over none (slowest rank)", columns)
+    groups: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        key = (row.get("experts_per_gpu", ""), row.get("tokens_per_rank", ""), row.get("dispatcher", ""))
+        groups.setdefault((*key, bool(row.get("graph"))), {})[row.get("overlap", "error")] = row
+    for (experts, tokens, dispatcher, graph), by_mode in groups.items():
+        head = (str(experts), str(tokens), dispatcher + ("*" if graph else ""))
+        none = by_mode.get("none")
+        if none is None or "error" in none:
+            table.add_row(*head, "[red]error[/]", *[""] * (len(columns) - 4))
+            continue
+        speedups = [f"{by_mode[m]['speedup_vs_none']:.2f}" if m in by_mode else "-" for m in modes]
+        table.add_row(*head, compact(none["t_layer_us"]), *speedups, gbps(none.get("comm_GBps")))
+    return table
+
+
+def best_modes(rows: list[dict]) -> list[str]:
+    """The sweep's conclusion, a line per expert count: at each token count, the fastest dispatcher and
+    overlap mode (``dispatcher/mode``), and that mode's gain over ``none`` with the same dispatcher."""
+    fastest: dict[int, dict[int, dict]] = {}
+    for row in rows:
+        if "error" in row:
+            continue
+        at = fastest.setdefault(row["experts_per_gpu"], {})
+        tokens = row["tokens_per_rank"]
+        if tokens not in at or row["t_layer_us"] < at[tokens]["t_layer_us"]:
+            at[tokens] = row
+    lines = []
+    for experts, at in fastest.items():
+        parts = []
+        for tokens, row in at.items():
+            what = f"{row['dispatcher']}/{row['overlap']}{'*' if row['graph'] else ''}"
+            gain = f"{row['speedup_vs_none']:.2f}x none" if row["overlap"] != "none" else "no mode beats none"
+            parts.append(f"{tokens} tokens {what} {gain}")
+        head = "best" if len(fastest) == 1 else f"best at {experts} experts/GPU"
+        lines.append(f"{head}: {'; '.join(parts)}")
+    return lines or ["best: nothing measured (every step failed)"]

@@ -14,6 +14,7 @@ the reason said.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,14 +24,15 @@ from typing import Any, NamedTuple
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress
 
 from ..config import get_preset
 from ..decoder.attention import AttentionConfig
 from ..dispatch import DISPATCHERS
 from ..launch.failures import RankError
+from ..launch.signals import signals_deferred
 from ..measure.memory import check_memory, estimate_rank_bytes
 from ..measure.options import default_dtype_name, in_ranks, resolve_expert_dtype
+from ..measure.progress import StepBar
 from ..measure.results import ResultFile, StandardOutput, result_meta, shared_gpu_note
 from ..measure.run import Ranks, output_path
 from ..measure.run import prepare as prepare_ranks
@@ -135,6 +137,8 @@ class Sweep:
         if self.note:
             self.ranks.console.print(self.note, highlight=False)
         line = check_memory(max(estimates, key=lambda e: e.total_B), device, ranks)
+        if not self.args.detail:
+            line = line.split("\n")[0]  # the estimate's parts: --detail
         self.ranks.console.print(line, highlight=False)
 
     def run(
@@ -142,17 +146,21 @@ class Sweep:
         bench: str,
         steps: list[Step],
         report: Callable[[list[dict], dict], None],
+        conclude: Callable[[list[dict]], list[str]],
         draw: Callable[[Any], None] | None = None,
         meta: dict | None = None,
     ) -> int:
         """Run ``steps`` in order on one pool of ranks, then (nothing stopped the sweep) ``draw(pool)``
-        for ``--timeline`` / ``--trace``; save the rows, ``report(rows, meta)`` (tables and notes), and
-        close with the row and error counts. Exit status: 1 if any row is an error, else 0."""
+        for ``--timeline`` / ``--trace``; save the rows, ``report(rows, meta)`` (tables and notes), the
+        row and error counts, and last the sweep's conclusion, ``conclude(rows)`` (also the meta's
+        ``summary``). Exit status: 1 if any row is an error, else 0."""
         args, console = self.args, self.ranks.console
         file_meta = result_meta(device=self.ranks.device, world_size=self.ranks.count, wire=args.wire)
         file_meta.update(preset=args.preset, warmup=args.warmup, iters=args.iters, sm_budget=args.sm_budget)
         file_meta["timing"] = TIMING
         file_meta.update(meta or {})
+        # Until the sweep ends, the file (written after every step) says it holds part of the rows.
+        file_meta.update(partial=True, partial_reason="running")
         results = ResultFile(self.out, file_meta)
         # The wire's NCCL settings go to the ranks' environment only, before they make their communicator.
         pool = self.ranks.pool(environ=EMULATED_INTERNODE_ENV if args.wire == "emulated-internode" else None)
@@ -164,13 +172,25 @@ class Sweep:
                 file_meta["stopped"] = stopped + ("; no timeline drawn" if profiles else "")
             elif profiles and draw is not None:
                 draw(pool)
-        except BaseException:
+        except BaseException as exc:
             pool.stop()  # an interrupt or a failure: stop the ranks now, not politely
+            # Exception: a failure of the launcher; the others (Ctrl-C, SIGTERM) interrupt it.
+            reason = f"failed ({type(exc).__name__})" if isinstance(exc, Exception) else "interrupted"
+            file_meta.update(partial_reason=reason, wall_s=round(time.perf_counter() - started, 1))
+            with signals_deferred():  # a second Ctrl-C must not cut the file short
+                results.save()
             raise
         finally:
             pool.close()
         file_meta["wall_s"] = round(time.perf_counter() - started, 1)
         file_meta.update(measured_wire(results.rows))
+        summary = conclude(results.rows)
+        file_meta["summary"] = summary
+        if stopped:
+            file_meta["partial_reason"] = "stopped"  # ``stopped`` says after which step, and why
+        else:
+            file_meta["partial"] = False
+            del file_meta["partial_reason"]
         results.save()
         report(results.rows, file_meta)
         if stopped:
@@ -178,6 +198,8 @@ class Sweep:
         written = f"written to {results.path}" if results.path else "not written (no --out)"
         # soft_wrap: a path is printed whole, never broken at the console's width.
         console.print(f"{len(results.rows)} rows, {results.errors} errors; {written}", highlight=False, soft_wrap=True)
+        for line in summary:
+            console.print(line, highlight=False)
         return 1 if results.errors else 0
 
 
@@ -231,10 +253,11 @@ def prepare(args: argparse.Namespace, drop_auto: bool = False) -> Sweep:
 
 
 def resolve_wire(args: argparse.Namespace, device: str, ranks: int) -> str | None:
-    """Check ``--wire`` before any rank starts; under the emulated wire, ``--transport auto`` becomes
-    ``nccl``; ranks that share GPUs make the wire ``shared-gpu``, one rank ``none`` (returns the line
-    saying either of the first two).
-    Raises ``ValueError`` for what cannot emulate it."""
+    """Check ``--wire`` before any rank starts and set ``args.wire`` to the link the run's transfers
+    cross (``wire_label``), whatever was asked; under the emulated wire (``--wire emulated-internode``
+    or ``NCCL_P2P_DISABLE=1`` already set) ``--transport auto`` becomes ``nccl``. Returns the line
+    saying what changed (shared GPUs, the transport), or None. Raises ``ValueError`` for what cannot
+    emulate the wire."""
     shared = shared_gpu_note(device, ranks)
     if shared:
         if args.wire == "emulated-internode":
@@ -245,9 +268,12 @@ def resolve_wire(args: argparse.Namespace, device: str, ranks: int) -> str | Non
         args.wire = "shared-gpu"
         return shared
     if args.wire != "emulated-internode":
-        if ranks == 1:
-            args.wire = "none"  # one rank: nothing crosses a link between ranks
-        return None
+        label = wire_label(device, ranks)
+        if label != "emulated-internode":
+            args.wire = label
+            return None
+    asked = "--wire emulated-internode" if args.wire == "emulated-internode" else "NCCL_P2P_DISABLE=1"
+    args.wire = "emulated-internode"
     if device != "cuda":
         raise ValueError(
             f"--wire emulated-internode needs CUDA GPUs (it routes NCCL through host memory), got --device "
@@ -258,12 +284,33 @@ def resolve_wire(args: argparse.Namespace, device: str, ranks: int) -> str | Non
     if args.transport in ("symm_mem", "copy_engine"):
         raise ValueError(
             f"--transport {args.transport} writes the peer's memory over NVLink, outside NCCL, so it cannot "
-            f"run on --wire emulated-internode, got both; use --transport nccl (or auto)"
+            f"run on the emulated-internode wire, got it with {asked}; use --transport nccl (or auto)"
         )
     if args.transport == "auto":
         args.transport = "nccl"
-        return "--wire emulated-internode: low_latency uses --transport nccl (symm_mem would bypass the wire)"
+        return f"{asked}: low_latency uses --transport nccl (symm_mem would bypass the wire)"
     return None
+
+
+def wire_label(device: str, ranks: int) -> str:
+    """The link the transfers of ``ranks`` ranks on ``device`` cross, as results name it
+    (``defaults.WIRE_LABELS``): derived from the run, never from --wire alone."""
+    if ranks == 1:
+        return "none"  # nothing crosses a link between ranks
+    if device != "cuda":
+        return "gloo-cpu"
+    if shared_gpu_note(device, ranks):
+        return "shared-gpu"
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":  # the ranks inherit it
+        return "emulated-internode"
+    return "nvlink" if peer_to_peer(ranks) else "host-memory"
+
+
+def peer_to_peer(ranks: int) -> bool:
+    """Whether each of the first ``ranks`` GPUs (one rank each) can access every other's memory
+    directly (NVLink, or PCIe peer-to-peer), the path NCCL's P2P transport takes."""
+    gpus = range(ranks)
+    return all(torch.cuda.can_device_access_peer(a, b) for a in gpus for b in gpus if a != b)
 
 
 def measured_wire(rows: list[dict]) -> dict:
@@ -300,10 +347,9 @@ def fatal_cause(err: RankError) -> str | None:
 def run_steps(steps: list[Step], pool, results: ResultFile, console: Console, bench: str) -> str | None:
     """Run the sweep's steps in order, each one's rows (or error row) saved as it ends. After a step
     that killed a rank or ran out of memory, stop: returns why, naming the steps skipped."""
-    with Progress(console=console, transient=False) as progress:
-        task = progress.add_task("sweep", total=len(steps))
+    with StepBar(len(steps)) as bar:  # on stderr, as every command's progress
         for done, step in enumerate(steps, start=1):
-            progress.update(task, description=step.label)
+            bar.start(step.label)
             fatal: list[str] = []
 
             def run(step=step, fatal=fatal) -> list[dict]:
@@ -318,7 +364,7 @@ def run_steps(steps: list[Step], pool, results: ResultFile, console: Console, be
             failure = results.add_step(run, {"bench": bench, "step": step.label, **step.fields})
             if failure:
                 console.print(f"[red]{step.label} failed[/]: {escape(failure[-1500:])}", highlight=False)
-            progress.advance(task)
+            bar.advance()
             if fatal:
                 skipped = len(steps) - done
                 return (

@@ -39,6 +39,7 @@ from ..overlap.tbo import resolve_gemm_sm_budget, tbo_forward
 from ..overlap.tbo_auto import AutoTbo
 from ..streams import check_sm_budget
 from .common import (
+    bandwidth,
     cached,
     dispatcher_options,
     floor_and_wire,
@@ -226,6 +227,7 @@ def summarise_tbo(per_rank: list[list[dict]], spec: dict, ep: int) -> list[dict]
             }
         )
         rows[-1].update(physical_limit(rows[-1]))
+        rows[-1].update(bandwidth(rows[-1]))
     baseline = next(r for r in rows if r["overlap"] == "none" and not r["tbo"] and r["tbo_policy"] == "fixed")
     for row in rows:
         row["speedup_vs_none"] = baseline["t_layer_us"] / row["t_layer_us"]
@@ -236,6 +238,67 @@ TBO_LEGEND = (
     "× none: the same size's layer time without TBO and with overlap none / this row's; "
     "× limit: this row's / max(compute floor, raw wire)"
 )
+
+
+TBO_SUMMARY_LEGEND = (
+    "SBO: best overlap mode alone; TBO: overlap none; TBO+SBO: best of both",
+    "each t(no TBO, none)/t, > 1 faster; d: stage delay; every row: --detail",
+)
+
+
+def tbo_summary_table(rows: list[dict]) -> Table:
+    """One line per expert count, size and dispatcher: the layer time without TBO and overlap, and the
+    best speedup over it of each kind (an overlap mode alone, TBO alone, TBO with an overlap mode)."""
+    columns = [("E/GPU", "right"), ("size", "left"), ("dispatcher", "left")]
+    columns += [("none µs", "right"), ("SBO", "right"), ("TBO", "right"), ("TBO+SBO", "right")]
+    table = make_table("decoder layer: two-batch overlap, best speedup of each kind (slowest rank)", columns)
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row.get("experts_per_gpu", ""), row.get("regime", ""), row.get("tokens_per_rank", row.get("size", "")))
+        groups.setdefault((*key, row.get("dispatcher", "")), []).append(row)
+    for (experts, regime, tokens, dispatcher), group in groups.items():
+        head = (str(experts), f"{regime} {tokens}", dispatcher)
+        fixed = [r for r in group if "error" not in r and r["tbo_policy"] == "fixed"]
+        base = next((r for r in fixed if r["overlap"] == "none" and not r["tbo"]), None)
+        if base is None:
+            table.add_row(*head, "[red]error[/]", "", "", "")
+            continue
+
+        def best(rows_of_kind: list[dict], name: bool) -> str:
+            if not rows_of_kind:
+                return "-"
+            top = max(rows_of_kind, key=lambda r: r["speedup_vs_none"])
+            delay = f" d{top['delay']}" if top["tbo"] else ""
+            return f"{top['overlap'] + ' ' if name else ''}{top['speedup_vs_none']:.2f}{delay}"
+
+        sbo = [r for r in fixed if not r["tbo"] and r["overlap"] != "none"]
+        tbo = [r for r in fixed if r["tbo"] and r["overlap"] == "none"]
+        both = [r for r in fixed if r["tbo"] and r["overlap"] != "none"]
+        table.add_row(*head, compact(base["t_layer_us"]), best(sbo, True), best(tbo, False), best(both, True))
+    return table
+
+
+def best_tbo(rows: list[dict]) -> list[str]:
+    """The sweep's conclusion, a line per expert count: at each regime and size, the fastest row (its
+    ``dispatcher/mode``, TBO at its stage delay or not) and its speedup over the same size without TBO
+    and overlap (1.00x: nothing beat it)."""
+    fastest: dict[int, dict[tuple[str, int], dict]] = {}
+    for row in rows:
+        if "error" in row:
+            continue
+        at = fastest.setdefault(row["experts_per_gpu"], {})
+        size = (row["regime"], row["tokens_per_rank"])
+        if size not in at or row["t_layer_us"] < at[size]["t_layer_us"]:
+            at[size] = row
+    lines = []
+    for experts, at in fastest.items():
+        parts = []
+        for (regime, tokens), row in at.items():
+            tbo = f"TBO d{row['delay']}" if row["tbo"] else "no TBO"
+            parts.append(f"{regime} {tokens} {row['dispatcher']}/{row['overlap']} {tbo} {row['speedup_vs_none']:.2f}x")
+        head = "best" if len(fastest) == 1 else f"best at {experts} experts/GPU"
+        lines.append(f"{head}: {'; '.join(parts)}")
+    return lines or ["best: nothing measured (every step failed)"]
 
 
 def tbo_table(rows: list[dict]) -> Table:
@@ -324,10 +387,15 @@ def main(args: argparse.Namespace) -> int:
         steps.append(Step(f"E={n} {d} {regime} {size}", tbo_bench_rank, (spec, regime, size), summary, fields))
 
     def report(rows: list[dict], meta: dict) -> None:
-        sweep.ranks.console.print(tbo_table(rows))
-        print_notes(sweep.ranks.console, TBO_LEGEND, cpu_timing_note(sweep.ranks.device))
+        console = sweep.ranks.console
+        console.print(tbo_summary_table(rows))
+        print_notes(console, *TBO_SUMMARY_LEGEND)
+        if args.detail:
+            console.print(tbo_table(rows))
+            print_notes(console, TBO_LEGEND)
+        print_notes(console, cpu_timing_note(sweep.ranks.device))
 
-    return sweep.run("tbo", steps, report, draw=functools.partial(_timeline, sweep))
+    return sweep.run("tbo", steps, report, best_tbo, draw=functools.partial(_timeline, sweep))
 
 
 def _timeline(sweep: Sweep, pool) -> None:

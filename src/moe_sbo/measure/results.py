@@ -73,9 +73,9 @@ def shared_gpu_note(device: str, world_size: int) -> str | None:
 
 
 def result_meta(device: str, world_size: int, wire: str | None = None) -> dict:
-    """What every result file's ``meta`` records; ``wire`` (``nvlink``, ``emulated-internode``, ``none``), for
-    the benchmarks that choose one, names the link the ranks' transfers crossed: ``shared-gpu`` whenever
-    CUDA ranks share GPUs (``ranks_per_gpu`` > 1), whatever was asked."""
+    """What every result file's ``meta`` records; ``wire`` (``nvlink``, ``gloo-cpu``, ``emulated-internode``,
+    ``none``, ...: ``bench.defaults.WIRE_LABELS``), for the benchmarks that record one, names the link the
+    ranks' transfers crossed: ``shared-gpu`` whenever CUDA ranks share GPUs (``ranks_per_gpu`` > 1)."""
     cuda = device == "cuda" and torch.cuda.is_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
     env = environment(gpus=False)  # the GPU and NCCL below are the ones torch ran with
@@ -124,7 +124,10 @@ def dump_json(target: Path | str | StandardOutput, doc: dict, indent: int = 1) -
         return
     path = Path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    # Written beside it, then renamed over it: a run cut short mid-write leaves the previous file whole.
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
 
 
 def write_results(path: Path | str | StandardOutput, meta: dict, rows: list[dict]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from .common import HelpFormatter
+from .common import BenchHelpFormatter
 
 # mode -> (one-line help, parser module, runner module).
 BENCH_MODES: dict[str, tuple[str, str, str]] = {
@@ -22,7 +22,7 @@ BENCH_MODES: dict[str, tuple[str, str, str]] = {
         "moe_sbo.bench.tbo",
     ),
     "eplb": (
-        "expert load balancing on a skewed router: rank load and layer time before and after a rebalance",
+        "rank load and layer time before and after an expert rebalance",
         "moe_sbo.cli.parsers.bench_eplb",
         "moe_sbo.bench.eplb",
     ),
@@ -79,9 +79,9 @@ def description() -> str:
     width = max(map(len, BENCH_MODES))
     modes = "\n".join(f"  {mode:<{width}}  {help_}" for mode, (help_, _, _) in BENCH_MODES.items())
     return (
-        "Benchmarks of the MoE layer on N local ranks (GPUs; on CPU ranks a quick smoke run), one mode each:\n"
+        "Benchmarks of the MoE layer on N local ranks (GPUs; on CPU ranks a quick smoke\nrun), one mode each:\n"
         f"{modes}\n\n"
-        f"moe-sbo bench with no mode runs {DEFAULT_MODE}. Options of one mode: moe-sbo bench MODE --help."
+        f"moe-sbo bench with no mode runs {DEFAULT_MODE}.\nOptions of one mode: moe-sbo bench MODE --help."
     )
 
 
@@ -91,7 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes = parser.add_subparsers(dest="mode", metavar="MODE", help=argparse.SUPPRESS, prog="moe-sbo bench")
     for mode, (help_, parser_module, _) in BENCH_MODES.items():
         module = importlib.import_module(parser_module)
-        sub = modes.add_parser(mode, help=help_, description=module.DESCRIPTION, formatter_class=HelpFormatter)
+        # -h is in the mode's output group (``common.add_sweep_arguments``): no group of its own.
+        sub = modes.add_parser(
+            mode, help=help_, description=module.DESCRIPTION, formatter_class=BenchHelpFormatter, add_help=False
+        )
         module.add_arguments(sub)
 
 

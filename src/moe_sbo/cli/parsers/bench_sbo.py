@@ -8,18 +8,21 @@ from ...config import OVERLAP_MODES
 from .common import SWEEP_NOTES, add_sweep_arguments, add_tokens_arg
 
 DESCRIPTION = f"""\
-Time the MoE layer on N ranks: every overlap mode x dispatcher x token count (single-batch overlap).
-Each mode's efficiency and speedup are measured against overlap none.
-
+Time the MoE layer on N ranks: every overlap mode x dispatcher x token count,
+each mode's speedup over overlap none, and last the best mode per token count.
 {SWEEP_NOTES}"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_sweep_arguments(parser)
-    add_tokens_arg(parser)
-    parser.add_argument("--overlap", nargs="+", default=["all"], help=f"among {list(OVERLAP_MODES)}, or all")
-    parser.add_argument(
-        "--timeline", default=None, metavar="PNG", help="draw one forward per mode at --timeline-tokens"
+    parser.usage = "%(prog)s [options]"  # the options are listed below, in groups
+    groups = add_sweep_arguments(parser)
+    add_tokens_arg(groups["what"])
+    groups["what"].add_argument(
+        "--overlap", nargs="+", default=["all"], metavar="M", help=f"among {', '.join(OVERLAP_MODES)}, or all"
     )
-    parser.add_argument("--timeline-tokens", type=int, default=None, help="default: largest of --tokens up to 4096")
-    parser.add_argument("--trace", default=None, metavar="PREFIX", help="also keep Chrome traces PREFIX.<mode>.json")
+    output = groups["output"]
+    output.add_argument("--timeline", default=None, metavar="PNG", help="draw one forward per mode")
+    output.add_argument(
+        "--timeline-tokens", type=int, default=None, metavar="T", help="its tokens (default: largest <= 4096)"
+    )
+    output.add_argument("--trace", default=None, metavar="PREFIX", help="keep Chrome traces PREFIX.<mode>.json")

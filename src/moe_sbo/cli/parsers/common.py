@@ -24,6 +24,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return f"{text} (default: {shown.replace('%', '%%')})"  # help strings are %-formatted
 
 
+class BenchHelpFormatter(HelpFormatter):
+    """``HelpFormatter`` for the bench modes: options' help a little further right, so each option
+    name, ``[N ...]`` included, shares its line with its help."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=28)
+
+
 RANKS_HELP = (
     "ranks to start (default: every GPU on CUDA, 2 on CPU); more ranks than GPUs share them round-robin "
     "(a functional run: correctness, not wire speed)"
@@ -33,12 +41,8 @@ EXPERT_DTYPES = ("bf16", "fp8")  # --expert-dtype choices; bf16 is the layer's o
 PLACEMENT_POLICY_NAMES = ("trivial", "global", "hierarchical")
 # The end of every bench sweep's --help description.
 SWEEP_NOTES = """\
-Rows go to --out (JSON) after every step; a step that fails on a rank becomes an error row, and
-after a rank is killed or runs out of memory the sweep stops.
-
-Defaults depend on the device: on GPUs a DeepSeek-V3 layer at realistic sizes; on CPU ranks the
-tiny preset at a few tokens, a smoke run of the whole sweep (CPU times are not GPU numbers). Before
-any rank starts, a per-rank memory estimate is printed and a run that cannot fit is refused."""
+Defaults: on GPUs a DeepSeek-V3 layer; on CPU ranks a smoke run of the tiny
+preset (not GPU numbers). Every option and field: docs/BENCH_OPTIONS.md."""
 SKEW_HELP = (
     "the expert load: zipf:S (Zipf popularity of exponent S >= 0 over the experts in a seeded random order; "
     "zipf:0 is even) or a load file written by bench eplb --record-load"
@@ -72,72 +76,106 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
 def device_default(key: str, what: str) -> str:
     """``what``, then the GPU and CPU defaults of ``DEVICE_DEFAULTS[key]``."""
     gpu, cpu = (" ".join(map(str, v)) if isinstance(v, list) else v for v in DEVICE_DEFAULTS[key])
-    return f"{what} (default: {gpu}; on CPU: {cpu})"
+    return f"{what} (default: {gpu}; CPU: {cpu})"
 
 
-def add_tokens_arg(p: argparse.ArgumentParser) -> None:
+def add_tokens_arg(group) -> None:
     """``--tokens``: the bench modes that sweep tokens per rank (``sbo``, ``eplb``)."""
-    p.add_argument("--tokens", type=int, nargs="+", default=None, help=device_default("tokens", "tokens per rank"))
+    group.add_argument(
+        "--tokens", type=int, nargs="+", default=None, metavar="T", help=device_default("tokens", "tokens per rank")
+    )
 
 
-def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
-    """The options every bench sweep (``sbo``, ``tbo``, ``eplb``) takes: the model, the dispatchers, the
-    ranks and their wire, the timing, the result file."""
-    p.add_argument(
+def add_sweep_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """The options every bench sweep (``sbo``, ``tbo``, ``eplb``) takes, in groups a mode adds its own
+    options to (returned by name: ``what``, ``ranks``, ``timing``, ``output``): the model and the
+    dispatchers, the ranks and their wire, the timing, the output. Help one line each where it can:
+    the detail is in docs/BENCH_OPTIONS.md."""
+    groups = {
+        "what": p.add_argument_group("what to time"),
+        "ranks": p.add_argument_group("ranks and wire"),
+        "timing": p.add_argument_group("timing"),
+        "output": p.add_argument_group("output"),
+    }
+    what = groups["what"]
+    what.add_argument(
         "--preset",
         default=None,
         choices=sorted(PRESETS),
         metavar="NAME",
-        help=device_default("preset", f"model shapes, one of {', '.join(sorted(PRESETS))}"),
+        help=device_default("preset", "model shapes"),
     )
-    add_expert_dtype_arg(p)
-    p.add_argument(
+    what.add_argument(
         "--experts",
         type=int,
         nargs="+",
         default=None,
-        help="routed experts in total, one sweep each (default: the preset's; label: experts per GPU)",
+        metavar="N",
+        help="routed experts, a sweep each (default: preset's)",
     )
-    p.add_argument("--dispatcher", nargs="+", default=["all"], help=f"among {sorted(DISPATCHER_NAMES)}, or all")
-    p.add_argument("--ranks", type=int, default=None, help=f"EP size: {RANKS_HELP}")
-    add_device_arg(p)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument(
-        "--sm-budget",
-        type=int,
+    what.add_argument(
+        "--dispatcher",
+        nargs="+",
+        default=["all"],
+        metavar="D",
+        help=f"among {', '.join(sorted(DISPATCHER_NAMES))}, or all",
+    )
+    what.add_argument(
+        "--dtype",
         default=None,
-        help="SMs for the shared experts in combine_sm (default: all but the 32 left to communication)",
+        choices=["float32", "bfloat16"],
+        metavar="DTYPE",
+        help="float32, bfloat16 (default: bfloat16, CPU float32)",
     )
-    p.add_argument(
-        "--transport",
+    what.add_argument(
+        "--expert-dtype",
+        default=None,
+        choices=EXPERT_DTYPES,
+        metavar="DTYPE",
+        help="experts' weights: bf16 (as --dtype) or fp8",
+    )
+    ranks = groups["ranks"]
+    ranks.add_argument(
+        "--device",
         default="auto",
-        choices=["auto", "nccl", "symm_mem", "copy_engine"],
-        help="low_latency's transport (auto: symmetric memory on CUDA from 2 GPUs, else NCCL; copy_engine: "
-        "peer copies, no SMs in flight)",
+        choices=["auto", "cpu", "cuda"],
+        metavar="DEV",
+        help="auto (cuda if a GPU), cpu, cuda",
     )
-    p.add_argument(
-        "--index-rows",
-        action="store_true",
-        help="low_latency's index_rows: the experts read the received rows in place through the layout's "
-        "index instead of a copy in expert order (rows record index_rows)",
-    )
-    p.add_argument(
+    ranks.add_argument("--ranks", type=int, default=None, metavar="N", help="EP size (default: every GPU; CPU: 2)")
+    ranks.add_argument(
         "--wire",
         default="nvlink",
         choices=WIRES,
-        help="the link between the ranks: nvlink (the GPUs' own), or emulated-internode: NCCL with "
-        "NCCL_P2P_DISABLE=1, so its traffic goes through host memory (24 GB/s all-to-all measured at "
-        "236 MB on 2x H200, an inter-node-class wire on one host); CUDA and >= 2 ranks only. "
-        "low_latency then uses --transport nccl: symm_mem and copy_engine write the peer's memory over "
-        "NVLink, outside NCCL, so they cannot emulate the slower wire (auto becomes nccl; asking for "
-        "them is refused)",
+        metavar="WIRE",
+        help="nvlink (default) or emulated-internode",
     )
-    p.add_argument("--warmup", type=int, default=None, help=device_default("warmup", "untimed calls first"))
-    p.add_argument("--iters", type=int, default=None, help=device_default("iters", "timed calls"))
-    p.add_argument("--no-graph", action="store_true", help="no CUDA-graph rows")
-    p.add_argument("--graph-max-tokens", type=int, default=512, help="largest tokens/rank timed as graph replays")
-    p.add_argument("--out", default=None, help="JSON file for {meta, rows}; -: standard output (default: none written)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    ranks.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "nccl", "symm_mem", "copy_engine"],
+        metavar="NAME",
+        help="low_latency's: auto (default), nccl, symm_mem, copy_engine",
+    )
+    ranks.add_argument("--index-rows", action="store_true", help="low_latency: experts read rows in place")
+    ranks.add_argument(
+        "--sm-budget", type=int, default=None, metavar="SMS", help="combine_sm's SMs (default: all but 32)"
+    )
+    timing = groups["timing"]
+    timing.add_argument("--warmup", type=int, default=None, metavar="N", help=device_default("warmup", "untimed calls"))
+    timing.add_argument("--iters", type=int, default=None, metavar="N", help=device_default("iters", "timed calls"))
+    timing.add_argument("--no-graph", action="store_true", help="no CUDA-graph rows")
+    timing.add_argument(
+        "--graph-max-tokens", type=int, default=512, metavar="T", help="most tokens/rank timed from graphs"
+    )
+    timing.add_argument("--seed", type=int, default=0, metavar="N", help="seed of weights and inputs")
+    output = groups["output"]
+    output.add_argument(
+        "--out", default=None, metavar="PATH", help="JSON file of {meta, rows}, kept every step; -: standard output"
+    )
+    output.add_argument("--detail", action="store_true", help="every row and phase, the memory's parts")
+    output.add_argument("-h", "--help", action="help", help="show this help and exit")
+    return groups
 
 
 def add_ep_sweep_args(p: argparse.ArgumentParser, file_name: str, iters: int) -> None:
