@@ -35,7 +35,6 @@ Counts: 12 checks unchanged, 3 adapted (start-up, shapes, loops), 1 block droppe
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 from deep_ep_utils import calc_diff, inplace_unique, per_token_cast_back, per_token_cast_to_fp8
@@ -253,14 +252,6 @@ def test_intranode_ep2(ranks2):
 def test_intranode_ep4(ranks4):
     args = dict(SMALL, num_experts=16)
     assert all(ranks4.run(intranode_rank, args, ((False, False), (True, True)), False))
-
-
-@pytest.fixture(scope="module")
-def ranks8():
-    from moe_sbo.launch.ranks import LocalRanks
-
-    with LocalRanks(8, device="cpu") as ranks:
-        yield ranks
 
 
 def test_intranode_ep8(ranks8):

@@ -226,3 +226,7 @@ def test_low_latency_ep2(ranks2):
 
 def test_low_latency_ep4(ranks4):
     assert all(ranks4.run(low_latency_rank, 10, 256, 3, 16, 1))
+
+
+def test_low_latency_ep8(ranks8):
+    assert all(ranks8.run(low_latency_rank, 6, 256, 2, 16, 1))

@@ -321,9 +321,10 @@ def dispatch(
         recv_topk_idx = _pad(recv_topk_idx, num_worst_tokens, -1)
         recv_topk_weights = _pad(recv_topk_weights, num_worst_tokens, 0)
     else:
-        first = ep.size + ep.rank * num_local
-        gathered = counts[:, first : first + num_local].sum(dim=0) if counts.shape[1] > ep.size else None
-        # Without top-k, the rows per expert are the senders' counts (DeepEP's list), when given.
+        # The senders' per-expert counts, summed for this rank's experts (DeepEP's list, with or without top-k).
+        experts_here = (counts.shape[1] - ep.size) // ep.size
+        first = ep.size + ep.rank * experts_here
+        gathered = counts[:, first : first + experts_here].sum(dim=0) if experts_here else None
         per_expert_list = align_counts(gathered.tolist(), expert_alignment) if gathered is not None else []
     recv = _with_scales(recv_x, recv_scales, num_worst_tokens)
     return recv, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle
