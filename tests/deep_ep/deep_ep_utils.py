@@ -5,6 +5,7 @@ rank fixtures start the ranks; benchmarks live in ``benchmarks/``)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -69,3 +70,13 @@ def create_grouped_scores(scores: torch.Tensor, group_idx: torch.Tensor, num_gro
 
 def hash_tensor(t: torch.Tensor) -> int:
     return t.view(torch.int).sum().item()
+
+
+def all_gather_stacked(t: torch.Tensor, group) -> torch.Tensor:
+    """``dist.all_gather_into_tensor`` of DeepEP's tests, as a stacked [P, ...] tensor on ``t``'s device:
+    gathered on the GPU over NCCL, on the host over gloo (which gathers a list, not one tensor)."""
+    on_gpu = dist.get_backend(group) == "nccl"
+    mine = t if on_gpu else t.cpu()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine.contiguous(), group=group)
+    return torch.stack(gathered).to(t.device)

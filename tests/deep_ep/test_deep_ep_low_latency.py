@@ -38,7 +38,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from deep_ep_utils import calc_diff, hash_tensor, per_token_cast_back
+from deep_ep_utils import all_gather_stacked, calc_diff, hash_tensor, per_token_cast_back
 
 import moe_sbo.deep_ep as deep_ep
 
@@ -71,8 +71,7 @@ def test_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, ran
     for _ in range(10):
         topk_idx[random.randint(0, num_tokens - 1), random.randint(0, num_topk - 1)] = -1
 
-    all_topk_idx = torch.empty((num_ranks, num_tokens, num_topk), dtype=topk_idx.dtype, device=device)
-    dist.all_gather(list(all_topk_idx.unbind(0)), topk_idx, group=group)  # gloo: a list, not one tensor
+    all_topk_idx = all_gather_stacked(topk_idx, group)  # adapted start-up: gloo or NCCL
 
     mask_status = torch.zeros((num_ranks,), dtype=torch.int, device=device)
 

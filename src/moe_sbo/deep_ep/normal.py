@@ -194,6 +194,9 @@ def exchange_counts(ep: EPGroup, num_tokens_per_rank_P: torch.Tensor, per_expert
         mine = torch.cat([mine, per_expert_E.long().to(mine.device)])
     if ep.size == 1 or not dist.is_initialized():
         return mine[None, :]
+    # On the group's own device: the GPU for NCCL, the host for gloo (also when it moves CUDA tensors).
+    on_gpu = dist.get_backend(ep.group) == "nccl"
+    mine = mine.to(torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
     gathered = [torch.empty_like(mine) for _ in range(ep.size)]
     dist.all_gather(gathered, mine.contiguous(), group=ep.group)
     return torch.stack(gathered)
