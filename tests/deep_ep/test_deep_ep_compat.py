@@ -27,14 +27,20 @@ def _hooks_rank(device) -> list[list[str]]:
     weights = torch.rand(6, 2)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=weights,
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=weights,
     )
     normal = list(seen)
     buffer.combine(recv_x, handle, topk_weights=recv_w)
     normal_all = list(seen)
     seen.clear()
-    packed, _, ll_handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, 8, num_experts, use_fp8=False, return_recv_hook=True)
+    packed, _, ll_handle, _, hook = buffer.low_latency_dispatch(
+        x, topk_idx, 8, num_experts, use_fp8=False, return_recv_hook=True
+    )
     before_hook = list(seen)
     hook()
     _, _, hook = buffer.low_latency_combine(packed, topk_idx, weights, ll_handle, return_recv_hook=True)
@@ -63,8 +69,12 @@ def _minus_one_rank(device) -> dict:
     weights = torch.full((num_tokens, 2), 0.5)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=weights,
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=weights,
     )
     combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
     return {
@@ -107,10 +117,14 @@ def _low_latency_equals_native_rank(device, use_fp8: bool) -> float:
     scale_L = torch.arange(1, rows.shape[0] + 1, dtype=torch.float32)[:, None, None]
     combined, _, _ = buffer.low_latency_combine((rows.float() * scale_L).bfloat16(), topk_idx, weights, handle)
 
-    native = make_dispatcher("low_latency", num_experts, EPGroup.from_torch(group), max_tokens_per_rank=capacity, fp8=use_fp8)
+    native = make_dispatcher(
+        "low_latency", num_experts, EPGroup.from_torch(group), max_tokens_per_rank=capacity, fp8=use_fp8
+    )
     with torch.no_grad():
         out = native.dispatch(x, topk_idx, weights)
-        local_R = torch.searchsorted(out.num_rows_per_expert_L.cumsum(0), torch.arange(out.expert_x_RH.shape[0]), right=True)
+        local_R = torch.searchsorted(
+            out.num_rows_per_expert_L.cumsum(0), torch.arange(out.expert_x_RH.shape[0]), right=True
+        )
         y_RH = (out.rows_RH().float() * (local_R.clamp(max=rows.shape[0] - 1) + 1)[:, None]).bfloat16()
         expected = native.combine(y_RH, out.handle)
     return (combined.float() - expected.float()).abs().max().item() / expected.float().abs().max().item()
@@ -140,7 +154,9 @@ def _refusals_rank(device) -> list[str]:
     x, idx = torch.randn(4, 128, dtype=torch.bfloat16), torch.tensor([[0, 2]] * 4)  # both ranks: 4 rows
     refused(buffer.low_latency_dispatch, x, idx, 2, 4)  # more tokens than num_max_dispatch_tokens_per_rank
     refused(buffer.low_latency_dispatch, x, idx, 4, 4, use_ue8m0=True)
-    refused(buffer.low_latency_dispatch, x, idx, 4, 4, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64))
+    refused(
+        buffer.low_latency_dispatch, x, idx, 4, 4, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64)
+    )
     refused(buffer.low_latency_dispatch, torch.randn(4, 100, dtype=torch.bfloat16), idx, 4, 4, use_fp8=True)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, 4)
     args = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}

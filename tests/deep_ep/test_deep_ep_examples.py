@@ -49,7 +49,9 @@ def normal_example_rank(device, code: str) -> bool:
     y = (recv_x.float() * recv_w.sum(dim=1, keepdim=True)).bfloat16()
     combined, event = ns["combine_forward"](y, handle, previous_event=event)
     event.current_stream_wait()
-    torch.testing.assert_close(combined.float(), x.float() * topk_weights.sum(dim=1, keepdim=True), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        combined.float(), x.float() * topk_weights.sum(dim=1, keepdim=True), rtol=2e-2, atol=2e-2
+    )
     # Backward: dispatch's is a combine (rows summed, weights gathered back), combine's a cached dispatch.
     grad_x, grad_weights, event = ns["dispatch_backward"](recv_x, recv_w, handle)
     reached = ns["_buffer"].get_dispatch_layout(topk_idx, num_experts)[3].sum(dim=1, keepdim=True)
@@ -67,7 +69,9 @@ def low_latency_example_rank(device, code: str) -> bool:
     x, topk_idx, topk_weights = _routing(device, 10, num_experts, 3, seed=11)
     topk_idx[0, 1] = -1
     ns["get_buffer"](group, capacity, x.shape[1], num_experts)
-    (recv_fp8, recv_scales), recv_count, handle, event, hook = ns["low_latency_dispatch"](x, topk_idx, capacity, num_experts)
+    (recv_fp8, recv_scales), recv_count, handle, event, hook = ns["low_latency_dispatch"](
+        x, topk_idx, capacity, num_experts
+    )
     hook()
     assert int(recv_count.sum()) >= 0
     # "Experts": identity on the dequantised rows (DeepEP's default is the fp8 wire).

@@ -51,8 +51,19 @@ ALL_MODES = ((False, False), (False, True), (True, False), (True, True))
 
 
 # noinspection PyShadowingNames
-def test_main(args: dict, num_sms: int, local_rank: int, num_local_ranks: int, num_ranks: int, num_nodes: int,
-              rank: int, buffer: deep_ep.Buffer, group, device: str, modes: tuple = ALL_MODES) -> int:
+def test_main(
+    args: dict,
+    num_sms: int,
+    local_rank: int,
+    num_local_ranks: int,
+    num_ranks: int,
+    num_nodes: int,
+    rank: int,
+    buffer: deep_ep.Buffer,
+    group,
+    device: str,
+    modes: tuple = ALL_MODES,
+) -> int:
     # Settings
     num_tokens, hidden = args["num_tokens"], args["hidden"]
     num_topk_groups, num_topk, num_experts = args["num_topk_groups"], args["num_topk"], args["num_experts"]
@@ -148,8 +159,8 @@ def test_main(args: dict, num_sms: int, local_rank: int, num_local_ranks: int, n
                     )
                 if previous_mode:
                     dispatch_args.update({"previous_event": buffer.capture()})
-                recv_x, recv_topk_idx, recv_topk_weights, recv_num_tokens_per_expert_list, handle, event = buffer.dispatch(
-                    **dispatch_args
+                recv_x, recv_topk_idx, recv_topk_weights, recv_num_tokens_per_expert_list, handle, event = (
+                    buffer.dispatch(**dispatch_args)
                 )
                 event.current_stream_wait() if async_mode else ()
 
@@ -194,7 +205,9 @@ def test_main(args: dict, num_sms: int, local_rank: int, num_local_ranks: int, n
                         **dispatch_args
                     )
                     event.current_stream_wait() if async_mode else ()
-                    recv_worst_x = per_token_cast_back(*recv_worst_x) if isinstance(recv_worst_x, tuple) else recv_worst_x
+                    recv_worst_x = (
+                        per_token_cast_back(*recv_worst_x) if isinstance(recv_worst_x, tuple) else recv_worst_x
+                    )
                     assert len(empty_list) == 0
                     assert num_worst_tokens == recv_worst_x.size(0)
                     assert num_worst_tokens == recv_worst_topk_idx.size(0)
@@ -231,12 +244,16 @@ def test_main(args: dict, num_sms: int, local_rank: int, num_local_ranks: int, n
                     combine_args.update({"previous_event": buffer.capture()})
                 combined_x, combined_topk_weights, event = buffer.combine(**combine_args)
                 event.current_stream_wait() if async_mode else ()
-                check_x = (combined_x.float() - bias_0.float() - bias_1.float()) / is_token_in_rank.sum(dim=1).unsqueeze(1)
+                check_x = (combined_x.float() - bias_0.float() - bias_1.float()) / is_token_in_rank.sum(
+                    dim=1
+                ).unsqueeze(1)
                 ref_x = x_pure_rand if is_rand else x
                 assert calc_diff(check_x, ref_x) < 5e-4 if current_x is x_pure_rand_e4m3 else 5e-6
                 if with_topk:
                     check_topk_weights = (
-                        combined_topk_weights if is_rand else (combined_topk_weights / is_token_in_rank.sum(dim=1).unsqueeze(1))
+                        combined_topk_weights
+                        if is_rand
+                        else (combined_topk_weights / is_token_in_rank.sum(dim=1).unsqueeze(1))
                     )
                     ref_topk_weights = topk_weights_pure_rand if is_rand else topk_weights
                     assert calc_diff(check_topk_weights, ref_topk_weights) < 1e-9
@@ -256,7 +273,9 @@ def internode_rank(device, args: dict, ranks_per_node: int, modes: tuple, runs: 
     previous = os.environ.get("MOE_SBO_RANKS_PER_NODE")
     os.environ["MOE_SBO_RANKS_PER_NODE"] = str(ranks_per_node)
     try:
-        buffer = deep_ep.Buffer(group, int(2e9), int(1e9), low_latency_mode=False, num_qps_per_rank=24, explicitly_destroy=True)
+        buffer = deep_ep.Buffer(
+            group, int(2e9), int(1e9), low_latency_mode=False, num_qps_per_rank=24, explicitly_destroy=True
+        )
     finally:
         if previous is None:
             del os.environ["MOE_SBO_RANKS_PER_NODE"]
@@ -267,8 +286,19 @@ def internode_rank(device, args: dict, ranks_per_node: int, modes: tuple, runs: 
     ref_hash = None
     for _ in range(runs):
         torch.manual_seed(rank)
-        current = test_main(args, 24, rank % ranks_per_node, ranks_per_node, num_ranks, num_nodes, rank, buffer, group,
-                            str(device), modes)
+        current = test_main(
+            args,
+            24,
+            rank % ranks_per_node,
+            ranks_per_node,
+            num_ranks,
+            num_nodes,
+            rank,
+            buffer,
+            group,
+            str(device),
+            modes,
+        )
         assert ref_hash is None or current == ref_hash
         ref_hash = current
     buffer.destroy()

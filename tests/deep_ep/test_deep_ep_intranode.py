@@ -45,8 +45,17 @@ SMALL = {"num_tokens": 24, "hidden": 256, "num_topk": 4}
 
 
 # noinspection PyShadowingNames
-def test_main(args: dict, num_sms: int, local_rank: int, num_ranks: int, rank: int, buffer: deep_ep.Buffer, group,
-              device: str, modes: tuple = ((False, False), (False, True), (True, False), (True, True))) -> None:
+def test_main(
+    args: dict,
+    num_sms: int,
+    local_rank: int,
+    num_ranks: int,
+    rank: int,
+    buffer: deep_ep.Buffer,
+    group,
+    device: str,
+    modes: tuple = ((False, False), (False, True), (True, False), (True, True)),
+) -> None:
     # Settings
     num_tokens, hidden = args["num_tokens"], args["hidden"]
     num_topk, num_experts = args["num_topk"], args["num_experts"]
@@ -131,8 +140,8 @@ def test_main(args: dict, num_sms: int, local_rank: int, num_ranks: int, rank: i
                     )
                 if previous_mode:
                     dispatch_args.update({"previous_event": buffer.capture()})
-                recv_x, recv_topk_idx, recv_topk_weights, recv_num_tokens_per_expert_list, handle, event = buffer.dispatch(
-                    **dispatch_args
+                recv_x, recv_topk_idx, recv_topk_weights, recv_num_tokens_per_expert_list, handle, event = (
+                    buffer.dispatch(**dispatch_args)
                 )
                 event.current_stream_wait() if async_mode else ()
                 recv_x = per_token_cast_back(*recv_x) if isinstance(recv_x, tuple) else recv_x
@@ -170,7 +179,9 @@ def test_main(args: dict, num_sms: int, local_rank: int, num_ranks: int, rank: i
                         **dispatch_args
                     )
                     event.current_stream_wait() if async_mode else ()
-                    recv_worst_x = per_token_cast_back(*recv_worst_x) if isinstance(recv_worst_x, tuple) else recv_worst_x
+                    recv_worst_x = (
+                        per_token_cast_back(*recv_worst_x) if isinstance(recv_worst_x, tuple) else recv_worst_x
+                    )
                     assert len(empty_list) == 0
                     assert num_worst_tokens == recv_worst_x.size(0)
                     assert num_worst_tokens == recv_worst_topk_idx.size(0)
@@ -223,7 +234,9 @@ def intranode_rank(device, args: dict, modes: tuple, test_ll_compatibility: bool
     ll_num_tokens, ll_hidden, ll_num_experts, ll_num_topk = 8, 256, 4 * num_ranks, 3
     num_rdma_bytes = 0
     if test_ll_compatibility:
-        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_num_tokens, ll_hidden, num_ranks, ll_num_experts)
+        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            ll_num_tokens, ll_hidden, num_ranks, ll_num_experts
+        )
     buffer = deep_ep.Buffer(
         group,
         int(2e9),

@@ -43,8 +43,18 @@ from deep_ep_utils import all_gather_stacked, calc_diff, hash_tensor, per_token_
 import moe_sbo.deep_ep as deep_ep
 
 
-def test_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, rank: int, num_ranks: int, group,
-              buffer: deep_ep.Buffer, device: str, seed: int = 0) -> int:
+def test_main(
+    num_tokens: int,
+    hidden: int,
+    num_experts: int,
+    num_topk: int,
+    rank: int,
+    num_ranks: int,
+    group,
+    buffer: deep_ep.Buffer,
+    device: str,
+    seed: int = 0,
+) -> int:
     torch.manual_seed(seed + rank)
     random.seed(seed + rank)
 
@@ -143,7 +153,9 @@ def test_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, ran
                                     assert (recv_x_amin == j - rank_offset).sum().item() == (
                                         all_topk_idx[j] == expert_id
                                     ).sum().item()
-                                    assert (recv_x[begin_idx : begin_idx + count, :-128] - j + rank_offset).sum().item() == 0
+                                    assert (
+                                        recv_x[begin_idx : begin_idx + count, :-128] - j + rank_offset
+                                    ).sum().item() == 0
                                     # Adapted (src_info): the token column names rank j's tokens choosing the expert.
                                     token_column = recv_x[begin_idx : begin_idx + count, -128:]
                                     assert torch.equal(token_column.amin(dim=1), token_column.amax(dim=1))
@@ -211,7 +223,10 @@ def low_latency_rank(device, num_tokens: int, hidden: int, num_topk: int, num_ex
     )
     ref_hash = test_main(num_tokens, hidden, num_experts, num_topk, rank, num_ranks, group, buffer, str(device), seed=1)
     for _ in range(runs - 1):
-        assert test_main(num_tokens, hidden, num_experts, num_topk, rank, num_ranks, group, buffer, str(device), seed=1) == ref_hash
+        assert (
+            test_main(num_tokens, hidden, num_experts, num_topk, rank, num_ranks, group, buffer, str(device), seed=1)
+            == ref_hash
+        )
     with pytest.raises(ValueError, match="enable_shrink"):
         deep_ep.Buffer(group, 0, num_rdma_bytes, low_latency_mode=True, enable_shrink=True)
     buffer.destroy()

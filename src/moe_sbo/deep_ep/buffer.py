@@ -69,7 +69,9 @@ class Buffer:
         if comm is not None:
             raise ValueError("comm (an mpi4py communicator) is not supported; pass a torch.distributed group")
         if group is None:
-            raise ValueError("group must be a torch.distributed process group (dist.new_group(...) or dist.group.WORLD)")
+            raise ValueError(
+                "group must be a torch.distributed process group (dist.new_group(...) or dist.group.WORLD)"
+            )
         if enable_shrink:
             raise ValueError(
                 "enable_shrink (masking failed ranks in low-latency mode) is not offered by moe_sbo.deep_ep; "
@@ -208,7 +210,9 @@ class Buffer:
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, normal.NormalHandle | None, EventOverlap]:
+    ) -> tuple[
+        Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, normal.NormalHandle | None, EventOverlap
+    ]:
         """Send each token to the ranks ``is_token_in_rank`` names (``get_dispatch_layout``'s).
 
         ``x``: [T, H] (any float dtype; bf16 in DeepEP), or (fp8 e4m3 [T, H], float32 scales [T, H/128]).
@@ -347,7 +351,9 @@ class Buffer:
         )
         num_tokens, hidden = x.shape
         num_local, rows_per_expert = num_experts // self.ep.size, self.ep.size * num_max_dispatch_tokens_per_rank
-        dispatcher = self._low_latency_dispatcher(num_experts, num_max_dispatch_tokens_per_rank, topk_idx.shape[1], use_fp8)
+        dispatcher = self._low_latency_dispatcher(
+            num_experts, num_max_dispatch_tokens_per_rank, topk_idx.shape[1], use_fp8
+        )
         handle = ll.LowLatencyHandle(
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             hidden=hidden,
@@ -389,10 +395,12 @@ class Buffer:
         num_local = handle.num_experts // self.ep.size
         rows = self.ep.size * handle.num_max_dispatch_tokens_per_rank
         device = handle.layout_range.device
-        key = (handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.dtype, device)
-        key += (handle.buffer_index,)
+        shape = (handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        key = (*shape, handle.dtype, device, handle.buffer_index)
         if key not in self._ll_combine_buffers:
-            self._ll_combine_buffers[key] = torch.zeros(num_local, rows, handle.hidden, dtype=handle.dtype, device=device)
+            self._ll_combine_buffers[key] = torch.zeros(
+                num_local, rows, handle.hidden, dtype=handle.dtype, device=device
+            )
         return self._ll_combine_buffers[key]
 
     def low_latency_combine(
@@ -421,7 +429,9 @@ class Buffer:
         self._check_alive()
         ll.check_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, out, combine_wait_recv_cost_stats)
         rows = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
-        combined = out if out is not None else torch.empty(handle.num_tokens, handle.hidden, dtype=x.dtype, device=x.device)
+        combined = (
+            out if out is not None else torch.empty(handle.num_tokens, handle.hidden, dtype=x.dtype, device=x.device)
+        )
         with torch.no_grad():
             pending = ll.launch_combine(handle, rows)
 
@@ -452,4 +462,3 @@ class Buffer:
 def _check_config(config: Config | None) -> None:
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a moe_sbo.deep_ep.Config, got {type(config).__name__}")
-

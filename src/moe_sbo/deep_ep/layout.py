@@ -42,9 +42,7 @@ def dispatch_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_ranks: int,
     Sync: device operations on the current stream, no host read; CUDA-graph safe."""
     check_topk_idx(topk_idx_TK)
     if num_experts < 1 or num_experts % num_ranks:
-        raise ValueError(
-            f"num_experts must be a positive multiple of the EP size {num_ranks}, got {num_experts}"
-        )
+        raise ValueError(f"num_experts must be a positive multiple of the EP size {num_ranks}, got {num_experts}")
     num_tokens = topk_idx_TK.shape[0]
     ids_TK = topk_idx_TK.long()
     is_chosen_TK = ids_TK >= 0

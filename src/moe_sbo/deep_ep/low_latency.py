@@ -47,10 +47,10 @@ class LowLatencyHandle:
     index, is not known on this side (moe-sbo's receiver sees each row's source rank and slot, never
     the token index) and raises ``ValueError``.
 
-    Internal: ``dtype`` of the dispatched x, the ``dispatcher``, its ``output`` (the receive's ``DispatchOutput``), ``slot_R`` int64
-    [R] (where expert row r lies in the packed layout, flattened; the padding rows point at row 0),
-    ``num_topk``, ``num_tokens``, ``buffer_index`` (which of the two zero-copy combine buffers is
-    this round's).
+    Internal: ``dtype`` of the dispatched x, the ``dispatcher``, its ``output`` (the receive's
+    ``DispatchOutput``), ``slot_R`` int64 [R] (where expert row r lies in the packed layout, flattened;
+    the padding rows point at row 0), ``num_topk``, ``num_tokens``, ``buffer_index`` (which of the two
+    zero-copy combine buffers is this round's).
     """
 
     num_max_dispatch_tokens_per_rank: int
@@ -270,7 +270,7 @@ def finish_combine(
 
 def receive_hook(fn: Callable[[], None]) -> Callable[[], None]:
     """A receiving hook that runs ``fn`` once; a second call raises (the round is already received)."""
-    done = []
+    done: list[bool] = []
 
     def hook() -> None:
         if done:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dispatch.base import DispatchHandle, Dispatcher, EPGroup
+from ..dispatch.base import Dispatcher, DispatchHandle, EPGroup
 from ..dispatch.layout import ExpertLayout
 from .layout import align_counts, check_topk_idx
 
@@ -179,14 +179,17 @@ def split_x(x: Any, name: str = "x") -> tuple[torch.Tensor, torch.Tensor | None]
     if scales_TQ is not None:
         if scales_TQ.dim() != 2 or scales_TQ.shape[0] != x_TH.shape[0]:
             raise ValueError(
-                f"{name}'s scales must be [num_tokens, hidden // 128] = [{x_TH.shape[0]}, ...], got {tuple(scales_TQ.shape)}"
+                f"{name}'s scales must be [num_tokens, hidden // 128] = [{x_TH.shape[0]}, ...], "
+                f"got {tuple(scales_TQ.shape)}"
             )
         if scales_TQ.dtype != torch.float32:
             raise TypeError(f"{name}'s scales must be float32, got {scales_TQ.dtype}")
     return x_TH, scales_TQ
 
 
-def exchange_counts(ep: EPGroup, num_tokens_per_rank_P: torch.Tensor, per_expert_E: torch.Tensor | None) -> torch.Tensor:
+def exchange_counts(
+    ep: EPGroup, num_tokens_per_rank_P: torch.Tensor, per_expert_E: torch.Tensor | None
+) -> torch.Tensor:
     """Every rank's row counts to each rank and (if given) pairs per expert, gathered: int64
     [P, P (+ E)], row i from rank i. Sync: one all-gather on the group."""
     mine = num_tokens_per_rank_P.long()
@@ -241,7 +244,7 @@ def dispatch(
         )
     if (topk_idx is None) != (topk_weights is None):
         raise ValueError("topk_idx and topk_weights go together: pass both or neither")
-    if topk_idx is not None:
+    if topk_idx is not None and topk_weights is not None:
         check_topk_idx(topk_idx)
         if num_tokens_per_expert is None:
             raise ValueError("num_tokens_per_expert (from get_dispatch_layout) must be given with topk_idx")
@@ -273,7 +276,9 @@ def dispatch(
     packing = RowPacking(
         hidden, x_TH.dtype, 0 if scales_TQ is None else scales_TQ.shape[1], route_TY.shape[1], weights_TY is not None
     )
-    src_T2 = torch.stack([torch.full((num_tokens,), ep.rank, device=x_TH.device), torch.arange(num_tokens, device=x_TH.device)], 1)
+    src_T2 = torch.stack(
+        [torch.full((num_tokens,), ep.rank, device=x_TH.device), torch.arange(num_tokens, device=x_TH.device)], 1
+    )
     payload_TW = packing.pack(x_TH, scales_TQ, src_T2, route_TY, weights_TY)
     out = dispatcher.dispatch(payload_TW, ids_TY, dispatch_weights_TY)
 
