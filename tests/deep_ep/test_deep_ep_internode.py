@@ -27,7 +27,7 @@ shapes; previous/async loops at EP8                   adapted     small shapes; 
 tuning sweeps and bench_kineto timings                dropped     timings of DeepEP's kernels, no checks
 ====================================================  ==========  =============================================
 
-Counts: 13 checks unchanged, 3 adapted (pressure test, nodes, shapes), 1 block dropped (timing only).
+Counts: 12 checks unchanged, 3 adapted (pressure test, nodes, shapes), 1 block dropped (timing only).
 """
 
 from __future__ import annotations
