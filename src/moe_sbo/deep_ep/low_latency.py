@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..dispatch.base import Dispatcher, DispatchOutput, Pending
+from ..dispatch import Dispatcher, DispatchOutput, Pending
 from ..quant.fp8 import FP8_GROUP
 from .layout import check_topk_idx
 

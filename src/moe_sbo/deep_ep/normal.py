@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dispatch.base import Dispatcher, DispatchHandle, EPGroup
+from ..dispatch import Dispatcher, DispatchHandle, EPGroup
 from ..dispatch.layout import ExpertLayout
 from .layout import align_counts, check_topk_idx
 
