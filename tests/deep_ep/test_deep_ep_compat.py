@@ -163,6 +163,8 @@ def _refusals_rank(device) -> list[str]:
     refused(buffer.dispatch, x, topk_idx=idx, **args)  # top-k ids without weights
     refused(buffer.dispatch, x, **args, topk_idx=idx, topk_weights=torch.ones(4, 2), num_worst_tokens=1)
     refused(buffer.dispatch, x, num_tokens_per_rank=per_rank)  # no is_token_in_rank
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **args)
+    refused(buffer.combine, recv_x.to(torch.float8_e4m3fn), handle)  # combine sums bf16 rows, not fp8
     refused(buffer.get_local_buffer_tensor, torch.bfloat16)
     refused(deep_ep.Config, 20, 8, 8)  # send chunk not below the receive chunk, as DeepEP checks
     refused(buffer.destroy)  # explicitly_destroy was not set
@@ -172,4 +174,4 @@ def _refusals_rank(device) -> list[str]:
 
 def test_refusals_are_clear_and_local(ranks2):
     for messages in ranks2.run(_refusals_rank):
-        assert len(messages) == 13 and all(messages)
+        assert len(messages) == 14 and all(messages)

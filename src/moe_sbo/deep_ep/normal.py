@@ -367,6 +367,8 @@ def combine(
             f"x must be [num_recv_tokens, hidden] with num_recv_tokens = {num_recv} (the rows dispatch returned), "
             f"got {tuple(x_MH.shape)}"
         )
+    if not x_MH.is_floating_point() or x_MH.element_size() < 2:
+        raise TypeError(f"x must be bf16, fp16 or fp32 (DeepEP's combine takes bf16 rows), got {x_MH.dtype}")
     hidden = x_MH.shape[1]
     if topk_weights_MK is not None and (topk_weights_MK.dim() != 2 or topk_weights_MK.shape[0] < num_recv):
         raise ValueError(f"topk_weights must be [{num_recv}, num_topk], got {tuple(topk_weights_MK.shape)}")
