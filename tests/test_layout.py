@@ -1,11 +1,11 @@
 """The package's layout rules: every module imports alone, no import loops, arrows point down.
 
 Rooms, top to bottom: ``cli`` (the command line) may import anything; ``bench`` (the benchmark
-modes' runners) the core and every tool room but ``cli``; ``planner``, ``measure``, ``launch`` and
-``hf`` import the core and nothing above them (the planner may also read ``hf`` configs, ``measure``
-start ``launch``'s ranks); the core (the root modules, ``routing``, ``experts``,
-``quant``, ``dispatch``, ``overlap``, ``decoder``) imports only the core. Imports are read from
-the source (``ast``), lazy ones inside functions included, ``if TYPE_CHECKING:`` blocks excluded.
+modes' runners) the core and every tool room but ``cli``; ``planner``, ``measure``, ``launch``, ``hf``
+and ``deep_ep`` (DeepEP's API, a plugin) import the core and nothing above them (the planner may also
+read ``hf`` configs, ``measure`` start ``launch``'s ranks); the core (the root modules, ``routing``,
+``experts``, ``quant``, ``dispatch``, ``overlap``, ``decoder``) imports only the core. Imports are read
+from the source (``ast``), lazy ones inside functions included, ``if TYPE_CHECKING:`` blocks excluded.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "moe_sbo"
-TOOLS = ("cli", "bench", "measure", "planner", "hf", "launch")
-# What each tool room may import besides the core (and itself).
+TOOLS = ("cli", "bench", "measure", "planner", "hf", "launch", "deep_ep")
+# What each tool room may import besides the core (and itself). ``deep_ep`` is a plugin (DeepEP's API
+# over the dispatchers): it imports the core's public contract only, and nothing in the core imports it.
 TOOL_MAY_IMPORT = {
     "cli": set(TOOLS),
     "bench": {"measure", "launch", "hf", "planner"},
@@ -25,6 +26,7 @@ TOOL_MAY_IMPORT = {
     "measure": {"launch"},
     "hf": set(),
     "launch": set(),
+    "deep_ep": set(),
 }
 
 

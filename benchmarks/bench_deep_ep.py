@@ -1,0 +1,149 @@
+"""The DeepEP-compatible API's price (issue 58): a low-latency dispatch + combine through
+``moe_sbo.deep_ep.Buffer`` against moe-sbo's native ``low_latency`` dispatcher on the same shapes, in
+one run: CUDA-graph replays (device time) and eager calls (host time per dispatch + combine pair).
+
+Shapes: DeepSeek-V3's H 7168 and top-8 at ``--tokens`` per rank (128: decode), ``--experts-per-gpu``
+routed experts per rank (E = that x EP). "Experts" are the identity, so both paths move and reduce the
+same rows: native ``dispatch(x, ids, weights)`` -> ``combine(rows)``; compatible
+``low_latency_dispatch`` -> (fp8: dequantise the packed rows) -> ``low_latency_combine(..., weights)``.
+With ``--fp8`` the native path dequantises on arrival and the compatible one in the "experts": one
+dequantisation each.
+
+Rows (``bench="deep_ep"``) in ``OUT/deep_ep.json``, one per dispatch dtype: ``t_native_us`` /
+``t_compat_us`` (median replay of one captured dispatch + combine, slowest rank), ``replay_ratio``
+(target <= 1.10), ``host_native_us`` / ``host_compat_us`` (median host time of one eager pair, slowest
+rank) and ``host_delta_us`` (target <= 20). Ranks sharing a GPU (one-GPU machine) label the file
+``wire: shared-gpu``: host cost and relative device time, not wire speed.
+
+Usage (GPU): ``python benchmarks/bench_deep_ep.py --out DIR`` (``benchmarks/run_gpu_deep_ep.sh``).
+CPU smoke (eager, not a measurement): ``--device cpu --hidden 256 --top-k 4 --tokens 8 --iters 3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import moe_sbo.deep_ep as deep_ep
+from moe_sbo.dispatch import EPGroup, make_dispatcher
+from moe_sbo.launch.ranks import RankPool
+from moe_sbo.measure.results import ResultFile, result_meta
+from moe_sbo.measure.timing import line_up, time_fn
+
+TARGETS = {"replay_ratio": 1.10, "host_delta_us": 20.0}
+
+
+def _host_us(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median host time of ``fn()`` (issuing its work; the device is idle and the ranks lined up first)."""
+    times = []
+    for it in range(warmup + iters):
+        line_up(device)
+        start = time.perf_counter()
+        fn()
+        if it >= warmup:
+            times.append((time.perf_counter() - start) * 1e6)
+    line_up(device)
+    return statistics.median(times)
+
+
+def _measure_rank(
+    device, tokens: int, hidden: int, top_k: int, experts_per_gpu: int, use_fp8: bool, warmup: int, iters: int
+) -> dict:
+    device = torch.device(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_experts = experts_per_gpu * world
+    generator = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=generator, device=device).bfloat16()
+    scores = torch.rand(tokens, num_experts, generator=generator, device=device)
+    topk_idx = scores.topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, generator=generator, device=device)
+    out = torch.empty_like(x)
+
+    native = make_dispatcher("low_latency", num_experts, EPGroup.from_torch(), max_tokens_per_rank=tokens, fp8=use_fp8)
+    buffer = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+
+    def native_step() -> torch.Tensor:
+        dispatched = native.dispatch(x, topk_idx, weights)
+        return native.combine(dispatched.rows_RH(), dispatched.handle)
+
+    def compat_step() -> torch.Tensor:
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, tokens, num_experts, use_fp8=use_fp8)
+        rows = (recv[0].float() * recv[1].repeat_interleave(128, dim=-1)).bfloat16() if use_fp8 else recv
+        return buffer.low_latency_combine(rows, topk_idx, weights, handle, out=out)[0]
+
+    with torch.no_grad():
+        native_y, compat_y = native_step(), compat_step()  # eager first calls: allocate the buffers
+        err = ((native_y.float() - compat_y.float()).abs().max() / native_y.float().abs().max()).item()
+        row = {
+            "t_native_us": time_fn(native_step, device, warmup, iters, graph=device.type == "cuda"),
+            "t_compat_us": time_fn(compat_step, device, warmup, iters, graph=device.type == "cuda"),
+            "host_native_us": _host_us(native_step, device, warmup, iters),
+            "host_compat_us": _host_us(compat_step, device, warmup, iters),
+            "rel_err_compat_vs_native": err,
+        }
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ranks", type=int, default=None, help="EP size (default: GPUs, at least 2)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run, eager")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts-per-gpu", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    world = args.ranks or max(2, torch.cuda.device_count())
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = result_meta(args.device, world)
+    meta.update(
+        tokens_per_rank=args.tokens,
+        hidden=args.hidden,
+        top_k=args.top_k,
+        experts_per_gpu=args.experts_per_gpu,
+        warmup=args.warmup,
+        iters=args.iters,
+        targets=TARGETS,
+        timing="replays: median of CUDA-graph replays of one dispatch + combine (measure.timing.time_fn); host: "
+        "median perf_counter span of one eager pair after a line-up; per row the slowest rank",
+    )
+    results = ResultFile(out_dir / "deep_ep.json", meta)
+    pool = RankPool(world, args.device)
+    started = time.perf_counter()
+    try:
+        for use_fp8 in (False, True):
+            common = {"bench": "deep_ep", "ep": world, "dispatch_dtype": "fp8_e4m3" if use_fp8 else "bfloat16"}
+
+            def run(use_fp8: bool = use_fp8, common: dict = common) -> list[dict]:
+                per_rank = pool.run(
+                    _measure_rank,
+                    args.tokens,
+                    args.hidden,
+                    args.top_k,
+                    args.experts_per_gpu,
+                    use_fp8,
+                    args.warmup,
+                    args.iters,
+                )
+                row = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+                row["replay_ratio"] = row["t_compat_us"] / row["t_native_us"]
+                row["host_delta_us"] = row["host_compat_us"] - row["host_native_us"]
+                print(common["dispatch_dtype"], {k: round(v, 2) for k, v in row.items()}, flush=True)
+                return [{**common, **row}]
+
+            results.add_timed_step(common["dispatch_dtype"], run, common, started)
+    finally:
+        pool.close()
+
+
+if __name__ == "__main__":
+    main()
