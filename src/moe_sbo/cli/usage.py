@@ -20,9 +20,9 @@ examples:
   moe-sbo demo --eplb --dispatcher alltoall --json demo.json  # load balancing; rows as JSON""",
     "bench": """\
 examples:
-  moe-sbo bench --device cpu --preset tiny      # mode sbo, a smoke run of the sweep on CPU ranks
-  moe-sbo bench sbo --dispatcher alltoall low_latency --tokens 128 4096 --out sbo.json
-  moe-sbo bench tbo --overlap none combine --out - | jq '.rows[0]'  # JSON on stdout""",
+  moe-sbo bench --device cpu --preset tiny   # mode sbo, a smoke run on CPU
+  moe-sbo bench sbo --dispatcher low_latency --tokens 128 4096 --out sbo.json
+  moe-sbo bench tbo --overlap none combine --out - | jq '.rows[0]'  # JSON""",
     "check": """\
 examples:
   moe-sbo check --checkpoint tiny-qwen3 --device cpu  # the tiny model of docs/CHECKPOINTS.md

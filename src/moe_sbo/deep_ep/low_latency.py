@@ -170,7 +170,9 @@ def receive(
     # Inside an expert, rows in slot order, so each source rank's rows are contiguous (slot // (C * K)
     # is the source): a row's position is how many of its expert's rows have a smaller slot.
     seen_LS = torch.zeros(num_local + 1, num_slots + 1, dtype=torch.int32, device=device)
-    seen_LS[expert_R, torch.where(is_real_R, slot_R, num_slots)] = 1
+    # index_fill_ on the flat view: a Python scalar, no host tensor to copy (CUDA-graph capture refuses one).
+    flat_R = expert_R * (num_slots + 1) + torch.where(is_real_R, slot_R, num_slots)
+    seen_LS.view(-1).index_fill_(0, flat_R, 1)
     per_source_LP = seen_LS[:num_local, :num_slots].view(num_local, num_ranks, slots_per_rank).sum(dim=2)
     position_R = seen_LS.cumsum(dim=1)[expert_R, slot_R.clamp(max=num_slots)].long() - 1
     if device.type == "cpu":

@@ -17,52 +17,57 @@ from .common import BenchHelpFormatter
 BENCH_MODES: dict[str, tuple[str, str, str]] = {
     "sbo": ("overlap modes x dispatchers x token counts", "moe_sbo.cli.parsers.bench_sbo", "moe_sbo.bench.sbo"),
     "tbo": (
-        "a decoder layer (attention + MoE) without and with two-batch overlap",
+        "a decoder layer without and with two-batch overlap",
         "moe_sbo.cli.parsers.bench_tbo",
         "moe_sbo.bench.tbo",
     ),
     "eplb": (
-        "rank load and layer time before and after an expert rebalance",
+        "rank load and layer time before and after a rebalance",
         "moe_sbo.cli.parsers.bench_eplb",
         "moe_sbo.bench.eplb",
     ),
     "foundation": (
-        "the eager dispatchers per phase per EP size; grouped GEMM against dense GEMMs",
+        "eager dispatchers per phase per EP size; grouped vs dense GEMM",
         "moe_sbo.cli.parsers.bench_foundation",
         "moe_sbo.bench.foundation",
     ),
     "low-latency": (
-        "low_latency at decode sizes, eager and replayed, against raw NCCL",
+        "low_latency at decode sizes, eager and replayed, vs raw NCCL",
         "moe_sbo.cli.parsers.bench_low_latency",
         "moe_sbo.bench.low_latency",
     ),
     "prefill": (
-        "low_latency at prefill sizes against the wire and the compute floor",
+        "low_latency at prefill sizes vs the wire and compute floor",
         "moe_sbo.cli.parsers.bench_prefill",
         "moe_sbo.bench.prefill",
     ),
     "dense-experts": (
-        "dense routed experts on one GPU: grouped GEMV, tiled GEMM, torch._grouped_mm (CUDA)",
+        "dense experts' GEMV, tiled GEMM, torch._grouped_mm (one GPU)",
         "moe_sbo.cli.parsers.bench_dense_experts",
         "moe_sbo.bench.dense_experts",
     ),
     "fp8-experts": (
-        "FP8 routed experts against bf16 on one GPU: the MLP, the layer, the GEMMs",
+        "FP8 experts vs bf16 on one GPU: the MLP, the layer, the GEMMs",
         "moe_sbo.cli.parsers.bench_fp8_experts",
         "moe_sbo.bench.fp8_experts",
     ),
     "router": (
-        "the router's expert selection: torch ops against the fused Triton kernel",
+        "the router's selection: torch ops vs the fused Triton kernel",
         "moe_sbo.cli.parsers.bench_router",
         "moe_sbo.bench.router",
     ),
     "generate": (
-        "a whole DeepSeek-V3-shaped model: transformers against moe-sbo on N ranks",
+        "a DeepSeek-V3-shaped model: transformers vs moe-sbo, N ranks",
         "moe_sbo.cli.parsers.bench_generate",
         "moe_sbo.bench.generate",
     ),
+    "deep-ep": (
+        "moe_sbo.deep_ep's LL dispatch + combine vs the native path",
+        "moe_sbo.cli.parsers.bench_deep_ep",
+        "moe_sbo.bench.deep_ep",
+    ),
     "load-memory": (
-        "host memory a rank adds while loading a whole model (CPU ranks)",
+        "host memory a rank adds loading a whole model (CPU ranks)",
         "moe_sbo.cli.parsers.bench_load_memory",
         "moe_sbo.bench.load_memory",
     ),

@@ -8,8 +8,7 @@ from ...config import OVERLAP_MODES
 from .common import SWEEP_NOTES, add_sweep_arguments, device_default
 
 DESCRIPTION = f"""\
-Time a decoder layer (attention + MoE) on N ranks without and with two-batch
-overlap, per overlap mode x dispatcher x size, against no TBO and overlap none.
+Time a decoder layer on N ranks with and without two-batch overlap, per size.
 {SWEEP_NOTES}"""
 
 

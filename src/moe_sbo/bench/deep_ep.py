@@ -1,4 +1,4 @@
-"""The DeepEP-compatible API's price (issue 58): a low-latency dispatch + combine through
+"""The DeepEP-compatible API's price: a low-latency dispatch + combine through
 ``moe_sbo.deep_ep.Buffer`` against moe-sbo's native ``low_latency`` dispatcher on the same shapes, in
 one run: CUDA-graph replays (device time) and eager calls (host time per dispatch + combine pair).
 
@@ -15,8 +15,8 @@ Rows (``bench="deep_ep"``) in ``OUT/deep_ep.json``, one per dispatch dtype: ``t_
 rank) and ``host_delta_us`` (target <= 20). Ranks sharing a GPU (one-GPU machine) label the file
 ``wire: shared-gpu``: host cost and relative device time, not wire speed.
 
-Usage (GPU): ``python benchmarks/bench_deep_ep.py --out DIR`` (``benchmarks/run_gpu_deep_ep.sh``).
-CPU smoke (eager, not a measurement): ``--device cpu --hidden 256 --top-k 4 --tokens 8 --iters 3``.
+Usage (GPU): ``moe-sbo bench deep-ep --out DIR`` (``benchmarks/run_gpu_deep_ep.sh``). CPU smoke (eager,
+not a measurement): ``moe-sbo bench deep-ep --out DIR --device cpu --hidden 256 --top-k 4 --tokens 8 --iters 3``.
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import moe_sbo.deep_ep as deep_ep
-from moe_sbo.dispatch import EPGroup, make_dispatcher
-from moe_sbo.launch.ranks import RankPool
-from moe_sbo.measure.results import ResultFile, result_meta
-from moe_sbo.measure.timing import line_up, time_fn
+from .. import deep_ep
+from ..dispatch import EPGroup, make_dispatcher
+from ..launch.ranks import RankPool
+from ..measure.results import ResultFile, result_meta
+from ..measure.timing import line_up, time_fn
 
 TARGETS = {"replay_ratio": 1.10, "host_delta_us": 20.0}
 
 
-def _host_us(fn, device: torch.device, warmup: int, iters: int) -> float:
+def host_us(fn, device: torch.device, warmup: int, iters: int) -> float:
     """Median host time of ``fn()`` (issuing its work; the device is idle and the ranks lined up first)."""
     times = []
     for it in range(warmup + iters):
@@ -51,7 +51,7 @@ def _host_us(fn, device: torch.device, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def _measure_rank(
+def measure_rank(
     device, tokens: int, hidden: int, top_k: int, experts_per_gpu: int, use_fp8: bool, warmup: int, iters: int
 ) -> dict:
     device = torch.device(device)
@@ -82,25 +82,14 @@ def _measure_rank(
         row = {
             "t_native_us": time_fn(native_step, device, warmup, iters, graph=device.type == "cuda"),
             "t_compat_us": time_fn(compat_step, device, warmup, iters, graph=device.type == "cuda"),
-            "host_native_us": _host_us(native_step, device, warmup, iters),
-            "host_compat_us": _host_us(compat_step, device, warmup, iters),
+            "host_native_us": host_us(native_step, device, warmup, iters),
+            "host_compat_us": host_us(compat_step, device, warmup, iters),
             "rel_err_compat_vs_native": err,
         }
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--ranks", type=int, default=None, help="EP size (default: GPUs, at least 2)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run, eager")
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--experts-per-gpu", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=50)
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> int:
     world = args.ranks or max(2, torch.cuda.device_count())
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,11 +110,12 @@ def main() -> None:
     started = time.perf_counter()
     try:
         for use_fp8 in (False, True):
-            common = {"bench": "deep_ep", "ep": world, "dispatch_dtype": "fp8_e4m3" if use_fp8 else "bfloat16"}
+            dtype_name = "fp8_e4m3" if use_fp8 else "bfloat16"
+            common: dict[str, object] = {"bench": "deep_ep", "ep": world, "dispatch_dtype": dtype_name}
 
             def run(use_fp8: bool = use_fp8, common: dict = common) -> list[dict]:
                 per_rank = pool.run(
-                    _measure_rank,
+                    measure_rank,
                     args.tokens,
                     args.hidden,
                     args.top_k,
@@ -140,10 +130,7 @@ def main() -> None:
                 print(common["dispatch_dtype"], {k: round(v, 2) for k, v in row.items()}, flush=True)
                 return [{**common, **row}]
 
-            results.add_timed_step(common["dispatch_dtype"], run, common, started)
+            results.add_timed_step(dtype_name, run, common, started)
     finally:
         pool.close()
-
-
-if __name__ == "__main__":
-    main()
+    return 0
