@@ -6,6 +6,7 @@ the commands work, not what a GPU measures."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,8 +97,9 @@ def test_bench_eplb_on_two_ranks_balances_and_records_the_load(tmp_path, capsys)
     assert f"the load: {load}, 16 experts, the hottest " in capsys.readouterr().out
 
 
-def test_bench_eplb_fits_100_columns_and_reads_a_load_file(in_process, capsys, tmp_path):
-    skew = _load_file(tmp_path / "load.json", [8.0, 1.0] + [2.0] * 14)
+def test_bench_eplb_fits_100_columns_and_reads_a_load_file(in_process, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short relative path: a long one wraps its note, whatever the width
+    skew = _load_file(Path("load.json"), [8.0, 1.0] + [2.0] * 14)
     argv = ["bench", "eplb", "--ranks", "1", "--dispatcher", "local", "--tokens", "8", "--iters", "1"]
     assert main([*argv, "--skew", skew, "--policy", "hierarchical", "--device", "cpu"]) == 0
     lines = _fits(capsys.readouterr().out.replace(skew, "LOAD"))

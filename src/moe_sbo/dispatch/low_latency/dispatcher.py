@@ -158,6 +158,12 @@ class LowLatencyDispatcher(Dispatcher):
     def sends_fp8(self) -> bool:
         return self.settings.fp8
 
+    @property
+    def capacity(self) -> int:
+        """C, the most tokens a rank may dispatch per forward (``max_tokens_per_rank``): callers that
+        batch requests (``hf.generate``) refuse a larger batch on every rank before any collective."""
+        return self.settings.max_tokens_per_rank
+
     def uses_triton(self, device: torch.device) -> bool:
         """Whether a forward on ``device`` runs the fused Triton kernels."""
         if self.settings.kernels == "torch" or not HAS_FUSED_KERNELS:
