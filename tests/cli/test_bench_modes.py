@@ -105,3 +105,12 @@ def test_bench_help_fits_80_columns(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("mode", sorted(BENCH_MODES))
+def test_every_mode_answers_help(mode, capsys):
+    """``moe-sbo bench MODE --help`` prints the mode's options and exits 0, before any required option
+    is asked for."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", mode, "--help"])
+    assert exit_.value.code == 0 and f"moe-sbo bench {mode}" in capsys.readouterr().out

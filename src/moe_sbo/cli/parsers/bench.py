@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             mode, help=help_, description=module.DESCRIPTION, formatter_class=BenchHelpFormatter, add_help=False
         )
         module.add_arguments(sub)
+        if not any("-h" in action.option_strings for action in sub._actions):  # a mode without groups
+            sub.add_argument("-h", "--help", action="help", help="show this help and exit")
 
 
 def with_mode(argv: list[str]) -> list[str]:
