@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -43,8 +42,8 @@ NCCL_TRANSFER_SMS = 4
 
 def nccl_transfer_sms() -> int:
     """SMs an NCCL transfer holds while it runs: ``NCCL_MAX_CTAS`` when set, else ``NCCL_TRANSFER_SMS``."""
-    cap = os.environ.get("NCCL_MAX_CTAS", "").strip()
-    return int(cap) if cap.isdigit() and int(cap) > 0 else NCCL_TRANSFER_SMS
+    cap = env.nccl_max_ctas()
+    return cap if cap is not None else NCCL_TRANSFER_SMS
 
 
 @dataclass

@@ -208,6 +208,7 @@ class LocalRanks:
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        env.check(world_size, {**os.environ, **(environ or {})})  # here, not as a failure in every rank
         self.device = resolve_device(device)
         self.world_size = world_size
         # Ranks go round-robin over the visible GPUs; more ranks than GPUs share them (gloo group).
