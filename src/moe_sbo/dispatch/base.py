@@ -79,7 +79,7 @@ class EPGroup:
             if group is not None:
                 raise ValueError(
                     "group was given but torch.distributed is not initialised; call "
-                    "moe_sbo.launch.ranks.init_from_torchrun() (or use LocalRanks) first, or pass group=None"
+                    "moe_sbo.launch.group.init_from_torchrun() (or use LocalRanks) first, or pass group=None"
                 )
             return cls()
         size = dist.get_world_size(group)

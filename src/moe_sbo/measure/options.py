@@ -416,6 +416,18 @@ def read_load_file(path: str, num_experts: int, model: str, flag: str) -> list[f
     return [float(v) for v in load]
 
 
+def recorded_model(path: str) -> str | None:
+    """The model a load file ``write_load_file`` wrote was recorded on (its ``preset``); None when the
+    file cannot say (``read_load_file`` then names what is wrong with it)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    preset = doc.get("preset") if isinstance(doc, dict) else None
+    return preset if isinstance(preset, str) else None
+
+
 def write_load_file(path: Path, load: list[float], preset: str, meta: dict) -> None:
     """``{"meta", "load", "num_experts", "preset"}``: what ``--skew PATH`` and ``plan --load`` read."""
     dump_json(path, {"meta": meta, "load": load, "num_experts": len(load), "preset": preset})
