@@ -22,8 +22,9 @@ class _StallAt:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
-        with open(os.path.join(self.folder, "stalled"), "w") as f:
+        with open(os.path.join(self.folder, "stalling"), "w") as f:
             f.write(str(os.getpid()))
+        os.rename(os.path.join(self.folder, "stalling"), os.path.join(self.folder, "stalled"))  # whole, at once
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(self.folder, "go")) and time.monotonic() < deadline:
             time.sleep(0.01)
