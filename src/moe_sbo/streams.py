@@ -9,6 +9,8 @@ a GEMM grid that fills every SM leaves a communication kernel launched after it 
 the transfer is serialised behind the GEMM. ``sm_budget`` caps the SMs that cuBLAS(Lt) plans for
 with PyTorch's carve-out (``torch._C._set_sm_carveout_experimental``, applied by the cuBLASLt path,
 which is why the context also prefers cuBLASLt); it is a planning hint to cuBLAS, not a hard fence.
+PyTorch calls both settings experimental in a notice it prints once per process; the first budget
+spends those notices quietly (``spend_experimental_notices``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -127,6 +131,34 @@ def check_sm_budget(device: torch.device, sm_budget: int | None) -> None:
         )
 
 
+@functools.cache
+def spend_experimental_notices() -> None:
+    """PyTorch prints a notice, once per process, the first time a BLAS library is preferred and the
+    first time the SM carve-out is set, calling both experimental (``sm_budget`` uses both on purpose).
+    They are C++ warnings written straight to the standard error, which Python's warning filters do
+    not reach, so every rank printed them before any output. Here both are set once and restored, with
+    file descriptor 2 pointed at ``os.devnull`` for those two calls: the notices are spent, and later
+    settings print nothing. What else wrote to descriptor 2 in that instant is lost; errors still
+    raise. docs/OVERLAP.md says why."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        library = torch.backends.cuda.preferred_blas_library()
+        carveout = torch._C._get_sm_carveout_experimental()
+        try:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            torch._C._set_sm_carveout_experimental(0)
+        finally:
+            torch._C._set_sm_carveout_experimental(carveout)
+            torch.backends.cuda.preferred_blas_library(library)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 @contextlib.contextmanager
 def sm_budget(device: torch.device, sms: int | None) -> Iterator[None]:
     """GEMMs launched in the block plan for at most ``sms`` SMs (CUDA; CPU and ``None``: no effect)."""
@@ -134,6 +166,7 @@ def sm_budget(device: torch.device, sms: int | None) -> Iterator[None]:
         yield
         return
     check_sm_budget(device, sms)
+    spend_experimental_notices()
     previous_carveout = torch._C._get_sm_carveout_experimental()
     previous_library = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library("cublaslt")

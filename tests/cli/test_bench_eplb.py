@@ -6,6 +6,7 @@ the commands work, not what a GPU measures."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,38 @@ def test_bench_eplb_on_two_ranks_balances_and_records_the_load(tmp_path, capsys)
     # The recorded load feeds the planner and the next bench.
     assert main(["plan", "--model", "tiny", "--load", str(load), "--eplb-ep", "2", "4"]) == 0
     assert f"the load: {load}, 16 experts, the hottest " in capsys.readouterr().out
+
+
+def _documented(prefix: str) -> list[list[str]]:
+    """The commands README.md and docs/EPLB.md give that start with ``prefix``, as argv (no comment)."""
+    root = Path(__file__).parents[2]
+    lines = [line for doc in ("README.md", "docs/EPLB.md") for line in (root / doc).read_text().splitlines()]
+    found = [shlex.split(line.split("#")[0])[1:] for line in lines if line.startswith(prefix)]
+    assert found, f"no {prefix!r} in README.md or docs/EPLB.md"
+    return found
+
+
+def _option(argv: list[str], name: str, value: str) -> list[str]:
+    """``argv`` with ``name``'s value replaced by ``value``."""
+    index = argv.index(name)
+    return [*argv[: index + 1], value, *argv[index + 2 :]]
+
+
+def test_the_documented_record_then_plan_chain_runs_as_written_on_cpu(tmp_path, monkeypatch, capsys):
+    """``bench --eplb ... --record-load load.json`` then ``plan --load load.json --eplb-ep ...``, as
+    the docs write them (bench on 2 CPU ranks at 16 tokens; plan word for word): plan takes the
+    model the load was recorded on, bench's CPU default (tiny), not its own default."""
+    monkeypatch.chdir(tmp_path)
+    recording = [argv for argv in _documented("moe-sbo bench") if "--record-load" in argv]
+    assert len({" ".join(sorted(argv)) for argv in recording}) == 1, recording  # one command, in any order
+    bench_argv = _option(_option(recording[0], "--ranks", "2"), "--tokens", "16")
+    assert main([*bench_argv, "--device", "cpu", "--warmup", "0", "--iters", "2"]) == 0
+    assert json.loads((tmp_path / "load.json").read_text())["preset"] == "tiny"
+    capsys.readouterr()
+    for plan_argv in {tuple(argv) for argv in _documented("moe-sbo plan --load load.json")}:
+        assert main(list(plan_argv)) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "Expert load balance, tiny: max/mean rank load" in out and "the load: load.json, 16 experts" in out
 
 
 def test_bench_eplb_fits_100_columns_and_reads_a_load_file(in_process, capsys, tmp_path, monkeypatch):

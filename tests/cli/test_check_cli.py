@@ -4,6 +4,8 @@ with dense and FP8 (``--expert-dtype fp8``) routed experts."""
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +72,22 @@ def test_check_passes_on_every_family(checkpoints, family, tmp_path, capsys):
     assert "rank 1 read experts 8..15" in printed or "rank 1 read experts 4..7" in printed
     n = len(rows)
     assert printed.splitlines()[-1] == f"{n}/{n} dispatchers match transformers' module on every rank (rel L2 <= 1e-05)"
+
+
+def test_the_tiny_checkpoint_recipe_of_the_docs_prints_what_they_show(tmp_path, monkeypatch, capsys):
+    """docs/CHECKPOINTS.md's recipe, run as written: its Python writes the model, its ``check`` line
+    checks it, and the output ends with the lines the page shows (the dispatcher count included)."""
+    text = (Path(__file__).parents[2] / "docs" / "CHECKPOINTS.md").read_text()
+    script = text.split("python - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    (command,) = [line for line in text.splitlines() if line.startswith("moe-sbo check --checkpoint tiny-qwen3")]
+    shown = text.split("`check` ends with", 1)[1].split("```\n", 2)[1].splitlines()
+    monkeypatch.chdir(tmp_path)
+    exec(compile(script, "CHECKPOINTS.md", "exec"), {})
+    assert main(shlex.split(command.split("#")[0])[1:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-len(shown) :] == shown
+    n = len(check_cli.check_dispatchers("all", 2))
+    assert f"# {n}/{n} dispatchers match" in command
 
 
 def test_check_in_bfloat16_uses_the_bf16_tolerance(checkpoints, tmp_path, capsys):

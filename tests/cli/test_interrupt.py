@@ -67,17 +67,25 @@ def _importing_torch(pid: int) -> bool:
 
 
 def _interrupt(
-    argv: list[str], delay_s: float | Callable[[], bool], signum: int, whole_group: bool
+    argv: list[str],
+    delay_s: float | Callable[[], bool],
+    signum: int,
+    whole_group: bool,
+    *,
+    environ: dict[str, str] | None = None,
+    sent: Callable[[], None] | None = None,
 ) -> tuple[int, str, float, list]:
-    """Run ``moe-sbo argv``, send ``signum`` ``delay_s`` after it started (0: as soon as it maps
-    libtorch, i.e. mid-import; a function: as soon as it returns True, polled), and return (exit
-    status, stderr, seconds to exit, live leftovers)."""
+    """Run ``moe-sbo argv`` (``environ`` added to its environment), send ``signum`` ``delay_s``
+    after it started (0: as soon as it maps libtorch, i.e. mid-import; a function: as soon as it
+    returns True, polled), call ``sent()`` right after the signal, and return (exit status, stderr,
+    seconds to exit, live leftovers)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "moe_sbo", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own group, as a terminal's foreground job
+        env={**os.environ, **(environ or {})},
     )
     if callable(delay_s):
         deadline = time.monotonic() + 120
@@ -89,14 +97,16 @@ def _interrupt(
         while not _importing_torch(proc.pid) and proc.poll() is None:
             time.sleep(0.01)
     assert proc.poll() is None, "the command ended before the signal; make it longer"
-    sent = time.monotonic()
+    signalled = time.monotonic()
     (os.killpg if whole_group else os.kill)(proc.pid, signum)
+    if sent is not None:
+        sent()
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-    took = time.monotonic() - sent
+    took = time.monotonic() - signalled
     deadline = time.monotonic() + 2
     while _live_in_group(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -133,6 +143,54 @@ def test_generate_ends_cleanly_on_a_signal(tiny_model, delay_s, signum, whole_gr
     code, err, took, left = _interrupt(argv, delay_s, signum, whole_group)
     assert code == 128 + signum, err
     assert err.strip() == f"moe-sbo generate: interrupted ({signal.Signals(signum).name})", err
+    assert took <= EXIT_BOUND_S and not left, (took, left)
+
+
+def _holds(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` is running with ``signum`` blocked and pending (held, not acted on)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    bit = 1 << (signum - 1)
+    return fields["State"].split()[0] not in "ZX" and bool(int(fields["SigBlk"], 16) & pending & bit)
+
+
+STALL_POINTS = [
+    "multiprocessing.connection",  # the fork server's first imports, before any code of ours runs
+    "moe_sbo.launch.forkserver_signals",  # the last import before it ignores SIGINT
+]
+
+
+@pytest.mark.parametrize("stall_at", STALL_POINTS)
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_a_signal_while_the_fork_server_starts_gives_no_traceback(tiny_model, tmp_path, command, stall_at):
+    """The fork server is held at a known point of its start-up (``forkserver_stall/sitecustomize.py``)
+    while the whole group gets SIGINT, then let go: the signal waits in the server until it ignores
+    SIGINT, and the command ends with its one line. Before, the server ran with SIGINT unblocked there
+    and printed a KeyboardInterrupt traceback from ``multiprocessing/forkserver.py``."""
+    stall = Path(__file__).parent / "forkserver_stall"
+    environ = {
+        "PYTHONPATH": os.pathsep.join([str(stall), os.environ.get("PYTHONPATH", "")]),
+        "MOE_SBO_TEST_STALL_DIR": str(tmp_path),
+        "MOE_SBO_TEST_STALL_AT": stall_at,
+    }
+    held = []
+
+    def release() -> None:
+        server = int((tmp_path / "stalled").read_text())
+        deadline = time.monotonic() + 5
+        while not _holds(server, signal.SIGINT) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.append(_holds(server, signal.SIGINT))
+        (tmp_path / "go").touch()
+
+    argv = {
+        "demo": ["demo", "--overlap", "all"],
+        "generate": ["generate", "--checkpoint", tiny_model, "--ranks", "2", "--prompt-ids", "1,2,3"],
+    }[command]
+    stalled = (tmp_path / "stalled").exists
+    code, err, took, left = _interrupt(argv, stalled, signal.SIGINT, True, environ=environ, sent=release)
+    assert held == [True], "the fork server did not hold the signal at the point it was stalled"
+    assert code == 130 and err.strip() == f"moe-sbo {command}: interrupted (SIGINT)", err
     assert took <= EXIT_BOUND_S and not left, (took, left)
 
 

@@ -205,6 +205,36 @@ def test_generate_ids_outside_the_vocabulary_are_named(qwen3_dir, capsys, no_ran
     )
 
 
+# ---- environment variables -----------------------------------------------------------------------
+
+RANKS_PER_NODE_LINE = (
+    "MOE_SBO_RANKS_PER_NODE must be a whole number that divides the 4 ranks (1, 2 or 4), got {!r}; "
+    "set it to the ranks of one node, or unset it (one node holds every rank)"
+)
+
+
+@pytest.mark.parametrize("value", ["3", "0", "abc"])
+@pytest.mark.parametrize("command", ["demo", "bench", "check", "generate"])
+def test_a_bad_ranks_per_node_is_refused_with_the_options(command, value, qwen3_dir, monkeypatch, capsys, no_ranks):
+    """Found with the options (exit 2, one line), not inside every rank."""
+    monkeypatch.setenv("MOE_SBO_RANKS_PER_NODE", value)
+    model = {"check": ["--checkpoint", str(qwen3_dir)], "generate": ["--checkpoint", str(qwen3_dir)]}
+    argv = [command, "--device", "cpu", "--ranks", "4", *model.get(command, []), *_prompt(command)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"moe-sbo {command}: error: {RANKS_PER_NODE_LINE.format(value)}\n"
+
+
+def test_every_bad_variable_is_named_in_one_line(monkeypatch, capsys, no_ranks):
+    monkeypatch.setenv("MOE_SBO_TIMEOUT_S", "soon")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    assert main(["demo", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "moe-sbo demo: error: MOE_SBO_TIMEOUT_S must be a finite number of seconds > 0, got 'soon'; set it "
+        "to e.g. 25, or unset it for the default (25 s); and LOCAL_WORLD_SIZE must be a whole number >= 1, "
+        "got 'two'; torchrun sets it; outside torchrun, unset it\n"
+    )
+
+
 # ---- values named, options not ignored -----------------------------------------------------------
 
 

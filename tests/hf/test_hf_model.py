@@ -4,7 +4,9 @@ at EP2 and EP4, with skewed and empty ranks (checkpoints written by ``transforme
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,14 +256,13 @@ def test_bad_input_is_refused(checkpoints, tmp_path, monkeypatch):
         generate(model, [[1, 2]], 0)
     with pytest.raises(ValueError, match="at least one token id"):
         generate(model, [[1, 2], []], 2)
-    # Ids outside the vocabulary are named with its size, before any collective (the CLI's own check).
+    # Ids outside the vocabulary are named with its size; on one rank, without any collective.
     vocab = model.config.vocab_size
     monkeypatch.setattr(generate_module, "_StepAgreement", None)  # the first collective: never reached
     for bad in (vocab, -1):
         message = f"prompts must hold ids in [0, {vocab}) (the model's vocab_size), got {bad} in prompt 1; "
         with pytest.raises(ValueError, match=re.escape(message)):
             generate(model, [[1, 2], [3, bad]], 2)
-    import json
     import shutil
 
     broken = tmp_path / "broken"
@@ -296,7 +297,6 @@ def test_cli_generates_prompt_ids_as_transformers(checkpoints, tmp_path, family,
     argv = ["generate", "--checkpoint", checkpoints[family], "--ranks", "2", "--max-new-tokens", str(NEW_TOKENS)]
     argv += ["--prompt-ids", "1,5,9,3", "--prompt-ids", "2,2", "--prompt-ids", "7", "--json", str(out), "--mla", mla]
     assert main(argv) == 0
-    import json
 
     result = json.loads(out.read_text())
     assert result["meta"]["mla"] == mla
@@ -312,7 +312,6 @@ def test_cli_generates_prompt_ids_as_transformers(checkpoints, tmp_path, family,
 
 
 def test_cli_text_prompts_go_through_the_checkpoints_tokenizer(checkpoints, tmp_path, capsys):
-    import json
     import shutil
 
     from transformers import AutoTokenizer
@@ -353,7 +352,6 @@ def test_cli_refuses_bad_prompts_before_any_rank_starts(checkpoints, capsys):
 
 
 def test_cli_under_torchrun(checkpoints, tmp_path):
-    import json
     import subprocess
     import sys
 
@@ -383,6 +381,30 @@ def _mismatched_rank(device, path):
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def _bad_id_on_rank_0(device, path, bad):
+    model = load_model(path, dispatcher="alltoall")
+    prompts = [[[1, 2], [3, bad]], [[4, 5, 6]]][dist.get_rank()]
+    try:
+        generate(model, prompts, 2)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("bad", [-1, 10**6])
+def test_an_id_outside_the_vocabulary_on_one_rank_is_refused_on_every_rank(ranks2, checkpoints, bad):
+    """Rank 0's prompt holds a bad id, rank 1's are good: both raise rank 0's ValueError (rank 1 was
+    left waiting in a collective for rank 0, which failed with gloo's "Connection closed")."""
+    vocab = json.loads((Path(checkpoints["qwen3_moe"]) / "config.json").read_text())["vocab_size"]
+    starts = ranks2.starts
+    expected = (
+        f"the prompts of rank 0 must hold ids in [0, {vocab}) (the model's vocab_size), got {bad} in prompt 1; "
+        "use ids of the model's tokenizer"
+    )
+    assert ranks2.run(_bad_id_on_rank_0, checkpoints["qwen3_moe"], bad) == [expected, expected]
+    assert ranks2.starts == starts  # no rank failed, so the ranks were not started again
 
 
 def test_a_different_max_new_tokens_per_rank_is_refused_on_every_rank(ranks2, checkpoints):

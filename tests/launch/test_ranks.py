@@ -278,6 +278,41 @@ def test_torchrun_ranks_join_with_the_wait_bound(fake_group, monkeypatch):
     assert call["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] is None  # gloo: NCCL's settings untouched
 
 
+# ---- the environment, checked before any rank starts or joins -------------------------------------
+
+
+def test_local_ranks_refuse_a_bad_environment_before_starting_any_rank(monkeypatch):
+    monkeypatch.setattr(launch_ranks, "_context", lambda device: pytest.fail("ranks were started"))
+    with pytest.raises(ValueError, match=r"MOE_SBO_RANKS_PER_NODE must be a whole number that divides the 4 ranks "):
+        LocalRanks(4, environ={"MOE_SBO_RANKS_PER_NODE": "3"})  # what the ranks would read
+    monkeypatch.setenv("NCCL_MAX_CTAS", "many")
+    with pytest.raises(ValueError, match=r"^NCCL_MAX_CTAS must be a whole number >= 1, got 'many'; "):
+        LocalRanks(2)
+
+
+def test_torchrun_ranks_refuse_a_bad_environment_before_joining(fake_group, monkeypatch):
+    monkeypatch.setenv("MOE_SBO_RANKS_PER_NODE", "3")  # torchrun's WORLD_SIZE is 2
+    with pytest.raises(ValueError, match=r"^MOE_SBO_RANKS_PER_NODE must be a whole number that divides the 2 ranks"):
+        init_from_torchrun("cpu")
+    monkeypatch.delenv("MOE_SBO_RANKS_PER_NODE")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"^RANK must be < WORLD_SIZE \(2\), got 2; torchrun sets it"):
+        init_from_torchrun("cpu")
+    assert not fake_group
+
+
+def test_the_environment_check_passes_what_the_readers_accept(monkeypatch):
+    for name in ("MOE_SBO_TIMEOUT_S", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NCCL_MAX_CTAS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MOE_SBO_RANKS_PER_NODE", "2")
+    monkeypatch.setenv("NCCL_MAX_CTAS", "")  # empty: unset, as NCCL reads it
+    env.check(4)
+    env.check()  # no job size known: only the whole-number rule
+    assert env.ranks_per_node(4) == 2 and env.nccl_max_ctas() is None
+    with pytest.raises(ValueError, match=r"^MOE_SBO_RANKS_PER_NODE must be a whole number that divides the 6 ranks"):
+        env.check(6, {"MOE_SBO_RANKS_PER_NODE": "4"})
+
+
 def test_nccl_ranks_join_with_the_wait_bound_and_teardown_on_timeout(fake_group, monkeypatch):
     # A GPU machine as far as the launcher can tell (the process group itself is the fake above).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -297,6 +299,50 @@ def test_bench_reads_a_tbo_gemm_sm_budget_as_a_number_auto_or_all():
     for bad in ("0", "-4", "most"):
         with pytest.raises(argparse.ArgumentTypeError, match="a number of SMs, 'auto' or 'all'"):
             gemm_sm_budget_arg(bad)
+
+
+NOTICES_SCRIPT = """
+import os, sys, torch
+from moe_sbo import streams
+
+# The CPU build has no cuBLASLt: this stands in for PyTorch's setter, which prints its notice once
+# per process from C++, straight to file descriptor 2. The carve-out is PyTorch's own.
+state = {"library": "default", "noticed": False}
+def preferred_blas_library(backend=None):
+    if backend == "cublaslt" and not state["noticed"]:
+        os.write(2, b"Warning: torch.backends.cuda.preferred_blas_library is an experimental feature\\n")
+        state["noticed"] = True
+    state["library"] = backend or state["library"]
+    return state["library"]
+torch.backends.cuda.preferred_blas_library = preferred_blas_library
+
+if sys.argv[1] == "spent":
+    streams.spend_experimental_notices()
+    assert (state["library"], torch._C._get_sm_carveout_experimental()) == ("default", None)  # restored
+torch.backends.cuda.preferred_blas_library("cublaslt")  # what sm_budget sets
+torch._C._set_sm_carveout_experimental(8)
+torch._C._set_sm_carveout_experimental(None)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("spent", [True, False])
+def test_the_sm_budgets_settings_print_no_notice_once_spent(spent):
+    """PyTorch's once-per-process notices that the BLAS preference and the SM carve-out are
+    experimental (C++, on the standard error of every rank) are spent quietly before the first
+    budget; without that, they reach the terminal."""
+    run = subprocess.run(
+        [sys.executable, "-c", NOTICES_SCRIPT, "spent" if spent else "not spent"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and run.stdout == "ok\n", run.stderr
+    if spent:
+        assert run.stderr == ""
+    else:
+        assert "preferred_blas_library is an experimental feature" in run.stderr
+        assert "Setting the SM carveout for matmuls is a temporary experimental mitigation" in run.stderr
 
 
 @pytest.mark.gpu

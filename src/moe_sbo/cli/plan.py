@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import planner
-from ..measure.options import make_console, make_table, target_load
+from ..measure.options import make_console, make_table, recorded_model, target_load
 from ..measure.results import STDOUT, dump_json
 from ..measure.run import output_file, output_path
 from .parsers import plan as plan_parser
@@ -58,6 +58,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         json_path = output_file("--json", args.json)  # every command: its outputs checked first
         plot_path = output_path("--plot", args.plot)
+        args.model = resolve_model(args)
         inp = inputs_from_args(args)
         calibration = planner.calibrate(args.calibrate, ep=inp.ep) if args.calibrate else None
         balance = load_balance_from_args(args, inp.model)
@@ -108,6 +109,14 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"moe-sbo plan: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """``--model``; without it, the model a ``--load`` file was recorded on, else the seed example's."""
+    if args.model is not None:
+        return args.model
+    recorded = recorded_model(args.load) if args.load and not args.load.startswith("zipf:") else None
+    return recorded or planner.SEED_INPUTS["model"]
 
 
 def load_balance_from_args(args: argparse.Namespace, model) -> planner.LoadBalance | None:

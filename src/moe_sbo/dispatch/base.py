@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -43,8 +42,8 @@ NCCL_TRANSFER_SMS = 4
 
 def nccl_transfer_sms() -> int:
     """SMs an NCCL transfer holds while it runs: ``NCCL_MAX_CTAS`` when set, else ``NCCL_TRANSFER_SMS``."""
-    cap = os.environ.get("NCCL_MAX_CTAS", "").strip()
-    return int(cap) if cap.isdigit() and int(cap) > 0 else NCCL_TRANSFER_SMS
+    cap = env.nccl_max_ctas()
+    return cap if cap is not None else NCCL_TRANSFER_SMS
 
 
 @dataclass
@@ -80,7 +79,7 @@ class EPGroup:
             if group is not None:
                 raise ValueError(
                     "group was given but torch.distributed is not initialised; call "
-                    "moe_sbo.launch.ranks.init_from_torchrun() (or use LocalRanks) first, or pass group=None"
+                    "moe_sbo.launch.group.init_from_torchrun() (or use LocalRanks) first, or pass group=None"
                 )
             return cls()
         size = dist.get_world_size(group)

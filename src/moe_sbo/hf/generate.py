@@ -102,6 +102,27 @@ def check_prompt_ids(prompts: list[list[int]], vocab_size: int, what: str = "pro
             )
 
 
+def _check_prompts_on_every_rank(prompts: list[list[int]], vocab_size: int, blocks: list[ExpertParallelMoE]) -> None:
+    """``check_prompt_ids`` on this rank's prompts, and the first failing rank's ``ValueError`` raised
+    on every rank. Ranks hold different prompts: a rank that raised alone would leave the others
+    waiting for it in the next collective until its socket closed. One all-gather of the messages,
+    the first collective ``generate`` makes (one rank, or no group: none)."""
+    ep = blocks[0].moe.dispatcher.ep if blocks else None
+    if ep is None or ep.size == 1:
+        check_prompt_ids(prompts, vocab_size)
+        return
+    mine: str | None = None
+    try:
+        check_prompt_ids(prompts, vocab_size, what=f"the prompts of rank {ep.rank}")
+    except ValueError as err:
+        mine = str(err)
+    messages: list[str | None] = [None] * ep.size
+    dist.all_gather_object(messages, mine, group=ep.group)
+    first = next((message for message in messages if message is not None), None)
+    if first is not None:
+        raise ValueError(first)
+
+
 @torch.no_grad()
 def generate(
     model: Any,
@@ -141,7 +162,7 @@ def generate(
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    check_prompt_ids(prompts, model.get_input_embeddings().num_embeddings)  # before any collective
+    _check_prompts_on_every_rank(prompts, model.get_input_embeddings().num_embeddings, blocks)
     agree = _StepAgreement(blocks, device)
     # Before any MoE call: a mismatch would hang.
     agree.same_everywhere("max_new_tokens", max_new_tokens)

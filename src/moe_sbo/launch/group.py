@@ -98,6 +98,7 @@ def init_from_torchrun(device: str = "auto") -> torch.device:
     process; a symmetric-memory barrier traps, and the next synchronising call raises; on CPU gloo
     raises. Each then exits non-zero, and torchrun stops the rest.
     """
+    env.check()  # every variable, before this rank joins (torchrun's WORLD_SIZE sizes the job)
     ranks = env.torchrun_rank()
     if ranks is None:
         raise RuntimeError("RANK/WORLD_SIZE are not set: start this under torchrun, or use LocalRanks")

@@ -162,12 +162,17 @@ def _start_forkserver(ctx: mp.context.ForkServerContext) -> None:
     inherits the mask, so a Ctrl-C reaching the group then waits in it until the preloaded
     ``forkserver_signals`` ignores SIGINT (which discards it) and unblocks it: no traceback from the
     server. The launcher keeps its own pending Ctrl-C and takes it when the mask is restored, so it is
-    not lost (ignoring SIGINT for that instant lost it, and a command interrupted then ran on)."""
-    from multiprocessing import forkserver
+    not lost (ignoring SIGINT for that instant lost it, and a command interrupted then ran on).
+
+    multiprocessing's resource tracker is started first, outside the mask: ``forkserver.ensure_running``
+    starts it when it is not running yet, and its start unblocks SIGINT and SIGTERM (``SIG_UNBLOCK``,
+    not the mask it found), so inside the mask it would undo the block before the server is spawned."""
+    from multiprocessing import forkserver, resource_tracker
 
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         forkserver.ensure_running()  # a thread's mask is its own; the main thread takes the signals
         return
+    resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         forkserver.ensure_running()
@@ -203,6 +208,7 @@ class LocalRanks:
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        env.check(world_size, {**os.environ, **(environ or {})})  # here, not as a failure in every rank
         self.device = resolve_device(device)
         self.world_size = world_size
         # Ranks go round-robin over the visible GPUs; more ranks than GPUs share them (gloo group).

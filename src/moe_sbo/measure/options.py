@@ -25,6 +25,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
+from .. import env
 from ..config import PRESETS, MoEConfig
 from ..quant.fp8 import FP8_BLOCK, sizes_off_blocks
 from .results import dump_json
@@ -308,14 +309,15 @@ def default_ep_size(device: str) -> int:
 
 def resolve_ranks(ranks: int | None, device: str) -> int:
     """``--ranks`` checked (>= 1), or ``default_ep_size`` when not given. On CUDA more ranks than GPUs
-    share them round-robin (``launch.group``)."""
-    if ranks is None:
-        return default_ep_size(device)
-    if ranks < 1:
+    share them round-robin (``launch.group``). The environment the ranks will read is checked with it
+    (``env.check``)."""
+    if ranks is not None and ranks < 1:
         raise ValueError(
             f"--ranks must be >= 1, got {ranks}; leave it out for the default (every GPU on CUDA, 2 on CPU)"
         )
-    return ranks
+    world_size = default_ep_size(device) if ranks is None else ranks
+    env.check(world_size)
+    return world_size
 
 
 def resolve_expert_dtype(choice: str | None, cfg: MoEConfig) -> str | None:
@@ -412,6 +414,18 @@ def read_load_file(path: str, num_experts: int, model: str, flag: str) -> list[f
     if not all(math.isfinite(v) and v >= 0 for v in load) or sum(load) <= 0:
         raise ValueError(f"{flag} {path} must hold finite loads >= 0, not all 0; record it again")
     return [float(v) for v in load]
+
+
+def recorded_model(path: str) -> str | None:
+    """The model a load file ``write_load_file`` wrote was recorded on (its ``preset``); None when the
+    file cannot say (``read_load_file`` then names what is wrong with it)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    preset = doc.get("preset") if isinstance(doc, dict) else None
+    return preset if isinstance(preset, str) else None
 
 
 def write_load_file(path: Path, load: list[float], preset: str, meta: dict) -> None:

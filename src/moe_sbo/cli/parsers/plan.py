@@ -23,8 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = planner.PlanInputs.__dataclass_fields__
     parser.add_argument(
         "--model",
-        default=planner.SEED_INPUTS["model"],
-        help=f"preset ({', '.join(sorted(PRESETS))}) or path to a Hugging Face config.json",
+        default=None,
+        help=f"preset ({', '.join(sorted(PRESETS))}) or path to a Hugging Face config.json (default: the "
+        f"model a --load file was recorded on, else {planner.SEED_INPUTS['model']})",
     )
     parser.add_argument("--batch", type=int, default=d["batch"].default, help="decode tokens per GPU")
     parser.add_argument("--tpot-ms", type=float, default=d["tpot_ms"].default, help="time per output token SLO")
