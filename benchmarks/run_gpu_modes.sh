@@ -22,7 +22,7 @@ run() {  # run MODE ARGS...: one mode, its log kept, its status counted
 run sbo --dispatcher local low_latency --experts 32 --tokens 128 --iters 3 --out "$DIR/sbo.json"
 run tbo --dispatcher low_latency --experts 32 --overlap none split --prefill-tokens 1024 --decode-seqs 32 \
   --kv-len 256 --iters 3 --out "$DIR/tbo.json"
-run eplb --dispatcher low_latency --tokens 128 --redundant 0 1 --iters 3 --out "$DIR/eplb.json"
+run eplb --ranks 2 --dispatcher low_latency --tokens 128 --redundant 0 1 --iters 3 --out "$DIR/eplb.json"
 run foundation --out "$DIR/foundation" --quick --ranks 1 2 --tokens 128
 run low-latency --out "$DIR/low_latency" --quick --ranks 1 2 --tokens 128
 run prefill --out "$DIR/prefill" --quick --ranks 1 --tokens 1024

@@ -185,7 +185,9 @@ def low_latency_rank(
                     common["expert_path"] = layer.experts.route(
                         rows_like, cap * cfg.num_experts_per_tok, indexed=dispatcher.rows_in_place(device)
                     ).name
-                if dist.get_world_size() > 1:  # one rank: nothing on the wire, no reference to compare with
+                # One rank: nothing on the wire. CUDA ranks sharing a GPU talk over gloo, whose all-to-all a
+                # CUDA graph cannot capture: no raw reference either (its fields stay None).
+                if dist.get_world_size() > 1 and (device.type != "cuda" or dist.get_backend() == "nccl"):
                     ref_dispatch, _ = capture(raw_all_to_all(cap * fmt.row_bytes, device), device)
                     ref_combine, _ = capture(raw_all_to_all(cap * cfg.hidden_size * dtype.itemsize, device), device)
                     common["ref_t_dispatch_us"] = time_fn(ref_dispatch, device, warmup, iters, graph=False)
