@@ -97,10 +97,10 @@ def _interrupt(
         while not _importing_torch(proc.pid) and proc.poll() is None:
             time.sleep(0.01)
     assert proc.poll() is None, "the command ended before the signal; make it longer"
-    signalled = time.monotonic()
     (os.killpg if whole_group else os.kill)(proc.pid, signum)
     if sent is not None:
         sent()
+    signalled = time.monotonic()  # after sent(): a fork server held there is not the command's time
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
