@@ -19,7 +19,7 @@ import moe_sbo
 from moe_sbo.bench import sweep
 from moe_sbo.bench.sbo import sbo_legend, sbo_table
 from moe_sbo.bench.tbo import tbo_table
-from moe_sbo.cli import check, demo
+from moe_sbo.cli import check, demo_report
 from moe_sbo.cli.main import main
 from moe_sbo.cli.parsers import build_parser, parse_args
 from moe_sbo.cli.parsers.bench import BENCH_MODES
@@ -320,7 +320,7 @@ def test_tables_fit_100_columns_with_the_widest_values():
     times = dict.fromkeys(("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us"), 999_000.0)
     nodes = {"inter_node_bytes": 0, "nodes": 1, "ranks_per_node": 2}
     demo_rows = [{"dispatcher": "low_latency", "overlap": "combine_sm", **big, **times, **nodes}]
-    assert _width(demo.demo_table(demo_rows)) <= 100
+    assert _width(demo_report.demo_table(demo_rows)) <= 100
     sbo = {
         "experts_per_gpu": 384,
         "tokens_per_rank": 16384,
@@ -412,7 +412,8 @@ def test_module_entry_logs_in_ranks_and_timeline_is_quiet(tmp_path):
     assert "USDT" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stdout + proc.stderr
     assert f"timeline: {png} (spans: {png.with_suffix('.spans.json')})" in proc.stdout
     assert proc.stdout.splitlines()[-2] == "2 rows, 0 errors; not written (no --out)"
-    assert proc.stdout.splitlines()[-1] == "best: prefill 8 alltoall/none no TBO 1.00x"
+    # Which of the two rows wins is CPU timing; that the line names the size and a row is not.
+    assert proc.stdout.splitlines()[-1].startswith("best: prefill 8 alltoall/none ")
     assert max(len(line) for line in proc.stdout.splitlines() if str(tmp_path) not in line) <= 100  # paths unbroken
 
 

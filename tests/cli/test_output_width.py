@@ -13,7 +13,7 @@ from rich.console import Console
 
 from hf_blocks import make_hf_model, write_published_v3
 from in_process import InProcess
-from moe_sbo.cli import demo, generate
+from moe_sbo.cli import demo_report, generate
 from moe_sbo.cli.main import main
 from moe_sbo.measure import options, progress, run
 
@@ -301,13 +301,18 @@ def _demo_row(dispatcher: str, nodes: int, per_node: int, inter: int) -> dict:
 
 def test_the_node_aware_demo_names_its_nodes_and_the_bytes_that_crossed():
     rows = [_demo_row("local", 1, 1, 0), _demo_row("node_aware", 2, 1, 1768)]
-    assert demo.nodes_note(rows, 2) == "nodes: 2 of 1 rank each (MOE_SBO_RANKS_PER_NODE or torchrun's LOCAL_WORLD_SIZE)"
+    assert (
+        demo_report.nodes_note(rows, 2)
+        == "nodes: 2 of 1 rank each (MOE_SBO_RANKS_PER_NODE or torchrun's LOCAL_WORLD_SIZE)"
+    )
     out = io.StringIO()
-    Console(file=out, width=WIDTH).print(demo.demo_table(rows))
+    Console(file=out, width=WIDTH).print(demo_report.demo_table(rows))
     assert "inter B" in out.getvalue() and "1768" in out.getvalue()
     one_node = [_demo_row("local", 1, 1, 0), _demo_row("node_aware", 1, 2, 0)]
-    assert demo.nodes_note(one_node, 2).startswith("nodes: 1 of 2 ranks, no byte crosses nodes; ")
+    assert demo_report.nodes_note(one_node, 2).startswith("nodes: 1 of 2 ranks, no byte crosses nodes; ")
     out = io.StringIO()
-    Console(file=out, width=WIDTH).print(demo.demo_table(one_node))
+    Console(file=out, width=WIDTH).print(demo_report.demo_table(one_node))
     assert "inter B" not in out.getvalue()
-    assert demo.nodes_note([_demo_row("alltoall", 1, 2, 0)], 2) is None  # no node_aware, one node: nothing to say
+    assert (
+        demo_report.nodes_note([_demo_row("alltoall", 1, 2, 0)], 2) is None
+    )  # no node_aware, one node: nothing to say

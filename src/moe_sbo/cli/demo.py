@@ -33,13 +33,10 @@ from ..hf.checkpoint import Checkpoint, LayerLoader
 from ..layer import MoELayer
 from ..measure.memory import check_memory, estimate_rank_bytes, memory_fix
 from ..measure.options import (
-    compact,
     cpu_timing_note,
     default_dtype_name,
-    make_table,
     print_notes,
     resolve_expert_dtype,
-    sci,
     target_load,
 )
 from ..measure.progress import rank_progress
@@ -47,6 +44,7 @@ from ..measure.results import result_meta
 from ..measure.run import prepare, write_json
 from ..overlap import OVERLAP_MODES
 from ..overlap.tbo import tbo_forward
+from .demo_report import demo_table, eplb_demo_table, node_count, nodes_note, verdict
 
 # Relative L2 error allowed against the reference, per dtype: float32 differs only by summation
 # order; bf16 by rounding of the activations that cross the wire and of the GEMM outputs.
@@ -395,7 +393,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"ok: rel L2 <= {tolerance:g}"
         + (" before and after the rebalance" if args.eplb else "")
         + "; = none: bitwise equal to overlap none",
-        "B/rank: mean bytes sent (= received)" + ("; inter B: of them, to other nodes" if _nodes(rows) > 1 else ""),
+        "B/rank: mean bytes sent (= received)" + ("; inter B: of them, to other nodes" if node_count(rows) > 1 else ""),
         nodes_note(rows, ranks),
         cpu_timing_note(device),
     )
@@ -414,70 +412,6 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if all(r["ok"] and (r["same_as_none"] or device == "cuda") for r in rows) else 1
 
 
-def demo_table(rows: list[dict]):
-    """The summary rows as a table that fits 100 columns (times: the slowest rank's medians, µs);
-    with several nodes, the bytes each rank sent to other nodes beside those it sent."""
-    inter = _nodes(rows) > 1
-    columns = [("dispatcher", "left"), ("overlap", "left"), ("|err| max/rel", "right"), ("ok", "left")]
-    columns += [("= none", "left"), ("B/rank", "right"), *([("inter B", "right")] if inter else [])]
-    columns += [(phase, "right") for phase in ("route", "dispatch", "experts", "combine", "layer")]
-    title = "each dispatcher vs the single-rank reference (µs: slowest rank, median)"
-    table = make_table(title, columns, optional=("route",))
-    for r in rows:
-        table.add_row(
-            r["dispatcher"],
-            r["overlap"],
-            f"{sci(r['max_abs_err'])}/{sci(r['rel_err'])}",
-            "[green]yes[/]" if r["ok"] else "[red]NO[/]",
-            "yes" if r["same_as_none"] else "no",
-            compact(r["bytes_sent"]),
-            *([compact(r["inter_node_bytes"])] if inter else []),
-            *(compact(r[k]) for k in ("t_route_us", "t_dispatch_us", "t_experts_us", "t_combine_us", "t_layer_us")),
-        )
-    return table
-
-
-def _nodes(rows: list[dict]) -> int:
-    """The most nodes any dispatcher saw the ranks as (1: one node holds them all)."""
-    return max((r["nodes"] for r in rows), default=1)
-
-
-def nodes_note(rows: list[dict], ranks: int) -> str | None:
-    """With ``node_aware`` among the dispatchers, or several nodes: the node count the dispatchers
-    assumed and where it comes from."""
-    if not any(r["dispatcher"] == "node_aware" for r in rows) and _nodes(rows) == 1:
-        return None
-    nodes = _nodes(rows)
-    per_node = next(r["ranks_per_node"] for r in rows if r["nodes"] == nodes)
-    if nodes == 1:
-        return (
-            f"nodes: 1 of {ranks} ranks, no byte crosses nodes; MOE_SBO_RANKS_PER_NODE=1 makes each rank a node"
-            if ranks > 1
-            else None
-        )
-    each = f"{per_node} rank" + ("s" if per_node > 1 else "")
-    return f"nodes: {nodes} of {each} each (MOE_SBO_RANKS_PER_NODE or torchrun's LOCAL_WORLD_SIZE)"
-
-
-def eplb_demo_table(rows: list[dict]):
-    """``--eplb``: each layer's rank load before and after its rebalance, what moved, the error after."""
-    columns = [("dispatcher", "left"), ("overlap", "left"), ("before", "right"), ("after", "right")]
-    columns += [("moved", "right"), ("MB", "right"), ("rel L2 after", "right"), ("ok", "left")]
-    table = make_table("expert load balancing: rank load max/mean", columns)
-    for r in rows:
-        table.add_row(
-            r["dispatcher"],
-            r["overlap"],
-            f"{r['load_max_over_mean_before']:.2f}",
-            f"{r['load_max_over_mean_after']:.2f}",
-            str(r["moved_slots"]),
-            f"{r['moved_bytes'] / 1e6:.3g}",
-            sci(r["rel_err_after_rebalance"]),
-            "[green]yes[/]" if r["ok"] else "[red]NO[/]",
-        )
-    return table
-
-
 def _check_eplb(args: argparse.Namespace, names: list[str], ranks: int) -> None:
     """``--eplb``'s combinations, refused before any rank starts (``ValueError`` naming the fix)."""
     if args.tbo:
@@ -492,18 +426,6 @@ def _check_eplb(args: argparse.Namespace, names: list[str], ranks: int) -> None:
             f"--eplb moves experts between ranks, but --dispatcher local holds every expert on each of the {ranks} "
             "ranks; choose another --dispatcher, or --ranks 1"
         )
-
-
-def verdict(rows: list[dict], device: str) -> str:
-    """The closing line: how many runs match the reference, and how many equal ``none`` bitwise."""
-    n = len(rows)
-    ok = sum(r["ok"] for r in rows)
-    same = sum(r["same_as_none"] for r in rows)
-    line = f"{ok}/{n} dispatcher x overlap runs match the single-rank reference; {same}/{n} equal overlap none bitwise"
-    if device == "cuda" and same < n:
-        line += " (not required on CUDA: an SM budget may pick other GEMM kernels)"
-    failed = [f"{r['dispatcher']}/{r['overlap']}" for r in rows if not r["ok"]]
-    return line + (f"; mismatch: {', '.join(failed)}" if failed else "")
 
 
 def _overlap_modes(choice: str) -> tuple[str, ...]:
