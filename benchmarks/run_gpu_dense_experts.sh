@@ -4,7 +4,7 @@
 #    share the grouped GEMM's tile schedule), tests/test_gpu.py and the one-GPU low_latency tests.
 # 2. gemv: moe-sbo bench dense-experts, the routed MLP through the grouped GEMV, the tiled grouped GEMM and
 #    torch._grouped_mm, 8/16/32 experts, 8 to 32768 rows, beside the read and compute floors
-#    (file gemv_<tag>.json): the data behind experts.select.GEMV_MAX_ROWS_PER_EXPERT and TILED_MAX_ROWS_PER_EXPERT.
+#    (file gemv_<tag>.json): the data behind experts.conditions.GEMV_MAX_ROWS_PER_EXPERT and TILED_MAX_ROWS_PER_EXPERT.
 # 3. layer: moe-sbo bench low-latency at EP1, the low_latency MoE layer (eager and CUDA-graph replays) with
 #    the experts' kernels left to "auto", forced to the GEMV and to torch._grouped_mm, 8 and 32 experts
 #    per GPU (files low_latency_experts{8,32}_<tag>.json).

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_sbo.experts.conditions import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT, Conditions
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.experts.routes import GROUPED_MM
-from moe_sbo.experts.select import GEMV_MAX_ROWS_PER_EXPERT, TILED_MAX_ROWS_PER_EXPERT, Conditions
 from moe_sbo.experts.shared import SharedExperts
 from moe_sbo.experts.tiled_gemm import TMA_MIN_ROWS_PER_EXPERT, dense_config, grouped_gemm
 from moe_sbo.experts.tiles import GemmConfig

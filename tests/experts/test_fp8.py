@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 from moe_sbo.config import get_preset
 from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
+from moe_sbo.experts.conditions import Conditions
 from moe_sbo.experts.fp8_torch import grouped_linear_fp8
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.experts.routes import FP8_SM90, FP8_TRITON, ExpertRows
-from moe_sbo.experts.select import Conditions
 from moe_sbo.layer import MoELayer
 from moe_sbo.quant import kernels as quant_kernels
 from moe_sbo.quant.fp8 import (

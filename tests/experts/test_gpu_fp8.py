@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 from moe_sbo.config import get_preset
 from moe_sbo.experts import fp8_gemm, fp8_gemm_sm90
+from moe_sbo.experts.conditions import Conditions
 from moe_sbo.experts.fp8_torch import grouped_linear_fp8, grouped_scaled_mm
 from moe_sbo.experts.routed import RoutedExperts
 from moe_sbo.experts.routes import FP8_SM90, FP8_TRITON, ExpertRows
-from moe_sbo.experts.select import Conditions, choose
+from moe_sbo.experts.select import choose
 from moe_sbo.layer import MoELayer
 from moe_sbo.quant import kernels as quant_kernels
 from moe_sbo.quant.fp8 import dequantize_fp8, empty_k_major_scales, quantize_fp8, quantize_fp8_blocks

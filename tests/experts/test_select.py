@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_sbo.experts import select
+from moe_sbo.experts import conditions
+from moe_sbo.experts.conditions import Conditions, Rows
 from moe_sbo.experts.routes import (
     EXPERT_LOOP,
     FP8_SM90,
@@ -19,7 +20,7 @@ from moe_sbo.experts.routes import (
     SCALED_MM,
     TILED,
 )
-from moe_sbo.experts.select import DENSE_KERNELS, FP8_KERNELS, Conditions, Rows, choose
+from moe_sbo.experts.select import DENSE_KERNELS, FP8_KERNELS, choose
 
 BF16, F32 = torch.bfloat16, torch.float32
 H100, A100, L40, B200 = (9, 0), (8, 0), (8, 9), (10, 0)
@@ -40,7 +41,7 @@ def route(c: Conditions, kernels: str = "auto") -> str:
 
 
 def test_dense_auto_on_an_sm90_gpu_by_rows_per_expert():
-    gemv_max, tiled_max = select.GEMV_MAX_ROWS_PER_EXPERT, select.TILED_MAX_ROWS_PER_EXPERT
+    gemv_max, tiled_max = conditions.GEMV_MAX_ROWS_PER_EXPERT, conditions.TILED_MAX_ROWS_PER_EXPERT
     for rows, expected in ((1, "gemv"), (gemv_max, "gemv"), (gemv_max + 0.25, "tiled"), (tiled_max, "tiled")):
         assert route(cuda(rows=rows)) == expected, rows
     assert route(cuda(rows=tiled_max + 1)) == "grouped_mm"
@@ -86,13 +87,13 @@ def test_dense_triton_routes_are_refused_without_triton_or_off_cuda(kernels):
 
 
 def test_fp8_auto_on_sm90_with_gluon_runs_the_sm90_kernel_at_prefill_sizes():
-    sm90_min, captured_min = select.SM90_MIN_ROWS_PER_EXPERT, select.SM90_CAPTURED_MIN_ROWS_PER_EXPERT
+    sm90_min, captured_min = conditions.SM90_MIN_ROWS_PER_EXPERT, conditions.SM90_CAPTURED_MIN_ROWS_PER_EXPERT
     for rows, eager, captured in (
         (captured_min - 1, "fp8_triton", "fp8_triton"),
         (captured_min, "fp8_triton", "fp8_sm90"),
         (sm90_min, "fp8_triton", "fp8_sm90"),
         (sm90_min + 1, "fp8_sm90", "fp8_sm90"),
-        (select.SCALED_MM_MIN_ROWS_PER_EXPERT, "fp8_sm90", "fp8_sm90"),
+        (conditions.SCALED_MM_MIN_ROWS_PER_EXPERT, "fp8_sm90", "fp8_sm90"),
     ):
         assert route(cuda(rows=rows, fp8=True)) == eager, rows
         assert route(cuda(rows=rows, fp8=True, capture=True)) == captured, rows
@@ -100,7 +101,7 @@ def test_fp8_auto_on_sm90_with_gluon_runs_the_sm90_kernel_at_prefill_sizes():
 
 
 def test_fp8_auto_runs_cublas_eagerly_at_prefill_sizes_only_where_the_sm90_kernel_does_not():
-    scaled_min = select.SCALED_MM_MIN_ROWS_PER_EXPERT
+    scaled_min = conditions.SCALED_MM_MIN_ROWS_PER_EXPERT
     assert route(cuda(rows=scaled_min, fp8=True, gluon=False)) == "scaled_mm"
     assert route(cuda(rows=scaled_min - 1, fp8=True, gluon=False)) == "fp8_triton"
     assert route(cuda(rows=scaled_min, fp8=True, gluon=False, capture=True)) == "fp8_triton"

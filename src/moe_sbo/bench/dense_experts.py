@@ -15,7 +15,7 @@ it re-reads each weight slice per 16 rows), ``experts_with_rows``; ``t_floor_us`
 experts' weight bytes at ``read_gbps``, the rate a sum over a 2 GB buffer reads HBM at in the same
 run; the MLP's FLOPs at ``mm_tflops``, a dense 8192 x 7168 x 4096 bf16 ``torch.mm`` in the same run),
 each time's ratio to it, and ``rel_err_*`` (||kernel - grouped_mm|| / ||grouped_mm||). The data
-behind ``experts.select.GEMV_MAX_ROWS_PER_EXPERT`` and ``TILED_MAX_ROWS_PER_EXPERT``. SwiGLU between
+behind ``experts.conditions.GEMV_MAX_ROWS_PER_EXPERT`` and ``TILED_MAX_ROWS_PER_EXPERT``. SwiGLU between
 the GEMMs alone on ``[R, 2I]`` rows: ``t_swiglu_us`` (``experts.swiglu``, one launch),
 ``t_swiglu_torch_us`` (torch's two) and ``t_swiglu_floor_us`` (3 x R x I bf16 values at ``read_gbps``).
 

@@ -40,9 +40,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import MoEConfig, get_preset
+from ..experts.conditions import Conditions
 from ..experts.routed import RoutedExperts
 from ..experts.routes import GROUPED_MM
-from ..experts.select import Conditions
 from ..launch.ranks import RankPool
 from ..layer import MoELayer
 from ..measure.options import default_dtype_name

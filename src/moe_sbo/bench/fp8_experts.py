@@ -43,10 +43,10 @@ from rich.table import Table
 
 from ..config import get_preset
 from ..experts import fp8_gemm, fp8_gemm_sm90
+from ..experts.conditions import Conditions
 from ..experts.fp8_torch import grouped_scaled_mm
 from ..experts.routed import RoutedExperts
 from ..experts.routes import SCALED_MM
-from ..experts.select import Conditions
 from ..layer import MoELayer
 from ..measure.results import ResultFile, result_meta
 from ..measure.timing import KernelTimer, time_fn

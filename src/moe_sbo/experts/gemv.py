@@ -10,7 +10,7 @@ expert and ``BLOCK_N`` output columns: it reads the expert's row range from the 
 host sync, so a CUDA graph captured at one R replays for any routing), returns at once for an empty
 expert, and otherwise streams its [BLOCK_N, K] weight slice once through ``tl.dot`` with all of the
 expert's rows (in blocks of ``BLOCK_M``; past the first block the slice is read again, so this kernel
-is for small R: ``experts.select.GEMV_MAX_ROWS_PER_EXPERT``). float32 accumulation, the activation
+is for small R: ``experts.conditions.GEMV_MAX_ROWS_PER_EXPERT``). float32 accumulation, the activation
 dtype out, as ``torch._grouped_mm``.
 Runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests hold it to a per-token reference).
 """

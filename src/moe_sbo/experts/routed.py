@@ -21,8 +21,9 @@ from torch import nn
 
 from ..profiling import annotate
 from ..quant.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks, sizes_off_blocks
+from .conditions import Conditions
 from .routes import ExpertRows, Route
-from .select import Conditions, choose
+from .select import choose
 
 if TYPE_CHECKING:
     from ..dispatch.records import DispatchOutput

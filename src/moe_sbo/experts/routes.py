@@ -29,7 +29,7 @@ contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +44,7 @@ if HAS_TRITON:
     from ..quant import kernels as quant_kernels
     from . import fp8_gemm, fp8_gemm_sm90, gemv, tiled_gemm
 
-if TYPE_CHECKING:
-    from .select import Conditions
-
-HAS_GLUON = HAS_TRITON and fp8_gemm_sm90.gluon is not None  # the sm90 kernel's language imports
-
+from .conditions import Conditions
 
 Quantized = tuple[Tensor, Tensor]  # e4m3 values and their float32 scales
 
