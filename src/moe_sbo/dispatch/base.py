@@ -101,6 +101,11 @@ class Dispatcher:
     # At EP > 1 the scheme's count exchange carries the expert-id check (see ``_ids_in_range``).
     checks_ids_in_count_exchange: ClassVar[bool] = False
 
+    @property
+    def capacity(self) -> int | None:
+        """The most tokens a rank may dispatch per forward; None: any number (variable-size schemes)."""
+        return None
+
     def __init__(self, num_experts: int, ep: EPGroup):
         if num_experts % ep.size:
             raise ValueError(

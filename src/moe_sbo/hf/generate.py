@@ -307,7 +307,7 @@ def _check_decode_capacity(blocks: list[ExpertParallelMoE], batch: int, agree: _
     largest = agree.largest(batch)
     for block in blocks:
         dispatcher = block.decode_dispatcher
-        capacity = getattr(dispatcher, "capacity", None)  # fixed-capacity dispatchers (low_latency) have one
+        capacity = dispatcher.capacity
         if capacity is not None and largest > capacity:
             raise ValueError(
                 f"a rank has {largest} prompts, but the decode dispatcher {dispatcher.name!r} takes at most "

@@ -159,7 +159,7 @@ class LowLatencyDispatcher(Dispatcher):
         return self.settings.fp8
 
     @property
-    def capacity(self) -> int:
+    def capacity(self) -> int | None:
         """C, the most tokens a rank may dispatch per forward (``max_tokens_per_rank``): callers that
         batch requests (``hf.generate``) refuse a larger batch on every rank before any collective."""
         return self.settings.max_tokens_per_rank
