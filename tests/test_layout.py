@@ -1,8 +1,9 @@
 """The package's layout rules: every module imports alone, no import loops, arrows point down.
 
 Rooms, top to bottom: ``cli`` (the command line) may import anything; ``bench`` (the benchmark
-modes' runners) the core and every tool room but ``cli``; ``planner``, ``measure``, ``launch``, ``hf``
-and ``deep_ep`` (DeepEP's API, a plugin) import the core and nothing above them (the planner may also
+modes' runners) the core and every tool room but ``cli``; ``engines`` (the vLLM and SGLang plugins) the core and
+``deep_ep``; ``planner``, ``measure``, ``launch``, ``hf`` and ``deep_ep`` (DeepEP's API, a plugin)
+import the core and nothing above them (the planner may also
 read ``hf`` configs, ``measure`` start ``launch``'s ranks); the core (the root modules, ``routing``,
 ``experts``, ``quant``, ``dispatch``, ``overlap``, ``decoder``) imports only the core. Imports are read
 from the source (``ast``), lazy ones inside functions included, ``if TYPE_CHECKING:`` blocks excluded.
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "moe_sbo"
-TOOLS = ("cli", "bench", "measure", "planner", "hf", "launch", "deep_ep")
+TOOLS = ("cli", "bench", "engines", "measure", "planner", "hf", "launch", "deep_ep")
 # What each tool room may import besides the core (and itself). ``deep_ep`` is a plugin (DeepEP's API
 # over the dispatchers): it imports the core's public contract only, and nothing in the core imports it.
 TOOL_MAY_IMPORT = {
@@ -27,7 +28,11 @@ TOOL_MAY_IMPORT = {
     "hf": set(),
     "launch": set(),
     "deep_ep": set(),
+    "engines": {"deep_ep"},
 }
+# An engine plugin's modules that subclass the engine's classes import the engine itself: without it
+# installed they cannot import, and nothing else in the package imports them.
+ENGINE_PACKAGES = {"moe_sbo.engines.vllm": "vllm", "moe_sbo.engines.sglang": "sglang"}
 
 
 def _module_name(path: Path) -> str:
@@ -159,12 +164,17 @@ def test_every_module_imports_alone():
     script = (
         "import importlib, sys, torch\n"
         f"names = {sorted(MODULES)!r}\n"
+        f"engines = {ENGINE_PACKAGES!r}\n"
         "failed = []\n"
         "for name in names:\n"
         "    for loaded in [m for m in sys.modules if m == 'moe_sbo' or m.startswith('moe_sbo.')]:\n"
         "        del sys.modules[loaded]\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        engine = next((e for p, e in engines.items() if name.startswith(p)), None)\n"
+        "        if engine is None or exc.name is None or exc.name.split('.')[0] != engine:\n"
+        "            failed.append(f'{name}: {type(exc).__name__}: {exc}')\n"
         "    except Exception as exc:\n"
         "        failed.append(f'{name}: {type(exc).__name__}: {exc}')\n"
         "print('\\n'.join(failed))\n"
