@@ -102,7 +102,7 @@ def test_normal_mode_takes_minus_one_ids(ranks2):
     assert sum(sum(r["list"]) for r in results) == 2 * (3 * 2 + 1)
 
 
-def _low_latency_equals_native_rank(device, use_fp8: bool) -> float:
+def _low_latency_equals_native_rank(device, use_fp8: bool, weighted: bool) -> float:
     group, rank = dist.group.WORLD, dist.get_rank()
     torch.manual_seed(100 + rank)
     num_experts, num_tokens, hidden, top_k, capacity = 8, 7, 256, 3, 8
@@ -111,7 +111,10 @@ def _low_latency_equals_native_rank(device, use_fp8: bool) -> float:
     topk_idx[2, 1] = -1
     weights = torch.rand(num_tokens, top_k)
     buffer = deep_ep.Buffer(group, low_latency_mode=True)
-    packed, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, capacity, num_experts, use_fp8=use_fp8)
+    dispatch_weights = weights if weighted else None
+    packed, count, handle, _, _ = buffer.low_latency_dispatch(
+        x, topk_idx, capacity, num_experts, use_fp8=use_fp8, topk_weights=dispatch_weights
+    )
     rows = packed if not use_fp8 else (packed[0].float() * packed[1].repeat_interleave(128, dim=-1)).bfloat16()
     # "Experts": expert l scales its rows by (l + 1); the same on the native path below.
     scale_L = torch.arange(1, rows.shape[0] + 1, dtype=torch.float32)[:, None, None]
@@ -134,8 +137,15 @@ def _low_latency_equals_native_rank(device, use_fp8: bool) -> float:
 def test_low_latency_equals_moe_sbo_native(ranks2, use_fp8):
     """The compatible path (one row per choice, weighted at combine) against the native one (rows
     weighted on the experts' rank): the same sums in another order, within bf16 rounding."""
-    for err in ranks2.run(_low_latency_equals_native_rank, use_fp8):
+    for err in ranks2.run(_low_latency_equals_native_rank, use_fp8, False):
         assert err < 2e-2
+
+
+def test_low_latency_with_dispatch_weights_is_the_native_path(ranks2):
+    """``topk_weights`` given at dispatch: one row per (token, rank), weighted on the experts' ranks,
+    which is the native dispatcher's forward itself: the same bits."""
+    for err in ranks2.run(_low_latency_equals_native_rank, False, True):
+        assert err == 0.0
 
 
 def _refusals_rank(device) -> list[str]:
@@ -158,6 +168,12 @@ def _refusals_rank(device) -> list[str]:
         buffer.low_latency_dispatch, x, idx, 4, 4, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64)
     )
     refused(buffer.low_latency_dispatch, torch.randn(4, 100, dtype=torch.bfloat16), idx, 4, 4, use_fp8=True)
+    refused(buffer.low_latency_dispatch, x, idx, 4, 4, topk_weights=torch.ones(4, 2, dtype=torch.float64))
+    weights = torch.rand(4, 2)
+    packed, _, ll_handle, _, _ = buffer.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, topk_weights=weights)
+    refused(buffer.low_latency_combine, packed, idx, weights.clone(), ll_handle)  # not the dispatch's weights
+    weights.mul_(2)
+    refused(buffer.low_latency_combine, packed, idx, weights, ll_handle)  # the dispatch's, changed since
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, 4)
     args = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
     refused(buffer.dispatch, x, topk_idx=idx, **args)  # top-k ids without weights
@@ -174,4 +190,4 @@ def _refusals_rank(device) -> list[str]:
 
 def test_refusals_are_clear_and_local(ranks2):
     for messages in ranks2.run(_refusals_rank):
-        assert len(messages) == 14 and all(messages)
+        assert len(messages) == 17 and all(messages)

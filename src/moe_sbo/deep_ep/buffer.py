@@ -95,6 +95,7 @@ class Buffer:
         self._low_latency: dict[tuple, Dispatcher] = {}
         self._ll_storage: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._ll_combine_buffers: dict[tuple, torch.Tensor] = {}
+        self._ll_constants: dict[tuple, torch.Tensor] = {}
         self._ll_rounds = 0
         self._destroyed = False
 
@@ -108,6 +109,7 @@ class Buffer:
         self._low_latency.clear()
         self._ll_storage.clear()
         self._ll_combine_buffers.clear()
+        self._ll_constants.clear()
         self._destroyed = True
 
     @staticmethod
@@ -276,16 +278,43 @@ class Buffer:
 
     # ---- low-latency mode -----------------------------------------------------------------------
 
-    def _low_latency_dispatcher(self, num_experts: int, capacity: int, top_k: int, use_fp8: bool) -> Dispatcher:
-        key = (num_experts, capacity, top_k, use_fp8)
+    def _low_latency_dispatcher(
+        self, num_experts: int, capacity: int, top_k: int, use_fp8: bool, weighted: bool
+    ) -> Dispatcher:
+        """Per choice (not ``weighted``) each (token, choice) travels as a token of its own: C * K of
+        them per rank. The phases' kernels are launched directly (no index graphs): the combine reads
+        the experts' outputs in DeepEP's layout through a handle of this module's making, which only
+        directly launched kernels honour; activation-dtype rows stay in the receive buffer until
+        they are packed (``index_rows``)."""
+        key = (num_experts, capacity, top_k, use_fp8, weighted)
         if key not in self._low_latency:
             d = make_dispatcher(
-                "low_latency", num_experts, self.ep, max_tokens_per_rank=capacity * top_k, fp8=use_fp8, num_buffers=2
+                "low_latency",
+                num_experts,
+                self.ep,
+                max_tokens_per_rank=capacity if weighted else capacity * top_k,
+                fp8=use_fp8,
+                num_buffers=2,
+                index_graphs=False,
+                index_rows=not use_fp8,
             )
             d.deliver_fp8 = use_fp8
             d.hooks = self.hooks
             self._low_latency[key] = d
         return self._low_latency[key]
+
+    def _constant(self, name: str, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
+        """Per-shape constants of the per-choice path, made once: ``"ones"`` float32 [T * K, 1] (each
+        choice's weight on the wire) and ``"choices"`` int64 [T, K] (each choice's returned row)."""
+        key = (name, num_tokens, top_k, device)
+        if key not in self._ll_constants:
+            with torch.inference_mode(False):
+                if name == "ones":
+                    value = torch.ones(num_tokens * top_k, 1, dtype=torch.float32, device=device)
+                else:
+                    value = torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k)
+            self._ll_constants[key] = value
+        return self._ll_constants[key]
 
     def _receive_storage(
         self, handle: ll.LowLatencyHandle, use_fp8: bool, device: torch.device
@@ -322,6 +351,7 @@ class Buffer:
         use_ue8m0: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
+        topk_weights: torch.Tensor | None = None,
     ) -> tuple[Any, torch.Tensor, ll.LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
         """Send each token to the experts ``topk_idx`` (int64 [T, K], -1: none) names, T <= C =
         ``num_max_dispatch_tokens_per_rank`` (the same on every rank).
@@ -332,6 +362,11 @@ class Buffer:
         ranges). The tensors are reused two calls later (two buffers, as DeepEP's).
         ``cumulative_local_expert_recv_stats`` (int32 [L]) grows by the counts. ``round_scale`` /
         ``use_ue8m0`` with fp8, and ``dispatch_wait_recv_cost_stats``, raise ``ValueError``.
+
+        ``topk_weights`` (float32 [T, K]; a moe-sbo keyword, not DeepEP's): the weights combine will
+        be given, known now. Each token then travels once per destination rank (not once per choice)
+        and its rows are weighted on the experts' ranks, moe-sbo's own combine; the same tensor,
+        unchanged, must then be passed to ``low_latency_combine``.
 
         Sync: no host read. Without ``return_recv_hook`` the current stream waits for the transfer
         before this returns; with it, the transfer is in flight and ``hook()`` receives (the outputs
@@ -348,12 +383,13 @@ class Buffer:
             use_ue8m0,
             cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats,
+            topk_weights,
         )
-        num_tokens, hidden = x.shape
+        (num_tokens, hidden), top_k = x.shape, topk_idx.shape[1]
         num_local, rows_per_expert = num_experts // self.ep.size, self.ep.size * num_max_dispatch_tokens_per_rank
-        dispatcher = self._low_latency_dispatcher(
-            num_experts, num_max_dispatch_tokens_per_rank, topk_idx.shape[1], use_fp8
-        )
+        weighted = topk_weights is not None
+        capacity = num_max_dispatch_tokens_per_rank
+        dispatcher = self._low_latency_dispatcher(num_experts, capacity, top_k, use_fp8, weighted)
         handle = ll.LowLatencyHandle(
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             hidden=hidden,
@@ -363,7 +399,10 @@ class Buffer:
             num_tokens=num_tokens,
             buffer_index=self._ll_rounds % 2,
             dispatcher=dispatcher,
-            layout_range=torch.empty(num_local, self.ep.size, dtype=torch.int64, device=x.device),
+            device=x.device,
+            topk_weights=topk_weights,
+            weights_version=0 if topk_weights is None else topk_weights._version,
+            choice_index_TK=None if weighted else self._constant("choices", num_tokens, top_k, x.device),
         )
         self._ll_rounds += 1
         x_storage, scales_storage = self._receive_storage(handle, use_fp8, x.device)
@@ -373,7 +412,8 @@ class Buffer:
             recv_x = (packed_x, scales_storage[:-1].view(num_local, rows_per_expert, hidden // 128))
         count_L = torch.empty(num_local, dtype=torch.int32, device=x.device)
         with torch.no_grad():
-            pending = ll.launch_dispatch(dispatcher, x, topk_idx)
+            ones = None if weighted else self._constant("ones", num_tokens, top_k, x.device)
+            pending = ll.launch_dispatch(handle, x, topk_idx, ones)
 
         def receive() -> None:
             with torch.no_grad():
@@ -394,7 +434,7 @@ class Buffer:
             raise TypeError(f"handle must be the one low_latency_dispatch returned, got {type(handle).__name__}")
         num_local = handle.num_experts // self.ep.size
         rows = self.ep.size * handle.num_max_dispatch_tokens_per_rank
-        device = handle.layout_range.device
+        device = handle.device
         shape = (handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         key = (*shape, handle.dtype, device, handle.buffer_index)
         if key not in self._ll_combine_buffers:

@@ -1,27 +1,33 @@
 """DeepEP's low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``) over moe-sbo's
 ``low_latency`` dispatcher, through its public phases (``dispatch_launch`` / ``dispatch_wait`` /
-``combine_launch`` / ``combine_wait``).
+``combine_launch`` / ``combine_wait``) and its packed per-expert rows (``dispatch.low_latency.packed``).
 
-Legend: see ``moe_sbo/__init__.py``; here C is DeepEP's ``num_max_dispatch_tokens_per_rank`` and
-X = T * K the (token, choice) pairs of this rank, each sent as a token of its own.
+Legend: see ``moe_sbo/__init__.py``; here C is DeepEP's ``num_max_dispatch_tokens_per_rank``, N = P * C
+the rows of each expert in DeepEP's layout, and X = T * K the (token, choice) pairs of this rank.
 
 ::
 
-    dispatch  x [T, H] -> one row per (token, choice) [X, H] with that one expert id, weight 1
-              low_latency dispatcher (capacity C * K, fp8 on the wire with use_fp8)
-              rows grouped by local expert [R, H] -> DeepEP's packed [L, P * C, H], counts [L],
-              layout ranges [L, P] (begin << 32 | count of the rows from each source rank)
-    combine   DeepEP's [L, P * C, H] back to the dispatcher's [R, H]; its combine returns each
-              (token, choice) row unweighted [X, H]; the token's rank weights them with the
-              ``topk_weights`` given to combine and sums them in float32 -> [T, H]
+    dispatch  x [T, H] -> per choice: one row per (token, choice) [X, H] with that one expert id and
+                          weight 1 (capacity C * K), fp8 on the wire with use_fp8;
+                          or, with the dispatch's topk_weights: one row per (token, rank), weighted
+                          on the experts' ranks (capacity C), as moe-sbo's own forward
+              the dispatcher's grouped rows -> DeepEP's packed [L, N, H] and counts [L] (one kernel);
+              layout ranges [L, P] (begin << 32 | count of the rows from each source rank), computed
+              when ``handle[1]`` is read
+    combine   the experts' [L, N, H] read in place by the dispatcher's combine; per choice: each
+              (token, choice) row returns unweighted [X, H] and the token's rank weights them with
+              combine's ``topk_weights`` and sums them in float32 -> [T, H] (one kernel); with the
+              dispatch's weights the returned rows are already each token's sum
 
-The hard part is the weights. DeepEP's low-latency combine takes the weights only at combine, on the
-token's rank, while moe-sbo's dispatcher weights each expert row on the expert's rank with the
-weights it was dispatched with. Sending every (token, choice) as a token of its own with weight 1
-keeps DeepEP's meaning exactly (the weights given to combine are the ones applied) and needs no
-extra exchange, at the price of one row per choice instead of one per destination rank: DeepEP's
-own low-latency kernels send one per choice as well. Every step is a fixed-shape device operation,
-so the whole path can be captured in a CUDA graph (after one eager call allocates the buffers).
+The hard part is the weights. DeepEP's low-latency combine takes them only at combine, on the token's
+rank, while moe-sbo's dispatcher weights each expert row on the expert's rank with the weights it was
+dispatched with. Sending every (token, choice) as a token of its own with weight 1 keeps DeepEP's
+meaning exactly (the weights given to combine are the ones applied) at the price DeepEP's own kernels
+pay: one row per choice each way, not one per destination rank. A caller that knows the weights at
+dispatch (every engine does: the router made them) may pass them there and get moe-sbo's rows, one
+per (token, rank) each way; combine then refuses any other weights. Every step is a fixed-shape
+device operation, so the whole path can be captured in a CUDA graph (after one eager call allocates
+the buffers).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from typing import Any
 
 import torch
 
-from ..dispatch import Dispatcher, DispatchOutput, Pending
+from ..dispatch import Dispatcher, Pending
+from ..dispatch.low_latency.packed import PackedRows, combine_input, pack_rows, rows_per_source
+from ..dispatch.reduce import gather_sum
 from ..quant.fp8 import FP8_GROUP
 from .layout import check_topk_idx
 
@@ -42,15 +50,16 @@ class LowLatencyHandle:
     """What ``low_latency_dispatch`` returns as ``handle``; filled when the receive completes (at once,
     or when the receiving hook runs), so it is not frozen.
 
-    DeepEP-visible: ``layout_range`` int64 [L, P] (``handle[1]``), ``num_max_dispatch_tokens_per_rank``,
-    ``hidden``, ``num_experts`` (``handle[2..4]``). ``handle[0]``, DeepEP's per-row source token
-    index, is not known on this side (moe-sbo's receiver sees each row's source rank and slot, never
-    the token index) and raises ``ValueError``.
+    DeepEP-visible: ``layout_range`` int64 [L, P] (``handle[1]``, computed on first read),
+    ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts`` (``handle[2..4]``). ``handle[0]``,
+    DeepEP's per-row source token index, is not known on this side (moe-sbo's receiver sees each
+    row's source rank and slot, never the token index) and raises ``ValueError``.
 
-    Internal: ``dtype`` of the dispatched x, the ``dispatcher``, its ``output`` (the receive's
-    ``DispatchOutput``), ``slot_R`` int64 [R] (where expert row r lies in the packed layout, flattened;
-    the padding rows point at row 0), ``num_topk``, ``num_tokens``, ``buffer_index`` (which of the two
-    zero-copy combine buffers is this round's).
+    Internal: ``dtype`` of the dispatched x, the ``dispatcher``, ``num_topk``, ``num_tokens``,
+    ``buffer_index`` (which of the two receive and zero-copy combine buffers is this round's),
+    ``device``, ``topk_weights`` (the dispatch's, when given: weighted on the experts' ranks) and
+    its ``weights_version``, ``choice_index_TK`` (per choice: int64 [T, K] arange, each (token,
+    choice)'s row among the X returned), ``packed`` (the receive's ``PackedRows``).
     """
 
     num_max_dispatch_tokens_per_rank: int
@@ -61,10 +70,26 @@ class LowLatencyHandle:
     num_tokens: int
     buffer_index: int
     dispatcher: Dispatcher
-    layout_range: torch.Tensor
-    output: DispatchOutput | None = None
-    slot_R: torch.Tensor | None = None
+    device: torch.device
+    topk_weights: torch.Tensor | None = None
+    weights_version: int = 0
+    choice_index_TK: torch.Tensor | None = None
+    packed: PackedRows | None = None
     pending: Pending | None = field(default=None, repr=False)
+    _layout_range: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def layout_range(self) -> torch.Tensor:
+        """int64 [L, P]: ``begin << 32 | count`` of the rows each source rank sent each local expert.
+
+        Sync: device operations on the current stream, the first time it is read."""
+        if self._layout_range is None:
+            if self.packed is None:
+                raise ValueError("the dispatch of this handle has not been received yet: call its receiving hook first")
+            d = self.dispatcher
+            count_LP = rows_per_source(self.packed, d.capacity or 1, d.ep.size)
+            self._layout_range = ((count_LP.cumsum(dim=1) - count_LP) << 32) | count_LP
+        return self._layout_range
 
     def __len__(self) -> int:
         return 5
@@ -76,7 +101,9 @@ class LowLatencyHandle:
                 "handle[0], DeepEP's per-row source token index (src_info), is not kept by moe_sbo.deep_ep: "
                 "moe-sbo's receiver knows each row's source rank (handle[1], the layout ranges), not its token"
             )
-        fields = (None, self.layout_range, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
+        if position == 1:
+            return self.layout_range
+        fields = (None, None, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
         return fields[position]
 
 
@@ -91,6 +118,7 @@ def check_dispatch_args(
     use_ue8m0: bool,
     cumulative_local_expert_recv_stats: torch.Tensor | None,
     dispatch_wait_recv_cost_stats: torch.Tensor | None,
+    topk_weights_TK: torch.Tensor | None = None,
 ) -> None:
     """Refuse, before any collective, what this mode cannot honour or DeepEP would not accept."""
     if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2:
@@ -98,6 +126,17 @@ def check_dispatch_args(
     check_topk_idx(topk_idx_TK)
     if topk_idx_TK.shape[0] != x_TH.shape[0]:
         raise ValueError(f"topk_idx must have x's {x_TH.shape[0]} rows, got {tuple(topk_idx_TK.shape)}")
+    if topk_weights_TK is not None and (
+        not isinstance(topk_weights_TK, torch.Tensor)
+        or tuple(topk_weights_TK.shape) != tuple(topk_idx_TK.shape)
+        or topk_weights_TK.dtype != torch.float32
+        or topk_weights_TK.device != x_TH.device
+    ):
+        raise ValueError(
+            f"topk_weights must be float32 [num_tokens, num_topk] = {list(topk_idx_TK.shape)} on {x_TH.device}, got "
+            f"{getattr(topk_weights_TK, 'dtype', type(topk_weights_TK).__name__)} "
+            f"{tuple(getattr(topk_weights_TK, 'shape', ()))}"
+        )
     if x_TH.shape[0] > num_max_dispatch_tokens_per_rank:
         raise ValueError(
             f"num_tokens must be <= num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank}, got "
@@ -127,15 +166,20 @@ def check_dispatch_args(
         )
 
 
-def launch_dispatch(dispatcher: Dispatcher, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> Pending:
-    """Every (token, choice) as a token of its own, weight 1 -> the dispatch in flight.
+def launch_dispatch(
+    handle: LowLatencyHandle, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, ones_X1: torch.Tensor | None
+) -> Pending:
+    """The dispatch in flight: per choice (``ones_X1``, float32 [X, 1] of ones, given) every
+    (token, choice) as a token of its own with weight 1; else each token with the dispatch's weights.
 
     Sync: ``dispatch_launch`` of the ``low_latency`` dispatcher: no host read."""
-    num_tokens, top_k = topk_idx_TK.shape
+    d = handle.dispatcher
+    if ones_X1 is None:
+        assert handle.topk_weights is not None, "a dispatch is per choice or weighted"
+        return d.dispatch_launch(x_TH, topk_idx_TK, handle.topk_weights)
+    top_k = topk_idx_TK.shape[1]
     x_XH = x_TH.repeat_interleave(top_k, dim=0) if top_k != 1 else x_TH
-    ids_X1 = topk_idx_TK.reshape(num_tokens * top_k, 1)
-    weights_X1 = torch.ones(num_tokens * top_k, 1, dtype=torch.float32, device=x_TH.device)
-    return dispatcher.dispatch_launch(x_XH, ids_X1, weights_X1)
+    return d.dispatch_launch(x_XH, topk_idx_TK.reshape(-1, 1), ones_X1)
 
 
 def receive(
@@ -146,60 +190,18 @@ def receive(
     count_L: torch.Tensor,
     stats_L: torch.Tensor | None,
 ) -> None:
-    """Finish the dispatch and lay its rows out as DeepEP's: into ``x_storage`` [L * P * C + 1, H]
-    (DeepEP's packed [L, P * C, H] and one row more; ``scales_storage`` likewise with Q columns),
-    ``count_L`` int32, ``handle.layout_range`` int64 [L, P]; ``stats_L`` (int32) grows by the counts.
+    """Finish the dispatch and lay its rows out as DeepEP's: into ``x_storage`` [L * N + 1, H]
+    (DeepEP's packed [L, N, H] and one scratch row; ``scales_storage`` likewise with Q columns),
+    ``count_L`` int32; ``stats_L`` (int32) grows by the counts.
 
     Sync: ``dispatch_wait`` (the current stream waits for the transfer; CPU: the host), then device
     operations only; CUDA-graph safe."""
     d = handle.dispatcher
     out = d.dispatch_wait(pending)
-    num_local, num_ranks = d.num_local_experts, d.ep.size
-    rows_per_expert = num_ranks * handle.num_max_dispatch_tokens_per_rank
-    slots_per_rank = handle.num_max_dispatch_tokens_per_rank * handle.num_topk  # the dispatcher's capacity
-    num_slots = num_ranks * slots_per_rank
-    counts_L = out.num_rows_per_expert_L
-    device = counts_L.device
-    slot_R = out.handle.layout.row_R  # each expert row's receive slot (S: padding)
-    num_rows = slot_R.shape[0]
-    # The rows are grouped by expert, real ones first: row r belongs to the expert whose cumulative
-    # count first exceeds r (L: padding).
-    ends_L = counts_L.cumsum(0)
-    expert_R = torch.searchsorted(ends_L, torch.arange(num_rows, device=device), right=True)
-    is_real_R = expert_R < num_local
-    # Inside an expert, rows in slot order, so each source rank's rows are contiguous (slot // (C * K)
-    # is the source): a row's position is how many of its expert's rows have a smaller slot.
-    seen_LS = torch.zeros(num_local + 1, num_slots + 1, dtype=torch.int32, device=device)
-    # index_fill_ on the flat view: a Python scalar, no host tensor to copy (CUDA-graph capture refuses one).
-    flat_R = expert_R * (num_slots + 1) + torch.where(is_real_R, slot_R, num_slots)
-    seen_LS.view(-1).index_fill_(0, flat_R, 1)
-    per_source_LP = seen_LS[:num_local, :num_slots].view(num_local, num_ranks, slots_per_rank).sum(dim=2)
-    position_R = seen_LS.cumsum(dim=1)[expert_R, slot_R.clamp(max=num_slots)].long() - 1
-    if device.type == "cpu":
-        if bool((position_R[is_real_R] >= rows_per_expert).any()):
-            raise ValueError(
-                f"an expert received more than num_max_dispatch_tokens_per_rank * num_ranks = {rows_per_expert} "
-                "rows: a token chose one expert twice in topk_idx"
-            )
-    else:
-        torch._assert_async((~is_real_R | (position_R < rows_per_expert)).all(), "a token chose one expert twice")
-    dump = num_local * rows_per_expert  # the storage's extra last row: padding rows land there, unread
-    dest_R = torch.where(is_real_R, expert_R.clamp(max=num_local - 1) * rows_per_expert + position_R, dump)
-    rows_RH = out.rows_RH().to(x_storage.dtype)
-    if x_storage.dtype.itemsize == 1:  # fp8 rows move as bytes (index_copy_ has no fp8 kernel on every device)
-        x_storage.view(torch.uint8).index_copy_(0, dest_R, rows_RH.contiguous().view(torch.uint8))
-    else:
-        x_storage.index_copy_(0, dest_R, rows_RH)
-    if scales_storage is not None:
-        assert out.expert_scales_RQ is not None, "an fp8 low_latency dispatcher with deliver_fp8 hands out scales"
-        scales_storage.index_copy_(0, dest_R, out.expert_scales_RQ.float())
-    count_L.copy_(counts_L)
-    begin_LP = per_source_LP.cumsum(dim=1) - per_source_LP
-    handle.layout_range.copy_((begin_LP.long() << 32) | per_source_LP.long())
+    rows_per_expert = d.ep.size * handle.num_max_dispatch_tokens_per_rank
+    handle.packed = pack_rows(out, rows_per_expert, x_storage, scales_storage, count_L)
     if stats_L is not None:
-        stats_L.add_(counts_L.to(stats_L.dtype))
-    handle.output = out
-    handle.slot_R = torch.where(is_real_R, dest_R, 0)
+        stats_L.add_(count_L)
     handle.pending = None
 
 
@@ -215,7 +217,7 @@ def check_combine_args(
     """Refuse, before any collective, a combine this mode cannot honour."""
     if not isinstance(handle, LowLatencyHandle):
         raise TypeError(f"handle must be the one low_latency_dispatch returned, got {type(handle).__name__}")
-    if handle.output is None:
+    if handle.packed is None:
         raise ValueError("the dispatch of this handle has not been received yet: call its receiving hook first")
     local = handle.dispatcher.num_local_experts
     expected = (local, handle.dispatcher.ep.size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
@@ -229,6 +231,13 @@ def check_combine_args(
         raise ValueError(
             f"topk_idx and topk_weights must be the dispatch's {list(shape)}, got {tuple(topk_idx_TK.shape)} and "
             f"{tuple(topk_weights_TK.shape)}"
+        )
+    if handle.topk_weights is not None and (
+        topk_weights_TK is not handle.topk_weights or topk_weights_TK._version != handle.weights_version
+    ):
+        raise ValueError(
+            "this dispatch was given topk_weights, which the experts' ranks applied: combine must get that same "
+            "tensor, unchanged; or dispatch without topk_weights to weight at combine"
         )
     if use_logfmt:
         raise ValueError(
@@ -244,13 +253,13 @@ def check_combine_args(
         )
 
 
-def launch_combine(handle: LowLatencyHandle, x_LSH: torch.Tensor) -> Pending:
-    """DeepEP's per-expert rows back into the dispatcher's expert rows; its combine in flight.
+def launch_combine(handle: LowLatencyHandle, x_LNH: torch.Tensor) -> Pending:
+    """The experts' outputs in DeepEP's packed layout, read where they lie; the combine in flight.
 
     Sync: ``combine_launch``: no host read."""
-    assert handle.slot_R is not None and handle.output is not None, "checked by check_combine_args"
-    rows_RH = x_LSH.reshape(-1, x_LSH.shape[-1]).index_select(0, handle.slot_R)
-    return handle.dispatcher.combine_launch(rows_RH, handle.output.handle)
+    assert handle.packed is not None, "checked by check_combine_args"
+    rows, dispatch_handle = combine_input(handle.packed, x_LNH.reshape(-1, x_LNH.shape[-1]))
+    return handle.dispatcher.combine_launch(rows, dispatch_handle)
 
 
 def finish_combine(
@@ -260,14 +269,17 @@ def finish_combine(
     topk_weights_TK: torch.Tensor,
     out_TH: torch.Tensor,
 ) -> None:
-    """Each token's K returned rows weighted by ``topk_weights`` (0 where ``topk_idx`` is -1) and
-    summed in float32, into ``out_TH``.
+    """Into ``out_TH``: per choice, each token's K returned rows weighted by ``topk_weights`` (choices
+    of id -1 add nothing) and summed in float32; with the dispatch's weights, the returned sums.
 
-    Sync: ``combine_wait`` (the current stream waits; CPU: the host), then device operations."""
-    rows_XH = handle.dispatcher.combine_wait(pending)
-    weights_TK = topk_weights_TK.float().masked_fill(topk_idx_TK < 0, 0.0)
-    rows_TKH = rows_XH.view(handle.num_tokens, handle.num_topk, handle.hidden).float()
-    out_TH.copy_(torch.einsum("tkh,tk->th", rows_TKH, weights_TK))
+    Sync: ``combine_wait`` (the current stream waits; CPU: the host), then one device operation."""
+    rows = handle.dispatcher.combine_wait(pending)
+    if handle.choice_index_TK is None:
+        out_TH.copy_(rows)
+        return
+    # Choice k of token t came back as row t * K + k; X (past every row) adds nothing for an id of -1.
+    index_TK = torch.where(topk_idx_TK < 0, rows.shape[0], handle.choice_index_TK)
+    gather_sum(rows, index_TK, topk_weights_TK.reshape(-1).float(), out_dtype=out_TH.dtype, out=out_TH)
 
 
 def receive_hook(fn: Callable[[], None]) -> Callable[[], None]:

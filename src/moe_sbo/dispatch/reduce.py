@@ -127,15 +127,22 @@ def gather_sum(
     weight_X: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     kernels: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[Y, H]`` in ``out_dtype``: row y is the (weighted) sum of ``src_XH[index_YK[y, k]]`` over k.
 
     Y: the output rows. ``index_YK`` integer, each in ``[0, X]``; X (one past the last row) marks "no
     source" and adds nothing. ``weight_X`` float32 ``[X]``: a weight per source row, or None for a plain sum.
+    ``out``: a contiguous [Y, H] tensor of ``out_dtype`` to write into (returned), else a new one.
     """
     num_rows, top_k = index_YK.shape
     num_src, hidden = src_XH.shape
-    out_YH = torch.empty(num_rows, hidden, dtype=out_dtype, device=src_XH.device)
+    out_ok = out is None or (tuple(out.shape) == (num_rows, hidden) and out.dtype == out_dtype and out.is_contiguous())
+    if out is not None and not out_ok:
+        raise ValueError(
+            f"out must be a contiguous {out_dtype} [{num_rows}, {hidden}], got {out.dtype} {tuple(out.shape)}"
+        )
+    out_YH = torch.empty(num_rows, hidden, dtype=out_dtype, device=src_XH.device) if out is None else out
     if num_rows == 0:
         return out_YH
     if num_src == 0 or top_k == 0:

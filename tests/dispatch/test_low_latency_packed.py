@@ -1,0 +1,83 @@
+"""``low_latency``'s packed per-expert rows (``dispatch/low_latency/packed.py``): the fused kernel
+(Triton's interpreter on CPU) and the torch path against a layout built here from the ids, and a
+combine read from the packed outputs against the dispatcher's own combine of the grouped ones.
+
+One rank, no process group: slot s is token s, so expert l's packed rows are the tokens that chose
+it, in token order. Tolerances: the rows move as bytes (exact); combine sums the same products in
+float32 in the same order on both sides (exact).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moe_sbo.dispatch import EPGroup
+from moe_sbo.dispatch.low_latency import LowLatencyDispatcher
+from moe_sbo.dispatch.low_latency.packed import combine_input, pack_rows, rows_per_source
+
+NUM_EXPERTS, TOKENS, HIDDEN, TOP_K = 6, 9, 256, 3
+PATHS = [
+    pytest.param({"kernels": "torch"}, id="torch"),
+    pytest.param(
+        {"kernels": "triton", "index_graphs": False},
+        id="fused",
+        marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"),
+    ),
+    pytest.param(
+        {"kernels": "triton", "index_graphs": False, "index_rows": True},
+        id="fused-in-place",
+        marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"),
+    ),
+]
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOP_K] for _ in range(TOKENS)])
+    ids[4, 1] = -1  # "no expert"
+    weights = torch.rand(TOKENS, TOP_K, generator=g)
+    return x, ids, weights
+
+
+@pytest.mark.parametrize("options", PATHS)
+def test_packed_rows_and_their_combine(options):
+    x, ids, weights = _inputs(0)
+    rows_per_expert = TOKENS  # N = P * C at one rank
+    d = LowLatencyDispatcher(NUM_EXPERTS, EPGroup(), max_tokens_per_rank=TOKENS, **options)
+    with torch.inference_mode():
+        out = d.dispatch(x, ids, weights)
+        x_NH = torch.full((NUM_EXPERTS * rows_per_expert + 1, HIDDEN), float("nan"), dtype=torch.bfloat16)
+        count_L = torch.zeros(NUM_EXPERTS, dtype=torch.int32)
+        packed = pack_rows(out, rows_per_expert, x_NH, None, count_L)
+        for expert in range(NUM_EXPERTS):
+            tokens = (ids == expert).any(dim=1).nonzero().flatten()
+            assert int(count_L[expert]) == tokens.numel()
+            assert torch.equal(x_NH[expert * rows_per_expert :][: tokens.numel()], x[tokens])
+        assert torch.equal(rows_per_source(packed, TOKENS, 1).flatten(), count_L.long())
+        # "Experts": row j of expert l times (l + 1); padding rows stay NaN, so reading one shows.
+        scale_N = torch.arange(NUM_EXPERTS).repeat_interleave(rows_per_expert).add(1).float()[:, None]
+        y_NH = (x_NH[:-1].float() * scale_N).bfloat16()
+        y_TH = d.combine(*combine_input(packed, y_NH))
+        grouped_R = torch.searchsorted(
+            out.num_rows_per_expert_L.cumsum(0), torch.arange(out.handle.layout.row_R.shape[0]), right=True
+        )
+        y_RH = (out.rows_RH().float() * (grouped_R.clamp(max=NUM_EXPERTS - 1) + 1)[:, None]).bfloat16()
+        out_again = d.dispatch(x, ids, weights)
+        expected = d.combine(y_RH, out_again.handle)
+    assert torch.equal(y_TH, expected)
+
+
+@pytest.mark.parametrize("options", PATHS)
+def test_an_expert_named_twice_past_its_rows_raises(options):
+    x, ids, weights = _inputs(1)
+    ids[:, 0] = ids[:, 1] = 2  # every token names expert 2 twice: 2 T rows for T packed ones
+    d = LowLatencyDispatcher(NUM_EXPERTS, EPGroup(), max_tokens_per_rank=TOKENS, **options)
+    with torch.inference_mode():
+        out = d.dispatch(x, ids, weights)
+        x_NH = torch.zeros(NUM_EXPERTS * TOKENS + 1, HIDDEN, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="named one expert twice"):
+            pack_rows(out, TOKENS, x_NH, None, torch.zeros(NUM_EXPERTS, dtype=torch.int32))
