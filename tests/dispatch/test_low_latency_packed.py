@@ -81,3 +81,33 @@ def test_an_expert_named_twice_past_its_rows_raises(options):
         x_NH = torch.zeros(NUM_EXPERTS * TOKENS + 1, HIDDEN, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="named one expert twice"):
             pack_rows(out, TOKENS, x_NH, None, torch.zeros(NUM_EXPERTS, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("options", PATHS)
+def test_combine_wait_writes_into_out(options):
+    """``combine_wait(pending, out=)`` gives the same bits as without, in the caller's tensor."""
+    x, ids, weights = _inputs(2)
+    d = LowLatencyDispatcher(NUM_EXPERTS, EPGroup(), max_tokens_per_rank=TOKENS, **options)
+    with torch.inference_mode():
+        out = d.dispatch(x, ids, weights)
+        expected = d.combine(out.rows_RH(), out.handle)
+        again = d.dispatch(x, ids, weights)
+        y_TH = torch.full_like(x, float("nan"))
+        assert d.combine_wait(d.combine_launch(again.rows_RH(), again.handle), out=y_TH) is y_TH
+        assert torch.equal(y_TH, expected)
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            d.combine_wait(d.combine_launch(again.rows_RH(), again.handle), out=y_TH.float())
+
+
+def test_combine_wait_copies_into_out_for_other_schemes():
+    from moe_sbo.dispatch import make_dispatcher
+
+    x, _, weights = _inputs(3)
+    ids = torch.stack([torch.randperm(NUM_EXPERTS)[:TOP_K] for _ in range(TOKENS)])
+    d = make_dispatcher("local", NUM_EXPERTS, EPGroup())
+    with torch.inference_mode():
+        out = d.dispatch(x, ids, weights)
+        y_RH = out.rows_RH() * 2
+        expected = d.combine(y_RH, out.handle)
+        y_TH = torch.empty_like(x)
+        assert torch.equal(d.combine_wait(d.combine_launch(y_RH, out.handle), out=y_TH), expected)

@@ -93,9 +93,10 @@ class Buffer:
         self.hooks = HookRegistry()
         self._normal: dict[int, Dispatcher] = {}
         self._low_latency: dict[tuple, Dispatcher] = {}
-        self._ll_storage: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._ll_storage: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         self._ll_combine_buffers: dict[tuple, torch.Tensor] = {}
         self._ll_constants: dict[tuple, torch.Tensor] = {}
+        self._ll_pack_replays = ll.PackReplays()
         self._ll_rounds = 0
         self._destroyed = False
 
@@ -110,6 +111,7 @@ class Buffer:
         self._ll_storage.clear()
         self._ll_combine_buffers.clear()
         self._ll_constants.clear()
+        self._ll_pack_replays = ll.PackReplays()
         self._destroyed = True
 
     @staticmethod
@@ -282,10 +284,10 @@ class Buffer:
         self, num_experts: int, capacity: int, top_k: int, use_fp8: bool, weighted: bool
     ) -> Dispatcher:
         """Per choice (not ``weighted``) each (token, choice) travels as a token of its own: C * K of
-        them per rank. The phases' kernels are launched directly (no index graphs): the combine reads
-        the experts' outputs in DeepEP's layout through a handle of this module's making, which only
-        directly launched kernels honour; activation-dtype rows stay in the receive buffer until
-        they are packed (``index_rows``)."""
+        them per rank. Activation-dtype rows stay in the receive buffer until they are packed
+        (``index_rows``); fp8 rows are gathered into rows each buffer set keeps (``fixed_expert_rows``),
+        so an eager round reads and writes the same tensors each time its set comes round and the
+        packing replays from a graph (``low_latency.PackReplays``)."""
         key = (num_experts, capacity, top_k, use_fp8, weighted)
         if key not in self._low_latency:
             d = make_dispatcher(
@@ -295,8 +297,8 @@ class Buffer:
                 max_tokens_per_rank=capacity if weighted else capacity * top_k,
                 fp8=use_fp8,
                 num_buffers=2,
-                index_graphs=False,
                 index_rows=not use_fp8,
+                fixed_expert_rows=use_fp8,
             )
             d.deliver_fp8 = use_fp8
             d.hooks = self.hooks
@@ -304,13 +306,16 @@ class Buffer:
         return self._low_latency[key]
 
     def _constant(self, name: str, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
-        """Per-shape constants of the per-choice path, made once: ``"ones"`` float32 [T * K, 1] (each
-        choice's weight on the wire) and ``"choices"`` int64 [T, K] (each choice's returned row)."""
+        """Constants made once per shape: ``"ones"`` float32 [T * K, 1] (each choice's weight on the
+        wire, per choice) and ``"choices"`` int64 [T, K] (each choice's returned row, per choice);
+        ``"ok"`` int32 [1] of 1 (the packing's overflow flag, one per device: T and K are 0)."""
         key = (name, num_tokens, top_k, device)
         if key not in self._ll_constants:
             with torch.inference_mode(False):
                 if name == "ones":
                     value = torch.ones(num_tokens * top_k, 1, dtype=torch.float32, device=device)
+                elif name == "ok":
+                    value = torch.ones(1, dtype=torch.int32, device=device)
                 else:
                     value = torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k)
             self._ll_constants[key] = value
@@ -318,15 +323,16 @@ class Buffer:
 
     def _receive_storage(
         self, handle: ll.LowLatencyHandle, use_fp8: bool, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The round's receive tensors (two per shape, used in turn, as DeepEP's two buffers):
-        x [L * P * C + 1, H] and, with fp8, its scales."""
+        x [L * P * C + 1, H], with fp8 its scales, and the counts int32 [L]."""
         rows = handle.num_experts * handle.num_max_dispatch_tokens_per_rank + 1
         key = (rows, handle.hidden, use_fp8, handle.dtype, device, handle.buffer_index)
         if key not in self._ll_storage:
             x_dtype = torch.float8_e4m3fn if use_fp8 else handle.dtype
             scales = torch.zeros(rows, handle.hidden // 128, device=device) if use_fp8 else None
-            self._ll_storage[key] = (torch.zeros(rows, handle.hidden, dtype=x_dtype, device=device), scales)
+            count = torch.zeros(handle.num_experts // self.ep.size, dtype=torch.int32, device=device)
+            self._ll_storage[key] = (torch.zeros(rows, handle.hidden, dtype=x_dtype, device=device), scales, count)
         return self._ll_storage[key]
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -405,19 +411,28 @@ class Buffer:
             choice_index_TK=None if weighted else self._constant("choices", num_tokens, top_k, x.device),
         )
         self._ll_rounds += 1
-        x_storage, scales_storage = self._receive_storage(handle, use_fp8, x.device)
+        x_storage, scales_storage, count_L = self._receive_storage(handle, use_fp8, x.device)
         packed_x = x_storage[:-1].view(num_local, rows_per_expert, hidden)
         recv_x: Any = packed_x
         if scales_storage is not None:
             recv_x = (packed_x, scales_storage[:-1].view(num_local, rows_per_expert, hidden // 128))
-        count_L = torch.empty(num_local, dtype=torch.int32, device=x.device)
+        ok = self._constant("ok", 0, 0, x.device)
         with torch.no_grad():
             ones = None if weighted else self._constant("ones", num_tokens, top_k, x.device)
             pending = ll.launch_dispatch(handle, x, topk_idx, ones)
 
         def receive() -> None:
             with torch.no_grad():
-                ll.receive(handle, pending, x_storage, scales_storage, count_L, cumulative_local_expert_recv_stats)
+                ll.receive(
+                    handle,
+                    pending,
+                    x_storage,
+                    scales_storage,
+                    count_L,
+                    cumulative_local_expert_recv_stats,
+                    self._ll_pack_replays,
+                    ok,
+                )
 
         hook = None
         if return_recv_hook:

@@ -42,7 +42,10 @@ from ..dispatch import Dispatcher, Pending
 from ..dispatch.low_latency.packed import PackedRows, combine_input, pack_rows, rows_per_source
 from ..dispatch.reduce import gather_sum
 from ..quant.fp8 import FP8_GROUP
+from ..streams import capture_graph, capturing
 from .layout import check_topk_idx
+
+MAX_PACK_GRAPHS = 16  # pack graphs kept per Buffer: (dispatcher, buffer set, receive buffer) combinations
 
 
 @dataclass
@@ -182,6 +185,55 @@ def launch_dispatch(
     return d.dispatch_launch(x_XH, topk_idx_TK.reshape(-1, 1), ones_X1)
 
 
+@dataclass
+class PackReplays:
+    """``pack_rows`` replayed from a CUDA graph where it reads and writes the same tensors as before:
+    an eager dispatch through the dispatcher's index graphs hands out the same buffers every time a
+    set comes round, and the receive tensors are this Buffer's own, so one graph per combination
+    replaces a Triton launch (tens of microseconds of host) by a replay. A combination is captured
+    the second time it is seen (a first sighting may be a one-off address); at most
+    ``MAX_PACK_GRAPHS`` are kept."""
+
+    graphs: dict[tuple, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    seen: set[tuple] = field(default_factory=set)
+
+    def run(
+        self,
+        output: Any,
+        rows_per_expert: int,
+        x_NH: torch.Tensor,
+        scales_NQ: torch.Tensor | None,
+        count_L: torch.Tensor,
+        ok_1: torch.Tensor,
+    ) -> PackedRows:
+        fixed = getattr(output.handle, "fixed", None)
+        if x_NH.device.type != "cuda" or capturing(x_NH.device) or not hasattr(fixed, "pair_row_SK"):
+            return pack_rows(output, rows_per_expert, x_NH, scales_NQ, count_L, ok_1)
+        tensors = (
+            output.expert_x_RH,
+            output.expert_rows_R,
+            output.expert_scales_RQ,
+            output.num_rows_per_expert_L,
+            fixed.pair_row_SK,  # type: ignore[union-attr]
+            fixed.num_real_1,  # type: ignore[union-attr]
+            x_NH,
+            scales_NQ,
+            count_L,
+            ok_1,
+        )
+        key = (rows_per_expert, *((t.data_ptr(), t.shape, t.stride()) if t is not None else None for t in tensors))
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key not in self.seen or len(self.graphs) >= MAX_PACK_GRAPHS:
+                self.seen.add(key)
+                return pack_rows(output, rows_per_expert, x_NH, scales_NQ, count_L, ok_1)
+            # No warm-up run: the kernel rewrites the layout in place, so it must run once per round.
+            graph, _ = capture_graph(lambda: pack_rows(output, rows_per_expert, x_NH, scales_NQ, count_L, ok_1), 0)
+            self.graphs[key] = graph
+        graph.replay()
+        return PackedRows(output, rows_per_expert)
+
+
 def receive(
     handle: LowLatencyHandle,
     pending: Pending,
@@ -189,6 +241,8 @@ def receive(
     scales_storage: torch.Tensor | None,
     count_L: torch.Tensor,
     stats_L: torch.Tensor | None,
+    replays: PackReplays,
+    ok_1: torch.Tensor,
 ) -> None:
     """Finish the dispatch and lay its rows out as DeepEP's: into ``x_storage`` [L * N + 1, H]
     (DeepEP's packed [L, N, H] and one scratch row; ``scales_storage`` likewise with Q columns),
@@ -199,7 +253,7 @@ def receive(
     d = handle.dispatcher
     out = d.dispatch_wait(pending)
     rows_per_expert = d.ep.size * handle.num_max_dispatch_tokens_per_rank
-    handle.packed = pack_rows(out, rows_per_expert, x_storage, scales_storage, count_L)
+    handle.packed = replays.run(out, rows_per_expert, x_storage, scales_storage, count_L, ok_1)
     if stats_L is not None:
         stats_L.add_(count_L)
     handle.pending = None
@@ -246,10 +300,11 @@ def check_combine_args(
         )
     if combine_wait_recv_cost_stats is not None:
         raise ValueError("combine_wait_recv_cost_stats is not measured by moe_sbo.deep_ep; pass None")
-    if out is not None and (tuple(out.shape) != (handle.num_tokens, handle.hidden) or out.dtype != x_LSH.dtype):
+    shape_ok = out is None or (tuple(out.shape) == (handle.num_tokens, handle.hidden) and out.dtype == x_LSH.dtype)
+    if out is not None and not (shape_ok and out.is_contiguous()):
         raise ValueError(
-            f"out must be {x_LSH.dtype} [num_tokens, hidden] = [{handle.num_tokens}, {handle.hidden}], got "
-            f"{out.dtype} {tuple(out.shape)}"
+            f"out must be a contiguous {x_LSH.dtype} [num_tokens, hidden] = [{handle.num_tokens}, {handle.hidden}], "
+            f"got {out.dtype} {tuple(out.shape)}"
         )
 
 
@@ -273,10 +328,10 @@ def finish_combine(
     of id -1 add nothing) and summed in float32; with the dispatch's weights, the returned sums.
 
     Sync: ``combine_wait`` (the current stream waits; CPU: the host), then one device operation."""
-    rows = handle.dispatcher.combine_wait(pending)
     if handle.choice_index_TK is None:
-        out_TH.copy_(rows)
+        handle.dispatcher.combine_wait(pending, out=out_TH)
         return
+    rows = handle.dispatcher.combine_wait(pending)
     # Choice k of token t came back as row t * K + k; X (past every row) adds nothing for an id of -1.
     index_TK = torch.where(topk_idx_TK < 0, rows.shape[0], handle.choice_index_TK)
     gather_sum(rows, index_TK, topk_weights_TK.reshape(-1).float(), out_dtype=out_TH.dtype, out=out_TH)

@@ -213,13 +213,23 @@ class Dispatcher:
         self.hooks.run("combine_in_flight", self, pending)
         return pending
 
-    def combine_wait(self, pending: Pending) -> torch.Tensor:
+    def combine_wait(self, pending: Pending, out: torch.Tensor | None = None) -> torch.Tensor:
         """Finish a combine: ``y_TH`` [T, H] in the activation dtype, then ``post_combine`` hooks.
+
+        ``out``: a contiguous [T, H] tensor of the activation dtype that receives ``y_TH`` (written
+        directly where the scheme can, else copied), for callers that own the output's memory.
 
         Sync: the current stream (CUDA) or the host (CPU) waits for the transfer.
         """
+        if out is not None:
+            h = pending.dispatch_handle
+            if tuple(out.shape) != (h.num_tokens, h.hidden_size) or out.dtype != h.dtype or not out.is_contiguous():
+                raise ValueError(
+                    f"out must be a contiguous {h.dtype} [{h.num_tokens}, {h.hidden_size}], got {out.dtype} "
+                    f"{tuple(out.shape)}"
+                )
         with annotate("combine", phase="combine_wait"):
-            y_TH = self._wait_combine(pending)
+            y_TH = self._wait_combine(pending) if out is None else self._wait_combine_into(pending, out)
         self.last_traffic = pending.dispatch_handle.traffic + pending.traffic
         return self.hooks.run("post_combine", self, y_TH)
 
@@ -240,6 +250,11 @@ class Dispatcher:
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
         raise NotImplementedError
+
+    def _wait_combine_into(self, pending: Pending, out_TH: torch.Tensor) -> torch.Tensor:
+        """``_wait_combine`` into ``out_TH`` (checked by ``combine_wait``); schemes that can write it
+        directly override this."""
+        return out_TH.copy_(self._wait_combine(pending))
 
     def _announce_rejected_input(self) -> None:
         """Join this scheme's first dispatch collective with a "rejected" sentinel. Schemes without a

@@ -368,11 +368,14 @@ class LowLatencyDispatcher(Dispatcher):
         return Pending(works=works, state=path, traffic=r.sets.combine_traffic)
 
     def _wait_combine(self, pending: Pending) -> torch.Tensor:
+        return self._wait_combine_into(pending, None)
+
+    def _wait_combine_into(self, pending: Pending, out_TH: torch.Tensor | None) -> torch.Tensor:
         pending.wait()
         handle: LowLatencyHandle = pending.handle  # type: ignore[assignment]
         self._check_round(handle.round.generation)
         path: Path = pending.state  # the path that launched this combine
-        return path.wait_combine(handle.round)
+        return path.wait_combine(handle.round, out_TH)
 
 
 def mask_padding_tokens(num_tokens: torch.Tensor) -> HookFn:

@@ -81,9 +81,10 @@ class FusedPath(Path):
         )
         return bufs.combine_exchange.start()
 
-    def wait_combine(self, r: Round) -> torch.Tensor:
+    def wait_combine(self, r: Round, out: torch.Tensor | None = None) -> torch.Tensor:
         # Each token's P returned rows (slot S where it sent nothing), summed in float32 in a fixed order.
-        return gather_sum(r.buffers.combine_slots_SH, r.slot_TP, out_dtype=self.spec.fmt.dtype, kernels="triton")
+        dtype = self.spec.fmt.dtype
+        return gather_sum(r.buffers.combine_slots_SH, r.slot_TP, out_dtype=dtype, kernels="triton", out=out)
 
 
 class ReplayedPath(Path):
@@ -186,15 +187,20 @@ class ReplayedPath(Path):
         graphs.combine(table.offset_of(y_RH))
         return [] if bufs.combine_barrier is not None else bufs.combine_exchange.start()
 
-    def wait_combine(self, r: Round) -> torch.Tensor:
+    def wait_combine(self, r: Round, out: torch.Tensor | None = None) -> torch.Tensor:
         """The set's ``combine_end`` graph (``pieces.combine_end_graph``): ``gather_sum`` of the
-        returned rows into a y [T, H] made here."""
+        returned rows into a y [T, H] made here, or ``out``."""
         graphs, bufs, fmt = r.graphs, r.buffers, self.spec.fmt
         assert graphs.staging is not None  # made by the round's dispatch
         if graphs.combine_end is None:
             graphs.combine_end = combine_end_graph(bufs, graphs.staging, fmt.dtype)
         table = graphs.combine_end.addresses
         assert table is not None
-        y_TH = torch.empty(r.num_tokens, fmt.hidden, dtype=fmt.dtype, device=bufs.combine_send_SH.device)
+        direct = out is not None and out.data_ptr() % 16 == 0  # the graph writes 16-byte-aligned rows only
+        y_TH = out if direct else None
+        if y_TH is None:
+            y_TH = torch.empty(r.num_tokens, fmt.hidden, dtype=fmt.dtype, device=bufs.combine_send_SH.device)
         graphs.combine_end(r.num_tokens, table.offset_of(y_TH))
+        if out is not None and not direct:
+            return out.copy_(y_TH)
         return y_TH

@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...kernel_choice import HAS_TRITON
-from ..layout import ExpertLayout
 from ..records import DispatchHandle, DispatchOutput
 
 if HAS_TRITON:  # Triton comes with CUDA builds of torch; without it the torch rows run
@@ -38,14 +37,12 @@ if HAS_TRITON:  # Triton comes with CUDA builds of torch; without it the torch r
 
 @dataclass(frozen=True)
 class PackedRows:
-    """What ``pack_rows`` left: the ``output`` it packed, ``rows_per_expert`` (N), and either
-    ``pair_pos_SK`` int64 [S, K] (fused kernels: the packed row of each (slot, k) pair, L * N for a
-    pair with no local expert) or ``pos_R`` int64 [R] (torch: the packed row of each grouped row,
-    L * N for padding)."""
+    """What ``pack_rows`` left: the ``output`` it packed, ``rows_per_expert`` (N), and ``pos_R``: None
+    on the fused path (the round's layout now reads the packed rows itself), or int64 [R] on the
+    torch path (the packed row of each grouped row, L * N for padding)."""
 
     output: DispatchOutput
     rows_per_expert: int
-    pair_pos_SK: torch.Tensor | None = None
     pos_R: torch.Tensor | None = None
 
 
@@ -55,34 +52,38 @@ def pack_rows(
     x_NH: torch.Tensor,
     scales_NQ: torch.Tensor | None,
     count_L: torch.Tensor,
+    ok_1: torch.Tensor | None = None,
 ) -> PackedRows:
     """Copy ``output``'s real rows into ``x_NH`` ([L * N + 1, H], the dispatched dtype; the last row
     is scratch) and, with fp8 rows, their scales into ``scales_NQ``; ``count_L`` (int32 [L]) gets
     the counts. An expert given more than N rows (a token that names one expert twice) raises
-    (CPU) or fails a device assert (CUDA): no row is dropped silently.
+    (CPU) or fails a device assert (CUDA): no row is dropped silently. ``ok_1``: an int32 [1] of 1
+    the caller keeps for this (made here when None; after a failed assert the process is done).
 
-    Sync: device operations only (one kernel launch and the assert's on the fused path)."""
+    On the fused path the round's layout is rewritten in place to read the packed rows: from here
+    on its combine takes the experts' outputs in the packed layout (``combine_input``), not the
+    grouped one. Sync: device operations only (one kernel and one assert on the fused path)."""
     num_local = output.num_rows_per_expert_L.shape[0]
     dump = num_local * rows_per_expert
     fixed = getattr(output.handle, "fixed", None)
     if HAS_TRITON and isinstance(fixed, KernelLayout):
-        pair_pos_SK = torch.empty_like(fixed.pair_row_SK)
-        overflow_1 = torch.zeros(1, dtype=torch.int32, device=x_NH.device)
+        if ok_1 is None:
+            ok_1 = torch.ones(1, dtype=torch.int32, device=x_NH.device)
         pack_per_expert(
             output.expert_x_RH,
             output.expert_rows_R,
             output.expert_scales_RQ,
             output.num_rows_per_expert_L,
             fixed.pair_row_SK.view(-1),
+            fixed.num_real_1,
             x_NH,
             scales_NQ,
             count_L,
-            pair_pos_SK.view(-1),
-            overflow_1,
+            ok_1,
             rows_per_expert,
         )
-        _check_no_overflow(overflow_1 == 0, rows_per_expert)
-        return PackedRows(output, rows_per_expert, pair_pos_SK=pair_pos_SK)
+        _check(ok_1, rows_per_expert)
+        return PackedRows(output, rows_per_expert)
     counts_L = output.num_rows_per_expert_L
     rows_RH = output.rows_RH()
     row_R = torch.arange(rows_RH.shape[0], device=counts_L.device)
@@ -91,7 +92,7 @@ def pack_rows(
     is_real_R = expert_R < num_local
     expert_R = expert_R.clamp(max=num_local - 1)
     inside_R = row_R - (ends_L - counts_L)[expert_R]
-    _check_no_overflow(~(is_real_R & (inside_R >= rows_per_expert)).any(), rows_per_expert)
+    _check(~(is_real_R & (inside_R >= rows_per_expert)).any(), rows_per_expert)
     pos_R = torch.where(is_real_R, expert_R * rows_per_expert + inside_R, dump)
     if x_NH.dtype.itemsize == 1:  # fp8 rows move as bytes (index_copy_ has no fp8 kernel on every device)
         x_NH.view(torch.uint8).index_copy_(0, pos_R, rows_RH.contiguous().view(torch.uint8))
@@ -104,40 +105,32 @@ def pack_rows(
     return PackedRows(output, rows_per_expert, pos_R=pos_R)
 
 
-def _check_no_overflow(ok: torch.Tensor, rows_per_expert: int) -> None:
+def _check(ok: torch.Tensor, rows_per_expert: int) -> None:
+    """``ok`` (nonzero: no expert got more than N rows): raise on CPU, assert on the device."""
     message = (
         f"an expert received more than its {rows_per_expert} packed rows: a token named one expert twice in "
         "its top-k ids"
     )
     if ok.device.type == "cpu":
-        if not bool(ok):
+        if not bool(ok.all()):
             raise ValueError(message)
     else:
-        torch._assert_async(ok, message)
+        torch._assert_async(ok.reshape(()), message)
 
 
 def combine_input(packed: PackedRows, y_NH: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
     """The experts' outputs ``y_NH`` [L * N, H] (packed as the rows were) as ``combine_launch``'s
-    arguments: on the fused path ``y_NH`` itself, with a handle whose layout reads each pair's row
-    at ``pair_pos_SK`` (no copy); on the torch path the outputs gathered back into grouped order
-    (padding rows read row 0: combine masks them) with the dispatch's handle.
+    arguments: on the fused path ``y_NH`` itself, with the dispatch's handle told its row count
+    (the layout already reads the packed rows: no copy); on the torch path the outputs gathered
+    back into grouped order (padding rows read row 0: combine masks them) with the dispatch's handle.
 
     Sync: none (fused), or one gather on the current stream (torch)."""
     handle = packed.output.handle
-    if packed.pair_pos_SK is None:
-        assert packed.pos_R is not None, "pack_rows leaves one of the two"
+    if packed.pos_R is not None:
         return y_NH.index_select(0, torch.where(packed.pos_R < y_NH.shape[0], packed.pos_R, 0)), handle
-    num_rows = y_NH.shape[0]
     # combine checks the rows against the layout's row count; nothing on the fused path reads row_R.
-    layout = ExpertLayout(
-        row_R=torch.empty(1, dtype=torch.int64, device=y_NH.device).expand(num_rows),
-        weight_R=handle.layout.weight_R,
-        num_rows_per_expert_L=handle.layout.num_rows_per_expert_L,
-    )
-    # Pairs with no local expert point at row num_rows, past every real one: "not local" to the kernel.
-    num_real_1 = torch.full((1,), num_rows, dtype=torch.int32, device=y_NH.device)
-    packed_fixed = KernelLayout(layout, packed.pair_pos_SK, num_real_1)
-    return y_NH, replace(handle, layout=layout, fixed=packed_fixed)  # type: ignore[call-arg]
+    row_R = torch.empty(1, dtype=torch.int64, device=y_NH.device).expand(y_NH.shape[0])
+    return y_NH, replace(handle, layout=replace(handle.layout, row_R=row_R, pair_MK=None))
 
 
 def rows_per_source(packed: PackedRows, slots_per_rank: int, num_ranks: int) -> torch.Tensor:

@@ -113,9 +113,9 @@ class Path:
         transfer -> the works to wait on."""
         raise NotImplementedError
 
-    def wait_combine(self, r: Round) -> torch.Tensor:
+    def wait_combine(self, r: Round, out: torch.Tensor | None = None) -> torch.Tensor:
         """After the transfer: each token's P returned rows summed in float32 -> y [T, H] in the
-        activation dtype."""
+        activation dtype (into ``out`` when given)."""
         raise NotImplementedError
 
 
@@ -187,6 +187,7 @@ class TorchPath(Path):
         bufs.combine_send_SH.copy_(reduce_pairs(expert_y_RH, cast(FixedLayout, fixed)))
         return bufs.combine_exchange.start()
 
-    def wait_combine(self, r: Round) -> torch.Tensor:
+    def wait_combine(self, r: Round, out: torch.Tensor | None = None) -> torch.Tensor:
         # Each token's P returned rows (slot S where it sent nothing), summed in float32 in a fixed order.
-        return gather_sum(r.buffers.combine_slots_SH, r.slot_TP, out_dtype=self.spec.fmt.dtype, kernels="torch")
+        dtype = self.spec.fmt.dtype
+        return gather_sum(r.buffers.combine_slots_SH, r.slot_TP, out_dtype=dtype, kernels="torch", out=out)
