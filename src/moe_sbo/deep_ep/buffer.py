@@ -93,7 +93,7 @@ class Buffer:
         self.hooks = HookRegistry()
         self._normal: dict[int, Dispatcher] = {}
         self._low_latency: dict[tuple, Dispatcher] = {}
-        self._ll_storage: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        self._ll_storage: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any]] = {}
         self._ll_combine_buffers: dict[tuple, torch.Tensor] = {}
         self._ll_constants: dict[tuple, torch.Tensor] = {}
         self._ll_pack_replays = ll.PackReplays()
@@ -323,16 +323,23 @@ class Buffer:
 
     def _receive_storage(
         self, handle: ll.LowLatencyHandle, use_fp8: bool, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any]:
         """The round's receive tensors (two per shape, used in turn, as DeepEP's two buffers):
-        x [L * P * C + 1, H], with fp8 its scales, and the counts int32 [L]."""
+        x [L * P * C + 1, H], with fp8 its scales, the counts int32 [L], and what
+        ``low_latency_dispatch`` returns as recv_x (the packed [L, P * C, H] view, with fp8 and its
+        scales' view)."""
         rows = handle.num_experts * handle.num_max_dispatch_tokens_per_rank + 1
         key = (rows, handle.hidden, use_fp8, handle.dtype, device, handle.buffer_index)
         if key not in self._ll_storage:
+            num_local, hidden = handle.num_experts // self.ep.size, handle.hidden
             x_dtype = torch.float8_e4m3fn if use_fp8 else handle.dtype
-            scales = torch.zeros(rows, handle.hidden // 128, device=device) if use_fp8 else None
-            count = torch.zeros(handle.num_experts // self.ep.size, dtype=torch.int32, device=device)
-            self._ll_storage[key] = (torch.zeros(rows, handle.hidden, dtype=x_dtype, device=device), scales, count)
+            x = torch.zeros(rows, hidden, dtype=x_dtype, device=device)
+            scales = torch.zeros(rows, hidden // 128, device=device) if use_fp8 else None
+            count = torch.zeros(num_local, dtype=torch.int32, device=device)
+            recv_x: Any = x[:-1].view(num_local, -1, hidden)
+            if scales is not None:
+                recv_x = (recv_x, scales[:-1].view(num_local, -1, hidden // 128))
+            self._ll_storage[key] = (x, scales, count, recv_x)
         return self._ll_storage[key]
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -392,7 +399,6 @@ class Buffer:
             topk_weights,
         )
         (num_tokens, hidden), top_k = x.shape, topk_idx.shape[1]
-        num_local, rows_per_expert = num_experts // self.ep.size, self.ep.size * num_max_dispatch_tokens_per_rank
         weighted = topk_weights is not None
         capacity = num_max_dispatch_tokens_per_rank
         dispatcher = self._low_latency_dispatcher(num_experts, capacity, top_k, use_fp8, weighted)
@@ -411,11 +417,7 @@ class Buffer:
             choice_index_TK=None if weighted else self._constant("choices", num_tokens, top_k, x.device),
         )
         self._ll_rounds += 1
-        x_storage, scales_storage, count_L = self._receive_storage(handle, use_fp8, x.device)
-        packed_x = x_storage[:-1].view(num_local, rows_per_expert, hidden)
-        recv_x: Any = packed_x
-        if scales_storage is not None:
-            recv_x = (packed_x, scales_storage[:-1].view(num_local, rows_per_expert, hidden // 128))
+        x_storage, scales_storage, count_L, recv_x = self._receive_storage(handle, use_fp8, x.device)
         ok = self._constant("ok", 0, 0, x.device)
         with torch.no_grad():
             ones = None if weighted else self._constant("ones", num_tokens, top_k, x.device)
@@ -439,7 +441,7 @@ class Buffer:
             hook = ll.receive_hook(receive)
         else:
             receive()
-        event = finish(x.device, async_finish, (x, topk_idx, packed_x, count_L))
+        event = finish(x.device, async_finish, (x, topk_idx, x_storage, count_L))
         return recv_x, count_L, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: ll.LowLatencyHandle) -> torch.Tensor:

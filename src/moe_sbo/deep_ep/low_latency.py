@@ -180,8 +180,9 @@ def launch_dispatch(
     if ones_X1 is None:
         assert handle.topk_weights is not None, "a dispatch is per choice or weighted"
         return d.dispatch_launch(x_TH, topk_idx_TK, handle.topk_weights)
-    top_k = topk_idx_TK.shape[1]
-    x_XH = x_TH.repeat_interleave(top_k, dim=0) if top_k != 1 else x_TH
+    num_tokens, top_k = topk_idx_TK.shape
+    # Each row K times over: an expand copied once (a plain copy kernel; repeat_interleave gathers).
+    x_XH = x_TH[:, None].expand(num_tokens, top_k, x_TH.shape[1]).reshape(num_tokens * top_k, -1)
     return d.dispatch_launch(x_XH, topk_idx_TK.reshape(-1, 1), ones_X1)
 
 
@@ -209,6 +210,8 @@ class PackReplays:
         fixed = getattr(output.handle, "fixed", None)
         if x_NH.device.type != "cuda" or capturing(x_NH.device) or not hasattr(fixed, "pair_row_SK"):
             return pack_rows(output, rows_per_expert, x_NH, scales_NQ, count_L, ok_1)
+        # Addresses say which tensors these are; the shapes of the three that set the grid and the
+        # row width say how they are read (the others follow from them on one dispatcher).
         tensors = (
             output.expert_x_RH,
             output.expert_rows_R,
@@ -221,7 +224,13 @@ class PackReplays:
             count_L,
             ok_1,
         )
-        key = (rows_per_expert, *((t.data_ptr(), t.shape, t.stride()) if t is not None else None for t in tensors))
+        key = (
+            rows_per_expert,
+            output.expert_x_RH.shape,
+            fixed.pair_row_SK.shape,  # type: ignore[union-attr]
+            x_NH.shape,
+            *(0 if t is None else t.data_ptr() for t in tensors),
+        )
         graph = self.graphs.get(key)
         if graph is None:
             if key not in self.seen or len(self.graphs) >= MAX_PACK_GRAPHS:
