@@ -36,7 +36,7 @@ class FusedPath(Path):
 
     def __init__(self, spec: PathSpec):
         super().__init__(spec)
-        self.two_pass = two_pass(spec.capacity, spec.fmt.top_k)
+        self.two_pass = two_pass(spec.capacity)
 
     @staticmethod
     def supports(fused: bool, index_graphs: bool) -> bool:
@@ -98,7 +98,7 @@ class ReplayedPath(Path):
 
     def __init__(self, spec: PathSpec):
         super().__init__(spec)
-        self.two_pass = two_pass(spec.capacity, spec.fmt.top_k)
+        self.two_pass = two_pass(spec.capacity)
 
     @staticmethod
     def supports(fused: bool, index_graphs: bool) -> bool:

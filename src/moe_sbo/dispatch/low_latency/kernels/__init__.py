@@ -28,9 +28,8 @@ Legend: see ``moe_sbo/__init__.py``; here R = S * K expert rows (padding include
 
 The hard part is size: a one-pass send plan and layout count every token (pair) in every program,
 quadratic work that is free at decode and slow at prefill. From ``TWO_PASS_MIN_CAPACITY`` tokens per
-rank at top-8 (``two_pass`` scales it to other top-k) both run as two passes with a prefix sum
-between them (work linear in T), sharing their tails with the one-pass kernels; the tests hold both
-to the torch reference.
+rank both run as two passes with a prefix sum between them (work linear in T), sharing their tails
+with the one-pass kernels; the tests hold both to the torch reference.
 
 The kernels run under ``TRITON_INTERPRET=1`` on CPU tensors too; the tests use that to hold them to
 the torch reference without a GPU.
@@ -42,19 +41,14 @@ from .combine import reduce_pairs, sum_returned
 from .layout import KernelLayout, expert_layout, expert_rows, gather_rows
 from .pack import pack_rows, pack_rows_checked
 
-# From this capacity (tokens per rank, at top-8) the send plan and the receiver layout run as two passes
-# (work linear in the tokens) instead of one (quadratic, fewer launches).
+# From this capacity (tokens per rank) the send plan and the receiver layout run as two passes (work
+# linear in the tokens) instead of one (quadratic, fewer launches).
 TWO_PASS_MIN_CAPACITY = 512
-TWO_PASS_TOP_K = 8  # the top-k at which TWO_PASS_MIN_CAPACITY was measured
 
 
-def two_pass(capacity: int, top_k: int = TWO_PASS_TOP_K) -> bool:
-    """Whether a dispatcher of ``capacity`` tokens per rank, each with ``top_k`` ids, plans sends and
-    lays out rows in two passes: where the one-pass send plan's work (C programs, each reading all
-    C * K ids) reaches that of ``TWO_PASS_MIN_CAPACITY`` tokens at top-8. At top-8 that is C >= 512;
-    a dispatcher of C * K one-choice tokens (``moe_sbo.deep_ep``'s per-choice rows) stays one-pass
-    longer, as its layout's work (the S * K pairs) is that of C tokens at top-K."""
-    return capacity * capacity * top_k >= TWO_PASS_MIN_CAPACITY * TWO_PASS_MIN_CAPACITY * TWO_PASS_TOP_K
+def two_pass(capacity: int) -> bool:
+    """Whether a dispatcher of ``capacity`` tokens per rank plans sends and lays out rows in two passes."""
+    return capacity >= TWO_PASS_MIN_CAPACITY
 
 
 __all__ = [
