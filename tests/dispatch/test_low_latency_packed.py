@@ -1,6 +1,8 @@
 """``low_latency``'s packed per-expert rows (``dispatch/low_latency/packed.py``): the fused kernel
 (Triton's interpreter on CPU) and the torch path against a layout built here from the ids, and a
-combine read from the packed outputs against the dispatcher's own combine of the grouped ones.
+combine read from the packed outputs against the dispatcher's own combine of the grouped ones; what
+DeepEP's API needs besides: ``combine_wait(out=)`` and weights given after dispatch
+(``set_combine_weights``).
 
 One rank, no process group: slot s is token s, so expert l's packed rows are the tokens that chose
 it, in token order. Tolerances: the rows move as bytes (exact); combine sums the same products in
@@ -111,3 +113,33 @@ def test_combine_wait_copies_into_out_for_other_schemes():
         expected = d.combine(y_RH, out.handle)
         y_TH = torch.empty_like(x)
         assert torch.equal(d.combine_wait(d.combine_launch(y_RH, out.handle), out=y_TH), expected)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("index_graphs", [False, True], ids=["fused", "replayed"])
+def test_combine_weights_given_after_dispatch_are_the_dispatched_ones(index_graphs):
+    """Dispatch with weight 1 everywhere, then ``set_combine_weights``: the same bits as dispatching
+    with those weights (the experts' rank reads them from the rows either way)."""
+    x, ids, weights = _inputs(4)
+    d = LowLatencyDispatcher(
+        NUM_EXPERTS, EPGroup(), max_tokens_per_rank=TOKENS, kernels="triton", index_graphs=index_graphs
+    )
+    assert d.can_set_combine_weights(x.device)
+    with torch.inference_mode():
+        out = d.dispatch(x, ids, weights)
+        expected = d.combine(out.rows_RH() * 3, out.handle)
+        late = d.dispatch(x, ids, torch.ones_like(weights))
+        d.set_combine_weights(late.handle, weights)
+        assert torch.equal(d.combine(late.rows_RH() * 3, late.handle), expected)
+        with pytest.raises(ValueError, match="weights must be float32"):
+            d.set_combine_weights(late.handle, weights.double())
+
+
+def test_combine_weights_after_dispatch_need_the_rows_in_place():
+    x, ids, weights = _inputs(5)
+    d = LowLatencyDispatcher(NUM_EXPERTS, EPGroup(), max_tokens_per_rank=TOKENS, kernels="torch")
+    assert not d.can_set_combine_weights(x.device)
+    with torch.inference_mode():
+        out = d.dispatch(x, ids, weights)
+        with pytest.raises(ValueError, match="pass the weights to dispatch instead"):
+            d.set_combine_weights(out.handle, weights)

@@ -281,20 +281,21 @@ class Buffer:
     # ---- low-latency mode -----------------------------------------------------------------------
 
     def _low_latency_dispatcher(
-        self, num_experts: int, capacity: int, top_k: int, use_fp8: bool, weighted: bool
+        self, num_experts: int, capacity: int, top_k: int, use_fp8: bool, per_choice: bool
     ) -> Dispatcher:
-        """Per choice (not ``weighted``) each (token, choice) travels as a token of its own: C * K of
-        them per rank. Activation-dtype rows stay in the receive buffer until they are packed
-        (``index_rows``); fp8 rows are gathered into rows each buffer set keeps (``fixed_expert_rows``),
-        so an eager round reads and writes the same tensors each time its set comes round and the
-        packing replays from a graph (``low_latency.PackReplays``)."""
-        key = (num_experts, capacity, top_k, use_fp8, weighted)
+        """Each token travels once per destination rank (C per rank), or, ``per_choice``, each
+        (token, choice) as a token of its own (C * K of them). Activation-dtype rows stay in the
+        receive buffer until they are packed (``index_rows``); fp8 rows are gathered into rows each
+        buffer set keeps (``fixed_expert_rows``), so an eager round reads and writes the same tensors
+        each time its set comes round and the packing replays from a graph
+        (``low_latency.PackReplays``)."""
+        key = (num_experts, capacity, top_k, use_fp8, per_choice)
         if key not in self._low_latency:
             d = make_dispatcher(
                 "low_latency",
                 num_experts,
                 self.ep,
-                max_tokens_per_rank=capacity if weighted else capacity * top_k,
+                max_tokens_per_rank=capacity * top_k if per_choice else capacity,
                 fp8=use_fp8,
                 num_buffers=2,
                 index_rows=not use_fp8,
@@ -399,9 +400,17 @@ class Buffer:
             topk_weights,
         )
         (num_tokens, hidden), top_k = x.shape, topk_idx.shape[1]
+        # Three ways, fastest first: the weights given now (one row per (token, rank), weighted on the
+        # experts' ranks); the weights written into the dispatched rows at combine (the same rows;
+        # where the rows lie in the peers' buffers: symmetric memory or one rank); else one row per
+        # (token, choice), weighted on the token's rank.
         weighted = topk_weights is not None
         capacity = num_max_dispatch_tokens_per_rank
-        dispatcher = self._low_latency_dispatcher(num_experts, capacity, top_k, use_fp8, weighted)
+        dispatcher = self._low_latency_dispatcher(num_experts, capacity, top_k, use_fp8, False)
+        restamp = not weighted and dispatcher.can_set_combine_weights(x.device)  # type: ignore[attr-defined]
+        per_choice = not weighted and not restamp
+        if per_choice:
+            dispatcher = self._low_latency_dispatcher(num_experts, capacity, top_k, use_fp8, True)
         handle = ll.LowLatencyHandle(
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             hidden=hidden,
@@ -414,7 +423,8 @@ class Buffer:
             device=x.device,
             topk_weights=topk_weights,
             weights_version=0 if topk_weights is None else topk_weights._version,
-            choice_index_TK=None if weighted else self._constant("choices", num_tokens, top_k, x.device),
+            restamp=restamp,
+            choice_index_TK=self._constant("choices", num_tokens, top_k, x.device) if per_choice else None,
         )
         self._ll_rounds += 1
         x_storage, scales_storage, count_L, recv_x = self._receive_storage(handle, use_fp8, x.device)
@@ -490,7 +500,7 @@ class Buffer:
             out if out is not None else torch.empty(handle.num_tokens, handle.hidden, dtype=x.dtype, device=x.device)
         )
         with torch.no_grad():
-            pending = ll.launch_combine(handle, rows)
+            pending = ll.launch_combine(handle, rows, topk_weights)
 
         def receive() -> None:
             with torch.no_grad():

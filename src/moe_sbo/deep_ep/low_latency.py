@@ -61,7 +61,8 @@ class LowLatencyHandle:
     Internal: ``dtype`` of the dispatched x, the ``dispatcher``, ``num_topk``, ``num_tokens``,
     ``buffer_index`` (which of the two receive and zero-copy combine buffers is this round's),
     ``device``, ``topk_weights`` (the dispatch's, when given: weighted on the experts' ranks) and
-    its ``weights_version``, ``choice_index_TK`` (per choice: int64 [T, K] arange, each (token,
+    its ``weights_version``, ``restamp`` (combine writes its weights into the dispatched rows
+    first), ``choice_index_TK`` (per choice: int64 [T, K] arange, each (token,
     choice)'s row among the X returned), ``packed`` (the receive's ``PackedRows``).
     """
 
@@ -76,6 +77,7 @@ class LowLatencyHandle:
     device: torch.device
     topk_weights: torch.Tensor | None = None
     weights_version: int = 0
+    restamp: bool = False
     choice_index_TK: torch.Tensor | None = None
     packed: PackedRows | None = None
     pending: Pending | None = field(default=None, repr=False)
@@ -172,15 +174,18 @@ def check_dispatch_args(
 def launch_dispatch(
     handle: LowLatencyHandle, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, ones_X1: torch.Tensor | None
 ) -> Pending:
-    """The dispatch in flight: per choice (``ones_X1``, float32 [X, 1] of ones, given) every
-    (token, choice) as a token of its own with weight 1; else each token with the dispatch's weights.
+    """The dispatch in flight: with the dispatch's weights, or (``ones_X1``, float32 [X, 1] of ones)
+    with weight 1 for every choice, each token once per rank (``restamp``) or every (token, choice)
+    as a token of its own.
 
     Sync: ``dispatch_launch`` of the ``low_latency`` dispatcher: no host read."""
     d = handle.dispatcher
     if ones_X1 is None:
-        assert handle.topk_weights is not None, "a dispatch is per choice or weighted"
+        assert handle.topk_weights is not None, "a dispatch is weighted, restamped or per choice"
         return d.dispatch_launch(x_TH, topk_idx_TK, handle.topk_weights)
     num_tokens, top_k = topk_idx_TK.shape
+    if handle.restamp:
+        return d.dispatch_launch(x_TH, topk_idx_TK, ones_X1.view(num_tokens, top_k))
     # Each row K times over: an expand copied once (a plain copy kernel; repeat_interleave gathers).
     x_XH = x_TH[:, None].expand(num_tokens, top_k, x_TH.shape[1]).reshape(num_tokens * top_k, -1)
     return d.dispatch_launch(x_XH, topk_idx_TK.reshape(-1, 1), ones_X1)
@@ -317,11 +322,15 @@ def check_combine_args(
         )
 
 
-def launch_combine(handle: LowLatencyHandle, x_LNH: torch.Tensor) -> Pending:
-    """The experts' outputs in DeepEP's packed layout, read where they lie; the combine in flight.
+def launch_combine(handle: LowLatencyHandle, x_LNH: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending:
+    """The experts' outputs in DeepEP's packed layout, read where they lie; the combine in flight
+    (``restamp``: combine's weights written into the dispatched rows first).
 
-    Sync: ``combine_launch``: no host read."""
+    Sync: ``combine_launch`` (and ``set_combine_weights``, a barrier with symmetric memory): no host read."""
     assert handle.packed is not None, "checked by check_combine_args"
+    if handle.restamp:
+        weights = topk_weights_TK.float()
+        handle.dispatcher.set_combine_weights(handle.packed.output.handle, weights)  # type: ignore[attr-defined]
     rows, dispatch_handle = combine_input(handle.packed, x_LNH.reshape(-1, x_LNH.shape[-1]))
     return handle.dispatcher.combine_launch(rows, dispatch_handle)
 

@@ -60,6 +60,7 @@ from .wire import RowFormat, block_traffic
 
 if HAS_TRITON:  # Triton comes with CUDA builds of torch; without it the torch path runs
     from .fused import FusedPath, ReplayedPath
+    from .kernels import restamp_weights
 
     # The rule table: a shape runs the first path that supports it (``paths.py`` has the table).
     PATHS: tuple[type[Path], ...] = (ReplayedPath, FusedPath, TorchPath)
@@ -301,6 +302,47 @@ class LowLatencyDispatcher(Dispatcher):
         """Whether a dispatch on ``device`` leaves the received rows in place for the experts to read
         through the layout's index (``index_rows``, which the fused kernels' layout serves)."""
         return self.settings.index_rows and self.uses_triton(device)
+
+    def can_set_combine_weights(self, device: torch.device) -> bool:
+        """Whether ``set_combine_weights`` runs on ``device``: the fused kernels wrote the dispatched
+        rows where they were received (symmetric memory, or one rank without a collective), so a
+        token's rank can rewrite their weights in place."""
+        if not self.uses_triton(device):
+            return False
+        return not self._collective or self.transport_for(device) == "symm_mem"
+
+    def set_combine_weights(self, handle: DispatchHandle, weights_TK: torch.Tensor) -> None:
+        """The top-k weights combine applies for this round, given now instead of at dispatch (for
+        callers that know them only at combine, as DeepEP's low-latency API): ``weights_TK`` float32
+        [T, K] replace the ones each token's rows were dispatched with, on the experts' ranks.
+
+        Collective over the EP group: every rank calls it for the round, after ``dispatch_wait`` and
+        before ``combine_launch``. Needs ``can_set_combine_weights``. Sync: one kernel writing only
+        the weights into the rows (the peers' receive buffers with symmetric memory), then, with
+        symmetric memory, a barrier on the current stream; no host read, CUDA-graph safe."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError(f"handle must be a low_latency dispatch's, got {type(handle).__name__}")
+        r = handle.round
+        device = r.buffers.dispatch_recv_SB.device
+        if not self.can_set_combine_weights(device):
+            raise ValueError(
+                "set_combine_weights rewrites the dispatched rows where they were received, which needs the fused "
+                f"kernels and symmetric memory (or one rank); here kernels={self.settings.kernels!r}, transport="
+                f"{self.transport_for(device)!r}: pass the weights to dispatch instead"
+            )
+        shape = (r.num_tokens, r.sets.fmt.top_k)
+        if tuple(weights_TK.shape) != shape or weights_TK.dtype != torch.float32 or weights_TK.device != device:
+            raise ValueError(
+                f"weights must be float32 {list(shape)} on {device}, got {weights_TK.dtype} {tuple(weights_TK.shape)} "
+                f"on {weights_TK.device}"
+            )
+        self._check_round(r.generation)
+        assert r.buffers.dispatch_dst is not None, "buffers made where Triton imports have destinations"
+        restamp_weights(
+            weights_TK.contiguous(), r.slot_TP, r.sets.fmt, r.buffers.dispatch_dst, self.settings.max_tokens_per_rank
+        )
+        if r.buffers.dispatch_barrier is not None:
+            r.buffers.dispatch_barrier.wait()  # every rank's new weights are in this rank's rows after it
 
     def max_rounds_in_flight(self) -> int:
         return self.settings.num_buffers

@@ -37,7 +37,7 @@ the torch reference without a GPU.
 
 from __future__ import annotations
 
-from .combine import reduce_pairs, sum_returned
+from .combine import reduce_pairs, restamp_weights, sum_returned
 from .layout import KernelLayout, expert_layout, expert_rows, gather_rows
 from .pack import pack_rows, pack_rows_checked
 
@@ -60,6 +60,7 @@ __all__ = [
     "pack_rows",
     "pack_rows_checked",
     "reduce_pairs",
+    "restamp_weights",
     "sum_returned",
     "two_pass",
 ]

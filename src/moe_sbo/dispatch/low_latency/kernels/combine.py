@@ -1,6 +1,8 @@
-"""Combine's kernel of ``low_latency``: each received slot's weighted sum of its local experts'
+"""Combine's kernels of ``low_latency``: each received slot's weighted sum of its local experts'
 outputs, written into the block that returns it to the token's rank (a peer's buffer with symmetric
-memory), and, inside the ``combine_end`` graph, each token's sum of its P returned rows.
+memory), and, inside the ``combine_end`` graph, each token's sum of its P returned rows; and
+``restamp_weights``, which replaces the weights the dispatched rows carry (weights known only at
+combine).
 
 Legend: see ``moe_sbo/__init__.py``; here R = S * K expert rows (padding included).
 
@@ -107,3 +109,53 @@ def sum_returned(
     in float32, the same kernel and so the same bits) into the [T, H] output of ``out_like``'s dtype
     whose address and T the table holds; rows T..C-1 are not written."""
     launch_gather_sum(recv_SH, slot_CP, None, out_like, addresses)
+
+
+@triton.jit
+def _restamp_weights_kernel(
+    weights_ptr,
+    slot_ptr,
+    anchor_ptr,
+    dst_ptr,
+    num_ranks,
+    capacity,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    WEIGHTS_OFFSET: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_k = tl.arange(0, K_P2)
+    w_K = tl.load(weights_ptr + t * TOP_K + offs_k, mask=offs_k < TOP_K)
+    for p in range(0, num_ranks):
+        slot = tl.load(slot_ptr + t * num_ranks + p)
+        if slot < num_ranks * capacity:  # S: token t sent nothing to rank p
+            block = anchor_ptr + tl.load(dst_ptr + p) * 16
+            row = block + (slot - p * capacity) * ROW_BYTES
+            tl.store((row + WEIGHTS_OFFSET).to(tl.pointer_type(tl.float32)) + offs_k, w_K, mask=offs_k < TOP_K)
+
+
+def restamp_weights(
+    weights_TK: torch.Tensor, slot_TP: torch.Tensor, fmt: RowFormat, dst: Destinations, capacity: int
+) -> None:
+    """Write each token's top-k ``weights_TK`` (float32 [T, K]) over the weights of the rows it was
+    dispatched as, where ``dst`` says those rows lie (the dispatch's destinations: the peers'
+    receive buffers with symmetric memory, this rank's without a collective); ``slot_TP`` is the
+    dispatch's ``p * C + row`` of token t in block p (S: not sent). Only the weight bytes are written.
+
+    Sync: one launch, no host read; CUDA-graph safe."""
+    num_tokens, num_ranks = slot_TP.shape
+    if num_tokens == 0:
+        return
+    _restamp_weights_kernel[(num_tokens,)](
+        weights_TK,
+        slot_TP,
+        dst.anchor,
+        dst.offsets_P,
+        num_ranks,
+        capacity,
+        TOP_K=fmt.top_k,
+        K_P2=lanes(fmt.top_k),
+        ROW_BYTES=fmt.row_bytes,
+        WEIGHTS_OFFSET=fmt.weights_offset,
+    )
