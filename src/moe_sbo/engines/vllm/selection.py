@@ -8,7 +8,7 @@ to size the layer. Both names are looked up in the module when the function runs
 slot changes what vLLM's unmodified selection returns and nothing else:
 
 - native mode: the high-throughput slot builds ``MoeSboPrepareAndFinalize`` on the buffer's group;
-- both modes: vLLM's own DeepEP classes fill slots still empty (vLLM imports them only on CUDA
+- otherwise the slots hold vLLM's own DeepEP classes, imported here (vLLM imports them only on CUDA
   platforms, and only when ``deep_ep`` imported at that moment), so they run on a CPU platform too.
 """
 
@@ -57,18 +57,15 @@ class NativeHighThroughput:
 
 
 def install(settings: PluginSettings) -> None:
-    """Fill the DeepEP slots of vLLM's ``all2all_utils`` as ``settings`` asks (idempotent)."""
-    if getattr(all2all_utils, LL_SLOT, None) is None or getattr(all2all_utils, HT_SLOT, None) is None:
-        from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ht import DeepEPHTPrepareAndFinalize
-        from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import DeepEPLLPrepareAndFinalize
+    """Fill the DeepEP slots of vLLM's ``all2all_utils`` as ``settings`` asks: the high-throughput
+    slot with ``NativeHighThroughput`` (native mode) or vLLM's own class (``deep_ep`` mode), the
+    low-latency slot with vLLM's own class. Idempotent; a later call with other settings replaces them."""
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import deepep_ht, deepep_ll
 
-        if getattr(all2all_utils, HT_SLOT, None) is None:
-            setattr(all2all_utils, HT_SLOT, DeepEPHTPrepareAndFinalize)
-        if getattr(all2all_utils, LL_SLOT, None) is None:
-            setattr(all2all_utils, LL_SLOT, DeepEPLLPrepareAndFinalize)
-    if getattr(all2all_utils, "DEEPEP_QUANT_BLOCK_SHAPE", None) is None:
-        from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import DEEPEP_QUANT_BLOCK_SHAPE
-
-        all2all_utils.DEEPEP_QUANT_BLOCK_SHAPE = DEEPEP_QUANT_BLOCK_SHAPE
-    if settings.mode == "native":
-        setattr(all2all_utils, HT_SLOT, NativeHighThroughput(settings))
+    setattr(
+        all2all_utils,
+        HT_SLOT,
+        NativeHighThroughput(settings) if settings.mode == "native" else deepep_ht.DeepEPHTPrepareAndFinalize,
+    )
+    setattr(all2all_utils, LL_SLOT, deepep_ll.DeepEPLLPrepareAndFinalize)
+    all2all_utils.DEEPEP_QUANT_BLOCK_SHAPE = deepep_ll.DEEPEP_QUANT_BLOCK_SHAPE
