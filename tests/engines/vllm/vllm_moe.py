@@ -4,7 +4,7 @@ reference, each through vLLM's own classes.
 vLLM's CPU experts and its SiLU-and-mul need its compiled ``_C`` ops, which its CUDA wheel cannot
 load without CUDA; these experts are the one piece written here. ``TorchExperts`` is vLLM's
 ``FusedMoEExpertsModular`` (standard format) in plain torch; ``TorchBatchedExperts`` is vLLM's own
-``NaiveBatchedExperts`` (batched format, for the DeepEP low-latency class) with the activation in
+``NaiveBatchedExperts`` (batched format, for the DeepEP low-latency class) with ``apply`` in
 torch. The reference is vLLM's single-rank path: ``FusedMoEKernel`` with vLLM's no-DP/EP
 prepare/finalize and every expert on the one rank.
 """
@@ -129,11 +129,19 @@ class TorchExperts(mk.FusedMoEExpertsModular):
 
 
 class TorchBatchedExperts(NaiveBatchedExperts):
-    """vLLM's ``NaiveBatchedExperts`` with SiLU-and-mul in torch (vLLM's calls a compiled op)."""
+    """vLLM's ``NaiveBatchedExperts`` (batched format: [L, max tokens, H] and per-expert counts) with
+    its ``apply`` in plain torch: vLLM's asks ``torch.accelerator`` whether a graph is capturing,
+    which raises without an accelerator, and its SiLU-and-mul is a compiled op."""
 
-    def activation(self, activation, output, input, *, topk_ids=None, expert_map=None, valid_token_counts=None):
-        gate, up = input.chunk(2, dim=-1)
-        output.copy_(F.silu(gate.float()) * up.float())
+    def apply(
+        self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+        a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta, apply_router_weight_on_input,
+    ):  # fmt: skip
+        counts = expert_tokens_meta.expert_num_tokens.tolist()
+        for expert, num in enumerate(counts):
+            if num:
+                y = _swiglu_expert(hidden_states[expert, :num], w1[expert], w2[expert])
+                output[expert, :num] = y.to(output.dtype)
 
 
 def weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
