@@ -94,10 +94,9 @@ def _set_plugin(mode: str, dispatcher: str = "alltoall", overlap: str = "combine
 
 def _run_kernel(prepare_finalize, experts_cls, x, ids, weights, rank, size, w1, w2, config):
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    import vllm_moe as vm
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
-
-    import vllm_moe as vm
 
     local = EXPERTS // size
     w1_local, w2_local = w1[rank * local : (rank + 1) * local], w2[rank * local : (rank + 1) * local]
@@ -132,13 +131,12 @@ def _rel_err(y, ref) -> float:
 def selection_rank(device, backend: str, mode: str, dtype_name: str) -> dict:
     """vLLM's selection with its own DeepEP manager -> the prepare/finalize it built -> one forward."""
     import torch.distributed as dist
+    import vllm_moe as vm
     from vllm.config import set_current_vllm_config
     from vllm.distributed import get_ep_group
     from vllm.distributed.device_communicators.all2all import DeepEPHTAll2AllManager, DeepEPLLAll2AllManager
     from vllm.model_executor.layers.fused_moe import all2all_utils
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
-
-    import vllm_moe as vm
 
     dtype = getattr(torch, dtype_name)
     size, rank = dist.get_world_size(), dist.get_rank()
@@ -169,8 +167,8 @@ def selection_rank(device, backend: str, mode: str, dtype_name: str) -> dict:
 def native_rank(device, dispatcher: str, dtype_name: str, ranks_per_node: int | None) -> float:
     """MoeSboPrepareAndFinalize on ``dispatcher`` in vLLM's FusedMoEKernel vs vLLM's one-rank reference."""
     import torch.distributed as dist
-
     import vllm_moe as vm
+
     from moe_sbo.engines.vllm.prepare_finalize import DispatcherRecipe, MoeSboPrepareAndFinalize
 
     dtype = getattr(torch, dtype_name)
@@ -195,8 +193,8 @@ def sbo_rank(device, dispatcher: str) -> dict:
     """Every moe-sbo SBO mode, shared experts inside the prepare/finalize, through vLLM's kernel:
     the outputs (routed + shared) and the hook events one forward fired."""
     import torch.distributed as dist
-
     import vllm_moe as vm
+
     from moe_sbo.engines.vllm.prepare_finalize import DispatcherRecipe, MoeSboPrepareAndFinalize
     from moe_sbo.experts.shared import SharedExperts
     from moe_sbo.overlap import FIXED_MODES

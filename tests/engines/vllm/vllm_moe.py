@@ -17,7 +17,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CPU platform (its C
 
 import torch
 import torch.nn.functional as F
-
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
@@ -72,9 +71,7 @@ class DispatcherRecipe:
 
     def __post_init__(self) -> None:
         if self.name not in DISPATCHERS or self.name == "local":
-            raise ValueError(
-                f"dispatcher must be one of {sorted(set(DISPATCHERS) - {'local'})}, got {self.name!r}"
-            )
+            raise ValueError(f"dispatcher must be one of {sorted(set(DISPATCHERS) - {'local'})}, got {self.name!r}")
         if self.name == "low_latency" and self.max_tokens_per_rank is None:
             raise ValueError("the low_latency dispatcher needs max_tokens_per_rank (vLLM's max_num_tokens per rank)")
 

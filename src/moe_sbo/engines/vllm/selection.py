@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 import vllm.model_executor.layers.fused_moe.all2all_utils as all2all_utils
 from vllm.config import get_current_vllm_config_or_none
 
