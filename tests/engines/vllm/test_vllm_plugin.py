@@ -164,7 +164,9 @@ def selection_rank(device, backend: str, mode: str, dtype_name: str) -> dict:
     }
 
 
-def native_rank(device, dispatcher: str, dtype_name: str, ranks_per_node: int | None) -> float:
+def native_rank(
+    device, dispatcher: str, dtype_name: str, ranks_per_node: int | None, overlap: str = "combine"
+) -> float:
     """MoeSboPrepareAndFinalize on ``dispatcher`` in vLLM's FusedMoEKernel vs vLLM's one-rank reference."""
     import torch.distributed as dist
     import vllm_moe as vm
@@ -177,7 +179,8 @@ def native_rank(device, dispatcher: str, dtype_name: str, ranks_per_node: int | 
     if ranks_per_node is not None:
         os.environ["MOE_SBO_RANKS_PER_NODE"] = str(ranks_per_node)
     try:
-        pf = MoeSboPrepareAndFinalize(DispatcherRecipe(dispatcher, dist.group.WORLD, max_tokens_per_rank=TOKENS))
+        recipe = DispatcherRecipe(dispatcher, dist.group.WORLD, max_tokens_per_rank=TOKENS)
+        pf = MoeSboPrepareAndFinalize(recipe, overlap=overlap)
         config = vm.moe_config(EXPERTS, TOP_K, HIDDEN, INTER, dtype, size, rank)
         x, ids, weights, w1, w2, ref = _inputs(rank, dtype)
         y = _run_kernel(pf, vm.TorchExperts, x, ids, weights, rank, size, w1, w2, config)
@@ -263,6 +266,8 @@ def test_every_dispatcher_in_vllm_kernel_equals_reference(vllm_ranks, world):
         for dtype in ("float32", "bfloat16"):
             errors = vllm_ranks(world).run(native_rank, dispatcher, dtype, ranks_per_node)
             assert max(errors) <= TOLERANCE[getattr(torch, dtype)], (world, dispatcher, ranks_per_node, dtype, errors)
+    # The combine finished inside finalize_async (vLLM's shared experts then run after it).
+    assert max(vllm_ranks(world).run(native_rank, "alltoall", "float32", None, "none")) <= 1e-5
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "low_latency"])
@@ -273,3 +278,18 @@ def test_sbo_modes_equal_none_bitwise_through_vllm_kernel(vllm_ranks, dispatcher
         for mode, events in r["events"].items():
             assert events == list(HOOK_EVENTS), (mode, events)
         assert r["scopes_left"] == 0  # each forward's SBO hooks are gone after it
+
+
+def test_refusals_name_the_problem():
+    from moe_sbo.dispatch import EPGroup, make_dispatcher
+    from moe_sbo.engines.vllm.prepare_finalize import DispatcherRecipe, MoeSboPrepareAndFinalize
+
+    one_rank = make_dispatcher("alltoall", EXPERTS, EPGroup())
+    with pytest.raises(ValueError, match="need them passed as shared="):
+        MoeSboPrepareAndFinalize(one_rank, overlap="dispatch")
+    with pytest.raises(ValueError, match="dispatcher must be one of"):
+        DispatcherRecipe("local", None)
+    with pytest.raises(ValueError, match="low_latency dispatcher needs max_tokens_per_rank"):
+        DispatcherRecipe("low_latency", None)
+    with pytest.raises(RuntimeError, match="finalize ran without a prepare"):
+        MoeSboPrepareAndFinalize(one_rank).finalize(None, torch.zeros(1, 4), None, None, False, None)
