@@ -156,7 +156,10 @@ def selection_rank(device, backend: str, mode: str, dtype_name: str) -> dict:
         experts = vm.TorchBatchedExperts if backend == "deepep_low_latency" else vm.TorchExperts
         y = _run_kernel(pf, experts, x, ids, weights, rank, size, w1, w2, config)
         buffer = getattr(pf, "buffer", None)
+        group = buffer.group if buffer is not None else pf._recipe.group
+        on_device_group = group is get_ep_group().device_group
     return {
+        "on_device_group": on_device_group,
         "class": type(pf).__name__,
         "buffer": f"{type(buffer).__module__}.{type(buffer).__name__}" if buffer is not None else None,
         "rounded": rounded,
@@ -230,6 +233,56 @@ def sbo_rank(device, dispatcher: str) -> dict:
     }
 
 
+def vllm_shared_rank(device, overlap: str) -> dict:
+    """vLLM's own ``SharedExperts`` handed to ``FusedMoEKernel.apply``: the moe-sbo events that had
+    fired when vLLM ran them, and the routed + shared output against the reference."""
+    import torch.distributed as dist
+    import vllm_moe as vm
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExperts as VllmSharedExperts
+
+    from moe_sbo.engines.vllm.prepare_finalize import DispatcherRecipe, MoeSboPrepareAndFinalize
+    from moe_sbo.experts.shared import SharedExperts
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    vllm_config = _vllm_state("deepep_high_throughput")
+    pf = MoeSboPrepareAndFinalize(DispatcherRecipe("alltoall", dist.group.WORLD), overlap=overlap)
+    fired: list[str] = []
+    for event in HOOK_EVENTS:
+        pf.hooks.register(event, lambda d, payload, event=event: fired.append(event))
+    seen_when_run: list[list[str]] = []
+
+    class Mlp(SharedExperts):
+        def forward(self, x_TH):
+            seen_when_run.append(list(fired))
+            return super().forward(x_TH)
+
+    mlp = Mlp(HIDDEN, 48)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / 8)
+    config = vm.moe_config(EXPERTS, TOP_K, HIDDEN, INTER, torch.float32, size, rank)
+    with set_current_vllm_config(vllm_config):
+        shared = VllmSharedExperts(mlp, config, enable_dbo=False, mk_can_overlap_shared_experts=lambda: True)
+        x, ids, weights, w1, w2, ref = _inputs(rank, torch.float32)
+        import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+
+        local = EXPERTS // size
+        kernel = mk.FusedMoEKernel(pf, vm.TorchExperts(config, FUSED_MOE_UNQUANTIZED_CONFIG))
+        with torch.no_grad():
+            routed = kernel.apply(
+                x, w1[rank * local : (rank + 1) * local], w2[rank * local : (rank + 1) * local], weights, ids,
+                MoEActivation.SILU, EXPERTS, vm.expert_map(EXPERTS, size, rank), False,
+                shared_experts=shared, shared_experts_input=x,
+            )  # fmt: skip
+            out = routed + shared.output
+            expected = ref + SharedExperts.forward(mlp, x)  # not counted as vLLM's call
+    return {"seen": seen_when_run, "err": _rel_err(out, expected)}
+
+
 # ---- the tests -----------------------------------------------------------------------------------
 
 
@@ -238,6 +291,7 @@ def test_vllm_selection_returns_moe_sbo_prepare_finalize(vllm_ranks, world):
     for dtype in ("float32", "bfloat16"):
         for r in vllm_ranks(world).run(selection_rank, "deepep_high_throughput", "native", dtype):
             assert r["class"] == "MoeSboPrepareAndFinalize"
+            assert r["on_device_group"]  # not the CPU group vLLM hands DeepEP
             assert r["rounded"] == HIDDEN  # moe-sbo moves rows of any width: vLLM's round-up leaves it
             assert r["err"] <= TOLERANCE[getattr(torch, dtype)], (world, dtype, r)
 
@@ -254,6 +308,7 @@ def test_vllm_deep_ep_classes_run_on_moe_sbo_deep_ep(vllm_ranks, world):
             expected = "DeepEPLLPrepareAndFinalize" if backend == "deepep_low_latency" else "DeepEPHTPrepareAndFinalize"
             assert r["class"] == expected
             assert r["buffer"] == "moe_sbo.engines.vllm.deep_ep_alias.Buffer"
+            assert r["on_device_group"]
             assert r["err"] <= TOLERANCE[getattr(torch, dtype)], (world, backend, dtype, r)
 
 
@@ -293,3 +348,12 @@ def test_refusals_name_the_problem():
         DispatcherRecipe("low_latency", None)
     with pytest.raises(RuntimeError, match="finalize ran without a prepare"):
         MoeSboPrepareAndFinalize(one_rank).finalize(None, torch.zeros(1, 4), None, None, False, None)
+
+
+@pytest.mark.parametrize(("overlap", "before"), [("combine", 5), ("none", 6)])
+def test_vllm_shared_experts_run_where_overlap_says(vllm_ranks, overlap, before):
+    """vLLM calls its shared experts between finalize_async and its hook: moe-sbo's combine is then in
+    flight (``combine``: the first five events have fired) or finished (``none``: all six)."""
+    for r in vllm_ranks(2).run(vllm_shared_rank, overlap):
+        assert r["seen"] == [list(HOOK_EVENTS[:before])], r["seen"]
+        assert r["err"] <= 1e-5
