@@ -156,7 +156,7 @@ def selection_rank(device, backend: str, mode: str, dtype_name: str) -> dict:
         experts = vm.TorchBatchedExperts if backend == "deepep_low_latency" else vm.TorchExperts
         y = _run_kernel(pf, experts, x, ids, weights, rank, size, w1, w2, config)
         buffer = getattr(pf, "buffer", None)
-        group = buffer.group if buffer is not None else pf._recipe.group
+        group = buffer.group if buffer is not None else pf.group
         on_device_group = group is get_ep_group().device_group
     return {
         "on_device_group": on_device_group,

@@ -132,6 +132,14 @@ class MoeSboPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             raise RuntimeError("the dispatcher is built by the first prepare (it needs the layer's expert count)")
         return self._dispatcher
 
+    @property
+    def group(self) -> Any:
+        """The torch process group the dispatcher moves rows over."""
+        if self._dispatcher is not None:
+            return self._dispatcher.ep.group
+        assert self._recipe is not None, "a prepare/finalize holds a dispatcher or a recipe"
+        return self._recipe.group
+
     def _dispatcher_for(self, num_experts: int) -> Dispatcher:
         if self._dispatcher is None:
             assert self._recipe is not None, "a prepare/finalize holds a dispatcher or a recipe"
