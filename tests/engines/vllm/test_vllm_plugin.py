@@ -21,6 +21,7 @@ its CUDA wheel). Tolerances: fp32 1e-5 relative, bf16 2e-2; SBO modes equal ``no
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -78,6 +79,8 @@ def _vllm_state(backend: str):
             init_distributed_environment(world_size=size, rank=rank, local_rank=rank, backend="gloo")
             initialize_model_parallel(1, 1)
             load_general_plugins()  # vLLM's loader: runs moe_sbo's entry point (MOE_SBO_VLLM=1 here)
+        alias = sys.modules.get("deep_ep")
+        _VLLM_STATE["entry_point_ran"] = alias is not None and alias.__name__ == "moe_sbo.engines.vllm.deep_ep_alias"
         _VLLM_STATE["config"] = config
     config = _VLLM_STATE["config"]
     config.parallel_config.all2all_backend = backend
@@ -159,6 +162,7 @@ def selection_rank(device, backend: str, mode: str, dtype_name: str) -> dict:
         group = buffer.group if buffer is not None else pf.group
         on_device_group = group is get_ep_group().device_group
     return {
+        "entry_point_ran": _VLLM_STATE["entry_point_ran"],
         "on_device_group": on_device_group,
         "class": type(pf).__name__,
         "buffer": f"{type(buffer).__module__}.{type(buffer).__name__}" if buffer is not None else None,
@@ -290,6 +294,7 @@ def vllm_shared_rank(device, overlap: str) -> dict:
 def test_vllm_selection_returns_moe_sbo_prepare_finalize(vllm_ranks, world):
     for dtype in ("float32", "bfloat16"):
         for r in vllm_ranks(world).run(selection_rank, "deepep_high_throughput", "native", dtype):
+            assert r["entry_point_ran"]  # vLLM's load_general_plugins ran moe_sbo's entry point
             assert r["class"] == "MoeSboPrepareAndFinalize"
             assert r["on_device_group"]  # not the CPU group vLLM hands DeepEP
             assert r["rounded"] == HIDDEN  # moe-sbo moves rows of any width: vLLM's round-up leaves it
