@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 TORCH_PIP_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: setup lint demo test wheel-check clean
+.PHONY: setup lint demo test setup-vllm test-vllm wheel-check clean
 
 $(BIN)/moe-sbo: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,28 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
+# The vLLM plugin's tests run vLLM 0.33.0's own classes on CPU, in an environment of their own: vLLM
+# pins a CUDA torch 2.14 and GPU kernels, so it is installed with --no-deps after torch (held by a
+# constraint at the CPU build above), moe-sbo, and only what vLLM's MoE modules import
+# (tests/engines/vllm/requirements.txt, pinned). VLLM_SPEC may name a downloaded wheel instead.
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm==0.33.0
+
+$(VLLM_VENV)/.ready: pyproject.toml tests/engines/vllm/requirements.txt
+	rm -rf $(VLLM_VENV)
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	echo "torch==2.13.0" > $(VLLM_VENV)/torch-constraint.txt
+	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/torch-constraint.txt -e . -r tests/engines/vllm/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps $(VLLM_SPEC)
+	touch $@
+
+setup-vllm: $(VLLM_VENV)/.ready
+
+test-vllm: setup-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/engines/vllm
+
 # A wheel of moe-sbo builds, installs into a clean venv (torch first, as above) and runs there.
 wheel-check: setup
 	rm -rf build/wheel-check dist
@@ -44,4 +66,4 @@ wheel-check: setup
 	cd build && wheel-check/bin/moe-sbo plan > /dev/null && echo "wheel-check: moe-sbo plan ran from the wheel"
 
 clean:
-	rm -rf $(VENV) .pytest_cache build dist
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build dist

@@ -27,7 +27,8 @@ prose and from other projects' names:
   ``quant.kernels.quantize_rows``) or a class of it (``RoutedExperts.route``): the same, from any
   module or class of that name. Roots the source also uses as variable names (``layer``,
   ``dispatcher``, ``experts``: ``layer.rebalance()`` is a method of an instance) are not read as
-  module names, nor are names the docs' code examples assign (``auto = AutoTbo(...)``).
+  module names, nor are names the docs' code examples assign (``auto = AutoTbo(...)``), nor an
+  engine's name (``vllm.general_plugins`` is vLLM's, not ``moe_sbo.engines.vllm``'s).
 
 Names with a glob or placeholder (``*``, ``{a,b}``, ``<x>``) are skipped.
 """
@@ -258,6 +259,10 @@ def _index() -> tuple[dict[str, list[str]], dict[str, list[str]], frozenset[str]
     return modules, classes, frozenset(variables), frozenset(loggers)
 
 
+# The engines' subpackages share their names with the engines (``moe_sbo.engines.vllm``): a dotted name
+# starting with one is the engine's own (``vllm.general_plugins``), another project's name.
+ENGINE_PACKAGES = frozenset(p.name for p in (PACKAGE / "engines").iterdir() if (p / "__init__.py").is_file())
+
 UNCHECKABLE = object()  # a module that needs an optional dependency this machine lacks
 
 
@@ -320,6 +325,8 @@ def _relative_resolves(parts: list[str]) -> bool | None:
     starts with; None where its first part is neither (or is also a variable name in the source)."""
     modules, classes, variables, _ = _index()
     root = parts[0]
+    if root in ENGINE_PACKAGES:
+        return None  # ``vllm.general_plugins``: the engine's own package, not moe_sbo.engines.vllm
     if root in classes:
         found = [_import(m) for m in classes[root]]
         return any(m is UNCHECKABLE or (m is not None and _walk(getattr(m, root), parts[1:])) for m in found)
