@@ -7,27 +7,26 @@ the rows of each expert in DeepEP's layout, and X = T * K the (token, choice) pa
 
 ::
 
-    dispatch  x [T, H] -> per choice: one row per (token, choice) [X, H] with that one expert id and
-                          weight 1 (capacity C * K), fp8 on the wire with use_fp8;
-                          or, with the dispatch's topk_weights: one row per (token, rank), weighted
-                          on the experts' ranks (capacity C), as moe-sbo's own forward
-              the dispatcher's grouped rows -> DeepEP's packed [L, N, H] and counts [L] (one kernel);
-              layout ranges [L, P] (begin << 32 | count of the rows from each source rank), computed
-              when ``handle[1]`` is read
-    combine   the experts' [L, N, H] read in place by the dispatcher's combine; per choice: each
-              (token, choice) row returns unweighted [X, H] and the token's rank weights them with
-              combine's ``topk_weights`` and sums them in float32 -> [T, H] (one kernel); with the
-              dispatch's weights the returned rows are already each token's sum
+    dispatch  x [T, H] -> one row per (token, rank), weight 1 (``restamp``) or the dispatch's
+                          weights (``topk_weights``); or one row per (token, choice) [X, H], each with
+                          its one expert id and weight 1 (capacity C * K); fp8 on the wire with use_fp8
+              the dispatcher's grouped rows -> DeepEP's packed [L, N, H] and counts [L] (one kernel,
+              replayed from a graph when eager); layout ranges [L, P] (begin << 32 | count of the rows
+              from each source rank), computed when ``handle[1]`` is read
+    combine   restamp: combine's topk_weights written into the dispatched rows on the experts' ranks
+              (``set_combine_weights``); then the experts' [L, N, H] read in place by the dispatcher's
+              combine -> each token's sum [T, H]; per choice: each (token, choice) row returns
+              unweighted [X, H] and the token's rank weights them and sums in float32 (one kernel)
 
 The hard part is the weights. DeepEP's low-latency combine takes them only at combine, on the token's
-rank, while moe-sbo's dispatcher weights each expert row on the expert's rank with the weights it was
-dispatched with. Sending every (token, choice) as a token of its own with weight 1 keeps DeepEP's
-meaning exactly (the weights given to combine are the ones applied) at the price DeepEP's own kernels
-pay: one row per choice each way, not one per destination rank. A caller that knows the weights at
-dispatch (every engine does: the router made them) may pass them there and get moe-sbo's rows, one
-per (token, rank) each way; combine then refuses any other weights. Every step is a fixed-shape
-device operation, so the whole path can be captured in a CUDA graph (after one eager call allocates
-the buffers).
+rank, while moe-sbo's dispatcher weights each expert row on the expert's rank with the weights its
+row carries, and sends one row per (token, rank), not one per choice. Where the rows lie in the
+peers' buffers (symmetric memory, or one rank) combine's weights are written into them before the
+combine: moe-sbo's rows and DeepEP's meaning. A caller that knows the weights at dispatch (every
+engine does: the router made them) may pass them there and skip that step; combine then refuses any
+other weights. Elsewhere (NCCL, CPU) every (token, choice) travels as a token of its own with weight
+1, as DeepEP's own kernels send it. Every step is a fixed-shape device operation, so the whole path
+can be captured in a CUDA graph (after one eager call allocates the buffers).
 """
 
 from __future__ import annotations
