@@ -143,3 +143,33 @@ def test_combine_weights_after_dispatch_need_the_rows_in_place():
         out = d.dispatch(x, ids, weights)
         with pytest.raises(ValueError, match="pass the weights to dispatch instead"):
             d.set_combine_weights(out.handle, weights)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_fp8_rows_in_place_pack_as_the_gathered_ones():
+    """fp8 rows delivered as fp8 stay in the receive buffer with ``index_rows`` (values and scales,
+    strided views): packed, they are the bytes and scales the gathered rows give, and the torch
+    path's scales (the interpreter's fp8 conversion differs from torch's, so its values are not)."""
+    x, ids, weights = _inputs(6)
+    packed = {}
+    for name, options in {
+        "torch": {"kernels": "torch"},
+        "gathered": {"kernels": "triton", "index_graphs": False},
+        "in place": {"kernels": "triton", "index_graphs": False, "index_rows": True},
+        "in place, replayed": {"kernels": "triton", "index_rows": True},
+    }.items():
+        d = LowLatencyDispatcher(NUM_EXPERTS, EPGroup(), max_tokens_per_rank=TOKENS, fp8=True, **options)
+        d.deliver_fp8 = True
+        with torch.inference_mode():
+            out = d.dispatch(x, ids, weights)
+            assert (out.expert_rows_R is not None) == ("in place" in name)
+            x_NH = torch.zeros(NUM_EXPERTS * TOKENS + 1, HIDDEN, dtype=torch.float8_e4m3fn)
+            scales_NQ = torch.zeros(NUM_EXPERTS * TOKENS + 1, HIDDEN // 128)
+            count_L = torch.zeros(NUM_EXPERTS, dtype=torch.int32)
+            pack_rows(out, TOKENS, x_NH, scales_NQ, count_L)
+        packed[name] = (x_NH.view(torch.uint8), scales_NQ, count_L)
+    for name in ("in place", "in place, replayed"):
+        assert all(torch.equal(a, b) for a, b in zip(packed[name], packed["gathered"])), name
+    assert torch.equal(packed["torch"][1], packed["gathered"][1]) and torch.equal(
+        packed["torch"][2], packed["gathered"][2]
+    )

@@ -284,11 +284,10 @@ class Buffer:
         self, num_experts: int, capacity: int, top_k: int, use_fp8: bool, per_choice: bool
     ) -> Dispatcher:
         """Each token travels once per destination rank (C per rank), or, ``per_choice``, each
-        (token, choice) as a token of its own (C * K of them). Activation-dtype rows stay in the
-        receive buffer until they are packed (``index_rows``); fp8 rows are gathered into rows each
-        buffer set keeps (``fixed_expert_rows``), so an eager round reads and writes the same tensors
-        each time its set comes round and the packing replays from a graph
-        (``low_latency.PackReplays``)."""
+        (token, choice) as a token of its own (C * K of them). The rows (fp8 ones as e4m3 and scales)
+        stay in the receive buffer until they are packed (``index_rows``), so an eager round reads
+        and writes the same tensors each time its set comes round and the packing replays from a
+        graph (``low_latency.PackReplays``)."""
         key = (num_experts, capacity, top_k, use_fp8, per_choice)
         if key not in self._low_latency:
             d = make_dispatcher(
@@ -298,8 +297,7 @@ class Buffer:
                 max_tokens_per_rank=capacity * top_k if per_choice else capacity,
                 fp8=use_fp8,
                 num_buffers=2,
-                index_rows=not use_fp8,
-                fixed_expert_rows=use_fp8,
+                index_rows=True,
             )
             d.deliver_fp8 = use_fp8
             d.hooks = self.hooks

@@ -98,8 +98,9 @@ class DispatchOutput:
     None when every row is real.
 
     ``expert_rows_R``: None, or (``low_latency`` with ``index_rows``) an int64 [R] index: the rows
-    were not copied into expert order, ``expert_x_RH`` is then [X, H] (a view of the receive buffer)
-    and row r of the experts' input is ``expert_x_RH[expert_rows_R[r]]``. ``RoutedExperts`` takes
+    were not copied into expert order, ``expert_x_RH`` is then [X, H] (a view of the receive buffer;
+    ``expert_scales_RQ`` [X, Q] likewise) and row r of the experts' input is
+    ``expert_x_RH[expert_rows_R[r]]``. ``RoutedExperts`` takes
     it as ``rows_R`` (its tiled GEMM reads through it); ``rows_RH()`` gives the rows in expert order
     either way.
     """

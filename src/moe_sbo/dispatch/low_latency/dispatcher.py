@@ -300,7 +300,8 @@ class LowLatencyDispatcher(Dispatcher):
 
     def rows_in_place(self, device: torch.device) -> bool:
         """Whether a dispatch on ``device`` leaves the received rows in place for the experts to read
-        through the layout's index (``index_rows``, which the fused kernels' layout serves)."""
+        through the layout's index (``index_rows``, which the fused kernels' layout serves; fp8 rows
+        only in rounds that deliver them as fp8)."""
         return self.settings.index_rows and self.uses_triton(device)
 
     def can_set_combine_weights(self, device: torch.device) -> bool:

@@ -27,6 +27,13 @@ from .paths import Path, PathSpec, Received, Round
 from .pieces import combine_end_graph, combine_graph, layout_graph, pack_graph
 from .reference import FixedLayout
 from .transport import Buffers
+from .wire import RowFormat
+
+
+def received_rows(recv_SB: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The receive buffer's rows [S + 1, H] as the experts read them in place: activation-dtype
+    values, or e4m3 values and their float32 scales [S + 1, Q] (views, rows strided by the wire's)."""
+    return fmt.x_fp8(recv_SB) if fmt.fp8 else (fmt.x(recv_SB), None)
 
 
 class FusedPath(Path):
@@ -63,8 +70,9 @@ class FusedPath(Path):
     def wait_dispatch(self, r: Round, keep_fp8: bool) -> Received:
         s, recv_SB = self.spec, r.buffers.dispatch_recv_SB
         fixed = expert_layout(recv_SB[: s.num_slots], s.fmt, s.rank, s.num_local_experts, self.two_pass)
-        if s.in_place:  # every row's source: its slot, or the zero slot S for padding (the layout writes all R)
-            return Received(fixed, s.fmt.x(recv_SB), None, fixed.layout.row_R)
+        if self.spec.rows_in_place(keep_fp8):  # every row's source: its slot, or the zero slot S for padding
+            x_SH, scales_SQ = received_rows(recv_SB, s.fmt)
+            return Received(fixed, x_SH, scales_SQ, fixed.layout.row_R)
         expert_x_RH, scales_RQ = gather_rows(recv_SB, fixed, s.fmt, keep_fp8=keep_fp8)
         return Received(fixed, expert_x_RH, scales_RQ)
 
@@ -140,7 +148,8 @@ class ReplayedPath(Path):
         the set's ``combine`` graph with it: it reads the layout's tensors)."""
         s, fmt, graphs = self.spec, self.spec.fmt, r.graphs
         recv_SB = r.buffers.dispatch_recv_SB
-        built_for = (keep_fp8, s.in_place)
+        in_place = s.rows_in_place(keep_fp8)
+        built_for = (keep_fp8, in_place)
         if graphs.layout is None or graphs.layout_built_for != built_for:
             graphs.layout = layout_graph(
                 r.buffers,
@@ -150,16 +159,16 @@ class ReplayedPath(Path):
                 num_slots=s.num_slots,
                 two_pass=self.two_pass,
                 keep_fp8=keep_fp8,
-                in_place=s.in_place,
+                in_place=in_place,
             )
             graphs.layout_built_for = built_for
             graphs.expert_rows = graphs.combine = None
-        if s.in_place:
+        if in_place:
             if graphs.received_rows is None:
-                with torch.inference_mode(False):  # a normal view: later forwards may run under plain no_grad
-                    graphs.received_rows = fmt.x(recv_SB)
+                with torch.inference_mode(False):  # normal views: later forwards may run under plain no_grad
+                    graphs.received_rows = received_rows(recv_SB, fmt)
             fixed = graphs.layout()
-            return Received(fixed, graphs.received_rows, None, fixed.layout.row_R)
+            return Received(fixed, *graphs.received_rows, fixed.layout.row_R)
         num_rows = s.num_slots * fmt.top_k
         if not s.fixed_expert_rows:
             rows = expert_rows(num_rows, fmt, keep_fp8, recv_SB.device)

@@ -181,8 +181,8 @@ class RoundGraphs:
     # gathers no rows.
     layout_built_for: tuple[bool, bool] = (False, False)
     expert_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # with ``fixed_expert_rows``
-    # With ``index_rows``: the receive buffer's rows [S + 1, H], the view handed out each round (made
-    # once: a view per forward costs the host a few microseconds).
-    received_rows: torch.Tensor | None = None
+    # With ``index_rows``: the receive buffer's rows [S + 1, H] (and with fp8 their scales), the views
+    # handed out each round (made once: a view per forward costs the host a few microseconds).
+    received_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
     combine: PieceGraph | None = None
     combine_end: PieceGraph | None = None

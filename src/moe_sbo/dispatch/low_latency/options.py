@@ -65,13 +65,14 @@ class LowLatencyOptions:
     allocated per forward: the rows handed out (``expert_x_RH`` and its scales) are then valid until
     the set's next round, ``num_buffers`` dispatches later, as the layout's counts already are.
 
-    ``index_rows`` (default False; fused kernels, activation-dtype rows): leave the received rows
-    where the transfer put them instead of copying every (token, local expert) row into expert
-    order: the dispatch hands out the receive buffer's rows and the layout's index
-    (``DispatchOutput.expert_rows_R``), and the experts' tiled GEMM reads its rows through it, as
-    FP8 experts' quantisation does (other kernels gather them first). Refused with ``fp8`` or
-    ``kernels="torch"``, which copy the rows; with ``kernels="auto"`` where the torch path runs (no
-    Triton), the rows are copied as there.
+    ``index_rows`` (default False; fused kernels): leave the received rows where the transfer put
+    them instead of copying every (token, local expert) row into expert order: the dispatch hands
+    out the receive buffer's rows and the layout's index (``DispatchOutput.expert_rows_R``), and the
+    experts' tiled GEMM reads its rows through it, as FP8 experts' quantisation does (other kernels
+    gather them first). fp8 rows stay in place only where the dispatcher delivers them as fp8
+    (``deliver_fp8``: e4m3 values and their scales, both views); dequantised rows are copies.
+    Refused with ``kernels="torch"``, which copies the rows; with ``kernels="auto"`` where the torch
+    path runs (no Triton), the rows are copied as there.
 
     Raises ``ValueError`` when made with a value out of range or a pair that cannot run together.
     """
@@ -106,12 +107,10 @@ class LowLatencyOptions:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.index_rows and (self.kernels == "torch" or self.fp8):
+        if self.index_rows and self.kernels == "torch":
             raise ValueError(
-                "index_rows leaves the received activation-dtype rows in place for the fused kernels' "
-                f"layout, but kernels={self.kernels!r} / fp8={bool(self.fp8)} copies them (the torch path "
-                "gathers, fp8 rows are dequantised); use kernels='triton' or 'auto' and fp8=False with it, "
-                "or leave index_rows off"
+                "index_rows leaves the received rows in place for the fused kernels' layout, but "
+                "kernels='torch' gathers them; use kernels='triton' or 'auto' with it, or leave index_rows off"
             )
         if self.transport == "symm_mem" and self.kernels == "torch":
             raise ValueError(

@@ -99,8 +99,11 @@ def pack_rows(
     else:
         x_NH.index_copy_(0, pos_R, rows_RH.to(x_NH.dtype))
     if scales_NQ is not None:
-        assert output.expert_scales_RQ is not None, "fp8 rows come with their scales"
-        scales_NQ.index_copy_(0, pos_R, output.expert_scales_RQ.float())
+        scales_RQ = output.expert_scales_RQ
+        assert scales_RQ is not None, "fp8 rows come with their scales"
+        if output.expert_rows_R is not None:  # in place: the receive buffer's scales, read through the index
+            scales_RQ = scales_RQ.index_select(0, output.expert_rows_R)
+        scales_NQ.index_copy_(0, pos_R, scales_RQ.float())
     count_L.copy_(counts_L)
     return PackedRows(output, rows_per_expert, pos_R=pos_R)
 

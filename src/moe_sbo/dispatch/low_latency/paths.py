@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 class PathSpec:
     """What every path of one shape knows: the row format, this rank and the group's size, the expert
     counts, the capacity C, and two options: ``in_place`` (``index_rows`` where the fused kernels run:
-    the received rows stay in the receive buffer) and ``fixed_expert_rows``."""
+    the received rows stay in the receive buffer, fp8 rows only where delivered as fp8) and
+    ``fixed_expert_rows``."""
 
     fmt: RowFormat
     rank: int
@@ -59,6 +60,11 @@ class PathSpec:
     def num_slots(self) -> int:
         return self.num_ranks * self.capacity
 
+    def rows_in_place(self, keep_fp8: bool) -> bool:
+        """Whether a round's rows stay in the receive buffer: ``in_place``, and for fp8 rows only when
+        they are delivered as fp8 (``keep_fp8``); dequantised rows are copies."""
+        return self.in_place and (not self.fmt.fp8 or keep_fp8)
+
 
 @dataclass(slots=True)  # not frozen: built every forward, and a frozen init costs the host more
 class Received:
@@ -66,8 +72,8 @@ class Received:
     (``reference.FixedLayout`` on the torch path, ``kernels.KernelLayout`` on the fused ones);
     ``expert_x_RH`` [R, H] the expert rows in the activation dtype, or e4m3 with ``scales_RQ``
     float32 [R, Q] (``deliver_fp8`` and fp8 dispatch; else None); in place (``index_rows``) the
-    receive buffer's rows [S + 1, H] instead, and ``rows_R`` int64 [R] each expert row's slot among
-    them (S: the zero padding slot); else None."""
+    receive buffer's rows [S + 1, H] (and scales [S + 1, Q]) instead, views, and ``rows_R`` int64 [R]
+    each expert row's slot among them (S: the zero padding slot); else None."""
 
     fixed: FixedLayout | KernelLayout
     expert_x_RH: torch.Tensor

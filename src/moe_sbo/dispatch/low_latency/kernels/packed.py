@@ -47,6 +47,7 @@ def _pack_per_expert_kernel(
     rows_per_expert,
     dump,
     src_stride,
+    src_scales_stride,
     ROW: tl.constexpr,
     NUM_SCALES: tl.constexpr,
     L_P2: tl.constexpr,
@@ -79,7 +80,7 @@ def _pack_per_expert_kernel(
                 tl.store(dst_ptr + pos * ROW + offs, values, mask=offs < ROW)
             if SCALED:
                 offs_q = tl.arange(0, Q_P2)
-                scales = tl.load(src_scales_ptr + src_row * NUM_SCALES + offs_q, mask=offs_q < NUM_SCALES)
+                scales = tl.load(src_scales_ptr + src_row * src_scales_stride + offs_q, mask=offs_q < NUM_SCALES)
                 tl.store(dst_scales_ptr + pos * NUM_SCALES + offs_q, scales, mask=offs_q < NUM_SCALES)
 
 
@@ -104,7 +105,8 @@ def pack_per_expert(
     rows_per_expert: int,
 ) -> None:
     """Grouped expert row r (``src_MH[src_rows_R[r]]``, or ``src_MH[r]`` without an index; ``src_MH``
-    may be a view whose rows are strided, each row's own values contiguous; the real ones are the
+    and ``src_scales_MQ`` may be views whose rows are strided, each row's own values contiguous (the
+    receive buffer's columns); the real ones are the
     first ``counts_L.sum()``) into row ``l * N + j`` of ``dst_NH`` (``[L * N + 1, H]``, N =
     ``rows_per_expert``: the last row is written by nothing), its scales likewise; ``count32_L``
     int32 copy of ``counts_L``.
@@ -140,6 +142,7 @@ def pack_per_expert(
         rows_per_expert,
         num_local * rows_per_expert,
         src_words.stride(0),
+        0 if src_scales_MQ is None else src_scales_MQ.stride(0),
         ROW=row,
         NUM_SCALES=num_scales,
         L_P2=pow2(max(num_local, 2)),
