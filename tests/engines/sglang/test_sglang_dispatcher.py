@@ -58,11 +58,23 @@ def reference(x, ids, weights, w_gate_up, w_down) -> torch.Tensor:
     return y
 
 
+def dequantized(x_TH: torch.Tensor) -> torch.Tensor:
+    """``x`` as moe-sbo's fp8 wire carries it: e4m3 times one float32 scale per 128 values."""
+    from moe_sbo.quant.fp8 import quantize_fp8
+
+    q, scales = quantize_fp8(x_TH)
+    return (q.float().view(*q.shape[:-1], -1, 128) * scales[..., None]).view(q.shape)
+
+
 def experts_on(dispatch_output, w_gate_up, w_down, first_expert: int):
-    """The local experts on SGLang's DeepEP dispatch output -> SGLang's combine input."""
+    """The local experts on SGLang's DeepEP dispatch output -> SGLang's combine input (in the dtype of
+    the rows' source: bf16 for an fp8 wire)."""
     from sglang.srt.layers.moe.token_dispatcher import DeepEPLLCombineInput, DeepEPNormalCombineInput
 
     out = dispatch_output
+    if out.hidden_states_scale is not None:  # fp8 rows and float32 scales [..., H / 128]
+        rows = out.hidden_states.float() * out.hidden_states_scale.repeat_interleave(128, dim=-1)
+        out = out._replace(hidden_states=rows.to(torch.bfloat16), hidden_states_scale=None)
     if out.format.is_deepep_normal():
         # One row per (token, this rank): the row's local choices, weighted and summed (DeepEP normal).
         y = torch.zeros(out.hidden_states.shape[0], out.hidden_states.shape[1])
@@ -81,17 +93,25 @@ def experts_on(dispatch_output, w_gate_up, w_down, first_expert: int):
     return DeepEPLLCombineInput(y, out.topk_ids, out.topk_weights)
 
 
-def forward_rank(device, dispatcher: str, mode: str, dtype: torch.dtype, ranks_per_node, split: bool) -> dict:
+def forward_rank(
+    device, dispatcher: str, mode: str, dtype: torch.dtype, ranks_per_node, split: bool, wire: str = "bf16"
+) -> dict:
     """One MoE forward through SGLang's dispatcher on this rank -> its relative error to the reference
-    and what the dispatcher was."""
+    and what the dispatcher was. ``wire``: SGLang's ``--deepep-dispatcher-output-dtype``; with fp8 the
+    reference runs on x as the fp8 wire carries it (moe-sbo's ``quantize_fp8``, dequantised)."""
     from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.runtime_context import get_exec
 
     sglang_runtime.ensure(mode)
     rank, world = dist.get_rank(), dist.get_world_size()
     num_experts = 4 * world
     w_gate_up, w_down = expert_weights(num_experts, HIDDEN)
     x, ids, weights = routing(rank, num_experts, dtype)
-    with sglang_runtime.plugin_choice(dispatcher, None, ranks_per_node), sglang_runtime.sglang_deep_gemm_path():
+    with (
+        sglang_runtime.plugin_choice(dispatcher, None, ranks_per_node),
+        sglang_runtime.sglang_deep_gemm_path(),
+        get_exec().moe.override(deepep_dispatcher_output_dtype=wire),
+    ):
         d = sglang_runtime.create_dispatcher(num_experts, HIDDEN, TOP_K, dtype)
         topk = StandardTopKOutput(weights, ids, torch.zeros(TOKENS, num_experts))
         if split:  # the halves two-batch overlap calls
@@ -105,7 +125,7 @@ def forward_rank(device, dispatcher: str, mode: str, dtype: torch.dtype, ranks_p
         inner = d._inners[0]
         buffer = getattr(inner, "_forward", None)
         schemes = _schemes()
-    ref = reference(x, ids, weights, w_gate_up, w_down)
+    ref = reference(dequantized(x) if wire == "fp8" else x, ids, weights, w_gate_up, w_down)
     error = ((y.float() - ref).norm() / ref.norm()).item()
     return {
         "error": error,
@@ -154,6 +174,41 @@ def test_sglang_dispatcher_equals_reference(case, world, dtype, request):
             expected = ("MoeSboTboDispatcher", "MoeSboDispatcher")
         assert (r["class"], r["inner"]) == expected
         assert not r["forward_left"]
+
+
+@pytest.mark.parametrize("dispatcher", ["deep_ep", "moe_sbo"])
+def test_low_latency_fp8_wire(dispatcher, ranks2):
+    """``--deepep-dispatcher-output-dtype fp8`` in low-latency mode: e4m3 rows and float32 scales."""
+    for split in (False, True):
+        for r in ranks2.run(forward_rank, dispatcher, "low_latency", torch.bfloat16, None, split, "fp8"):
+            assert r["error"] <= TOLERANCE[torch.bfloat16], r
+
+
+def refused_rank(device, wire: str, mode: str) -> str:
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.runtime_context import get_exec
+
+    sglang_runtime.ensure(mode)
+    x, ids, weights = routing(dist.get_rank(), 8, torch.bfloat16)
+    with (
+        sglang_runtime.plugin_choice("moe_sbo", None, None),
+        get_exec().moe.override(deepep_dispatcher_output_dtype=wire),
+    ):
+        d = sglang_runtime.create_dispatcher(8 * dist.get_world_size() // 2, HIDDEN, TOP_K, torch.bfloat16)
+        try:
+            d.dispatch(hidden_states=x, topk_output=StandardTopKOutput(weights, ids, torch.zeros(TOKENS, 8)))
+        except ValueError as err:
+            assert d._inners[0]._forward is None, "a refused forward leaves nothing behind"
+            return str(err)
+    return "accepted"
+
+
+def test_refusals_name_the_flag(ranks2):
+    """What moe-sbo's dispatcher cannot send is refused on every rank before any transfer."""
+    for message in ranks2.run(refused_rank, "fp8", "normal"):
+        assert "fp8 in low-latency mode only" in message and "--deepep-dispatcher-output-dtype bf16" in message
+    for message in ranks2.run(refused_rank, "nvfp4", "low_latency"):
+        assert "sends bf16 or fp8" in message and "nvfp4" in message
 
 
 @pytest.mark.parametrize("dispatcher", ["deep_ep", "moe_sbo"])
