@@ -61,9 +61,13 @@ def ensure(deepep_mode: str = "auto") -> None:
         from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
         from sglang.srt.layers.moe.utils import initialize_moe_config
         from sglang.srt.plugins import load_plugins
+        from sglang.srt.plugins.hook_registry import HookRegistry
         from sglang.srt.server_args import ServerArgs
 
         load_plugins()
+        unapplied = set(plugin_targets()) - HookRegistry._patched
+        if unapplied:  # SGLang logs why and goes on; a test must not
+            raise RuntimeError(f"SGLang did not apply the plugin's hooks to {sorted(unapplied)}; its log says why")
         server_args = ServerArgs(
             model_path=str(model_dir()),  # its config.json is read; no model is built here
             device="cpu",
@@ -118,6 +122,14 @@ def model_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="moe-sbo-sglang-"))
     (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V3))
     return path
+
+
+def plugin_targets() -> list[str]:
+    """What the plugin hooks in SGLang when it is on."""
+    from moe_sbo.engines.sglang import plugin
+
+    names = [f"{plugin.SBO_FLAGS}.{name}" for name in plugin.SBO_FLAG_ANSWERS]
+    return [plugin.CREATE_MOE_DISPATCHER, plugin.GET_DEEPEP_BUFFER, *names]
 
 
 @contextlib.contextmanager

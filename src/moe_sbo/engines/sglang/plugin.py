@@ -1,7 +1,8 @@
 """The ``sglang.srt.plugins`` entry point (``pyproject.toml``: ``moe_sbo = moe_sbo.engines.sglang.plugin:register``).
 
 SGLang calls ``register()`` early in every process (``load_plugins``), then applies the hooks it
-registered (``HookRegistry.apply_hooks``). With ``MOE_SBO_SGLANG=1`` (``settings.py``) it registers:
+registered (``sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks``). With ``MOE_SBO_SGLANG=1``
+(``settings.py``) it registers:
 
 - ``create_moe_dispatcher`` (AROUND): for ``--moe-a2a-backend deepep``, SGLang's own DeepEP dispatcher
   on ``moe_sbo.deep_ep.Buffer`` (``MOE_SBO_SGLANG_DISPATCHER=deep_ep``, the default), or moe-sbo's
