@@ -113,6 +113,7 @@ def forward_rank(
         get_exec().moe.override(deepep_dispatcher_output_dtype=wire),
     ):
         d = sglang_runtime.create_dispatcher(num_experts, HIDDEN, TOP_K, dtype)
+        schemes = schemes_seen(num_experts)
         topk = StandardTopKOutput(weights, ids, torch.zeros(TOKENS, num_experts))
         if split:  # the halves two-batch overlap calls
             d.dispatch_a(hidden_states=x, topk_output=topk)
@@ -123,8 +124,7 @@ def forward_rank(
             out = d.dispatch(hidden_states=x, topk_output=topk)
             y = d.combine(combine_input=experts_on(out, w_gate_up, w_down, rank * (num_experts // world)))
         inner = d._inners[0]
-        buffer = getattr(inner, "_forward", None)
-        schemes = _schemes()
+        in_forward = getattr(inner, "forward_in_progress", False)  # moe-sbo's; SGLang's has none
     ref = reference(dequantized(x) if wire == "fp8" else x, ids, weights, w_gate_up, w_down)
     error = ((y.float() - ref).norm() / ref.norm()).item()
     return {
@@ -134,20 +134,27 @@ def forward_rank(
         "class": type(d).__name__,
         "inner": type(inner).__name__,
         "format": out.format.value,
-        "schemes": schemes,
-        "forward_left": buffer is not None,
+        "schemes": sorted(schemes),
+        "forward_left": in_forward,
     }
 
 
-def _schemes() -> list[str]:
-    """The moe-sbo dispatchers the process buffer ran (what DeepEP's modes mapped to)."""
-    from sglang.srt.runtime_context import get_resources
+def schemes_seen(num_experts: int) -> set[str]:
+    """The names of the moe-sbo dispatchers the process buffer runs from now on (what DeepEP's modes
+    map to), through the buffer's hooks. The buffer is SGLang's ``DeepEPBuffer.get_deepep_buffer``'s:
+    the plugin's, made here first, then found by the dispatcher."""
+    from sglang.srt.layers.moe import get_deepep_mode
+    from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPBuffer
+    from sglang.srt.runtime_context import get_parallel
 
-    state = get_resources().buffers.get("deepep_ep_state")
-    if state is None or state.buffer is None:
-        return []
-    buffer = state.buffer
-    return sorted({d.name for d in (*buffer._normal.values(), *buffer._low_latency.values())})
+    import moe_sbo.deep_ep
+
+    group = get_parallel().tp_group.device_group
+    buffer = DeepEPBuffer.get_deepep_buffer(group, HIDDEN, 2, get_deepep_mode(), 128, num_experts)
+    assert isinstance(buffer, moe_sbo.deep_ep.Buffer), type(buffer)
+    seen: set[str] = set()
+    buffer.hooks.register("pre_dispatch", lambda dispatcher, payload: seen.add(dispatcher.name))
+    return seen
 
 
 CASES = [
@@ -198,7 +205,7 @@ def refused_rank(device, wire: str, mode: str) -> str:
         try:
             d.dispatch(hidden_states=x, topk_output=StandardTopKOutput(weights, ids, torch.zeros(TOKENS, 8)))
         except ValueError as err:
-            assert d._inners[0]._forward is None, "a refused forward leaves nothing behind"
+            assert not d._inners[0].forward_in_progress, "a refused forward leaves nothing behind"
             return str(err)
     return "accepted"
 

@@ -215,6 +215,11 @@ class MoeSboDispatcher(BaseDispatcher):
             self._abandon()
         return combined
 
+    @property
+    def forward_in_progress(self) -> bool:
+        """Whether a forward was dispatched and not yet combined (its hooks are then registered)."""
+        return self._forward is not None
+
     # ---- internals ----------------------------------------------------------------------------
 
     def _require_forward(self, phase: str) -> _Forward:
