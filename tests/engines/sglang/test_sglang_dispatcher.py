@@ -225,3 +225,45 @@ def test_node_aware_two_nodes_of_two(dispatcher, ranks4):
         for r in ranks4.run(forward_rank, dispatcher, "normal", dtype, 2, False):
             assert r["error"] <= TOLERANCE[dtype], r
             assert r["schemes"] == ["node_aware"]
+
+
+def two_batch_rank(device, dispatcher: str, mode: str) -> dict:
+    """SGLang's two-batch overlap order on one layer: micro-batches 0 and 1 interleaved through
+    ``dispatch_a``/``dispatch_b``/``combine_a``/``combine_b`` with ``tbo_subbatch_index``, both in
+    flight at once on the process buffer -> each micro-batch's error to the reference."""
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.runtime_context import get_flags
+
+    sglang_runtime.ensure(mode)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_experts = 4 * world
+    w_gate_up, w_down = expert_weights(num_experts, HIDDEN)
+    x, ids, weights = routing(rank, num_experts, torch.float32)
+    halves = [slice(0, TOKENS // 2), slice(TOKENS // 2, TOKENS)]
+    first = rank * (num_experts // world)
+    with (
+        sglang_runtime.plugin_choice(dispatcher, None, None),
+        sglang_runtime.sglang_deep_gemm_path(),
+        get_flags().moe.override(tbo_enabled=True),
+    ):
+        d = sglang_runtime.create_dispatcher(num_experts, HIDDEN, TOP_K, torch.float32)
+        for i, part in enumerate(halves):
+            topk = StandardTopKOutput(weights[part], ids[part], torch.zeros(TOKENS // 2, num_experts))
+            d.dispatch_a(hidden_states=x[part], topk_output=topk, tbo_subbatch_index=i)
+        outs = [d.dispatch_b(tbo_subbatch_index=i) for i in range(2)]
+        for i, out in enumerate(outs):
+            d.combine_a(combine_input=experts_on(out, w_gate_up, w_down, first), tbo_subbatch_index=i)
+        ys = [d.combine_b(tbo_subbatch_index=i) for i in range(2)]
+    errors = []
+    for part, y in zip(halves, ys):
+        ref = reference(x[part], ids[part], weights[part], w_gate_up, w_down)
+        errors.append(((y - ref).norm() / ref.norm()).item())
+    return {"errors": errors, "inners": [type(inner).__name__ for inner in d._inners]}
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("dispatcher", ["deep_ep", "moe_sbo"])
+def test_two_batch_overlap_order(dispatcher, mode, ranks2):
+    for r in ranks2.run(two_batch_rank, dispatcher, mode):
+        assert max(r["errors"]) <= TOLERANCE[torch.float32], r
+        assert len(r["inners"]) == 2
