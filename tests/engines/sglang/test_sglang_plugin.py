@@ -47,9 +47,7 @@ def test_entry_point_registers_hooks_only_when_on(monkeypatch):
 
     (entry,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "moe_sbo"]
     assert entry.load() is plugin.register
-    targets = {plugin.CREATE_MOE_DISPATCHER, plugin.GET_DEEPEP_BUFFER} | {
-        f"{plugin.SBO_FLAGS}.{name}" for name in plugin.SBO_FLAG_ANSWERS
-    }
+    targets = set(sglang_runtime.plugin_targets())
     saved = {t: list(HookRegistry._hooks.get(t, [])) for t in targets}
     try:
         for t in targets:
