@@ -267,3 +267,35 @@ def test_two_batch_overlap_order(dispatcher, mode, ranks2):
     for r in ranks2.run(two_batch_rank, dispatcher, mode):
         assert max(r["errors"]) <= TOLERANCE[torch.float32], r
         assert len(r["inners"]) == 2
+
+
+def auto_mode_rank(device, dispatcher: str) -> list[dict]:
+    """``--deepep-mode auto`` as a server runs it: an extend batch (normal mode), then decode batches
+    (low-latency; SGLang's ``DeepEPBuffer`` cleans the buffer's low-latency state on the switch), then
+    an extend batch again, on one dispatcher -> each forward's format and error."""
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.runtime_context import get_forward
+
+    sglang_runtime.ensure("auto")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_experts = 4 * world
+    w_gate_up, w_down = expert_weights(num_experts, HIDDEN)
+    first = rank * (num_experts // world)
+    results = []
+    with sglang_runtime.plugin_choice(dispatcher, None, None), sglang_runtime.sglang_deep_gemm_path():
+        d = sglang_runtime.create_dispatcher(num_experts, HIDDEN, TOP_K, torch.float32)
+        for step, extend in enumerate((True, False, False, True)):
+            x, ids, weights = routing(rank + 10 * step, num_experts, torch.float32)
+            with get_forward().scoped(is_extend_in_batch=extend):
+                out = d.dispatch(hidden_states=x, topk_output=StandardTopKOutput(weights, ids, torch.zeros(0)))
+                y = d.combine(combine_input=experts_on(out, w_gate_up, w_down, first))
+            ref = reference(x, ids, weights, w_gate_up, w_down)
+            results.append({"format": out.format.value, "error": ((y - ref).norm() / ref.norm()).item()})
+    return results
+
+
+@pytest.mark.parametrize("dispatcher", ["deep_ep", "moe_sbo"])
+def test_auto_mode_switches_per_batch(dispatcher, ranks2):
+    for results in ranks2.run(auto_mode_rank, dispatcher):
+        assert [r["format"] for r in results] == ["deepep_normal", "deepep_ll", "deepep_ll", "deepep_normal"]
+        assert max(r["error"] for r in results) <= TOLERANCE[torch.float32], results
