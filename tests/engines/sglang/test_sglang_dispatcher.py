@@ -271,8 +271,8 @@ def test_two_batch_overlap_order(dispatcher, mode, ranks2):
 
 def auto_mode_rank(device, dispatcher: str) -> list[dict]:
     """``--deepep-mode auto`` as a server runs it: an extend batch (normal mode), then decode batches
-    (low-latency; SGLang's ``DeepEPBuffer`` cleans the buffer's low-latency state on the switch), then
-    an extend batch again, on one dispatcher -> each forward's format and error."""
+    (low-latency; with ``deep_ep``, SGLang's ``DeepEPBuffer`` cleans the buffer's low-latency state on
+    the switch), then an extend batch again, on one dispatcher -> each forward's format and error."""
     from sglang.srt.layers.moe.topk import StandardTopKOutput
     from sglang.srt.runtime_context import get_forward
 
