@@ -196,8 +196,8 @@ class PackReplays:
     an eager dispatch through the dispatcher's index graphs hands out the same buffers every time a
     set comes round, and the receive tensors are this Buffer's own, so one graph per combination
     replaces a Triton launch (tens of microseconds of host) by a replay. A combination is captured
-    the second time it is seen (a first sighting may be a one-off address); at most
-    ``MAX_PACK_GRAPHS`` are kept."""
+    the second time it is seen (a first sighting may be a one-off tensor); at most
+    ``MAX_PACK_GRAPHS`` graphs and ``MAX_PACK_GRAPHS * 16`` sightings are kept."""
 
     graphs: dict[tuple, torch.cuda.CUDAGraph] = field(default_factory=dict)
     seen: set[tuple] = field(default_factory=set)
@@ -214,30 +214,27 @@ class PackReplays:
         fixed = getattr(output.handle, "fixed", None)
         if x_NH.device.type != "cuda" or capturing(x_NH.device) or not hasattr(fixed, "pair_row_SK"):
             return pack_rows(output, rows_per_expert, x_NH, scales_NQ, count_L, ok_1)
-        # Addresses say which tensors these are; the shapes of the three that set the grid and the
-        # row width say how they are read (the others follow from them on one dispatcher).
-        tensors = (
-            output.expert_x_RH,
-            output.expert_rows_R,
-            output.expert_scales_RQ,
-            output.num_rows_per_expert_L,
-            fixed.pair_row_SK,  # type: ignore[union-attr]
-            fixed.num_real_1,  # type: ignore[union-attr]
-            x_NH,
-            scales_NQ,
-            count_L,
-            ok_1,
-        )
+        # The tensors themselves (their ids): a graph keeps those it captured alive, so an id in a
+        # cached key cannot be another tensor's; eager rounds of the index graphs hand out the same
+        # tensors each time their set comes round.
         key = (
             rows_per_expert,
-            output.expert_x_RH.shape,
-            fixed.pair_row_SK.shape,  # type: ignore[union-attr]
-            x_NH.shape,
-            *(0 if t is None else t.data_ptr() for t in tensors),
+            id(output.expert_x_RH),
+            id(output.expert_rows_R),
+            id(output.expert_scales_RQ),
+            id(output.num_rows_per_expert_L),
+            id(fixed.pair_row_SK),  # type: ignore[union-attr]
+            id(fixed.num_real_1),  # type: ignore[union-attr]
+            id(x_NH),
+            id(scales_NQ),
+            id(count_L),
+            id(ok_1),
         )
         graph = self.graphs.get(key)
         if graph is None:
             if key not in self.seen or len(self.graphs) >= MAX_PACK_GRAPHS:
+                if len(self.seen) >= MAX_PACK_GRAPHS * 16:  # one-off tensors (launched kernels' outputs)
+                    self.seen.clear()
                 self.seen.add(key)
                 return pack_rows(output, rows_per_expert, x_NH, scales_NQ, count_L, ok_1)
             # No warm-up run: the kernel rewrites the layout in place, so it must run once per round.

@@ -51,7 +51,7 @@ from ...quant.fp8 import FP8_GROUP
 from ...streams import capturing
 from ..base import Dispatcher, EPGroup, register_dispatcher
 from ..records import CombineInput, DispatchHandle, DispatchInput, DispatchOutput, Pending
-from .graphs import RoundGraphs, Staging
+from .graphs import PieceGraph, RoundGraphs, Staging
 from .options import LowLatencyOptions, check_built_alike
 from .paths import Path, PathSpec, Round, ShapeSets, TorchPath
 from .reference import FixedLayout
@@ -338,12 +338,33 @@ class LowLatencyDispatcher(Dispatcher):
                 f"on {weights_TK.device}"
             )
         self._check_round(r.generation)
-        assert r.buffers.dispatch_dst is not None, "buffers made where Triton imports have destinations"
-        restamp_weights(
-            weights_TK.contiguous(), r.slot_TP, r.sets.fmt, r.buffers.dispatch_dst, self.settings.max_tokens_per_rank
-        )
-        if r.buffers.dispatch_barrier is not None:
-            r.buffers.dispatch_barrier.wait()  # every rank's new weights are in this rank's rows after it
+        dst, barrier, fmt = r.buffers.dispatch_dst, r.buffers.dispatch_barrier, r.sets.fmt
+        assert dst is not None, "buffers made where Triton imports have destinations"
+        capacity = self.settings.max_tokens_per_rank
+
+        def restamp(weights: torch.Tensor, slot_TP: torch.Tensor = r.slot_TP) -> None:
+            restamp_weights(weights, slot_TP, fmt, dst, capacity)
+            if barrier is not None:
+                barrier.wait()  # every rank's new weights are in this rank's rows after it
+
+        if r.path.inside_capture:  # launched each round (the fused kernels, or a caller's capture)
+            restamp(weights_TK.contiguous())
+            return
+        # An eager round of the index graphs: the weights go to the set's staging and a piece per T
+        # replays the kernel and the barrier (one launch each would cost the host far more).
+        graphs = r.graphs
+        if graphs.restamp_weights_CK is None:
+            with torch.inference_mode(False):
+                graphs.restamp_weights_CK = torch.empty(capacity, fmt.top_k, dtype=torch.float32, device=device)
+        staged = graphs.restamp_weights_CK[: r.num_tokens]
+        staged.copy_(weights_TK)
+        piece = graphs.restamp.get(r.num_tokens)
+        if piece is None:
+            # The set's slot_TP is a view of its staging: the same tensor every round of this T.
+            piece = graphs.restamp[r.num_tokens] = PieceGraph(
+                lambda: restamp(staged), capture=device.type == "cuda", addresses=None
+            )
+        piece()
 
     def max_rounds_in_flight(self) -> int:
         return self.settings.num_buffers

@@ -49,7 +49,7 @@ Triton interpreter) the same staged path runs without capture, which is what the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -186,3 +186,7 @@ class RoundGraphs:
     received_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
     combine: PieceGraph | None = None
     combine_end: PieceGraph | None = None
+    # ``set_combine_weights`` of an eager round: the weights staged here (float32 [C, K], made on first
+    # use), then a piece per T that writes them into the rows and ends with the set's barrier.
+    restamp_weights_CK: torch.Tensor | None = None
+    restamp: dict[int, PieceGraph] = field(default_factory=dict)
