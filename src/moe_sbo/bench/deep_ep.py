@@ -15,7 +15,8 @@ combine: ``compat``) and with the weights given at dispatch as well (moe-sbo's `
 keyword: one row per (token, rank), weighted on the experts' ranks: ``weighted``).
 
 Rows (``bench="deep_ep"``) in ``OUT/deep_ep.json``, one per dispatch dtype: ``t_native_us`` /
-``t_compat_us`` / ``t_weighted_us`` (median replay of one captured dispatch + combine, slowest rank),
+``t_compat_us`` / ``t_weighted_us`` (median replay of one captured dispatch + combine, slowest rank;
+the median of ``ROUNDS`` rounds that take the three steps in turn),
 ``replay_ratio`` and ``weighted_replay_ratio`` (target <= 1.10), ``host_*_us`` (median host time of
 one eager pair, slowest rank) and ``host_delta_us`` / ``weighted_host_delta_us`` (target <= 20).
 Ranks sharing a GPU (one-GPU machine) label the file ``wire: shared-gpu``: host cost and relative
@@ -42,6 +43,7 @@ from ..measure.results import ResultFile, result_meta
 from ..measure.timing import line_up, time_fn
 
 TARGETS = {"replay_ratio": 1.10, "host_delta_us": 20.0}
+ROUNDS = 5  # interleaved measurement rounds; each figure is the median over them
 
 
 def host_us(fn, device: torch.device, warmup: int, iters: int) -> float:
@@ -96,16 +98,18 @@ def measure_rank(
         native_y, compat_y, weighted_y = native_step(), compat_step().clone(), weighted_step()
         err = ((native_y.float() - compat_y.float()).abs().max() / native_y.float().abs().max()).item()
         weighted_err = ((native_y.float() - weighted_y.float()).abs().max() / native_y.float().abs().max()).item()
-        row = {
-            "t_native_us": time_fn(native_step, device, warmup, iters, graph=graph),
-            "t_compat_us": time_fn(compat_step, device, warmup, iters, graph=graph),
-            "t_weighted_us": time_fn(weighted_step, device, warmup, iters, graph=graph),
-            "host_native_us": host_us(native_step, device, warmup, iters),
-            "host_compat_us": host_us(compat_step, device, warmup, iters),
-            "host_weighted_us": host_us(weighted_step, device, warmup, iters),
-            "rel_err_compat_vs_native": err,
-            "rel_err_weighted_vs_native": weighted_err,
-        }
+        # Interleaved rounds, each step's median over them: ranks sharing a GPU drift between rounds
+        # (scheduling, clocks), and a drift that hits one step's whole measurement would skew a ratio.
+        steps = {"native": native_step, "compat": compat_step, "weighted": weighted_step}
+        replays: dict[str, list[float]] = {name: [] for name in steps}
+        hosts: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(ROUNDS):
+            for name, step in steps.items():
+                replays[name].append(time_fn(step, device, warmup, iters, graph=graph))
+                hosts[name].append(host_us(step, device, warmup, iters))
+        row = {f"t_{name}_us": statistics.median(replays[name]) for name in steps}
+        row.update({f"host_{name}_us": statistics.median(hosts[name]) for name in steps})
+        row.update(rel_err_compat_vs_native=err, rel_err_weighted_vs_native=weighted_err)
     return row
 
 
@@ -123,7 +127,8 @@ def main(args: argparse.Namespace) -> int:
         iters=args.iters,
         targets=TARGETS,
         timing="replays: median of CUDA-graph replays of one dispatch + combine (measure.timing.time_fn); host: "
-        "median perf_counter span of one eager pair after a line-up; per row the slowest rank",
+        "median perf_counter span of one eager pair after a line-up; each the median of 5 rounds taking the "
+        "steps in turn; per row the slowest rank",
     )
     results = ResultFile(out_dir / "deep_ep.json", meta)
     pool = RankPool(world, args.device)
