@@ -116,8 +116,9 @@ def _subgroup(ep: EPGroup, members: tuple[int, ...], ranks: tuple[int, ...]) -> 
 
 
 def clear_subgroups() -> None:
-    """Forget the groups ``_subgroup`` made: for a process whose default group was destroyed (a group
-    re-formed without a lost rank, ``launch/elastic.py``), whose subgroups went with it."""
+    """Forget the groups ``_subgroup`` made: for a process that destroys its groups to re-form without
+    a lost rank (``launch/elastic.py``). A gloo group closes its connections only when the last
+    reference to it goes, and a peer blocked in it fails only then."""
     _SUBGROUPS.clear()
 
 

@@ -121,7 +121,7 @@ class ReplicaTable:
     def __init__(self, placement: Placement, rank: int, device: torch.device, ranks_per_node: int | None = None):
         self.rank, self.num_ranks = rank, placement.num_ranks
         self.ranks_per_node = ranks_per_node or placement.num_ranks
-        width = min(placement.num_ranks, 1 + placement.num_redundant)
+        width = max(1, min(placement.num_ranks, 1 + placement.num_redundant))  # partial: may have fewer slots than E
         self.choices_EW = torch.zeros(placement.num_logical, width, dtype=torch.int64, device=device)
         self.count_E = torch.ones(placement.num_logical, dtype=torch.int64, device=device)
         self.masked_E = torch.zeros(placement.num_logical, dtype=torch.bool, device=device)

@@ -241,6 +241,7 @@ class ElasticGroup:
         except RankFenced:
             raise
         except RuntimeError as err:  # gloo/NCCL errors and expired waits (DistBackendError included)
+            err.__traceback__ = None  # its frames hold the failed forward's pending work (and the group)
             y_TH = self._recover(op, elastic, x_TH, err)
         self._last_layer = elastic
         return y_TH
@@ -306,10 +307,14 @@ class ElasticGroup:
             return y_TH
 
     def _drop_group(self) -> None:
-        """Destroy this process's groups: peers blocked on this rank fail at once."""
+        """Destroy this process's groups and drop every reference to them (the layers' dispatchers,
+        node_aware's legs): a gloo group closes its connections only when its last reference goes, and
+        then peers blocked on this rank fail at once instead of at the bound."""
+        for elastic in self.layers.items:
+            elastic.retire_dispatcher()
+        clear_subgroups()
         if dist.is_initialized():
             dist.destroy_process_group()
-        clear_subgroups()
 
     def _key(self, *parts: object) -> str:
         return "/".join((PREFIX, f"e{self.epoch}", *map(str, parts)))
@@ -543,23 +548,43 @@ class ElasticMoE:
         flat = torch.tensor([e for row in wanted for e in row], dtype=torch.int64)
         self._rebuild(Placement(flat, num_logical, group.size))
 
+    def retire_dispatcher(self) -> None:
+        """Keep what the next dispatcher needs (``_DispatcherSpec``) and let the old one go, with its
+        references to the old group."""
+        old = self.layer.dispatcher
+        if old is not None:
+            self._spec = _DispatcherSpec(old.name, dict(old.options), old.hooks, old.deliver_fp8, old.ep.ranks_per_node)
+            self.layer.dispatcher = None  # two-batch overlap's twin goes with it (a weak-keyed cache)
+
     def _rebuild(self, placement: Placement) -> None:
         """The layer's dispatcher, placement and replica table over the current group (the dispatcher's
         hooks carry over: the same registry)."""
-        layer, old = self.layer, self.layer.dispatcher
+        self.retire_dispatcher()
+        layer, spec = self.layer, self._spec
         size, rank = dist.get_world_size(), dist.get_rank()
-        per_node = old.ep.ranks_per_node
+        per_node = spec.ranks_per_node
         ep = EPGroup(None, rank, size, per_node if per_node and size % per_node == 0 else None)
-        options = dict(old.options)
+        options = dict(spec.options)
         if options.get("ranks_per_node") and size % options["ranks_per_node"]:
             options.pop("ranks_per_node")  # node_aware: the nodes no longer split evenly; one node
-        new = make_dispatcher(old.name, placement.num_physical, ep, **options)
-        new.hooks = old.hooks
-        new.deliver_fp8 = old.deliver_fp8
+        new = make_dispatcher(spec.name, placement.num_physical, ep, **options)
+        new.hooks = spec.hooks
+        new.deliver_fp8 = spec.deliver_fp8
         layer.dispatcher = new
         layer.placement = placement
         device = layer.router.weight.device
         layer.replicas = ReplicaTable(placement, rank, device, ranks_per_node=new.ep.node_size)
+
+
+@dataclass(frozen=True)
+class _DispatcherSpec:
+    """What a layer's dispatcher is made of, beyond its group: rebuilt from this over a new group."""
+
+    name: str
+    options: dict
+    hooks: Any
+    deliver_fp8: bool
+    ranks_per_node: int | None
 
 
 def spare_slot_plan(held: list[list[int]], missing: Sequence[int]) -> tuple[list[list[int]], list[int]]:
