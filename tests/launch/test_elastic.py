@@ -145,3 +145,87 @@ def test_a_rank_killed_at_each_point_the_survivors_recover(dispatcher, point, wo
     recoveries = _check_survivors(answers, victim, world)
     # The forward in flight was re-run degraded by the ranks that had not finished it.
     assert any(r.reran for r in recoveries)
+
+
+# ---- a stalled rank is declared lost, and fenced off when it wakes -----------------------------------
+
+STALL_BOUND_S = 2.0  # the stall test's collective timeout: a short bound, so the case costs seconds
+STALL_S = 5.0  # the victim's stall: past the bound plus agree_s, so the others have gone on
+
+
+def _stalled(device, dispatcher, victim, how):
+    """The victim stalls in forward 1 (``sleep``: alive, its heartbeat going; ``stop``: the launcher
+    freezes it with SIGSTOP) and wakes after the others went on: it must raise ``RankFenced``."""
+    group = elastic.session()
+    el = ElasticMoE(_layer(dispatcher, group), group, _source(device))
+    me = group.member
+    calls = {"n": 0}
+    if me == victim:
+
+        def stall(dispatcher, payload):
+            if calls["n"] == 1:
+                if how == "sleep":
+                    time.sleep(STALL_S)
+                else:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+
+        el.layer.dispatcher.hooks.register("dispatch_in_flight", stall)
+    errors = []
+    with torch.inference_mode():
+        for forward in range(3):
+            x = _inputs(me, forward)
+            before = len(group.recoveries)
+            y = el(x)
+            calls["n"] += 1
+            recovered = group.recoveries[-1] if len(group.recoveries) > before else None
+            masked = recovered.missing_experts if recovered is not None and recovered.reran else ()
+            errors.append(_relative(y, _reference(masked)(x)))
+    return {"errors": errors, "recoveries": group.recoveries, "members": group.members}
+
+
+@pytest.mark.parametrize("how", ["sleep", "stop"])
+def test_a_stalled_rank_is_declared_lost_and_fenced_off_when_it_wakes(how):
+    world, victim = 4, 2
+    options = ElasticOptions(spare_slots_per_rank=SPARE[world], dead_after_s=1.0, agree_s=1.0)
+    with LocalRanks(world, elastic=options, collective_timeout_s=STALL_BOUND_S) as ranks:
+        waker = None
+        if how == "stop":  # the launcher wakes the frozen rank once the others have gone on
+            pid = ranks.pids[victim]
+            waker = threading.Timer(STALL_S, os.kill, (pid, signal.SIGCONT))
+            waker.start()
+        answers = ranks.run(_stalled, "alltoall", victim, how)
+        if waker is not None:
+            waker.join()
+        fenced = answers[victim]
+        assert isinstance(fenced, RankFailure) and "RankFenced" in fenced.cause, fenced
+        survivors = [a for i, a in enumerate(answers) if i != victim]
+        for answer in survivors:
+            assert not isinstance(answer, RankFailure), answer.details or answer.cause
+            (recovery,) = answer["recoveries"]
+            assert recovery.lost == (victim,) and answer["members"] == (0, 1, 3), recovery
+            assert max(answer["errors"]) <= 1e-5, answer["errors"]
+            assert recovery.t_detect_ms < 1e3 * BOUND_S, recovery
+        # The fenced process answered and exited; the survivors serve on without it.
+        deadline = time.monotonic() + 10
+        while ranks.pids and time.monotonic() < deadline and _alive(ranks.pids[victim]):
+            time.sleep(0.05)
+        assert not _alive(ranks.pids[victim])
+        again = ranks.run(_serve_on, "alltoall")
+        assert [a for i, a in enumerate(again) if i != victim] == [True] * (world - 1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _serve_on(device, dispatcher):
+    """One more forward of the layer the previous call made (kept in this rank's group), checked."""
+    group = elastic.session()
+    (el,) = group.layers.items
+    x = _inputs(group.member, 7)
+    with torch.inference_mode():
+        return _relative(el(x), _reference()(x)) <= 1e-5
