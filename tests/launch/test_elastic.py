@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sbo.config import get_preset
+from moe_sbo.eplb.runtime import initial_placement
 from moe_sbo.launch import elastic
 from moe_sbo.launch.elastic import ElasticMoE, ElasticOptions, RankFenced
 from moe_sbo.launch.failures import RankFailure
@@ -229,3 +230,96 @@ def _serve_on(device, dispatcher):
     x = _inputs(group.member, 7)
     with torch.inference_mode():
         return _relative(el(x), _reference()(x)) <= 1e-5
+
+
+# ---- a replacement rejoins; loss/rejoin cycles leak nothing -----------------------------------------
+
+
+def _start_layer(device, dispatcher):
+    """Make this rank's elastic layer (kept in its group for the calls that follow)."""
+    group = elastic.session()
+    ElasticMoE(_layer(dispatcher, group), group, _source(device))
+    return group.member
+
+
+def _forward_or_die(device, victim, forward):
+    """One forward; ``victim`` dies before it. Answers the relative error to the reference it must
+    equal (degraded if this forward was re-run after the loss, else the full layer)."""
+    group = elastic.session()
+    if group.member == victim:
+        _kill()
+    (el,) = group.layers.items
+    x = _inputs(group.member, forward)
+    before = len(group.recoveries)
+    with torch.inference_mode():
+        y = el(x)
+    recovered = group.recoveries[-1] if len(group.recoveries) > before else None
+    masked = recovered.missing_experts if recovered is not None and recovered.reran else ()
+    with torch.inference_mode():
+        return _relative(y, _reference(masked)(x))
+
+
+def _admit_or_join(device, dispatcher):
+    """Members admit the process that waits; the new process joins and makes its layer. Then one
+    forward, compared with the full layer; and this rank's placement, size and resources."""
+    group = elastic.session()
+    if group.member in group.members:
+        group.admit()
+    else:
+        group.join(lambda: [_layer(dispatcher, group, seed=None)], _source(device))
+    (el,) = group.layers.items
+    x = _inputs(group.member, 50)
+    with torch.inference_mode():
+        error = _relative(el(x), _reference()(x))
+    return {
+        "error": error,
+        "size": group.size,
+        "rows": el.layer.placement.rows(),
+        "threads": threading.active_count(),
+        "tasks": len(os.listdir("/proc/self/task")),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "rss_kb": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024,
+    }
+
+
+def _values(answers):
+    failed = [a for a in answers if isinstance(a, RankFailure) and a.cause != "lost before this call"]
+    return failed, [a for a in answers if not isinstance(a, RankFailure)]
+
+
+def test_rejoin_ep8_to_ep7_to_ep8_equals_the_original_layer():
+    world = 8
+    with LocalRanks(world, elastic=_options(world), collective_timeout_s=20) as ranks:
+        ranks.run(_start_layer, "alltoall")
+        answers = ranks.run(_forward_or_die, 5, 0)  # rank 5 dies; forward 0 re-run on 7 ranks
+        failed, errors = _values(answers)
+        assert [f.rank for f in failed] == [5] and len(errors) == 7 and max(errors) <= 1e-5, answers
+        ranks.add_rank()
+        answers = ranks.run(_admit_or_join, "alltoall")
+        failed, values = _values(answers)
+        assert not failed and len(values) == 8, failed
+        original = initial_placement(get_preset("tiny").num_experts, world, _options(world).eplb()).rows()
+        for value in values:
+            assert value["size"] == 8 and value["error"] <= 1e-5, value
+            assert value["rows"] == original  # back to the original placement, the joiner at rank 7
+
+
+def test_twenty_loss_and_rejoin_cycles_grow_nothing():
+    world, cycles = 4, 20
+    with LocalRanks(world, elastic=_options(world), collective_timeout_s=20) as ranks:
+        ranks.run(_start_layer, "alltoall")
+        samples = []
+        for cycle in range(cycles):
+            members = [i for i in range(len(ranks.pids)) if i in ranks._alive]
+            victim = members[1 + cycle % (world - 1)]  # never the first: it is the one measured
+            answers = ranks.run(_forward_or_die, victim, cycle)
+            failed, errors = _values(answers)
+            assert [f.rank for f in failed] == [victim] and max(errors) <= 1e-5, (cycle, answers)
+            ranks.add_rank()
+            failed, values = _values(ranks.run(_admit_or_join, "alltoall"))
+            assert not failed and all(v["error"] <= 1e-5 and v["size"] == world for v in values), (cycle, failed)
+            samples.append(values[0])
+    first, last = samples[1], samples[-1]  # after one cycle: lazily made things exist
+    assert last["threads"] == first["threads"] and last["tasks"] <= first["tasks"], (first, last)
+    assert last["fds"] <= first["fds"], (first, last)
+    assert last["rss_kb"] - first["rss_kb"] < 20 * 1024, (first, last)

@@ -196,6 +196,17 @@ def _start_forkserver(ctx: mp.context.ForkServerContext) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def _drain(answers: Queue) -> list[tuple]:
+    """Every answer waiting in ``answers`` now (none if its pipe broke under a rank that died writing)."""
+    got: list[tuple] = []
+    try:
+        while True:
+            got.append(answers.get_nowait())
+    except (queue.Empty, EOFError, OSError, ValueError):
+        pass
+    return got
+
+
 class LocalRanks:
     """``world_size`` local processes in one process group, running functions on request.
 
@@ -249,6 +260,7 @@ class LocalRanks:
         self._procs: list = []
         self._tasks: list = []
         self._results: Queue[Any] | None = None
+        self._answer_queues: list[Queue[Any]] = []
         self._phase_slots: Any = None  # two shared bytes per rank: its dispatcher phase (profiling)
         self._call = 0
         self._closed = False
@@ -307,6 +319,9 @@ class LocalRanks:
     def _start_once(self) -> None:
         self.starts += 1
         self._results = self._ctx.Queue()  # fresh queues: a stopped rank may have left one half-written
+        # Elastic: a queue per rank. A rank killed while its queue's feeder holds the shared write lock
+        # would keep it forever, and every other rank's answers would wait behind it.
+        self._answer_queues = [self._ctx.Queue() for _ in range(self.world_size)] if self.elastic else []
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._phase_slots = self._ctx.RawArray("B", 2 * (self.world_size + MAX_ADDED_RANKS))
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -326,7 +341,7 @@ class LocalRanks:
                     self.device,
                     self.collective_timeout_s,
                     self._tasks[r],
-                    self._results,
+                    self._answer_queues[r] if self.elastic else self._results,
                     self._phase_slots,
                     self.environ,
                     joins[r],
@@ -412,20 +427,25 @@ class LocalRanks:
                 )
             for answer in self._answers():
                 self._book(self._call, answer, values, failures)
-            self._notice_deaths(failures)
+            self._notice_deaths(values, failures)
         return [
             values[i] if i in values else failures.get(i) or RankFailure(i, "died", "lost before this call", "", 0.0)
             for i in range(len(self._procs))
         ]
 
-    def _notice_deaths(self, failures: dict[int, RankFailure]) -> None:
+    def _notice_deaths(self, values: dict[int, Any], failures: dict[int, RankFailure]) -> None:
         """Processes that ended: marked dead in the store (the survivors need not wait for a heartbeat)."""
         for index in sorted(self._alive):
             proc = self._procs[index]
             if not proc.is_alive():
+                for answer in _drain(self._answer_queues[index]):  # its last answer, if it gave one
+                    self._book(self._call, answer, values, failures)
                 self._alive.discard(index)
+                for q in (self._tasks[index], self._answer_queues[index]):
+                    q.cancel_join_thread()
+                    q.close()
                 self._store.set(f"{ELASTIC_PREFIX}/dead/{self._members[index]}", "1")
-                if index not in failures:
+                if index not in failures and index not in values:
                     failures[index] = RankFailure(index, "died", exit_cause(proc.exitcode), "", time.time())
 
     def add_rank(self) -> int:
@@ -438,10 +458,10 @@ class LocalRanks:
             raise ValueError(f"at most {MAX_ADDED_RANKS} ranks can be added to one LocalRanks; make a new one")
         member = max(self._members) + 1
         how = ElasticJoin("127.0.0.1", self._store.port, self.elastic, member, ())
-        tasks = self._ctx.Queue()
+        tasks, answers = self._ctx.Queue(), self._ctx.Queue()
         proc = self._ctx.Process(
             target=_worker,
-            args=(index, self.world_size, "", self.device, self.collective_timeout_s, tasks, self._results),
+            args=(index, self.world_size, "", self.device, self.collective_timeout_s, tasks, answers),
             kwargs={"phase_slots": self._phase_slots, "environ": self.environ, "elastic": how},
             daemon=True,
         )
@@ -449,6 +469,7 @@ class LocalRanks:
             proc.start()
         self._procs.append(proc)
         self._tasks.append(tasks)
+        self._answer_queues.append(answers)
         self._members.append(member)
         self._alive.add(index)
         deadline = time.monotonic() + self.timeout_s
@@ -475,6 +496,12 @@ class LocalRanks:
         if self._results is None:
             raise RuntimeError("the ranks are stopped, so there are no answers to read; start them first")
         answers: list[tuple] = []
+        if self.elastic is not None:
+            for index in sorted(self._alive):
+                answers += _drain(self._answer_queues[index])
+            if not answers:
+                time.sleep(POLL_S)
+            return answers
         try:
             answers.append(self._results.get(timeout=POLL_S))
             while True:  # drain, so that a rank's answer is booked before its process is seen dead
@@ -518,11 +545,11 @@ class LocalRanks:
         self._store = None  # elastic: the store goes with the ranks
 
     def _close_queues(self) -> None:
-        for q in (*self._tasks, self._results):
+        for q in (*self._tasks, *self._answer_queues, self._results):
             if q is not None:
                 q.cancel_join_thread()  # never block on a pipe no one will read again
                 q.close()
-        self._tasks, self._results = [], None
+        self._tasks, self._answer_queues, self._results = [], [], None
 
     def close(self) -> None:
         """Ask every rank to leave the group and exit; stop those that do not within 10 s."""
