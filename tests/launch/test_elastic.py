@@ -323,3 +323,53 @@ def test_twenty_loss_and_rejoin_cycles_grow_nothing():
     assert last["threads"] == first["threads"] and last["tasks"] <= first["tasks"], (first, last)
     assert last["fds"] <= first["fds"], (first, last)
     assert last["rss_kb"] - first["rss_kb"] < 20 * 1024, (first, last)
+
+
+# ---- the policy: degraded serving allowed or not, restore now or later -------------------------------
+
+
+def _policy(device, victim, with_source):
+    """The victim dies before forward 1; forwards 1-2 are compared with the reference they must equal
+    under the group's policy; with ``restore=False`` the caller restores before forward 3."""
+    group = elastic.session()
+    options = group.options
+    el = ElasticMoE(_layer("alltoall", group), group, _source(device) if with_source else None)
+    errors, missing = [], ()
+    with torch.inference_mode():
+        for forward in range(4):
+            if forward == 1 and group.member == victim:
+                _kill()
+            if forward == 3 and not options.restore:
+                report = el.restore()
+                assert report.loaded_total == len(missing) and not report.still_missing, report
+            x = _inputs(group.member, forward)
+            y = el(x)
+            if group.recoveries:
+                missing = group.recoveries[0].missing_experts
+            # Forward 1 is re-run degraded if allowed (else after the restore); forward 2 is degraded
+            # until the caller restores (restore=False); forward 3 runs restored.
+            masked = {1: missing if options.degraded else (), 2: () if options.restore else missing}.get(forward, ())
+            errors.append(_relative(y, _reference(masked)(x)))
+    return {"errors": errors, "recovery": group.recoveries[0], "masked_now": el.missing_experts}
+
+
+@pytest.mark.parametrize(("degraded", "restore"), [(False, True), (True, False)])
+def test_policy_degraded_or_not_restore_now_or_later(degraded, restore):
+    world, victim = 4, 0
+    options = ElasticOptions(spare_slots_per_rank=SPARE[world], degraded=degraded, restore=restore, dead_after_s=2.0)
+    with LocalRanks(world, elastic=options, collective_timeout_s=20) as ranks:
+        answers = ranks.run(_policy, victim, True)
+    for answer in answers[1:]:
+        assert not isinstance(answer, RankFailure), answer.details or answer.cause
+        assert answer["recovery"].missing_experts and max(answer["errors"]) <= 1e-5, answer
+        assert answer["masked_now"] == ()
+        assert (answer["recovery"].degraded_tokens > 0) == degraded, answer["recovery"]
+
+
+def test_no_degraded_serving_without_a_source_raises_experts_lost():
+    world, victim = 4, 0
+    options = ElasticOptions(spare_slots_per_rank=SPARE[world], degraded=False, dead_after_s=2.0)
+    with LocalRanks(world, elastic=options, collective_timeout_s=20) as ranks:
+        answers = ranks.run(_policy, victim, False)
+    for answer in answers[1:]:
+        assert isinstance(answer, RankFailure) and "ExpertsLost" in answer.cause, answer
