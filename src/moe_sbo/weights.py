@@ -83,7 +83,7 @@ def seed_weights(layer: LayerParts, seed: int) -> None:
     models: a zero bias would leave ``noaux_tc``'s correction untested.
     """
     cfg, device = layer.cfg, layer.router.weight.device
-    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    h = cfg.hidden_size
     layer.router.weight.copy_(seeded_normal((cfg.num_experts, h), h**-0.5, seed, "router", 0, device))
     layer.router.e_score_correction_bias.copy_(seeded_normal((cfg.num_experts,), 0.05, seed, "bias", 0, device))
     for local, expert in enumerate(layer.local_expert_ids):  # FP8 experts quantise each one in 128x128 blocks

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from moe_sbo.config import get_preset
 from moe_sbo.eplb.runtime import initial_placement
 from moe_sbo.launch import elastic
-from moe_sbo.launch.elastic import ElasticMoE, ElasticOptions, RankFenced
+from moe_sbo.launch.elastic import ElasticMoE, ElasticOptions
 from moe_sbo.launch.failures import RankFailure
 from moe_sbo.launch.ranks import LocalRanks
 from moe_sbo.layer import MoELayer
@@ -57,9 +57,7 @@ def _reference(masked: tuple[int, ...] = ()) -> MoELayer:
     """All experts on one rank; ``masked`` experts dropped from each token's sum (their weights 0)."""
     cfg = get_preset("tiny")
     layer = MoELayer(cfg, dispatcher="local", seed=SEED, eplb=elastic.ElasticOptions(spare_slots_per_rank=0).eplb())
-    if masked:
-        layer.replicas.masked_E[list(masked)] = True
-        layer.replicas.any_masked = True
+    layer.replicas.mask(masked)
     return layer
 
 
@@ -151,12 +149,18 @@ def test_a_rank_killed_at_each_point_the_survivors_recover(dispatcher, point, wo
 # ---- a stalled rank is declared lost, and fenced off when it wakes -----------------------------------
 
 STALL_BOUND_S = 2.0  # the stall test's collective timeout: a short bound, so the case costs seconds
-STALL_S = 5.0  # the victim's stall: past the bound plus agree_s, so the others have gone on
+DECISION_KEY = f"{elastic.PREFIX}/e0/decision"  # written once the others agreed on the loss
+
+
+def _wait_for(store, key: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _stalled(device, dispatcher, victim, how):
-    """The victim stalls in forward 1 (``sleep``: alive, its heartbeat going; ``stop``: the launcher
-    freezes it with SIGSTOP) and wakes after the others went on: it must raise ``RankFenced``."""
+    """The victim stalls in forward 1 (``sleep``: alive, its heartbeat going; ``stop``: frozen by
+    SIGSTOP, woken by the launcher) until the others have agreed on its loss: it must raise ``RankFenced``."""
     group = elastic.session()
     el = ElasticMoE(_layer(dispatcher, group), group, _source(device))
     me = group.member
@@ -166,7 +170,7 @@ def _stalled(device, dispatcher, victim, how):
         def stall(dispatcher, payload):
             if calls["n"] == 1:
                 if how == "sleep":
-                    time.sleep(STALL_S)
+                    _wait_for(group.store, DECISION_KEY)
                 else:
                     os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -191,8 +195,8 @@ def test_a_stalled_rank_is_declared_lost_and_fenced_off_when_it_wakes(how):
     with LocalRanks(world, elastic=options, collective_timeout_s=STALL_BOUND_S) as ranks:
         waker = None
         if how == "stop":  # the launcher wakes the frozen rank once the others have gone on
-            pid = ranks.pids[victim]
-            waker = threading.Timer(STALL_S, os.kill, (pid, signal.SIGCONT))
+            pid, store = ranks.pids[victim], ranks._store
+            waker = threading.Thread(target=lambda: (_wait_for(store, DECISION_KEY), os.kill(pid, signal.SIGCONT)))
             waker.start()
         answers = ranks.run(_stalled, "alltoall", victim, how)
         if waker is not None:
@@ -373,3 +377,41 @@ def test_no_degraded_serving_without_a_source_raises_experts_lost():
         answers = ranks.run(_policy, victim, False)
     for answer in answers[1:]:
         assert isinstance(answer, RankFailure) and "ExpertsLost" in answer.cause, answer
+
+
+def _raises_own_error(device, culprit):
+    """Forward 1 raises a RuntimeError of its own on ``culprit`` (not a loss): every rank must raise at once,
+    naming it, and forward 2 must run on the whole group."""
+    group = elastic.session()
+    el = ElasticMoE(_layer("alltoall", group), group, _source(device))
+    calls = {"n": 0}
+    if group.member == culprit:
+
+        def fail(dispatcher, payload):
+            if calls["n"] == 1:
+                raise RuntimeError("planted bug")
+
+        el.layer.dispatcher.hooks.register("post_dispatch", fail)
+    outcome = []
+    with torch.inference_mode():
+        for forward in range(3):
+            calls["n"] = forward
+            x = _inputs(group.member, forward)
+            started = time.monotonic()
+            try:
+                outcome.append(_relative(el(x), _reference()(x)))
+            except RuntimeError as err:
+                outcome.append((str(err), time.monotonic() - started))
+    return {"outcome": outcome, "members": group.members, "epoch": group.epoch}
+
+
+def test_a_rank_raising_its_own_error_is_no_loss_every_rank_raises_and_serves_on():
+    world, culprit = 4, 1
+    with LocalRanks(world, elastic=_options(world), collective_timeout_s=20) as ranks:
+        answers = ranks.run(_raises_own_error, culprit)
+    for member, answer in enumerate(answers):
+        assert not isinstance(answer, RankFailure), answer.details or answer.cause
+        before, (message, seconds), after = answer["outcome"]
+        assert before <= 1e-5 and after <= 1e-5, answer
+        assert ("planted bug" if member == culprit else "member(s) [1] raised in this forward") in message
+        assert seconds < BOUND_S and answer["members"] == (0, 1, 2, 3) and answer["epoch"] == 1, answer

@@ -10,6 +10,7 @@ table's width is the most replicas any placement of these sizes can give an expe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +163,13 @@ class ReplicaTable:
         self.count_E.copy_(count.clamp(min=1))
         self.masked_E.copy_(missing)
         self.any_masked = bool(missing.any())
+
+    @torch.no_grad()
+    def mask(self, experts: Sequence[int]) -> None:
+        """Drop ``experts`` from every token's sum as a partial placement's missing experts are
+        (until the next ``update``): a single-rank reference for elastic EP's degraded outputs."""
+        self.masked_E[list(experts)] = True
+        self.any_masked = bool(self.masked_E.any())
 
     def to_physical(self, ids_TK: torch.Tensor) -> torch.Tensor:
         """``ids_TK`` [T, K] logical ids -> [T, K] physical slot ids, same dtype (< 0 kept)."""

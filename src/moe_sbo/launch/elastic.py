@@ -233,7 +233,11 @@ class ElasticGroup:
     # ---- forwards and recovery -------------------------------------------------------------------
 
     def run(self, elastic: ElasticMoE, x_TH: torch.Tensor) -> torch.Tensor:
-        """``elastic.layer(x_TH)``; on a lost peer, recover and re-run it in the new group."""
+        """``elastic.layer(x_TH)``; on a lost peer, recover and re-run it in the new group.
+
+        A ``RuntimeError`` that is not a communication failure (this rank's own) still goes through the
+        agreement, marked as raised, so that the peers blocked on this rank learn it at once: every
+        member re-forms the same group and raises, naming the rank (the group serves on)."""
         op = self.op
         self.op += 1
         try:
@@ -242,47 +246,48 @@ class ElasticGroup:
             raise
         except RuntimeError as err:  # gloo/NCCL errors and expired waits (DistBackendError included)
             err.__traceback__ = None  # its frames hold the failed forward's pending work (and the group)
-            y_TH = self._recover(op, elastic, x_TH, err)
+            y_TH = self._recover(op, elastic, x_TH, err, own=not _lost_peer(err))
         self._last_layer = elastic
         return y_TH
 
-    def _recover(self, op: int, elastic: ElasticMoE, x_TH: torch.Tensor, err: BaseException) -> torch.Tensor:
+    def _recover(
+        self, op: int, elastic: ElasticMoE, x_TH: torch.Tensor, err: BaseException, own: bool = False
+    ) -> torch.Tensor:
         while True:  # a second loss during recovery starts another round at the next epoch
             started = time.monotonic()
             self._drop_group()
-            decision = self._agree(op)
+            decision = self._agree(op, own)
             detected = time.monotonic()
             old_members = self.members
             lost = tuple(m for m in old_members if m not in decision["members"])
             try:
                 self._reform(decision)
-                missing = [e.regroup(old_members) for e in self.layers.items]
+                missing = sorted(set().union(*(e.regroup(old_members) for e in self.layers.items)))
                 reformed = time.monotonic()
-                if not lost:  # nobody was lost: the error was this forward's own; the group serves on
-                    raise err
+                if decision.get("raised"):  # a rank's own error, not a loss: the same group serves on
+                    if own:
+                        raise err
+                    raise RuntimeError(
+                        f"member(s) {decision['raised']} raised in this forward (their own error names the problem); "
+                        "the group re-formed and serves on"
+                    ) from err
                 if not self.options.degraded:
                     for e in self.layers.items:
                         e.restore_or_raise()
-                first = min(decision["ops"].values())
-                reran = op == first
-                if not reran:  # this rank finished forward ``first``: it takes part with no tokens
-                    last = self._last_layer or elastic
-                    last.layer(x_TH.new_empty(0, x_TH.shape[1]))
-                y_TH = elastic.layer(x_TH) if reran else None
+                # The forward in flight is the earliest any survivor was in. A rank that had finished it
+                # takes part in its re-run with no tokens (its output stands), then runs its own.
+                reran = op == min(decision["ops"].values())
+                if reran:
+                    y_TH = elastic.layer(x_TH)
+                else:
+                    (self._last_layer or elastic).layer(x_TH.new_empty(0, x_TH.shape[1]))
                 rerun_done = time.monotonic()
                 masked = reran and elastic.layer.replicas.any_masked
                 degraded_tokens = int(elastic.layer.last_masked_tokens) if masked else 0
-                restore_ms, restored_from = 0.0, "replica"
-                if any(missing):
-                    restored_from = "none"
-                    if self.options.restore or not self.options.degraded:
-                        reports = [e.restore() for e in self.layers.items]
-                        restore_ms = sum(r.t_restore_ms for r in reports)
-                        if any(r.loaded_total for r in reports):
-                            restored_from = "checkpoint" if not any(r.still_missing for r in reports) else "none"
+                restore_ms, restored_from = self._restore_after_rerun(bool(missing))
                 if not reran:
-                    y_TH = elastic.layer(x_TH)  # this rank's own forward, in the new group
-            except RankFenced:
+                    y_TH = elastic.layer(x_TH)
+            except (RankFenced, ExpertsLost):
                 raise
             except RuntimeError as again:
                 if again is err or not _lost_peer(again):
@@ -300,11 +305,21 @@ class ElasticGroup:
                     t_restore_ms=restore_ms,
                     reran=reran,
                     degraded_tokens=degraded_tokens,
-                    missing_experts=tuple(sorted(set().union(*map(set, missing)))),
+                    missing_experts=tuple(missing),
                     restored_from=restored_from,
                 )
             )
             return y_TH
+
+    def _restore_after_rerun(self, missing: bool) -> tuple[float, str]:
+        """Restore every layer now if the policy says so: (milliseconds, where the experts came from)."""
+        if not missing:
+            return 0.0, "replica"  # every lost expert had a live replica
+        if not self.options.restore and self.options.degraded:
+            return 0.0, "none"  # the caller restores, between forwards
+        reports = [e.restore() for e in self.layers.items]
+        complete = not any(r.still_missing for r in reports)
+        return sum(r.t_restore_ms for r in reports), "checkpoint" if complete else "none"
 
     def _drop_group(self) -> None:
         """Destroy this process's groups and drop every reference to them (the layers' dispatchers,
@@ -319,11 +334,12 @@ class ElasticGroup:
     def _key(self, *parts: object) -> str:
         return "/".join((PREFIX, f"e{self.epoch}", *map(str, parts)))
 
-    def _agree(self, op: int) -> dict:
-        """Check in for this epoch, then the epoch's one decision (``RankFenced`` when this rank is
-        not in it)."""
+    def _agree(self, op: int, raised: bool = False) -> dict:
+        """Check in for this epoch (the forward this rank was in; whether it raised on its own), then
+        the epoch's one decision (``RankFenced`` when this rank is not in it). A member that checks in
+        before the decision is in it: a stall that ends in time loses nobody, and the forward re-runs."""
         store, options = self.store, self.options
-        store.set(self._key("in", self.member), str(op))
+        store.set(self._key("in", self.member), json.dumps([op, raised]))
         decision_key = self._key("decision")
         started = time.monotonic()
         beats: dict[int, tuple[int, float]] = {}
@@ -332,11 +348,13 @@ class ElasticGroup:
                 decision = json.loads(store.get(decision_key))
                 break
             now = time.monotonic()
-            checked = {m: int(store.get(self._key("in", m))) for m in self.members if store.check([self._key("in", m)])}
+            keys = {m: self._key("in", m) for m in self.members}
+            checked = {m: json.loads(store.get(key)) for m, key in keys.items() if store.check([key])}
             waiting = [m for m in self.members if m not in checked and not self._dead(m, beats, now)]
             if not waiting or now - started > options.agree_s:
                 members = [m for m in self.members if m in checked]
-                proposal = json.dumps({"members": members, "ops": {str(m): checked[m] for m in members}})
+                ops = {str(m): checked[m][0] for m in members}
+                proposal = json.dumps({"members": members, "ops": ops, "raised": [m for m in members if checked[m][1]]})
                 decision = json.loads(store.compare_set(decision_key, "", proposal))
                 break
             time.sleep(POLL_S)
@@ -387,7 +405,7 @@ class ElasticGroup:
                 "members": list(self.members),
                 "ops": {str(m): self.op for m in self.members},
                 "joiners": joiners,
-                "rows": [e.layer.placement.rows() for e in self.layers.items],
+                "rows": [e.placement.rows() for e in self.layers.items],
             }
             self.store.compare_set(decision_key, "", json.dumps(proposal))
         decision = self._wait_decision(decision_key, deadline)
@@ -397,7 +415,9 @@ class ElasticGroup:
         for elastic, rows in zip(self.layers.items, decision["rows"]):
             elastic.grow(old_members, rows)
 
-    def join(self, make_layers: Callable[[], Sequence[MoELayer]], source: ExpertSource | None = None) -> list[ElasticMoE]:
+    def join(
+        self, make_layers: Callable[[], Sequence[MoELayer]], source: ExpertSource | None = None
+    ) -> list[ElasticMoE]:
         """This process (not a member) asks to join; once the members ``admit`` it, it joins their next
         group, makes its layers (``make_layers``, called in the new group: weights need not be loaded,
         they come from the peers) and receives their experts. Returns its elastic layers."""
@@ -473,10 +493,16 @@ class ElasticMoE:
     forward = __call__
 
     @property
+    def placement(self) -> Placement:
+        """The layer's placement over the current group (an elastic layer always has one)."""
+        placement = self.layer.placement
+        assert placement is not None, "an elastic layer is built with eplb, so it has a placement"
+        return placement
+
+    @property
     def missing_experts(self) -> tuple[int, ...]:
         """Experts no slot of the group holds (masked) now."""
-        placement = self.layer.placement
-        return placement.missing_experts() if placement is not None else ()
+        return self.placement.missing_experts()
 
     def regroup(self, old_members: Sequence[int]) -> tuple[int, ...]:
         """After a loss: the survivors' slots as they are, over the new group (no weight moves); the
@@ -551,10 +577,11 @@ class ElasticMoE:
     def retire_dispatcher(self) -> None:
         """Keep what the next dispatcher needs (``_DispatcherSpec``) and let the old one go, with its
         references to the old group."""
-        old = self.layer.dispatcher
+        old = getattr(self.layer, "dispatcher", None)
         if old is not None:
             self._spec = _DispatcherSpec(old.name, dict(old.options), old.hooks, old.deliver_fp8, old.ep.ranks_per_node)
-            self.layer.dispatcher = None  # two-batch overlap's twin goes with it (a weak-keyed cache)
+            del self.layer.dispatcher  # two-batch overlap's twin goes with it (a weak-keyed cache)
+            del old
 
     def _rebuild(self, placement: Placement) -> None:
         """The layer's dispatcher, placement and replica table over the current group (the dispatcher's
@@ -677,5 +704,7 @@ def attach(group: ElasticGroup | None) -> None:
 def session() -> ElasticGroup:
     """This process's elastic group (a rank of ``LocalRanks(elastic=...)``)."""
     if _SESSION is None:
-        raise RuntimeError("no elastic group in this process: start the ranks with LocalRanks(..., elastic=ElasticOptions())")
+        raise RuntimeError(
+            "no elastic group in this process: start the ranks with LocalRanks(..., elastic=ElasticOptions())"
+        )
     return _SESSION
