@@ -34,7 +34,7 @@ import contextlib
 import importlib.util
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -380,6 +380,7 @@ class LayerLoader:
 
     def __init__(self, checkpoint: Checkpoint, layer_index: int):
         self.checkpoint, self.layer_index = checkpoint, layer_index
+        self.expert_reports: list[ReadReport] = []  # the reads of ``expert_source``, one expert each
         self._reads: dict[tuple[Sequence[int], torch.dtype, bool], tuple[MoEWeights, ReadReport]] = {}
 
     def __call__(self, layer: MoELayer) -> MoELayer:
@@ -400,6 +401,24 @@ class LayerLoader:
             )
         layer.load_weights(self._reads[key][0], expert_ids=experts)
         return layer
+
+    def expert_source(self, layer: MoELayer) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        """Routed experts one at a time, for elastic EP's restore (``launch.elastic.ExpertSource``):
+        ``source(e)`` reads expert e alone (and the layer's router and shared experts, which every read
+        holds) in ``layer``'s dtype and expert format and returns ``RoutedExperts.set_expert``'s
+        arguments: (gate_up [2I, H], down [H, I]), plus their block scales for FP8 experts. Each read
+        is appended to ``expert_reports``."""
+
+        def read(expert: int) -> tuple[torch.Tensor, ...]:
+            weights, report = self.checkpoint.read_moe_weights(
+                self.layer_index, range(expert, expert + 1), dtype=layer.dtype, fp8_experts=layer.experts.fp8
+            )
+            self.expert_reports.append(report)
+            scales = weights.gate_up_proj_scale_inv, weights.down_proj_scale_inv
+            rows = (weights.gate_up_proj_E2IH[0], weights.down_proj_EHI[0])
+            return rows if scales[0] is None or scales[1] is None else (*rows, scales[0][0], scales[1][0])
+
+        return read
 
     def report(self, layer: MoELayer) -> ReadReport:
         """The read that gave ``layer`` its weights."""
