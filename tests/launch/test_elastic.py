@@ -32,6 +32,7 @@ from moe_sbo.weights import seeded_expert
 DISPATCHERS = ("allgather", "alltoall", "low_latency", "node_aware")
 EVENTS = ("pre_dispatch", "dispatch_in_flight", "post_dispatch", "pre_combine", "combine_in_flight", "post_combine")
 KILL_POINTS = (*EVENTS, "between_forwards")
+OVERLAPS = ("none", "dispatch", "combine", "split", "combine_sm")
 SEED = 3
 TOKENS = 12  # per rank, per forward (low_latency's capacity)
 KILL_FORWARD = 1  # the forward the victim dies in (forward 0 runs on the whole group)
@@ -45,12 +46,14 @@ def _options(world: int) -> ElasticOptions:
     return ElasticOptions(spare_slots_per_rank=SPARE[world], dead_after_s=2.0, agree_s=5.0)
 
 
-def _layer(dispatcher: str, group: elastic.ElasticGroup, seed: int | None = SEED) -> MoELayer:
+def _layer(dispatcher: str, group: elastic.ElasticGroup, seed: int | None = SEED, overlap: str = "none") -> MoELayer:
     cfg = get_preset("tiny")
     options: dict | None = {"max_tokens_per_rank": TOKENS} if dispatcher == "low_latency" else None
     if dispatcher == "node_aware" and dist.get_world_size() % 2 == 0:
         options = {"ranks_per_node": 2}
-    return MoELayer(cfg, dispatcher=dispatcher, seed=seed, eplb=group.options.eplb(), dispatcher_options=options)
+    return MoELayer(
+        cfg, dispatcher=dispatcher, seed=seed, eplb=group.options.eplb(), dispatcher_options=options, overlap=overlap
+    )
 
 
 def _reference(masked: tuple[int, ...] = ()) -> MoELayer:
@@ -79,11 +82,11 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _killed_at(device, dispatcher, point, victim, forwards=3):
+def _killed_at(device, dispatcher, point, victim, overlap="none", forwards=3):
     """Forwards 0 .. forwards-1 on every rank; ``victim`` dies at ``point`` of forward KILL_FORWARD.
     Survivors answer each forward's relative error against the reference it must equal."""
     group = elastic.session()
-    el = ElasticMoE(_layer(dispatcher, group), group, _source(device))
+    el = ElasticMoE(_layer(dispatcher, group, overlap=overlap), group, _source(device))
     me = group.member
     if me == victim and point in EVENTS:
         calls = {"n": 0}
@@ -138,9 +141,10 @@ TIMINGS: list[tuple[str, float, float, float]] = []
 
 @pytest.mark.parametrize(("dispatcher", "point", "world"), CASES)
 def test_a_rank_killed_at_each_point_the_survivors_recover(dispatcher, point, world):
-    victim = (KILL_POINTS.index(point) + DISPATCHERS.index(dispatcher)) % world
+    case = KILL_POINTS.index(point) + DISPATCHERS.index(dispatcher)
+    victim, overlap = case % world, OVERLAPS[case % len(OVERLAPS)]  # the SBO modes rotate through the cases
     with LocalRanks(world, elastic=_options(world), collective_timeout_s=20) as ranks:
-        answers = ranks.run(_killed_at, dispatcher, point, victim)
+        answers = ranks.run(_killed_at, dispatcher, point, victim, overlap)
     recoveries = _check_survivors(answers, victim, world)
     # The forward in flight was re-run degraded by the ranks that had not finished it.
     assert any(r.reran for r in recoveries)

@@ -150,6 +150,10 @@ def run_elastic_demo(
     return 0 if ok else 1
 
 
+def _experts(count: int) -> str:
+    return f"{count} expert" + ("" if count == 1 else "s")
+
+
 def _where(at: str) -> str:
     return "between forwards 0 and 1" if at == "between_forwards" else f"at {at} of forward 1"
 
@@ -223,6 +227,6 @@ def _recovery_table(rows: list[dict]):
             "[green]yes[/]" if r["agreed"] else "[red]NO[/]",
             *("-" if t is None else f"{t:.1f}" for t in times),
             str(r["degraded_tokens"]),
-            f"{r['restored_from']} ({len(r['missing_experts'] or ())} experts)",
+            f"{r['restored_from']} ({_experts(len(r['missing_experts'] or ()))})",
         )
     return table
