@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import EPGroup, make_dispatcher
+from ..dispatch.membership import POLL_S, agree
 from ..dispatch.node_aware import clear_subgroups
 from ..eplb.placement import Placement
 from ..eplb.runtime import EPLBOptions, ReplicaTable, initial_placement
@@ -52,7 +53,6 @@ from ..layer import MoELayer
 from .group import pick_device
 
 PREFIX = "moe_sbo/elastic"
-POLL_S = 0.01  # how often a recovering rank reads the store
 
 # An expert's weights from outside the group: ``source(expert)`` -> the arguments of
 # ``RoutedExperts.set_expert`` after the slot: (gate_up [2I, H], down [H, I]) and, for FP8 experts,
@@ -336,29 +336,22 @@ class ElasticGroup:
 
     def _agree(self, op: int, raised: bool = False) -> dict:
         """Check in for this epoch (the forward this rank was in; whether it raised on its own), then
-        the epoch's one decision (``RankFenced`` when this rank is not in it). A member that checks in
-        before the decision is in it: a stall that ends in time loses nobody, and the forward re-runs."""
-        store, options = self.store, self.options
-        store.set(self._key("in", self.member), json.dumps([op, raised]))
-        decision_key = self._key("decision")
-        started = time.monotonic()
+        the epoch's one decision (``dispatch.membership.agree``; ``RankFenced`` when this rank is not
+        in it), with ``ops`` (member -> forward) and ``raised`` (members whose own error it was). A
+        member that checks in before the decision is in it: a stall that ends in time loses nobody."""
         beats: dict[int, tuple[int, float]] = {}
-        while True:
-            if store.check([decision_key]):
-                decision = json.loads(store.get(decision_key))
-                break
-            now = time.monotonic()
-            keys = {m: self._key("in", m) for m in self.members}
-            checked = {m: json.loads(store.get(key)) for m, key in keys.items() if store.check([key])}
-            waiting = [m for m in self.members if m not in checked and not self._dead(m, beats, now)]
-            if not waiting or now - started > options.agree_s:
-                members = [m for m in self.members if m in checked]
-                ops = {str(m): checked[m][0] for m in members}
-                proposal = json.dumps({"members": members, "ops": ops, "raised": [m for m in members if checked[m][1]]})
-                decision = json.loads(store.compare_set(decision_key, "", proposal))
-                break
-            time.sleep(POLL_S)
-        decision["ops"] = {int(m): o for m, o in decision["ops"].items()}
+        decision = agree(
+            self.store,
+            "/".join((PREFIX, f"e{self.epoch}")),
+            self.member,
+            self.members,
+            [op, raised],
+            gone=lambda member: self._dead(member, beats, time.monotonic()),
+            patience_s=self.options.agree_s,
+        )
+        info = {int(m): said for m, said in decision["info"].items()}
+        decision["ops"] = {m: said[0] for m, said in info.items()}
+        decision["raised"] = [m for m, said in info.items() if said[1]]
         if self.member not in decision["members"]:
             raise RankFenced(
                 f"member {self.member} (rank {self.rank} of epoch {self.epoch}) was declared lost by the others "
