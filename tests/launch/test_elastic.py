@@ -419,3 +419,41 @@ def test_a_rank_raising_its_own_error_is_no_loss_every_rank_raises_and_serves_on
         assert before <= 1e-5 and after <= 1e-5, answer
         assert ("planted bug" if member == culprit else "member(s) [1] raised in this forward") in message
         assert seconds < BOUND_S and answer["members"] == (0, 1, 2, 3) and answer["epoch"] == 1, answer
+
+
+# ---- a second loss during the recovery ---------------------------------------------------------------
+
+
+def _second_loss(device, first, second):
+    """``first`` dies in forward 1; ``second`` dies when, after the agreement on that loss, it is about
+    to join the new group: the others' join fails on it, during the recovery."""
+    group = elastic.session()
+    el = ElasticMoE(_layer("alltoall", group), group, _source(device))
+    if group.member == second:
+        group.join_group = lambda *args, **kwargs: _kill()  # type: ignore[method-assign]
+    errors = []
+    with torch.inference_mode():
+        for forward in range(3):
+            if forward == 1 and group.member == first:
+                _kill()
+            x = _inputs(group.member, forward)
+            before = len(group.recoveries)
+            y = el(x)
+            recovered = group.recoveries[-1] if len(group.recoveries) > before else None
+            masked = recovered.missing_experts if recovered is not None and recovered.reran else ()
+            errors.append(_relative(y, _reference(masked)(x)))
+    return {"errors": errors, "recoveries": group.recoveries, "members": group.members}
+
+
+def test_a_second_loss_during_the_recovery_is_recovered_too():
+    world, first, second = 8, 2, 5
+    with LocalRanks(world, elastic=_options(world), collective_timeout_s=3) as ranks:
+        answers = ranks.run(_second_loss, first, second)
+    assert all(isinstance(answers[r], RankFailure) and answers[r].kind == "died" for r in (first, second))
+    survivors = [a for i, a in enumerate(answers) if i not in (first, second)]
+    for answer in survivors:
+        assert not isinstance(answer, RankFailure), answer.details or answer.cause
+        (recovery,) = answer["recoveries"]
+        assert recovery.lost == (first, second) and answer["members"] == (0, 1, 3, 4, 6, 7), recovery
+        assert max(answer["errors"]) <= 1e-5, answer["errors"]
+        assert recovery.t_detect_ms < 1e3 * BOUND_S, recovery

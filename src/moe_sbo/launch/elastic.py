@@ -253,16 +253,23 @@ class ElasticGroup:
     def _recover(
         self, op: int, elastic: ElasticMoE, x_TH: torch.Tensor, err: BaseException, own: bool = False
     ) -> torch.Tensor:
+        first_members = self.members
+        laid_out = self.members  # the members the layers' slot tables are rows of
+        joining = False  # whether the last round failed while joining the new group
         while True:  # a second loss during recovery starts another round at the next epoch
             started = time.monotonic()
             self._drop_group()
-            decision = self._agree(op, own)
+            # A join that fails (a member lost after the agreement) fails on each rank when its own
+            # connection attempts run out: up to the bound apart. Wait for the others that long.
+            decision = self._agree(op, own, self.options.agree_s + (self.timeout_s if joining else 0))
             detected = time.monotonic()
-            old_members = self.members
-            lost = tuple(m for m in old_members if m not in decision["members"])
+            lost = tuple(m for m in first_members if m not in decision["members"])
             try:
+                joining = True
                 self._reform(decision)
-                missing = sorted(set().union(*(e.regroup(old_members) for e in self.layers.items)))
+                joining = False
+                missing = sorted(set().union(*(e.regroup(laid_out) for e in self.layers.items)))
+                laid_out = self.members
                 reformed = time.monotonic()
                 if decision.get("raised"):  # a rank's own error, not a loss: the same group serves on
                     if own:
@@ -334,7 +341,7 @@ class ElasticGroup:
     def _key(self, *parts: object) -> str:
         return "/".join((PREFIX, f"e{self.epoch}", *map(str, parts)))
 
-    def _agree(self, op: int, raised: bool = False) -> dict:
+    def _agree(self, op: int, raised: bool, patience_s: float) -> dict:
         """Check in for this epoch (the forward this rank was in; whether it raised on its own), then
         the epoch's one decision (``dispatch.membership.agree``; ``RankFenced`` when this rank is not
         in it), with ``ops`` (member -> forward) and ``raised`` (members whose own error it was). A
@@ -347,7 +354,7 @@ class ElasticGroup:
             self.members,
             [op, raised],
             gone=lambda member: self._dead(member, beats, time.monotonic()),
-            patience_s=self.options.agree_s,
+            patience_s=patience_s,
         )
         info = {int(m): said for m, said in decision["info"].items()}
         decision["ops"] = {m: said[0] for m, said in info.items()}
