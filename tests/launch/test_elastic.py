@@ -234,7 +234,7 @@ def _alive(pid: int) -> bool:
 def _serve_on(device, dispatcher):
     """One more forward of the layer the previous call made (kept in this rank's group), checked."""
     group = elastic.session()
-    (el,) = group.layers.items
+    (el,) = group.layers
     x = _inputs(group.member, 7)
     with torch.inference_mode():
         return _relative(el(x), _reference()(x)) <= 1e-5
@@ -256,7 +256,7 @@ def _forward_or_die(device, victim, forward):
     group = elastic.session()
     if group.member == victim:
         _kill()
-    (el,) = group.layers.items
+    (el,) = group.layers
     x = _inputs(group.member, forward)
     before = len(group.recoveries)
     with torch.inference_mode():
@@ -275,7 +275,7 @@ def _admit_or_join(device, dispatcher):
         group.admit()
     else:
         group.join(lambda: [_layer(dispatcher, group, seed=None)], _source(device))
-    (el,) = group.layers.items
+    (el,) = group.layers
     x = _inputs(group.member, 50)
     with torch.inference_mode():
         error = _relative(el(x), _reference()(x))

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -150,13 +150,6 @@ class RestoreReport:
     t_restore_ms: float
 
 
-@dataclass
-class _Layers:
-    """The elastic layers of a group, in the order every rank made them (the order they re-form in)."""
-
-    items: list[ElasticMoE] = field(default_factory=list)
-
-
 class ElasticGroup:
     """This process's place in an elastic EP group: its member id, the current epoch's members, the
     store, a heartbeat, and the layers that re-form with the group.
@@ -182,7 +175,7 @@ class ElasticGroup:
         self.options = options or ElasticOptions()
         self.timeout_s, self.backend, self.epoch = timeout_s, backend, epoch
         self.op = 0  # the index of the next elastic forward (any layer's): what check-ins compare
-        self.layers = _Layers()
+        self.layers: list[ElasticMoE] = []  # in the order every rank made them (the order they re-form in)
         self.recoveries: list[Recovery] = []
         self._last_layer: ElasticMoE | None = None
         self._stop = threading.Event()
@@ -268,7 +261,7 @@ class ElasticGroup:
                 joining = True
                 self._reform(decision)
                 joining = False
-                missing = sorted(set().union(*(e.regroup(laid_out) for e in self.layers.items)))
+                missing = sorted(set().union(*(e.regroup(laid_out) for e in self.layers)))
                 laid_out = self.members
                 reformed = time.monotonic()
                 if decision.get("raised"):  # a rank's own error, not a loss: the same group serves on
@@ -279,7 +272,7 @@ class ElasticGroup:
                         "the group re-formed and serves on"
                     ) from err
                 if not self.options.degraded:
-                    for e in self.layers.items:
+                    for e in self.layers:
                         e.restore_or_raise()
                 # The forward in flight is the earliest any survivor was in. A rank that had finished it
                 # takes part in its re-run with no tokens (its output stands), then runs its own.
@@ -324,7 +317,7 @@ class ElasticGroup:
             return 0.0, "replica"  # every lost expert had a live replica
         if not self.options.restore and self.options.degraded:
             return 0.0, "none"  # the caller restores, between forwards
-        reports = [e.restore() for e in self.layers.items]
+        reports = [e.restore() for e in self.layers]
         complete = not any(r.still_missing for r in reports)
         return sum(r.t_restore_ms for r in reports), "checkpoint" if complete else "none"
 
@@ -332,7 +325,7 @@ class ElasticGroup:
         """Destroy this process's groups and drop every reference to them (the layers' dispatchers,
         node_aware's legs): a gloo group closes its connections only when its last reference goes, and
         then peers blocked on this rank fail at once instead of at the bound."""
-        for elastic in self.layers.items:
+        for elastic in self.layers:
             elastic.retire_dispatcher()
         clear_subgroups()
         if dist.is_initialized():
@@ -405,14 +398,14 @@ class ElasticGroup:
                 "members": list(self.members),
                 "ops": {str(m): self.op for m in self.members},
                 "joiners": joiners,
-                "rows": [e.placement.rows() for e in self.layers.items],
+                "rows": [e.placement.rows() for e in self.layers],
             }
             self.store.compare_set(decision_key, "", json.dumps(proposal))
         decision = self._wait_decision(decision_key, deadline)
         old_members = self.members
         self._drop_group()
         self._reform(decision)
-        for elastic, rows in zip(self.layers.items, decision["rows"]):
+        for elastic, rows in zip(self.layers, decision["rows"]):
             elastic.grow(old_members, rows)
 
     def join(
@@ -485,7 +478,7 @@ class ElasticMoE:
         if layer.dispatcher.name == "local":
             raise ValueError("dispatcher 'local' has no group to lose a rank from; use allgather, alltoall, ...")
         self.layer, self.group, self.source = layer, group, source
-        group.layers.items.append(self)
+        group.layers.append(self)
 
     def __call__(self, x_TH: torch.Tensor) -> torch.Tensor:
         return self.group.run(self, x_TH)
