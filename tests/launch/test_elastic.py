@@ -457,3 +457,37 @@ def test_a_second_loss_during_the_recovery_is_recovered_too():
         assert recovery.lost == (first, second) and answer["members"] == (0, 1, 3, 4, 6, 7), recovery
         assert max(answer["errors"]) <= 1e-5, answer["errors"]
         assert recovery.t_detect_ms < 1e3 * BOUND_S, recovery
+
+
+# ---- the index logic, by hand --------------------------------------------------------------------------
+
+
+def test_spare_slot_plan_puts_missing_experts_where_replicas_were():
+    # EP4's initial placement of 16 experts with 1 spare slot, rank 0 lost: 4, 8, 12 have no replica.
+    held = [[0, 2, 5, 9, 13], [1, 3, 6, 10, 14], [1, 3, 7, 11, 15]]
+    wanted, unplaced = elastic.spare_slot_plan(held, [4, 8, 12])
+    # Only the two doubled experts (1, 3) free a slot: 4 and 8 take them, on the ranks that gave fewest.
+    assert wanted == [[0, 2, 5, 9, 13], [4, 3, 6, 10, 14], [1, 8, 7, 11, 15]] and unplaced == [12]
+
+
+def test_partial_placement_and_its_replica_table_mask_the_missing_experts():
+    from moe_sbo.eplb.placement import Placement
+    from moe_sbo.eplb.runtime import ReplicaTable
+
+    with pytest.raises(ValueError, match="have no replica"):
+        Placement(torch.tensor([0, 1, 1, 2]), 4, 2)
+    placement = Placement(torch.tensor([0, 1, 1, 2]), 4, 2, partial=True)
+    assert placement.missing_experts() == (3,) and placement.rows() == [[0, 1], [1, 2]]
+    table = ReplicaTable(placement, rank=1, device=torch.device("cpu"))
+    assert table.masked_E.tolist() == [False, False, False, True] and table.any_masked
+    # Expert 3 goes to this rank's first slot (2), its weight zeroed by the layer; 1 stays on this rank.
+    assert table.to_physical(torch.tensor([[3, 1, 0]])).tolist() == [[2, 2, 0]]
+
+
+def test_fill_slots_copies_locally_and_names_what_no_rank_holds():
+    from moe_sbo.eplb.transfer import fill_slots
+
+    slots = torch.arange(3.0)[:, None].repeat(1, 2)  # slot s holds [s, s]
+    report = fill_slots([slots], held=[[5, 6, -1]], wanted=[[6, 5, 7]], rank=0)
+    assert slots.tolist() == [[1, 1], [0, 0], [2, 2]]  # 5 and 6 swapped in place; slot 2 untouched
+    assert report.to_load == ((2, 7),) and report.moved_slots == 0 and report.local_copies == 2

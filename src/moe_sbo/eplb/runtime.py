@@ -122,7 +122,9 @@ class ReplicaTable:
     def __init__(self, placement: Placement, rank: int, device: torch.device, ranks_per_node: int | None = None):
         self.rank, self.num_ranks = rank, placement.num_ranks
         self.ranks_per_node = ranks_per_node or placement.num_ranks
-        width = max(1, min(placement.num_ranks, 1 + placement.num_redundant))  # partial: may have fewer slots than E
+        # One replica per rank at most; a partial placement (elastic EP, degraded) may give an expert
+        # more than its spare slots would, and is restored into the same table: allow one per rank.
+        width = placement.num_ranks if placement.partial else min(placement.num_ranks, 1 + placement.num_redundant)
         self.choices_EW = torch.zeros(placement.num_logical, width, dtype=torch.int64, device=device)
         self.count_E = torch.ones(placement.num_logical, dtype=torch.int64, device=device)
         self.masked_E = torch.zeros(placement.num_logical, dtype=torch.bool, device=device)

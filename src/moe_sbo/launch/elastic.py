@@ -124,6 +124,7 @@ class Recovery:
     ``degraded_tokens``: this rank's tokens of the re-run that lost an expert (masked).
     ``missing_experts``: experts that had no live replica after the loss; ``restored_from``:
     ``replica`` (none was missing), ``checkpoint`` (read from the source) or ``none`` (still degraded).
+    The lost members' own tokens were never here: their callers must re-submit them.
     """
 
     lost: tuple[int, ...]
