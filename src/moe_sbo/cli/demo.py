@@ -421,8 +421,7 @@ def _check_eplb(args: argparse.Namespace, names: list[str], ranks: int) -> None:
         raise ValueError("--eplb and --tbo are separate demos, got both; run one, then the other")
     if args.checkpoint:
         raise ValueError(
-            "--eplb runs --preset's random weights (a checkpoint is read per rank in contiguous experts), got "
-            "--checkpoint; leave one of them out"
+            "--eplb runs --preset's random weights skewed to a Zipf load, got --checkpoint; leave one of them out"
         )
     if args.dispatcher == "local" and ranks > 1:
         raise ValueError(
