@@ -124,6 +124,7 @@ class MoELayer(nn.Module):
             ep = self.dispatcher.ep  # node_aware's may set its own ranks_per_node
             self.replicas = ReplicaTable(self.placement, ep.rank, device, ranks_per_node=ep.node_size)
             self.forwards_since_rebalance = 0
+            self.last_masked_tokens = torch.zeros((), dtype=torch.int64, device=device)
         if seed is not None:  # None: left uninitialised for load_weights (no time spent on random weights)
             self.reset_parameters(seed)
 
@@ -149,8 +150,8 @@ class MoELayer(nn.Module):
         with dispatcher.hooks.scope() as forward_hooks:  # the strategy's hooks end with this forward
             shared = self.overlap.attach(forward_hooks, self.shared_experts, x_TH)
             topk = self.router(x_TH)
-            ids_TK = self._slot_ids(topk.topk_ids_TK)
-            pending = dispatcher.dispatch_launch(x_TH, ids_TK, topk.topk_weights_TK)
+            ids_TK, weights_TK = self.route(topk.topk_ids_TK, topk.topk_weights_TK)
+            pending = dispatcher.dispatch_launch(x_TH, ids_TK, weights_TK)
             yield  # dispatch in flight
             recv = dispatcher.dispatch_wait(pending)
             expert_y_RH = self.experts.forward_dispatched(recv)  # [R, H], grouped by local expert
@@ -201,12 +202,20 @@ class MoELayer(nn.Module):
 
     # ---- expert load balancing -------------------------------------------------------------------
 
-    def _slot_ids(self, ids_TK: torch.Tensor) -> torch.Tensor:
-        """The router's logical ids -> the physical slots to send to (unchanged without eplb); with
-        eplb the routing is first counted into the load window. Device-side only: graph-capturable."""
+    def route(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's logical ids and weights [T, K] -> (physical slots to send to, weights):
+        unchanged without eplb; with eplb the routing is first counted into the load window. Experts
+        a partial placement lacks (elastic EP, degraded: ``ReplicaTable.masked_E``) get weight 0, so
+        they drop out of each token's sum; ``last_masked_tokens`` counts the tokens that lost one
+        (a device scalar). Device-side only: graph-capturable."""
         if self.eplb is None:
-            return ids_TK
-        return route_to_slots(ids_TK, self.load_window, self.replicas)
+            return ids_TK, weights_TK
+        slots_TK = route_to_slots(ids_TK, self.load_window, self.replicas)
+        if self.replicas.any_masked:
+            masked_TK = self.replicas.masked_E[ids_TK]
+            weights_TK = weights_TK.masked_fill(masked_TK, 0)
+            self.last_masked_tokens = masked_TK.any(1).sum()
+        return slots_TK, weights_TK
 
     def expert_load(self, all_ranks: bool = False) -> torch.Tensor:
         """``[E]`` int64 tokens per logical expert over the load window: this rank's tokens, or with
@@ -223,6 +232,11 @@ class MoELayer(nn.Module):
         before keep working. All or nothing: on a failure the old placement keeps serving."""
         if self.eplb is None or self.placement is None:
             raise ValueError("rebalance needs expert load balancing; build the layer with eplb=EPLBOptions()")
+        if self.placement.missing_experts():
+            raise ValueError(
+                f"experts {list(self.placement.missing_experts())} have no slot (elastic EP, degraded); restore "
+                "them first (moe_sbo.launch.elastic.ElasticMoE.restore)"
+            )
         ep = self.dispatcher.ep
         if placement is None:
             load_E = self.expert_load(all_ranks=True).double().cpu()

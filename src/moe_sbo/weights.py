@@ -65,6 +65,16 @@ def seeded_normal(
     return torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * std
 
 
+def seeded_expert(cfg: MoEConfig, seed: int, expert: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed expert ``expert``'s seeded weights (gate_up [2I, H], down [H, I]) float32, as
+    ``seed_weights`` gives them to whichever rank holds it."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return (
+        seeded_normal((2 * i, h), h**-0.5, seed, "gate_up", expert, device),
+        seeded_normal((h, i), i**-0.5, seed, "down", expert, device),
+    )
+
+
 @torch.no_grad()
 def seed_weights(layer: LayerParts, seed: int) -> None:
     """Seeded random weights into ``layer``, one expert at a time (no second copy of all experts).
@@ -73,15 +83,11 @@ def seed_weights(layer: LayerParts, seed: int) -> None:
     models: a zero bias would leave ``noaux_tc``'s correction untested.
     """
     cfg, device = layer.cfg, layer.router.weight.device
-    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    h = cfg.hidden_size
     layer.router.weight.copy_(seeded_normal((cfg.num_experts, h), h**-0.5, seed, "router", 0, device))
     layer.router.e_score_correction_bias.copy_(seeded_normal((cfg.num_experts,), 0.05, seed, "bias", 0, device))
     for local, expert in enumerate(layer.local_expert_ids):  # FP8 experts quantise each one in 128x128 blocks
-        layer.experts.set_expert(
-            local,
-            seeded_normal((2 * i, h), h**-0.5, seed, "gate_up", expert, device),
-            seeded_normal((h, i), i**-0.5, seed, "down", expert, device),
-        )
+        layer.experts.set_expert(local, *seeded_expert(cfg, seed, expert, device))
     if layer.shared_experts is not None:
         j = cfg.shared_intermediate_size
         layer.shared_experts.gate_up_proj.copy_(seeded_normal((2 * j, h), h**-0.5, seed, "shared_gate_up", 0, device))

@@ -264,8 +264,7 @@ EPLB = ["bench", "eplb", "--device", "cpu", "--ranks", "2"]
         ),
         (
             ["demo", "--device", "cpu", "--eplb", "--checkpoint", "model"],
-            "--eplb runs --preset's random weights (a checkpoint is read per rank in contiguous experts), got "
-            "--checkpoint; leave one of them out",
+            "--eplb runs --preset's random weights skewed to a Zipf load, got --checkpoint; leave one of them out",
         ),
         (["plan", "--skew", "zipf:-1"], "--skew zipf:S needs an exponent S >= 0, got 'zipf:-1'"),
         (["plan", "--load", "zipf:1"], "--load must be a load file, got 'zipf:1'; use --skew zipf:1 for a Zipf load"),

@@ -158,9 +158,9 @@ def _refusals_rank(device) -> list[str]:
         messages.append(str(info.value))
 
     refused(deep_ep.Buffer, group, comm=object())
-    refused(deep_ep.Buffer, group, enable_shrink=True)
     refused(deep_ep.Buffer, None)
     buffer = deep_ep.Buffer(group)
+    refused(buffer.low_latency_query_mask_buffer, torch.zeros(dist.get_world_size(), dtype=torch.int))
     x, idx = torch.randn(4, 128, dtype=torch.bfloat16), torch.tensor([[0, 2]] * 4)  # both ranks: 4 rows
     refused(buffer.low_latency_dispatch, x, idx, 2, 4)  # more tokens than num_max_dispatch_tokens_per_rank
     refused(buffer.low_latency_dispatch, x, idx, 4, 4, use_ue8m0=True)

@@ -44,6 +44,7 @@ from ..measure.results import result_meta
 from ..measure.run import prepare, write_json
 from ..overlap import OVERLAP_MODES
 from ..overlap.tbo import tbo_forward
+from .demo_elastic import run_elastic_demo
 from .demo_report import demo_table, eplb_demo_table, node_count, nodes_note, verdict
 
 # Relative L2 error allowed against the reference, per dtype: float32 differs only by summation
@@ -331,6 +332,8 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be >= 0, got {args.tokens}")
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    if args.elastic:
+        return run_elastic_demo(args, device, ranks, names, console, json_path)
     overlaps = _overlap_modes(args.overlap)
     if args.eplb:
         _check_eplb(args, names, ranks)
@@ -418,8 +421,7 @@ def _check_eplb(args: argparse.Namespace, names: list[str], ranks: int) -> None:
         raise ValueError("--eplb and --tbo are separate demos, got both; run one, then the other")
     if args.checkpoint:
         raise ValueError(
-            "--eplb runs --preset's random weights (a checkpoint is read per rank in contiguous experts), got "
-            "--checkpoint; leave one of them out"
+            "--eplb runs --preset's random weights skewed to a Zipf load, got --checkpoint; leave one of them out"
         )
     if args.dispatcher == "local" and ranks > 1:
         raise ValueError(

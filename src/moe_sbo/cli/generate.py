@@ -14,6 +14,9 @@ vocabulary, a tokenizer when text is given) and the options are checked here fir
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,11 +24,14 @@ import torch.distributed as dist
 from rich.markup import escape
 
 from .. import env
-from ..hf.checkpoint import Checkpoint
-from ..hf.config import model_family
+from ..hf.checkpoint import Checkpoint, LayerLoader
+from ..hf.config import model_family, moe_layer_indices
 from ..hf.generate import check_prompt_ids, generate, prefill_tokens
-from ..hf.model import WHOLE_MODEL_FAMILIES, load_model
+from ..hf.model import WHOLE_MODEL_FAMILIES, load_model, moe_blocks
+from ..launch import elastic
+from ..launch.elastic import ElasticMoE, ElasticOptions
 from ..launch.group import init_from_torchrun, resolve_device
+from ..launch.ranks import LocalRanks
 from ..measure.memory import check_memory, estimate_rank_bytes, memory_fix
 from ..measure.options import (
     default_dtype_name,
@@ -38,6 +44,7 @@ from ..measure.options import (
 from ..measure.progress import rank_progress
 from ..measure.results import STDOUT, result_meta
 from ..measure.run import Ranks, output_file, write_json
+from .demo_elastic import spare_slots_needed
 
 
 def parse_prompt_ids(texts: list[str], vocab_size: int) -> list[list[int]]:
@@ -73,6 +80,8 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args, tokenizer, int(checkpoint.hf_config.get("vocab_size", 0)))
     torchrun = env.torchrun_rank()
     device = resolve_device(args.device)
+    if args.elastic and args.decode == "auto":
+        args.decode = "transformers"  # the elastic layers' own dispatchers: no fixed-shape decode steps
     args.decode = resolve_decode(args.decode, device)  # what ran, as the report and --json say
     ranks = torchrun[1] if torchrun is not None else resolve_ranks(args.ranks, device)
     shares = share_prompts(prompts, ranks)
@@ -92,6 +101,14 @@ def run_generate(args: argparse.Namespace) -> int:
         "decode": args.decode,
         "absorb_mla": args.mla == "absorbed",
     }
+    if args.elastic:
+        options.update(_elastic_options(args, shares, ranks, torchrun is not None, checkpoint))
+        with LocalRanks(ranks, device=device, elastic=ElasticOptions(options["spare"], dead_after_s=2.0)) as workers:
+            per_rank = workers.run(generate_rank, shares, **{k: v for k, v in options.items() if k != "spare"})
+        _report(
+            args, checkpoint, prompts, [r for r in per_rank if isinstance(r, dict)], tokenizer, device, ranks, json_path
+        )
+        return 0
     if torchrun is not None:
         torch_device = init_from_torchrun(device)
         mine = generate_rank(torch_device, shares, **options)
@@ -128,9 +145,13 @@ def generate_rank(
     dispatcher_options,
     decode,
     absorb_mla,
+    kill_rank=None,
 ):
-    """One rank's share (``LocalRanks.run`` or torchrun): load, generate, return plain data."""
+    """One rank's share (``LocalRanks.run`` or torchrun): load, generate, return plain data. With
+    ``kill_rank`` (``--elastic``, on ``LocalRanks(elastic=...)``): every MoE block elastic, and that
+    rank killed in the first decode step."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    group = elastic.session() if kill_rank is not None else None
     # Fixed-shape decode steps move a rank's prompts (one token each) through low_latency, sized to
     # the most prompts any rank decodes; prefill keeps --dispatcher.
     most_prompts = max(1, *(len(share) for share in shares))
@@ -145,7 +166,10 @@ def generate_rank(
         decode_dispatcher=None if decode == "transformers" else "low_latency",
         decode_dispatcher_options=None if decode == "transformers" else {"max_tokens_per_rank": most_prompts},
         absorb_mla=absorb_mla,
+        eplb=None if group is None else group.options.eplb(),
     )
+    if group is not None:
+        _make_elastic(model, path, group, rank == kill_rank)
     mine = shares[rank]
     prompts = [ids for _, ids in mine]
     result = generate(
@@ -161,7 +185,48 @@ def generate_rank(
         "tpot_s": result.tpot_s,
         "tokens_per_s": new_tokens / total_s if total_s else 0.0,
         "forwards": result.forwards,
+        "recoveries": [] if group is None else [asdict(r) for r in group.recoveries],
     }
+
+
+def _elastic_options(args, shares, ranks: int, torchrun: bool, checkpoint) -> dict:
+    """``--elastic``'s checks (before any rank starts) and the options it adds."""
+    if torchrun:
+        raise ValueError("--elastic starts its own ranks (the launcher hosts the store); run it without torchrun")
+    if args.kill_rank is None or not 0 <= args.kill_rank < ranks or ranks < 2:
+        raise ValueError(f"--elastic needs --ranks >= 2 and --kill-rank in [0, {ranks}), got {args.kill_rank}")
+    if shares[args.kill_rank]:
+        raise ValueError(
+            f"--kill-rank {args.kill_rank} owns prompts {[i for i, _ in shares[args.kill_rank]]}: a lost rank's own "
+            "requests are its caller's to re-submit; give fewer prompts than ranks and kill one without any"
+        )
+    if args.decode != "transformers":
+        raise ValueError(
+            f"--elastic decodes through the layers' own dispatchers: --decode transformers, got {args.decode}"
+        )
+    checkpoint.moe_config.experts_per_rank(ranks)
+    return {
+        "kill_rank": args.kill_rank,
+        "decode": "transformers",
+        "spare": spare_slots_needed(checkpoint.moe_config.num_experts, ranks),
+    }
+
+
+def _make_elastic(model, path: str, group, victim: bool) -> None:
+    """Every MoE block through an ``ElasticMoE`` (lost experts restored from the checkpoint); the
+    victim dies with its first layer's dispatch in flight in the first decode step."""
+    checkpoint = Checkpoint(path)
+    for block, index in zip(moe_blocks(model), moe_layer_indices(checkpoint.hf_config)):
+        block.elastic = ElasticMoE(block.moe, group, LayerLoader(checkpoint, index).expert_source(block.moe))
+    if victim:
+        calls = [0]
+
+        def die(dispatcher, payload):
+            calls[0] += 1
+            if calls[0] == 2:  # prefill was call 1
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        moe_blocks(model)[0].moe.dispatcher.hooks.register("dispatch_in_flight", die)
 
 
 def _dispatcher_options(dispatcher: str, shares: list[list[tuple[int, list[int]]]]) -> dict | None:
@@ -247,6 +312,15 @@ def _report(args, checkpoint, prompts, per_rank, tokenizer, device: str, ranks: 
         meta.update(decode=args.decode, mla=args.mla)
         rows = [{"prompt": i, "prompt_ids": prompts[i], "token_ids": ids} for i, ids in sorted(outputs.items())]
         write_json(json_path, {"meta": meta, "rows": rows, "ranks": per_rank}, console, f"written to {json_path}")
+    lost = [r for result in per_rank for r in result.get("recoveries", ())]
+    if lost:
+        first = lost[0]
+        console.print(
+            f"elastic: rank(s) {list(first['lost'])} lost mid-generation (owning no prompt); the "
+            f"{len(per_rank)} others agreed, re-formed in {max(r['t_reform_ms'] for r in lost):.0f} ms, restored "
+            f"{len(first['missing_experts'])} expert(s) from the checkpoint and generated on",
+            highlight=False,
+        )
     console.print(result_line(outputs, per_rank), highlight=False, soft_wrap=True)  # one line, for scripts
 
 

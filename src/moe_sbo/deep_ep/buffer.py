@@ -13,7 +13,7 @@ change a result are honoured (x and fp8 scales, top-k, handles, ``expert_alignme
 ``num_worst_tokens``, bias, ``use_fp8``, ``zero_copy``, ``out``, hooks, events); those that only tune
 DeepEP's kernels or NVSHMEM (``Config``, SM counts, QPs, buffer byte counts, NVLink/MNNVL/fabric
 switches) are accepted and change nothing; and those that would change a result in a way moe-sbo
-does not (power-of-2 fp8 scales, LogFMT, rank masking, receive-time statistics, an MPI communicator)
+does not (power-of-2 fp8 scales, LogFMT, receive-time statistics, an MPI communicator)
 raise ``ValueError`` before any collective. docs/DEEP_EP.md maps each method.
 
 Every call queues its work on the caller's current stream; ``async_finish`` then returns an event
@@ -32,7 +32,7 @@ import torch
 from ..dispatch import Dispatcher, EPGroup, make_dispatcher
 from ..hooks import HookRegistry
 from . import low_latency as ll
-from . import normal
+from . import normal, shrink
 from .config import DEFAULT_NUM_SMS, Config, default_config, low_latency_size_hint
 from .events import EventOverlap, capture_event, finish, wait_previous
 from .layout import dispatch_layout
@@ -47,7 +47,9 @@ class Buffer:
     ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``: accepted and kept, no
     effect (moe-sbo allocates what each shape needs; NCCL or symmetric memory choose the links).
     ``low_latency_mode``: kept; both modes work either way. ``explicitly_destroy``: ``destroy()``
-    then frees the buffers. ``enable_shrink`` and ``comm`` (MPI) are refused.
+    then frees the buffers. ``enable_shrink`` (``enable_elastic``, DeepEP's earlier name): a rank
+    that stops taking part in the low-latency calls is masked and the others go on without it
+    (``shrink.py``; ``low_latency_query_mask_buffer`` tells who). ``comm`` (MPI) is refused.
     """
 
     num_sms: ClassVar[int] = DEFAULT_NUM_SMS  # DeepEP's class-wide SM count; no effect here
@@ -65,17 +67,13 @@ class Buffer:
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
         comm: Any = None,
+        enable_elastic: bool = False,
     ) -> None:
         if comm is not None:
             raise ValueError("comm (an mpi4py communicator) is not supported; pass a torch.distributed group")
         if group is None:
             raise ValueError(
                 "group must be a torch.distributed process group (dist.new_group(...) or dist.group.WORLD)"
-            )
-        if enable_shrink:
-            raise ValueError(
-                "enable_shrink (masking failed ranks in low-latency mode) is not offered by moe_sbo.deep_ep; "
-                "pass enable_shrink=False"
             )
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -99,6 +97,10 @@ class Buffer:
         self._ll_pack_replays = ll.PackReplays()
         self._ll_rounds = 0
         self._destroyed = False
+        self._mask: shrink.RankMask | None = None
+        if enable_shrink or enable_elastic:
+            self._mask = shrink.RankMask(group, self.ep)
+            self._mask.on_change = self._low_latency.clear  # dispatchers over the old group go
 
     # ---- life and static helpers ----------------------------------------------------------------
 
@@ -106,6 +108,8 @@ class Buffer:
         """Free the dispatchers and buffers (DeepEP: only with ``explicitly_destroy=True``)."""
         if not self.explicitly_destroy:
             raise ValueError("destroy() needs Buffer(..., explicitly_destroy=True), as in DeepEP")
+        if self._mask is not None:
+            self._mask.leave()
         self._normal.clear()
         self._low_latency.clear()
         self._ll_storage.clear()
@@ -281,19 +285,27 @@ class Buffer:
     # ---- low-latency mode -----------------------------------------------------------------------
 
     def _low_latency_dispatcher(
-        self, num_experts: int, capacity: int, top_k: int, use_fp8: bool, per_choice: bool
+        self,
+        num_experts: int,
+        capacity: int,
+        top_k: int,
+        use_fp8: bool,
+        per_choice: bool,
+        ep: EPGroup | None = None,
     ) -> Dispatcher:
         """Each token travels once per destination rank (C per rank), or, ``per_choice``, each
         (token, choice) as a token of its own (C * K of them). The rows (fp8 ones as e4m3 and scales)
         stay in the receive buffer until they are packed (``index_rows``), so an eager round reads
         and writes the same tensors each time its set comes round and the packing replays from a
-        graph (``low_latency.PackReplays``)."""
-        key = (num_experts, capacity, top_k, use_fp8, per_choice)
+        graph (``low_latency.PackReplays``). ``ep``: the group (shrink mode: the unmasked ranks';
+        default the Buffer's)."""
+        ep = ep or self.ep
+        key = (num_experts, capacity, top_k, use_fp8, per_choice, ep.size)
         if key not in self._low_latency:
             d = make_dispatcher(
                 "low_latency",
                 num_experts,
-                self.ep,
+                ep,
                 max_tokens_per_rank=capacity * top_k if per_choice else capacity,
                 fp8=use_fp8,
                 num_buffers=2,
@@ -346,6 +358,8 @@ class Buffer:
         hold no state a normal-mode call could disturb. This zeroes the zero-copy combine buffers of
         that shape (what a caller could have left there) and checks the arguments."""
         low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.ep.size, num_experts)
+        if self._mask is not None:
+            shrink.clean(self._mask)  # shrink mode: a rank that stopped is masked here too
         for key, tensor in self._ll_combine_buffers.items():
             if key[:3] == (num_experts, num_max_dispatch_tokens_per_rank, hidden):
                 tensor.zero_()
@@ -397,6 +411,23 @@ class Buffer:
             dispatch_wait_recv_cost_stats,
             topk_weights,
         )
+        if self._mask is not None:
+            if topk_weights is not None:
+                raise ValueError("topk_weights at dispatch is not taken in shrink mode; pass them to combine only")
+            self._ll_rounds += 1
+            recv, count, shrunk = shrink.dispatch(
+                self._low_latency_dispatcher,
+                self._mask,
+                x,
+                topk_idx,
+                num_max_dispatch_tokens_per_rank,
+                num_experts,
+                use_fp8,
+                cumulative_local_expert_recv_stats,
+                (self._ll_rounds - 1) % 2,
+            )
+            done = ll.receive_hook(lambda: None) if return_recv_hook else None  # received already
+            return recv, count, shrunk, finish(x.device, async_finish, (x, topk_idx, count)), done
         (num_tokens, hidden), top_k = x.shape, topk_idx.shape[1]
         # Three ways, fastest first: the weights given now (one row per (token, rank), weighted on the
         # experts' ranks); the weights written into the dispatched rows at combine (the same rows;
@@ -492,6 +523,19 @@ class Buffer:
         transfer is in flight and ``hook()`` finishes it (``combined_x`` is valid after), else the
         current stream waits for it. CUDA-graph safe after one eager call with the shape."""
         self._check_alive()
+        if self._mask is not None and isinstance(handle, shrink.ShrinkHandle):
+            return self._shrink_combine(
+                x,
+                topk_idx,
+                topk_weights,
+                handle,
+                use_logfmt,
+                zero_copy,
+                async_finish,
+                return_recv_hook,
+                out,
+                combine_wait_recv_cost_stats,
+            )
         ll.check_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, out, combine_wait_recv_cost_stats)
         rows = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
         combined = (
@@ -511,17 +555,56 @@ class Buffer:
             receive()
         return combined, finish(x.device, async_finish, (x, topk_idx, topk_weights, combined)), hook
 
+    def _shrink_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: shrink.ShrinkHandle,
+        use_logfmt: bool,
+        zero_copy: bool,
+        async_finish: bool,
+        return_recv_hook: bool,
+        out: torch.Tensor | None,
+        combine_wait_recv_cost_stats: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """``low_latency_combine`` in shrink mode (``shrink.combine``): received inside the call."""
+        if use_logfmt or combine_wait_recv_cost_stats is not None:
+            raise ValueError("use_logfmt and combine_wait_recv_cost_stats are refused (see low_latency_combine)")
+        shape = (handle.num_tokens, handle.num_topk)
+        if tuple(topk_idx.shape) != shape or tuple(topk_weights.shape) != shape:
+            raise ValueError(
+                f"topk_idx and topk_weights must be the dispatch's {list(shape)}, got "
+                f"{tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}"
+            )
+        rows = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
+        combined = (
+            out if out is not None else torch.empty(handle.num_tokens, handle.hidden, dtype=x.dtype, device=x.device)
+        )
+        assert self._mask is not None, "shrink mode"
+        shrink.combine(self._low_latency_dispatcher, self._mask, rows, topk_idx, topk_weights, handle, combined)
+        done = ll.receive_hook(lambda: None) if return_recv_hook else None
+        return combined, finish(x.device, async_finish, (x, topk_idx, topk_weights, combined)), done
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Refused: rank masking (DeepEP's shrink mode) is not offered; ``enable_shrink`` is refused too."""
-        raise ValueError("rank masking (enable_shrink) is not offered by moe_sbo.deep_ep")
+        """Mask (``mask=True``) or unmask ``rank_to_mask``: the next low-latency calls leave it out (or
+        take it in). Every unmasked rank must make the same change. Needs ``enable_shrink``."""
+        self._shrink_mask().update(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Refused, as ``low_latency_update_mask_buffer``."""
-        raise ValueError("rank masking (enable_shrink) is not offered by moe_sbo.deep_ep")
+        """Write each rank's mask into ``mask_status`` (int32 [num_ranks]; 1: masked). Needs
+        ``enable_shrink``. Sync: a copy from the host."""
+        self._shrink_mask().query(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Refused, as ``low_latency_update_mask_buffer``."""
-        raise ValueError("rank masking (enable_shrink) is not offered by moe_sbo.deep_ep")
+        """Unmask every rank (a rank that still does not take part is masked again at the next call
+        that needs it). Needs ``enable_shrink``."""
+        self._shrink_mask().clean()
+
+    def _shrink_mask(self) -> shrink.RankMask:
+        if self._mask is None:
+            raise ValueError("the mask buffer needs shrink mode: build the Buffer with enable_shrink=True")
+        return self._mask
 
 
 def _check_config(config: Config | None) -> None:

@@ -115,6 +115,13 @@ def _subgroup(ep: EPGroup, members: tuple[int, ...], ranks: tuple[int, ...]) -> 
     return _SUBGROUPS[key]
 
 
+def clear_subgroups() -> None:
+    """Forget the groups ``_subgroup`` made: for a process that destroys its groups to re-form without
+    a lost rank (``launch/elastic.py``). A gloo group closes its connections only when the last
+    reference to it goes, and a peer blocked in it fails only then."""
+    _SUBGROUPS.clear()
+
+
 def leg_groups(ep: EPGroup, ranks_per_node: int) -> tuple[Any, Any]:
     """(node group, rail group) of this rank: the ranks of its node, and the ranks with its local index
     on every node (None where it would hold this rank alone). Each rank makes only the groups it

@@ -43,6 +43,10 @@ class Placement:
     its own int64 CPU copy (a caller's later in-place edit cannot break the checked invariants) and
     validates it.
 
+    ``partial``: some logical experts may have no slot (``missing_experts``): the placement of ranks
+    that survived the loss of a rank holding the only replica of an expert (elastic EP serves such a
+    placement degraded, the missing experts masked, until it restores them).
+
     ``==`` is identity (``eq=False``: a dataclass's generated ``__eq__`` would compare tensors to a
     tensor, not a bool); ``equals`` compares contents. Instances hash by identity.
     """
@@ -50,6 +54,7 @@ class Placement:
     physical_to_logical: torch.Tensor
     num_logical: int
     num_ranks: int
+    partial: bool = False
 
     def __post_init__(self) -> None:
         table = self.physical_to_logical
@@ -95,7 +100,7 @@ class Placement:
                 f"physical_to_logical has {length} slots, not a positive multiple of num_ranks={num_ranks}: "
                 "every rank must have the same number of slots"
             )
-        if length < num_logical:
+        if length < num_logical and not self.partial:
             raise ValueError(
                 f"physical_to_logical has {length} slots for num_logical={num_logical} experts: every expert "
                 f"needs a slot, so give each rank at least {-(-num_logical // num_ranks)} slots"
@@ -115,7 +120,7 @@ class Placement:
             )
         counts = torch.bincount(table, minlength=num_logical)
         missing = (counts == 0).nonzero().flatten()
-        if missing.numel():
+        if missing.numel() and not self.partial:
             raise ValueError(
                 f"logical experts {missing[:8].tolist()}{'...' if missing.numel() > 8 else ''} have no replica: "
                 "every logical expert needs at least one physical slot"
@@ -139,8 +144,17 @@ class Placement:
         )
 
     def replica_counts(self) -> torch.Tensor:
-        """``[num_logical]`` int64: how many physical slots hold each logical expert (each >= 1)."""
+        """``[num_logical]`` int64: how many physical slots hold each logical expert (each >= 1 unless
+        ``partial``)."""
         return torch.bincount(self.physical_to_logical, minlength=self.num_logical)
+
+    def missing_experts(self) -> tuple[int, ...]:
+        """The logical experts no slot holds (empty unless ``partial``)."""
+        return tuple((self.replica_counts() == 0).nonzero().flatten().tolist())
+
+    def rows(self) -> list[list[int]]:
+        """Each rank's logical experts, in slot order: ``[num_ranks][slots_per_rank]``."""
+        return self.physical_to_logical.view(self.num_ranks, self.slots_per_rank).tolist()
 
     def logical_to_physical(self) -> torch.Tensor:
         """``[num_logical, max_replicas]`` int64: each expert's physical slots, ascending, padded with -1."""
@@ -151,7 +165,7 @@ class Placement:
         experts = table[physical_by_expert]
         first_of_expert = torch.cumsum(counts, 0) - counts
         column = torch.arange(table.numel()) - first_of_expert[experts]
-        result = torch.full((self.num_logical, int(counts.max())), -1, dtype=torch.int64)
+        result = torch.full((self.num_logical, max(int(counts.max()), 1)), -1, dtype=torch.int64)
         result[experts, column] = physical_by_expert
         return result
 

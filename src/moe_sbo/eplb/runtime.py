@@ -10,6 +10,7 @@ table's width is the most replicas any placement of these sizes can give an expe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,14 +113,22 @@ class ReplicaTable:
     evenly (consecutive tokens take the next one). ``choices_EW`` [E, W] holds those physical ids
     (padded by repeating the first), ``count_E`` [E] how many; W is the most replicas any placement
     of these sizes may give one expert, so a new placement fits the same tensors.
+
+    A ``partial`` placement's missing experts (elastic EP, degraded) are marked in ``masked_E`` [E]
+    bool and sent to this rank's first slot: the layer zeroes their weights (``MoELayer.route``), so
+    they add nothing to a token's sum. ``any_masked`` says so on the host, without a device read.
     """
 
     def __init__(self, placement: Placement, rank: int, device: torch.device, ranks_per_node: int | None = None):
         self.rank, self.num_ranks = rank, placement.num_ranks
         self.ranks_per_node = ranks_per_node or placement.num_ranks
-        width = min(placement.num_ranks, 1 + placement.num_redundant)
+        # One replica per rank at most; a partial placement (elastic EP, degraded) may give an expert
+        # more than its spare slots would, and is restored into the same table: allow one per rank.
+        width = placement.num_ranks if placement.partial else min(placement.num_ranks, 1 + placement.num_redundant)
         self.choices_EW = torch.zeros(placement.num_logical, width, dtype=torch.int64, device=device)
         self.count_E = torch.ones(placement.num_logical, dtype=torch.int64, device=device)
+        self.masked_E = torch.zeros(placement.num_logical, dtype=torch.bool, device=device)
+        self.any_masked = False
         self.update(placement)
 
     @torch.no_grad()
@@ -148,10 +157,21 @@ class ReplicaTable:
         count = chosen.sum(1)
         keep = torch.arange(table.shape[1])[None, :] < count[:, None]
         ordered = torch.where(keep, ordered, ordered[:, :1])
+        missing = count == 0  # a partial placement's experts without a slot: masked, sent to a stand-in
+        ordered = torch.where(missing[:, None], self.rank * placement.slots_per_rank, ordered)
         choices = ordered[:, :1].repeat(1, width)
         choices[:, : ordered.shape[1]] = ordered
         self.choices_EW.copy_(choices)
-        self.count_E.copy_(count)
+        self.count_E.copy_(count.clamp(min=1))
+        self.masked_E.copy_(missing)
+        self.any_masked = bool(missing.any())
+
+    @torch.no_grad()
+    def mask(self, experts: Sequence[int]) -> None:
+        """Drop ``experts`` from every token's sum as a partial placement's missing experts are
+        (until the next ``update``): a single-rank reference for elastic EP's degraded outputs."""
+        self.masked_E[list(experts)] = True
+        self.any_masked = bool(self.masked_E.any())
 
     def to_physical(self, ids_TK: torch.Tensor) -> torch.Tensor:
         """``ids_TK`` [T, K] logical ids -> [T, K] physical slot ids, same dtype (< 0 kept)."""

@@ -128,3 +128,76 @@ def move_expert_slots(tensors: list[torch.Tensor], old: Placement, new: Placemen
     _write_rows(tensors, [dst_slot for _, dst_slot in arriving], recv_XB)
     per_slot = slot_bytes(tensors)
     return MoveReport(len(moves), len(moves) * per_slot, len(send_slots) * per_slot, len(copies))
+
+
+@dataclass(frozen=True)
+class FillReport:
+    """What ``fill_slots`` did: slots received from another rank (all ranks) and their bytes, slots
+    copied inside this rank, and this rank's slots whose expert no rank held (``to_load``:
+    ``(slot, expert)`` pairs the caller fills from elsewhere, e.g. a checkpoint)."""
+
+    moved_slots: int
+    moved_bytes: int
+    local_copies: int
+    to_load: tuple[tuple[int, int], ...]
+
+
+@torch.no_grad()
+def fill_slots(
+    tensors: list[torch.Tensor], held: list[list[int]], wanted: list[list[int]], rank: int, group=None
+) -> FillReport:
+    """Rewrite this rank's slots of ``tensors`` (each ``[S, ...]``) so that rank r's slot j holds
+    logical expert ``wanted[r][j]``, given that it holds ``held[r][j]`` now (-1: nothing, e.g. a rank
+    that just joined). ``move_expert_slots`` for membership changes: the ranks, their slot contents
+    and the experts held may differ freely between ``held`` and ``wanted`` (both ``[P][S]`` over the
+    ranks of ``group``).
+
+    A wanted expert this rank holds is copied locally; one another rank holds is received from the
+    holder with the fewest sends so far (ties: lowest rank); one no rank holds is left as it is and
+    named in ``to_load``. Every rank of ``group`` calls it with the same tables. Nothing is written
+    unless every rank received its rows (an all-reduce after the exchange)."""
+    world = len(wanted)
+    if len(held) != world or any(len(row) != tensors[0].shape[0] for row in (*held, *wanted)):
+        raise ValueError(
+            f"held and wanted must be [{world}][{tensors[0].shape[0]}] (ranks x this layer's slots), got "
+            f"{len(held)} and {world} rows of {sorted({len(row) for row in (*held, *wanted)})} slots"
+        )
+    holders: dict[int, list[int]] = {}
+    for r, row in enumerate(held):
+        for expert in row:
+            if expert >= 0:
+                holders.setdefault(expert, []).append(r)
+    sends = [0] * world
+    moves: list[tuple[int, int, int]] = []  # (dst_rank, dst_slot, src_rank)
+    copies: list[tuple[int, int]] = []  # this rank's (dst_slot, src_slot)
+    to_load: list[tuple[int, int]] = []
+    for dst_rank, row in enumerate(wanted):
+        for dst_slot, expert in enumerate(row):
+            if expert in held[dst_rank]:
+                if dst_rank == rank:
+                    copies.append((dst_slot, held[dst_rank].index(expert)))
+            elif expert in holders:
+                src_rank = min(holders[expert], key=lambda r: (sends[r], r))
+                sends[src_rank] += 1
+                moves.append((dst_rank, dst_slot, src_rank))
+            elif dst_rank == rank:
+                to_load.append((dst_slot, expert))
+    copies = [(dst, src) for dst, src in copies if dst != src]
+    sent = [(d, s) for d, s, src in moves if src == rank]  # ascending by (dst_rank, dst_slot)
+    send_slots = [held[rank].index(wanted[d][s]) for d, s in sent]
+    in_splits = [sum(1 for d, _ in sent if d == r) for r in range(world)]
+    arriving = sorted((src, dst_slot) for dst_rank, dst_slot, src in moves if dst_rank == rank)
+    out_splits = [sum(1 for s, _ in arriving if s == r) for r in range(world)]
+    send_XB = _rows_as_bytes(tensors, send_slots)
+    kept_XB = _rows_as_bytes(tensors, [src for _, src in copies])  # staged: a copy may overwrite its source
+    recv_XB = torch.empty(len(arriving), slot_bytes(tensors), dtype=torch.uint8, device=send_XB.device)
+    if world > 1 and moves:
+        dist.all_to_all_single(recv_XB, send_XB, out_splits, in_splits, group=group)
+        done = torch.ones(1, device=_collective_device(group, send_XB.device))
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=group)  # every rank got its rows, or none writes
+        if done.item() != 1:
+            raise RuntimeError("a rank failed to receive its experts; the slots keep what they held")
+    _write_rows(tensors, [dst for dst, _ in copies], kept_XB)
+    _write_rows(tensors, [dst_slot for _, dst_slot in arriving], recv_XB)
+    per_slot = slot_bytes(tensors)
+    return FillReport(len(moves), len(moves) * per_slot, len(copies), tuple(to_load))

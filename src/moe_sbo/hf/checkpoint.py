@@ -34,7 +34,7 @@ import contextlib
 import importlib.util
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -380,16 +380,17 @@ class LayerLoader:
 
     def __init__(self, checkpoint: Checkpoint, layer_index: int):
         self.checkpoint, self.layer_index = checkpoint, layer_index
+        self.expert_reports: list[ReadReport] = []  # the reads of ``expert_source``, one expert each
         self._reads: dict[tuple[Sequence[int], torch.dtype, bool], tuple[MoEWeights, ReadReport]] = {}
 
     def __call__(self, layer: MoELayer) -> MoELayer:
         experts, key = layer.local_expert_ids, self._key(layer)
-        if not isinstance(experts, range):
-            raise ValueError(
-                f"a checkpoint is read per rank in contiguous experts, but this layer's slots hold experts "
-                f"{list(experts)} (expert load balancing with replicas or a moved placement); load it without "
-                "replicas (eplb redundant_per_rank=0), then rebalance, or load_weights from all experts"
-            )
+        if not isinstance(experts, range):  # replicas or a moved placement: one read per slot's expert
+            for slot, expert in enumerate(experts):
+                weights = self._read_expert(layer, expert)
+                layer.experts.set_expert(slot, *_expert_rows(weights))
+            _load_replicated(layer, weights)  # every read holds the router and the shared experts
+            return layer
         if key not in self._reads:  # the first such layer is read into directly: one copy of its experts
             self._reads[key] = self.checkpoint.read_moe_weights(
                 self.layer_index,
@@ -401,7 +402,24 @@ class LayerLoader:
         layer.load_weights(self._reads[key][0], expert_ids=experts)
         return layer
 
-    def report(self, layer: MoELayer) -> ReadReport:
+    def expert_source(self, layer: MoELayer) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        """Routed experts one at a time, for elastic EP's restore (``launch.elastic.ExpertSource``):
+        ``source(e)`` reads expert e alone (and the layer's router and shared experts, which every read
+        holds) in ``layer``'s dtype and expert format and returns ``RoutedExperts.set_expert``'s
+        arguments: (gate_up [2I, H], down [H, I]), plus their block scales for FP8 experts. Each read
+        is appended to ``expert_reports``."""
+
+        return lambda expert: _expert_rows(self._read_expert(layer, expert))
+
+    def _read_expert(self, layer: MoELayer, expert: int) -> MoEWeights:
+        """Routed expert ``expert`` alone (with the router and shared experts), in ``layer``'s formats."""
+        weights, report = self.checkpoint.read_moe_weights(
+            self.layer_index, range(expert, expert + 1), dtype=layer.dtype, fp8_experts=layer.experts.fp8
+        )
+        self.expert_reports.append(report)
+        return weights
+
+    def report(self, layer: MoELayer) -> ReadReport:  # a contiguous layer's one read
         """The read that gave ``layer`` its weights."""
         return self._reads[self._key(layer)][1]
 
@@ -412,3 +430,22 @@ class LayerLoader:
     @property
     def reports(self) -> list[ReadReport]:
         return [report for _, report in self._reads.values()]
+
+
+def _expert_rows(weights: MoEWeights) -> tuple[torch.Tensor, ...]:
+    """A one-expert read's ``RoutedExperts.set_expert`` arguments (with block scales for FP8 experts)."""
+    scales = weights.gate_up_proj_scale_inv, weights.down_proj_scale_inv
+    rows = (weights.gate_up_proj_E2IH[0], weights.down_proj_EHI[0])
+    return rows if scales[0] is None or scales[1] is None else (*rows, scales[0][0], scales[1][0])
+
+
+@torch.no_grad()
+def _load_replicated(layer: MoELayer, weights: MoEWeights) -> None:
+    """The weights every rank holds alike (router, shared experts) from a read of any expert."""
+    layer.router.weight.copy_(weights.router_weight_EH)
+    if weights.e_score_correction_bias_E is not None:
+        layer.router.e_score_correction_bias.copy_(weights.e_score_correction_bias_E)
+    shared = layer.shared_experts
+    if shared is not None and weights.shared_gate_up_proj_2JH is not None and weights.shared_down_proj_HJ is not None:
+        shared.gate_up_proj.copy_(weights.shared_gate_up_proj_2JH)
+        shared.down_proj.copy_(weights.shared_down_proj_HJ)

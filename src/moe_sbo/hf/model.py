@@ -17,6 +17,7 @@ with ``expert_dtype="fp8"``.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ..dispatch import Dispatcher, make_dispatcher
+from ..eplb.runtime import EPLBOptions
 from ..layer import MoELayer
 from ..overlap.stages import run_to_end
 from ..quant.fp8 import dequantize_fp8_blocks
@@ -42,7 +44,9 @@ class ExpertParallelMoE(nn.Module):
     (``static_decode.decode_dispatchers``), over the same experts: prefill moves thousands of
     tokens with the main one, decode steps a few per rank with one a CUDA graph can capture
     (default: the main one). ``calls`` counts forwards (a rank with no work makes the same number,
-    ``_idle``)."""
+    ``_idle``). ``elastic``: when set (``launch.elastic.ElasticMoE`` over ``moe``), forwards go
+    through it, so that a lost rank is recovered inside them (eager forwards through ``moe``'s own
+    dispatcher: the ``transformers`` decode loop)."""
 
     def __init__(self, moe: MoELayer, decode_dispatcher: Dispatcher | None = None):
         super().__init__()
@@ -50,11 +54,14 @@ class ExpertParallelMoE(nn.Module):
         self.decode_dispatcher = decode_dispatcher or moe.dispatcher
         self.decoding = False
         self.calls = 0
+        self.elastic: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
+        if self.elastic is not None:
+            return self.elastic(x_TH).reshape(shape)
         dispatcher = self.decode_dispatcher if self.decoding else self.moe.dispatcher
         return run_to_end(self.moe.stages(x_TH, dispatcher=dispatcher)).reshape(shape)
 
@@ -78,6 +85,7 @@ def load_model(
     decode_dispatcher: str | None = None,
     decode_dispatcher_options: dict | None = None,
     absorb_mla: bool = True,
+    eplb: EPLBOptions | None = None,
 ) -> nn.Module:
     """The causal LM of checkpoint ``path`` with every sparse MoE block expert-parallel over ``group``.
 
@@ -87,7 +95,8 @@ def load_model(
     e.g. ``"low_latency"`` with ``{"max_tokens_per_rank": 8}`` (the most prompts a rank decodes),
     while prefill uses ``dispatcher``; None: decode steps use ``dispatcher`` too. ``absorb_mla``:
     DeepSeek-V2/V3 attention decodes in the latent space (``mla.absorb_mla_decode``: the same
-    logits, without expanding the whole cache every step); False keeps ``transformers``' step. Raises
+    logits, without expanding the whole cache every step); False keeps ``transformers``' step.
+    ``eplb``: each MoE layer's expert load balancing (its redundant slots; elastic EP's spare slots). Raises
     ``ValueError`` before any collective for a family ``transformers`` has no model class for, or a
     checkpoint whose tensors do not cover the model.
     """
@@ -118,6 +127,7 @@ def load_model(
             device=device,
             expert_dtype=expert_dtype,
             seed=None,  # the checkpoint sets every weight
+            eplb=eplb,
         )
         decode = None
         if decode_dispatcher is not None:

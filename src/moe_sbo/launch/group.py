@@ -63,6 +63,16 @@ def join_group(
     peer bounded by ``timeout_s``: the group's timeout; this process's ``MOE_SBO_TIMEOUT_S``, which the
     symmetric-memory barriers read; NCCL's error handling (``env.nccl_error_handling``).
     ``local_world_size``: the ranks on this node, which decides whether GPUs are shared."""
+    torch_device, backend = pick_device(device, local_rank, timeout_s, local_world_size)
+    if backend == "nccl":
+        init_kwargs["device_id"] = torch_device  # binds the NCCL communicator to this GPU eagerly
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **init_kwargs)
+    return torch_device
+
+
+def pick_device(device: str, local_rank: int, timeout_s: float, local_world_size: int = 1) -> tuple[torch.device, str]:
+    """This rank's device and its group's backend (``join_group``'s first half: the wait bound set,
+    the GPU chosen, NCCL's error handling or shared-GPU symmetric memory configured)."""
     env.set_collective_timeout_s(timeout_s)
     backend = "gloo"
     if device == "cuda":
@@ -72,7 +82,6 @@ def join_group(
         torch_device = torch.device("cuda", torch.cuda.current_device())
         if backend == "nccl":
             env.configure_nccl_error_handling(timeout_s)  # before the group: PyTorch reads them when it is made
-            init_kwargs["device_id"] = torch_device  # binds the NCCL communicator to this GPU eagerly
         else:  # ranks share a GPU: symmetric memory must accept peers on the same device
             env.allow_symm_mem_on_shared_gpus()
             if local_rank == 0 and not env.mps_running():
@@ -85,8 +94,7 @@ def join_group(
                 )
     else:
         torch_device = torch.device("cpu")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **init_kwargs)
-    return torch_device
+    return torch_device, backend
 
 
 def init_from_torchrun(device: str = "auto") -> torch.device:

@@ -45,11 +45,15 @@ import torch
 import torch.distributed as dist
 
 from .. import env, profiling
+from .elastic import PREFIX as ELASTIC_PREFIX
+from .elastic import ElasticJoin, ElasticOptions, RankFenced, join_elastic
+from .elastic import session as elastic_session
 from .failures import RankError, RankFailure, error_message, exit_cause
 from .group import free_port, join_group, ranks_per_gpu, resolve_device
 from .signals import signals_deferred
 
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
+MAX_ADDED_RANKS = 64  # elastic: processes one LocalRanks may add (each has its phase slot)
 
 
 # ---- the worker process ------------------------------------------------------------------------------
@@ -78,6 +82,7 @@ def _worker(
     results: mp.Queue,
     phase_slots: Any = None,
     environ: dict[str, str] | None = None,
+    elastic: ElasticJoin | None = None,
 ) -> None:
     """One rank: join the group, then run pickled tasks until ``None`` or the launcher is gone.
 
@@ -86,7 +91,9 @@ def _worker(
     cannot be pickled, is reported as this rank's failure instead of killing it or vanishing in the
     queue's feeder thread. ``phase_slots``: the launcher's shared bytes, two per rank, where this
     rank marks its dispatcher phase. ``environ``: set in this rank's environment before it joins
-    (settings such as NCCL's, read when the communicator is made).
+    (settings such as NCCL's, read when the communicator is made). ``elastic``: join through the
+    launcher's store as a member of an elastic group (``elastic.join_elastic``); a rank that the
+    others declared lost (``RankFenced``) answers, then exits.
     """
     # The launcher owns interruption: a Ctrl-C reaches every process of the terminal's group, and a
     # rank that raised KeyboardInterrupt mid-collective would only turn it into a rank failure; the
@@ -98,9 +105,12 @@ def _worker(
     try:
         if device == "cpu":
             torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
-        torch_device = join_group(
-            device, rank, timeout_s, world_size, init_method=init_method, rank=rank, world_size=world_size
-        )
+        if elastic is None:
+            torch_device = join_group(
+                device, rank, timeout_s, world_size, init_method=init_method, rank=rank, world_size=world_size
+            )
+        else:
+            torch_device = join_elastic(device, rank, timeout_s, world_size, elastic)
     except BaseException as exc:  # noqa: BLE001 - report anything, the launcher decides
         results.put((0, rank, False, _failure(exc), time.time()))
         return
@@ -124,8 +134,14 @@ def _worker(
             answer = (call, rank, True, _dumps(fn(torch_device, *args, **kwargs)), None)
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from fn, and pickling errors
             answer = (call, rank, False, _failure(exc), time.time())
+            if isinstance(exc, RankFenced):
+                results.put(answer)
+                break
         results.put(answer)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if elastic is not None:
+        elastic_session().close()
 
 
 # ---- the launcher ------------------------------------------------------------------------------------
@@ -180,6 +196,17 @@ def _start_forkserver(ctx: mp.context.ForkServerContext) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def _drain(answers: Queue) -> list[tuple]:
+    """Every answer waiting in ``answers`` now (none if its pipe broke under a rank that died writing)."""
+    got: list[tuple] = []
+    try:
+        while True:
+            got.append(answers.get_nowait())
+    except (queue.Empty, EOFError, OSError, ValueError):
+        pass
+    return got
+
+
 class LocalRanks:
     """``world_size`` local processes in one process group, running functions on request.
 
@@ -194,6 +221,12 @@ class LocalRanks:
     ``failure_grace_s``: how long the other ranks may still answer after the first failure before they
     are stopped. ``environ``: variables set in every rank's environment (not the launcher's) before
     the ranks join, e.g. ``{"NCCL_P2P_DISABLE": "1"}``.
+
+    ``elastic``: the ranks form an elastic group (``launch/elastic.py``) on a store this launcher
+    hosts, so that no rank's death takes it down. A rank that dies or fails no longer ends the call:
+    ``run`` collects the answers of the ranks still alive, gives a ``RankFailure`` in the place of
+    each rank that died or raised (a dead rank is told to the others through the store at once, and
+    gets no more calls), and ``add_rank`` starts a replacement that joins the group.
     """
 
     def __init__(
@@ -205,6 +238,7 @@ class LocalRanks:
         collective_timeout_s: float | None = None,
         failure_grace_s: float = 1.0,
         environ: dict[str, str] | None = None,
+        elastic: ElasticOptions | None = None,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -226,9 +260,14 @@ class LocalRanks:
         self._procs: list = []
         self._tasks: list = []
         self._results: Queue[Any] | None = None
+        self._answer_queues: list[Queue[Any]] = []
         self._phase_slots: Any = None  # two shared bytes per rank: its dispatcher phase (profiling)
         self._call = 0
         self._closed = False
+        self.elastic = elastic
+        self._store: Any = None  # elastic: the store this launcher hosts
+        self._members: list[int] = []  # elastic: each process's member id
+        self._alive: set[int] = set()  # elastic: processes (by index) still running
         try:
             self._start()
         except BaseException:  # an interrupt during start-up too: no rank outlives a failed constructor
@@ -260,6 +299,8 @@ class LocalRanks:
             ) from err
         if not self._procs:
             self._start()
+        if self.elastic is not None:
+            return self._run_elastic(payloads[0], getattr(fn, "__name__", str(fn)))
         for tasks, payload in zip(self._tasks, payloads):
             tasks.put((self._call, payload))
         return self._collect(self._call, getattr(fn, "__name__", str(fn)))
@@ -278,9 +319,18 @@ class LocalRanks:
     def _start_once(self) -> None:
         self.starts += 1
         self._results = self._ctx.Queue()  # fresh queues: a stopped rank may have left one half-written
+        # Elastic: a queue per rank. A rank killed while its queue's feeder holds the shared write lock
+        # would keep it forever, and every other rank's answers would wait behind it.
+        self._answer_queues = [self._ctx.Queue() for _ in range(self.world_size)] if self.elastic else []
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
-        self._phase_slots = self._ctx.RawArray("B", 2 * self.world_size)
+        self._phase_slots = self._ctx.RawArray("B", 2 * (self.world_size + MAX_ADDED_RANKS))
         init_method = f"tcp://127.0.0.1:{free_port()}"
+        joins: list[ElasticJoin | None] = [None] * self.world_size
+        if self.elastic is not None:
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            members = tuple(range(self.world_size))
+            joins = [ElasticJoin("127.0.0.1", self._store.port, self.elastic, r, members) for r in members]
+            self._members, self._alive = list(members), set(members)
         self._procs = [
             self._ctx.Process(
                 target=_worker,
@@ -291,9 +341,10 @@ class LocalRanks:
                     self.device,
                     self.collective_timeout_s,
                     self._tasks[r],
-                    self._results,
+                    self._answer_queues[r] if self.elastic else self._results,
                     self._phase_slots,
                     self.environ,
+                    joins[r],
                 ),
                 daemon=True,
             )
@@ -353,6 +404,86 @@ class LocalRanks:
         )
         raise RankError(message, ordered, pending, stalled_ranks=stalled, phases=phases)
 
+    # ---- elastic ------------------------------------------------------------------------------------
+
+    def _run_elastic(self, payload: bytes, what: str) -> list[Any]:
+        """One call on every live process; a ``RankFailure`` in the place of each that died or raised
+        (and of each that had died before)."""
+        expected = sorted(self._alive)
+        for index in expected:
+            self._tasks[index].put((self._call, payload))
+        deadline = time.monotonic() + self.timeout_s
+        values: dict[int, Any] = {}
+        failures: dict[int, RankFailure] = {}
+        while len(values) + len(failures) < len(expected):
+            if time.monotonic() >= deadline:
+                pending = [i for i in expected if i not in values and i not in failures]
+                self._stop()
+                raise RankError(
+                    f"{what}: ranks {pending} did not answer within {self.timeout_s:.0f} s (elastic); every rank "
+                    "was stopped",
+                    tuple(failures.values()),
+                    tuple(pending),
+                )
+            for answer in self._answers():
+                self._book(self._call, answer, values, failures)
+            self._notice_deaths(values, failures)
+        return [
+            values[i] if i in values else failures.get(i) or RankFailure(i, "died", "lost before this call", "", 0.0)
+            for i in range(len(self._procs))
+        ]
+
+    def _notice_deaths(self, values: dict[int, Any], failures: dict[int, RankFailure]) -> None:
+        """Processes that ended: marked dead in the store (the survivors need not wait for a heartbeat)."""
+        for index in sorted(self._alive):
+            proc = self._procs[index]
+            if not proc.is_alive():
+                for answer in _drain(self._answer_queues[index]):  # its last answer, if it gave one
+                    self._book(self._call, answer, values, failures)
+                self._alive.discard(index)
+                for q in (self._tasks[index], self._answer_queues[index]):
+                    q.cancel_join_thread()
+                    q.close()
+                self._store.set(f"{ELASTIC_PREFIX}/dead/{self._members[index]}", "1")
+                if index not in failures and index not in values:
+                    failures[index] = RankFailure(index, "died", exit_cause(proc.exitcode), "", time.time())
+
+    def add_rank(self) -> int:
+        """Elastic: start one more process, outside the group until the members admit it (its function
+        calls ``ElasticGroup.join``, theirs ``ElasticGroup.admit``). Returns its index in ``run``'s list."""
+        if self.elastic is None or self._results is None:
+            raise ValueError("add_rank needs running ranks started with LocalRanks(..., elastic=ElasticOptions())")
+        index = len(self._procs)
+        if index >= self.world_size + MAX_ADDED_RANKS:
+            raise ValueError(f"at most {MAX_ADDED_RANKS} ranks can be added to one LocalRanks; make a new one")
+        member = max(self._members) + 1
+        how = ElasticJoin("127.0.0.1", self._store.port, self.elastic, member, ())
+        tasks, answers = self._ctx.Queue(), self._ctx.Queue()
+        proc = self._ctx.Process(
+            target=_worker,
+            args=(index, self.world_size, "", self.device, self.collective_timeout_s, tasks, answers),
+            kwargs={"phase_slots": self._phase_slots, "environ": self.environ, "elastic": how},
+            daemon=True,
+        )
+        with signals_deferred():
+            proc.start()
+        self._procs.append(proc)
+        self._tasks.append(tasks)
+        self._answer_queues.append(answers)
+        self._members.append(member)
+        self._alive.add(index)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            for answer in self._answers():
+                call, rank, ok, payload, _ = answer
+                if call == 0 and rank == index:
+                    if not ok:
+                        raise RankError(f"the added rank failed to start: {payload[0]}", ())
+                    return index
+            if not proc.is_alive():
+                raise RankError(f"the added rank died at start: {exit_cause(proc.exitcode)}", ())
+        raise RankError(f"the added rank did not start within {self.timeout_s:.0f} s", ())
+
     def _phases(self) -> tuple[str, ...]:
         """Each rank's dispatcher phase, read from the memory it shares with the launcher."""
         if self._phase_slots is None:
@@ -365,6 +496,12 @@ class LocalRanks:
         if self._results is None:
             raise RuntimeError("the ranks are stopped, so there are no answers to read; start them first")
         answers: list[tuple] = []
+        if self.elastic is not None:
+            for index in sorted(self._alive):
+                answers += _drain(self._answer_queues[index])
+            if not answers:
+                time.sleep(POLL_S)
+            return answers
         try:
             answers.append(self._results.get(timeout=POLL_S))
             while True:  # drain, so that a rank's answer is booked before its process is seen dead
@@ -404,13 +541,15 @@ class LocalRanks:
                 proc.join(timeout=5)
         self._close_queues()
         self._procs = []
+        self._alive = set()
+        self._store = None  # elastic: the store goes with the ranks
 
     def _close_queues(self) -> None:
-        for q in (*self._tasks, self._results):
+        for q in (*self._tasks, *self._answer_queues, self._results):
             if q is not None:
                 q.cancel_join_thread()  # never block on a pipe no one will read again
                 q.close()
-        self._tasks, self._results = [], None
+        self._tasks, self._answer_queues, self._results = [], [], None
 
     def close(self) -> None:
         """Ask every rank to leave the group and exit; stop those that do not within 10 s."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ...config import DISPATCHER_NAMES, OVERLAP_MODES, PRESETS
+from ...hooks import HOOK_EVENTS
 from .common import RANKS_HELP, add_device_arg, add_expert_dtype_arg
 
 SUMMARY = "run every dispatcher on local ranks and compare with one rank"
@@ -12,7 +13,15 @@ DESCRIPTION = """\
 Run every dispatcher (or --dispatcher) on N local ranks and compare each rank's output with the
 single-rank reference layer (dispatcher local: all experts, same seed, so the same weights). Shows
 the error, the bytes each rank sent and the time of each phase; --overlap all also checks every
-overlap mode against none. Exit code 0 only if every run matches."""
+overlap mode against none. Exit code 0 only if every run matches.
+
+--elastic instead loses a rank mid-run (SIGKILL at --at of the second forward) and shows the others
+recover: the lost set they agreed on, the group re-formed without it, the forward in flight re-run
+degraded (equal to the single-rank layer with the lost experts masked) and the experts restored
+(equal to the full layer), with the time of each step."""
+
+# Where --elastic's victim dies: at a hook event of the second forward, or between the first two.
+KILL_POINTS = (*HOOK_EVENTS, "between_forwards")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +48,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="expert load balancing: each layer with one redundant expert slot per rank (none on one rank), its "
         "router skewed to a Zipf(1) load; shows the rank load before and after a rebalance, the experts moved, "
         "and checks the output against the reference both times",
+    )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="kill one rank mid-run and show the others recover: agree on the loss, re-form, re-run the forward "
+        "in flight degraded, restore the lost experts (needs --ranks >= 2)",
+    )
+    parser.add_argument(
+        "--kill-rank", type=int, default=None, metavar="R", help="with --elastic: the rank to kill (default: the last)"
+    )
+    parser.add_argument(
+        "--at",
+        default="dispatch_in_flight",
+        choices=KILL_POINTS,
+        metavar="EVENT",
+        help=f"with --elastic: where the rank dies: {', '.join(KILL_POINTS)}",
     )
     parser.add_argument("--tokens", type=int, default=64, help="tokens per rank")
     add_device_arg(parser)

@@ -60,3 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", metavar="PATH", help="write prompts, new tokens and timings as JSON (-: standard output)"
     )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="elastic EP (docs/ELASTIC.md) with --kill-rank: that rank, which must own no prompt, is killed in the "
+        "first decode step and the others generate on without it (decode transformers)",
+    )
+    parser.add_argument(
+        "--kill-rank", type=int, default=None, metavar="R", help="with --elastic: the rank to kill (it owns no prompt)"
+    )
