@@ -5,7 +5,7 @@ moe-sbo's dispatchers. ``import moe_sbo.deep_ep as deep_ep`` in place of ``impor
 
     get_dispatch_layout                      layout.py (device counts from topk_idx)
     dispatch / combine                       normal.py -> ``alltoall`` (one node) or ``node_aware``
-    low_latency_dispatch / _combine          low_latency.py -> ``low_latency``
+    low_latency_dispatch / _combine          ll_state.py (state), low_latency.py (steps) -> ``low_latency``
     previous_event / async_finish / capture  events.py (moe-sbo's CUDA events; CPU: completed no-ops)
 
 The hard part is honesty about what differs. DeepEP's arguments fall in three kinds here: those that
@@ -36,6 +36,7 @@ from . import normal, shrink
 from .config import DEFAULT_NUM_SMS, Config, default_config, low_latency_size_hint
 from .events import EventOverlap, capture_event, finish, wait_previous
 from .layout import dispatch_layout
+from .ll_state import LowLatencyState
 
 
 class Buffer:
@@ -90,17 +91,12 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.hooks = HookRegistry()
         self._normal: dict[int, Dispatcher] = {}
-        self._low_latency: dict[tuple, Dispatcher] = {}
-        self._ll_storage: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any]] = {}
-        self._ll_combine_buffers: dict[tuple, torch.Tensor] = {}
-        self._ll_constants: dict[tuple, torch.Tensor] = {}
-        self._ll_pack_replays = ll.PackReplays()
-        self._ll_rounds = 0
+        self._ll = LowLatencyState(self.ep, self.hooks)
         self._destroyed = False
         self._mask: shrink.RankMask | None = None
         if enable_shrink or enable_elastic:
             self._mask = shrink.RankMask(group, self.ep)
-            self._mask.on_change = self._low_latency.clear  # dispatchers over the old group go
+            self._mask.on_change = self._ll.dispatchers.clear  # dispatchers over the old group go
 
     # ---- life and static helpers ----------------------------------------------------------------
 
@@ -111,11 +107,7 @@ class Buffer:
         if self._mask is not None:
             self._mask.leave()
         self._normal.clear()
-        self._low_latency.clear()
-        self._ll_storage.clear()
-        self._ll_combine_buffers.clear()
-        self._ll_constants.clear()
-        self._ll_pack_replays = ll.PackReplays()
+        self._ll = LowLatencyState(self.ep, self.hooks)
         self._destroyed = True
 
     @staticmethod
@@ -284,75 +276,6 @@ class Buffer:
 
     # ---- low-latency mode -----------------------------------------------------------------------
 
-    def _low_latency_dispatcher(
-        self,
-        num_experts: int,
-        capacity: int,
-        top_k: int,
-        use_fp8: bool,
-        per_choice: bool,
-        ep: EPGroup | None = None,
-    ) -> Dispatcher:
-        """Each token travels once per destination rank (C per rank), or, ``per_choice``, each
-        (token, choice) as a token of its own (C * K of them). The rows (fp8 ones as e4m3 and scales)
-        stay in the receive buffer until they are packed (``index_rows``), so an eager round reads
-        and writes the same tensors each time its set comes round and the packing replays from a
-        graph (``low_latency.PackReplays``). ``ep``: the group (shrink mode: the unmasked ranks';
-        default the Buffer's)."""
-        ep = ep or self.ep
-        key = (num_experts, capacity, top_k, use_fp8, per_choice, ep.size)
-        if key not in self._low_latency:
-            d = make_dispatcher(
-                "low_latency",
-                num_experts,
-                ep,
-                max_tokens_per_rank=capacity * top_k if per_choice else capacity,
-                fp8=use_fp8,
-                num_buffers=2,
-                index_rows=True,
-            )
-            d.deliver_fp8 = use_fp8
-            d.hooks = self.hooks
-            self._low_latency[key] = d
-        return self._low_latency[key]
-
-    def _constant(self, name: str, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
-        """Constants made once per shape: ``"ones"`` float32 [T * K, 1] (each choice's weight on the
-        wire, per choice) and ``"choices"`` int64 [T, K] (each choice's returned row, per choice);
-        ``"ok"`` int32 [1] of 1 (the packing's overflow flag, one per device: T and K are 0)."""
-        key = (name, num_tokens, top_k, device)
-        if key not in self._ll_constants:
-            with torch.inference_mode(False):
-                if name == "ones":
-                    value = torch.ones(num_tokens * top_k, 1, dtype=torch.float32, device=device)
-                elif name == "ok":
-                    value = torch.ones(1, dtype=torch.int32, device=device)
-                else:
-                    value = torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k)
-            self._ll_constants[key] = value
-        return self._ll_constants[key]
-
-    def _receive_storage(
-        self, handle: ll.LowLatencyHandle, use_fp8: bool, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any]:
-        """The round's receive tensors (two per shape, used in turn, as DeepEP's two buffers):
-        x [L * P * C + 1, H], with fp8 its scales, the counts int32 [L], and what
-        ``low_latency_dispatch`` returns as recv_x (the packed [L, P * C, H] view, with fp8 and its
-        scales' view)."""
-        rows = handle.num_experts * handle.num_max_dispatch_tokens_per_rank + 1
-        key = (rows, handle.hidden, use_fp8, handle.dtype, device, handle.buffer_index)
-        if key not in self._ll_storage:
-            num_local, hidden = handle.num_experts // self.ep.size, handle.hidden
-            x_dtype = torch.float8_e4m3fn if use_fp8 else handle.dtype
-            x = torch.zeros(rows, hidden, dtype=x_dtype, device=device)
-            scales = torch.zeros(rows, hidden // 128, device=device) if use_fp8 else None
-            count = torch.zeros(num_local, dtype=torch.int32, device=device)
-            recv_x: Any = x[:-1].view(num_local, -1, hidden)
-            if scales is not None:
-                recv_x = (recv_x, scales[:-1].view(num_local, -1, hidden // 128))
-            self._ll_storage[key] = (x, scales, count, recv_x)
-        return self._ll_storage[key]
-
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP zeroes the parts of its buffer its kernels count on; moe-sbo's low-latency buffers
         hold no state a normal-mode call could disturb. This zeroes the zero-copy combine buffers of
@@ -360,9 +283,7 @@ class Buffer:
         low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.ep.size, num_experts)
         if self._mask is not None:
             shrink.clean(self._mask)  # shrink mode: a rank that stopped is masked here too
-        for key, tensor in self._ll_combine_buffers.items():
-            if key[:3] == (num_experts, num_max_dispatch_tokens_per_rank, hidden):
-                tensor.zero_()
+        self._ll.zero_combine_buffers(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_dispatch(
         self,
@@ -414,9 +335,9 @@ class Buffer:
         if self._mask is not None:
             if topk_weights is not None:
                 raise ValueError("topk_weights at dispatch is not taken in shrink mode; pass them to combine only")
-            self._ll_rounds += 1
+            self._ll.rounds += 1
             recv, count, shrunk = shrink.dispatch(
-                self._low_latency_dispatcher,
+                self._ll.dispatcher,
                 self._mask,
                 x,
                 topk_idx,
@@ -424,80 +345,28 @@ class Buffer:
                 num_experts,
                 use_fp8,
                 cumulative_local_expert_recv_stats,
-                (self._ll_rounds - 1) % 2,
+                (self._ll.rounds - 1) % 2,
             )
             done = ll.receive_hook(lambda: None) if return_recv_hook else None  # received already
             return recv, count, shrunk, finish(x.device, async_finish, (x, topk_idx, count)), done
-        (num_tokens, hidden), top_k = x.shape, topk_idx.shape[1]
-        # Three ways, fastest first: the weights given now (one row per (token, rank), weighted on the
-        # experts' ranks); the weights written into the dispatched rows at combine (the same rows;
-        # where the rows lie in the peers' buffers: symmetric memory or one rank); else one row per
-        # (token, choice), weighted on the token's rank.
-        weighted = topk_weights is not None
-        capacity = num_max_dispatch_tokens_per_rank
-        dispatcher = self._low_latency_dispatcher(num_experts, capacity, top_k, use_fp8, False)
-        restamp = not weighted and dispatcher.can_set_combine_weights(x.device)  # type: ignore[attr-defined]
-        per_choice = not weighted and not restamp
-        if per_choice:
-            dispatcher = self._low_latency_dispatcher(num_experts, capacity, top_k, use_fp8, True)
-        handle = ll.LowLatencyHandle(
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            hidden=hidden,
-            num_experts=num_experts,
-            dtype=x.dtype,
-            num_topk=topk_idx.shape[1],
-            num_tokens=num_tokens,
-            buffer_index=self._ll_rounds % 2,
-            dispatcher=dispatcher,
-            device=x.device,
-            topk_weights=topk_weights,
-            weights_version=0 if topk_weights is None else topk_weights._version,
-            restamp=restamp,
-            choice_index_TK=self._constant("choices", num_tokens, top_k, x.device) if per_choice else None,
+        return self._ll.dispatch(
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            cumulative_local_expert_recv_stats,
+            use_fp8,
+            async_finish,
+            return_recv_hook,
+            topk_weights,
         )
-        self._ll_rounds += 1
-        x_storage, scales_storage, count_L, recv_x = self._receive_storage(handle, use_fp8, x.device)
-        ok = self._constant("ok", 0, 0, x.device)
-        with torch.no_grad():
-            ones = None if weighted else self._constant("ones", num_tokens, top_k, x.device)
-            pending = ll.launch_dispatch(handle, x, topk_idx, ones)
-
-        def receive() -> None:
-            with torch.no_grad():
-                ll.receive(
-                    handle,
-                    pending,
-                    x_storage,
-                    scales_storage,
-                    count_L,
-                    cumulative_local_expert_recv_stats,
-                    self._ll_pack_replays,
-                    ok,
-                )
-
-        hook = None
-        if return_recv_hook:
-            hook = ll.receive_hook(receive)
-        else:
-            receive()
-        event = finish(x.device, async_finish, (x, topk_idx, x_storage, count_L))
-        return recv_x, count_L, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: ll.LowLatencyHandle) -> torch.Tensor:
         """The [L, P * C, H] tensor ``low_latency_combine(..., zero_copy=True)`` reads for this handle's
         round (one of two per shape, in x's dtype): fill it with the experts' outputs."""
         if not isinstance(handle, ll.LowLatencyHandle):
             raise TypeError(f"handle must be the one low_latency_dispatch returned, got {type(handle).__name__}")
-        num_local = handle.num_experts // self.ep.size
-        rows = self.ep.size * handle.num_max_dispatch_tokens_per_rank
-        device = handle.device
-        shape = (handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        key = (*shape, handle.dtype, device, handle.buffer_index)
-        if key not in self._ll_combine_buffers:
-            self._ll_combine_buffers[key] = torch.zeros(
-                num_local, rows, handle.hidden, dtype=handle.dtype, device=device
-            )
-        return self._ll_combine_buffers[key]
+        return self._ll.combine_buffer(handle)
 
     def low_latency_combine(
         self,
@@ -538,22 +407,7 @@ class Buffer:
             )
         ll.check_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, out, combine_wait_recv_cost_stats)
         rows = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
-        combined = (
-            out if out is not None else torch.empty(handle.num_tokens, handle.hidden, dtype=x.dtype, device=x.device)
-        )
-        with torch.no_grad():
-            pending = ll.launch_combine(handle, rows, topk_weights)
-
-        def receive() -> None:
-            with torch.no_grad():
-                ll.finish_combine(handle, pending, topk_idx, topk_weights, combined)
-
-        hook = None
-        if return_recv_hook:
-            hook = ll.receive_hook(receive)
-        else:
-            receive()
-        return combined, finish(x.device, async_finish, (x, topk_idx, topk_weights, combined)), hook
+        return self._ll.combine(rows, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out)
 
     def _shrink_combine(
         self,
@@ -582,7 +436,7 @@ class Buffer:
             out if out is not None else torch.empty(handle.num_tokens, handle.hidden, dtype=x.dtype, device=x.device)
         )
         assert self._mask is not None, "shrink mode"
-        shrink.combine(self._low_latency_dispatcher, self._mask, rows, topk_idx, topk_weights, handle, combined)
+        shrink.combine(self._ll.dispatcher, self._mask, rows, topk_idx, topk_weights, handle, combined)
         done = ll.receive_hook(lambda: None) if return_recv_hook else None
         return combined, finish(x.device, async_finish, (x, topk_idx, topk_weights, combined)), done
 
