@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from moe_sbo.config import get_preset
 from moe_sbo.eplb.runtime import initial_placement
-from moe_sbo.launch import elastic
+from moe_sbo.launch import elastic, elastic_layer
 from moe_sbo.launch.elastic import ElasticMoE, ElasticOptions
 from moe_sbo.launch.failures import RankFailure
 from moe_sbo.launch.ranks import LocalRanks
@@ -465,7 +465,7 @@ def test_a_second_loss_during_the_recovery_is_recovered_too():
 def test_spare_slot_plan_puts_missing_experts_where_replicas_were():
     # EP4's initial placement of 16 experts with 1 spare slot, rank 0 lost: 4, 8, 12 have no replica.
     held = [[0, 2, 5, 9, 13], [1, 3, 6, 10, 14], [1, 3, 7, 11, 15]]
-    wanted, unplaced = elastic.spare_slot_plan(held, [4, 8, 12])
+    wanted, unplaced = elastic_layer.spare_slot_plan(held, [4, 8, 12])
     # Only the two doubled experts (1, 3) free a slot: 4 and 8 take them, on the ranks that gave fewest.
     assert wanted == [[0, 2, 5, 9, 13], [4, 3, 6, 10, 14], [1, 8, 7, 11, 15]] and unplaced == [12]
 

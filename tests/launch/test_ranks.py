@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from moe_sbo import env
 from moe_sbo.launch import ranks as launch_ranks
+from moe_sbo.launch import workers as launch_workers
 from moe_sbo.launch.failures import RankError
 from moe_sbo.launch.group import init_from_torchrun, resolve_device
 from moe_sbo.launch.ranks import LocalRanks
@@ -282,7 +283,7 @@ def test_torchrun_ranks_join_with_the_wait_bound(fake_group, monkeypatch):
 
 
 def test_local_ranks_refuse_a_bad_environment_before_starting_any_rank(monkeypatch):
-    monkeypatch.setattr(launch_ranks, "_context", lambda device: pytest.fail("ranks were started"))
+    monkeypatch.setattr(launch_ranks, "worker_context", lambda device: pytest.fail("ranks were started"))
     with pytest.raises(ValueError, match=r"MOE_SBO_RANKS_PER_NODE must be a whole number that divides the 4 ranks "):
         LocalRanks(4, environ={"MOE_SBO_RANKS_PER_NODE": "3"})  # what the ranks would read
     monkeypatch.setenv("NCCL_MAX_CTAS", "many")
@@ -527,7 +528,7 @@ def test_a_ctrl_c_while_the_fork_server_starts_is_kept_for_the_launcher(monkeypa
 
     monkeypatch.setattr(forkserver, "ensure_running", ensure_running)
     with pytest.raises(KeyboardInterrupt):
-        launch_ranks._start_forkserver(None)
+        launch_workers.start_forkserver(None)
         time.sleep(1)  # a lost signal would leave the call to end normally here
     assert seen_blocked == [True]
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # the mask is restored

@@ -1,6 +1,6 @@
 """``moe-sbo demo --elastic``: one rank is killed mid-run and the others recover.
 
-Every rank runs three forwards of an elastic layer (``launch/elastic.py``) over the dispatcher; the
+Every rank runs three forwards of an elastic layer (``launch/elastic_layer.py``) over the dispatcher; the
 victim dies (SIGKILL) at ``--at`` of the second (or between the first two). The survivors agree on
 the loss, re-form without it, re-run the forward in flight degraded, restore the lost experts from
 the seeded weights (the stand-in for a checkpoint: each expert read alone) and run the third

@@ -27,6 +27,10 @@ torchrun's agent's: a rank's death never takes it down. Keys, under ``moe_sbo/el
 ``hb/<member>`` heartbeat counters, ``dead/<member>`` the launcher's death notices,
 ``e<epoch>/in/<member>`` check-ins, ``e<epoch>/decision``, ``joins/<n>`` join requests, ``pg/<epoch>/``
 each epoch's process group.
+
+This module is the group side. The layer side (``ElasticMoE``: re-placing a layer's experts over each
+new group, restoring them) is ``elastic_layer.py``; the policy, the errors and the ``Recovery`` record
+are ``elastic_options.py``. Their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import datetime
 import json
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,112 +46,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dispatch import EPGroup, make_dispatcher
 from ..dispatch.membership import POLL_S, agree
 from ..dispatch.node_aware import clear_subgroups
-from ..eplb.placement import Placement
-from ..eplb.runtime import EPLBOptions, ReplicaTable, initial_placement
-from ..eplb.transfer import fill_slots
 from ..layer import MoELayer
+from .elastic_layer import ElasticMoE, ExpertSource, RestoreReport
+from .elastic_options import ElasticOptions, ExpertsLost, RankFenced, Recovery
 from .group import pick_device
 
+__all__ = [
+    "ElasticGroup",
+    "ElasticJoin",
+    "ElasticMoE",
+    "ElasticOptions",
+    "ExpertSource",
+    "ExpertsLost",
+    "RankFenced",
+    "Recovery",
+    "RestoreReport",
+    "attach",
+    "join_elastic",
+    "session",
+]
+
 PREFIX = "moe_sbo/elastic"
-
-# An expert's weights from outside the group: ``source(expert)`` -> the arguments of
-# ``RoutedExperts.set_expert`` after the slot: (gate_up [2I, H], down [H, I]) and, for FP8 experts,
-# their block scales. ``weights.seeded_expert`` and ``hf.checkpoint.LayerLoader.expert_source`` make them.
-ExpertSource = Callable[[int], Sequence[torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class ElasticOptions:
-    """How a group and its layers survive the loss of a rank.
-
-    ``spare_slots_per_rank``: expert slots per rank beyond E / P, the layer's EPLB redundant slots
-    (``eplb()`` builds its options): replicas while all ranks live, the room the experts of a lost
-    rank are restored into. After the loss of one of P ranks the survivors hold every expert again
-    when ``(P - 1) * (E / P + spare) >= E``. ``degraded``: serve with the experts that have no live
-    replica masked until they are restored (False: restore before the in-flight forward is re-run,
-    or raise ``ExpertsLost``). ``restore``: restore right after the re-run (False: the caller calls
-    ``ElasticMoE.restore`` on every rank, between forwards).
-
-    ``heartbeat_s``: how often each rank bumps its heartbeat; ``dead_after_s``: a heartbeat unchanged
-    this long marks a rank dead (a launcher that sees the process end says so at once);
-    ``agree_s``: how long survivors wait for a member that is alive to check in before they declare it
-    lost (a stalled rank; a rank that wakes up later is fenced off).
-    """
-
-    spare_slots_per_rank: int = 1
-    degraded: bool = True
-    restore: bool = True
-    heartbeat_s: float = 0.1
-    dead_after_s: float = 3.0
-    agree_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.spare_slots_per_rank < 0:
-            raise ValueError(f"spare_slots_per_rank must be >= 0, got {self.spare_slots_per_rank}")
-        for name in ("heartbeat_s", "dead_after_s", "agree_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.dead_after_s <= 2 * self.heartbeat_s:
-            raise ValueError(
-                f"dead_after_s must exceed two heartbeats ({2 * self.heartbeat_s:g} s), got {self.dead_after_s}; "
-                "a live rank would be declared dead"
-            )
-
-    def eplb(self, **options: Any) -> EPLBOptions:
-        """The EPLB options of a layer under this policy: ``spare_slots_per_rank`` redundant slots."""
-        return EPLBOptions(redundant_per_rank=self.spare_slots_per_rank, **options)
-
-
-class RankFenced(RuntimeError):
-    """This rank was declared lost (dead or stalled past the bound) and the others went on without
-    it: it must not touch the group again. Its process should exit; a fresh process can join."""
-
-
-class ExpertsLost(RuntimeError):
-    """Experts have no live replica and cannot be restored (no spare slot or no source), and the
-    policy does not allow serving degraded (``ElasticOptions.degraded``)."""
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """One loss, as this rank lived it.
-
-    ``lost``: the member ids the survivors agreed on; ``epoch``: the new group's; ``members``: its
-    members in rank order. ``t_detect_ms``: from this rank's failed collective to the decision;
-    ``t_reform_ms``: joining the new group and rebuilding the layers; ``t_rerun_ms``: the forward in
-    flight, re-run degraded; ``t_restore_ms``: restoring (0 when nothing was restored). ``reran``:
-    this rank's forward was re-run (False: it had finished it and took part with no tokens).
-    ``degraded_tokens``: this rank's tokens of the re-run that lost an expert (masked).
-    ``missing_experts``: experts that had no live replica after the loss; ``restored_from``:
-    ``replica`` (none was missing), ``checkpoint`` (read from the source) or ``none`` (still degraded).
-    The lost members' own tokens were never here: their callers must re-submit them.
-    """
-
-    lost: tuple[int, ...]
-    epoch: int
-    members: tuple[int, ...]
-    t_detect_ms: float
-    t_reform_ms: float
-    t_rerun_ms: float
-    t_restore_ms: float
-    reran: bool
-    degraded_tokens: int
-    missing_experts: tuple[int, ...]
-    restored_from: str
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    """One restore: experts read from the source into this rank's slots (``loaded``, all ranks:
-    ``loaded_total``), experts still missing (no spare slot), and how long it took."""
-
-    loaded: tuple[int, ...]
-    loaded_total: int
-    still_missing: tuple[int, ...]
-    t_restore_ms: float
 
 
 class ElasticGroup:
@@ -453,208 +373,6 @@ def _lost_peer(err: BaseException) -> bool:
     return any(
         word in text for word in ("connection", "timed out", "timeout", "closed", "reset", "broken pipe", "peer")
     )
-
-
-class ElasticMoE:
-    """An ``MoELayer`` that survives the loss of a rank of its EP group (``ElasticGroup``).
-
-    ``layer``: built with ``eplb=group.options.eplb()`` (its spare slots) and a dispatcher other
-    than ``local``. ``source``: where experts without a live replica are read from when they are
-    restored (``ExpertSource``; None: they stay masked). ``elastic(x)`` is the layer's forward,
-    recovered and re-run on a loss; ``group.recoveries`` tells what happened.
-    """
-
-    def __init__(self, layer: MoELayer, group: ElasticGroup, source: ExpertSource | None = None):
-        if layer.eplb is None or layer.placement is None:
-            raise ValueError(
-                "an elastic layer needs expert slots it can re-place: build the MoELayer with "
-                "eplb=ElasticOptions(...).eplb()"
-            )
-        spare = group.options.spare_slots_per_rank
-        if layer.eplb.redundant_per_rank != spare:
-            raise ValueError(
-                f"the layer's eplb redundant_per_rank must equal ElasticOptions.spare_slots_per_rank={spare}, got "
-                f"{layer.eplb.redundant_per_rank}; build it with eplb=options.eplb()"
-            )
-        if layer.dispatcher.name == "local":
-            raise ValueError("dispatcher 'local' has no group to lose a rank from; use allgather, alltoall, ...")
-        self.layer, self.group, self.source = layer, group, source
-        group.layers.append(self)
-
-    def __call__(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.group.run(self, x_TH)
-
-    forward = __call__
-
-    @property
-    def placement(self) -> Placement:
-        """The layer's placement over the current group (an elastic layer always has one)."""
-        placement = self.layer.placement
-        assert placement is not None, "an elastic layer is built with eplb, so it has a placement"
-        return placement
-
-    @property
-    def missing_experts(self) -> tuple[int, ...]:
-        """Experts no slot of the group holds (masked) now."""
-        return self.placement.missing_experts()
-
-    def regroup(self, old_members: Sequence[int]) -> tuple[int, ...]:
-        """After a loss: the survivors' slots as they are, over the new group (no weight moves); the
-        experts left without a slot are masked. Returns them."""
-        old = self.layer.placement
-        assert old is not None, "an elastic layer has a placement"
-        rows = old.rows()
-        kept = [rows[old_members.index(m)] for m in self.group.members]
-        flat = torch.tensor([e for row in kept for e in row], dtype=torch.int64)
-        partial = bool((torch.bincount(flat, minlength=old.num_logical) == 0).any())
-        placement = Placement(flat, old.num_logical, len(kept), partial=partial)
-        self._rebuild(placement)
-        return placement.missing_experts()
-
-    def restore_or_raise(self) -> None:
-        """``restore``, and ``ExpertsLost`` if experts are still missing (the policy forbids degraded)."""
-        if self.missing_experts and self.restore().still_missing:
-            raise ExpertsLost(
-                f"experts {list(self.missing_experts)} have no live replica and no spare slot or source to restore "
-                "them, and ElasticOptions.degraded is False; give the layer more spare slots "
-                "(spare_slots_per_rank) or a source, or allow degraded serving"
-            )
-
-    @torch.no_grad()
-    def restore(self) -> RestoreReport:
-        """Put every missing expert into a spare slot (one whose expert has another replica), read
-        from ``source`` by the rank that takes it. Every rank of the group calls it, between forwards.
-        Afterwards the outputs are the full layer's. Experts that find no spare slot stay masked."""
-        started = time.monotonic()
-        placement = self.layer.placement
-        assert placement is not None, "an elastic layer has a placement"
-        missing = placement.missing_experts()
-        if not missing or self.source is None:
-            return RestoreReport((), 0, missing, 1e3 * (time.monotonic() - started))
-        held = placement.rows()
-        wanted, unplaced = spare_slot_plan(held, missing)
-        report = fill_slots(self.layer.experts.slot_tensors(), held, wanted, self.group.rank, None)
-        for slot, expert in report.to_load:
-            self.layer.experts.set_expert(slot, *self.source(expert))
-        flat = torch.tensor([e for row in wanted for e in row], dtype=torch.int64)
-        restored = Placement(flat, placement.num_logical, placement.num_ranks, partial=bool(unplaced))
-        self.layer.placement = restored
-        self.layer.replicas.update(restored)
-        loaded_total = len(missing) - len(unplaced)
-        return RestoreReport(
-            tuple(e for _, e in report.to_load), loaded_total, tuple(unplaced), 1e3 * (time.monotonic() - started)
-        )
-
-    @torch.no_grad()
-    def grow(self, old_members: Sequence[int], rows: list[list[int]]) -> None:
-        """After new ranks joined: their slots filled from their peers, the placement the layer's
-        initial one where the sizes allow; router and shared experts sent from rank 0."""
-        layer, group = self.layer, self.group
-        eplb = layer.eplb
-        assert eplb is not None, "an elastic layer has eplb options"
-        num_logical, slots = layer.cfg.num_experts, len(rows[0])
-        held = [rows[old_members.index(m)] if m in old_members else [-1] * slots for m in group.members]
-        if num_logical % group.size == 0 and num_logical // group.size + eplb.redundant_per_rank == slots:
-            wanted = initial_placement(num_logical, group.size, eplb).rows()
-        else:
-            wanted = _fill_new_ranks(held, num_logical)
-        for tensor in _replicated_tensors(layer):
-            dist.broadcast(tensor, src=0)
-        report = fill_slots(layer.experts.slot_tensors(), held, wanted, group.rank, None)
-        for slot, expert in report.to_load:
-            if self.source is None:
-                raise ExpertsLost(f"expert {expert} has no replica in the group and this layer has no source")
-            layer.experts.set_expert(slot, *self.source(expert))
-        flat = torch.tensor([e for row in wanted for e in row], dtype=torch.int64)
-        self._rebuild(Placement(flat, num_logical, group.size))
-
-    def retire_dispatcher(self) -> None:
-        """Keep what the next dispatcher needs (``_DispatcherSpec``) and let the old one go, with its
-        references to the old group."""
-        old = getattr(self.layer, "dispatcher", None)
-        if old is not None:
-            self._spec = _DispatcherSpec(old.name, dict(old.options), old.hooks, old.deliver_fp8, old.ep.ranks_per_node)
-            del self.layer.dispatcher  # two-batch overlap's twin goes with it (a weak-keyed cache)
-            del old
-
-    def _rebuild(self, placement: Placement) -> None:
-        """The layer's dispatcher, placement and replica table over the current group (the dispatcher's
-        hooks carry over: the same registry)."""
-        self.retire_dispatcher()
-        layer, spec = self.layer, self._spec
-        size, rank = dist.get_world_size(), dist.get_rank()
-        per_node = spec.ranks_per_node
-        ep = EPGroup(None, rank, size, per_node if per_node and size % per_node == 0 else None)
-        options = dict(spec.options)
-        if options.get("ranks_per_node") and size % options["ranks_per_node"]:
-            options.pop("ranks_per_node")  # node_aware: the nodes no longer split evenly; one node
-        new = make_dispatcher(spec.name, placement.num_physical, ep, **options)
-        new.hooks = spec.hooks
-        new.deliver_fp8 = spec.deliver_fp8
-        layer.dispatcher = new
-        layer.placement = placement
-        device = layer.router.weight.device
-        layer.replicas = ReplicaTable(placement, rank, device, ranks_per_node=new.ep.node_size)
-
-
-@dataclass(frozen=True)
-class _DispatcherSpec:
-    """What a layer's dispatcher is made of, beyond its group: rebuilt from this over a new group."""
-
-    name: str
-    options: dict
-    hooks: Any
-    deliver_fp8: bool
-    ranks_per_node: int | None
-
-
-def spare_slot_plan(held: list[list[int]], missing: Sequence[int]) -> tuple[list[list[int]], list[int]]:
-    """Where the ``missing`` experts go: each into a slot whose expert has the most replicas (at least
-    two), on a rank that has taken the fewest so far and does not hold it. Returns the new slot table
-    and the experts that found no slot."""
-    wanted = [list(row) for row in held]
-    counts = Counter(e for row in held for e in row)
-    taken = [0] * len(held)
-    unplaced = []
-    for expert in missing:
-        spots = [
-            (-counts[e], taken[r], r, j)
-            for r, row in enumerate(wanted)
-            if expert not in row
-            for j, e in enumerate(row)
-            if counts[e] > 1
-        ]
-        if not spots:
-            unplaced.append(expert)
-            continue
-        _, _, r, j = min(spots)
-        counts[wanted[r][j]] -= 1
-        wanted[r][j] = expert
-        counts[expert] += 1
-        taken[r] += 1
-    return wanted, unplaced
-
-
-def _fill_new_ranks(held: list[list[int]], num_logical: int) -> list[list[int]]:
-    """Slots of new ranks (rows of -1) filled with the experts that have the fewest replicas (missing ones first)."""
-    counts = Counter({e: 0 for e in range(num_logical)})
-    counts.update(e for row in held for e in row if e >= 0)
-    wanted = [list(row) for row in held]
-    for row in wanted:
-        for j, e in enumerate(row):
-            if e < 0:
-                expert = min((c, x) for x, c in counts.items() if x not in row)[1]
-                row[j] = expert
-                counts[expert] += 1
-    return wanted
-
-
-def _replicated_tensors(layer: MoELayer) -> list[torch.Tensor]:
-    """The weights every rank holds alike: the router's and the shared experts'."""
-    tensors = [layer.router.weight.data, layer.router.e_score_correction_bias.data]
-    if layer.shared_experts is not None:
-        tensors += [layer.shared_experts.gate_up_proj.data, layer.shared_experts.down_proj.data]
-    return tensors
 
 
 # ---- the process's group -------------------------------------------------------------------------

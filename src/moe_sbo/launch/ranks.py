@@ -9,7 +9,8 @@ ranks that all reject the same bad input answer at once, then stops those still 
 waiting for the failed rank and could only time out. ``RankError`` names the first failing rank and
 its cause. A failed call may leave half a collective behind in the group, so the next ``run`` starts
 the ranks again (a fresh group on a fresh port). CPU ranks are forked from a server process that
-imported torch once, so a restart costs a fraction of a second, not a torch import per rank.
+imported torch once (``workers.py``: the rank processes), so a restart costs a fraction of a second,
+not a torch import per rank.
 
 ``LocalRanks`` keeps its worker processes (and their process group) alive between calls: tests and
 the demo pay the start-up (forming the group) once, not per check.
@@ -28,11 +29,8 @@ Environment variables are read in ``env.py``: ``MOE_SBO_TIMEOUT_S`` and torchrun
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
-import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -46,165 +44,14 @@ import torch.distributed as dist
 
 from .. import env, profiling
 from .elastic import PREFIX as ELASTIC_PREFIX
-from .elastic import ElasticJoin, ElasticOptions, RankFenced, join_elastic
-from .elastic import session as elastic_session
+from .elastic import ElasticJoin, ElasticOptions
 from .failures import RankError, RankFailure, error_message, exit_cause
-from .group import free_port, join_group, ranks_per_gpu, resolve_device
+from .group import free_port, ranks_per_gpu, resolve_device
 from .signals import signals_deferred
+from .workers import drain, dumps, worker, worker_context
 
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
 MAX_ADDED_RANKS = 64  # elastic: processes one LocalRanks may add (each has its phase slot)
-
-
-# ---- the worker process ------------------------------------------------------------------------------
-
-
-def _dumps(obj: Any) -> bytes:
-    """Pickle as multiprocessing does (torch registers tensor sharing there), into plain bytes."""
-    return bytes(ForkingPickler.dumps(obj))
-
-
-def _failure(exc: BaseException) -> tuple[str, str, str]:
-    """(cause: the exception's type and message, full traceback, dispatcher phase) of the exception
-    being handled. The whole message: a CUDA error says what failed on its first line and advice on
-    the next ones."""
-    cause = "".join(traceback.format_exception_only(type(exc), exc)).strip() or type(exc).__name__
-    return cause[:500], traceback.format_exc(), profiling.current_phase()
-
-
-def _worker(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    device: str,
-    timeout_s: float,
-    tasks: mp.Queue,
-    results: mp.Queue,
-    phase_slots: Any = None,
-    environ: dict[str, str] | None = None,
-    elastic: ElasticJoin | None = None,
-) -> None:
-    """One rank: join the group, then run pickled tasks until ``None`` or the launcher is gone.
-
-    Tasks are ``(call, pickled (fn, args, kwargs))``; answers ``(call, rank, ok, payload, failed_at)``.
-    Both are (un)pickled inside the ``try``, so a function this rank cannot import, or a value that
-    cannot be pickled, is reported as this rank's failure instead of killing it or vanishing in the
-    queue's feeder thread. ``phase_slots``: the launcher's shared bytes, two per rank, where this
-    rank marks its dispatcher phase. ``environ``: set in this rank's environment before it joins
-    (settings such as NCCL's, read when the communicator is made). ``elastic``: join through the
-    launcher's store as a member of an elastic group (``elastic.join_elastic``); a rank that the
-    others declared lost (``RankFenced``) answers, then exits.
-    """
-    # The launcher owns interruption: a Ctrl-C reaches every process of the terminal's group, and a
-    # rank that raised KeyboardInterrupt mid-collective would only turn it into a rank failure; the
-    # launcher stops the ranks itself (``LocalRanks.stop``).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(environ or {})
-    if phase_slots is not None:
-        profiling.record_phases_into(memoryview(phase_slots).cast("B")[2 * rank : 2 * rank + 2])
-    try:
-        if device == "cpu":
-            torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
-        if elastic is None:
-            torch_device = join_group(
-                device, rank, timeout_s, world_size, init_method=init_method, rank=rank, world_size=world_size
-            )
-        else:
-            torch_device = join_elastic(device, rank, timeout_s, world_size, elastic)
-    except BaseException as exc:  # noqa: BLE001 - report anything, the launcher decides
-        results.put((0, rank, False, _failure(exc), time.time()))
-        return
-    results.put((0, rank, True, _dumps("ready"), time.time()))
-    parent = mp.parent_process()
-    while True:
-        try:
-            task = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                break  # the launcher died: nobody will send work or read answers, so do not linger
-            continue
-        if task is None:
-            break
-        call, payload = task
-        profiling.clear_phase()
-        # (call, rank, ok, payload, failed_at)
-        answer: tuple[int, int, bool, bytes | tuple[str, str, str], float | None]
-        try:
-            fn, args, kwargs = ForkingPickler.loads(payload)  # here: a module this rank cannot import is its error
-            answer = (call, rank, True, _dumps(fn(torch_device, *args, **kwargs)), None)
-        except BaseException as exc:  # noqa: BLE001 - includes SystemExit from fn, and pickling errors
-            answer = (call, rank, False, _failure(exc), time.time())
-            if isinstance(exc, RankFenced):
-                results.put(answer)
-                break
-        results.put(answer)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if elastic is not None:
-        elastic_session().close()
-
-
-# ---- the launcher ------------------------------------------------------------------------------------
-
-
-def _context(device: str) -> mp.context.SpawnContext | mp.context.ForkServerContext:
-    """CPU ranks are forked from a server that imported torch once; CUDA ranks are spawned.
-
-    The server only imports: it never touches CUDA or threads, so forking from it is safe, and a CPU
-    rank is ready in tens of milliseconds instead of the seconds a fresh ``import torch`` takes (which
-    makes restarting after a failed call cheap). The server keeps the environment it started with;
-    anything a rank needs is passed explicitly. CUDA ranks initialise CUDA themselves in a fresh
-    process, as CUDA requires; there a restart costs seconds, and failures are rare.
-    """
-    if device == "cuda" or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    # The preload list only counts before the server's first start (the first LocalRanks of a process).
-    # forkserver_signals first: the server and its ranks ignore SIGINT (the launcher handles it).
-    preload = [
-        "moe_sbo.launch.forkserver_signals",
-        "torch",
-        "torch.distributed",
-        "moe_sbo.launch.ranks",
-        "moe_sbo.layer",
-    ]
-    ctx.set_forkserver_preload(preload)
-    _start_forkserver(ctx)
-    return ctx
-
-
-def _start_forkserver(ctx: mp.context.ForkServerContext) -> None:
-    """Start the fork server with SIGINT blocked for the instant of its fork and exec. The server
-    inherits the mask, so a Ctrl-C reaching the group then waits in it until the preloaded
-    ``forkserver_signals`` ignores SIGINT (which discards it) and unblocks it: no traceback from the
-    server. The launcher keeps its own pending Ctrl-C and takes it when the mask is restored, so it is
-    not lost (ignoring SIGINT for that instant lost it, and a command interrupted then ran on).
-
-    multiprocessing's resource tracker is started first, outside the mask: ``forkserver.ensure_running``
-    starts it when it is not running yet, and its start unblocks SIGINT and SIGTERM (``SIG_UNBLOCK``,
-    not the mask it found), so inside the mask it would undo the block before the server is spawned."""
-    from multiprocessing import forkserver, resource_tracker
-
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        forkserver.ensure_running()  # a thread's mask is its own; the main thread takes the signals
-        return
-    resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _drain(answers: Queue) -> list[tuple]:
-    """Every answer waiting in ``answers`` now (none if its pipe broke under a rank that died writing)."""
-    got: list[tuple] = []
-    try:
-        while True:
-            got.append(answers.get_nowait())
-    except (queue.Empty, EOFError, OSError, ValueError):
-        pass
-    return got
 
 
 class LocalRanks:
@@ -256,7 +103,7 @@ class LocalRanks:
         self.failure_grace_s = failure_grace_s
         self.environ = dict(environ or {})
         self.starts = 0  # how many times the ranks were started (1 + restarts after failed calls)
-        self._ctx = _context(self.device)
+        self._ctx = worker_context(self.device)
         self._procs: list = []
         self._tasks: list = []
         self._results: Queue[Any] | None = None
@@ -291,7 +138,7 @@ class LocalRanks:
         try:
             # Pickled here, once per rank (a tensor argument shares its memory with one reader only),
             # so an unpicklable fn or argument is refused before any rank starts working.
-            payloads = [_dumps((fn, args, kwargs)) for _ in range(self.world_size)]
+            payloads = [dumps((fn, args, kwargs)) for _ in range(self.world_size)]
         except Exception as err:
             raise TypeError(
                 f"fn and its arguments must be picklable (a module-level function, plain values and tensors), "
@@ -333,7 +180,7 @@ class LocalRanks:
             self._members, self._alive = list(members), set(members)
         self._procs = [
             self._ctx.Process(
-                target=_worker,
+                target=worker,
                 args=(
                     r,
                     self.world_size,
@@ -438,7 +285,7 @@ class LocalRanks:
         for index in sorted(self._alive):
             proc = self._procs[index]
             if not proc.is_alive():
-                for answer in _drain(self._answer_queues[index]):  # its last answer, if it gave one
+                for answer in drain(self._answer_queues[index]):  # its last answer, if it gave one
                     self._book(self._call, answer, values, failures)
                 self._alive.discard(index)
                 for q in (self._tasks[index], self._answer_queues[index]):
@@ -460,7 +307,7 @@ class LocalRanks:
         how = ElasticJoin("127.0.0.1", self._store.port, self.elastic, member, ())
         tasks, answers = self._ctx.Queue(), self._ctx.Queue()
         proc = self._ctx.Process(
-            target=_worker,
+            target=worker,
             args=(index, self.world_size, "", self.device, self.collective_timeout_s, tasks, answers),
             kwargs={"phase_slots": self._phase_slots, "environ": self.environ, "elastic": how},
             daemon=True,
@@ -498,7 +345,7 @@ class LocalRanks:
         answers: list[tuple] = []
         if self.elastic is not None:
             for index in sorted(self._alive):
-                answers += _drain(self._answer_queues[index])
+                answers += drain(self._answer_queues[index])
             if not answers:
                 time.sleep(POLL_S)
             return answers
