@@ -491,3 +491,16 @@ def test_fill_slots_copies_locally_and_names_what_no_rank_holds():
     report = fill_slots([slots], held=[[5, 6, -1]], wanted=[[6, 5, 7]], rank=0)
     assert slots.tolist() == [[1, 1], [0, 0], [2, 2]]  # 5 and 6 swapped in place; slot 2 untouched
     assert report.to_load == ((2, 7),) and report.moved_slots == 0 and report.local_copies == 2
+
+
+def test_a_transport_that_traps_on_a_lost_peer_is_refused():
+    """low_latency over symmetric memory waits for its peers in a device barrier, which traps when a
+    peer is gone (the survivors' CUDA contexts end): an elastic layer refuses it before any collective."""
+    from moe_sbo.config import get_preset
+    from moe_sbo.launch.elastic_layer import check_transport
+
+    cfg = get_preset("tiny")
+    layer = MoELayer(cfg, dispatcher="low_latency", dispatcher_options={"transport": "symm_mem"}, dtype=torch.float32)
+    with pytest.raises(ValueError, match="must not wait for its peers in a device barrier"):
+        check_transport(layer)
+    check_transport(MoELayer(cfg, dispatcher="low_latency", dispatcher_options={"transport": "nccl"}))

@@ -15,6 +15,7 @@ import argparse
 import os
 import signal
 from dataclasses import asdict
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -49,7 +50,9 @@ def run_elastic_rank(device, preset: str, dispatcher: str, tokens: int, seed: in
     """Three forwards of an elastic layer on this rank; the victim dies at ``at`` of forward 1."""
     group = elastic.session()
     cfg = get_preset(preset)
-    options = options_for_tokens(dispatcher, tokens) or None
+    options: dict[str, Any] | None = dict(options_for_tokens(dispatcher, tokens)) or None
+    if dispatcher == "low_latency":  # a transport whose wait raises on a lost peer (elastic_layer.check_transport)
+        options = {**(options or {}), "transport": "nccl"}
     layer = MoELayer(cfg, dispatcher=dispatcher, seed=seed, eplb=group.options.eplb(), dispatcher_options=options)
     el = ElasticMoE(layer, group, lambda expert: seeded_expert(cfg, seed, expert, device))
     me, forward = group.member, {"n": 0}

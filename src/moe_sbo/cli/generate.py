@@ -97,7 +97,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "expert_dtype": expert_dtype,
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
-        "dispatcher_options": _dispatcher_options(args.dispatcher, shares),
+        "dispatcher_options": _dispatcher_options(args.dispatcher, shares, args.elastic),
         "decode": args.decode,
         "absorb_mla": args.mla == "absorbed",
     }
@@ -229,12 +229,15 @@ def _make_elastic(model, path: str, group, victim: bool) -> None:
         moe_blocks(model)[0].moe.dispatcher.hooks.register("dispatch_in_flight", die)
 
 
-def _dispatcher_options(dispatcher: str, shares: list[list[tuple[int, list[int]]]]) -> dict | None:
-    """``low_latency`` needs a capacity: the most tokens one rank's forward carries (its prefill)."""
+def _dispatcher_options(
+    dispatcher: str, shares: list[list[tuple[int, list[int]]]], elastic: bool = False
+) -> dict | None:
+    """``low_latency`` needs a capacity: the most tokens one rank's forward carries (its prefill);
+    elastic, a transport whose wait raises on a lost peer (``launch.elastic_layer.check_transport``)."""
     if dispatcher != "low_latency":
         return None
     prefill = [prefill_tokens([ids for _, ids in share]) for share in shares]
-    return {"max_tokens_per_rank": max(1, *prefill)}
+    return {"max_tokens_per_rank": max(1, *prefill), **({"transport": "nccl"} if elastic else {})}
 
 
 def _tokenizer(path: Path):

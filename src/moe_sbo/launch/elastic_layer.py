@@ -48,6 +48,27 @@ class RestoreReport:
     t_restore_ms: float
 
 
+# Transports whose wait is a device-side barrier with the peers (symmetric memory): a lost peer makes
+# it trap when its bound runs out, which ends the CUDA context of every rank waiting in it.
+TRAPPING_TRANSPORTS = ("symm_mem", "copy_engine")
+
+
+def check_transport(layer: MoELayer) -> None:
+    """Refuse a layer whose dispatcher would wait for a lost peer in a device barrier: the survivors'
+    CUDA contexts would end with it (PyTorch's symmetric-memory barrier traps at its bound), so there
+    would be no survivors to recover. Waits that fail with an error (gloo, NCCL) are recoverable."""
+    transport_for = getattr(layer.dispatcher, "transport_for", None)
+    if transport_for is None:
+        return
+    transport = transport_for(layer.router.weight.device)
+    if transport in TRAPPING_TRANSPORTS:
+        raise ValueError(
+            f"an elastic layer's dispatcher must not wait for its peers in a device barrier, and transport "
+            f"{transport!r} does: a lost peer makes it trap, which ends every survivor's CUDA context; build the "
+            "layer with dispatcher_options={'transport': 'nccl'} (the group's collective, which raises instead)"
+        )
+
+
 class ElasticMoE:
     """An ``MoELayer`` that survives the loss of a rank of its EP group (``ElasticGroup``).
 
@@ -71,6 +92,7 @@ class ElasticMoE:
             )
         if layer.dispatcher.name == "local":
             raise ValueError("dispatcher 'local' has no group to lose a rank from; use allgather, alltoall, ...")
+        check_transport(layer)
         self.layer, self.group, self.source = layer, group, source
         group.layers.append(self)
 
