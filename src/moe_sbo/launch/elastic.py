@@ -25,8 +25,8 @@ the survivors recover once more at the next epoch.
 The store is the launcher's (``LocalRanks(elastic=...)`` hosts it in its own process) or
 torchrun's agent's: a rank's death never takes it down. Keys, under ``moe_sbo/elastic/``:
 ``hb/<member>`` heartbeat counters, ``dead/<member>`` the launcher's death notices,
-``e<epoch>/in/<member>`` check-ins, ``e<epoch>/decision``, ``joins/<n>`` join requests, ``pg/<epoch>/``
-each epoch's process group.
+``e<epoch>/in/<member>`` check-ins, ``e<epoch>/decision`` (who is lost), ``e<epoch>/admit`` (who
+joins), ``joins/<n>`` join requests, ``pg/<epoch>/`` each epoch's process group.
 
 This module is the group side. The layer side (``ElasticMoE``: re-placing a layer's experts over each
 new group, restoring them) is ``elastic_layer.py``; the policy, the errors and the ``Recovery`` record
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +70,10 @@ __all__ = [
 ]
 
 PREFIX = "moe_sbo/elastic"
+# Recovery rounds in a row that lose nobody before the error is taken for this rank's own: an error
+# that only reads like a lost peer would otherwise re-form the group forever.
+MAX_ROUNDS_WITHOUT_LOSS = 2
+log = logging.getLogger("moe_sbo.elastic")
 
 
 class ElasticGroup:
@@ -114,12 +119,21 @@ class ElasticGroup:
         return len(self.members)
 
     def _beat(self) -> None:
+        """Bump this member's heartbeat until ``close``. A failed bump (a store timeout under load) is
+        logged and retried: a heartbeat that stopped silently would get this live member declared lost."""
         key = f"{PREFIX}/hb/{self.member}"
+        failing = False
         while not self._stop.wait(self.options.heartbeat_s):
             try:
                 self._beats.add(key, 1)
-            except Exception:  # noqa: BLE001 - the store went away: the group is over, stop beating
-                return
+            except Exception as err:  # noqa: BLE001 - any store error: keep trying while the group runs
+                if not failing:
+                    log.warning("member %d: heartbeat failed (%s); retrying", self.member, err)
+                failing = True
+                continue
+            if failing:
+                log.warning("member %d: heartbeat back", self.member)
+            failing = False
 
     def join_group(self, device: torch.device | None = None) -> None:
         """Join the current epoch's process group (this process must be a member)."""
@@ -170,14 +184,24 @@ class ElasticGroup:
         first_members = self.members
         laid_out = self.members  # the members the layers' slot tables are rows of
         joining = False  # whether the last round failed while joining the new group
+        rounds_without_loss = 0
         while True:  # a second loss during recovery starts another round at the next epoch
             started = time.monotonic()
+            before = set(self.members)
             self._drop_group()
             # A join that fails (a member lost after the agreement) fails on each rank when its own
             # connection attempts run out: up to the bound apart. Wait for the others that long.
             decision = self._agree(op, own, self.options.agree_s + (self.timeout_s if joining else 0))
             detected = time.monotonic()
             lost = tuple(m for m in first_members if m not in decision["members"])
+            if set(decision["members"]) == before and not decision.get("raised"):
+                rounds_without_loss += 1
+                if rounds_without_loss > MAX_ROUNDS_WITHOUT_LOSS:
+                    raise RuntimeError(
+                        f"{rounds_without_loss} recoveries in a row lost no member: this error is not a lost peer"
+                    ) from err
+            else:
+                rounds_without_loss = 0
             try:
                 joining = True
                 self._reform(decision)
@@ -306,7 +330,7 @@ class ElasticGroup:
         initial one (E divisible by the new size), else the new ranks take the least-replicated experts.
         Sync: the host blocks until ``count`` join requests are in (bounded by ``timeout_s``)."""
         deadline = time.monotonic() + self.timeout_s
-        decision_key = self._key("decision")
+        decision_key = self._key("admit")  # not the epoch's loss decision (``agree``'s): a loss may race it
         if self.rank == 0:
             first = int(self.store.add(f"{PREFIX}/joins/admitted", 0))
             while int(self.store.add(f"{PREFIX}/joins/count", 0)) < first + count:
@@ -340,7 +364,7 @@ class ElasticGroup:
         deadline = time.monotonic() + self.timeout_s
         while True:  # the epoch whose decision admits this process
             self.epoch = int(self.store.get(f"{PREFIX}/epoch"))
-            key = self._key("decision")
+            key = self._key("admit")
             if self.store.check([key]):
                 decision = json.loads(self.store.get(key))
                 if self.member in decision.get("joiners", ()):
