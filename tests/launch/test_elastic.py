@@ -504,3 +504,40 @@ def test_a_transport_that_traps_on_a_lost_peer_is_refused():
     with pytest.raises(ValueError, match="must not wait for its peers in a device barrier"):
         check_transport(layer)
     check_transport(MoELayer(cfg, dispatcher="low_latency", dispatcher_options={"transport": "nccl"}))
+
+
+def _restore_fails_somewhere(device, victim, failing):
+    """The victim dies before forward 1; the source raises on the ``failing`` members: no survivor may
+    install the restored placement (the others would compute their slots' experts while those kept
+    the old ones), so every survivor serves on degraded, equal to the masked reference."""
+    group = elastic.session()
+    source = _source(device)
+
+    def flaky(expert):
+        if group.member in failing:
+            raise OSError(f"checkpoint shard of expert {expert} unreadable")
+        return source(expert)
+
+    el = ElasticMoE(_layer("alltoall", group), group, flaky)
+    errors, missing = [], ()
+    with torch.inference_mode():
+        for forward in range(3):
+            if forward == 1 and group.member == victim:
+                _kill()
+            x = _inputs(group.member, forward)
+            y = el(x)
+            if group.recoveries:
+                missing = group.recoveries[0].missing_experts
+            errors.append(_relative(y, _reference(missing if forward else ())(x)))
+    return {"errors": errors, "missing": missing, "masked_now": el.missing_experts}
+
+
+def test_a_restore_that_fails_on_one_rank_is_installed_on_none():
+    world, victim = 4, 0
+    options = ElasticOptions(spare_slots_per_rank=SPARE[world], degraded=True, dead_after_s=2.0)
+    with LocalRanks(world, elastic=options, collective_timeout_s=20) as ranks:
+        answers = ranks.run(_restore_fails_somewhere, victim, (2, 3))
+    for answer in answers[1:]:
+        assert not isinstance(answer, RankFailure), answer.details or answer.cause
+        assert answer["missing"] and answer["masked_now"] == answer["missing"], answer
+        assert max(answer["errors"]) <= 1e-5, answer["errors"]

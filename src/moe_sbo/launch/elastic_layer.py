@@ -12,6 +12,7 @@ so that a gloo group closes its connections and peers blocked on this rank fail 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,6 +28,8 @@ from ..eplb.runtime import ReplicaTable, initial_placement
 from ..eplb.transfer import fill_slots
 from ..layer import MoELayer
 from .elastic_options import ExpertsLost
+
+log = logging.getLogger("moe_sbo.elastic")
 
 if TYPE_CHECKING:
     from .elastic import ElasticGroup
@@ -144,20 +147,37 @@ class ElasticMoE:
         placement = self.layer.placement
         assert placement is not None, "an elastic layer has a placement"
         missing = placement.missing_experts()
-        if not missing or self.source is None:
+        if not missing:  # the same on every rank: the placement is the group's
             return RestoreReport((), 0, missing, 1e3 * (time.monotonic() - started))
         held = placement.rows()
         wanted, unplaced = spare_slot_plan(held, missing)
-        report = fill_slots(self.layer.experts.slot_tensors(), held, wanted, self.group.rank, None)
-        for slot, expert in report.to_load:
-            self.layer.experts.set_expert(slot, *self.source(expert))
+        # Every rank restores or none does: a rank that cannot read its share (no source, a failed
+        # read) would keep the old placement while the others switch, and compute the wrong experts.
+        # So each reads first, then the group agrees (an all-reduce), and only then are slots written.
+        holders = {expert for row in held for expert in row if expert >= 0}
+        mine = [(slot, e) for slot, e in enumerate(wanted[self.group.rank]) if e >= 0 and e not in holders]
+        loaded: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+        can = self.source is not None or not mine
+        if can and mine:
+            try:
+                loaded = [(slot, tuple(self.source(expert))) for slot, expert in mine]  # type: ignore[misc]
+            except Exception as err:  # noqa: BLE001 - any read error: this rank says no, the group keeps its placement
+                log.warning("restoring experts %s failed on this rank: %s", [e for _, e in mine], err)
+                can = False
+        agreed = torch.tensor([1 if can else 0], dtype=torch.int32, device=self.layer.router.weight.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if not int(agreed.item()):
+            return RestoreReport((), 0, missing, 1e3 * (time.monotonic() - started))
+        fill_slots(self.layer.experts.slot_tensors(), held, wanted, self.group.rank, None)
+        for slot, tensors in loaded:
+            self.layer.experts.set_expert(slot, *tensors)
         flat = torch.tensor([e for row in wanted for e in row], dtype=torch.int64)
         restored = Placement(flat, placement.num_logical, placement.num_ranks, partial=bool(unplaced))
         self.layer.placement = restored
         self.layer.replicas.update(restored)
         loaded_total = len(missing) - len(unplaced)
         return RestoreReport(
-            tuple(e for _, e in report.to_load), loaded_total, tuple(unplaced), 1e3 * (time.monotonic() - started)
+            tuple(e for _, e in mine), loaded_total, tuple(unplaced), 1e3 * (time.monotonic() - started)
         )
 
     @torch.no_grad()
