@@ -38,6 +38,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -392,10 +393,15 @@ class ElasticGroup:
 
 
 def _lost_peer(err: BaseException) -> bool:
-    """Whether ``err`` is a communication failure (a peer gone, a wait expired), not a bug of this rank."""
+    """Whether ``err`` is a communication failure (a peer gone, a wait expired), not a bug of this rank:
+    torch.distributed's own error types (a backend's or the network's, NCCL's ``ncclRemoteError`` and
+    an aborted communicator among them), or gloo's words for a closed peer or an expired wait."""
+    if isinstance(err, dist.DistNetworkError | dist.DistBackendError):
+        return True
     text = str(err).lower()
     return any(
-        word in text for word in ("connection", "timed out", "timeout", "closed", "reset", "broken pipe", "peer")
+        word in text
+        for word in ("connection", "timed out", "timeout", "closed", "reset", "broken pipe", "peer", "aborted")
     )
 
 
@@ -420,6 +426,11 @@ def join_elastic(
     """Connect to the launcher's store, start this process's ``ElasticGroup`` (``session``) and, for a
     first-epoch member, join its process group. Returns this rank's device."""
     torch_device, backend = pick_device(device, local_rank, timeout_s, local_world_size)
+    if backend == "nccl":
+        # A failed NCCL collective must raise in this process, not end it (the default here, 1, tears
+        # the process down): mode 2 aborts the communicator and raises at the wait, so the survivors
+        # can re-form. Set before the first group is made, when PyTorch reads it.
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     store = dist.TCPStore(how.host, how.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     group = ElasticGroup(store, how.member, how.members, how.options, timeout_s=timeout_s, backend=backend)
     attach(group)
