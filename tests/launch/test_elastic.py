@@ -541,3 +541,19 @@ def test_a_restore_that_fails_on_one_rank_is_installed_on_none():
         assert not isinstance(answer, RankFailure), answer.details or answer.cause
         assert answer["missing"] and answer["masked_now"] == answer["missing"], answer
         assert max(answer["errors"]) <= 1e-5, answer["errors"]
+
+
+def test_a_rank_frozen_for_good_is_killed_by_the_launcher_and_the_others_serve_on():
+    """SIGSTOP with no one to wake it: the survivors declare it lost and go on; the launcher kills it
+    once it has stayed silent past its grace after the decision, so the call returns the survivors'
+    answers instead of running into the bound (which would stop every rank)."""
+    world, victim = 4, 2
+    options = ElasticOptions(spare_slots_per_rank=SPARE[world], dead_after_s=1.0, agree_s=1.0)
+    with LocalRanks(world, elastic=options, collective_timeout_s=STALL_BOUND_S, timeout_s=90) as ranks:
+        started = time.monotonic()
+        answers = ranks.run(_stalled, "alltoall", victim, "stop")
+        assert time.monotonic() - started < 60
+        assert isinstance(answers[victim], RankFailure) and answers[victim].kind == "died", answers[victim]
+        for answer in (a for i, a in enumerate(answers) if i != victim):
+            assert not isinstance(answer, RankFailure), answer.details or answer.cause
+            assert answer["members"] == (0, 1, 3) and max(answer["errors"]) <= 1e-5, answer

@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -403,6 +403,42 @@ def _lost_peer(err: BaseException) -> bool:
         word in text
         for word in ("connection", "timed out", "timeout", "closed", "reset", "broken pipe", "peer", "aborted")
     )
+
+
+# ---- the launcher's view -------------------------------------------------------------------------
+
+
+@dataclass
+class DecisionWatch:
+    """What the launcher reads of the group's decisions (``LocalRanks``): the members the survivors
+    declared lost, each with the launcher's clock when it first read so. ``members``: the members
+    of the epoch read next (the first epoch's to start); ``epoch``: that epoch."""
+
+    members: set[int]
+    epoch: int = 0
+    lost_since: dict[int, float] = field(default_factory=dict)
+    _next_read: float = 0.0
+
+    def lost(self, store: Any, now: float) -> dict[int, float]:
+        """Read the decisions made since the last read (at most every ``READ_EVERY_S``)."""
+        if now < self._next_read:
+            return self.lost_since
+        self._next_read = now + READ_EVERY_S
+        while True:  # one decision per epoch: a loss (who is left) or an admission (who joins)
+            loss, admit = (f"{PREFIX}/e{self.epoch}/{name}" for name in ("decision", "admit"))
+            if store.check([loss]):
+                left = set(json.loads(store.get(loss))["members"])
+                for member in self.members - left:
+                    self.lost_since.setdefault(member, now)
+                self.members = left
+            elif store.check([admit]):
+                self.members |= set(json.loads(store.get(admit))["joiners"])
+            else:
+                return self.lost_since
+            self.epoch += 1
+
+
+READ_EVERY_S = 0.2  # how often the launcher reads the group's decisions
 
 
 # ---- the process's group -------------------------------------------------------------------------

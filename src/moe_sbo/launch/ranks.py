@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .. import env, profiling
 from .elastic import PREFIX as ELASTIC_PREFIX
-from .elastic import ElasticJoin, ElasticOptions
+from .elastic import DecisionWatch, ElasticJoin, ElasticOptions
 from .failures import RankError, RankFailure, error_message, exit_cause
 from .group import free_port, ranks_per_gpu, resolve_device
 from .signals import signals_deferred
@@ -52,6 +52,10 @@ from .workers import drain, dumps, worker, worker_context
 
 POLL_S = 0.05  # how often the launcher looks at the processes while it waits for answers
 MAX_ADDED_RANKS = 64  # elastic: processes one LocalRanks may add (each has its phase slot)
+# Elastic: how long a process the survivors declared lost may go without answering before the launcher
+# kills it. A stalled rank that wakes answers at once (``RankFenced``); one frozen for good would hold
+# the call until its bound, and the bound stops every rank.
+FENCE_GRACE_S = 10.0
 
 
 class LocalRanks:
@@ -113,6 +117,7 @@ class LocalRanks:
         self._closed = False
         self.elastic = elastic
         self._store: Any = None  # elastic: the store this launcher hosts
+        self._watch = DecisionWatch(set())  # elastic: the group's decisions, as the launcher reads them
         self._members: list[int] = []  # elastic: each process's member id
         self._alive: set[int] = set()  # elastic: processes (by index) still running
         try:
@@ -178,6 +183,7 @@ class LocalRanks:
             members = tuple(range(self.world_size))
             joins = [ElasticJoin("127.0.0.1", self._store.port, self.elastic, r, members) for r in members]
             self._members, self._alive = list(members), set(members)
+            self._watch = DecisionWatch(set(members))
         self._procs = [
             self._ctx.Process(
                 target=worker,
@@ -274,11 +280,22 @@ class LocalRanks:
                 )
             for answer in self._answers():
                 self._book(self._call, answer, values, failures)
+            self._fence_declared_lost(values, failures)
             self._notice_deaths(values, failures)
         return [
             values[i] if i in values else failures.get(i) or RankFailure(i, "died", "lost before this call", "", 0.0)
             for i in range(len(self._procs))
         ]
+
+    def _fence_declared_lost(self, values: dict[int, Any], failures: dict[int, RankFailure]) -> None:
+        """Kill a process the survivors declared lost that has not answered ``FENCE_GRACE_S`` after
+        (``_notice_deaths`` then books it as died)."""
+        now = time.monotonic()
+        for member, since in self._watch.lost(self._store, now).items():
+            index = self._members.index(member)
+            silent = index in self._alive and index not in values and index not in failures
+            if silent and now - since > FENCE_GRACE_S and self._procs[index].is_alive():
+                self._procs[index].kill()
 
     def _notice_deaths(self, values: dict[int, Any], failures: dict[int, RankFailure]) -> None:
         """Processes that ended: marked dead in the store (the survivors need not wait for a heartbeat)."""
