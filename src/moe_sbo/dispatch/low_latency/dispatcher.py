@@ -422,6 +422,18 @@ class LowLatencyDispatcher(Dispatcher):
         expected_rows = self.settings.max_tokens_per_rank * fmt.top_k
         return self._output(got.expert_x_RH, handle, got.scales_RQ, expected_rows=expected_rows, rows_R=got.rows_R)
 
+    def _check_combine_input(self, inp: CombineInput) -> None:
+        """A round whose layout was rewritten to read packed rows (``packed.pack_rows``) takes the
+        experts' outputs in that layout: [L * N, H]; any other, one row per grouped row."""
+        packed_rows = getattr(getattr(inp.handle, "round", None), "packed_rows", None)
+        if packed_rows is None:
+            super()._check_combine_input(inp)
+        elif tuple(inp.expert_y_RH.shape) != (packed_rows, inp.handle.hidden_size):
+            raise ValueError(
+                f"expert_y must be the packed layout's [L * N, H] = {(packed_rows, inp.handle.hidden_size)} (this "
+                f"round's rows were packed), got {tuple(inp.expert_y_RH.shape)}"
+            )
+
     def _launch_combine(self, inp: CombineInput) -> Pending:
         handle: LowLatencyHandle = inp.handle  # type: ignore[assignment]
         r = handle.round

@@ -9,12 +9,12 @@ rows of one expert in slot order, so grouped by source rank).
 ::
 
     dispatch_wait -> DispatchOutput (grouped rows, real ones first, counts [L])
-    pack_rows     -> rows copied into the caller's [L * N + 1, H] (and scales), counts int32 [L],
-                     the packed row of each (slot, k) pair (fused kernels) or of each grouped row (torch)
+    pack_rows     -> rows copied into the caller's [L * N + 1, H] (and scales), counts int32 [L];
+                     fused kernels: the round's layout rewritten to the packed rows (each (slot, k)
+                     pair's packed row), torch: the packed row of each grouped row kept
     experts       read [L, N, H], write their outputs in the same layout
-    combine_input -> what ``combine_launch`` takes: the packed outputs themselves with a handle that
-                     reads each pair's row there (fused kernels: no copy), or the outputs gathered
-                     back into grouped order (torch)
+    combine_input -> what ``combine_launch`` takes: the packed outputs themselves (fused kernels:
+                     no copy), or the outputs gathered back into grouped order (torch)
 
 The hard part is that nothing may read the counts on the host, so the packed index of a row is
 derived on the device from the counts alone (``kernels/packed.py``: one launch), and the combine of
@@ -23,7 +23,7 @@ the fused path reads the outputs where the caller left them instead of gathering
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -83,6 +83,7 @@ def pack_rows(
             rows_per_expert,
         )
         _check(ok_1, rows_per_expert)
+        output.handle.round.packed_rows = dump  # type: ignore[attr-defined]  # combine: the packed [L * N, H]
         return PackedRows(output, rows_per_expert)
     counts_L = output.num_rows_per_expert_L
     rows_RH = output.rows_RH()
@@ -123,17 +124,15 @@ def _check(ok: torch.Tensor, rows_per_expert: int) -> None:
 
 def combine_input(packed: PackedRows, y_NH: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
     """The experts' outputs ``y_NH`` [L * N, H] (packed as the rows were) as ``combine_launch``'s
-    arguments: on the fused path ``y_NH`` itself, with the dispatch's handle told its row count
-    (the layout already reads the packed rows: no copy); on the torch path the outputs gathered
-    back into grouped order (padding rows read row 0: combine masks them) with the dispatch's handle.
+    arguments: on the fused path ``y_NH`` itself (the round's layout already reads the packed rows,
+    and its combine expects them: no copy); on the torch path the outputs gathered back into grouped
+    order (padding rows read row 0: combine masks them). Both with the dispatch's handle.
 
     Sync: none (fused), or one gather on the current stream (torch)."""
     handle = packed.output.handle
     if packed.pos_R is not None:
         return y_NH.index_select(0, torch.where(packed.pos_R < y_NH.shape[0], packed.pos_R, 0)), handle
-    # combine checks the rows against the layout's row count; nothing on the fused path reads row_R.
-    row_R = torch.empty(1, dtype=torch.int64, device=y_NH.device).expand(y_NH.shape[0])
-    return y_NH, replace(handle, layout=replace(handle.layout, row_R=row_R, pair_MK=None))
+    return y_NH, handle
 
 
 def rows_per_source(packed: PackedRows, slots_per_rank: int, num_ranks: int) -> torch.Tensor:

@@ -148,7 +148,9 @@ class ShapeSets:
 class Round:
     """One dispatch round, as its launch fixed it: the shape's ``sets``, the ``path`` the launch ran,
     the buffer set it took and that set's index graphs, its ``generation`` (the round count at
-    launch), the sender's ``slot_TP`` (where each token's rows went) and T."""
+    launch), the sender's ``slot_TP`` (where each token's rows went) and T; ``packed_rows``: set
+    when ``packed.pack_rows`` rewrote the round's layout, the rows of the packed layout its combine
+    then reads the experts' outputs from (None: the R grouped rows)."""
 
     sets: ShapeSets
     path: Path
@@ -157,6 +159,7 @@ class Round:
     graphs: RoundGraphs
     generation: int
     num_tokens: int
+    packed_rows: int | None = None
 
 
 class TorchPath(Path):
