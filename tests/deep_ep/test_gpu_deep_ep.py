@@ -17,28 +17,24 @@ from test_deep_ep_low_latency import low_latency_rank
 
 import moe_sbo.deep_ep as deep_ep
 from gpu_ranks import gpu_world
+from moe_sbo.launch.ranks import RankPool
 from moe_sbo.streams import capture_graph
 
 pytestmark = pytest.mark.gpu
 WORLD = gpu_world()  # >= 2: ranks share the GPU where there is one
-_POOL: list = []
+_POOL = RankPool(WORLD, "cuda")  # started on first use and kept (a failed call restarts it)
 
 
 @contextlib.contextmanager
 def _ranks():
-    """The module's GPU ranks, started on first use and kept (a failed call restarts them)."""
-    from moe_sbo.launch.ranks import LocalRanks
-
-    if not _POOL:
-        _POOL.append(LocalRanks(WORLD, device="cuda"))
-    yield _POOL[0]
+    """The module's GPU ranks (``_POOL``)."""
+    yield _POOL
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_pool():
     yield
-    while _POOL:
-        _POOL.pop().close()
+    _POOL.close()
 
 
 def test_intranode_bf16_and_fp8():

@@ -19,6 +19,7 @@ from gpu_ranks import gpu_world, shares_gpus
 from moe_sbo.config import get_preset
 from moe_sbo.dispatch import EPGroup, mask_padding_tokens
 from moe_sbo.dispatch.low_latency import LowLatencyDispatcher, RowFormat
+from moe_sbo.launch.ranks import RankPool
 from moe_sbo.layer import MoELayer
 from moe_sbo.streams import capture_graph
 
@@ -40,24 +41,19 @@ WORLD = gpu_world()  # ranks share the GPU where there is one: symmetric memory 
 GLOO_ALL_TO_ALL = "ranks sharing a GPU: transport 'nccl' is gloo's all-to-all, through host memory"
 
 
-_POOL: list = []  # the module's one rank pool: starting ranks (CUDA, Triton) costs seconds per test
+_POOL = RankPool(WORLD, "cuda")  # started on first use and kept (a failed call restarts it)
 
 
 @contextlib.contextmanager
 def _ranks():
-    """The module's GPU ranks, started on first use and kept (a failed call restarts them)."""
-    from moe_sbo.launch.ranks import LocalRanks
-
-    if not _POOL:
-        _POOL.append(LocalRanks(WORLD, device="cuda"))
-    yield _POOL[0]
+    """The module's GPU ranks (``_POOL``)."""
+    yield _POOL
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_pool():
     yield
-    while _POOL:
-        _POOL.pop().close()
+    _POOL.close()
 
 
 # (kernels, transport): every path a GPU user can pick, the default first.
